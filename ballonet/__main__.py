@@ -1,0 +1,3 @@
+from ballonet.cli import main
+
+raise SystemExit(main())

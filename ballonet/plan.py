@@ -1,0 +1,309 @@
+"""The Plan: the one contract between planner, simulator and runtime.
+
+A plan says, for one global batch of documents (`lengths`, in input order), where every
+token lives in each of two layouts:
+
+* the **attention layout**: per rank, an ordered list of `Segment`s (token ranges of one
+  document). A whole document on one rank is a *local* document. A *split* document has a
+  `Ring`: its ordered group of ranks and its 2g zig-zag chunk bounds; the rank at ring
+  position i holds chunks i and 2g-1-i, in that order (empty chunks are left out).
+* the **linear layout** (token-balanced), reached from the attention layout by the remap
+  `Transfer`s: rank `src` sends the tokens at positions [start, end) of its
+  attention-local order to `dst`. A rank keeps the tokens it does not send, in order, and
+  appends what it receives, ordered by (src, start).
+
+Inter-node ring hops may carry a `Route`: the hop's buffer is cut into len(proxies) row
+ranges (`chunk_bounds`), and part j travels src -> proxies[j][0] (intra-node) ->
+proxies[j][1] (across nodes, rail-aligned) -> dst (intra-node).
+
+Token counts here are model-free; the cost model turns them into bytes and seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from functools import cached_property
+from typing import Iterator
+
+SPLIT_KINDS = ("intra", "inter")
+RING_COMMS = ("ring", "allgather")
+
+
+class InvalidPlan(AssertionError):
+    """A plan that breaks the contract: a planner bug, never a user error."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    doc: int
+    start: int
+    end: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Ring:
+    doc: int
+    kind: str
+    """"intra" (one node) or "inter" (several nodes)."""
+    ranks: tuple[int, ...]
+    """Ring order: ranks[i] sends K/V to ranks[i + 1] (mod g)."""
+    bounds: tuple[int, ...]
+    """2g + 1 increasing chunk boundaries over the document, from 0 to its length."""
+    comm: str = "ring"
+    """"ring" (P2P K/V passing) or "allgather" (Llama-3 style: K/V all-gathered)."""
+
+    def chunks_of(self, position: int) -> tuple[Segment, ...]:
+        """The non-empty chunks held by ring position `position`: i and 2g-1-i."""
+        g, b = len(self.ranks), self.bounds
+        pair = (Segment(self.doc, b[position], b[position + 1]),
+                Segment(self.doc, b[2 * g - 1 - position], b[2 * g - position]))
+        return tuple(s for s in pair if s.num_tokens > 0)
+
+    def block_tokens(self, position: int) -> int:
+        """Tokens (K/V rows) held by ring position `position`."""
+        return sum(s.num_tokens for s in self.chunks_of(position))
+
+
+@dataclass(frozen=True)
+class Transfer:
+    src: int
+    dst: int
+    start: int
+    end: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Route:
+    doc: int
+    src: int
+    dst: int
+    proxies: tuple[tuple[int, int], ...]
+    """(proxy on the source node, proxy on the destination node) per part."""
+
+
+def chunk_bounds(length: int, num_chunks: int) -> tuple[int, ...]:
+    """num_chunks + 1 boundaries cutting `length` into near-equal parts (no padding)."""
+    return tuple(length * j // num_chunks for j in range(num_chunks + 1))
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    planner: str
+    lengths: tuple[int, ...]
+    node_of_rank: tuple[int, ...]
+    nic_of_rank: tuple[int, ...]
+    attention: tuple[tuple[Segment, ...], ...]
+    rings: tuple[Ring, ...] = ()
+    remap: tuple[Transfer, ...] = ()
+    routes: tuple[Route, ...] = ()
+    memory_bytes: tuple[float, ...] = ()
+    """Predicted peak activation + state memory per rank (empty: not estimated)."""
+    memory_cap: tuple[float, ...] = ()
+    meta: dict = field(default_factory=dict, compare=False)
+    """Free-form planner facts (thresholds used, options); part of the JSON."""
+
+    # ---- derived views ---------------------------------------------------------------
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.node_of_rank)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.lengths)
+
+    @cached_property
+    def ring_of_doc(self) -> dict[int, Ring]:
+        return {r.doc: r for r in self.rings}
+
+    @cached_property
+    def doc_offsets(self) -> tuple[int, ...]:
+        """Global position of each document's first token (input order); one extra at the end."""
+        out, acc = [0], 0
+        for n in self.lengths:
+            acc += n
+            out.append(acc)
+        return tuple(out)
+
+    def local_docs(self, rank: int) -> list[int]:
+        return [s.doc for s in self.attention[rank] if s.doc not in self.ring_of_doc]
+
+    def attention_tokens(self, rank: int) -> int:
+        return sum(s.num_tokens for s in self.attention[rank])
+
+    def linear_tokens(self, rank: int) -> int:
+        sent = sum(t.num_tokens for t in self.remap if t.src == rank)
+        received = sum(t.num_tokens for t in self.remap if t.dst == rank)
+        return self.attention_tokens(rank) - sent + received
+
+    def linear_pieces(self, rank: int) -> list[tuple[int, int, int]]:
+        """The linear layout of `rank` as (src rank, start, end) ranges of attention-local
+        orders: the kept ranges of its own tokens, then incoming transfers by (src, start)."""
+        outgoing = sorted((t.start, t.end) for t in self.remap if t.src == rank)
+        pieces, cursor = [], 0
+        for start, end in outgoing:
+            if start > cursor:
+                pieces.append((rank, cursor, start))
+            cursor = end
+        total = self.attention_tokens(rank)
+        if total > cursor:
+            pieces.append((rank, cursor, total))
+        incoming = sorted((t.src, t.start, t.end) for t in self.remap if t.dst == rank)
+        return pieces + incoming
+
+    def ring_steps(self, ring: Ring) -> Iterator[tuple[int, int, int, int]]:
+        """Forward K/V traffic of a split document as (step, src, dst, rows): at each of the
+        g-1 steps every ring position passes the block it holds to its successor."""
+        g = len(ring.ranks)
+        for step in range(g - 1):
+            for i in range(g):
+                rows = ring.block_tokens((i - step) % g)
+                if rows:
+                    yield step, ring.ranks[i], ring.ranks[(i + 1) % g], rows
+
+    def kv_rows_sent(self) -> Counter:
+        """Forward K/V rows per (src, dst) over every split document, direct (unrouted)."""
+        counts: Counter = Counter()
+        for ring in self.rings:
+            g = len(ring.ranks)
+            if ring.comm == "allgather":
+                for i in range(g):
+                    for j in range(g):
+                        if i != j and ring.block_tokens(i):
+                            counts[ring.ranks[i], ring.ranks[j]] += ring.block_tokens(i)
+            else:
+                for _, src, dst, rows in self.ring_steps(ring):
+                    counts[src, dst] += rows
+        return counts
+
+    def remap_tokens(self) -> Counter:
+        counts: Counter = Counter()
+        for t in self.remap:
+            counts[t.src, t.dst] += t.num_tokens
+        return counts
+
+    # ---- validation ------------------------------------------------------------------
+
+    def validate(self) -> Plan:
+        """Raise `InvalidPlan` unless the plan keeps the contract; return self."""
+        n = self.num_ranks
+        _check(len(self.attention) == n and len(self.nic_of_rank) == n, "per-rank tables differ in length")
+        _check(all(L >= 1 for L in self.lengths), "a document has no tokens")
+        seen = [[] for _ in self.lengths]
+        for rank, segs in enumerate(self.attention):
+            for s in segs:
+                _check(0 <= s.doc < len(self.lengths), f"rank {rank}: unknown document {s.doc}")
+                _check(0 <= s.start < s.end <= self.lengths[s.doc], f"rank {rank}: bad segment {s}")
+                seen[s.doc].append((s.start, s.end, rank))
+        for doc, ranges in enumerate(seen):
+            ranges.sort()
+            cursor = 0
+            for start, end, _ in ranges:
+                _check(start == cursor, f"document {doc}: tokens {cursor}..{start} missing or doubled")
+                cursor = end
+            _check(cursor == self.lengths[doc], f"document {doc}: covered up to {cursor} of {self.lengths[doc]}")
+            holders = {r for _, _, r in ranges}
+            _check(len(holders) == 1 or doc in self.ring_of_doc, f"document {doc} spans ranks but has no ring")
+        _check(len(self.ring_of_doc) == len(self.rings), "a document has two rings")
+        for ring in self.rings:
+            self._validate_ring(ring)
+        self._validate_remap()
+        for route in self.routes:
+            self._validate_route(route)
+        if self.memory_bytes:
+            for rank, (used, cap) in enumerate(zip(self.memory_bytes, self.memory_cap)):
+                _check(used <= cap, f"rank {rank}: {used / 2**30:.1f} GiB over its cap of {cap / 2**30:.1f} GiB")
+        return self
+
+    def _validate_ring(self, ring: Ring) -> None:
+        g, L = len(ring.ranks), self.lengths[ring.doc]
+        _check(ring.kind in SPLIT_KINDS and ring.comm in RING_COMMS, f"ring of document {ring.doc}: bad kind")
+        _check(len(set(ring.ranks)) == g and all(0 <= r < self.num_ranks for r in ring.ranks),
+               f"ring of document {ring.doc}: ranks {ring.ranks}")
+        _check(len(ring.bounds) == 2 * g + 1 and ring.bounds[0] == 0 and ring.bounds[-1] == L
+               and all(a <= b for a, b in zip(ring.bounds, ring.bounds[1:])),
+               f"ring of document {ring.doc}: bounds {ring.bounds}")
+        nodes = {self.node_of_rank[r] for r in ring.ranks}
+        _check((ring.kind == "inter") == (len(nodes) > 1), f"ring of document {ring.doc}: kind {ring.kind} spans {len(nodes)} nodes")
+        for i, rank in enumerate(ring.ranks):
+            held = tuple(s for s in self.attention[rank] if s.doc == ring.doc)
+            _check(held == ring.chunks_of(i), f"rank {rank} holds {held} of document {ring.doc}, ring says {ring.chunks_of(i)}")
+
+    def _validate_remap(self) -> None:
+        for rank in range(self.num_ranks):
+            out = sorted((t.start, t.end) for t in self.remap if t.src == rank)
+            cursor = 0
+            for start, end in out:
+                _check(cursor <= start < end, f"rank {rank}: overlapping or empty remap ranges")
+                cursor = end
+            _check(cursor <= self.attention_tokens(rank), f"rank {rank}: remap sends more tokens than it holds")
+        for t in self.remap:
+            _check(t.src != t.dst and 0 <= t.dst < self.num_ranks, f"bad remap transfer {t}")
+
+    def _validate_route(self, route: Route) -> None:
+        ring = self.ring_of_doc.get(route.doc)
+        _check(ring is not None and ring.kind == "inter", f"route for document {route.doc}, which has no inter-node ring")
+        g = len(ring.ranks)
+        hops = {(ring.ranks[i], ring.ranks[(i + 1) % g]) for i in range(g)}
+        _check((route.src, route.dst) in hops, f"route {route.src}->{route.dst} is not a hop of document {route.doc}")
+        src_node, dst_node = self.node_of_rank[route.src], self.node_of_rank[route.dst]
+        _check(src_node != dst_node and route.proxies, f"route {route.src}->{route.dst} does not cross nodes")
+        for a, b in route.proxies:
+            _check(self.node_of_rank[a] == src_node and self.node_of_rank[b] == dst_node,
+                   f"route {route.src}->{route.dst}: proxy pair ({a}, {b}) on the wrong nodes")
+
+    # ---- serialisation ---------------------------------------------------------------
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["attention"] = [[[s["doc"], s["start"], s["end"]] for s in segs] for segs in d["attention"]]
+        d["remap"] = [[t["src"], t["dst"], t["start"], t["end"]] for t in d["remap"]]
+        return d
+
+    def to_json(self) -> str:
+        """Canonical JSON: the same plan gives byte-identical text in every process."""
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    @staticmethod
+    def from_json(text: str) -> Plan:
+        d = json.loads(text)
+        return Plan(
+            planner=d["planner"],
+            lengths=tuple(d["lengths"]),
+            node_of_rank=tuple(d["node_of_rank"]),
+            nic_of_rank=tuple(d["nic_of_rank"]),
+            attention=tuple(tuple(Segment(*s) for s in segs) for segs in d["attention"]),
+            rings=tuple(Ring(doc=r["doc"], kind=r["kind"], ranks=tuple(r["ranks"]), bounds=tuple(r["bounds"]),
+                             comm=r["comm"]) for r in d["rings"]),
+            remap=tuple(Transfer(*t) for t in d["remap"]),
+            routes=tuple(Route(doc=r["doc"], src=r["src"], dst=r["dst"],
+                               proxies=tuple(tuple(p) for p in r["proxies"])) for r in d["routes"]),
+            memory_bytes=tuple(d["memory_bytes"]),
+            memory_cap=tuple(d["memory_cap"]),
+            meta=d["meta"],
+        )
+
+    @cached_property
+    def digest(self) -> str:
+        """SHA-256 of the canonical JSON; ranks compare it before running a plan."""
+        return _sha(self.to_json())
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise InvalidPlan(message)

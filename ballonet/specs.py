@@ -1,0 +1,287 @@
+"""What is being trained and on what: `ClusterSpec`, `ModelSpec`, and their presets.
+
+A cluster is a list of node groups; every node of a group is alike (GPU type, GPUs per
+node, intra-node link, NICs). Ranks are numbered node by node, group by group. GPU j of a
+node with m NICs reaches NIC j * m // gpus_per_node, so with 8 GPUs and 4 NICs, GPUs 0
+and 1 share NIC 0 (the static NIC-GPU affinity of DESIGN.md section 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from functools import cached_property
+
+from ballonet import hardware
+from ballonet.errors import InputError
+
+GBIT = 1e9 / 8
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeGroup:
+    gpu: str
+    """GPU type, a key of `hardware.GPUS`."""
+    num_nodes: int = 1
+    gpus_per_node: int = 8
+    nics_per_node: int = 8
+    nic_gbps: float = 400.0
+    """Line rate of one NIC in Gb/s."""
+    intra_link_bw: float | None = None
+    """Override of the GPU type's intra-node bandwidth, bytes/s one direction."""
+
+    def __post_init__(self):
+        hardware.gpu(self.gpu)
+        for name in ("num_nodes", "gpus_per_node", "nics_per_node"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InputError(f"node group {self.gpu!r}: {name} must be a positive integer, got {value!r}")
+        if self.gpus_per_node % self.nics_per_node and self.nics_per_node % self.gpus_per_node:
+            raise InputError(
+                f"node group {self.gpu!r}: gpus_per_node={self.gpus_per_node} and "
+                f"nics_per_node={self.nics_per_node} must divide one another")
+        if not self.nic_gbps > 0:
+            raise InputError(f"node group {self.gpu!r}: nic_gbps must be positive, got {self.nic_gbps!r}")
+        if self.intra_link_bw is not None and not self.intra_link_bw > 0:
+            raise InputError(f"node group {self.gpu!r}: intra_link_bw must be positive")
+
+    @property
+    def gpu_type(self) -> hardware.GPUType:
+        return hardware.gpu(self.gpu)
+
+    @property
+    def intra_bw(self) -> float:
+        return self.intra_link_bw or self.gpu_type.intra_link_bw
+
+    @property
+    def nic_bw(self) -> float:
+        """Bytes/s of one NIC, one direction."""
+        return self.nic_gbps * GBIT
+
+    @property
+    def gpus_per_nic(self) -> int:
+        return max(1, self.gpus_per_node // self.nics_per_node)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterSpec:
+    name: str
+    groups: tuple[NodeGroup, ...]
+
+    def __post_init__(self):
+        if not self.groups:
+            raise InputError(f"cluster {self.name!r} has no node groups")
+        object.__setattr__(self, "groups", tuple(self.groups))
+
+    @cached_property
+    def _rank_table(self) -> tuple[tuple[int, int, int, int], ...]:
+        """Per rank: (group index, node index, local index, global NIC index)."""
+        rows, node, nic = [], 0, 0
+        for gi, g in enumerate(self.groups):
+            for _ in range(g.num_nodes):
+                for j in range(g.gpus_per_node):
+                    rows.append((gi, node, j, nic + j // g.gpus_per_nic))
+                node += 1
+                nic += g.gpus_per_node // g.gpus_per_nic
+        return tuple(rows)
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self._rank_table)
+
+    @property
+    def num_nodes(self) -> int:
+        return sum(g.num_nodes for g in self.groups)
+
+    @property
+    def num_nics(self) -> int:
+        return sum(g.num_nodes * (g.gpus_per_node // g.gpus_per_nic) for g in self.groups)
+
+    @property
+    def homogeneous(self) -> bool:
+        return len({(g.gpu, g.gpus_per_node, g.nics_per_node, g.nic_gbps) for g in self.groups}) == 1
+
+    def group_of(self, rank: int) -> NodeGroup:
+        return self.groups[self._rank_table[rank][0]]
+
+    def node_of(self, rank: int) -> int:
+        return self._rank_table[rank][1]
+
+    def local_index(self, rank: int) -> int:
+        return self._rank_table[rank][2]
+
+    def nic_of(self, rank: int) -> int:
+        return self._rank_table[rank][3]
+
+    def gpu_of(self, rank: int) -> hardware.GPUType:
+        return self.group_of(rank).gpu_type
+
+    def ranks_of_node(self, node: int) -> list[int]:
+        return [r for r, row in enumerate(self._rank_table) if row[1] == node]
+
+    def nodes(self) -> list[list[int]]:
+        """Ranks of each node, node by node."""
+        out: list[list[int]] = [[] for _ in range(self.num_nodes)]
+        for r, row in enumerate(self._rank_table):
+            out[row[1]].append(r)
+        return out
+
+    def with_nodes(self, num_nodes: int) -> ClusterSpec:
+        """The same cluster with `num_nodes` nodes of its first group (homogeneous presets)."""
+        if len(self.groups) != 1:
+            raise InputError(f"cluster {self.name!r} mixes node groups; set nodes per group in a TOML file")
+        return dataclasses.replace(self, groups=(dataclasses.replace(self.groups[0], num_nodes=num_nodes),))
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "groups": [dataclasses.asdict(g) for g in self.groups]}
+
+    @staticmethod
+    def from_dict(d: dict) -> ClusterSpec:
+        return ClusterSpec(name=d["name"], groups=tuple(NodeGroup(**g) for g in d["groups"]))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    name: str
+    num_layers: int
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    ffn_hidden: int
+    vocab_size: int
+    tp: int = 1
+    """Tensor-parallel degree: heads and FFN are split over `tp` GPUs of one node."""
+    dtype_bytes: int = 2
+    """Bytes per activation element (2 for bf16)."""
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name != "name" and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise InputError(f"model {self.name!r}: {f.name} must be a positive integer, got {v!r}")
+        if self.hidden % self.num_heads:
+            raise InputError(f"model {self.name!r}: hidden={self.hidden} is not a multiple of num_heads={self.num_heads}")
+        if self.num_heads % self.num_kv_heads:
+            raise InputError(f"model {self.name!r}: num_heads={self.num_heads} is not a multiple of num_kv_heads")
+        if self.num_kv_heads % self.tp and self.tp % self.num_kv_heads:
+            raise InputError(f"model {self.name!r}: tp={self.tp} does not divide the {self.num_kv_heads} KV heads")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.num_heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def num_params(self) -> int:
+        h = self.hidden
+        per_layer = h * (h + 2 * self.kv_dim) + h * h + 3 * h * self.ffn_hidden + 2 * h
+        return self.num_layers * per_layer + 2 * self.vocab_size * h + h
+
+
+def _group(gpu, **kw) -> NodeGroup:
+    return NodeGroup(gpu=gpu, **kw)
+
+
+CLUSTERS: dict[str, ClusterSpec] = {
+    c.name: c
+    for c in [
+        # Zeppelin cluster A: A800, 8 GPUs and 4x200 Gb/s RoCE NICs per node.
+        ClusterSpec(name="a800-4nic", groups=(_group("a800", num_nodes=2, nics_per_node=4, nic_gbps=200),)),
+        # Cluster B: H800, 8 NICs per node (400 Gb/s each).
+        ClusterSpec(name="h800-8nic", groups=(_group("h800", num_nodes=2, nics_per_node=8, nic_gbps=400),)),
+        # Cluster C: H200, 8x400 Gb/s NICs per node.
+        ClusterSpec(name="h200-8nic", groups=(_group("h200", num_nodes=2, nics_per_node=8, nic_gbps=400),)),
+        # Emulated runs on CPU processes (gloo): small nodes, one "NIC" per GPU.
+        ClusterSpec(name="cpu", groups=(_group("cpu", num_nodes=2, gpus_per_node=2, nics_per_node=2, nic_gbps=10),)),
+    ]
+}
+
+MODELS: dict[str, ModelSpec] = {
+    m.name: m
+    for m in [
+        # LLaMA-1 shapes (Touvron et al. 2023); 3B as OpenLLaMA-3B.
+        ModelSpec(name="llama-3b", num_layers=26, hidden=3200, num_heads=32, num_kv_heads=32,
+                  ffn_hidden=8640, vocab_size=32000),
+        ModelSpec(name="llama-7b", num_layers=32, hidden=4096, num_heads=32, num_kv_heads=32,
+                  ffn_hidden=11008, vocab_size=32000),
+        ModelSpec(name="llama-13b", num_layers=40, hidden=5120, num_heads=40, num_kv_heads=40,
+                  ffn_hidden=13824, vocab_size=32000),
+        ModelSpec(name="llama-30b", num_layers=60, hidden=6656, num_heads=52, num_kv_heads=52,
+                  ffn_hidden=17920, vocab_size=32000),
+        ModelSpec(name="llama3-8b", num_layers=32, hidden=4096, num_heads=32, num_kv_heads=8,
+                  ffn_hidden=14336, vocab_size=128256),
+        # Trains on CPU in seconds; byte-level vocabulary.
+        ModelSpec(name="tiny", num_layers=2, hidden=64, num_heads=4, num_kv_heads=2,
+                  ffn_hidden=176, vocab_size=256, dtype_bytes=4),
+    ]
+}
+
+
+def _load_toml(path: str) -> dict:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as e:
+        raise InputError(f"{path}: cannot read cluster file ({e.strerror})") from None
+    except tomllib.TOMLDecodeError as e:
+        raise InputError(f"{path}: malformed TOML: {e}") from None
+
+
+def cluster_from_toml(path: str) -> ClusterSpec:
+    """A cluster file: `name = "..."` and one `[[node_groups]]` table per group, with the
+    fields of `NodeGroup` (gpu, num_nodes, gpus_per_node, nics_per_node, nic_gbps,
+    intra_link_bw)."""
+    data = _load_toml(path)
+    groups = data.get("node_groups")
+    if not isinstance(groups, list) or not groups:
+        raise InputError(f"{path}: field 'node_groups' must be a non-empty array of tables ([[node_groups]])")
+    known = {f.name for f in dataclasses.fields(NodeGroup)}
+    parsed = []
+    for i, g in enumerate(groups):
+        unknown = sorted(set(g) - known)
+        if unknown:
+            raise InputError(f"{path}: node_groups[{i}]: unknown field {unknown[0]!r}; known: {', '.join(sorted(known))}")
+        if "gpu" not in g:
+            raise InputError(f"{path}: node_groups[{i}]: field 'gpu' is missing")
+        try:
+            parsed.append(NodeGroup(**g))
+        except InputError as e:
+            raise InputError(f"{path}: node_groups[{i}]: {e}") from None
+    return ClusterSpec(name=str(data.get("name", os.path.splitext(os.path.basename(path))[0])), groups=tuple(parsed))
+
+
+def cluster(name_or_path: str, num_nodes: int | None = None, **overrides) -> ClusterSpec:
+    """A preset by name or a TOML file by path. `num_nodes` and `overrides` (fields of
+    `NodeGroup`, such as `gpus_per_node=2`) apply to every node group."""
+    if os.path.exists(name_or_path) or name_or_path.endswith(".toml"):
+        spec = cluster_from_toml(name_or_path)
+    elif name_or_path in CLUSTERS:
+        spec = CLUSTERS[name_or_path]
+    else:
+        raise InputError(f"unknown cluster {name_or_path!r}; presets: {', '.join(CLUSTERS)} (or a .toml file)")
+    if num_nodes is not None:
+        overrides["num_nodes"] = num_nodes
+    if overrides:
+        known = {f.name for f in dataclasses.fields(NodeGroup)}
+        bad = sorted(set(overrides) - known)
+        if bad:
+            raise InputError(f"unknown cluster field {bad[0]!r}; known: {', '.join(sorted(known))}")
+        spec = dataclasses.replace(spec, groups=tuple(dataclasses.replace(g, **overrides) for g in spec.groups))
+    return spec
+
+
+def model(name: str, **overrides) -> ModelSpec:
+    """A model preset by name; `overrides` (such as `tp=2`) replace its fields."""
+    try:
+        spec = MODELS[name]
+    except KeyError:
+        raise InputError(f"unknown model {name!r}; presets: {', '.join(MODELS)}") from None
+    return dataclasses.replace(spec, **overrides) if overrides else spec

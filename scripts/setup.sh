@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Create .venv and install Ballonet with its test extras, never pulling a CUDA torch on CPU.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+.venv/bin/python -m pip install -q -c constraints-cpu.txt -e '.[dev]'
