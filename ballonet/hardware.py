@@ -97,8 +97,8 @@ def linear_efficiency(num_tokens: float) -> float:
 
 # NCCL on NVLink, fitted to h100_nccl_perf.csv at 64 MB and above: bus bandwidth reached
 # as a fraction of the link's one-direction bandwidth, and a per-collective latency.
-NCCL_BUS_EFFICIENCY = {"all_gather": 0.81, "reduce_scatter": 0.72, "all_reduce": 0.90, "p2p": 0.85}
-NCCL_LATENCY_S = 25e-6
+NCCL_BUS_EFFICIENCY = {"all_gather": 0.78, "reduce_scatter": 0.685, "all_reduce": 0.94, "p2p": 0.80}
+NCCL_LATENCY_S = 40e-6
 # RDMA NICs reach ~90% of line rate on large messages; a hop costs a few microseconds.
 NIC_EFFICIENCY = 0.90
 NIC_LATENCY_S = 10e-6
