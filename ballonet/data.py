@@ -1,0 +1,404 @@
+"""Documents in, planned global batches out: corpora, a byte tokenizer, `BalancedLoader`.
+
+A *corpus* is a fixed, ordered list of documents (token id arrays) with stable ids. The
+loader walks a seeded per-epoch permutation of it and cuts the stream into global batches
+of exactly `global_tokens` tokens: documents go in whole, except that one longer than
+`max_doc_tokens` is cut into context windows and the last one of a batch is cut at the
+budget; the rest of a cut document starts the next batch as its own piece. A piece is a
+sequence of its own (attention and positions restart), but its labels run on into the
+document: only a document's very last token has no label. So every token is an input
+once per epoch and every token but a document's first is a label once per epoch.
+
+Batch composition depends on (corpus, global_tokens, max_doc_tokens, seed, shuffle,
+position) only, never on the number of ranks: runs on 1, 2 or 4 ranks see the same
+batches, and a checkpoint made on one world size resumes on another.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import sysconfig
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable, Iterator, NamedTuple
+
+import numpy as np
+import torch
+
+from ballonet.errors import InputError
+from ballonet.plan import Plan
+from ballonet.runtime.layout import LAYOUTS, doc_ids, position_ids, token_index
+from ballonet.workloads import load_lengths
+
+IGNORE_INDEX = -100
+"""Label of a token with no next token in its document (torch cross_entropy's default)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ByteTokenizer:
+    """UTF-8 bytes as token ids: vocabulary 256, no special tokens, nothing to download.
+    Documents are never concatenated into one sequence, so no separator is needed."""
+
+    vocab_size: int = 256
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+
+    def decode(self, ids) -> str:
+        ids = np.asarray(ids, dtype=np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
+            raise ValueError("byte token ids must lie in [0, 256)")
+        return ids.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+
+# ---- corpora -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class Corpus:
+    name: str
+    names: tuple[str, ...]
+    """Where each document came from ("file.jsonl:12", a relative path, ...)."""
+    lengths: np.ndarray
+    """[D] tokens per document, all >= 1; the document id is the index."""
+    vocab_size: int
+    read: Callable[[int], np.ndarray]
+    """Document id -> its [L] int64 token ids (may read a file)."""
+
+    @property
+    def num_docs(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    def tokens(self, doc: int) -> np.ndarray:
+        ids = self.read(doc)
+        if len(ids) != self.lengths[doc]:
+            raise InputError(f"{self.names[doc]}: changed while in use ({len(ids)} tokens, was {self.lengths[doc]})")
+        return ids
+
+
+def _corpus(name: str, names: list[str], lengths: list[int], vocab_size: int, read) -> Corpus:
+    if not lengths:
+        raise InputError(f"{name}: empty corpus (no document has any tokens)")
+    return Corpus(name=name, names=tuple(names), lengths=np.asarray(lengths, dtype=np.int64),
+                  vocab_size=vocab_size, read=read)
+
+
+def _jsonl_record(path: Path, lineno: int, line: str, tokenizer: ByteTokenizer) -> np.ndarray:
+    where = f"{path}:{lineno}"
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise InputError(f"{where}: not JSON Lines ({e.msg})") from None
+    if isinstance(record, dict) and isinstance(record.get("text"), str):
+        return tokenizer.encode(record["text"])
+    if isinstance(record, dict) and isinstance(record.get("input_ids"), list):
+        ids = record["input_ids"]
+        if all(type(i) is int and i >= 0 for i in ids):
+            return np.asarray(ids, dtype=np.int64)
+        raise InputError(f"{where}: input_ids must be a list of non-negative integers")
+    raise InputError(f'{where}: expected an object with "text" (a string) or "input_ids" (a list)')
+
+
+def from_jsonl(path: str | os.PathLike, tokenizer: ByteTokenizer = ByteTokenizer()) -> Corpus:
+    """One document per line: {"text": str} (tokenized) or {"input_ids": [int, ...]}.
+    Blank lines and empty documents are skipped; names are "path:line"."""
+    path = Path(path)
+    docs, names = [], []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, start=1):
+                if line.strip():
+                    ids = _jsonl_record(path, lineno, line, tokenizer)
+                    if len(ids):
+                        docs.append(ids)
+                        names.append(f"{path}:{lineno}")
+    except UnicodeDecodeError:
+        raise InputError(f"{path}: not JSON Lines (not UTF-8 text)") from None
+    vocab = max([int(d.max()) + 1 for d in docs] + [tokenizer.vocab_size])
+    return _corpus(str(path), names, [len(d) for d in docs], vocab, docs.__getitem__)
+
+
+def _walk(root: Path, suffix: str, exclude: frozenset[str]) -> list[Path]:
+    """Files under `root` ending in `suffix`, skipping folders named in `exclude`, sorted
+    by relative path (so document ids do not depend on the file system's order)."""
+    found = []
+    for folder, subdirs, files in os.walk(root):
+        subdirs[:] = [d for d in subdirs if d not in exclude and not d.startswith(".")]
+        found += [Path(folder, f) for f in files if f.endswith(suffix) and not f.startswith(".")]
+    return sorted(found, key=lambda p: p.relative_to(root).as_posix())
+
+
+def _read_bytes(path: Path) -> np.ndarray:
+    try:
+        return np.fromfile(path, dtype=np.uint8).astype(np.int64)
+    except OSError as e:
+        raise InputError(f"{path}: cannot read ({e.strerror})") from None
+
+
+def from_text_dir(path: str | os.PathLike, suffix: str = "", exclude=()) -> Corpus:
+    """Each file under `path` (recursively, hidden ones skipped) is a document of byte
+    tokens, read when needed. Its id is its rank in the sorted relative paths."""
+    root = Path(path)
+    if not root.is_dir():
+        raise InputError(f"{root}: not a folder")
+    sized = [(p, p.stat().st_size) for p in _walk(root, suffix, frozenset(exclude))]
+    files = [p for p, size in sized if size > 0]
+    names = [p.relative_to(root).as_posix() for p in files]
+    lengths = [size for _, size in sized if size > 0]
+    return _corpus(str(root), names, lengths, 256, lambda doc: _read_bytes(files[doc]))
+
+
+STDLIB_EXCLUDE = frozenset({"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"})
+"""Installed packages, and test suites (which some distributions do not ship)."""
+
+
+def stdlib() -> Corpus:
+    """The demo corpus present on every machine: the Python standard library's .py files
+    (about 700 documents, median ~8K tokens, longest ~750K: real and long-tailed)."""
+    corpus = from_text_dir(sysconfig.get_paths()["stdlib"], suffix=".py", exclude=STDLIB_EXCLUDE)
+    return dataclasses.replace(corpus, name="stdlib")
+
+
+def from_lengths(lengths, seed: int = 0, vocab_size: int = 256, name: str = "synthetic") -> Corpus:
+    """Documents of the given lengths with seeded uniform random tokens (made on demand)."""
+    lengths = [int(n) for n in lengths]
+    for doc, n in enumerate(lengths):
+        if n < 1:
+            raise InputError(f"{name}: document {doc} has length {n}; lengths must be positive")
+
+    def read(doc: int) -> np.ndarray:
+        return np.random.default_rng([seed, doc]).integers(0, vocab_size, lengths[doc], dtype=np.int64)
+
+    return _corpus(name, [f"{name}[{i}]" for i in range(len(lengths))], lengths, vocab_size, read)
+
+
+def load_corpus(spec: str, seed: int = 0) -> Corpus:
+    """"stdlib", a folder of text files, a lengths file (.json list or .npy array; tokens
+    drawn with `seed`), or a JSON Lines file of documents (any other file)."""
+    if spec == "stdlib":
+        return stdlib()
+    path = Path(spec)
+    if path.is_dir():
+        return from_text_dir(path)
+    if not path.is_file():
+        raise InputError(f"corpus {spec!r}: no such file or folder "
+                         "(use 'stdlib', a .jsonl file, a folder of text files or a .json/.npy lengths file)")
+    if path.suffix in (".json", ".npy"):
+        return from_lengths(load_lengths(path), seed=seed, name=str(path))
+    return from_jsonl(path)
+
+
+# ---- batches -------------------------------------------------------------------------
+
+
+class Piece(NamedTuple):
+    """Ledger entry: tokens [start, end) of document `doc`, consumed in epoch `epoch`."""
+
+    epoch: int
+    doc: int
+    start: int
+    end: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Cursor:
+    """Where the stream stands: the next token is at `offset` in the `position`-th
+    document of epoch `epoch`'s order; `batch` batches were produced before it."""
+
+    epoch: int = 0
+    position: int = 0
+    offset: int = 0
+    batch: int = 0
+
+
+def document_order(num_docs: int, epoch: int, seed: int, shuffle: bool) -> np.ndarray:
+    """[D] document ids in the order epoch `epoch` visits them."""
+    if not shuffle:
+        return np.arange(num_docs)
+    return np.random.default_rng([seed, epoch]).permutation(num_docs)
+
+
+def take_pieces(lengths: np.ndarray, order: Callable[[int], np.ndarray], cursor: Cursor, global_tokens: int,
+                max_doc_tokens: int | None, max_epochs: int | None) -> tuple[list[Piece], Cursor]:
+    """The pieces of the batch at `cursor` (exactly `global_tokens` tokens unless the last
+    epoch runs out; none once it has) and the cursor after them."""
+    window = max_doc_tokens or int(lengths.max())
+    epoch, position, offset = cursor.epoch, cursor.position, cursor.offset
+    pieces, budget = [], global_tokens
+    while budget > 0:
+        if position == len(lengths):
+            epoch, position = epoch + 1, 0
+        if max_epochs is not None and epoch >= max_epochs:
+            break
+        doc = int(order(epoch)[position])
+        length = int(lengths[doc])
+        end = min(length, (offset // window + 1) * window, offset + budget)
+        pieces.append(Piece(epoch, doc, offset, end))
+        budget -= end - offset
+        position, offset = (position + 1, 0) if end == length else (position, end)
+    return pieces, Cursor(epoch, position, offset, cursor.batch + (1 if pieces else 0))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class Batch:
+    """One global batch, the same on every rank."""
+
+    index: int
+    pieces: tuple[Piece, ...]
+    """The ledger, in the plan's document order."""
+    tokens: torch.Tensor
+    """[T] token ids, the pieces concatenated."""
+    labels: torch.Tensor
+    """[T] the next token of the same document, IGNORE_INDEX after a document's last."""
+    plan: Plan
+    plan_ms: float
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        return tuple(p.end - p.start for p in self.pieces)
+
+
+def build_batch(corpus: Corpus, pieces: list[Piece], index: int, plan_fn: Callable[[tuple[int, ...]], Plan]) -> Batch:
+    tokens, labels = [], []
+    for p in pieces:
+        doc = corpus.tokens(p.doc)
+        following = doc[p.start + 1: p.end + 1]
+        tokens.append(doc[p.start: p.end])
+        labels.append(following if p.end < len(doc) else np.append(following, IGNORE_INDEX))
+    lengths = tuple(p.end - p.start for p in pieces)
+    start = time.perf_counter()
+    plan = plan_fn(lengths)
+    plan_ms = (time.perf_counter() - start) * 1e3
+    if tuple(plan.lengths) != lengths:
+        raise ValueError(f"batch {index}: the plan is for other document lengths")
+    return Batch(index=index, pieces=tuple(pieces), tokens=torch.from_numpy(np.concatenate(tokens)),
+                 labels=torch.from_numpy(np.concatenate(labels)), plan=plan, plan_ms=plan_ms)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class RankBatch:
+    """This rank's share of a global batch, in the loader's layout; all [T_local]."""
+
+    batch: Batch
+    rank: int
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+    """bool: the label is a real token."""
+    position_ids: torch.Tensor
+    """Position within the piece (for RoPE)."""
+    token_index: torch.Tensor
+    """Global position in `batch.tokens`."""
+    doc_ids: torch.Tensor
+    """Index of the piece within the batch (the plan's document), not the corpus id."""
+    num_valid_tokens_global: int
+    """Valid labels over the whole batch: the loss denominator on every rank."""
+
+    @property
+    def plan(self) -> Plan:
+        return self.batch.plan
+
+    @property
+    def pieces(self) -> tuple[Piece, ...]:
+        return self.batch.pieces
+
+    @property
+    def plan_ms(self) -> float:
+        return self.batch.plan_ms
+
+
+def rank_view(batch: Batch, rank: int, layout: str = "attention") -> RankBatch:
+    """Gather `rank`'s tokens by global position: labels were made on the whole batch, so
+    they are right even where a document's next token lives on another rank."""
+    index = token_index(batch.plan, rank, layout)
+    labels = batch.labels[index]
+    return RankBatch(batch=batch, rank=rank, input_ids=batch.tokens[index], labels=labels,
+                     loss_mask=labels != IGNORE_INDEX, position_ids=position_ids(batch.plan, rank, layout),
+                     token_index=index, doc_ids=doc_ids(batch.plan, rank, layout),
+                     num_valid_tokens_global=int((batch.labels != IGNORE_INDEX).sum()))
+
+
+# ---- the loader ----------------------------------------------------------------------
+
+
+class BalancedLoader:
+    """Streams `corpus` into planned global batches and yields this rank's `RankBatch`.
+
+    Every rank computes the same batches and plans (`plan_fn(lengths) -> Plan` must be
+    deterministic). While batch n is consumed, batch n+1 is read and planned in a
+    background thread. `state_dict()` counts only yielded batches, so resuming from it
+    yields exactly the batches that would have followed, on any world size.
+    """
+
+    def __init__(self, corpus: Corpus, *, global_tokens: int, plan_fn: Callable[[tuple[int, ...]], Plan],
+                 rank: int = 0, world_size: int = 1, seed: int = 0, shuffle: bool = True,
+                 max_doc_tokens: int | None = None, max_epochs: int | None = None,
+                 layout: str = "attention", prefetch: bool = True):
+        if global_tokens < world_size:
+            raise InputError(f"global token budget {global_tokens} is smaller than one token per rank "
+                             f"({world_size} ranks)")
+        if max_doc_tokens is not None and max_doc_tokens < 1:
+            raise InputError(f"max document tokens must be positive, got {max_doc_tokens}")
+        if layout not in LAYOUTS:
+            raise InputError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world size {world_size}")
+        self.corpus, self.plan_fn = corpus, plan_fn
+        self.global_tokens, self.max_doc_tokens, self.max_epochs = global_tokens, max_doc_tokens, max_epochs
+        self.rank, self.world_size, self.layout, self.prefetch = rank, world_size, layout, prefetch
+        self.seed, self.shuffle = seed, shuffle
+        self._order = functools.lru_cache(maxsize=2)(
+            lambda epoch: document_order(corpus.num_docs, epoch, seed, shuffle))
+        self._cursor = Cursor()
+
+    def _start(self, pool: ThreadPoolExecutor, cursor: Cursor) -> tuple[Future, Cursor] | None:
+        pieces, after = take_pieces(self.corpus.lengths, self._order, cursor, self.global_tokens,
+                                    self.max_doc_tokens, self.max_epochs)
+        if not pieces:
+            return None
+        return pool.submit(build_batch, self.corpus, pieces, cursor.batch, self.plan_fn), after
+
+    def _view(self, batch: Batch) -> RankBatch:
+        if batch.plan.num_ranks != self.world_size:
+            raise ValueError(f"batch {batch.index}: the plan has {batch.plan.num_ranks} ranks, "
+                             f"the loader {self.world_size}")
+        return rank_view(batch, self.rank, self.layout)
+
+    def __iter__(self) -> Iterator[RankBatch]:
+        with ThreadPoolExecutor(1, thread_name_prefix="ballonet-plan") as pool:
+            pending = self._start(pool, self._cursor)
+            while pending is not None:
+                future, after = pending
+                batch = future.result()
+                if self.prefetch:
+                    pending = self._start(pool, after)
+                self._cursor = after
+                yield self._view(batch)
+                if not self.prefetch:
+                    pending = self._start(pool, after)
+
+    def state_dict(self) -> dict:
+        """The stream position after the last yielded batch (the same on every rank)."""
+        c = self._cursor
+        return {"epoch": c.epoch, "position": c.position, "offset": c.offset, "batch": c.batch,
+                **self._config()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue after the batch `state` was taken at; call before iterating."""
+        for key, value in self._config().items():
+            if state.get(key) != value:
+                raise InputError(f"loader state was saved with {key}={state.get(key)!r}, this loader has {value!r}")
+        self._cursor = Cursor(state["epoch"], state["position"], state["offset"], state["batch"])
+
+    def _config(self) -> dict:
+        return {"num_docs": self.corpus.num_docs, "num_tokens": self.corpus.num_tokens,
+                "global_tokens": self.global_tokens, "max_doc_tokens": self.max_doc_tokens,
+                "seed": self.seed, "shuffle": self.shuffle}
