@@ -1,0 +1,159 @@
+"""A Llama-style decoder (RMSNorm, RoPE, SwiGLU, GQA) run on a plan's two layouts.
+
+Only the attention core (softmax(q k^T) v, per document and causal) runs on the attention
+layout, through the runtime engine; everything else (embedding, norms, projections, MLP,
+LM head and loss) runs on the token-balanced linear layout. The same code runs on one
+process: with a one-rank plan the remaps are no-ops.
+
+Where the two remaps sit: after the QKV projection (q, k and v go to the attention layout)
+and before the output projection (the attention output comes back). The alternative moves
+the hidden state before the QKV projection and after the output projection: fewer bytes
+(h elements a token each way, instead of h + 2*kv_dim out and h back), but the rank that
+holds surplus tokens in the attention layout then also runs their QKV and output
+projections. Per 4096 surplus tokens and layer, forward, from `cost_model`: QKV+O
+compute is linear_time(4096) times the QKV+O share of the layer's weights; the extra
+bytes are kv_bytes(4096), sent with p2p_time over NVLink or one GPU's share of a NIC
+(latency left out):
+
+    model      cluster    QKV+O compute   extra K,V bytes   over NVLink   over the NIC
+    llama-7b   h800-8nic  0.74 ms         67 MB             0.42 ms       1.49 ms
+    llama-7b   a800-4nic  2.36 ms         67 MB             0.42 ms       5.97 ms
+    llama3-8b  h800-8nic  0.47 ms         17 MB             0.10 ms       0.37 ms
+    llama3-8b  a800-4nic  1.47 ms         17 MB             0.10 ms       1.49 ms
+
+(backward: twice the compute, the same bytes again). Moving K and V is cheaper on NVLink
+(1.8-14x over the llama presets on h800, a800 and h200 nodes) and, with GQA and a NIC per
+GPU, across nodes too; it loses for MHA tokens crossing nodes, and the remap planner sends
+only net node imbalance across them. Remapping after QKV also keeps all linear work
+balanced (QKV+O are 33% of llama-7b's linear FLOPs, 19% of llama3-8b's) and leaves the
+residual stream on the linear layout, so the only other move is the token ids (and
+labels) once per step, 8 bytes a token each.
+
+Legend: T tokens of this rank (T_lin linear layout, T_att attention layout), C hidden,
+H query heads, K KV heads, D head dim, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ballonet import runtime
+from ballonet.plan import Plan
+from ballonet.runtime.layout import position_ids
+from ballonet.runtime.remap import remap
+from ballonet.specs import ModelSpec
+
+ROPE_THETA = 10000.0
+NORM_EPS = 1e-5
+INIT_STD = 0.02
+IGNORE_INDEX = -100
+"""Label of a token without a next token (torch cross_entropy's default, as in `data`)."""
+
+AttentionFn = Callable[..., torch.Tensor]
+"""(q [T_att, H, D], k [T_att, K, D], v [T_att, K, D], plan, rank, group) -> [T_att, H, D]."""
+
+
+def rope(x_THD: torch.Tensor, pos_T: torch.Tensor, theta: float = ROPE_THETA) -> torch.Tensor:
+    """Rotary embedding, rotate-half convention, at positions within each document."""
+    D, dtype = x_THD.shape[-1], torch.promote_types(x_THD.dtype, torch.float32)
+    inv_freq = theta ** (-torch.arange(0, D, 2, device=x_THD.device, dtype=dtype) / D)
+    angles_TF = pos_T.to(device=x_THD.device, dtype=dtype)[:, None] * inv_freq[None]
+    cos_T1D = torch.cat([angles_TF.cos()] * 2, -1)[:, None]
+    sin_T1D = torch.cat([angles_TF.sin()] * 2, -1)[:, None]
+    x = x_THD.to(dtype)
+    x1, x2 = x.chunk(2, -1)
+    return (x * cos_T1D + torch.cat([-x2, x1], -1) * sin_T1D).to(x_THD.dtype)
+
+
+class Block(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        C, D = spec.hidden, spec.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, D
+        self.attention_norm = nn.RMSNorm(C, eps=NORM_EPS)
+        self.wq = nn.Linear(C, spec.num_heads * D, bias=False)
+        self.wk = nn.Linear(C, spec.num_kv_heads * D, bias=False)
+        self.wv = nn.Linear(C, spec.num_kv_heads * D, bias=False)
+        self.wo = nn.Linear(spec.num_heads * D, C, bias=False)
+        self.ffn_norm = nn.RMSNorm(C, eps=NORM_EPS)
+        self.w1 = nn.Linear(C, spec.ffn_hidden, bias=False)  # gate
+        self.w3 = nn.Linear(C, spec.ffn_hidden, bias=False)  # up
+        self.w2 = nn.Linear(spec.ffn_hidden, C, bias=False)  # down
+
+    def forward(self, x_TC, pos_T, plan: Plan, rank: int, group, attention_fn: AttentionFn, counter=None):
+        T, H, K, D = x_TC.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        h_TC = self.attention_norm(x_TC)
+        q_THD = rope(self.wq(h_TC).view(T, H, D), pos_T)
+        k_TKD = rope(self.wk(h_TC).view(T, K, D), pos_T)
+        v_TKD = self.wv(h_TC).view(T, K, D)
+        # One all-to-all for q, k and v together.
+        qkv_att = remap(torch.cat([q_THD, k_TKD, v_TKD], 1), plan, rank, "linear", "attention", group, counter)
+        q_att, k_att, v_att = qkv_att.split([H, K, K], 1)
+        o_att = attention_fn(q_att.contiguous(), k_att.contiguous(), v_att.contiguous(), plan, rank, group)
+        o_THD = remap(o_att, plan, rank, "attention", "linear", group, counter)
+        x_TC = x_TC + self.wo(o_THD.reshape(T, H * D))
+        h_TC = self.ffn_norm(x_TC)
+        return x_TC + self.w2(F.silu(self.w1(h_TC)) * self.w3(h_TC))
+
+
+class Transformer(nn.Module):
+    """Built from a `ModelSpec`; weights drawn from `seed` alone, so every rank builds the
+    same model. `attention_fn` replaces the runtime engine (`runtime.attention`), e.g. with
+    a single-process reference in tests."""
+
+    def __init__(self, spec: ModelSpec, *, seed: int = 0, attention_fn: AttentionFn | None = None):
+        super().__init__()
+        if spec.tp != 1:
+            raise ValueError(f"model {spec.name!r}: tensor parallelism (tp={spec.tp}) is not implemented")
+        self.spec = spec
+        self.attention_fn = attention_fn
+        self.embed = nn.Embedding(spec.vocab_size, spec.hidden)
+        self.layers = nn.ModuleList(Block(spec) for _ in range(spec.num_layers))
+        self.norm = nn.RMSNorm(spec.hidden, eps=NORM_EPS)
+        self.head = nn.Linear(spec.hidden, spec.vocab_size, bias=False)
+        self.reset_parameters(seed)
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int) -> None:
+        """Norm weights 1, every other weight N(0, INIT_STD^2), drawn in parameter order."""
+        gen = torch.Generator().manual_seed(seed)
+        for p in self.parameters():
+            if p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.empty(p.shape).normal_(0.0, INIT_STD, generator=gen))
+
+    def _hidden(self, ids_T, plan: Plan, rank: int, group, counter=None) -> torch.Tensor:
+        """Token ids on the linear layout -> final normed hidden states [T_lin, C]."""
+        attention_fn = self.attention_fn or functools.partial(runtime.attention, counter=counter)
+        pos_T = position_ids(plan, rank, "linear").to(ids_T.device)
+        x_TC = self.embed(ids_T)
+        for layer in self.layers:
+            x_TC = layer(x_TC, pos_T, plan, rank, group, attention_fn, counter)
+        return self.norm(x_TC)
+
+    def forward(self, input_ids: torch.Tensor, plan: Plan, rank: int, group=None) -> torch.Tensor:
+        """input_ids [T_att]: this rank's tokens in the attention layout (the data loader's
+        order). Returns logits [T_lin, V] on the linear layout, i.e. for the tokens at
+        `runtime.token_index(plan, rank, "linear")`. Collective when the plan has ranks."""
+        ids_T = remap(input_ids, plan, rank, "attention", "linear", group)
+        return self.head(self._hidden(ids_T, plan, rank, group))
+
+    def loss(self, input_ids: torch.Tensor, labels: torch.Tensor, plan: Plan, rank: int, group=None,
+             counter: runtime.ByteCounter | None = None) -> torch.Tensor:
+        """Sum of token cross-entropies over labels != IGNORE_INDEX (the loss mask), both
+        given [T_att] in the attention layout. Ids and labels move to the linear layout in
+        one all-to-all; the caller divides by the global number of valid labels. `counter`
+        (a `runtime.ByteCounter`) records the bytes every remap and ring transfer sends."""
+        if labels.shape != input_ids.shape:
+            raise ValueError(f"labels {tuple(labels.shape)} and input_ids {tuple(input_ids.shape)} differ in shape")
+        ids_labels_T2 = remap(torch.stack([input_ids, labels], 1), plan, rank, "attention", "linear", group, counter)
+        logits_TV = self.head(self._hidden(ids_labels_T2[:, 0], plan, rank, group, counter))
+        logits_TV = logits_TV.to(torch.promote_types(logits_TV.dtype, torch.float32))
+        return F.cross_entropy(logits_TV, ids_labels_T2[:, 1], ignore_index=IGNORE_INDEX, reduction="sum")
+

@@ -1,0 +1,176 @@
+"""The attention engine: one rank's part of a plan's distributed, variable-length attention.
+
+Shapes: T local rows (the concatenation of the rank's `plan.attention[rank]` segments, in
+order), H query heads, H_kv key/value heads, D head size. Causal within each document,
+nothing across documents.
+
+Queues run in the order inter-node rings, intra-node rings, local documents (DESIGN.md
+section 2, "Attention engine"): every split document is its own ring over its own ranks,
+the rings are stepped round-robin, each posting its next transfer before computing, and
+the local documents (one varlen call) fill the wait. Partial results merge in fp32 with
+the log-sum-exp rule; the backward passes K/V again and returns dK/dV to their owners.
+Layers as in ring-flash-attention: metadata (`rank_meta`), `_forward` / `_backward`, a
+thin autograd Function, one public function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ballonet.plan import Plan
+from ballonet.runtime import kernels
+from ballonet.runtime.comm import P2P, ByteCounter, check_plan
+from ballonet.runtime.kernels import Kernel, Packing
+from ballonet.runtime.ring import RingMeta, ring_meta, ring_pass
+
+
+@dataclass(frozen=True)
+class RankMeta:
+    local_rows: torch.Tensor
+    """[T_loc] local rows of the documents this rank holds whole."""
+    local_packing: Packing
+    rings: tuple[RingMeta, ...]
+    """The split documents this rank takes part in, in queue order."""
+
+
+def rank_meta(plan: Plan, rank: int, device) -> RankMeta:
+    rows, lengths, cursor = [], [], 0
+    for s in plan.attention[rank]:
+        if s.doc not in plan.ring_of_doc:
+            rows.append(torch.arange(cursor, cursor + s.num_tokens))
+            lengths.append(s.num_tokens)
+        cursor += s.num_tokens
+    local_rows = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
+    return RankMeta(local_rows=local_rows.to(device), local_packing=Packing.of(lengths, causal=True),
+                    rings=tuple(ring_meta(plan, rank, device)))
+
+
+def merge(out_acc: torch.Tensor, lse_acc: torch.Tensor, index: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Fold a partial result (out [n, H, D], lse [n, H]) into rows `index` of the fp32
+    accumulators: lse' = log(e^lse_acc + e^lse), out' = out_acc e^(lse_acc - lse') + out e^(lse - lse')."""
+    old_out, old_lse = out_acc[index], lse_acc[index]
+    new_lse = torch.logaddexp(old_lse, lse)
+    out_acc[index] = (old_out * torch.exp(old_lse - new_lse).unsqueeze(-1)
+                      + out.float() * torch.exp(lse - new_lse).unsqueeze(-1))
+    lse_acc[index] = new_lse
+
+
+def _drive(tasks: list) -> None:
+    """Step generators round-robin until all are done: each posts its transfers, computes,
+    and yields, so that one queue's transfers overlap the others' compute."""
+    while tasks:
+        tasks = [t for t in tasks if next(t, StopIteration) is not StopIteration]
+
+
+def _once(fn):
+    """A task that runs `fn` when first stepped (a generator, for `_drive`)."""
+    fn()
+    yield
+
+
+def _kv(k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    return torch.stack([k[rows], v[rows]])
+
+
+def _forward(p2p: P2P, meta: RankMeta, q, k, v, kernel: Kernel, scale: float):
+    """out [T, H, D] (dtype of q) and lse [T, H] (fp32) of this rank's rows."""
+    out = torch.empty_like(q)
+    lse = q.new_empty(q.shape[:2], dtype=torch.float32)
+
+    def ring_task(ring: RingMeta):
+        q_ring = q[ring.rows]
+        out_acc = q_ring.new_zeros(q_ring.shape, dtype=torch.float32)
+        lse_acc = q_ring.new_full(q_ring.shape[:2], float("-inf"), dtype=torch.float32)
+
+        def compute(step: int, kv: torch.Tensor) -> None:
+            call = ring.calls[step]
+            if call is not None:
+                part = kernel.forward(q_ring[call.q_index], kv[0][call.k_index], kv[1][call.k_index], call.packing, scale)
+                merge(out_acc, lse_acc, call.q_index, *part)
+
+        yield from ring_pass(p2p, ring, _kv(k, v, ring.rows), compute)
+        out[ring.rows], lse[ring.rows] = out_acc.to(out.dtype), lse_acc
+
+    def local():
+        rows = meta.local_rows
+        if rows.numel():
+            out[rows], lse[rows] = kernel.forward(q[rows], k[rows], v[rows], meta.local_packing, scale)
+
+    _drive([ring_task(ring) for ring in meta.rings] + [_once(local)])
+    return out, lse
+
+
+def _backward(p2p: P2P, meta: RankMeta, dout, q, k, v, out, lse, kernel: Kernel, scale: float):
+    """dq, dk, dv [T, ...] of this rank's rows, given the final out and lse."""
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+    def ring_task(ring: RingMeta):
+        rows = ring.rows
+        q_ring, dout_ring, out_ring, lse_ring = q[rows], dout[rows], out[rows], lse[rows]
+        dq_acc = q_ring.new_zeros(q_ring.shape, dtype=torch.float32)
+
+        def compute(step: int, kv: torch.Tensor) -> torch.Tensor:
+            dkv = kv.new_zeros(kv.shape, dtype=torch.float32)
+            call = ring.calls[step]
+            if call is not None:
+                qi, ki = call.q_index, call.k_index
+                dq_part, dk_part, dv_part = kernel.backward(
+                    dout_ring[qi], q_ring[qi], kv[0][ki], kv[1][ki], out_ring[qi], lse_ring[qi], call.packing, scale)
+                dq_acc.index_add_(0, qi, dq_part.float())
+                dkv[0].index_add_(0, ki, dk_part.float())
+                dkv[1].index_add_(0, ki, dv_part.float())
+            return dkv
+
+        dkv = yield from ring_pass(p2p, ring, _kv(k, v, rows), compute)
+        dq[rows], dk[rows], dv[rows] = dq_acc.to(dq.dtype), dkv[0].to(dk.dtype), dkv[1].to(dv.dtype)
+
+    def local():
+        rows = meta.local_rows
+        if rows.numel():
+            grads = kernel.backward(dout[rows], q[rows], k[rows], v[rows], out[rows], lse[rows], meta.local_packing, scale)
+            for grad, part in zip((dq, dk, dv), grads):
+                grad[rows] = part.to(grad.dtype)
+
+    _drive([ring_task(ring) for ring in meta.rings] + [_once(local)])
+    return dq, dk, dv
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, p2p: P2P, meta: RankMeta, kernel: Kernel, scale: float):
+        out, lse = _forward(p2p, meta, q, k, v, kernel, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (dataclasses.replace(p2p, phase="backward"), meta, kernel, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        p2p, meta, kernel, scale = ctx.args
+        dq, dk, dv = _backward(p2p, meta, dout, *ctx.saved_tensors, kernel, scale)
+        return dq, dk, dv, None, None, None, None
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, rank: int,
+              group: dist.ProcessGroup | None = None, *, kernel: str | None = None,
+              counter: ByteCounter | None = None, scale: float | None = None) -> torch.Tensor:
+    """This rank's share of the plan's attention: q [T_local, H, D], k and v
+    [T_local, H_kv, D] in the attention layout (`token_index(plan, rank)`), out like q.
+
+    `rank` is this process's rank in `group` (None: the default group); every rank of the
+    group must call with the same plan (checked: a mismatch raises RuntimeError on all).
+    `kernel` names a `kernels.KERNELS` backend (default: `kernels.select`); `counter`
+    records the bytes this rank sends; `scale` defaults to 1/sqrt(D)."""
+    num_rows = plan.attention_tokens(rank)
+    if q.ndim != 3 or k.shape != v.shape or q.shape[0] != num_rows or k.shape[0] != num_rows:
+        raise ValueError(f"rank {rank} holds {num_rows} tokens: q, k, v must be [{num_rows}, H, D], "
+                         f"[{num_rows}, H_kv, D] twice; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[2] != k.shape[2] or q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads {q.shape[1]} must be a multiple of key/value heads {k.shape[1]}, same head size")
+    check_plan(plan, rank, group, q.device)
+    p2p = P2P(group=group, rank=rank, phase="forward", counter=counter)
+    scale = kernels.default_scale(q.shape[2]) if scale is None else scale
+    return _Attention.apply(q, k, v, p2p, rank_meta(plan, rank, q.device), kernels.select(kernel, q.device), scale)

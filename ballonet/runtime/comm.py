@@ -1,0 +1,125 @@
+"""Peer-to-peer transfers between plan ranks, the bytes they move, and what the plan predicts.
+
+Plan ranks are ranks of the process group the engine runs on (`group=None`: the default
+world group); `P2P` turns them into global ranks for torch.distributed. Every message is
+counted by its sender, per (src, dst) plan-rank pair and per phase (forward, backward).
+
+Routes (`plan.routes`: inter-node hops split over proxy GPUs) are not followed yet: every
+hop goes direct. `P2P.post` is the one place a routed hop would slot in.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ballonet.plan import Plan
+
+GRAD_DTYPE = torch.float32
+"""dK/dV travel back to their owners as fp32 partial sums (exact accumulation, as in
+ring-flash-attention), whatever the dtype of K and V."""
+
+
+@dataclass
+class ByteCounter:
+    """Bytes sent per (src, dst) plan-rank pair, by phase. Each rank records its own sends."""
+
+    forward: Counter = field(default_factory=Counter)
+    backward: Counter = field(default_factory=Counter)
+
+    def add(self, phase: str, src: int, dst: int, num_bytes: int) -> None:
+        getattr(self, phase)[src, dst] += num_bytes
+
+    def merge(self, other: ByteCounter) -> ByteCounter:
+        return ByteCounter(forward=self.forward + other.forward, backward=self.backward + other.backward)
+
+    def total(self) -> Counter:
+        return self.forward + self.backward
+
+
+@dataclass(frozen=True)
+class P2P:
+    """Asynchronous point-to-point messages of one rank in one phase."""
+
+    group: dist.ProcessGroup | None
+    rank: int
+    """This process, as a plan rank (its rank in `group`)."""
+    phase: str
+    counter: ByteCounter | None = None
+
+    def _peer(self, rank: int) -> int:
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+    def post(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]], tag: int) -> list:
+        """Start sending each (dst, tensor) and receiving into each (src, tensor); return
+        the work handles to wait on. Empty tensors are skipped on both sides."""
+        ops = [dist.P2POp(dist.isend, t, self._peer(dst), self.group, tag) for dst, t in sends if t.numel()]
+        ops += [dist.P2POp(dist.irecv, t, self._peer(src), self.group, tag) for src, t in recvs if t.numel()]
+        if self.counter is not None:
+            for dst, t in sends:
+                if t.numel():
+                    self.counter.add(self.phase, self.rank, dst, t.numel() * t.element_size())
+        return dist.batch_isend_irecv(ops) if ops else []
+
+
+def wait(works: list) -> None:
+    for work in works:
+        work.wait()
+
+
+def check_plan(plan: Plan, rank: int, group: dist.ProcessGroup | None, device: torch.device) -> None:
+    """Raise RuntimeError on every rank unless all ranks of `group` run the same plan, each
+    as the plan rank it really is (compares plan digests with one all_gather)."""
+    if not dist.is_available() or not dist.is_initialized():
+        if plan.num_ranks != 1 or rank != 0:
+            raise RuntimeError(f"a plan for {plan.num_ranks} ranks needs torch.distributed initialised")
+        return
+    world = dist.get_world_size(group)
+    if world != plan.num_ranks:
+        raise RuntimeError(f"the plan is for {plan.num_ranks} ranks but the process group has {world}")
+    mine = torch.tensor(list(bytes.fromhex(plan.digest)) + [rank], dtype=torch.int64, device=device)
+    everyone = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(everyone, mine, group=group)
+    wrong_rank = [r for r, t in enumerate(everyone) if int(t[-1]) != r]
+    if wrong_rank:
+        raise RuntimeError(f"ranks {wrong_rank} of the group were called as another plan rank")
+    holders: dict[tuple, list[int]] = {}
+    for r, t in enumerate(everyone):
+        holders.setdefault(tuple(t[:-1].tolist()), []).append(r)
+    if len(holders) > 1:
+        raise RuntimeError(f"ranks disagree on the plan: rank sets {sorted(holders.values())} hold different plans")
+
+
+# ---- predictions, from the plan alone --------------------------------------------------
+
+
+def grad_rows_returned(plan: Plan) -> Counter:
+    """Backward dK/dV rows per (src, dst). "ring": each rank keeps its own block's gradient;
+    the partial sum for the block it holds at step s >= 1 goes to its successor, so it
+    reaches the owner after the last step. "allgather": each rank sends the gradient of
+    every other member's block straight to that member."""
+    counts: Counter = Counter()
+    for ring in plan.rings:
+        g = len(ring.ranks)
+        for i, src in enumerate(ring.ranks):
+            if ring.comm == "allgather":
+                dsts = [(ring.ranks[j], ring.block_tokens(j)) for j in range(g) if j != i]
+            else:
+                dsts = [(ring.ranks[(i + 1) % g], ring.block_tokens((i - s) % g)) for s in range(1, g)]
+            for dst, rows in dsts:
+                if rows:
+                    counts[src, dst] += rows
+    return counts
+
+
+def predicted_bytes(plan: Plan, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> ByteCounter:
+    """Bytes the engine sends for `plan` with K/V of `dtype`: the forward passes K and V
+    (plan.kv_rows_sent); the backward passes them again and returns fp32 dK/dV."""
+    kv_row = 2 * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+    grad_row = 2 * num_kv_heads * head_dim * torch.empty(0, dtype=GRAD_DTYPE).element_size()
+    forward = Counter({pair: rows * kv_row for pair, rows in plan.kv_rows_sent().items()})
+    backward = forward + Counter({pair: rows * grad_row for pair, rows in grad_rows_returned(plan).items()})
+    return ByteCounter(forward=forward, backward=backward)

@@ -1,0 +1,176 @@
+"""Split documents: per-rank ring metadata from the plan, and the one ring loop that both
+the forward and the backward run.
+
+A rank at ring position p holds the block of p: its zig-zag chunks p and 2g-1-p
+(`Ring.chunks_of`), K and V stacked as kv [2, rows, H_kv, D]. At step s it holds the
+block of position (p - s) mod g. Which of its query chunks see which key chunks follows
+from document offsets: a key chunk that ends before a query chunk starts is seen whole,
+the rank's own block (step 0) is causal, a later chunk is not seen. The own block is
+causal as one square sequence because a rank's chunks are in document order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Generator
+
+import torch
+
+from ballonet.plan import Plan, Ring
+from ballonet.runtime.comm import P2P, wait
+from ballonet.runtime.kernels import Packing
+
+
+@dataclass(frozen=True)
+class BlockCall:
+    """The kernel call of one step: query rows of the rank's block against key rows of
+    the block held, packed into sequences."""
+
+    q_index: torch.Tensor
+    """[T_q] rows of this rank's block (each at most once)."""
+    k_index: torch.Tensor
+    """[T_k] rows of the block held at that step."""
+    packing: Packing
+
+
+@dataclass(frozen=True)
+class RingMeta:
+    doc: int
+    comm: str
+    ranks: tuple[int, ...]
+    position: int
+    rows: torch.Tensor
+    """[n] local rows (attention layout) of this rank's block, chunk p then 2g-1-p."""
+    block_rows: tuple[int, ...]
+    """Rows of the block of each ring position."""
+    calls: tuple[BlockCall | None, ...]
+    """The kernel call of each step; None where no query row sees the block held."""
+
+    @property
+    def tag(self) -> int:
+        """Message tag of this ring's K/V; tag + 1 carries its dK/dV."""
+        return 2 * self.doc
+
+
+def _chunk_offsets(chunks) -> list[int]:
+    out = [0]
+    for c in chunks:
+        out.append(out[-1] + c.num_tokens)
+    return out
+
+
+def _rows(offsets: list[int], which, device) -> torch.Tensor:
+    parts = [torch.arange(offsets[i], offsets[i + 1], device=device) for i in which]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=device)
+
+
+def _step_call(ring: Ring, p: int, j: int, device) -> BlockCall | None:
+    """The call of the rank at position p while it holds the block of position j."""
+    mine, held = ring.chunks_of(p), ring.chunks_of(j)
+    if p == j:
+        n = ring.block_tokens(p)
+        return BlockCall(q_index=torch.arange(n, device=device), k_index=torch.arange(n, device=device),
+                         packing=Packing.of([n], causal=True)) if n else None
+    # Consecutive query chunks that see the same key chunks share one sequence.
+    groups: list[tuple[list[int], tuple[int, ...]]] = []
+    for ci, c in enumerate(mine):
+        seen = tuple(ki for ki, kc in enumerate(held) if kc.end <= c.start)
+        assert all(kc.end <= c.start or kc.start >= c.end for kc in held), "overlapping chunks"
+        if not seen:
+            continue
+        if groups and groups[-1][1] == seen and groups[-1][0][-1] == ci - 1:
+            groups[-1][0].append(ci)
+        else:
+            groups.append(([ci], seen))
+    if not groups:
+        return None
+    q_off, k_off = _chunk_offsets(mine), _chunk_offsets(held)
+    return BlockCall(
+        q_index=_rows(q_off, [ci for cis, _ in groups for ci in cis], device),
+        k_index=_rows(k_off, [ki for _, kis in groups for ki in kis], device),
+        packing=Packing.of([sum(mine[ci].num_tokens for ci in cis) for cis, _ in groups],
+                           [sum(held[ki].num_tokens for ki in kis) for _, kis in groups], causal=False))
+
+
+def ring_meta(plan: Plan, rank: int, device) -> list[RingMeta]:
+    """The rings `rank` is part of, in queue order: inter-node first, then intra-node."""
+    local_offset, cursor = {}, 0
+    for s in plan.attention[rank]:
+        local_offset[s] = cursor
+        cursor += s.num_tokens
+    out = []
+    for ring in sorted(plan.rings, key=lambda r: (r.kind != "inter", r.doc)):
+        if rank not in ring.ranks:
+            continue
+        g, p = len(ring.ranks), ring.ranks.index(rank)
+        parts = [torch.arange(local_offset[c], local_offset[c] + c.num_tokens) for c in ring.chunks_of(p)]
+        rows = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+        out.append(RingMeta(doc=ring.doc, comm=ring.comm, ranks=ring.ranks, position=p, rows=rows.to(device),
+                            block_rows=tuple(ring.block_tokens(i) for i in range(g)),
+                            calls=tuple(_step_call(ring, p, (p - s) % g, device) for s in range(g))))
+    return out
+
+
+# ---- the loop ------------------------------------------------------------------------
+
+Compute = Callable[[int, torch.Tensor], "torch.Tensor | None"]
+
+
+def _like(x: torch.Tensor, rows: int) -> torch.Tensor:
+    return x.new_empty((x.shape[0], rows) + tuple(x.shape[2:]))
+
+
+def ring_pass(p2p: P2P, meta: RingMeta, kv: torch.Tensor, compute: Compute) -> Generator[None, None, torch.Tensor | None]:
+    """Call compute(step, kv_held) on the block held at each step, passing `kv` (this
+    rank's block) around the ring or all-gathering it; yield while transfers are in flight.
+
+    When compute returns the fp32 dK/dV of the block held (the backward), those return to
+    the block's owner; then the generator returns this rank's own block gradient."""
+    if meta.comm == "allgather":
+        return (yield from _gathered(p2p, meta, kv, compute))
+    g, p = len(meta.ranks), meta.position
+    nxt, prv = meta.ranks[(p + 1) % g], meta.ranks[(p - 1) % g]
+    own, incoming = None, None
+    for step in range(g):
+        if step < g - 1:
+            kv_next = _like(kv, meta.block_rows[(p - step - 1) % g])
+            kv_works = p2p.post([(nxt, kv)], [(prv, kv_next)], meta.tag)
+        grad = compute(step, kv)
+        if grad is not None and step == 0:
+            own = grad
+        elif grad is not None:
+            # Add the predecessor's partial sum for this block, pass it on; take the next one.
+            if incoming is not None:
+                wait(incoming[1])
+                grad += incoming[0]
+            buf = _like(grad, meta.block_rows[(p - step - 1) % g])
+            incoming = (buf, p2p.post([(nxt, grad)], [(prv, buf)], meta.tag + 1))
+        yield
+        if step < g - 1:
+            wait(kv_works)
+            kv = kv_next
+    if incoming is not None:  # the sum over the other ranks for this rank's own block
+        wait(incoming[1])
+        own += incoming[0]
+    return own
+
+
+def _gathered(p2p: P2P, meta: RingMeta, kv: torch.Tensor, compute: Compute):
+    """ring_pass for comm="allgather": every block goes straight to every other member,
+    and in the backward every block gradient straight back to its owner."""
+    g, p = len(meta.ranks), meta.position
+    peers = [(meta.ranks[(p - s) % g], (p - s) % g) for s in range(1, g)]
+    held = [_like(kv, meta.block_rows[j]) for _, j in peers]
+    works = p2p.post([(r, kv) for r, _ in peers], [(r, buf) for (r, _), buf in zip(peers, held)], meta.tag)
+    own = compute(0, kv)
+    yield
+    wait(works)
+    grads = [compute(step, buf) for step, buf in enumerate(held, start=1)]
+    if own is None:
+        return None
+    incoming = [torch.empty_like(own) for _ in peers]
+    works = p2p.post([(r, grad) for (r, _), grad in zip(peers, grads)],
+                     [(r, buf) for (r, _), buf in zip(peers, incoming)], meta.tag + 1)
+    yield
+    wait(works)
+    return own + sum(incoming) if incoming else own

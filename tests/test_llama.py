@@ -1,0 +1,221 @@
+import copy
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import ballonet
+from ballonet import runtime
+from ballonet.llama import IGNORE_INDEX, NORM_EPS, ROPE_THETA, Transformer
+from ballonet.plan import Plan, Segment
+from distributed import run_ranks
+from test_remap import remap_plan
+
+SPEC = ballonet.model("tiny")
+
+
+# ---- an independent reference: one document at a time ------------------------------
+
+
+def _rms(x, w):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + NORM_EPS) * w
+
+
+def _rope(x_LHD, theta=ROPE_THETA):
+    """Rotate pairs (i, i + D/2) as complex numbers by pos * theta^(-2i/D), pos = 0..L-1."""
+    L, _, D = x_LHD.shape
+    freqs = torch.arange(L, dtype=torch.float64)[:, None] * theta ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
+    rot = torch.polar(torch.ones_like(freqs), freqs)[:, None, :]
+    z = torch.complex(x_LHD[..., : D // 2].double(), x_LHD[..., D // 2:].double()) * rot
+    return torch.cat([z.real, z.imag], -1).to(x_LHD.dtype)
+
+
+def reference_logits(model: Transformer, ids_L: torch.Tensor) -> torch.Tensor:
+    """[L] token ids of one document -> [L, V] logits, causal attention over the document."""
+    p, L = dict(model.named_parameters()), ids_L.shape[0]
+    H, K, D = SPEC.num_heads, SPEC.num_kv_heads, SPEC.head_dim
+    x = p["embed.weight"][ids_L]
+    for i in range(SPEC.num_layers):
+        w = {name.split(".", 2)[2]: t for name, t in p.items() if name.startswith(f"layers.{i}.")}
+        h = _rms(x, w["attention_norm.weight"])
+        q = _rope((h @ w["wq.weight"].T).view(L, H, D))
+        k = _rope((h @ w["wk.weight"].T).view(L, K, D)).repeat_interleave(H // K, 1)
+        v = (h @ w["wv.weight"].T).view(L, K, D).repeat_interleave(H // K, 1)
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
+        x = x + o.transpose(0, 1).reshape(L, H * D) @ w["wo.weight"].T
+        h = _rms(x, w["ffn_norm.weight"])
+        x = x + (F.silu(h @ w["w1.weight"].T) * (h @ w["w3.weight"].T)) @ w["w2.weight"].T
+    return _rms(x, p["norm.weight"]) @ p["head.weight"].T
+
+
+def batch(lengths, seed=0):
+    """Global token ids and labels [N]: the next token of the document, IGNORE_INDEX at a
+    document's end and (a loss mask) at every 7th token."""
+    tokens = torch.randint(0, SPEC.vocab_size, (sum(lengths),), generator=torch.Generator().manual_seed(seed))
+    labels, start = tokens.roll(-1).clone(), 0
+    for n in lengths:
+        labels[start + n - 1] = IGNORE_INDEX
+        start += n
+    labels[::7] = IGNORE_INDEX
+    return tokens, labels
+
+
+def reference(model: Transformer, lengths, tokens, labels):
+    """Global logits [N, V] and summed loss; gradients land in `model`."""
+    logits = torch.cat([reference_logits(model, doc) for doc in tokens.split(list(lengths))])
+    loss = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    loss.backward()
+    return logits.detach(), loss.detach()
+
+
+# ---- attention seams for tests --------------------------------------------------------
+
+
+def local_attention(q, k, v, plan: Plan, rank: int, group=None):
+    """Per-document causal SDPA over this rank's segments; every document must be whole."""
+    outs, cursor = [], 0
+    for s in plan.attention[rank]:
+        assert s.num_tokens == plan.lengths[s.doc], "local_attention needs whole documents"
+        sl = slice(cursor, cursor + s.num_tokens)
+        o = F.scaled_dot_product_attention(q[sl].transpose(0, 1), k[sl].transpose(0, 1), v[sl].transpose(0, 1),
+                                           is_causal=True, enable_gqa=True)
+        outs.append(o.transpose(0, 1))
+        cursor += s.num_tokens
+    return torch.cat(outs)
+
+
+class _GatherAll(torch.autograd.Function):
+    """[T_att, ...] per rank -> the whole batch [N, ...] on every rank (global order);
+    backward sums every rank's gradient and keeps this rank's rows."""
+
+    @staticmethod
+    def forward(ctx, x, plan, rank, group):
+        ctx.index, ctx.group = runtime.token_index(plan, rank), group
+        T_max = max(plan.attention_tokens(r) for r in range(plan.num_ranks))
+        padded = torch.cat([x, x.new_zeros((T_max - x.shape[0], *x.shape[1:]))])
+        parts = [torch.empty_like(padded) for _ in range(plan.num_ranks)]
+        dist.all_gather(parts, padded, group=group)
+        out = x.new_empty((plan.num_tokens, *x.shape[1:]))
+        for r, part in enumerate(parts):
+            index = runtime.token_index(plan, r)
+            out[index] = part[: index.shape[0]]
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[ctx.index], None, None, None
+
+
+def gathered_attention(q, k, v, plan: Plan, rank: int, group=None):
+    """A distributed oracle independent of the engine: gather q, k, v of the whole batch,
+    attend per document, keep this rank's rows."""
+    q_N, k_N, v_N = (_GatherAll.apply(t, plan, rank, group) for t in (q, k, v))
+    docs = list(plan.lengths)
+    o_N = torch.cat([F.scaled_dot_product_attention(a.transpose(0, 1), b.transpose(0, 1), c.transpose(0, 1),
+                                                    is_causal=True, enable_gqa=True).transpose(0, 1)
+                     for a, b, c in zip(q_N.split(docs), k_N.split(docs), v_N.split(docs))])
+    return o_N[runtime.token_index(plan, rank)]
+
+
+# ---- one process ----------------------------------------------------------------------
+
+
+def one_rank_plan() -> Plan:
+    """Documents of 5, 9 and 4 tokens, held in the order 2, 0, 1."""
+    return Plan(planner="hand", lengths=(5, 9, 4), node_of_rank=(0,), nic_of_rank=(0,),
+                attention=((Segment(2, 0, 4), Segment(0, 0, 5), Segment(1, 0, 9)),)).validate()
+
+
+def _assert_grads_close(grads: dict, ref_model, **tol):
+    for name, p in ref_model.named_parameters():
+        assert torch.allclose(grads[name], p.grad, **tol), name
+
+
+@pytest.mark.parametrize("attention", ["local", "engine"])
+def test_one_process_matches_reference(attention):
+    plan = one_rank_plan()
+    dtype, tol = (torch.float64, dict(rtol=1e-9, atol=1e-10)) if attention == "local" else \
+        (torch.float32, dict(rtol=1e-4, atol=1e-5))
+    model = Transformer(SPEC, seed=3, attention_fn=local_attention if attention == "local" else None).to(dtype)
+    ref_model = copy.deepcopy(model)
+    tokens, labels = batch(plan.lengths)
+    ref_logits, ref_loss = reference(ref_model, plan.lengths, tokens, labels)
+    ti = runtime.token_index(plan, 0)
+    assert ti.tolist()[:4] == [14, 15, 16, 17]  # document 2 first
+    assert torch.allclose(model(tokens[ti], plan, 0), ref_logits[ti], **tol)
+    loss = model.loss(tokens[ti], labels[ti], plan, 0)
+    assert torch.allclose(loss, ref_loss, **tol)
+    # Small random weights: close to a uniform guess over the vocabulary.
+    assert abs(loss.item() / int((labels != IGNORE_INDEX).sum()) - math.log(SPEC.vocab_size)) < 0.1
+    loss.backward()
+    _assert_grads_close({n: p.grad for n, p in model.named_parameters()}, ref_model, **tol)
+
+
+def test_weights_come_from_the_seed():
+    a, b, c = Transformer(SPEC, seed=1), Transformer(SPEC, seed=1), Transformer(SPEC, seed=2)
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    assert not torch.equal(a.layers[0].wq.weight, c.layers[0].wq.weight)
+    assert sum(p.numel() for p in a.parameters()) == SPEC.num_params
+
+
+def test_model_rejects_bad_input():
+    model = Transformer(SPEC, attention_fn=local_attention)
+    with pytest.raises(ValueError, match="labels"):
+        model.loss(torch.zeros(18, dtype=torch.long), torch.zeros(17, dtype=torch.long), one_rank_plan(), 0)
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        Transformer(ballonet.model("tiny", tp=2))
+
+
+# ---- 4 gloo ranks as 2 nodes x 2 ------------------------------------------------------
+
+
+def planner_plan() -> Plan:
+    """The zeppelin planner's plan for a batch with one long document (if it splits it)."""
+    return ballonet.plan_batch((200, 3, 5, 8, 12, 6, 30, 2), ballonet.cluster("cpu"), SPEC).validate()
+
+
+SCENARIOS = [  # (name, plan, attention, dtype)
+    ("remap_plan/gathered", remap_plan, "gathered", torch.float64),
+    ("remap_plan/engine", remap_plan, "engine", torch.float32),
+    ("planner/engine", planner_plan, "engine", torch.float32),
+]
+
+
+def _model_rank(rank: int, world_size: int) -> list:
+    out = []
+    for _, make_plan, attention, dtype in SCENARIOS:
+        plan = make_plan()
+        model = Transformer(SPEC, seed=3, attention_fn=gathered_attention if attention == "gathered" else None)
+        model = model.to(dtype)
+        tokens, labels = batch(plan.lengths)
+        ti = runtime.token_index(plan, rank)
+        loss = model.loss(tokens[ti], labels[ti], plan, rank)
+        loss.backward()
+        with torch.no_grad():
+            logits = model(tokens[ti], plan, rank)
+        # numpy, not tensors: a tensor crosses the result queue as shared memory that dies with the rank.
+        out.append((loss.detach().numpy(), {n: p.grad.numpy() for n, p in model.named_parameters()}, logits.numpy()))
+    return out
+
+
+@pytest.mark.slow
+def test_four_ranks_match_one_process_reference():
+    results = run_ranks(4, _model_rank)
+    for i, (name, make_plan, _, dtype) in enumerate(SCENARIOS):
+        plan = make_plan()
+        assert plan.remap, name
+        tol = dict(rtol=1e-9, atol=1e-10) if dtype == torch.float64 else dict(rtol=1e-4, atol=2e-5)
+        ref_model = Transformer(SPEC, seed=3).to(dtype)
+        tokens, labels = batch(plan.lengths)
+        ref_logits, ref_loss = reference(ref_model, plan.lengths, tokens, labels)
+        per_rank = [(torch.from_numpy(loss), {n: torch.from_numpy(g) for n, g in grads.items()}, torch.from_numpy(lg))
+                    for loss, grads, lg in (r[i] for r in results)]
+        assert torch.allclose(sum(loss for loss, _, _ in per_rank), ref_loss, **tol), name
+        grads = {n: sum(g[n] for _, g, _ in per_rank) for n, _ in ref_model.named_parameters()}
+        _assert_grads_close(grads, ref_model, **tol)
+        for rank, (_, _, logits) in enumerate(per_rank):
+            assert torch.allclose(logits, ref_logits[runtime.token_index(plan, rank, "linear")], **tol), name
