@@ -207,21 +207,28 @@ class Plan:
         seen = [[] for _ in self.lengths]
         for rank, segs in enumerate(self.attention):
             for s in segs:
-                _check(0 <= s.doc < len(self.lengths), f"rank {rank}: unknown document {s.doc}")
-                _check(0 <= s.start < s.end <= self.lengths[s.doc], f"rank {rank}: bad segment {s}")
+                if not 0 <= s.doc < len(self.lengths):  # (messages built only on failure: hot loop)
+                    raise InvalidPlan(f"rank {rank}: unknown document {s.doc}")
+                if not 0 <= s.start < s.end <= self.lengths[s.doc]:
+                    raise InvalidPlan(f"rank {rank}: bad segment {s}")
                 seen[s.doc].append((s.start, s.end, rank))
         for doc, ranges in enumerate(seen):
             ranges.sort()
             cursor = 0
             for start, end, _ in ranges:
-                _check(start == cursor, f"document {doc}: tokens {cursor}..{start} missing or doubled")
+                if start != cursor:
+                    raise InvalidPlan(f"document {doc}: tokens {cursor}..{start} missing or doubled")
                 cursor = end
             _check(cursor == self.lengths[doc], f"document {doc}: covered up to {cursor} of {self.lengths[doc]}")
             holders = {r for _, _, r in ranges}
             _check(len(holders) == 1 or doc in self.ring_of_doc, f"document {doc} spans ranks but has no ring")
         _check(len(self.ring_of_doc) == len(self.rings), "a document has two rings")
+        held: dict[tuple[int, int], list[Segment]] = {}  # (rank, doc) -> segments, in local order
+        for rank, segs in enumerate(self.attention):
+            for s in segs:
+                held.setdefault((rank, s.doc), []).append(s)
         for ring in self.rings:
-            self._validate_ring(ring)
+            self._validate_ring(ring, held)
         self._validate_remap()
         for route in self.routes:
             self._validate_route(route)
@@ -230,7 +237,7 @@ class Plan:
                 _check(used <= cap, f"rank {rank}: {used / 2**30:.1f} GiB over its cap of {cap / 2**30:.1f} GiB")
         return self
 
-    def _validate_ring(self, ring: Ring) -> None:
+    def _validate_ring(self, ring: Ring, held_by: dict[tuple[int, int], list[Segment]]) -> None:
         g, L = len(ring.ranks), self.lengths[ring.doc]
         _check(ring.kind in SPLIT_KINDS and ring.comm in RING_COMMS, f"ring of document {ring.doc}: bad kind")
         _check(len(set(ring.ranks)) == g and all(0 <= r < self.num_ranks for r in ring.ranks),
@@ -241,12 +248,17 @@ class Plan:
         nodes = {self.node_of_rank[r] for r in ring.ranks}
         _check((ring.kind == "inter") == (len(nodes) > 1), f"ring of document {ring.doc}: kind {ring.kind} spans {len(nodes)} nodes")
         for i, rank in enumerate(ring.ranks):
-            held = tuple(s for s in self.attention[rank] if s.doc == ring.doc)
-            _check(held == ring.chunks_of(i), f"rank {rank} holds {held} of document {ring.doc}, ring says {ring.chunks_of(i)}")
+            held = tuple(held_by.get((rank, ring.doc), ()))
+            if held != ring.chunks_of(i):
+                raise InvalidPlan(f"rank {rank} holds {held} of document {ring.doc}, ring says {ring.chunks_of(i)}")
 
     def _validate_remap(self) -> None:
+        outgoing: list[list[tuple[int, int]]] = [[] for _ in range(self.num_ranks)]
+        for t in self.remap:
+            if 0 <= t.src < self.num_ranks:
+                outgoing[t.src].append((t.start, t.end))
         for rank in range(self.num_ranks):
-            out = sorted((t.start, t.end) for t in self.remap if t.src == rank)
+            out = sorted(outgoing[rank])
             cursor = 0
             for start, end in out:
                 _check(cursor <= start < end, f"rank {rank}: overlapping or empty remap ranges")

@@ -63,7 +63,7 @@ class TrainConfig:
     log_every: int = 1
 
     def __post_init__(self):
-        for name in ("global_tokens", "steps", "nodes"):
+        for name in ("global_tokens", "steps", "nodes", "log_every"):
             if getattr(self, name) < 1:
                 raise InputError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.checkpoint_every < 0 or (self.checkpoint_every and not self.checkpoint_dir):
@@ -291,6 +291,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: never)")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --checkpoint-dir")
     p.add_argument("--json-log", default=None, help="write one JSON object per step to this file")
+    p.add_argument("--log-every", type=int, default=defaults.log_every, help="steps between printed log lines")
     p.add_argument("--nproc", type=int, default=None,
                    help="launch this many ranks with torchrun (otherwise: one process, or torchrun's ranks)")
     p.add_argument("--max-restarts", type=int, default=0, help="with --nproc: torchrun restarts after a failure")

@@ -1,0 +1,228 @@
+"""The baselines of DESIGN.md section 3, each a function returning a Plan like `zeppelin`'s.
+
+Every baseline takes (lengths, cluster, model, **options) and returns a validated plan with
+predicted memory, or raises `InfeasiblePlan` naming the document and the limit its own
+scheme hits. None remaps or routes: their linear layout is their attention layout and
+their rings use the fixed GPU-NIC affinity. Like the systems they reproduce, they are
+speed-blind on mixed clusters (token or FLOP counts, not seconds). Split documents use
+equal zig-zag chunks (`plan.chunk_bounds(L, 2g)`) with no padding, over rings in rank order.
+"""
+
+from __future__ import annotations
+
+
+import numpy as np
+
+from ballonet import cost_model
+from ballonet.errors import InfeasiblePlan, InputError
+from ballonet.placement import (Devices, NoRoom, Placement, assemble, check_feasible, check_lengths, devices, lpt,
+                                with_memory)
+from ballonet.plan import Plan, chunk_bounds
+from ballonet.specs import ClusterSpec, ModelSpec
+
+
+def _setup(lengths, cluster, model) -> tuple[list[int], Devices]:
+    lengths = check_lengths(lengths)
+    dev = devices(cluster, model)
+    check_feasible(lengths, dev, model)
+    return lengths, dev
+
+
+def _finish(name: str, lengths, dev: Devices, placement: Placement, comm: str = "ring", meta=None) -> Plan:
+    return with_memory(assemble(name, lengths, dev, placement, comm=comm, meta=meta), dev).validate()
+
+
+def _whole(name: str, lengths, dev: Devices, cost: np.ndarray, limit: str) -> Plan:
+    """Whole documents to ranks, largest `cost` first, to the rank with the least cost
+    (LPT) that has memory for it."""
+    R = dev.num_ranks
+    placement = Placement(num_ranks=R)
+    try:
+        for r, docs in lpt(range(len(lengths)), cost, lengths, np.zeros(R), np.ones(R), dev.token_cap.astype(float)).items():
+            placement.local[r] = docs
+    except NoRoom as e:
+        raise InfeasiblePlan(f"{name}: document {e.doc} ({lengths[e.doc]} tokens) fits no single GPU with the rest "
+                             f"of the batch ({limit}: at most {int(dev.token_cap.max())} tokens per GPU)") from None
+    return _finish(name, lengths, dev, placement)
+
+
+def packed_dp(lengths, cluster: ClusterSpec, model: ModelSpec) -> Plan:
+    """Token-balanced packing per DP rank with a document mask, no splitting (Megatron-LM /
+    torchtitan sequence packing). Departure: LPT on token counts instead of first-fit in
+    arrival order, which only makes the baseline better balanced in tokens."""
+    lengths, dev = _setup(lengths, cluster, model)
+    return _whole("packed_dp", lengths, dev, np.asarray(lengths, dtype=float), "packed_dp never splits")
+
+
+def flops_dp(lengths, cluster: ClusterSpec, model: ModelSpec) -> Plan:
+    """Whole documents to DP ranks balanced on estimated FLOPs (attention plus linear), by
+    LPT: the sequence balancing of veRL (`get_seqlen_balanced_partitions`, Karmarkar-Karp)
+    and slime. Departure: LPT instead of Karmarkar-Karp (both are near-equal here)."""
+    lengths, dev = _setup(lengths, cluster, model)
+    L = np.asarray(lengths, dtype=float)
+    cost = 2.0 * model.num_heads * model.head_dim * L * (L + 1) + cost_model.linear_flops_per_token(model) * L
+    return _whole("flops_dp", lengths, dev, cost, "flops_dp never splits")
+
+
+def _cp_groups(num_ranks: int, cp_size: int | None, name: str) -> list[list[int]]:
+    cp = num_ranks if cp_size is None else cp_size
+    if not isinstance(cp, int) or cp < 1 or num_ranks % cp:
+        raise InputError(f"{name}: cp_size must divide the {num_ranks} ranks, got {cp_size!r}")
+    return [list(range(i, i + cp)) for i in range(0, num_ranks, cp)]
+
+
+def _token_pack(lengths, groups: list[list[int]], dev: Devices, name: str) -> list[list[int]]:
+    """Documents to data-parallel groups, balanced on tokens (LPT)."""
+    rooms = np.array([dev.token_cap[g].sum() for g in groups], dtype=float)
+    try:
+        by_group = lpt(range(len(lengths)), np.asarray(lengths, float), lengths, np.zeros(len(groups)),
+                       np.ones(len(groups)), rooms)
+    except NoRoom as e:
+        raise InfeasiblePlan(f"{name}: document {e.doc} ({lengths[e.doc]} tokens) fits no CP group of "
+                             f"{len(groups[0])} GPUs") from None
+    return [by_group.get(i, []) for i in range(len(groups))]
+
+
+def _split_all(name: str, lengths, dev: Devices, groups, comm: str, cp_size, meta=None) -> Plan:
+    placement = Placement(num_ranks=dev.num_ranks)
+    for group, docs in zip(groups, _token_pack(lengths, groups, dev, name)):
+        for d in docs:
+            if len(group) == 1:
+                placement.local[group[0]].append(d)
+            else:
+                placement.rings[d] = (tuple(group), chunk_bounds(lengths[d], 2 * len(group)))
+    return _finish(name, lengths, dev, placement, comm=comm, meta={"cp_size": len(groups[0]), **(meta or {})})
+
+
+def te_cp(lengths, cluster: ClusterSpec, model: ModelSpec, *, cp_size: int | None = None) -> Plan:
+    """TransformerEngine / Megatron-LM context parallelism (`cp_comm_type="p2p"`, THD
+    format): every document zig-zag split over all `cp_size` ranks of its CP group (default:
+    the whole cluster), ring P2P of K/V in rank order over the fixed GPU-NIC affinity;
+    documents go to CP groups by tokens. Departure: no padding of documents to multiples
+    of 2*cp (chunks may be empty)."""
+    lengths, dev = _setup(lengths, cluster, model)
+    return _split_all("te_cp", lengths, dev, _cp_groups(dev.num_ranks, cp_size, "te_cp"), "ring", cp_size)
+
+
+def llama_cp(lengths, cluster: ClusterSpec, model: ModelSpec, *, cp_size: int | None = None) -> Plan:
+    """Llama-3 context parallelism (Dubey et al. 2024, section 3.3.2): every document split
+    into 2*cp zig-zag chunks over its CP group (default: the whole cluster), K/V all-gathered
+    before attention. Departure: per-document all-gather groups; no padding."""
+    lengths, dev = _setup(lengths, cluster, model)
+    return _split_all("llama_cp", lengths, dev, _cp_groups(dev.num_ranks, cp_size, "llama_cp"), "allgather", cp_size)
+
+
+def hybrid_dp(lengths, cluster: ClusterSpec, model: ModelSpec, *, rank_tokens: int | None = None) -> Plan:
+    """ByteScale-style data-aware sharding (Ge et al. 2025): a document longer than a
+    rank's token budget (`rank_tokens`, default the batch's mean per rank) is split over
+    ceil(L / budget) consecutive ranks; shorter ones stay whole, packed by tokens (LPT)
+    around the long ones. Departures: CP groups are consecutive ranks in rank order (no
+    topology search), and packing balances tokens, not ByteScale's FLOP estimate."""
+    lengths, dev = _setup(lengths, cluster, model)
+    R = dev.num_ranks
+    budget = _budget(lengths, R, rank_tokens, "hybrid_dp")
+    placement = Placement(num_ranks=R)
+    tokens = np.zeros(R)
+    cursor = 0
+    long = sorted((d for d, L in enumerate(lengths) if L > budget), key=lambda d: (-lengths[d], d))
+    for d in long:
+        g = min(-(-lengths[d] // budget), R)
+        ranks = sorted((cursor + i) % R for i in range(g))
+        cursor = (cursor + g) % R
+        bounds = chunk_bounds(lengths[d], 2 * g)
+        placement.rings[d] = (tuple(ranks), bounds)
+        for i, r in enumerate(ranks):
+            tokens[r] += bounds[i + 1] - bounds[i] + bounds[2 * g - i] - bounds[2 * g - 1 - i]
+    short = [d for d, L in enumerate(lengths) if L <= budget]
+    try:
+        for r, docs in lpt(short, np.asarray(lengths, float), lengths, tokens.copy(), np.ones(R),
+                           dev.token_cap - tokens).items():
+            placement.local[r] = docs
+    except NoRoom as e:
+        raise InfeasiblePlan(f"hybrid_dp: document {e.doc} ({lengths[e.doc]} tokens) fits no GPU beside the "
+                             f"long documents (at most {int(dev.token_cap.max())} tokens per GPU)") from None
+    return _finish("hybrid_dp", lengths, dev, placement, meta={"rank_tokens": budget})
+
+
+def _budget(lengths, num_ranks: int, rank_tokens, name: str) -> int:
+    if rank_tokens is None:
+        return max(1, -(-sum(lengths) // num_ranks))
+    if not isinstance(rank_tokens, int) or rank_tokens < 1:
+        raise InputError(f"{name}: rank_tokens must be a positive integer, got {rank_tokens!r}")
+    return rank_tokens
+
+
+def wlb_llm(lengths, cluster: ClusterSpec, model: ModelSpec, *, cp_size: int | None = None) -> Plan:
+    """WLB-LLM (Wang et al., OSDI 2025): workload-aware packing of documents to the
+    data-parallel groups (attention plus linear FLOPs, largest first), then per-document
+    CP sharding: every document zig-zag split over all ranks of its CP group (default: the
+    ranks of one node, so rings stay on NVLink). Departures: one batch is planned, so the
+    outlier delay (holding very long documents back for a later step) is replaced by
+    placing outliers first; the per-document/per-sequence sharding choice is always
+    per-document."""
+    lengths, dev = _setup(lengths, cluster, model)
+    if cp_size is None:
+        cp_size = int(np.gcd.reduce([len(n) for n in dev.nodes()]))
+    groups = _cp_groups(dev.num_ranks, cp_size, "wlb_llm")
+    L = np.asarray(lengths, dtype=float)
+    cost = 2.0 * model.num_heads * model.head_dim * L * (L + 1) + cost_model.linear_flops_per_token(model) * L
+    rooms = np.array([dev.token_cap[g].sum() for g in groups], dtype=float)
+    try:
+        by_group = lpt(range(len(lengths)), cost, lengths, np.zeros(len(groups)), np.ones(len(groups)), rooms)
+    except NoRoom as e:
+        raise InfeasiblePlan(f"wlb_llm: document {e.doc} ({lengths[e.doc]} tokens) fits no CP group of "
+                             f"{cp_size} GPUs") from None
+    placement = Placement(num_ranks=dev.num_ranks)
+    for i, group in enumerate(groups):
+        for d in by_group.get(i, []):
+            if cp_size == 1:
+                placement.local[group[0]].append(d)
+            else:
+                placement.rings[d] = (tuple(group), chunk_bounds(lengths[d], 2 * cp_size))
+    return _finish("wlb_llm", lengths, dev, placement, meta={"cp_size": cp_size})
+
+
+def megatron_hcp(lengths, cluster: ClusterSpec, model: ModelSpec, *, rank_tokens: int | None = None) -> Plan:
+    """Megatron-Core hybrid (dynamic) context parallelism: each document gets the smallest
+    power-of-two CP size that keeps L/cp within a rank's token budget (`rank_tokens`,
+    default the batch's mean per rank); a greedy scheduler takes documents by L^2/cp,
+    largest first, and puts each on the aligned block of cp ranks whose busiest rank is
+    least loaded. Departure: one scheduling round per batch (no micro-batch loop)."""
+    lengths, dev = _setup(lengths, cluster, model)
+    R = dev.num_ranks
+    budget = _budget(lengths, R, rank_tokens, "megatron_hcp")
+    max_cp = 1 << (R.bit_length() - 1)
+    cps = {d: min(1 << max(0, (-(-L // budget) - 1).bit_length()), max_cp) for d, L in enumerate(lengths)}
+    load = np.zeros(R)
+    room = dev.token_cap.astype(float)
+    placement = Placement(num_ranks=R)
+    for d in sorted(range(len(lengths)), key=lambda d: (-lengths[d] ** 2 / cps[d], d)):
+        cp, L = cps[d], lengths[d]
+        blocks = (R // cp) * cp
+        fits = room[:blocks].reshape(-1, cp).min(axis=1) >= -(-L // (2 * cp)) * 2
+        if not fits.any():
+            raise InfeasiblePlan(f"megatron_hcp: document {d} ({L} tokens) fits no block of {cp} GPUs "
+                                 f"(at most {int(dev.token_cap.max())} tokens per GPU)")
+        busiest = np.where(fits, load[:blocks].reshape(-1, cp).max(axis=1), np.inf)
+        ranks = tuple(range(int(np.argmin(busiest)) * cp, (int(np.argmin(busiest)) + 1) * cp))
+        load[list(ranks)] += L * L / cp
+        if cp == 1:
+            placement.local[ranks[0]].append(d)
+            room[ranks[0]] -= L
+            continue
+        bounds = chunk_bounds(L, 2 * cp)
+        placement.rings[d] = (ranks, bounds)
+        for i, r in enumerate(ranks):
+            room[r] -= bounds[i + 1] - bounds[i] + bounds[2 * cp - i] - bounds[2 * cp - 1 - i]
+    return _finish("megatron_hcp", lengths, dev, placement, meta={"rank_tokens": budget})
+
+
+BASELINES = {
+    "packed_dp": packed_dp,
+    "flops_dp": flops_dp,
+    "te_cp": te_cp,
+    "llama_cp": llama_cp,
+    "hybrid_dp": hybrid_dp,
+    "wlb_llm": wlb_llm,
+    "megatron_hcp": megatron_hcp,
+}

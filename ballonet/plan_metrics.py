@@ -1,0 +1,136 @@
+"""Balance and traffic figures of a plan, from the cost model (per layer, forward).
+
+* attention cost of a rank: seconds of its local documents (`attention_flops` at their
+  length) plus its ring positions (`zigzag_rank_flops`, efficiency at its block length);
+* `attention_imbalance`: max / mean of those seconds;
+* `linear_imbalance`: max / mean of tokens after remap, each rank's tokens divided by its
+  share of the cluster's speed (plain max / mean of tokens on a homogeneous cluster);
+* bytes: forward K/V of every ring plus the hidden states the remap moves; inter-node
+  bytes are those that cross nodes; `max_nic_bytes` is the busiest NIC direction, with
+  routed hops spread over their proxies' NICs.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+
+from ballonet import cost_model
+from ballonet.placement import attention_token_counts, linear_token_counts
+from ballonet.plan import Plan, Ring
+from ballonet.specs import ClusterSpec, ModelSpec
+
+
+def rank_attention_seconds(plan: Plan, cluster: ClusterSpec, model: ModelSpec) -> list[float]:
+    gpu = [cluster.gpu_of(r * model.tp) for r in range(plan.num_ranks)]
+    out = [0.0] * plan.num_ranks
+    for r in range(plan.num_ranks):
+        for d in plan.local_docs(r):
+            L = plan.lengths[d]
+            out[r] += cost_model.attention_time(model, gpu[r], cost_model.attention_flops(model, L), L)
+    for ring in plan.rings:
+        for i, r in enumerate(ring.ranks):
+            flops = cost_model.zigzag_rank_flops(model, ring.bounds, i)
+            out[r] += cost_model.attention_time(model, gpu[r], flops, ring.block_tokens(i))
+    return out
+
+
+def ring_rows(plan: Plan, ring: Ring) -> list[tuple[int, int, int]]:
+    """Forward K/V rows of one ring as (src, dst, rows), in O(g) for P2P rings: over the
+    g-1 steps the hop from position i to i+1 carries every block but the successor's.
+    An all-gather ring sends each block to every other member."""
+    g, L = len(ring.ranks), plan.lengths[ring.doc]
+    blocks = [ring.block_tokens(i) for i in range(g)]
+    if ring.comm == "allgather":
+        return [(ring.ranks[i], ring.ranks[j], blocks[i]) for i in range(g) for j in range(g) if i != j and blocks[i]]
+    return [(ring.ranks[i], ring.ranks[(i + 1) % g], L - blocks[(i + 1) % g]) for i in range(g)
+            if L - blocks[(i + 1) % g] > 0]
+
+
+def _traffic(plan: Plan, model: ModelSpec) -> dict:
+    """Bytes: K/V, remap, crossing nodes, busiest NIC direction, and per rank out/in.
+    All-gather rings are summed per node in O(g) rather than per pair."""
+    R = plan.num_ranks
+    out, inn = [0.0] * R, [0.0] * R
+    nic: Counter = Counter()
+    total = {"kv": 0.0, "remap": 0.0, "inter": 0.0}
+    routes = {(rt.doc, rt.src, rt.dst): rt.proxies for rt in plan.routes}
+    node = plan.node_of_rank
+
+    def send(src: int, dst: int, nbytes: float, kind: str, proxies=None) -> None:
+        total[kind] += nbytes
+        out[src] += nbytes
+        inn[dst] += nbytes
+        if node[src] != node[dst]:
+            total["inter"] += nbytes
+            pairs = proxies or ((src, dst),)
+            for a, b in pairs:
+                nic["out", plan.nic_of_rank[a]] += nbytes / len(pairs)
+                nic["in", plan.nic_of_rank[b]] += nbytes / len(pairs)
+
+    for ring in plan.rings:
+        if ring.comm == "allgather":
+            _allgather_traffic(plan, model, ring, out, inn, nic, total)
+            continue
+        for src, dst, rows in ring_rows(plan, ring):
+            send(src, dst, cost_model.kv_bytes(model, rows), "kv", routes.get((ring.doc, src, dst)))
+    for (src, dst), n in plan.remap_tokens().items():
+        send(src, dst, cost_model.hidden_bytes(model, n), "remap")
+    return {**total, "max_nic": max(nic.values(), default=0.0), "out": out, "in": inn}
+
+
+def _allgather_traffic(plan, model, ring, out, inn, nic, total) -> None:
+    g = len(ring.ranks)
+    b = [cost_model.kv_bytes(model, ring.block_tokens(i)) for i in range(g)]
+    node = [plan.node_of_rank[r] for r in ring.ranks]
+    per_node: Counter = Counter()
+    count: Counter = Counter(node)
+    for i in range(g):
+        per_node[node[i]] += b[i]
+    everything = sum(b)
+    for i, r in enumerate(ring.ranks):
+        far = g - count[node[i]]
+        out[r] += b[i] * (g - 1)
+        inn[r] += everything - b[i]
+        total["kv"] += b[i] * (g - 1)
+        total["inter"] += b[i] * far
+        nic["out", plan.nic_of_rank[r]] += b[i] * far
+        nic["in", plan.nic_of_rank[r]] += everything - per_node[node[i]]
+
+
+def plan_metrics(plan: Plan, cluster: ClusterSpec, model: ModelSpec) -> dict:
+    seconds = rank_attention_seconds(plan, cluster, model)
+    speed = np.array([cluster.gpu_of(r * model.tp).peak_flops for r in range(plan.num_ranks)])
+    linear = np.array(linear_token_counts(plan, attention_token_counts(plan)), dtype=float)
+    traffic = _traffic(plan, model)
+    mean_s = float(np.mean(seconds))
+    per_speed = linear / (speed / speed.sum())
+    return {
+        "attention_imbalance": max(seconds) / mean_s if mean_s > 0 else 1.0,
+        "linear_imbalance": float(per_speed.max() / linear.sum()) if linear.sum() > 0 else 1.0,
+        "attention_max_s": max(seconds),
+        "comm_bytes": traffic["kv"] + traffic["remap"],
+        "kv_bytes": traffic["kv"],
+        "remap_bytes": traffic["remap"],
+        "inter_node_bytes": traffic["inter"],
+        "max_nic_bytes": traffic["max_nic"],
+        "num_rings": len(plan.rings),
+        "num_inter_rings": sum(r.kind == "inter" for r in plan.rings),
+    }
+
+
+def rank_bytes(plan: Plan, model: ModelSpec) -> tuple[list[float], list[float]]:
+    """Per rank, (bytes sent, bytes received): forward K/V of rings plus remap hidden states."""
+    traffic = _traffic(plan, model)
+    return traffic["out"], traffic["in"]
+
+
+def rank_classes(plan: Plan, rank: int) -> dict[str, int]:
+    """Documents a rank holds (part of), by class."""
+    counts = {"local": len(plan.local_docs(rank)), "intra": 0, "inter": 0}
+    for doc in {s.doc for s in plan.attention[rank]}:
+        ring = plan.ring_of_doc.get(doc)
+        if ring is not None:
+            counts[ring.kind] += 1
+    return counts

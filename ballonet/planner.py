@@ -1,0 +1,301 @@
+"""The hierarchical sequence partitioner (DESIGN.md section 2) and `plan_batch`.
+
+Every document gets a class, from the cost model and the batch:
+
+* *local*: whole on one rank, no communication;
+* *intra-node*: split over ranks of one node (a ring over NVLink);
+* *inter-node*: split over ranks of several nodes.
+
+Splitting pays K/V traffic linear in L to save attention work quadratic in L, and only
+pays off once a ring step's compute hides its transfer: once each member's block of L/g
+rows reaches the break-even chunk c* of the link (`cost_model.breakeven_chunk_tokens`).
+So the crossover lengths are L_intra = 2 c*_nvlink (two GPUs of a node) and
+L_inter = 2 n c*_nic (two whole nodes of n ranks, each crossing hop on one NIC). A
+document above a crossover is split only when the batch needs it: when its attention
+work exceeds one rank's fair share (intra) or one node's (inter), or when it does not fit
+a rank's (a node's) memory. Splitting more than needed only adds traffic.
+
+Placement, with work in peak-FLOP units so a rank's time is work / its peak:
+  Step 1 (level 1, nodes): each inter-node document fills the nodes with the most room
+    left, as few as cover it; then the other documents go whole to nodes, largest first,
+    to the node that would finish them first (LPT on uniform machines), within each
+    node's memory; one that no node can hold whole is spread across nodes.
+  Step 2 (level 2, inside each node): documents that must be split there, and the node's
+    shares of inter-node documents, fill the ranks with the most room; then local
+    documents go to ranks by LPT, within each rank's memory. If the busiest rank still
+    holds only whole documents and is over the node's mean, its largest document above
+    L_intra is split with the least busy such rank (`_split_to_level`).
+  Step 3 (refinement): each split document's tokens are re-spread over its members by
+    water-filling so that members end level relative to their speed (a split document
+    can be cut anywhere: see `placement.zigzag_bounds`); members join or leave a ring
+    when that evens the load (`refinement.py`).
+  Step 4: remap targets (tokens in proportion to speed, under memory caps) and routes
+    for inter-node hops (`remap_plan.py`, `routing_plan.py`).
+
+A batch the greedy steps cannot fit under memory caps falls back to cutting the batch in
+speed-proportional runs of tokens (valid, not balanced; `meta["fallback"]`). Without
+`hierarchical`, a document that must be split spans every rank (the ablation).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import numpy as np
+
+from ballonet import cost_model
+from ballonet.baselines import BASELINES
+from ballonet.errors import InfeasiblePlan, InputError
+from ballonet.placement import (Devices, NoRoom, Placement, apportion, assemble, attention_token_counts,
+                                attention_work, check_feasible, check_lengths, devices, lpt, with_memory)
+from ballonet.plan import Plan
+from ballonet.refinement import refine, split_work
+from ballonet.remap_plan import linear_targets, plan_remap
+from ballonet.routing_plan import plan_routes
+from ballonet.specs import ClusterSpec, ModelSpec
+
+
+def crossover_lengths(cluster: ClusterSpec, model: ModelSpec) -> list[dict]:
+    """Per node group: the lengths above which a document's ring hides its transfers
+    inside a node ("intra") and across two nodes ("inter")."""
+    out = []
+    for g in cluster.groups:
+        ranks_per_node = g.gpus_per_node // model.tp
+        c_intra = cost_model.breakeven_chunk_tokens(model, g.gpu_type, g.intra_bw)
+        c_inter = cost_model.breakeven_chunk_tokens(model, g.gpu_type, g.nic_bw / g.gpus_per_nic, nic=True)
+        out.append({"intra": 2 * c_intra if ranks_per_node > 1 else None, "inter": 2 * ranks_per_node * c_inter})
+    return out
+
+
+def _fill(room: np.ndarray, token_room: np.ndarray, work: float, per_token: float) -> dict[int, float]:
+    """Spread `work` (of a document costing `per_token` per token) over as few slots as
+    possible, most room first: {slot: work share}. Slots are bounded by their token room;
+    what no room takes is spread by free tokens."""
+    cap = np.minimum(np.maximum(room, 0.0), token_room * per_token)
+    order = np.lexsort((np.arange(len(room)), -cap))
+    shares, left = {}, work
+    for i in order:
+        if left <= 0 or cap[i] <= 0:
+            break
+        take = min(cap[i], left)
+        shares[int(i)] = take
+        left -= take
+    if left > 1e-9 * work:  # rooms are full: spread the rest by free tokens
+        free = token_room * per_token - np.array([shares.get(i, 0.0) for i in range(len(room))])
+        if free.sum() < left * (1 - 1e-9):
+            raise NoRoom
+        for i in np.nonzero(free > 0)[0]:
+            shares[int(i)] = shares.get(int(i), 0.0) + left * free[i] / free.sum()
+    return shares
+
+
+def _classify(L: np.ndarray, work: np.ndarray, dev: Devices, nodes, thresholds, hierarchical: bool):
+    """(intra, inter) masks: split inside a node / across nodes (module docstring)."""
+    speed = dev.speed
+    rank_share = work.sum() * speed.max() / speed.sum()
+    node_share = work.sum() * max(speed[rs].sum() for rs in nodes) / speed.sum()
+    l_intra = min((t["intra"] for t in thresholds if t["intra"]), default=None)
+    l_inter = min(t["inter"] for t in thresholds)
+    can_intra = (L >= l_intra) if l_intra else np.zeros(len(L), dtype=bool)
+    intra = (L > dev.token_cap.max()) | ((work > rank_share) & can_intra)
+    inter = np.zeros(len(L), dtype=bool)
+    if hierarchical and len(nodes) > 1:
+        node_tokens = max(dev.token_cap[rs].sum() for rs in nodes)
+        inter = (L > node_tokens) | ((work > node_share) & (L >= l_inter))
+    return intra & ~inter, inter
+
+
+def _charge(shares: dict[int, float], d: int, work, lengths, load, token_room, slots=None, out=None) -> None:
+    """Add a document's work shares {slot: work} to `load` and their tokens to `token_room`
+    (slot i is rank slots[i] in `out[d]`)."""
+    for i, w in shares.items():
+        load[i] += w
+        token_room[i] -= w * lengths[d] / work[d]
+        if out is not None:
+            out.setdefault(d, {})[int(slots[i]) if slots is not None else i] = w
+
+
+def _level1(lengths, work, dev: Devices, nodes, intra, inter):
+    """Step 1: inter-node documents fill the nodes with most room; the rest go whole to
+    nodes by LPT (documents to split inside a node only to nodes of 2 or more ranks);
+    a document no node has memory for is spread across nodes. Returns (node load, docs
+    per node, inter-node shares {doc: {node: work}})."""
+    node_speed = np.array([dev.speed[rs].sum() for rs in nodes])
+    node_target = work.sum() * node_speed / node_speed.sum()
+    node_load = np.zeros(len(nodes))
+    node_room = np.array([dev.token_cap[rs].sum() for rs in nodes], dtype=float)
+    shares: dict[int, dict[int, float]] = {}
+    for d in sorted(np.nonzero(inter)[0].tolist(), key=lambda d: (-work[d], d)):
+        got = _fill(node_target - node_load, node_room, work[d], work[d] / lengths[d])
+        _charge(got, d, work, lengths, node_load, node_room, out=shares)
+    work_list = work.tolist()
+    node_docs: dict[int, list[int]] = {}
+    multi = np.array([len(rs) > 1 for rs in nodes])
+    spill: list[int] = []
+    for docs, pool in (([d for d in range(len(lengths)) if intra[d]], multi if multi.any() else ~multi),
+                       ([d for d in range(len(lengths)) if not intra[d] and not inter[d]], np.ones(len(nodes), bool))):
+        idx = np.nonzero(pool)[0]
+        sub_load, sub_room = node_load[idx], node_room[idx]
+        for i, ds in lpt(docs, work_list, lengths, sub_load, node_speed[idx], sub_room, spill).items():
+            node_docs.setdefault(int(idx[i]), []).extend(ds)
+        node_load[idx], node_room[idx] = sub_load, sub_room
+    for d in spill:
+        got = _fill(node_target - node_load, node_room, work[d], work[d] / lengths[d])
+        _charge(got, d, work, lengths, node_load, node_room, out=shares)
+    return node_load, node_docs, shares
+
+
+def _level2(ranks: np.ndarray, node_work: float, docs: list[int], inter_water: list[tuple[float, int]],
+            lengths, work, work_list, dev: Devices, min_length, local, split_shares, token_room) -> None:
+    """Step 2, one node: documents to split here and the node's shares of inter-node
+    documents fill the ranks with most room; local documents go by LPT; a document no
+    rank has memory for is spread over the node; then `_split_to_level`."""
+    speed = dev.speed[ranks]
+    target = node_work * speed / speed.sum()
+    room = token_room[ranks]
+    load = np.zeros(len(ranks))
+    most_tokens, fair = dev.token_cap[ranks].max(), target.max()
+    splits = [d for d in docs if lengths[d] > most_tokens
+              or (min_length is not None and lengths[d] >= min_length and work[d] > fair)]
+    water = inter_water + [(float(work[d]), d) for d in splits]
+    for w, d in sorted(water, key=lambda x: (-x[0], x[1])):
+        got = _fill(target - load, room, w, work[d] / lengths[d])
+        _charge(got, d, work, lengths, load, room, ranks, split_shares)
+    split_set, spill = set(splits), []
+    placed = lpt([d for d in docs if d not in split_set], work_list, lengths, load, speed, room, spill)
+    for i, ds in placed.items():
+        local[int(ranks[i])] = ds
+    for d in spill:
+        got = _fill(target - load, room, float(work[d]), work[d] / lengths[d])
+        _charge(got, d, work, lengths, load, room, ranks, split_shares)
+    if min_length is not None:
+        _split_to_level(ranks, load, speed, local, split_shares, work, lengths, min_length)
+    token_room[ranks] = room
+
+
+def _place(lengths, work, dev: Devices, thresholds, hierarchical: bool, model: ModelSpec) -> tuple[Placement, dict]:
+    R, nodes = dev.num_ranks, dev.nodes()
+    # A document above a rank's fair share will be split over about work / share ranks,
+    # whose shorter blocks run at a lower kernel efficiency: count it at that efficiency.
+    fair = work.sum() / R
+    for d in np.nonzero(work > fair)[0]:
+        for _ in range(4):  # fixed point: more members, shorter blocks, more work
+            work[d] = split_work(model, lengths[d], min(np.ceil(work[d] / fair), R))
+    intra, inter = _classify(np.asarray(lengths), work, dev, nodes, thresholds, hierarchical)
+    split_shares: dict[int, dict[int, float]] = {}  # doc -> rank -> work
+    local: list[list[int]] = [[] for _ in range(R)]
+    token_room = dev.token_cap.astype(float)
+    if not hierarchical:  # every split document over all ranks, shares set by refinement
+        solid = [d for d in range(len(lengths)) if not intra[d]]
+        for i, docs in lpt(solid, work.tolist(), lengths, np.zeros(R), dev.speed, token_room).items():
+            local[i] = docs
+        split_shares = {int(d): dict.fromkeys(range(R), 0.0) for d in np.nonzero(intra)[0]}
+        return refine(lengths, work, dev, local, split_shares, model), {}
+    node_load, node_docs, inter_shares = _level1(lengths, work, dev, nodes, intra, inter)
+    work_list = work.tolist()
+    for n, ranks in enumerate(nodes):
+        water = [(w, d) for d, sh in inter_shares.items() if (w := sh.get(n, 0.0)) > 0]
+        _level2(np.array(ranks), node_load[n], node_docs.get(n, []), water, lengths, work, work_list, dev,
+                thresholds[dev.group[ranks[0]]]["intra"], local, split_shares, token_room)
+    return refine(lengths, work, dev, local, split_shares, model), {"inter_docs": len(inter_shares)}
+
+
+def _split_to_level(ranks, load, speed, local, split_shares, work, lengths, min_length: int,
+                    tolerance: float = 0.02) -> None:
+    """Refinement of level 2: while the busiest rank of a node is over the node's mean by
+    more than `tolerance` and holds only whole documents, split its largest document that
+    is above the intra-node crossover with the least busy rank that holds only whole
+    documents too (step 3 levels the two)."""
+    in_water = {r for shares in split_shares.values() for r in shares}
+    for _ in range(len(ranks)):
+        rel = load / speed
+        busy = [i for i in np.argsort(-rel, kind="stable") if int(ranks[i]) not in in_water
+                and rel[i] > (1 + tolerance) * load.sum() / speed.sum()
+                and any(lengths[d] >= min_length for d in local[int(ranks[i])])]
+        if not busy:
+            return
+        idle = [i for i in np.argsort(rel, kind="stable") if int(ranks[i]) not in in_water and i != busy[0]]
+        if not idle:
+            return
+        hi, lo = int(busy[0]), int(idle[0])
+        docs = [d for d in local[int(ranks[hi])] if lengths[d] >= min_length]
+        d = max(docs, key=lambda d: (work[d], -d))
+        local[int(ranks[hi])].remove(d)
+        split_shares[d] = {int(ranks[hi]): work[d] / 2, int(ranks[lo]): work[d] / 2}
+        in_water |= {int(ranks[hi]), int(ranks[lo])}
+        load[hi] -= work[d] / 2
+        load[lo] += work[d] / 2
+
+
+def _fallback(lengths: list[int], dev: Devices) -> Placement:
+    """Runs of the batch in input order, cut at speed-proportional token counts."""
+    quota = apportion(sum(lengths), dev.speed, dev.token_cap)
+    placement = Placement(num_ranks=dev.num_ranks)
+    r = 0
+    for d, L in enumerate(lengths):
+        parts, left = {}, L
+        while left:
+            while quota[r] == 0:
+                r += 1
+            take = min(left, int(quota[r]))
+            parts[r] = take
+            quota[r] -= take
+            left -= take
+        if len(parts) == 1:
+            placement.local[next(iter(parts))].append(d)
+        else:
+            placement.split[d] = parts
+    return placement
+
+
+def zeppelin(lengths, cluster: ClusterSpec, model: ModelSpec, *, routing: bool = True, remap: bool = True,
+             hierarchical: bool = True, assume_homogeneous: bool = False) -> Plan:
+    """The Ballonet planner. `routing`, `remap`, `hierarchical` switch its layers off for
+    ablations (without hierarchy a split document spans every rank); `assume_homogeneous`
+    plans as if every GPU were the first type (memory caps stay real)."""
+    options = {"routing": routing, "remap": remap, "hierarchical": hierarchical, "assume_homogeneous": assume_homogeneous}
+    for key, value in options.items():
+        if not isinstance(value, bool):
+            raise InputError(f"zeppelin option {key} must be True or False, got {value!r}")
+    lengths = check_lengths(lengths)
+    dev = devices(cluster, model, assume_homogeneous)
+    check_feasible(lengths, dev, model)
+    thresholds = crossover_lengths(cluster, model)
+    meta = {"options": options, "crossover_lengths": thresholds, "fallback": False}
+    try:
+        placement, facts = _place(lengths, attention_work(model, lengths), dev, thresholds, hierarchical, model)
+        meta.update(facts)
+        return _finish(lengths, cluster, model, dev, placement, meta, routing, remap)
+    except (NoRoom, InfeasiblePlan):
+        meta["fallback"] = True
+        return _finish(lengths, cluster, model, dev, _fallback(lengths, dev), meta, routing, remap)
+
+
+def _finish(lengths, cluster, model, dev: Devices, placement: Placement, meta, routing: bool, remap: bool) -> Plan:
+    """Step 4 and checks: remap, routes, memory (raises `InfeasiblePlan`), validation."""
+    plan = assemble("zeppelin", lengths, dev, placement, meta=meta)
+    if remap:
+        targets = linear_targets(sum(lengths), dev.speed, dev.token_cap)
+        plan = dataclasses.replace(plan, remap=plan_remap(attention_token_counts(plan), targets, dev.node))
+    if routing:
+        plan = dataclasses.replace(plan, routes=plan_routes(plan, cluster, model, dev.local_index))
+    return with_memory(plan, dev).validate()
+
+
+PLANNERS = {"zeppelin": zeppelin, **BASELINES}
+"""Every planner by name: a function (lengths, cluster, model, **options) -> Plan."""
+
+
+def plan_batch(lengths, cluster: ClusterSpec, model: ModelSpec, planner: str = "zeppelin", **options) -> Plan:
+    """Plan one global batch of document `lengths` (tokens, input order) on `cluster` for
+    `model` with `planner` (a key of `PLANNERS`); `options` go to the planner."""
+    if planner not in PLANNERS:
+        raise InputError(f"unknown planner {planner!r}; known: {', '.join(PLANNERS)}")
+    fn = PLANNERS[planner]
+    known = [p.name for p in inspect.signature(fn).parameters.values() if p.kind == p.KEYWORD_ONLY]
+    for key in options:
+        if key not in known:
+            raise InputError(f"planner {planner!r} has no option {key!r}; options: {', '.join(known) or 'none'}")
+    return fn(lengths, cluster, model, **options)
+

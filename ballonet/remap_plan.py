@@ -1,0 +1,56 @@
+"""Remap planning (DESIGN.md section 2): from the attention layout to a token-balanced one.
+
+Only surplus tokens move. Each rank with more tokens than its linear target sends the
+tail of its attention-local order; surplus is matched to deficit inside each node first,
+so only a node's net imbalance crosses the network.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ballonet.plan import Transfer
+
+
+def linear_targets(num_tokens: int, speed: np.ndarray, token_cap: np.ndarray) -> np.ndarray:
+    """[R] tokens per rank for the linear layers: in proportion to each rank's speed (equal
+    on a homogeneous cluster), none above its memory cap."""
+    from ballonet.placement import apportion
+
+    return apportion(num_tokens, speed, token_cap)
+
+
+def plan_remap(attention_tokens: list[int], targets: np.ndarray, node_of_rank: tuple[int, ...]) -> tuple[Transfer, ...]:
+    """Transfers taking ranks from `attention_tokens` to `targets` tokens (same total)."""
+    surplus = {r: a - int(t) for r, (a, t) in enumerate(zip(attention_tokens, targets)) if a > t}
+    deficit = {r: int(t) - a for r, (a, t) in enumerate(zip(attention_tokens, targets)) if a < t}
+    cursor = {r: attention_tokens[r] - s for r, s in surplus.items()}  # first token each sender gives away
+    transfers: list[Transfer] = []
+
+    def match(senders: list[int], receivers: list[int]) -> None:
+        i = j = 0
+        while i < len(senders) and j < len(receivers):
+            src, dst = senders[i], receivers[j]
+            n = min(surplus[src], deficit[dst])
+            if n > 0:
+                transfers.append(Transfer(src, dst, cursor[src], cursor[src] + n))
+                cursor[src] += n
+                surplus[src] -= n
+                deficit[dst] -= n
+            if surplus[src] == 0:
+                i += 1
+            if deficit[dst] == 0:
+                j += 1
+
+    # Step 1: inside each node.
+    by_node: dict[int, tuple[list[int], list[int]]] = {}
+    for r in sorted(surplus):
+        by_node.setdefault(node_of_rank[r], ([], []))[0].append(r)
+    for r in sorted(deficit):
+        by_node.setdefault(node_of_rank[r], ([], []))[1].append(r)
+    for node in sorted(by_node):
+        match(*by_node[node])
+    # Step 2: the net imbalance of nodes, across the network.
+    match([r for r in sorted(surplus) if surplus[r]], [r for r in sorted(deficit) if deficit[r]])
+    assert not any(surplus.values()) and not any(deficit.values())
+    return tuple(sorted(transfers, key=lambda t: (t.src, t.start)))

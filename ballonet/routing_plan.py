@@ -1,0 +1,77 @@
+"""Routing planning (DESIGN.md section 2): spread each inter-node ring hop over idle NICs.
+
+A hop of m bytes per ring step, cut over k rail-aligned proxy pairs, costs about
+2 * t_intra((k-1)/k * m) + t_nic(m / k) (dispatch, parallel NIC sends, combine) instead
+of t_nic(m) on the sender's own NIC. k is chosen per hop by that cost. Proxies are picked
+rail-aligned (local index j on both nodes), one per NIC, preferring NICs that carry the
+least traffic of the other inter-node hops of the same (inter-node) phase. Hops are
+handled largest first; ties go to the lower document, ring position and rail.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from ballonet import cost_model
+from ballonet.plan import Plan, Route
+from ballonet.specs import ClusterSpec, ModelSpec
+
+
+def _hops(plan: Plan) -> list[tuple[float, int, int, int, int]]:
+    """(-rows per step, doc, position, src, dst) of every node-crossing hop of P2P rings."""
+    out = []
+    for ring in plan.rings:
+        if ring.kind != "inter" or ring.comm != "ring":
+            continue
+        g, L = len(ring.ranks), plan.lengths[ring.doc]
+        for i in range(g):
+            src, dst = ring.ranks[i], ring.ranks[(i + 1) % g]
+            if plan.node_of_rank[src] != plan.node_of_rank[dst]:
+                out.append((-L / g, ring.doc, i, src, dst))
+    return sorted(out)
+
+
+def plan_routes(plan: Plan, cluster: ClusterSpec, model: ModelSpec, local_index: tuple[int, ...]) -> tuple[Route, ...]:
+    nodes: dict[int, dict[int, int]] = defaultdict(dict)  # node -> local index -> rank
+    for r, (n, j) in enumerate(zip(plan.node_of_rank, local_index)):
+        nodes[n][j] = r
+    tp = model.tp
+    group = [cluster.group_of(r * tp) for r in range(plan.num_ranks)]
+    hops = _hops(plan)
+    load: dict[tuple[str, int], float] = defaultdict(float)  # ("out"|"in", nic) -> bytes per step
+    for rows, _, _, src, dst in hops:
+        load["out", plan.nic_of_rank[src]] += cost_model.kv_bytes(model, -rows)
+        load["in", plan.nic_of_rank[dst]] += cost_model.kv_bytes(model, -rows)
+    routes = []
+    for rows, doc, _, src, dst in hops:
+        m = cost_model.kv_bytes(model, -rows)
+        load["out", plan.nic_of_rank[src]] -= m
+        load["in", plan.nic_of_rank[dst]] -= m
+        src_ranks, dst_ranks = nodes[plan.node_of_rank[src]], nodes[plan.node_of_rank[dst]]
+        rails, seen = [], set()
+        for j in sorted(set(src_ranks) & set(dst_ranks)):
+            a, b = src_ranks[j], dst_ranks[j]
+            key = (plan.nic_of_rank[a], plan.nic_of_rank[b])
+            if key[0] not in {k[0] for k in seen} and key[1] not in {k[1] for k in seen}:
+                seen.add(key)
+                rails.append((load["out", key[0]] + load["in", key[1]], j, a, b))
+        rails.sort()
+        k = _best_width(m, len(rails), group[src], group[dst])
+        chosen = [(a, b) for _, _, a, b in rails[:k]] if k > 1 else [(src, dst)]
+        for a, b in chosen:
+            load["out", plan.nic_of_rank[a]] += m / len(chosen)
+            load["in", plan.nic_of_rank[b]] += m / len(chosen)
+        if k > 1:
+            routes.append(Route(doc=doc, src=src, dst=dst, proxies=tuple(chosen)))
+    return tuple(sorted(routes, key=lambda r: (r.doc, r.src)))
+
+
+def _best_width(m: float, max_k: int, src_group, dst_group) -> int:
+    """Proxy count with the least predicted time for a hop of m bytes (1: direct)."""
+    def time(k: int) -> float:
+        if k == 1:
+            return cost_model.p2p_time(m, src_group.nic_bw / src_group.gpus_per_nic, nic=True)
+        part = (k - 1) / k * m
+        return (cost_model.p2p_time(part, src_group.intra_bw) + cost_model.p2p_time(part, dst_group.intra_bw)
+                + cost_model.p2p_time(m / k, min(src_group.nic_bw, dst_group.nic_bw), nic=True))
+    return min(range(1, max(max_k, 1) + 1), key=lambda k: (time(k), k))

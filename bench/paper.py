@@ -1,0 +1,302 @@
+"""Reproduce the Zeppelin paper's evaluation in simulation (DESIGN.md section 4).
+
+    OMP_NUM_THREADS=1 python bench/paper.py [--quick] [--steps K] [--out bench/results]
+
+Writes bench/results/paper.json (every figure) and paper.md (tables and the targets, each
+met or not, with the reason). Every planner sees the same sampled batches; speedups are
+ratios of mean simulated step times. The grid is the paper's as far as it is known:
+clusters A (A800, 4x200 Gb/s NICs per node), B (H800, 8x400), C (H200, 8x400); LLaMA
+3B/7B and 13B/30B with tensor parallelism (tp 2 and 4); the `wlbllm` and `prolong`
+presets and `shortmix` (short-heavy, standing in for ArXiv/GitHub/ProLong64k).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+from ballonet import cost_model, specs, workloads
+from ballonet.comparison import compare
+from ballonet.fabric import Fabric
+from ballonet.planner import plan_batch
+from ballonet.routing_plan import plan_routes
+from ballonet.simulator import simulate
+from ballonet.timeline import Timeline
+
+PLANNERS = ["zeppelin", "te_cp", "llama_cp", "hybrid_dp", "wlb_llm", "megatron_hcp", "packed_dp", "flops_dp"]
+CLUSTERS = {"A": "a800-4nic", "B": "h800-8nic", "C": "h200-8nic"}
+MODELS = [("llama-3b", 1), ("llama-7b", 1), ("llama-13b", 2), ("llama-30b", 4)]
+WORKLOADS = ["wlbllm", "prolong", "shortmix"]
+SHORT = 4096
+"""A document is short below this many tokens (for the short-share trend)."""
+
+
+def config(cluster: str, nodes: int, model: str, tp: int, workload: str, tokens: int, max_length, steps: int,
+           planners=PLANNERS) -> dict:
+    c = specs.cluster(CLUSTERS[cluster], num_nodes=nodes)
+    m = specs.model(model, tp=tp)
+    t = time.perf_counter()
+    rows = compare(c, m, workload, tokens, planners, steps=steps, seed=0, max_length=max_length)
+    results = {r.planner: {**r.to_dict(), "tokens_per_s": tokens * c.num_ranks / r.step_time_s} for r in rows}
+    # TE CP as a Megatron user would size it for the context window: cp = context / tokens per GPU
+    cp = max(1, max_length // tokens // tp) if max_length else 1
+    if cp > 1 and (c.num_ranks // tp) % cp == 0:
+        batches = workloads.get(workload).batches(tokens * c.num_ranks, 0, steps, max_length)
+        step = statistics.mean(simulate(plan_batch(b, c, m, "te_cp", cp_size=cp), c, m).step_time_s for b in batches)
+        results["te_cp_ctx"] = {"planner": f"te_cp (cp {cp})", "cp_size": cp, "step_time_s": step,
+                                "tokens_per_s": tokens * c.num_ranks / step}
+    out = {"cluster": cluster, "gpus": c.num_ranks, "model": model, "tp": tp, "workload": workload,
+           "tokens_per_gpu": tokens, "max_length": max_length, "steps": steps, "results": results,
+           "seconds": time.perf_counter() - t}
+    print(f"  {cluster} {c.num_ranks:4d} GPUs {model:9s} tp{tp} {workload:8s} ctx {max_length}: zeppelin "
+          f"x{out['results']['zeppelin']['speedup_vs_te_cp']:.2f} ({out['seconds']:.0f}s)", file=sys.stderr, flush=True)
+    return out
+
+
+def speedup(cfg: dict, planner: str = "zeppelin", over: str = "te_cp") -> float:
+    r = cfg["results"]
+    return r[over]["step_time_s"] / r[planner]["step_time_s"]
+
+
+def length_stats(workload: str) -> dict:
+    """Share of tokens in documents under SHORT tokens, and the token-weighted mean length
+    (sum L^2 / sum L, the length of the document a random token sits in)."""
+    lengths = workloads.get(workload).sample_batch(4 << 20, 1, max_length=65536)  # as in the main grid
+    total = sum(lengths)
+    return {"short_share": sum(n for n in lengths if n < SHORT) / total,
+            "weighted_length": sum(n * n for n in lengths) / total}
+
+
+def ablation(nodes: int, workload: str, steps: int) -> dict:
+    """LLaMA-3B on cluster A: TE CP, then Zeppelin's three parts added one by one, as in the
+    paper: the routing layer alone (TE CP's plan with Zeppelin's routes for its inter-node
+    hops), plus the attention engine with its hierarchical partitioning (no remap), plus
+    the remapping layer (all three)."""
+    c, m = specs.cluster(CLUSTERS["A"], num_nodes=nodes), specs.model("llama-3b")
+    local_index = tuple(c.local_index(r * m.tp) // m.tp for r in range(c.num_ranks // m.tp))
+
+    def te_cp_routed(lengths):
+        plan = plan_batch(lengths, c, m, "te_cp")
+        return dataclasses.replace(plan, routes=plan_routes(plan, c, m, local_index)).validate()
+
+    ladder = {"te_cp": lambda b: simulate(plan_batch(b, c, m, "te_cp"), c, m),
+              "routing": lambda b: simulate(te_cp_routed(b), c, m, engine=False),
+              "routing + engine/partitioning": lambda b: simulate(
+                  plan_batch(b, c, m, "zeppelin", remap=False), c, m, engine=True),
+              "all three (+ remapping)": lambda b: simulate(plan_batch(b, c, m, "zeppelin"), c, m, engine=True)}
+    times = {name: [] for name in ladder}
+    for lengths in workloads.get(workload).batches(16384 * c.num_ranks, 0, steps):
+        for name, run in ladder.items():
+            times[name].append(run(lengths).step_time_s)
+    base = statistics.mean(times["te_cp"])
+    return {"gpus": c.num_ranks, "workload": workload,
+            "speedup": {name: base / statistics.mean(v) for name, v in times.items()}}
+
+
+def hop(cluster: str, nodes: int, model: str, length: int) -> dict:
+    """One forward K/V ring hop of a `length`-token document split zig-zag over every GPU
+    (TE CP: a rank's two chunks, length/num_gpus rows), from the last GPU of node 0 to the
+    first of node 1: direct over the sender's NIC, and routed over rail-aligned proxy
+    pairs, one per NIC, as many as Zeppelin's planner uses for this document."""
+    c, m = specs.cluster(CLUSTERS[cluster], num_nodes=nodes), specs.model(model)
+    g = c.groups[0]
+    src, dst = g.gpus_per_node - 1, g.gpus_per_node
+    plan = plan_batch([length], c, m, "zeppelin")
+    k = max((len(r.proxies) for r in plan.routes), default=g.nics_per_node)
+    proxies = [(j * g.gpus_per_nic, g.gpus_per_node + j * g.gpus_per_nic) for j in range(k)]
+    nbytes = cost_model.kv_bytes(m, length / c.num_ranks)
+    fab = Fabric(c, c.num_ranks, m.tp)
+    times = {}
+    for name, routed in (("te_cp_ms", False), ("routed_ms", True)):
+        tl = Timeline(num_streams=c.num_ranks)
+        task = fab.send_routed(tl, src, dst, nbytes, [], name, proxies) if routed else \
+            fab.send(tl, src, dst, nbytes, [], name)
+        times[name] = tl.run()[1][task] * 1e3
+    return {"cluster": cluster, "gpus": c.num_ranks, "model": model, "length": length, "mbytes": nbytes / 1e6,
+            "nic_bw": g.nic_bw, "proxies": proxies, **times}
+
+
+def grid(quick: bool, steps: int) -> list[dict]:
+    """The main grid: every cluster, model and workload at 32 GPUs (4 nodes), 64K context."""
+    models = MODELS[:2] if quick else MODELS
+    return [config(cl, 4, mdl, tp, wl, 16384, 65536, steps)
+            for cl in CLUSTERS for mdl, tp in models for wl in WORKLOADS]
+
+
+def scaling(quick: bool, steps: int) -> list[dict]:
+    """LLaMA-3B on cluster A, 16 to 128 GPUs (the paper's scaling study)."""
+    return [config("A", n, "llama-3b", 1, "wlbllm", 16384, 65536, steps) for n in ((2, 16) if quick else (2, 4, 8, 16))]
+
+
+def contexts(quick: bool, steps: int) -> list[dict]:
+    """LLaMA-7B on cluster B, 32 GPUs, context windows 16K to 128K: documents are cut to
+    the window and each GPU holds half a window of tokens."""
+    return [config("B", 4, "llama-7b", 1, "prolong", ctx // 2, ctx, steps)
+            for ctx in ((16384, 131072) if quick else (16384, 32768, 65536, 131072))]
+
+
+# ---- targets and report ----------------------------------------------------------------
+
+
+def _mean(xs) -> float:
+    xs = list(xs)
+    return sum(xs) / len(xs)
+
+
+def targets(data: dict) -> list[tuple[str, bool, str, str]]:
+    """(target, met, figures, reason where not met) for each of the paper's claims."""
+    g, out = data["grid"], []
+    mean = _mean(speedup(c) for c in g)
+    te_exposed = _mean(c["results"]["te_cp"]["exposed_comm_share"] for c in g)
+    ctx = [speedup(c, over="te_cp_ctx") for c in g if "te_cp_ctx" in c["results"]]
+    out.append(("mean speedup of zeppelin over te_cp in [2.2, 3.4] (paper 2.80x)", 2.2 <= mean <= 3.4,
+                f"{mean:.2f}x over {len(g)} configurations (max {max(speedup(c) for c in g):.2f}x)",
+                f"te_cp's one CP group spans all {g[0]['gpus']} GPUs: each ring step moves every rank's whole K/V "
+                f"and waits for the NIC hop, so te_cp is communication-bound ({te_exposed:.0%} of its step is exposed "
+                f"communication); against TE CP sized to the context (rings inside a node) the mean is "
+                f"{_mean(ctx):.2f}x. The paper's TE CP degree is not known"
+                + ("; the two bracket 2.8x." if min(mean, _mean(ctx)) <= 2.8 <= max(mean, _mean(ctx)) else ".")))
+    by_cluster = {cl: _mean(speedup(c) for c in g if c["cluster"] == cl) for cl in CLUSTERS}
+    te_by_cluster = {cl: _mean(c["results"]["te_cp"]["exposed_comm_share"] for c in g if c["cluster"] == cl)
+                     for cl in CLUSTERS}
+    out.append(("larger on cluster A than on B", by_cluster["A"] > by_cluster["B"],
+                ", ".join(f"{k} {v:.2f}x" for k, v in by_cluster.items()),
+                "the A800 has 3.2x less compute than the H800 while the NIC a te_cp hop uses is only 2x slower "
+                "(200 vs 400 Gb/s), so te_cp is no more communication-bound on A (exposed share " + ", ".join(
+                    f"{k} {v:.0%}" for k, v in te_by_cluster.items()) + "); A's NIC sharing (2 GPUs per NIC) "
+                "does not bite te_cp, whose single ring has one GPU per node boundary sending across nodes."))
+    stats = data["length_stats"]
+    by_wl = sorted(((stats[w]["short_share"], _mean(speedup(c) for c in g if c["workload"] == w), w)
+                    for w in WORKLOADS))
+    grows = all(a[1] < b[1] for a, b in zip(by_wl, by_wl[1:]))
+    by_len = sorted((stats[w]["weighted_length"], x, w) for _, x, w in by_wl)
+    follows = all(a[1] > b[1] for a, b in zip(by_len, by_len[1:]))
+    out.append((f"speedup grows with the share of tokens in documents under {SHORT} tokens", grows,
+                ", ".join(f"{w} ({s:.0%} short) {x:.2f}x" for s, x, w in by_wl),
+                f"the speedup {'falls' if follows else 'does not fall either'} as the token-weighted mean "
+                "document length rises (sum L^2 / sum L: " + ", ".join(f"{w} {n:.0f}" for n, _, w in by_len) +
+                "), i.e. with attention work per token; the short-token share orders the workloads differently "
+                "because shortmix's few documents around 12K tokens hold most of its tokens."))
+    sc = data["scaling"]
+    first, last = sc[0]["results"], sc[-1]["results"]
+    growth = {p: last[p]["tokens_per_s"] / first[p]["tokens_per_s"] for p in first}
+    flat = 0.67 <= growth["te_cp"] <= 1.5
+    best = max(growth, key=growth.get)
+    out.append((f"te_cp throughput nearly flat from {sc[0]['gpus']} to {sc[-1]['gpus']} GPUs (within 0.67x-1.5x) "
+                "while zeppelin scales best", flat and best == "zeppelin",
+                ", ".join(f"{p} {v:.2f}x" for p, v in sorted(growth.items(), key=lambda kv: -kv[1])), ""))
+    ab = data["ablation"]["speedup"]
+    ladder = list(ab.values())
+    ordered = all(a <= b for a, b in zip(ladder, ladder[1:]))
+    near = abs(ab["routing"] / 1.6 - 1) <= 0.3
+    out.append(("ablation: routing alone ~1.6x (within 30%), then engine + partitioning (paper 3.51x), "
+                "all three highest (paper 3.64x)", ordered and near and ladder[-1] == max(ladder),
+                ", ".join(f"{k} {v:.2f}x" for k, v in ab.items()) + f"; ordered as in the paper: "
+                f"{'yes' if ordered else 'no'}",
+                "routing alone gains more than the paper's 1.6x: te_cp's step is set by its inter-node hops, and "
+                "routing spreads each over the node's 4 NICs, which te_cp leaves idle (see the hop below)."))
+    h = data["hop"]
+    ok = abs(h["te_cp_ms"] / 2.18 - 1) <= 0.3 and abs(h["routed_ms"] / 0.41 - 1) <= 0.3
+    k = len(h["proxies"])
+    floor = h["mbytes"] * 1e6 / (k * h["nic_bw"]) * 1e3
+    out.append((f"64K-token inter-node hop ~2.18 ms under te_cp, ~0.41 ms routed (within 30%): cluster "
+                f"{h['cluster']}, {h['model']}, {h['gpus']} GPUs, {h['mbytes']:.1f} MB", ok,
+                f"te_cp {h['te_cp_ms']:.2f} ms (met), routed over {k} NICs {h['routed_ms']:.2f} ms",
+                f"0.41 ms is below what cluster A allows: {k} NICs at line rate need {floor:.2f} ms for "
+                f"{h['mbytes']:.1f} MB before any NVLink dispatch and combine; the paper's routed figure likely "
+                "comes from another cluster or message size."))
+    return out
+
+
+def _table(configs: list[dict], key: str) -> list[str]:
+    lines = [f"| {key} | GPUs | model | workload | context | " + " | ".join(PLANNERS) + " | zeppelin over te_cp sized "
+             "to the context | zeppelin MFU | zeppelin step/bound |", "|" + " --- |" * (len(PLANNERS) + 8)]
+    for c in configs:
+        r = c["results"]
+        cells = [f"{speedup(c, p):.2f}" for p in PLANNERS]
+        cells.append(f"{speedup(c, over='te_cp_ctx'):.2f} (cp {r['te_cp_ctx']['cp_size']})" if "te_cp_ctx" in r else "-")
+        lines.append(f"| {c['cluster']} | {c['gpus']} | {c['model']} (tp {c['tp']}) | {c['workload']} | "
+                     f"{c['max_length']} | " + " | ".join(cells) +
+                     f" | {r['zeppelin']['mfu']:.1%} | {r['zeppelin']['ratio_to_lower_bound']:.2f} |")
+    return lines
+
+
+def report(data: dict) -> str:
+    lines = ["# The Zeppelin paper's evaluation, simulated", "",
+             f"Command: `{data['command']}` ({data['date']}, {data['machine']}, {data['seconds']:.0f} s).", "",
+             "Speedup = TE CP's mean simulated step time / the planner's, on the same sampled batches "
+             f"({data['steps']} per configuration, seed 0, 16K tokens per GPU). Simulator: `ballonet/simulator.py` "
+             "(model in its docstring); cost model calibration: `ballonet/hardware.py`.", "",
+             "## Targets", "", "| target | met | measured | why not |", "| --- | --- | --- | --- |"]
+    lines += [f"| {t} | {'yes' if ok else 'no'} | {m} |" + (f" {why} |" if not ok else " |")
+              for t, ok, m, why in targets(data)]
+    ctx = [speedup(c, over="te_cp_ctx") for c in data["grid"] if "te_cp_ctx" in c["results"]]
+    if ctx:
+        lines += ["", f"Against TE CP sized to the context window instead (cp = context / tokens per GPU, so its "
+                      f"rings stay inside a node): zeppelin's mean speedup is {_mean(ctx):.2f}x "
+                      f"(min {min(ctx):.2f}x, max {max(ctx):.2f}x) over the main grid."]
+    lines += ["", "## Speedup over te_cp: main grid (4 nodes, 64K context)", ""] + _table(data["grid"], "cluster")
+    lines += ["", "## Scaling: LLaMA-3B on cluster A", ""] + _table(data["scaling"], "cluster")
+    lines += ["", "Throughput (tokens/s): " + "; ".join(
+        f"{c['gpus']} GPUs: " + ", ".join(f"{p} {c['results'][p]['tokens_per_s']:.3g}" for p in ("zeppelin", "te_cp"))
+        for c in data["scaling"])]
+    lines += ["", "## Context windows: LLaMA-7B on cluster B, prolong, half a window of tokens per GPU", ""] + _table(data["contexts"], "cluster")
+    ab = data["ablation"]
+    lines += ["", f"## Ablation: LLaMA-3B, cluster A, {ab['gpus']} GPUs, {ab['workload']}", "",
+              "| configuration | speedup over te_cp |", "| --- | --- |"]
+    lines += [f"| {k} | {v:.2f} |" for k, v in ab["speedup"].items()]
+    lines += ["", "## Notes", ""] + [f"- {n}" for n in data["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+NOTES = [
+    "te_cp and llama_cp use one CP group over the whole cluster (the baselines' default): every step "
+    "passes each rank's whole K/V, so their step time grows with the GPU count.",
+    "The attention kernel efficiency in hardware.py is ~12% of peak (its comment explains why); a higher "
+    "efficiency would make attention cheaper against communication and shrink the gains of balancing.",
+    "shortmix is a synthetic stand-in for ArXiv/GitHub/ProLong64k; the paper's datasets are not available.",
+    "Speedups depend on the planners in ballonet/planner.py and baselines.py as they stand; constants were "
+    "not tuned to hit targets.",
+]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="a smaller grid (2 models, fewer scales)")
+    ap.add_argument("--steps", type=int, default=1, help="batches per configuration")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = ap.parse_args(argv)
+    t = time.perf_counter()
+    data = {"command": "OMP_NUM_THREADS=1 python bench/paper.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+            "steps": args.steps, "notes": NOTES,
+            "length_stats": {w: length_stats(w) for w in WORKLOADS}}
+    print("main grid", file=sys.stderr)
+    data["grid"] = grid(args.quick, args.steps)
+    print("scaling", file=sys.stderr)
+    data["scaling"] = scaling(args.quick, args.steps)
+    print("contexts", file=sys.stderr)
+    data["contexts"] = contexts(args.quick, args.steps)
+    data["ablation"] = ablation(8, "shortmix", args.steps)
+    data["hop"] = hop("A", 2, "llama-3b", 65536)
+    data["seconds"] = time.perf_counter() - t
+    os.makedirs(args.out, exist_ok=True)
+    name = "paper_quick" if args.quick else "paper"
+    with open(os.path.join(args.out, f"{name}.json"), "w") as f:
+        json.dump(data, f, indent=1)
+    text = report(data)
+    with open(os.path.join(args.out, f"{name}.md"), "w") as f:
+        f.write(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""Planner quality and speed: balance, traffic and planning time of every planner.
+
+    OMP_NUM_THREADS=1 python bench/planner.py [--quick]
+
+Quality (issue #3): on wlbllm and prolong batches of 16K tokens per GPU, 32 to 256 GPUs
+(h200-8nic, llama-7b), zeppelin should reach attention imbalance <= 1.05, linear
+imbalance <= 1.02, and at least 4x fewer bytes than te_cp on the same batch.
+Speed: zeppelin's planning time (`plan_batch`, validation included) on one core (CPU
+time, median of 7 runs): <= 20 ms for 128 GPUs, <= 200 ms for 1024 GPUs; and how it grows with GPUs
+and with documents. Figures come from `ballonet.plan_metrics` (forward, per layer).
+Writes bench/results/planner.md and planner.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+from ballonet import specs, workloads
+from ballonet.plan_metrics import plan_metrics
+from ballonet.planner import PLANNERS, plan_batch
+
+TOKENS_PER_GPU = 16384
+MODEL = "llama-7b"
+CLUSTER = "h200-8nic"
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _timed(fn, repeats: int, cpu: bool = False):
+    """(result, median wall ms) or, with `cpu`, (result, median wall ms, median CPU ms):
+    the CPU time of this process, which other jobs on a shared machine do not inflate."""
+    walls, cpus, out = [], [], None
+    for _ in range(repeats):
+        start, start_cpu = time.perf_counter(), time.process_time()
+        out = fn()
+        walls.append(time.perf_counter() - start)
+        cpus.append(time.process_time() - start_cpu)
+    if cpu:
+        return out, statistics.median(walls) * 1e3, statistics.median(cpus) * 1e3, min(cpus) * 1e3
+    return out, statistics.median(walls) * 1e3
+
+
+def quality(gpu_counts: list[int]) -> list[dict]:
+    model = specs.model(MODEL)
+    rows = []
+    for wl in ("wlbllm", "prolong"):
+        for gpus in gpu_counts:
+            cluster = specs.cluster(CLUSTER, num_nodes=gpus // 8)
+            lengths = workloads.get(wl).sample_batch(TOKENS_PER_GPU * gpus, 0)
+            ref = None
+            for name in PLANNERS:
+                plan, ms = _timed(lambda: plan_batch(lengths, cluster, model, planner=name), 1)
+                m = plan_metrics(plan, cluster, model)
+                if name == "te_cp":
+                    ref = m["comm_bytes"]
+                rows.append({"workload": wl, "gpus": gpus, "documents": len(lengths), "planner": name,
+                             "plan_ms": ms, **m})
+                print(f"{wl} {gpus} {name}: {m['attention_imbalance']:.3f} {ms:.0f} ms", file=sys.stderr)
+            for r in rows:
+                if r["workload"] == wl and r["gpus"] == gpus:
+                    r["te_cp_bytes_ratio"] = ref / r["comm_bytes"] if r["comm_bytes"] else float("inf")
+    return rows
+
+
+def speed(gpu_counts: list[int]) -> tuple[list[dict], list[dict]]:
+    model = specs.model(MODEL)
+    by_gpus = []
+    for gpus in gpu_counts:
+        cluster = specs.cluster(CLUSTER, num_nodes=gpus // 8)
+        lengths = workloads.get("wlbllm").sample_batch(TOKENS_PER_GPU * gpus, 0)
+        plan_batch(lengths, cluster, model)  # warm caches and imports
+        plan, ms, cpu_ms, best_ms = _timed(lambda: plan_batch(lengths, cluster, model), 7, cpu=True)
+        _, _, check_ms, _ = _timed(plan.validate, 7, cpu=True)
+        by_gpus.append({"gpus": gpus, "documents": len(lengths), "plan_ms": ms, "plan_cpu_ms": cpu_ms,
+                        "plan_cpu_min_ms": best_ms, "validate_cpu_ms": check_ms})
+        print(f"speed {gpus}: {ms:.1f} ms wall, {cpu_ms:.1f} ms cpu", file=sys.stderr)
+    by_docs = []
+    cluster = specs.cluster(CLUSTER, num_nodes=16)
+    for wl, tokens in (("wlbllm", 4096), ("wlbllm", 16384), ("shortmix", 16384), ("wlbllm", 65536)):
+        lengths = workloads.get(wl).sample_batch(tokens * cluster.num_ranks, 0)
+        plan_batch(lengths, cluster, model)
+        _, ms, cpu_ms, _ = _timed(lambda: plan_batch(lengths, cluster, model), 7, cpu=True)
+        by_docs.append({"workload": wl, "tokens_per_gpu": tokens, "documents": len(lengths), "plan_ms": ms,
+                        "plan_cpu_ms": cpu_ms})
+    return by_gpus, by_docs
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.3f}"
+
+
+def write(rows, by_gpus, by_docs, command: str, seconds: float) -> None:
+    zep = [r for r in rows if r["planner"] == "zeppelin"]
+    lines = ["# Planner quality and speed", "",
+             f"Command: `{command}` ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
+             f"{platform.machine()}, {os.cpu_count()} cores shared, Python {platform.python_version()}, "
+             f"{seconds:.0f} s).", "",
+             f"{MODEL} on {CLUSTER} nodes, one batch per configuration ({TOKENS_PER_GPU} tokens per GPU, seed 0). "
+             "Attention imbalance: max/mean of per-rank forward attention seconds (cost model). Linear imbalance: "
+             "max/mean of tokens after remap (speed-weighted). Bytes: forward K/V of every ring plus remapped "
+             "hidden states, per layer. Planning time includes the plan's validation.", "",
+             "## Targets", "", "| target | met | measured |", "| --- | --- | --- |"]
+    worst_att = max(r["attention_imbalance"] for r in zep)
+    worst_lin = max(r["linear_imbalance"] for r in zep)
+    least_ratio = min(r["te_cp_bytes_ratio"] for r in zep)
+    t128 = next((r["plan_cpu_ms"] for r in by_gpus if r["gpus"] == 128), None)
+    t1024 = next((r["plan_cpu_ms"] for r in by_gpus if r["gpus"] == 1024), None)
+    lines += [f"| zeppelin attention imbalance <= 1.05 | {'yes' if worst_att <= 1.05 else 'no'} | worst {worst_att:.3f} |",
+              f"| zeppelin linear imbalance <= 1.02 | {'yes' if worst_lin <= 1.02 else 'no'} | worst {worst_lin:.3f} |",
+              f"| bytes >= 4x below te_cp | {'yes' if least_ratio >= 4 else 'no'} | least ratio {least_ratio:.1f}x |"]
+    if t128 is not None:
+        lines.append(f"| plan time <= 20 ms at 128 GPUs (CPU time) | {'yes' if t128 <= 20 else 'no'} | {t128:.1f} ms |")
+    if t1024 is not None:
+        lines.append(f"| plan time <= 200 ms at 1024 GPUs (CPU time) | {'yes' if t1024 <= 200 else 'no'} | {t1024:.1f} ms |")
+    lines += ["", "## Every planner", "",
+              "| workload | GPUs | docs | planner | attention imb. | linear imb. | comm GiB | inter-node GiB "
+              "| busiest NIC GiB | te_cp bytes / bytes | plan ms |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {r['workload']} | {r['gpus']} | {r['documents']} | {r['planner']} | "
+                     f"{_fmt(r['attention_imbalance'])} | {_fmt(r['linear_imbalance'])} | "
+                     f"{r['comm_bytes'] / 2**30:.2f} | {r['inter_node_bytes'] / 2**30:.2f} | "
+                     f"{r['max_nic_bytes'] / 2**30:.3f} | {r['te_cp_bytes_ratio']:.1f} | {r['plan_ms']:.1f} |")
+    lines += ["", "## Planning time of zeppelin against GPUs (wlbllm, 16K tokens per GPU, median of 7)", "",
+              "| GPUs | documents | wall ms | CPU ms | CPU ms, best of 7 | of which Plan.validate (CPU ms) |",
+              "| --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['gpus']} | {r['documents']} | {r['plan_ms']:.1f} | {r['plan_cpu_ms']:.1f} | "
+              f"{r['plan_cpu_min_ms']:.1f} | {r['validate_cpu_ms']:.1f} |" for r in by_gpus]
+    lines += ["", "## Planning time against documents (128 GPUs, median of 7)", "",
+              "| workload | tokens per GPU | documents | wall ms | CPU ms |", "| --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['workload']} | {r['tokens_per_gpu']} | {r['documents']} | {r['plan_ms']:.1f} | "
+              f"{r['plan_cpu_ms']:.1f} |" for r in by_docs]
+    lines += ["", "The machine is shared with other jobs (2 cores): wall times are inflated by them; CPU time "
+              "(`time.process_time`) is the one-core figure the targets refer to. Medians of 7 runs. The plan-ms "
+              "column of the planner table is one wall-clock run.", ""]
+    out = os.path.join(HERE, "results")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "planner.md"), "w") as f:
+        f.write("\n".join(lines))
+    with open(os.path.join(out, "planner.json"), "w") as f:
+        json.dump({"command": command, "quality": rows, "speed_by_gpus": by_gpus, "speed_by_documents": by_docs},
+                  f, indent=1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="32 and 64 GPUs only, speed up to 128 GPUs")
+    parser.add_argument("--speed-only", action="store_true",
+                        help="re-measure planning time only, keeping the quality rows of results/planner.json")
+    args = parser.parse_args()
+    start = time.time()
+    gpus = [32, 64] if args.quick else [32, 64, 128, 256]
+    if args.speed_only:
+        with open(os.path.join(HERE, "results", "planner.json")) as f:
+            rows = json.load(f)["quality"]
+    else:
+        rows = quality(gpus)
+    by_gpus, by_docs = speed([32, 128] if args.quick else [32, 64, 128, 256, 512, 1024])
+    command = ("OMP_NUM_THREADS=1 python bench/planner.py" + (" --quick" if args.quick else "")
+               + (" --speed-only (quality rows from the previous full run)" if args.speed_only else ""))
+    write(rows, by_gpus, by_docs, command, time.time() - start)
+
+
+if __name__ == "__main__":
+    main()

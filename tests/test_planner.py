@@ -1,0 +1,259 @@
+"""The partitioner, remap and routing planning, and every baseline, against hand-worked cases."""
+
+import numpy as np
+import pytest
+
+import ballonet
+from ballonet import hardware, specs
+from ballonet.cost_model import breakeven_chunk_tokens
+from ballonet.errors import InfeasiblePlan, InputError
+from ballonet.placement import Placement, apportion, assemble, attention_efficiency, devices, zigzag_bounds
+from ballonet.plan import Segment, Transfer
+from ballonet.plan_metrics import plan_metrics
+from ballonet.planner import PLANNERS, crossover_lengths, plan_batch
+from ballonet.remap_plan import plan_remap
+from ballonet.specs import ClusterSpec, NodeGroup
+
+MODEL = specs.model("llama-7b")
+
+
+def h200(num_nodes=1, gpus=8, nics=8):
+    return ClusterSpec(name="t", groups=(NodeGroup(gpu="h200", num_nodes=num_nodes, gpus_per_node=gpus, nics_per_node=nics),))
+
+
+def test_two_equal_documents_on_two_gpus_go_one_each():
+    plan = plan_batch([8, 8], h200(gpus=2, nics=2), MODEL)
+    assert plan.attention == ((Segment(0, 0, 8),), (Segment(1, 0, 8),))
+    assert plan.rings == () and plan.remap == () and plan.routes == ()
+
+
+def test_zigzag_bounds_of_seven_tokens_over_four_ranks():
+    # tokens 2, 2, 2, 1: fronts 1, 1, 1, 0 from the start; backs 1, 1, 1, 1 from the end.
+    assert zigzag_bounds(7, [2, 2, 2, 1]) == (0, 1, 2, 3, 3, 4, 5, 6, 7)
+    dev = devices(h200(gpus=4, nics=4), MODEL)
+    placement = Placement(num_ranks=4)
+    placement.split[0] = {0: 2, 1: 2, 2: 2, 3: 1}
+    plan = assemble("t", [7], dev, placement).validate()
+    assert [plan.attention_tokens(r) for r in range(4)] == [2, 2, 2, 1]
+    assert plan.attention[0] == (Segment(0, 0, 1), Segment(0, 6, 7))
+
+
+def test_seven_token_document_over_four_ranks_in_te_cp():
+    plan = plan_batch([7], h200(gpus=4, nics=4), MODEL, planner="te_cp")
+    (ring,) = plan.rings
+    assert ring.bounds == (0, 0, 1, 2, 3, 4, 5, 6, 7) and ring.ranks == (0, 1, 2, 3)
+    assert [plan.attention_tokens(r) for r in range(4)] == [1, 2, 2, 2]
+
+
+def test_zigzag_positions_do_equal_work_for_equal_tokens():
+    from ballonet.cost_model import attention_flops, zigzag_rank_flops
+
+    bounds = zigzag_bounds(4096, [1024] * 4)
+    flops = [zigzag_rank_flops(MODEL, bounds, i) for i in range(4)]
+    assert sum(flops) == pytest.approx(attention_flops(MODEL, 4096))
+    assert max(flops) / min(flops) < 1.001
+
+
+def test_classes_local_intra_inter_on_two_nodes():
+    cluster = h200(num_nodes=2)
+    (cross,) = crossover_lengths(cluster, MODEL)
+    # 2 * break-even chunk (NVLink) and 2 * 8 * break-even chunk (one 400 Gb/s NIC per GPU).
+    gpu = hardware.gpu("h200")
+    assert cross["intra"] == 2 * breakeven_chunk_tokens(MODEL, gpu, gpu.intra_link_bw)
+    assert cross["inter"] == 2 * 8 * breakeven_chunk_tokens(MODEL, gpu, 400e9 / 8, nic=True)
+    plan = plan_batch([300_000] + [2_000] * 60, cluster, MODEL)
+    kinds = {r.doc: r.kind for r in plan.rings}
+    assert kinds.pop(0) == "inter" and set(kinds.values()) <= {"intra"}  # short ones: whole, or split to level
+    # Above a rank's share of attention work, below the inter-node crossover: one node.
+    medium = plan_batch([20_000] + [2_000] * 200, cluster, MODEL)
+    kinds = {r.doc: r.kind for r in medium.rings}
+    assert kinds[0] == "intra" and set(kinds.values()) == {"intra"}
+    # A batch of equal short documents that divides evenly: nothing to split.
+    assert plan_batch([2_000] * 64, cluster, MODEL).rings == ()
+    ring = plan.ring_of_doc[0]
+    nodes = [plan.node_of_rank[r] for r in ring.ranks]
+    assert nodes == sorted(nodes)  # grouped by node: only two hops cross nodes
+
+
+def test_remap_moves_only_surplus_inside_nodes_first():
+    transfers = plan_remap([10, 0, 6, 0], np.array([4, 4, 4, 4]), (0, 0, 1, 1))
+    # node 0: rank 0 gives 4 of its 6 extra to rank 1; node 1: rank 2 gives 2 to rank 3;
+    # only node 0's net surplus (2 tokens) crosses to node 1.
+    assert transfers == (Transfer(0, 1, 4, 8), Transfer(0, 3, 8, 10), Transfer(2, 3, 4, 6))
+
+
+def test_zeppelin_remap_reaches_equal_tokens_with_surplus_only():
+    lengths = [100_000, 30_000] + [1_500] * 80
+    plan = plan_batch(lengths, h200(num_nodes=2), MODEL)
+    att = [plan.attention_tokens(r) for r in range(16)]
+    lin = [plan.linear_tokens(r) for r in range(16)]
+    assert max(lin) - min(lin) <= 1 and sum(lin) == sum(lengths)
+    moved = sum(t.num_tokens for t in plan.remap)
+    assert moved == sum(max(0, a - x) for a, x in zip(att, lin))
+    for src in range(16):  # a rank either sends or receives, never both
+        assert not (any(t.src == src for t in plan.remap) and any(t.dst == src for t in plan.remap))
+
+
+def test_routes_are_rail_aligned_over_distinct_nics():
+    cluster = specs.cluster("a800-4nic", num_nodes=4)
+    lengths = [400_000] + [2_000] * 100
+    plan = plan_batch(lengths, cluster, MODEL)
+    assert plan.routes
+    for route in plan.routes:
+        srcs = [plan.nic_of_rank[a] for a, _ in route.proxies]
+        dsts = [plan.nic_of_rank[b] for _, b in route.proxies]
+        assert len(set(srcs)) == len(srcs) and len(set(dsts)) == len(dsts) <= 4
+        for a, b in route.proxies:
+            assert cluster.local_index(a) == cluster.local_index(b)
+            assert cluster.node_of(a) == cluster.node_of(route.src) and cluster.node_of(b) == cluster.node_of(route.dst)
+    assert plan_batch(lengths, cluster, MODEL, routing=False).routes == ()
+
+
+def test_zeppelin_balances_attention_on_a_real_workload(shared_data):
+    import json
+
+    rng = np.random.default_rng(0)
+    pool = json.loads((shared_data / "workloads" / "wlbllm.json").read_text())
+    cluster = h200(num_nodes=4)
+    lengths, total = [], 0
+    while total < 16384 * 32:
+        lengths.append(int(pool[rng.integers(len(pool))]))
+        total += lengths[-1]
+    m = {p: plan_metrics(plan_batch(lengths, cluster, MODEL, planner=p), cluster, MODEL) for p in ("zeppelin", "te_cp")}
+    assert m["zeppelin"]["attention_imbalance"] <= 1.05
+    assert m["zeppelin"]["linear_imbalance"] <= 1.02
+    assert m["zeppelin"]["comm_bytes"] * 4 <= m["te_cp"]["comm_bytes"]
+
+
+def test_mixed_cluster_gets_work_in_proportion_to_speed():
+    cluster = ClusterSpec(name="mix", groups=(NodeGroup(gpu="h200", num_nodes=1), NodeGroup(gpu="h20", num_nodes=1)))
+    rng = np.random.default_rng(1)
+    lengths = [int(x) for x in rng.integers(500, 6000, size=300)] + [60_000]
+    plan = plan_batch(lengths, cluster, MODEL)
+    assert plan_metrics(plan, cluster, MODEL)["attention_imbalance"] < 1.1
+    lin = [plan.linear_tokens(r) for r in range(16)]
+    ratio = 989 / 148  # peak FLOP/s of an H200 over an H20
+    assert lin[0] / lin[8] == pytest.approx(ratio, rel=0.01)
+    flat = plan_batch(lengths, cluster, MODEL, assume_homogeneous=True)
+    flat_lin = [flat.linear_tokens(r) for r in range(16)]
+    assert max(flat_lin) - min(flat_lin) <= 1
+
+
+@pytest.mark.parametrize("planner", sorted(PLANNERS))
+def test_empty_batch_and_single_gpu(planner):
+    plan = plan_batch([], h200(num_nodes=2), MODEL, planner=planner)
+    assert plan.attention == ((),) * 16
+    one = h200(gpus=1, nics=1)
+    plan = plan_batch([5, 100, 7], one, MODEL, planner=planner)
+    assert plan.attention == ((Segment(0, 0, 5), Segment(1, 0, 100), Segment(2, 0, 7)),)
+
+
+@pytest.mark.parametrize("planner", sorted(PLANNERS))
+def test_too_long_document_names_itself_and_the_limit(planner):
+    with pytest.raises(InfeasiblePlan, match=r"document 1 has 1000000000 tokens, over the \d+ tokens"):
+        plan_batch([10, 10**9], h200(num_nodes=2), MODEL, planner=planner)
+
+
+def test_model_state_over_memory_is_infeasible():
+    with pytest.raises(InfeasiblePlan, match="weights and optimizer state"):
+        plan_batch([10], specs.cluster("cpu"), specs.model("llama-7b"))
+
+
+@pytest.mark.parametrize("planner", sorted(PLANNERS))
+def test_plans_are_deterministic(planner):
+    rng = np.random.default_rng(2)
+    lengths = [int(x) for x in rng.lognormal(7.5, 1.2, size=200)] + [90_000]
+    cluster = specs.cluster("a800-4nic", num_nodes=2)
+    assert plan_batch(lengths, cluster, MODEL, planner=planner).to_json() == \
+        plan_batch(list(lengths), cluster, MODEL, planner=planner).to_json()
+
+
+def test_bad_planner_names_and_options():
+    with pytest.raises(InputError, match="unknown planner 'nope'; known: zeppelin, packed_dp"):
+        plan_batch([1], h200(), MODEL, planner="nope")
+    with pytest.raises(InputError, match="has no option 'routes'"):
+        plan_batch([1], h200(), MODEL, routes=False)
+    with pytest.raises(InputError, match="cp_size must divide"):
+        plan_batch([1], h200(), MODEL, planner="te_cp", cp_size=3)
+    with pytest.raises(InputError, match="document 1: length must be a positive integer"):
+        plan_batch([1, 0], h200(), MODEL)
+    assert ballonet.plan_batch([4], h200(), MODEL).planner == "zeppelin"
+
+
+def test_without_hierarchy_split_documents_span_every_rank():
+    plan = plan_batch([300_000] + [2_000] * 60, h200(num_nodes=2), MODEL, hierarchical=False)
+    assert plan.ring_of_doc[0].ranks == tuple(range(16))
+
+
+def test_vector_efficiency_matches_hardware():
+    xs = [1, 100, 256, 300, 1000, 5000, 20000, 32768, 10**6]
+    assert attention_efficiency(np.array(xs)) == pytest.approx([hardware.attention_efficiency(x) for x in xs])
+
+
+def test_apportion_by_largest_remainder_under_caps():
+    assert apportion(10, np.array([1.0, 1.0, 1.0])).tolist() == [4, 3, 3]
+    assert apportion(10, np.array([1.0, 1.0, 1.0]), np.array([2, 9, 9])).tolist() == [2, 4, 4]
+    with pytest.raises(InfeasiblePlan):
+        apportion(10, np.array([1.0, 1.0]), np.array([2, 2]))
+
+
+@pytest.mark.parametrize("planner", ["zeppelin", "te_cp", "llama_cp", "hybrid_dp"])
+def test_metric_bytes_match_the_plan_pair_by_pair(planner):
+    from ballonet.cost_model import hidden_bytes, kv_bytes
+
+    cluster = specs.cluster("a800-4nic", num_nodes=2)
+    lengths = [120_000, 9_000, 3_000, 700, 50]
+    plan = plan_batch(lengths, cluster, MODEL, planner=planner)
+    pairs = list(plan.kv_rows_sent().items())  # the contract's own (step by step) count
+    kv = sum(kv_bytes(MODEL, n) for _, n in pairs)
+    cross = sum(kv_bytes(MODEL, n) for (a, b), n in pairs if plan.node_of_rank[a] != plan.node_of_rank[b])
+    cross += sum(hidden_bytes(MODEL, n) for (a, b), n in plan.remap_tokens().items()
+                 if plan.node_of_rank[a] != plan.node_of_rank[b])
+    m = plan_metrics(plan, cluster, MODEL)
+    assert m["kv_bytes"] == pytest.approx(kv) and m["inter_node_bytes"] == pytest.approx(cross)
+    if planner == "te_cp":  # every document over all 16 ranks: 15 steps of L rows in total
+        assert kv == pytest.approx(sum(kv_bytes(MODEL, 15 * L) for L in lengths))
+
+
+def test_cli_plan_json_and_errors(tmp_path, capsys):
+    import json
+
+    from ballonet import cli
+    from ballonet.plan import Plan
+
+    lengths = tmp_path / "batch.txt"
+    lengths.write_text("\n".join(["9000", "300", "4000", "7"]))
+    out = tmp_path / "plan.json"
+    assert cli.main(["plan", "--cluster", "cpu", "--model", "tiny", "--lengths", str(lengths), "--json",
+                     "--out", str(out)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["planner"] == "zeppelin" and report["valid"] is True
+    assert [r["rank"] for r in report["ranks"]] == [0, 1, 2, 3]
+    assert sum(r["tokens_attention"] for r in report["ranks"]) == 13307
+    assert sum(r["tokens_linear"] for r in report["ranks"]) == 13307
+    assert {"attention_imbalance", "linear_imbalance", "comm_bytes", "inter_node_bytes", "max_nic_bytes",
+            "plan_ms"} <= set(report["metrics"])
+    assert Plan.from_json(out.read_text()).validate().lengths == (9000, 300, 4000, 7)
+    assert cli.main(["plan", "--cluster", "cpu", "--model", "tiny", "--workload", "shortmix",
+                     "--tokens-per-gpu", "2048", "--planner", "te_cp"]) == 0
+    assert "linear imbalance" in capsys.readouterr().out
+    assert cli.main(["plan", "--cluster", "cpu", "--model", "tiny", "--planner", "nope"]) == 2
+    assert "unknown planner 'nope'" in capsys.readouterr().err
+
+
+def test_water_level_tops_up_the_lowest_slots():
+    from ballonet.refinement import water_level
+
+    one = np.ones(3)
+    # Level 2.5: (4 + 0 + 1) / 2 is below the third slot's 5.
+    assert water_level(np.array([0.0, 1.0, 5.0]), one, one, np.full(3, 1e9), 4.0) == pytest.approx([2.5, 1.5, 0.0])
+    # The first slot is capped at 1: the other 3 lift the second slot to 4, still below 5.
+    assert water_level(np.array([0.0, 1.0, 5.0]), one, one, np.array([1.0, 1e9, 1e9]), 4.0) == \
+        pytest.approx([1.0, 3.0, 0.0])
+    # A twice-as-fast slot takes twice the work at a common level of (6 + 0) / 3 = 2.
+    assert water_level(np.zeros(2), np.array([2.0, 1.0]), np.ones(2), np.full(2, 1e9), 6.0) == pytest.approx([4.0, 2.0])
+
+
+def test_zeppelin_options_must_be_booleans():
+    with pytest.raises(InputError, match="routing must be True or False"):
+        plan_batch([1], h200(), MODEL, routing="no")

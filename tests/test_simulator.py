@@ -1,0 +1,276 @@
+"""The simulator against hand-built plans whose step time is known in closed form.
+
+Expected values are written out from the hardware figures (peak FLOP/s, efficiency
+curves, link bandwidths, latencies), never taken from the simulator or the cost model's
+time functions.
+"""
+
+import collections
+import dataclasses
+import json
+import random
+
+import pytest
+
+from ballonet import cost_model, hardware, specs
+from ballonet.fabric import Fabric
+from ballonet.plan import Plan, Ring, Route, Segment, Transfer, chunk_bounds
+from ballonet.layer_graph import ring_tables
+from ballonet.simulator import simulate
+from ballonet.timeline import Timeline
+
+MODEL = specs.ModelSpec(name="m", num_layers=2, hidden=1024, num_heads=8, num_kv_heads=8, ffn_hidden=2816,
+                        vocab_size=1000)
+HD = MODEL.num_heads * MODEL.head_dim
+GB = 1e9
+
+
+def cluster(nodes=1, gpus=1, nics=1, nic_gbps=400.0, intra=None):
+    return specs.ClusterSpec(name="t", groups=(specs.NodeGroup(
+        gpu="h100", num_nodes=nodes, gpus_per_node=gpus, nics_per_node=nics, nic_gbps=nic_gbps,
+        intra_link_bw=intra),))
+
+
+def make_plan(c, local=None, split=(), routes=(), planner="test"):
+    """local: {rank: [lengths]}; split: [(length, ranks)] zig-zag over even chunks."""
+    R = c.num_ranks
+    lengths, att, rings = [], [[] for _ in range(R)], []
+    for r, lens in (local or {}).items():
+        for L in lens:
+            att[r].append(Segment(len(lengths), 0, L))
+            lengths.append(L)
+    for L, ranks in split:
+        doc, g = len(lengths), len(ranks)
+        lengths.append(L)
+        kind = "inter" if len({c.node_of(r) for r in ranks}) > 1 else "intra"
+        ring = Ring(doc=doc, kind=kind, ranks=tuple(ranks), bounds=chunk_bounds(L, 2 * g))
+        rings.append(ring)
+        for i, r in enumerate(ranks):
+            att[r].extend(ring.chunks_of(i))
+    return Plan(planner=planner, lengths=tuple(lengths), node_of_rank=tuple(c.node_of(r) for r in range(R)),
+                nic_of_rank=tuple(c.nic_of(r) for r in range(R)), attention=tuple(map(tuple, att)),
+                rings=tuple(rings), routes=tuple(routes)).validate()
+
+
+PEAK = hardware.gpu("h100").peak_flops
+
+
+def lin(n):  # one layer's forward GEMMs on n tokens, by hand: 2 FLOPs per weight per token
+    h = MODEL.hidden
+    weights = 4 * h * h + 3 * h * MODEL.ffn_hidden
+    return 2 * weights * n / (PEAK * hardware.LINEAR_EFFICIENCY * n / (n + hardware.LINEAR_HALF_TOKENS))
+
+
+def head(n):
+    return 6 * MODEL.vocab_size * MODEL.hidden * n / (PEAK * hardware.LINEAR_EFFICIENCY * n / (n + 128))
+
+
+def nvlink(nbytes, bw):
+    return hardware.NCCL_LATENCY_S + nbytes / (bw * hardware.NCCL_BUS_EFFICIENCY["p2p"])
+
+
+def nic(nbytes, bw):
+    return hardware.NIC_LATENCY_S + nbytes / (bw * hardware.NIC_EFFICIENCY)
+
+
+def test_one_gpu_step_time_in_closed_form():
+    L = 8192
+    res = simulate(make_plan(cluster(), {0: [L]}), cluster(), MODEL)
+    att = 2 * HD * L * (L + 1) / (PEAK * hardware.attention_efficiency(L))
+    expected = MODEL.num_layers * (att * 3.5 + lin(L) * 3) + head(L)
+    assert res.step_time_s == pytest.approx(expected, rel=1e-9)
+    assert res.lower_bound_s == pytest.approx(expected, rel=1e-9)
+    assert res.exposed_comm_s[0] == pytest.approx(0, abs=1e-12) and res.idle_s[0] == pytest.approx(0, abs=1e-12)
+    flops = 3 * (MODEL.num_layers * (2 * (4 * 1024**2 + 3 * 1024 * 2816) * L + 2 * HD * L * (L + 1))
+                 + 2 * 1000 * 1024 * L)
+    assert res.mfu == pytest.approx(flops / (expected * PEAK), rel=1e-9)
+    assert res.tokens_per_s == pytest.approx(L / expected)
+
+
+def test_two_gpus_one_ring_step():
+    # 4 chunks of c: position 0 holds chunks 0 and 3, position 1 chunks 1 and 2.
+    # Step 0: two causal diagonals and one full block each; step 1: two full blocks each.
+    c, bw = 2048, 5 * GB  # a slow link, so the K/V transfer is exposed
+    C = cluster(gpus=2, nics=2, intra=bw)
+    res = simulate(make_plan(C, split=[(4 * c, (0, 1))]), C, MODEL, engine=True)
+    rate = PEAK * hardware.attention_efficiency(2 * c)
+    t0 = (2 * 2 * HD * c * (c + 1) + 4 * HD * c * c) / rate
+    t1 = 2 * 4 * HD * c * c / rate
+    x = nvlink(2 * 2 * c * MODEL.kv_dim * 2, bw)  # K and V of 2c rows, bf16
+    assert x > t0
+    assert res.layer_forward_s == pytest.approx(max(t0, x) + t1 + lin(2 * c), rel=1e-9)
+    b0, b1 = 2.5 * t0, 2.5 * t1
+    # backward: K/V sent at once, dK/dV after each step's compute, then once more to its owner
+    assert res.layer_backward_s == pytest.approx(2 * lin(2 * c) + max(b0, x) + max(b1, x) + x, rel=1e-9)
+    assert res.step_time_s >= res.lower_bound_s
+
+
+def test_nic_shared_by_two_senders_halves_bandwidth():
+    for nics, expected_transfers in ((1, 2), (2, 1)):
+        C = cluster(nodes=2, gpus=2, nics=nics, nic_gbps=400)
+        fab = Fabric(C, 4, 1)
+        tl = Timeline(num_streams=4)
+        tl.add(0.0)  # a no-op first task, so ids below are not 0
+        a = tl.add(fab.transfer_time(0, 2, GB), links=fab.links(0, 2))
+        b = tl.add(fab.transfer_time(1, 3, GB), links=fab.links(1, 3))
+        _, finish = tl.run()
+        one = nic(GB, 400e9 / 8)
+        assert max(finish[a], finish[b]) == pytest.approx(expected_transfers * one, rel=1e-12)
+        assert min(finish[a], finish[b]) == pytest.approx(one, rel=1e-12)
+
+
+def test_shared_nic_slows_two_inter_node_rings():
+    def forward(nics):
+        C = cluster(nodes=2, gpus=2, nics=nics, intra=None)
+        plan = make_plan(C, split=[(4096, (0, 2)), (4096, (1, 3))])
+        return simulate(plan, C, MODEL, engine=True).layer_forward_s
+
+    c = 1024
+    rate = PEAK * hardware.attention_efficiency(2 * c)
+    t0, t1 = (2 * 2 * HD * c * (c + 1) + 4 * HD * c * c) / rate, 2 * 4 * HD * c * c / rate
+    x = nic(2 * 2 * c * MODEL.kv_dim * 2, 400e9 / 8)
+    assert forward(2) == pytest.approx(max(t0, x) + t1 + lin(2 * c), rel=1e-9)
+    assert forward(1) == pytest.approx(max(t0, 2 * x) + t1 + lin(2 * c), rel=1e-9)
+
+
+def test_routed_hop_splits_over_proxies():
+    C = cluster(nodes=2, gpus=2, nics=2, nic_gbps=100)
+    fab = Fabric(C, 4, 1)
+    n = 512e6
+    tl = Timeline(num_streams=4)
+    direct = fab.send(tl, 0, 2, n, [], "direct")
+    _, finish = tl.run()
+    tl = Timeline(num_streams=4)
+    routed = fab.send_routed(tl, 0, 2, n, [], "routed", ((0, 2), (1, 3)))
+    _, rfinish = tl.run()
+    nvl = hardware.gpu("h100").intra_link_bw
+    assert finish[direct] == pytest.approx(nic(n, 100e9 / 8), rel=1e-12)
+    # part 1 goes 0 -> 2 directly; part 2 is dispatched to 1, crosses 1 -> 3, combined at 2
+    assert rfinish[routed] == pytest.approx(2 * nvlink(n / 2, nvl) + nic(n / 2, 100e9 / 8), rel=1e-12)
+
+
+def test_routing_option_off_ignores_routes():
+    C = cluster(nodes=2, gpus=2, nics=2, nic_gbps=100)
+    route = Route(doc=0, src=0, dst=2, proxies=((0, 2), (1, 3)))
+    back = Route(doc=0, src=2, dst=0, proxies=((2, 0), (3, 1)))
+    plan = make_plan(C, split=[(16384, (0, 2))], routes=(route, back))
+    routed, direct = simulate(plan, C, MODEL), simulate(plan, C, MODEL, routing=False)
+    assert routed.layer_forward_s < direct.layer_forward_s
+
+
+def test_local_attention_fills_the_wait_for_inter_node_data():
+    # rank 0 has an inter-node ring (slow NIC) and one local document: the engine runs the
+    # local document while K/V is in flight; without the engine it runs after the ring.
+    C = cluster(nodes=2, gpus=1, nics=1, nic_gbps=10)
+    plan = make_plan(C, local={0: [2048], 1: [2048]}, split=[(8192, (0, 1))])
+    with_engine = simulate(plan, C, MODEL, engine=True)
+    without = simulate(plan, C, MODEL, engine=False)
+    c = 2048
+    rate = PEAK * hardware.attention_efficiency(2 * c)
+    t0, t1 = (2 * 2 * HD * c * (c + 1) + 4 * HD * c * c) / rate, 2 * 4 * HD * c * c / rate
+    loc = 2 * HD * c * (c + 1) / (PEAK * hardware.attention_efficiency(c))
+    x = nic(2 * 2 * c * MODEL.kv_dim * 2, 10e9 / 8)
+    assert x > t0 + loc
+    assert with_engine.layer_forward_s == pytest.approx(x + t1 + lin(3 * c), rel=1e-9)
+    assert without.layer_forward_s == pytest.approx(x + t1 + loc + lin(3 * c), rel=1e-9)
+
+
+def test_remap_moves_hidden_states_both_ways():
+    # rank 0 holds two 4000-token documents, rank 1 none; the remap moves the second over
+    C = cluster(gpus=2, nics=2, intra=10 * GB)
+    base = make_plan(C, local={0: [4000, 4000]})
+    plan = dataclasses.replace(base, remap=(Transfer(src=0, dst=1, start=4000, end=8000),)).validate()
+    att0 = 2 * 2 * HD * 4000 * 4001 / (PEAK * hardware.attention_efficiency(4000))
+    move = nvlink(4000 * MODEL.hidden * 2, 10 * GB)
+    assert simulate(plan, C, MODEL).layer_forward_s == pytest.approx(att0 + move + lin(4000) + move, rel=1e-9)
+    assert simulate(plan, C, MODEL, remap=False).layer_forward_s == pytest.approx(att0 + lin(8000), rel=1e-9)
+
+
+def test_ring_steps_add_up_to_zigzag_flops_and_ring_traffic():
+    C = cluster(gpus=8, nics=8)
+    plan = make_plan(C, split=[(10007, tuple(range(8))), (333, tuple(range(8)))])
+    seconds, rows = ring_tables(plan, list(plan.rings), MODEL, Fabric(C, 8, 1))
+    for i in range(8):
+        weighted = sum(cost_model.zigzag_rank_flops(MODEL, r.bounds, i)
+                       / hardware.attention_efficiency(plan.lengths[r.doc] / 8) for r in plan.rings)
+        assert seconds[i].sum() * PEAK == pytest.approx(weighted, rel=1e-9)
+    sent = collections.Counter()
+    for ring in plan.rings:
+        for step, src, _, n in plan.ring_steps(ring):
+            sent[step, src] += n
+    for (step, src), n in sent.items():
+        assert rows[src, step] == n
+
+
+def test_step_never_below_lower_bound_and_breakdown_adds_up():
+    rng = random.Random(7)
+    C = cluster(nodes=2, gpus=4, nics=2, nic_gbps=200)
+    for trial in range(6):
+        local = {r: [rng.randint(50, 6000) for _ in range(rng.randint(0, 4))] for r in range(8)}
+        ranks = rng.sample(range(8), rng.choice([2, 3, 4, 8]))
+        split = [(rng.randint(4000, 60000), tuple(ranks))]
+        comm_plan = make_plan(C, local, split)
+        for engine in (True, False):
+            res = simulate(comm_plan, C, MODEL, engine=engine)
+            assert res.step_time_s >= res.lower_bound_s * (1 - 1e-12)
+            for r in range(8):
+                assert res.compute_s[r] + res.exposed_comm_s[r] + res.idle_s[r] == pytest.approx(res.step_time_s)
+                assert res.exposed_comm_s[r] >= -1e-12 and res.idle_s[r] >= -1e-12
+
+
+def test_allgather_ring_and_tensor_parallel():
+    C = cluster(gpus=4, nics=4)
+    plan = make_plan(C, split=[(8192, (0, 1, 2, 3))])
+    gathered = Plan.from_json(plan.to_json().replace('"comm":"ring"', '"comm":"allgather"')).validate()
+    res = simulate(gathered, C, MODEL)
+    assert res.step_time_s >= res.lower_bound_s
+    tp_model = dataclasses.replace(MODEL, tp=2)
+    one_rank = Plan(planner="t", lengths=(4096,), node_of_rank=(0,), nic_of_rank=(0,),
+                    attention=((Segment(0, 0, 4096),),))
+    one = simulate(one_rank, cluster(), MODEL)
+    two = simulate(one_rank, cluster(gpus=2, nics=2), tp_model)
+    bw = hardware.gpu("h100").intra_link_bw
+    coll = 2 * sum(hardware.NCCL_LATENCY_S + 0.5 * 4096 * 1024 * 2 / (bw * hardware.NCCL_BUS_EFFICIENCY[op])
+                   for op in ("all_gather", "reduce_scatter"))
+    assert two.layer_forward_s == pytest.approx(one.layer_forward_s / 2 + coll, rel=1e-9)
+    assert two.num_gpus == 2 and two.mfu == pytest.approx(one.mfu * one.step_time_s / two.step_time_s / 2)
+
+
+def test_chrome_trace_is_valid(tmp_path):
+    C = cluster(nodes=2, gpus=2, nics=1)
+    res = simulate(make_plan(C, {0: [1000], 3: [500]}, [(8000, (0, 1, 2, 3))]), C, MODEL)
+    path = tmp_path / "trace.json"
+    res.to_chrome_trace(str(path))
+    events = json.loads(path.read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert spans and all(e["dur"] >= 0 for e in spans)
+    by_track = {}
+    for e in spans:
+        by_track.setdefault((e["pid"], e["tid"]), []).append((e["ts"], e["ts"] + e["dur"]))
+    for track in by_track.values():  # a stream or a link never does two things at once
+        track.sort()
+        assert all(a[1] <= b[0] + 1e-6 for a, b in zip(track, track[1:]))
+    assert json.dumps(res.to_dict())
+
+
+def test_cli_simulate_json_and_errors(capsys, tmp_path):
+    from ballonet.cli import main
+
+    args = ["simulate", "--cluster", "a800-4nic", "--nodes", "2", "--model", "llama-3b", "--tokens-per-gpu", "2048",
+            "--planners", "zeppelin,te_cp,packed_dp", "--steps", "1", "--seed", "3"]
+    assert main(args + ["--json", "--trace", str(tmp_path / "t.json")]) == 0
+    out = json.loads(capsys.readouterr().out)
+    rows = {r["planner"]: r for r in out["results"]}
+    assert list(rows) == ["zeppelin", "te_cp", "packed_dp"]
+    assert rows["te_cp"]["speedup_vs_te_cp"] == pytest.approx(1.0)
+    for r in rows.values():
+        assert r["step_time_s"] >= r["lower_bound_s"] > 0 and 0 < r["mfu"] < 1
+        assert r["speedup_vs_te_cp"] == pytest.approx(rows["te_cp"]["step_time_s"] / r["step_time_s"])
+    assert (tmp_path / "t.zeppelin.json").exists() and (tmp_path / "t.te_cp.json").exists()
+    assert main(args[:-6] + ["--planners", "zeppelin", "--no-routing", "--no-remap", "--plot",
+                             str(tmp_path / "p.png")]) == 0
+    assert "zeppelin" in capsys.readouterr().out and (tmp_path / "p.png").stat().st_size > 0
+    assert main(["simulate", "--planners", "nope"]) == 2
+    assert "unknown planner 'nope'" in capsys.readouterr().err
+    assert main(["simulate", "--cluster", "a800-4nic", "--nodes", "1", "--model", "llama-13b", "--tp", "3"]) == 2
+    capsys.readouterr()
