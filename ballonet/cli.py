@@ -158,27 +158,27 @@ def _strip_launch_flags(argv: list[str]) -> list[str]:
 def cmd_train(args) -> int:
     import os
 
-    from ballonet import train
+    from ballonet import train, train_config
 
     if args.nproc and "RANK" not in os.environ:
         if args.nproc < 1:
             raise InputError(f"--nproc must be positive, got {args.nproc}")
         if args.gpus_per_node and args.gpus_per_node * args.nodes != args.nproc:
             raise InputError(f"--nodes {args.nodes} x --gpus-per-node {args.gpus_per_node} != --nproc {args.nproc}")
-        train.preflight(train.config_from_args(args), args.nproc)  # bad input fails before any launch
+        train.preflight(train_config.config_from_args(args), args.nproc)  # bad input fails before any launch
         argv = args.argv[args.argv.index("train") + 1:]
         return train.launch(_strip_launch_flags(argv), args.nproc, args.max_restarts)
-    train.train(train.config_from_args(args))
+    train.train(train_config.config_from_args(args))
     return 0
 
 
 def _add_train(sub) -> None:
-    from ballonet import train
+    from ballonet import train_config
 
     p = sub.add_parser("train", help="train a model on balanced, planned batches (torchrun; gloo on CPU)",
                        description="Train with torchrun (`torchrun --nproc-per-node N -m ballonet train ...`) "
                                    "or let `--nproc N` launch it.")
-    train.add_arguments(p)
+    train_config.add_arguments(p)
     p.set_defaults(func=cmd_train)
 
 
