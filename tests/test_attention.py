@@ -18,8 +18,9 @@ import torch.nn.functional as F
 import ballonet
 from ballonet.plan import Plan, Ring, Segment, chunk_bounds
 from ballonet.runtime import ByteCounter, attention, token_index
-from ballonet.runtime.comm import grad_rows_returned, predicted_bytes
+from ballonet.runtime.comm import grad_rows_returned
 from ballonet.runtime.ring import ring_meta
+from ballonet.runtime.routing import predicted_bytes
 from distributed import run_ranks
 
 H, H_KV, D = 4, 2, 8

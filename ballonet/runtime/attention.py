@@ -9,6 +9,8 @@ section 2, "Attention engine"): every split document is its own ring over its ow
 the rings are stepped round-robin, each posting its next transfer before computing, and
 the local documents (one varlen call) fill the wait. Partial results merge in fp32 with
 the log-sum-exp rule; the backward passes K/V again and returns dK/dV to their owners.
+Hops the plan routes (`plan.routes`) go over proxy ranks, which forward in relay tasks
+queued right after the ring's (`runtime.routing`); results do not depend on routing.
 Layers as in ring-flash-attention: metadata (`rank_meta`), `_forward` / `_backward`, a
 thin autograd Function, one public function.
 """
@@ -25,7 +27,8 @@ from ballonet.plan import Plan
 from ballonet.runtime import kernels
 from ballonet.runtime.comm import P2P, ByteCounter, check_plan
 from ballonet.runtime.kernels import Kernel, Packing
-from ballonet.runtime.ring import RingMeta, ring_meta, ring_pass
+from ballonet.runtime.ring import RingMeta, ring_meta, ring_pass, ring_queue
+from ballonet.runtime.routing import RelayMeta, relay_meta, relay_pass, routes_by_hop
 
 
 @dataclass(frozen=True)
@@ -33,8 +36,9 @@ class RankMeta:
     local_rows: torch.Tensor
     """[T_loc] local rows of the documents this rank holds whole."""
     local_packing: Packing
-    rings: tuple[RingMeta, ...]
-    """The split documents this rank takes part in, in queue order."""
+    queue: tuple[RingMeta | RelayMeta, ...]
+    """The split documents this rank takes part in (`RingMeta`) or forwards routed parts
+    of (`RelayMeta`, right after the ring's own entry), in queue order."""
 
 
 def rank_meta(plan: Plan, rank: int, device) -> RankMeta:
@@ -45,8 +49,19 @@ def rank_meta(plan: Plan, rank: int, device) -> RankMeta:
             lengths.append(s.num_tokens)
         cursor += s.num_tokens
     local_rows = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
+    routes = routes_by_hop(plan)
+    rings = {meta.doc: meta for meta in ring_meta(plan, rank, device, routes)}
+    queue = []
+    for index in ring_queue(plan):
+        relay = relay_meta(plan, index, rank, routes)
+        queue += [x for x in (rings.get(plan.rings[index].doc), relay) if x is not None]
     return RankMeta(local_rows=local_rows.to(device), local_packing=Packing.of(lengths, causal=True),
-                    rings=tuple(ring_meta(plan, rank, device)))
+                    queue=tuple(queue))
+
+
+def _tasks(p2p: P2P, meta: RankMeta, ring_task, like: torch.Tensor, backward: bool) -> list:
+    """The queue's tasks: ring_task(ring) per ring, relay_pass per relay entry."""
+    return [ring_task(x) if isinstance(x, RingMeta) else relay_pass(p2p, x, like, backward) for x in meta.queue]
 
 
 def merge(out_acc: torch.Tensor, lse_acc: torch.Tensor, index: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
@@ -100,7 +115,7 @@ def _forward(p2p: P2P, meta: RankMeta, q, k, v, kernel: Kernel, scale: float):
         if rows.numel():
             out[rows], lse[rows] = kernel.forward(q[rows], k[rows], v[rows], meta.local_packing, scale)
 
-    _drive([ring_task(ring) for ring in meta.rings] + [_once(local)])
+    _drive(_tasks(p2p, meta, ring_task, k, backward=False) + [_once(local)])
     return out, lse
 
 
@@ -135,7 +150,7 @@ def _backward(p2p: P2P, meta: RankMeta, dout, q, k, v, out, lse, kernel: Kernel,
             for grad, part in zip((dq, dk, dv), grads):
                 grad[rows] = part.to(grad.dtype)
 
-    _drive([ring_task(ring) for ring in meta.rings] + [_once(local)])
+    _drive(_tasks(p2p, meta, ring_task, k, backward=True) + [_once(local)])
     return dq, dk, dv
 
 

@@ -1,11 +1,10 @@
-"""Peer-to-peer transfers between plan ranks, the bytes they move, and what the plan predicts.
+"""Peer-to-peer transfers between plan ranks and the bytes they move.
 
 Plan ranks are ranks of the process group the engine runs on (`group=None`: the default
 world group); `P2P` turns them into global ranks for torch.distributed. Every message is
-counted by its sender, per (src, dst) plan-rank pair and per phase (forward, backward).
-
-Routes (`plan.routes`: inter-node hops split over proxy GPUs) are not followed yet: every
-hop goes direct. `P2P.post` is the one place a routed hop would slot in.
+counted by its sender, per (src, dst) plan-rank pair and per phase (forward, backward);
+`link_bytes` and `nic_bytes` turn such pair counts into bytes per link class and per NIC.
+What the plan predicts, routes included, is in `runtime.routing`.
 """
 
 from __future__ import annotations
@@ -17,6 +16,9 @@ import torch
 import torch.distributed as dist
 
 from ballonet.plan import Plan
+
+Message = tuple[int, torch.Tensor, int]
+"""(peer plan rank, contiguous tensor, tag)."""
 
 GRAD_DTYPE = torch.float32
 """dK/dV travel back to their owners as fp32 partial sums (exact accumulation, as in
@@ -53,13 +55,14 @@ class P2P:
     def _peer(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
-    def post(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]], tag: int) -> list:
-        """Start sending each (dst, tensor) and receiving into each (src, tensor); return
-        the work handles to wait on. Empty tensors are skipped on both sides."""
-        ops = [dist.P2POp(dist.isend, t, self._peer(dst), self.group, tag) for dst, t in sends if t.numel()]
-        ops += [dist.P2POp(dist.irecv, t, self._peer(src), self.group, tag) for src, t in recvs if t.numel()]
+    def post(self, sends: list[Message], recvs: list[Message]) -> list:
+        """Start sending each (dst, tensor, tag) and receiving into each (src, tensor, tag);
+        return the work handles to wait on. Empty tensors are skipped on both sides.
+        Messages between two ranks with one tag are matched in the order they are posted."""
+        ops = [dist.P2POp(dist.isend, t, self._peer(dst), self.group, tag) for dst, t, tag in sends if t.numel()]
+        ops += [dist.P2POp(dist.irecv, t, self._peer(src), self.group, tag) for src, t, tag in recvs if t.numel()]
         if self.counter is not None:
-            for dst, t in sends:
+            for dst, t, _ in sends:
                 if t.numel():
                     self.counter.add(self.phase, self.rank, dst, t.numel() * t.element_size())
         return dist.batch_isend_irecv(ops) if ops else []
@@ -115,11 +118,24 @@ def grad_rows_returned(plan: Plan) -> Counter:
     return counts
 
 
-def predicted_bytes(plan: Plan, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> ByteCounter:
-    """Bytes the engine sends for `plan` with K/V of `dtype`: the forward passes K and V
-    (plan.kv_rows_sent); the backward passes them again and returns fp32 dK/dV."""
-    kv_row = 2 * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
-    grad_row = 2 * num_kv_heads * head_dim * torch.empty(0, dtype=GRAD_DTYPE).element_size()
-    forward = Counter({pair: rows * kv_row for pair, rows in plan.kv_rows_sent().items()})
-    backward = forward + Counter({pair: rows * grad_row for pair, rows in grad_rows_returned(plan).items()})
-    return ByteCounter(forward=forward, backward=backward)
+# ---- accounting -------------------------------------------------------------------------
+
+
+def link_bytes(pair_bytes: Counter, node_of_rank: tuple[int, ...]) -> Counter:
+    """Bytes per link class ("intra" or "inter" node) from bytes per (src, dst) pair."""
+    out: Counter = Counter()
+    for (src, dst), num_bytes in pair_bytes.items():
+        out["intra" if node_of_rank[src] == node_of_rank[dst] else "inter"] += num_bytes
+    return out
+
+
+def nic_bytes(pair_bytes: Counter, plan: Plan) -> Counter:
+    """Inter-node bytes per NIC direction, ("out", nic) and ("in", nic), from bytes per
+    (src, dst) pair: a transfer across nodes leaves by the sender's NIC and enters by the
+    receiver's. Every NIC of the plan has both keys (zero where idle)."""
+    out = Counter({(way, nic): 0 for nic in sorted(set(plan.nic_of_rank)) for way in ("out", "in")})
+    for (src, dst), num_bytes in pair_bytes.items():
+        if plan.node_of_rank[src] != plan.node_of_rank[dst]:
+            out["out", plan.nic_of_rank[src]] += num_bytes
+            out["in", plan.nic_of_rank[dst]] += num_bytes
+    return out

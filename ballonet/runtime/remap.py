@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ballonet.plan import Plan
-from ballonet.runtime.comm import ByteCounter
+from ballonet.runtime.comm import ByteCounter, link_bytes  # noqa: F401 - link_bytes: re-exported
 from ballonet.runtime.layout import LAYOUTS
 
 
@@ -143,10 +143,3 @@ def predicted_bytes(plan: Plan, bytes_per_token: int, src: str = "attention") ->
     forward, backward = (there, back) if src == "attention" else (back, there)
     return ByteCounter(forward=forward, backward=backward)
 
-
-def link_bytes(pair_bytes: Counter, node_of_rank: tuple[int, ...]) -> Counter:
-    """Bytes per link class ("intra" or "inter" node) from bytes per (src, dst) pair."""
-    out: Counter = Counter()
-    for (src, dst), num_bytes in pair_bytes.items():
-        out["intra" if node_of_rank[src] == node_of_rank[dst] else "inter"] += num_bytes
-    return out

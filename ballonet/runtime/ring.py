@@ -7,6 +7,9 @@ block of position (p - s) mod g. Which of its query chunks see which key chunks 
 from document offsets: a key chunk that ends before a query chunk starts is seen whole,
 the rank's own block (step 0) is causal, a later chunk is not seen. The own block is
 causal as one square sequence because a rank's chunks are in document order.
+
+A hop between ring positions may be routed over proxies (`routing.Hop`): the ring loop
+posts its first and last legs; the proxies forward the rest in `routing.relay_pass`.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 from ballonet.plan import Plan, Ring
 from ballonet.runtime.comm import P2P, wait
 from ballonet.runtime.kernels import Packing
+from ballonet.runtime.routing import Hop, message_tag, ring_hop
 
 
 @dataclass(frozen=True)
@@ -45,11 +49,11 @@ class RingMeta:
     """Rows of the block of each ring position."""
     calls: tuple[BlockCall | None, ...]
     """The kernel call of each step; None where no query row sees the block held."""
-
-    @property
-    def tag(self) -> int:
-        """Message tag of this ring's K/V; tag + 1 carries its dK/dV."""
-        return 2 * self.doc
+    tag: int
+    """Message tag base of this ring's K/V: 2 * its index in plan.rings; tag + 1: dK/dV."""
+    out_hop: Hop | None = None
+    """"ring" comm: the hop to the next position, and from the previous one (g > 1)."""
+    in_hop: Hop | None = None
 
 
 def _chunk_offsets(chunks) -> list[int]:
@@ -92,22 +96,32 @@ def _step_call(ring: Ring, p: int, j: int, device) -> BlockCall | None:
                            [sum(held[ki].num_tokens for ki in kis) for _, kis in groups], causal=False))
 
 
-def ring_meta(plan: Plan, rank: int, device) -> list[RingMeta]:
-    """The rings `rank` is part of, in queue order: inter-node first, then intra-node."""
+def ring_queue(plan: Plan) -> list[int]:
+    """Indices of plan.rings in queue order: inter-node first, then intra-node, by document."""
+    return sorted(range(len(plan.rings)), key=lambda i: (plan.rings[i].kind != "inter", plan.rings[i].doc))
+
+
+def ring_meta(plan: Plan, rank: int, device, routes: dict | None = None) -> list[RingMeta]:
+    """The rings `rank` is part of, in queue order; `routes` (`routing.routes_by_hop`)
+    routes their hops (None: every hop direct)."""
     local_offset, cursor = {}, 0
     for s in plan.attention[rank]:
         local_offset[s] = cursor
         cursor += s.num_tokens
     out = []
-    for ring in sorted(plan.rings, key=lambda r: (r.kind != "inter", r.doc)):
+    for index in ring_queue(plan):
+        ring = plan.rings[index]
         if rank not in ring.ranks:
             continue
         g, p = len(ring.ranks), ring.ranks.index(rank)
         parts = [torch.arange(local_offset[c], local_offset[c] + c.num_tokens) for c in ring.chunks_of(p)]
         rows = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+        hops = (ring_hop(ring, p, routes or {}), ring_hop(ring, (p - 1) % g, routes or {})) \
+            if ring.comm == "ring" and g > 1 else (None, None)
         out.append(RingMeta(doc=ring.doc, comm=ring.comm, ranks=ring.ranks, position=p, rows=rows.to(device),
                             block_rows=tuple(ring.block_tokens(i) for i in range(g)),
-                            calls=tuple(_step_call(ring, p, (p - s) % g, device) for s in range(g))))
+                            calls=tuple(_step_call(ring, p, (p - s) % g, device) for s in range(g)),
+                            tag=2 * index, out_hop=hops[0], in_hop=hops[1]))
     return out
 
 
@@ -128,13 +142,12 @@ def ring_pass(p2p: P2P, meta: RingMeta, kv: torch.Tensor, compute: Compute) -> G
     the block's owner; then the generator returns this rank's own block gradient."""
     if meta.comm == "allgather":
         return (yield from _gathered(p2p, meta, kv, compute))
-    g, p = len(meta.ranks), meta.position
-    nxt, prv = meta.ranks[(p + 1) % g], meta.ranks[(p - 1) % g]
+    g, p, out_hop, in_hop = len(meta.ranks), meta.position, meta.out_hop, meta.in_hop
     own, incoming = None, None
     for step in range(g):
         if step < g - 1:
             kv_next = _like(kv, meta.block_rows[(p - step - 1) % g])
-            kv_works = p2p.post([(nxt, kv)], [(prv, kv_next)], meta.tag)
+            kv_works = p2p.post(out_hop.sends(kv, meta.tag), in_hop.recvs(kv_next, meta.tag))
         grad = compute(step, kv)
         if grad is not None and step == 0:
             own = grad
@@ -144,7 +157,7 @@ def ring_pass(p2p: P2P, meta: RingMeta, kv: torch.Tensor, compute: Compute) -> G
                 wait(incoming[1])
                 grad += incoming[0]
             buf = _like(grad, meta.block_rows[(p - step - 1) % g])
-            incoming = (buf, p2p.post([(nxt, grad)], [(prv, buf)], meta.tag + 1))
+            incoming = (buf, p2p.post(out_hop.sends(grad, meta.tag + 1), in_hop.recvs(buf, meta.tag + 1)))
         yield
         if step < g - 1:
             wait(kv_works)
@@ -161,7 +174,8 @@ def _gathered(p2p: P2P, meta: RingMeta, kv: torch.Tensor, compute: Compute):
     g, p = len(meta.ranks), meta.position
     peers = [(meta.ranks[(p - s) % g], (p - s) % g) for s in range(1, g)]
     held = [_like(kv, meta.block_rows[j]) for _, j in peers]
-    works = p2p.post([(r, kv) for r, _ in peers], [(r, buf) for (r, _), buf in zip(peers, held)], meta.tag)
+    tag = message_tag(meta.tag, 0)
+    works = p2p.post([(r, kv, tag) for r, _ in peers], [(r, buf, tag) for (r, _), buf in zip(peers, held)])
     own = compute(0, kv)
     yield
     wait(works)
@@ -169,8 +183,9 @@ def _gathered(p2p: P2P, meta: RingMeta, kv: torch.Tensor, compute: Compute):
     if own is None:
         return None
     incoming = [torch.empty_like(own) for _ in peers]
-    works = p2p.post([(r, grad) for (r, _), grad in zip(peers, grads)],
-                     [(r, buf) for (r, _), buf in zip(peers, incoming)], meta.tag + 1)
+    tag = message_tag(meta.tag + 1, 0)
+    works = p2p.post([(r, grad, tag) for (r, _), grad in zip(peers, grads)],
+                     [(r, buf, tag) for (r, _), buf in zip(peers, incoming)])
     yield
     wait(works)
     return own + sum(incoming) if incoming else own

@@ -1,0 +1,224 @@
+"""Routing (DESIGN.md section 2, "Routing layer"): inter-node ring hops cut over proxy GPUs.
+
+A routed hop (`plan.Route`) cuts the buffer of each ring step, [2, rows, H_kv, D] (K and
+V, or fp32 dK and dV), into len(proxies) row ranges (`plan.chunk_bounds`); part j travels
+src -> proxies[j][0] (dispatch, inside the source node) -> proxies[j][1] (transfer, across
+nodes on that rail's NICs) -> dst (combine), legs between equal ranks left out. A direct
+hop is one part on the path (src, dst). A part travels as two messages, its K rows and its
+V rows: each is a contiguous view, so nothing is copied to send or receive it.
+
+Per ring step, the ring members post the first leg of their outgoing hop's parts and the
+last leg of their incoming hop's (`Hop.sends`, `Hop.recvs`, called by `ring.ring_pass`);
+the ranks in between forward in a task of their own, `relay_pass`, queued right after the
+ring's task. A relay posts all receives of the step, then waits for and forwards the
+parts coming from the source node (stage 1), then those that crossed nodes (stage 2).
+
+Deadlock freedom: tasks run round-robin in the same ring order on every rank, one ring
+step per round, and a relay runs after the ring's own task, so every blocking wait is for
+a message posted at an earlier (round, ring, stage): the order is well-founded. Every leg
+of every part of every hop has its own tag (gloo matches messages by (peer, tag), in
+order), so hops that share a pair of ranks never take each other's messages.
+
+`predicted_bytes` is what the engine sends per (src, dst) pair for a plan, routes
+followed; `comm.link_bytes` and `comm.nic_bytes` turn it into link-class and NIC figures.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Generator, Iterator
+
+import torch
+
+from ballonet.plan import Plan, Ring, Route, chunk_bounds
+from ballonet.runtime.comm import GRAD_DTYPE, P2P, ByteCounter, Message, wait
+
+MAX_RANKS, MAX_PARTS, MAX_RINGS = 1024, 16, 2**14
+"""Bounds of the tag encoding (tags are nonnegative int32)."""
+
+
+def message_tag(base: int, position: int, part: int = 0, leg: int = 0) -> int:
+    """The tag of leg `leg` of part `part` of the hop out of ring position `position`.
+    base: 2 * (the ring's index in plan.rings), + 1 for dK/dV."""
+    return ((base * MAX_RANKS + position) * MAX_PARTS + part) * 4 + leg
+
+
+def routes_by_hop(plan: Plan) -> dict[tuple[int, int, int], Route]:
+    """plan.routes by (doc, src, dst); ValueError for a plan the engine cannot route."""
+    if plan.num_ranks > MAX_RANKS or len(plan.rings) >= MAX_RINGS:
+        raise ValueError(f"the engine runs at most {MAX_RANKS} ranks and {MAX_RINGS - 1} rings, "
+                         f"got {plan.num_ranks} and {len(plan.rings)}")
+    out = {}
+    for route in plan.routes:
+        if plan.ring_of_doc[route.doc].comm != "ring" or len(route.proxies) > MAX_PARTS:
+            raise ValueError(f"route {route.src}->{route.dst} of document {route.doc}: only P2P rings are "
+                             f"routed, over at most {MAX_PARTS} proxy pairs")
+        out[route.doc, route.src, route.dst] = route
+    return out
+
+
+def hop_paths(src: int, dst: int, route: Route | None) -> tuple[tuple[int, ...], ...]:
+    """Per part of the hop src -> dst, the ranks it passes: src first, dst last."""
+    paths = []
+    for a, b in route.proxies if route else ((src, dst),):
+        path = [src]
+        for r in (a, b, dst):
+            if r != path[-1]:
+                path.append(r)
+        paths.append(tuple(path))
+    return tuple(paths)
+
+
+def _pieces(buf: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, ...]:
+    """Rows [start, end) of buf [2, rows, ...] as two contiguous views."""
+    return buf[:, start:end].unbind(0)
+
+
+@dataclass(frozen=True)
+class Hop:
+    """The hop out of ring position `position`, to the next position."""
+
+    position: int
+    paths: tuple[tuple[int, ...], ...]
+    """Per part, the ranks it passes (`hop_paths`)."""
+
+    def bounds(self, rows: int) -> tuple[int, ...]:
+        return chunk_bounds(rows, len(self.paths))
+
+    def sends(self, buf: torch.Tensor, base: int) -> list[Message]:
+        """The first leg of every part of buf [2, rows, ...], as the hop's source."""
+        b = self.bounds(buf.shape[1])
+        return [(path[1], piece, message_tag(base, self.position, j, 0))
+                for j, path in enumerate(self.paths) for piece in _pieces(buf, b[j], b[j + 1])]
+
+    def recvs(self, buf: torch.Tensor, base: int) -> list[Message]:
+        """The last leg of every part, into buf [2, rows, ...], as the hop's destination."""
+        b = self.bounds(buf.shape[1])
+        return [(path[-2], piece, message_tag(base, self.position, j, len(path) - 2))
+                for j, path in enumerate(self.paths) for piece in _pieces(buf, b[j], b[j + 1])]
+
+
+def ring_hop(ring: Ring, position: int, routes: dict) -> Hop:
+    g = len(ring.ranks)
+    src, dst = ring.ranks[position], ring.ranks[(position + 1) % g]
+    return Hop(position=position, paths=hop_paths(src, dst, routes.get((ring.doc, src, dst))))
+
+
+# ---- relays ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Relay:
+    """This rank forwards part `part` of `hop`: it is hop.paths[part][stage]."""
+
+    hop: Hop
+    part: int
+    stage: int
+
+    def _leg(self, buf: torch.Tensor, base: int, peer: int, leg: int) -> list[Message]:
+        tag = message_tag(base, self.hop.position, self.part, leg)
+        return [(peer, piece, tag) for piece in buf.unbind(0)]
+
+    def incoming(self, buf: torch.Tensor, base: int) -> list[Message]:
+        return self._leg(buf, base, self.hop.paths[self.part][self.stage - 1], self.stage - 1)
+
+    def outgoing(self, buf: torch.Tensor, base: int) -> list[Message]:
+        return self._leg(buf, base, self.hop.paths[self.part][self.stage + 1], self.stage)
+
+
+@dataclass(frozen=True)
+class RelayMeta:
+    """What this rank forwards for one ring whose routed hops pass through it."""
+
+    doc: int
+    tag: int
+    """The ring's message tag base (as `RingMeta.tag`)."""
+    block_rows: tuple[int, ...]
+    relays: tuple[Relay, ...]
+    """By (stage, hop position, part)."""
+
+
+def relay_meta(plan: Plan, index: int, rank: int, routes: dict) -> RelayMeta | None:
+    """`rank`'s forwarding for ring plan.rings[index]; None if it forwards nothing."""
+    ring = plan.rings[index]
+    relays = []
+    for position in range(len(ring.ranks) if ring.comm == "ring" else 0):
+        hop = ring_hop(ring, position, routes)
+        for j, path in enumerate(hop.paths):
+            relays += [Relay(hop=hop, part=j, stage=k) for k in range(1, len(path) - 1) if path[k] == rank]
+    if not relays:
+        return None
+    relays.sort(key=lambda r: (r.stage, r.hop.position, r.part))
+    return RelayMeta(doc=ring.doc, tag=2 * index, relays=tuple(relays),
+                     block_rows=tuple(ring.block_tokens(i) for i in range(len(ring.ranks))))
+
+
+def relay_pass(p2p: P2P, meta: RelayMeta, like: torch.Tensor, backward: bool) -> Generator[None, None, None]:
+    """Forward this rank's parts of one ring's hops, in step with the ring's members: K/V
+    (dtype and row shape of `like`) at steps 0..g-2, and in the backward also fp32 dK/dV
+    at steps 1..g-1. One step per round; yields between rounds."""
+    g = len(meta.block_rows)
+    forwarded: list = []
+    for step in range(g):
+        wait(forwarded)
+        passes = [(meta.tag, like.dtype)] if step < g - 1 else []
+        if backward and step >= 1:
+            passes.append((meta.tag + 1, GRAD_DTYPE))
+        held = []
+        for base, dtype in passes:
+            for relay in meta.relays:
+                b = relay.hop.bounds(meta.block_rows[(relay.hop.position - step) % g])
+                buf = like.new_empty((2, b[relay.part + 1] - b[relay.part]) + tuple(like.shape[1:]), dtype=dtype)
+                held.append((relay, base, buf, p2p.post([], relay.incoming(buf, base))))
+        forwarded = []
+        for stage in (1, 2):
+            for relay, base, buf, works in held:
+                if relay.stage == stage:
+                    wait(works)
+                    forwarded += p2p.post(relay.outgoing(buf, base), [])
+        yield
+    wait(forwarded)
+
+
+# ---- predictions, from the plan alone --------------------------------------------------
+
+
+def hop_messages(plan: Plan) -> Iterator[tuple[str, int, int, int, int]]:
+    """(kind, doc, src, dst, rows) of every ring message of one forward ("kv") and one
+    backward ("kv" again, and "grad" for dK/dV), per step, before routing. "ring": at step
+    s position i passes the block of (i - s) mod g, K/V at s < g-1, dK/dV at s >= 1;
+    "allgather": every block to every other member, and its gradient back."""
+    for ring in plan.rings:
+        g, ranks, doc = len(ring.ranks), ring.ranks, ring.doc
+        for i in range(g):
+            if ring.comm == "allgather":
+                for j in range(g):
+                    if j != i:
+                        yield "kv", doc, ranks[i], ranks[j], ring.block_tokens(i)
+                        yield "grad", doc, ranks[i], ranks[j], ring.block_tokens(j)
+                continue
+            for s in range(g):
+                rows = ring.block_tokens((i - s) % g)
+                if s < g - 1:
+                    yield "kv", doc, ranks[i], ranks[(i + 1) % g], rows
+                if s >= 1:
+                    yield "grad", doc, ranks[i], ranks[(i + 1) % g], rows
+
+
+def predicted_bytes(plan: Plan, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> ByteCounter:
+    """Bytes per (src, dst) the engine sends for `plan`, routes followed, with K/V of
+    `dtype`: the forward passes K and V; the backward passes them again and returns fp32
+    dK/dV. A routed hop's part counts once on each leg of its path."""
+    row_bytes = {"kv": 2 * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size(),
+                 "grad": 2 * num_kv_heads * head_dim * torch.empty(0, dtype=GRAD_DTYPE).element_size()}
+    routes = routes_by_hop(plan)
+    sent = {"kv": Counter(), "grad": Counter()}
+    for kind, doc, src, dst, rows in hop_messages(plan):
+        paths = hop_paths(src, dst, routes.get((doc, src, dst)))
+        b = chunk_bounds(rows, len(paths))
+        for j, path in enumerate(paths):
+            for a, c in zip(path, path[1:]):
+                if b[j + 1] > b[j]:
+                    sent[kind][a, c] += (b[j + 1] - b[j]) * row_bytes[kind]
+    return ByteCounter(forward=sent["kv"], backward=sent["kv"] + sent["grad"])
