@@ -215,6 +215,8 @@ def cmd_simulate(args) -> int:
     model = specs.model(args.model, **({"tp": args.tp} if args.tp else {}))
     planners = comparison.parse_planners(args.planners)
     popts = {k: False for k in ("routing", "remap", "hierarchical") if getattr(args, f"no_{k}")}
+    if args.assume_homogeneous:
+        popts["assume_homogeneous"] = True
     sopts = {"engine": False} if args.no_engine else {}
     total = comparison.num_simulations(planners, args.steps)
     from rich.console import Console
@@ -266,6 +268,9 @@ def _add_simulate(sub) -> None:
                    help="ablation: zeppelin without hierarchical classes (split documents span every rank)")
     p.add_argument("--no-engine", action="store_true",
                    help="ablation: zeppelin's attention run in a fixed order, sends issued after compute")
+    p.add_argument("--assume-homogeneous", action="store_true",
+                   help="zeppelin plans as if every GPU were the cluster's first type (the simulator still "
+                        "runs the real devices)")
     p.add_argument("--plot", default=None, help="write a bar chart of step times (PNG)")
     p.add_argument("--trace", default=None,
                    help="write a Chrome/Perfetto trace of the first batch (out.json; out.PLANNER.json for several)")
@@ -310,6 +315,8 @@ def cmd_plan(args) -> int:
     else:
         lengths = workloads.get(args.workload).sample_batch(args.tokens_per_gpu * cluster.num_ranks, args.seed)
     options = {k: False for k in ("routing", "remap", "hierarchical") if getattr(args, f"no_{k}")}
+    if args.assume_homogeneous:
+        options["assume_homogeneous"] = True
     start = time.perf_counter()
     plan = plan_batch(lengths, cluster, model, planner=args.planner, **options)
     plan_ms = (time.perf_counter() - start) * 1e3
@@ -356,6 +363,8 @@ def _add_plan(sub) -> None:
     p.add_argument("--no-routing", action="store_true", help="zeppelin without the routing layer")
     p.add_argument("--no-remap", action="store_true", help="zeppelin without the remapping layer")
     p.add_argument("--no-hierarchical", action="store_true", help="zeppelin: split documents span every rank")
+    p.add_argument("--assume-homogeneous", action="store_true",
+                   help="zeppelin: plan as if every GPU were the cluster's first type (memory caps stay real)")
     p.add_argument("--out", default=None, help="write the plan as canonical JSON (Plan.from_json reads it)")
     p.add_argument("--json", action="store_true", help="print a JSON object: planner, valid, ranks, metrics")
     p.set_defaults(func=cmd_plan)

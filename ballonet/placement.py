@@ -150,8 +150,14 @@ def lpt(docs: list[int], work, lengths: list[int], load: np.ndarray, speed: np.n
         token_room: np.ndarray, spill: list[int] | None = None) -> dict[int, list[int]]:
     """Whole documents, largest first, each to the slot that would finish it earliest
     ((load + work) / speed) among those with memory for it; ties to the lower slot.
-    Updates `load` and `token_room`; returns {slot: docs}. A document no slot has memory
-    for raises `NoRoom`, or is appended to `spill` when given."""
+    `work` is [D], or [slots, D] when a document costs more on some slots (unrelated
+    machines; largest first by its least cost). Updates `load` and `token_room`; returns
+    {slot: docs}. A document no slot has memory for raises `NoRoom`, or is appended to
+    `spill` when given."""
+    if np.ndim(work) == 2:
+        least = np.min(work, axis=0)
+        order = sorted(docs, key=lambda d: (-least[d], d))
+        return _lpt_uniform(order, work, lengths, load, speed, token_room, spill)
     order = sorted(docs, key=lambda d: (-work[d], d))
     if len(set(speed.tolist())) > 1:
         return _lpt_uniform(order, work, lengths, load, speed, token_room, spill)
@@ -186,8 +192,10 @@ def lpt(docs: list[int], work, lengths: list[int], load: np.ndarray, speed: np.n
 def _lpt_uniform(order, work, lengths, load, speed, token_room, spill) -> dict[int, list[int]]:
     """`lpt` on slots of unequal speed (uniform machines), one vector step per document."""
     out: dict[int, list[int]] = {}
+    per_slot = np.ndim(work) == 2
     for d in order:
-        finish = np.where(token_room >= lengths[d], (load + work[d]) / speed, np.inf)
+        w = work[:, d] if per_slot else work[d]
+        finish = np.where(token_room >= lengths[d], (load + w) / speed, np.inf)
         i = int(np.argmin(finish))
         if finish[i] == np.inf:
             if spill is None:
@@ -195,7 +203,7 @@ def _lpt_uniform(order, work, lengths, load, speed, token_room, spill) -> dict[i
             spill.append(d)
             continue
         out.setdefault(i, []).append(d)
-        load[i] += work[d]
+        load[i] += w[i] if per_slot else w
         token_room[i] -= lengths[d]
     return out
 

@@ -18,8 +18,9 @@ a rank's (a node's) memory. Splitting more than needed only adds traffic.
 Placement, with work in peak-FLOP units so a rank's time is work / its peak:
   Step 1 (level 1, nodes): each inter-node document fills the nodes with the most room
     left, as few as cover it; then the other documents go whole to nodes, largest first,
-    to the node that would finish them first (LPT on uniform machines), within each
-    node's memory; one that no node can hold whole is spread across nodes.
+    to the node that would finish them first, within each node's memory (LPT; on a mixed
+    cluster a document that a slower node must split over more ranks costs more there,
+    `_node_work`); one that no node can hold whole is spread across nodes.
   Step 2 (level 2, inside each node): documents that must be split there, and the node's
     shares of inter-node documents, fill the ranks with the most room; then local
     documents go to ranks by LPT, within each rank's memory. If the busiest rank still
@@ -116,7 +117,7 @@ def _charge(shares: dict[int, float], d: int, work, lengths, load, token_room, s
             out.setdefault(d, {})[int(slots[i]) if slots is not None else i] = w
 
 
-def _level1(lengths, work, dev: Devices, nodes, intra, inter):
+def _level1(lengths, work, dev: Devices, nodes, intra, inter, thresholds, model: ModelSpec):
     """Step 1: inter-node documents fill the nodes with most room; the rest go whole to
     nodes by LPT (documents to split inside a node only to nodes of 2 or more ranks);
     a document no node has memory for is spread across nodes. Returns (node load, docs
@@ -129,7 +130,7 @@ def _level1(lengths, work, dev: Devices, nodes, intra, inter):
     for d in sorted(np.nonzero(inter)[0].tolist(), key=lambda d: (-work[d], d)):
         got = _fill(node_target - node_load, node_room, work[d], work[d] / lengths[d])
         _charge(got, d, work, lengths, node_load, node_room, out=shares)
-    work_list = work.tolist()
+    per_node = _node_work(lengths, work, dev, nodes, thresholds, model)
     node_docs: dict[int, list[int]] = {}
     multi = np.array([len(rs) > 1 for rs in nodes])
     spill: list[int] = []
@@ -137,13 +138,29 @@ def _level1(lengths, work, dev: Devices, nodes, intra, inter):
                        ([d for d in range(len(lengths)) if not intra[d] and not inter[d]], np.ones(len(nodes), bool))):
         idx = np.nonzero(pool)[0]
         sub_load, sub_room = node_load[idx], node_room[idx]
-        for i, ds in lpt(docs, work_list, lengths, sub_load, node_speed[idx], sub_room, spill).items():
+        for i, ds in lpt(docs, per_node[idx], lengths, sub_load, node_speed[idx], sub_room, spill).items():
             node_docs.setdefault(int(idx[i]), []).extend(ds)
         node_load[idx], node_room[idx] = sub_load, sub_room
     for d in spill:
         got = _fill(node_target - node_load, node_room, work[d], work[d] / lengths[d])
         _charge(got, d, work, lengths, node_load, node_room, out=shares)
     return node_load, node_docs, shares
+
+
+def _node_work(lengths, work, dev: Devices, nodes, thresholds, model: ModelSpec) -> np.ndarray:
+    """[nodes, D] work of each document if it goes whole to each node: a document above
+    a rank's fair share there (and above the node group's intra-node crossover) will be
+    split over about work / share of its ranks, at their shorter blocks' efficiency. On a
+    mixed cluster the same document is split more, so costs more, on slower nodes."""
+    out = np.tile(work, (len(nodes), 1))
+    for n, rs in enumerate(nodes):
+        fair = work.sum() * dev.speed[rs].max() / dev.speed.sum()
+        l_intra = thresholds[dev.group[rs[0]]]["intra"]
+        if len(rs) < 2 or l_intra is None:
+            continue
+        for d in np.nonzero((work > fair) & (np.asarray(lengths) >= l_intra))[0]:
+            out[n, d] = max(work[d], split_work(model, lengths[d], min(np.ceil(work[d] / fair), len(rs))))
+    return out
 
 
 def _level2(ranks: np.ndarray, node_work: float, docs: list[int], inter_water: list[tuple[float, int]],
@@ -178,7 +195,8 @@ def _place(lengths, work, dev: Devices, thresholds, hierarchical: bool, model: M
     R, nodes = dev.num_ranks, dev.nodes()
     # A document above a rank's fair share will be split over about work / share ranks,
     # whose shorter blocks run at a lower kernel efficiency: count it at that efficiency.
-    fair = work.sum() / R
+    # The share is the fastest rank's (it goes to the fastest ranks first).
+    fair = work.sum() * dev.speed.max() / dev.speed.sum()
     for d in np.nonzero(work > fair)[0]:
         for _ in range(4):  # fixed point: more members, shorter blocks, more work
             work[d] = split_work(model, lengths[d], min(np.ceil(work[d] / fair), R))
@@ -192,7 +210,7 @@ def _place(lengths, work, dev: Devices, thresholds, hierarchical: bool, model: M
             local[i] = docs
         split_shares = {int(d): dict.fromkeys(range(R), 0.0) for d in np.nonzero(intra)[0]}
         return refine(lengths, work, dev, local, split_shares, model), {}
-    node_load, node_docs, inter_shares = _level1(lengths, work, dev, nodes, intra, inter)
+    node_load, node_docs, inter_shares = _level1(lengths, work, dev, nodes, intra, inter, thresholds, model)
     work_list = work.tolist()
     for n, ranks in enumerate(nodes):
         water = [(w, d) for d, sh in inter_shares.items() if (w := sh.get(n, 0.0)) > 0]

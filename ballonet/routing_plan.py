@@ -1,11 +1,14 @@
 """Routing planning (DESIGN.md section 2): spread each inter-node ring hop over idle NICs.
 
 A hop of m bytes per ring step, cut over k rail-aligned proxy pairs, costs about
-2 * t_intra((k-1)/k * m) + t_nic(m / k) (dispatch, parallel NIC sends, combine) instead
-of t_nic(m) on the sender's own NIC. k is chosen per hop by that cost. Proxies are picked
-rail-aligned (local index j on both nodes), one per NIC, preferring NICs that carry the
-least traffic of the other inter-node hops of the same (inter-node) phase. Hops are
-handled largest first; ties go to the lower document, ring position and rail.
+2 * t_intra((k-1)/k * m) + t_nic(m / k + b_k) (dispatch, parallel NIC sends, combine)
+instead of t_nic(m + b_1) on the sender's own NIC, where b is the traffic the other
+inter-node hops of the same phase put on the busiest NIC used. Each side's intra-node
+link is its own (NVLink, or PCIe on a PCIe-only node, where dispatch is dear) and a NIC
+transfer runs at the slower of the two ends' NICs. k is chosen per hop by that cost.
+Proxies are picked rail-aligned (local index j on both nodes), one per NIC, least loaded
+first. Hops are handled largest first; ties go to the lower document, ring position and
+rail.
 """
 
 from __future__ import annotations
@@ -54,9 +57,10 @@ def plan_routes(plan: Plan, cluster: ClusterSpec, model: ModelSpec, local_index:
             key = (plan.nic_of_rank[a], plan.nic_of_rank[b])
             if key[0] not in {k[0] for k in seen} and key[1] not in {k[1] for k in seen}:
                 seen.add(key)
-                rails.append((load["out", key[0]] + load["in", key[1]], j, a, b))
+                rails.append((max(load["out", key[0]], load["in", key[1]]), j, a, b))
         rails.sort()
-        k = _best_width(m, len(rails), group[src], group[dst])
+        own = max(load["out", plan.nic_of_rank[src]], load["in", plan.nic_of_rank[dst]])
+        k = _best_width(m, own, [x[0] for x in rails], group[src], group[dst])
         chosen = [(a, b) for _, _, a, b in rails[:k]] if k > 1 else [(src, dst)]
         for a, b in chosen:
             load["out", plan.nic_of_rank[a]] += m / len(chosen)
@@ -66,12 +70,15 @@ def plan_routes(plan: Plan, cluster: ClusterSpec, model: ModelSpec, local_index:
     return tuple(sorted(routes, key=lambda r: (r.doc, r.src)))
 
 
-def _best_width(m: float, max_k: int, src_group, dst_group) -> int:
-    """Proxy count with the least predicted time for a hop of m bytes (1: direct)."""
+def _best_width(m: float, own: float, rail_load: list[float], src_group, dst_group) -> int:
+    """Proxy count with the least predicted time for a hop of m bytes (1: direct, on NICs
+    already carrying `own` bytes; k: the k least loaded rails, `rail_load` ascending)."""
+    nic_bw = min(src_group.nic_bw, dst_group.nic_bw)
+
     def time(k: int) -> float:
         if k == 1:
-            return cost_model.p2p_time(m, src_group.nic_bw / src_group.gpus_per_nic, nic=True)
+            return cost_model.p2p_time(m + own, nic_bw, nic=True)
         part = (k - 1) / k * m
         return (cost_model.p2p_time(part, src_group.intra_bw) + cost_model.p2p_time(part, dst_group.intra_bw)
-                + cost_model.p2p_time(m / k, min(src_group.nic_bw, dst_group.nic_bw), nic=True))
-    return min(range(1, max(max_k, 1) + 1), key=lambda k: (time(k), k))
+                + cost_model.p2p_time(m / k + rail_load[k - 1], nic_bw, nic=True))
+    return min(range(1, max(len(rail_load), 1) + 1), key=lambda k: (time(k), k))

@@ -1,0 +1,161 @@
+"""Mixed GPU types (issue #8): training nodes plus loaned inference nodes, simulated.
+
+    OMP_NUM_THREADS=1 python bench/hetero.py [--steps K] [--out bench/results]
+
+Writes bench/results/hetero.json (every figure) and hetero.md (tables and the goals, each
+met or not). For each mixed preset and workload, every planner plans the same sampled
+batches (16K tokens per GPU, 64K context, LLaMA-7B) and the simulator runs the real
+devices. `zeppelin (homogeneous)` plans as if every GPU were the cluster's first type.
+The lower bound is the heterogeneous one of `simulator.simulate` (zeppelin's compute
+spread over the GPUs in proportion to peak FLOP/s, communication hidden). "Loaned gain"
+is the throughput the inference nodes add over the training nodes alone (zeppelin on
+both, the same global batches), as a fraction of what their peak FLOP/s would add at
+the training nodes' rate: (T_alone / T_mixed - 1) / (loaned peak / training peak).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+from ballonet import specs, workloads
+from ballonet.planner import plan_batch
+from ballonet.simulator import simulate
+
+CLUSTERS = ["h800+h20", "a800+l40s"]
+WORKLOADS = ["wlbllm", "prolong"]
+MODEL = "llama-7b"
+TOKENS_PER_GPU = 16384
+MAX_LENGTH = 65536
+RUNS = {  # column -> (planner, planner options)
+    "zeppelin": ("zeppelin", {}),
+    "zeppelin (homogeneous)": ("zeppelin", {"assume_homogeneous": True}),
+    "flops_dp": ("flops_dp", {}),
+    "te_cp": ("te_cp", {}),
+    "hybrid_dp": ("hybrid_dp", {}),
+}
+GOAL_OVER_HOMOGENEOUS = 1.3
+GOAL_TO_LOWER_BOUND = 1.15
+
+
+def _mean_runs(cluster, model, batches, planner: str, options: dict) -> dict:
+    res = [simulate(plan_batch(b, cluster, model, planner, **options), cluster, model) for b in batches]
+    step = statistics.mean(r.step_time_s for r in res)
+    return {"step_time_s": step, "lower_bound_s": statistics.mean(r.lower_bound_s for r in res),
+            "tokens_per_s": sum(r.num_tokens for r in res) / len(res) / step,
+            "mfu": statistics.mean(r.mfu for r in res), "steps": [r.step_time_s for r in res],
+            "slowest_compute_s": statistics.mean(max(r.compute_s) for r in res)}
+
+
+def config(cluster_name: str, workload: str, steps: int) -> dict:
+    c, m = specs.cluster(cluster_name), specs.model(MODEL)
+    t = time.perf_counter()
+    wl = workloads.get(workload)
+    batches = list(wl.batches(TOKENS_PER_GPU * c.num_ranks, 0, steps, MAX_LENGTH))
+    results = {name: _mean_runs(c, m, batches, p, o) for name, (p, o) in RUNS.items()}
+    train = dataclasses.replace(c, name=f"{cluster_name} training nodes", groups=c.groups[:1])
+    alone = _mean_runs(train, m, batches, "zeppelin", {})  # the same global batches
+    peak = lambda groups: sum(g.num_nodes * g.gpus_per_node * g.gpu_type.peak_flops for g in groups)  # noqa: E731
+    loaned_share = peak(c.groups[1:]) / peak(c.groups[:1])
+    z = results["zeppelin"]
+    out = {"cluster": cluster_name, "gpus": c.num_ranks, "groups": [dataclasses.asdict(g) for g in c.groups],
+           "model": MODEL, "workload": workload, "steps": steps, "results": results,
+           "training_alone": alone,
+           "over_homogeneous": results["zeppelin (homogeneous)"]["step_time_s"] / z["step_time_s"],
+           "to_lower_bound": z["step_time_s"] / z["lower_bound_s"],
+           "compute_to_lower_bound": z["slowest_compute_s"] / z["lower_bound_s"],
+           "peak_ratio": max(g.gpu_type.peak_flops for g in c.groups) / min(g.gpu_type.peak_flops for g in c.groups),
+           "loaned_gain": (z["tokens_per_s"] - alone["tokens_per_s"]) / (alone["tokens_per_s"] * loaned_share),
+           "seconds": time.perf_counter() - t}
+    print(f"  {cluster_name} {workload}: x{out['over_homogeneous']:.2f} over homogeneous, "
+          f"{out['to_lower_bound']:.2f} of bound ({out['seconds']:.0f}s)", file=sys.stderr, flush=True)
+    return out
+
+
+def _goal(ok: bool) -> str:
+    return "met" if ok else "not met"
+
+
+def markdown(runs: list[dict], command: str, header: str) -> str:
+    lines = ["# Mixed GPU types: training nodes plus loaned inference nodes, simulated", "",
+             f"Command: `{command}` ({header}).", "",
+             f"LLaMA-7B, {TOKENS_PER_GPU // 1024}K tokens per GPU, {MAX_LENGTH // 1024}K context, "
+             f"{runs[0]['steps']} sampled batches per configuration (seed 0); mean simulated step times. "
+             "Presets (`ballonet/specs.py`): `h800+h20` = 2 nodes of 8 H800 (8x400 Gb/s NICs) + 2 nodes of 8 H20 "
+             "(4x200 Gb/s); `a800+l40s` = 2 nodes of 8 A800 (4x200 Gb/s) + 2 nodes of 8 L40S (PCIe only, "
+             "2x200 Gb/s). Lower bound: zeppelin's compute spread over the GPUs in proportion to peak FLOP/s, "
+             "communication hidden (`simulator.simulate`). \"Training nodes alone\" runs the same global batches "
+             "on the training nodes only (zeppelin).", "",
+             "## Goals", "",
+             "| cluster | workload | zeppelin over `--assume-homogeneous` (goal >= 1.3x) | "
+             "zeppelin / lower bound (goal <= 1.15x) | of which: slowest GPU's compute / bound | "
+             "loaned GPUs' gain, share of their peak |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for r in runs:
+        lines.append(f"| {r['cluster']} | {r['workload']} | {r['over_homogeneous']:.2f}x "
+                     f"({_goal(r['over_homogeneous'] >= GOAL_OVER_HOMOGENEOUS)}) | {r['to_lower_bound']:.2f}x "
+                     f"({_goal(r['to_lower_bound'] <= GOAL_TO_LOWER_BOUND)}) | {r['compute_to_lower_bound']:.2f}x "
+                     f"| {r['loaned_gain']:.0%} |")
+    lines += ["", "Peak bf16 ratio of the fastest to the slowest GPU type: "
+              + ", ".join(f"{r['cluster']} {r['peak_ratio']:.2f}x" for r in runs[::len(WORKLOADS)]) + ". "
+              "The homogeneous assumption can only cost as much as the types differ; "
+              "the step over the bound splits into the slowest GPU's compute over the bound (imbalance) "
+              "times the rest (exposed communication and waiting)."]
+    lines += ["", "## Why goals are not met", "",
+              "- Over the homogeneous assumption on `a800+l40s`: the first type (A800, 312 TFLOP/s) and the L40S "
+              "(362) differ by only 1.16x in peak, so planning as if all were A800s misjudges each GPU's speed by "
+              "at most 16% and loses little; 1.3x is out of reach there for any planner. On `h800+h20` (6.7x "
+              "apart) it is met by a wide margin.",
+              "- Lower bound: the bound hides all communication. The slowest GPU's compute alone is "
+              + ", ".join(f"{r['compute_to_lower_bound']:.2f}x" for r in runs)
+              + " of the bound; the rest of the gap is exposed communication and waiting: the remap all-to-all "
+              "before and after the linear layers (blocking, over PCIe at 25 GB/s inside L40S nodes and over the "
+              "inference nodes' few NICs: 4x200 Gb/s for 8 H20, 2x200 Gb/s for 8 L40S) and ring hops that short "
+              "chunks cannot hide. The same planner is 1.11x-1.33x off this bound on homogeneous clusters "
+              "(`bench/results/paper.md`; LLaMA-7B on 4 nodes of clusters A, B, C: 1.11x-1.25x), so 1.15x on mixed clusters, "
+              "whose inference nodes have far less network per GPU than the training nodes, was not reached.",
+              "- Loaned GPUs' gain: an H20 has 15% of an H800's peak, so the 16 H20s could add at most 15% "
+              "to the step rate; a few percent of imbalance or exposed communication on the 32-GPU job "
+              "takes a large part of that."]
+    lines += ["", "## Step times (s)", "",
+              "| cluster | workload | " + " | ".join(RUNS) + " | lower bound | training nodes alone |",
+              "| --- | --- | " + " | ".join("---" for _ in RUNS) + " | --- | --- |"]
+    for r in runs:
+        cells = " | ".join(f"{r['results'][k]['step_time_s']:.2f}" for k in RUNS)
+        lines.append(f"| {r['cluster']} | {r['workload']} | {cells} | {r['results']['zeppelin']['lower_bound_s']:.2f} "
+                     f"| {r['training_alone']['step_time_s']:.2f} |")
+    lines += ["", "## Throughput (tokens/s)", "",
+              "| cluster | workload | " + " | ".join(RUNS) + " | training nodes alone |",
+              "| --- | --- | " + " | ".join("---" for _ in RUNS) + " | --- |"]
+    for r in runs:
+        cells = " | ".join(f"{r['results'][k]['tokens_per_s']:,.0f}" for k in RUNS)
+        lines.append(f"| {r['cluster']} | {r['workload']} | {cells} | {r['training_alone']['tokens_per_s']:,.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = ap.parse_args(argv)
+    t = time.perf_counter()
+    runs = [config(c, w, args.steps) for c in CLUSTERS for w in WORKLOADS]
+    command = "OMP_NUM_THREADS=1 python bench/hetero.py" + (f" --steps {args.steps}" if args.steps != 8 else "")
+    header = (f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.machine()}, "
+              f"Python {platform.python_version()}, {time.perf_counter() - t:.0f} s")
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "hetero.json"), "w") as f:
+        json.dump({"command": command, "runs": runs}, f, indent=1)
+    with open(os.path.join(args.out, "hetero.md"), "w") as f:
+        f.write(markdown(runs, command, header))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""Mixed GPU types (issue #8): planner and simulator against closed-form cases.
+
+Expected figures come from the hardware table (peak FLOP/s, memory) and hand formulas,
+never from the planner under test.
+"""
+
+import dataclasses
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ballonet import cost_model, hardware, specs
+from ballonet.cli import main
+from ballonet.errors import InfeasiblePlan
+from ballonet.plan import Plan, Segment
+from ballonet.planner import plan_batch
+from ballonet.simulator import simulate
+from ballonet.specs import ClusterSpec, NodeGroup
+
+MODEL = specs.model("llama-3b")
+H100 = hardware.gpu("h100")
+
+
+@pytest.fixture
+def half_h100(monkeypatch):
+    """A GPU exactly half as fast as an H100, otherwise alike."""
+    slow = dataclasses.replace(H100, name="h100-half", peak_flops=H100.peak_flops / 2)
+    monkeypatch.setitem(hardware.GPUS, "h100-half", slow)
+    return slow
+
+
+def two_gpus(gpus_per_node=1):
+    """Node 0: H100s; node 1: the half-speed twin. One NIC per GPU."""
+    kw = dict(num_nodes=1, gpus_per_node=gpus_per_node, nics_per_node=gpus_per_node, nic_gbps=400)
+    return ClusterSpec(name="2x", groups=(NodeGroup(gpu="h100", **kw), NodeGroup(gpu="h100-half", **kw)))
+
+
+def quadratic_share(plan: Plan, rank: int) -> float:
+    """Share of the batch's causal attention FLOPs that `rank` computes, from its segments:
+    a segment [a, e) of a document costs its queries against keys 0..q, i.e.
+    sum_{q=a}^{e-1} (q + 1) = (e(e+1) - a(a+1)) / 2 query-key pairs."""
+    pairs = lambda a, e: (e * (e + 1) - a * (a + 1)) / 2  # noqa: E731
+    mine = sum(pairs(s.start, s.end) for s in plan.attention[rank])
+    total = sum(pairs(0, L) for L in plan.lengths)
+    return mine / total
+
+
+def test_twice_as_fast_gpu_gets_two_thirds_of_a_split_document(half_h100):
+    plan = plan_batch([65536], two_gpus(), MODEL)
+    assert len(plan.rings) == 1 and plan.rings[0].kind == "inter"
+    assert quadratic_share(plan, 0) == pytest.approx(2 / 3, abs=0.02)
+    assert plan.linear_tokens(0) == pytest.approx(2 / 3 * 65536, abs=1)
+
+
+def test_twice_as_fast_gpu_gets_two_thirds_of_whole_documents(half_h100):
+    plan = plan_batch([4096] * 30, two_gpus(), MODEL)
+    assert not plan.rings
+    assert len(plan.local_docs(0)) == 20 and len(plan.local_docs(1)) == 10
+    assert quadratic_share(plan, 0) == pytest.approx(2 / 3, abs=1e-9)
+    assert [plan.linear_tokens(r) for r in (0, 1)] == [81920, 40960]
+
+
+def test_assume_homogeneous_plans_equal_shares(half_h100):
+    plan = plan_batch([4096] * 30, two_gpus(), MODEL, assume_homogeneous=True)
+    assert len(plan.local_docs(0)) == len(plan.local_docs(1)) == 15
+    assert plan.linear_tokens(0) == plan.linear_tokens(1) == 61440
+    split = plan_batch([65536], two_gpus(), MODEL, assume_homogeneous=True)
+    assert quadratic_share(split, 0) == pytest.approx(1 / 2, abs=0.02)
+
+
+def _token_cap(gpu: hardware.GPUType, model, num_ranks: int) -> int:
+    """Most tokens a GPU holds: (memory * reserve - weights, grads and sharded Adam) / bytes per token."""
+    h, kv, f = model.hidden, model.kv_dim, model.ffn_hidden
+    params = model.num_layers * (h * (h + 2 * kv) + h * h + 3 * h * f + 2 * h) + 2 * model.vocab_size * h + h
+    state = params * (2 + 2 + 12 / num_ranks)
+    per_token = model.num_layers * h * 2 + 34 * h
+    return int((gpu.memory_bytes * 0.9 - state) // per_token)
+
+
+@pytest.mark.parametrize("assume_homogeneous", [False, True])
+def test_memory_cap_of_the_small_gpu_is_respected(assume_homogeneous):
+    # L40S (48 GB) is faster than A800 (80 GB): by speed it would take more tokens than it can hold.
+    cluster, model = specs.cluster("a800+l40s"), specs.model("llama-7b")
+    cap = _token_cap(hardware.gpu("l40s"), model, cluster.num_ranks)
+    per_gpu = 40_000
+    assert per_gpu * 362 / 337 > cap  # the speed-proportional share is over the cap
+    rng = np.random.default_rng(3)
+    lengths, total = [], 0
+    while total < per_gpu * cluster.num_ranks:
+        lengths.append(int(rng.integers(500, 9000)))
+        total += lengths[-1]
+    plan = plan_batch(lengths, cluster, model, assume_homogeneous=assume_homogeneous)
+    for r in range(16, 32):
+        assert plan.attention_tokens(r) <= cap and plan.linear_tokens(r) <= cap
+        assert plan.memory_bytes[r] <= hardware.gpu("l40s").memory_bytes * 0.9
+    assert sum(plan.linear_tokens(r) for r in range(32)) == sum(lengths)
+    if not assume_homogeneous:
+        assert all(plan.linear_tokens(r) >= cap - 1 for r in range(16, 32))
+
+
+def test_mixed_preset_balances_seconds_not_tokens():
+    cluster, model = specs.cluster("h800+h20"), specs.model("llama-7b")
+    rng = np.random.default_rng(0)
+    lengths = [int(x) for x in rng.integers(300, 8000, size=150)] + [60_000, 40_000]
+    plan = plan_batch(lengths, cluster, model)
+    ratio = 989 / 148
+    lin = [plan.linear_tokens(r) for r in range(32)]
+    assert lin[0] / lin[16] == pytest.approx(ratio, rel=0.01)
+    res = simulate(plan, cluster, model)
+    flat = simulate(plan_batch(lengths, cluster, model, assume_homogeneous=True), cluster, model)
+    assert res.step_time_s * 1.3 < flat.step_time_s
+    att = np.array(res.attention_s)
+    assert att.max() / att.mean() < 1.2  # seconds, not tokens, are level
+
+
+def test_simulator_runs_each_device_at_its_speed_and_bound_is_speed_weighted(half_h100):
+    c = two_gpus()
+    L = 8192
+    plan = Plan(planner="test", lengths=(L, L), node_of_rank=(0, 1), nic_of_rank=(0, 1),
+                attention=((Segment(0, 0, L),), (Segment(1, 0, L),))).validate()
+    res = simulate(plan, c, MODEL)
+    assert res.compute_s[1] == pytest.approx(2 * res.compute_s[0], rel=1e-9)
+    # perfect balance: work c0*p + c1*p/2 over total peak 1.5p
+    assert res.lower_bound_s == pytest.approx((res.compute_s[0] + res.compute_s[1] / 2) / 1.5, rel=1e-9)
+    assert res.step_time_s >= res.compute_s[1]
+
+
+def test_pcie_node_has_no_cheap_intra_node_ring():
+    from ballonet.planner import crossover_lengths
+
+    cluster, model = specs.cluster("a800+l40s"), specs.model("llama-7b")
+    a800, l40s = crossover_lengths(cluster, model)
+    assert l40s["intra"] > 5 * a800["intra"]
+    assert cost_model.breakeven_chunk_tokens(model, hardware.gpu("l40s"), 25e9) * 2 == l40s["intra"]
+
+
+@st.composite
+def mixed_clusters(draw):
+    groups = []
+    for gpu in draw(st.lists(st.sampled_from(["h200", "h20", "a800", "l40s", "a10"]), min_size=2, max_size=3,
+                             unique=True)):
+        gpus = draw(st.sampled_from([1, 2, 4, 8]))
+        groups.append(NodeGroup(gpu=gpu, num_nodes=draw(st.integers(1, 3)), gpus_per_node=gpus,
+                                nics_per_node=draw(st.sampled_from([d for d in (1, 2, 4, 8) if gpus % d == 0])),
+                                nic_gbps=draw(st.sampled_from([100.0, 200.0, 400.0]))))
+    return ClusterSpec(name="mixed", groups=tuple(groups))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cluster=mixed_clusters(), assume_homogeneous=st.booleans(),
+       lengths=st.lists(st.one_of(st.integers(1, 512), st.integers(1, 300_000)), min_size=1, max_size=40))
+def test_mixed_clusters_valid_plans_under_memory_caps(cluster, assume_homogeneous, lengths):
+    model = specs.model("llama-3b")
+    try:
+        plan = plan_batch(lengths, cluster, model, assume_homogeneous=assume_homogeneous)
+    except InfeasiblePlan:
+        caps = [_token_cap(cluster.gpu_of(r), model, cluster.num_ranks) for r in range(cluster.num_ranks)]
+        assert min(caps) < 0 or sum(lengths) > sum(caps) - cluster.num_ranks  # does not fit at all
+        return
+    plan.validate()
+    for r in range(cluster.num_ranks):
+        cap = _token_cap(cluster.gpu_of(r), model, cluster.num_ranks)
+        assert max(plan.attention_tokens(r), plan.linear_tokens(r)) <= cap + 1
+
+
+def test_cli_assume_homogeneous(capsys):
+    assert main(["plan", "--cluster", "h800+h20", "--tokens-per-gpu", "4096", "--assume-homogeneous", "--json"]) == 0
+    import json
+
+    ranks = json.loads(capsys.readouterr().out)["ranks"]
+    lin = [r["tokens_linear"] for r in ranks]
+    assert max(lin) - min(lin) <= 1
+    assert main(["plan", "--cluster", "h800+h20", "--tokens-per-gpu", "4096", "--planner", "te_cp",
+                 "--assume-homogeneous"]) == 2
+    assert "has no option 'assume_homogeneous'" in capsys.readouterr().err
+    assert main(["simulate", "--cluster", "h800+h20", "--tokens-per-gpu", "4096", "--planners", "zeppelin",
+                 "--assume-homogeneous", "--json"]) == 0
+
+
+def test_routing_skips_pcie_dispatch_that_costs_more_than_it_saves():
+    from ballonet.routing_plan import _best_width
+
+    m = 64e6
+    pcie = NodeGroup(gpu="l40s", nics_per_node=2, nic_gbps=200)  # 25 GB/s PCIe, 25 GB/s NICs
+    # routed over 2 rails: 2 * (m/2) / (25e9 * 0.8) + (m/2) / (25e9 * 0.9) > m / (25e9 * 0.9) direct
+    assert _best_width(m, 0.0, [0.0, 0.0], pcie, pcie) == 1
+    nvlink = NodeGroup(gpu="h800", nics_per_node=8, nic_gbps=400)  # 200 GB/s NVLink, 50 GB/s NICs
+    # over 8 rails: 2 * (7m/8) / 160e9 + (m/8) / 45e9 = m/91e9 + m/360e9 < m / 45e9
+    assert _best_width(m, 0.0, [0.0] * 8, nvlink, nvlink) == 8
+    # a busy own NIC makes a detour worth it even over PCIe: (m + 2m) / 22.5e9 > m/20e9 + m/45e9
+    assert _best_width(m, 2 * m, [0.0, 0.0], pcie, pcie) == 2
