@@ -84,6 +84,14 @@ def attention_efficiency(length: float) -> float:
     return _ATTN_EFF[i] + (_ATTN_EFF[i + 1] - _ATTN_EFF[i]) * (x - x0) / (x1 - x0)
 
 
+def attention_efficiency_array(lengths) -> "np.ndarray":
+    """`attention_efficiency` over an array of lengths (the same clamped log-linear curve)."""
+    import numpy as np
+
+    knots = np.log2(np.asarray(_ATTN_EFF_LENGTHS, dtype=float))
+    return np.interp(np.log2(np.maximum(np.asarray(lengths, dtype=float), 1.0)), knots, _ATTN_EFF)
+
+
 # GEMM efficiency, fitted to h100_megatron_layer_ops.tsv (32K tokens, TP=1, CP=1: the
 # output projection of a 4096-hidden layer, 2*T*h*h FLOPs in 1.449 ms = 0.77 of peak).
 # Fewer tokens per GEMM lose efficiency: half of it at LINEAR_HALF_TOKENS tokens.

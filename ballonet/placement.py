@@ -124,10 +124,7 @@ def check_lengths(lengths) -> list[int]:
 
 
 def attention_efficiency(lengths: np.ndarray) -> np.ndarray:
-    """`hardware.attention_efficiency` over an array (the same log-linear interpolation,
-    clamped at both ends; tests check they agree)."""
-    knots = np.log2(np.asarray(hardware._ATTN_EFF_LENGTHS, dtype=float))
-    return np.interp(np.log2(np.maximum(np.asarray(lengths, dtype=float), 1.0)), knots, hardware._ATTN_EFF)
+    return hardware.attention_efficiency_array(lengths)
 
 
 def attention_work(model: ModelSpec, lengths) -> np.ndarray:

@@ -153,13 +153,19 @@ def _node_work(lengths, work, dev: Devices, nodes, thresholds, model: ModelSpec)
     split over about work / share of its ranks, at their shorter blocks' efficiency. On a
     mixed cluster the same document is split more, so costs more, on slower nodes."""
     out = np.tile(work, (len(nodes), 1))
+    rows: dict[tuple, np.ndarray] = {}  # alike nodes (most of a cluster) share one row
     for n, rs in enumerate(nodes):
         fair = work.sum() * dev.speed[rs].max() / dev.speed.sum()
         l_intra = thresholds[dev.group[rs[0]]]["intra"]
         if len(rs) < 2 or l_intra is None:
             continue
-        for d in np.nonzero((work > fair) & (np.asarray(lengths) >= l_intra))[0]:
-            out[n, d] = max(work[d], split_work(model, lengths[d], min(np.ceil(work[d] / fair), len(rs))))
+        key = (fair, l_intra, len(rs))
+        if key not in rows:
+            row = work.copy()
+            for d in np.nonzero((work > fair) & (np.asarray(lengths) >= l_intra))[0]:
+                row[d] = max(work[d], split_work(model, lengths[d], min(np.ceil(work[d] / fair), len(rs))))
+            rows[key] = row
+        out[n] = rows[key]
     return out
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ballonet import cost_model
+from ballonet import cost_model, hardware
 from ballonet.errors import InfeasiblePlan
 from ballonet.placement import Devices, NoRoom, Placement, apportion, attention_efficiency
 from ballonet.specs import ModelSpec
@@ -46,7 +46,7 @@ def split_work(model: ModelSpec, length: int, num_members: float) -> float:
     """Work of a document split over `num_members` ranks: its FLOPs at the kernel
     efficiency of blocks of length / num_members rows."""
     block = max(length / max(num_members, 1.0), 1.0)
-    return cost_model.attention_flops(model, length) / model.tp / float(attention_efficiency(np.array([block]))[0])
+    return cost_model.attention_flops(model, length) / model.tp / hardware.attention_efficiency(block)
 
 
 def refine(lengths, work, dev: Devices, local, split_shares, model: ModelSpec) -> Placement:
