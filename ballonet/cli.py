@@ -39,6 +39,25 @@ def _print_table(title: str, columns: list[str], rows: list[list], footer: str |
         console.print(footer)
 
 
+def _add_target_args(p) -> None:
+    """--cluster, --nodes, --model, --tp: what is planned or simulated."""
+    p.add_argument("--cluster", default="h200-8nic", help=f"cluster preset ({', '.join(specs.CLUSTERS)}) or TOML file")
+    p.add_argument("--nodes", type=_positive_int, default=None, help="number of nodes (default: the preset's)")
+    p.add_argument("--model", default="llama-7b", help=f"model preset ({', '.join(specs.MODELS)})")
+    p.add_argument("--tp", type=_positive_int, default=None, help="tensor-parallel degree (default: the preset's)")
+
+
+def _add_zeppelin_options(p) -> None:
+    """Zeppelin's parts switched off one by one (the paper's ablation)."""
+    p.add_argument("--no-routing", action="store_true", help="ablation: zeppelin without the routing layer")
+    p.add_argument("--no-remap", action="store_true", help="ablation: zeppelin without the remapping layer")
+    p.add_argument("--no-hierarchical", action="store_true",
+                   help="ablation: zeppelin without hierarchical classes (split documents span every rank)")
+    p.add_argument("--assume-homogeneous", action="store_true",
+                   help="zeppelin plans as if every GPU were the cluster's first type (memory caps stay real; "
+                        "the simulator still runs the real devices)")
+
+
 # ---- cost ----------------------------------------------------------------------------
 
 
@@ -252,25 +271,16 @@ def _add_simulate(sub) -> None:
     p = sub.add_parser("simulate", help="compare planners on a simulated cluster: step time, speedup, MFU",
                        description="Sample --steps batches of a workload, plan each with every planner, and "
                                    "simulate one training iteration per batch (ballonet.simulator).")
-    p.add_argument("--cluster", default="h200-8nic", help=f"cluster preset ({', '.join(specs.CLUSTERS)}) or TOML file")
-    p.add_argument("--nodes", type=_positive_int, default=None, help="number of nodes (default: the preset's)")
-    p.add_argument("--model", default="llama-7b", help=f"model preset ({', '.join(specs.MODELS)})")
-    p.add_argument("--tp", type=_positive_int, default=None, help="tensor-parallel degree (default: the preset's)")
+    _add_target_args(p)
     p.add_argument("--workload", default="wlbllm", help="workload preset (wlbllm, prolong, shortmix) or lengths file")
     p.add_argument("--tokens-per-gpu", type=_positive_int, default=16384, help="global batch tokens per GPU")
     p.add_argument("--max-length", type=_positive_int, default=None, help="context window: documents are cut to it")
     p.add_argument("--planners", default="all", help="'all' or a comma-separated list (e.g. zeppelin,te_cp)")
     p.add_argument("--steps", type=_positive_int, default=1, help="sampled batches to average over")
     p.add_argument("--seed", type=int, default=0, help="seed of the batch sampler")
-    p.add_argument("--no-routing", action="store_true", help="ablation: zeppelin without the routing layer")
-    p.add_argument("--no-remap", action="store_true", help="ablation: zeppelin without the remapping layer")
-    p.add_argument("--no-hierarchical", action="store_true",
-                   help="ablation: zeppelin without hierarchical classes (split documents span every rank)")
+    _add_zeppelin_options(p)
     p.add_argument("--no-engine", action="store_true",
                    help="ablation: zeppelin's attention run in a fixed order, sends issued after compute")
-    p.add_argument("--assume-homogeneous", action="store_true",
-                   help="zeppelin plans as if every GPU were the cluster's first type (the simulator still "
-                        "runs the real devices)")
     p.add_argument("--plot", default=None, help="write a bar chart of step times (PNG)")
     p.add_argument("--trace", default=None,
                    help="write a Chrome/Perfetto trace of the first batch (out.json; out.PLANNER.json for several)")
@@ -350,21 +360,14 @@ def _add_plan(sub) -> None:
     p = sub.add_parser("plan", help="plan one batch: where every token goes, per-rank balance and traffic",
                        description="Plan one global batch with a planner and show each rank's tokens, attention "
                                    "cost, linear tokens after remap and bytes moved, with balance figures.")
-    p.add_argument("--cluster", default="h200-8nic", help=f"cluster preset ({', '.join(specs.CLUSTERS)}) or TOML file")
-    p.add_argument("--nodes", type=_positive_int, default=None, help="number of nodes (default: the preset's)")
-    p.add_argument("--model", default="llama-7b", help=f"model preset ({', '.join(specs.MODELS)})")
-    p.add_argument("--tp", type=_positive_int, default=None, help="tensor-parallel degree (default: the preset's)")
+    _add_target_args(p)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--workload", default="wlbllm", help="workload preset (wlbllm, prolong, shortmix) or file to sample")
     src.add_argument("--lengths", default=None, help="file of document lengths: the batch itself, in order")
     p.add_argument("--tokens-per-gpu", type=_positive_int, default=16384, help="batch tokens per GPU (with --workload)")
     p.add_argument("--seed", type=int, default=0, help="seed of the batch sampler")
     p.add_argument("--planner", default="zeppelin", help=f"one of {', '.join(PLANNERS)}")
-    p.add_argument("--no-routing", action="store_true", help="zeppelin without the routing layer")
-    p.add_argument("--no-remap", action="store_true", help="zeppelin without the remapping layer")
-    p.add_argument("--no-hierarchical", action="store_true", help="zeppelin: split documents span every rank")
-    p.add_argument("--assume-homogeneous", action="store_true",
-                   help="zeppelin: plan as if every GPU were the cluster's first type (memory caps stay real)")
+    _add_zeppelin_options(p)
     p.add_argument("--out", default=None, help="write the plan as canonical JSON (Plan.from_json reads it)")
     p.add_argument("--json", action="store_true", help="print a JSON object: planner, valid, ranks, metrics")
     p.set_defaults(func=cmd_plan)
