@@ -130,7 +130,10 @@ class Transformer(nn.Module):
 
     def _hidden(self, ids_T, plan: Plan, rank: int, group, counter=None) -> torch.Tensor:
         """Token ids on the linear layout -> final normed hidden states [T_lin, C]."""
-        attention_fn = self.attention_fn or functools.partial(runtime.attention, counter=counter)
+        attention_fn = self.attention_fn
+        if attention_fn is None:  # every layer runs the same plan: check it once, not per layer
+            runtime.check_plan(plan, rank, group, ids_T.device)
+            attention_fn = functools.partial(runtime.attention, counter=counter, verify_plan=False)
         pos_T = position_ids(plan, rank, "linear").to(ids_T.device)
         x_TC = self.embed(ids_T)
         for layer in self.layers:
