@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -59,9 +60,11 @@ class Devices:
         return out
 
 
+@functools.lru_cache(maxsize=16)  # every batch of a run plans on the same devices
 def devices(cluster: ClusterSpec, model: ModelSpec, assume_homogeneous: bool = False) -> Devices:
     """The plan ranks of `cluster` for `model`. With `assume_homogeneous`, speeds are those
-    of the first GPU type (memory caps stay real, so the plan stays valid)."""
+    of the first GPU type (memory caps stay real, so the plan stays valid). Its arrays are
+    read-only: the result is shared between calls."""
     tp = model.tp
     for g in cluster.groups:
         if g.gpus_per_node % tp:
@@ -81,14 +84,17 @@ def devices(cluster: ClusterSpec, model: ModelSpec, assume_homogeneous: bool = F
             cap -= 1
         caps.append(cap)
     first = cluster.gpu_of(0).peak_flops
+    speed = np.array([first if assume_homogeneous else t.peak_flops for t in gpu], dtype=float)
+    token_cap = np.array(caps, dtype=np.int64)
+    speed.flags.writeable = token_cap.flags.writeable = False
     return Devices(
         node=tuple(cluster.node_of(x) for x in gpus),
         nic=tuple(cluster.nic_of(x) for x in gpus),
         local_index=tuple(cluster.local_index(x) // tp for x in gpus),
         gpu=gpu,
         group=group,
-        speed=np.array([first if assume_homogeneous else t.peak_flops for t in gpu], dtype=float),
-        token_cap=np.array(caps, dtype=np.int64),
+        speed=speed,
+        token_cap=token_cap,
         static_bytes=static,
         act_bytes_per_token=act,
         memory_total=total,
@@ -151,7 +157,10 @@ def lpt(docs: list[int], work, lengths: list[int], load: np.ndarray, speed: np.n
     machines; largest first by its least cost). Updates `load` and `token_room`; returns
     {slot: docs}. A document no slot has memory for raises `NoRoom`, or is appended to
     `spill` when given."""
-    if np.ndim(work) == 2:
+    per_slot = isinstance(work, np.ndarray) and work.ndim == 2  # (np.ndim would copy a list each call)
+    if per_slot and (work == work[0]).all():
+        work, per_slot = work[0], False  # alike slots (a homogeneous cluster): the cheaper heap below
+    if per_slot:
         least = np.min(work, axis=0)
         order = sorted(docs, key=lambda d: (-least[d], d))
         return _lpt_uniform(order, work, lengths, load, speed, token_room, spill)

@@ -219,9 +219,10 @@ class Plan:
                 if start != cursor:
                     raise InvalidPlan(f"document {doc}: tokens {cursor}..{start} missing or doubled")
                 cursor = end
-            _check(cursor == self.lengths[doc], f"document {doc}: covered up to {cursor} of {self.lengths[doc]}")
-            holders = {r for _, _, r in ranges}
-            _check(len(holders) == 1 or doc in self.ring_of_doc, f"document {doc} spans ranks but has no ring")
+            if cursor != self.lengths[doc]:
+                raise InvalidPlan(f"document {doc}: covered up to {cursor} of {self.lengths[doc]}")
+            if len(ranges) > 1 and doc not in self.ring_of_doc and len({r for _, _, r in ranges}) > 1:
+                raise InvalidPlan(f"document {doc} spans ranks but has no ring")
         _check(len(self.ring_of_doc) == len(self.rings), "a document has two rings")
         held: dict[tuple[int, int], list[Segment]] = {}  # (rank, doc) -> segments, in local order
         for rank, segs in enumerate(self.attention):
@@ -261,11 +262,13 @@ class Plan:
             out = sorted(outgoing[rank])
             cursor = 0
             for start, end in out:
-                _check(cursor <= start < end, f"rank {rank}: overlapping or empty remap ranges")
+                if not cursor <= start < end:
+                    raise InvalidPlan(f"rank {rank}: overlapping or empty remap ranges")
                 cursor = end
             _check(cursor <= self.attention_tokens(rank), f"rank {rank}: remap sends more tokens than it holds")
         for t in self.remap:
-            _check(t.src != t.dst and 0 <= t.dst < self.num_ranks, f"bad remap transfer {t}")
+            if t.src == t.dst or not 0 <= t.dst < self.num_ranks:
+                raise InvalidPlan(f"bad remap transfer {t}")
 
     def _validate_route(self, route: Route) -> None:
         ring = self.ring_of_doc.get(route.doc)
