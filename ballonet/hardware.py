@@ -12,6 +12,8 @@ import bisect
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from ballonet.errors import InputError
 
 GB = 1e9
@@ -84,10 +86,8 @@ def attention_efficiency(length: float) -> float:
     return _ATTN_EFF[i] + (_ATTN_EFF[i + 1] - _ATTN_EFF[i]) * (x - x0) / (x1 - x0)
 
 
-def attention_efficiency_array(lengths) -> "np.ndarray":
+def attention_efficiency_array(lengths) -> np.ndarray:
     """`attention_efficiency` over an array of lengths (the same clamped log-linear curve)."""
-    import numpy as np
-
     knots = np.log2(np.asarray(_ATTN_EFF_LENGTHS, dtype=float))
     return np.interp(np.log2(np.maximum(np.asarray(lengths, dtype=float), 1.0)), knots, _ATTN_EFF)
 

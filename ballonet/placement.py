@@ -13,8 +13,8 @@ consecutive GPUs of one node holding the same tokens (see `fabric.py`).
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import functools
+import heapq
 import math
 from dataclasses import dataclass, field
 
@@ -129,16 +129,12 @@ def check_lengths(lengths) -> list[int]:
     return out
 
 
-def attention_efficiency(lengths: np.ndarray) -> np.ndarray:
-    return hardware.attention_efficiency_array(lengths)
-
-
 def attention_work(model: ModelSpec, lengths) -> np.ndarray:
     """[D] forward attention cost of each whole document in peak-FLOP units: its FLOPs over
     the kernel efficiency at its length (seconds on a rank = work / its peak)."""
     L = np.asarray(lengths, dtype=float)
     flops = 2.0 * model.num_heads * model.head_dim * L * (L + 1)  # cost_model.attention_flops
-    return flops / model.tp / attention_efficiency(L)
+    return flops / model.tp / hardware.attention_efficiency_array(L)
 
 
 class NoRoom(Exception):

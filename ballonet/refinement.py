@@ -12,7 +12,7 @@ import numpy as np
 
 from ballonet import cost_model, hardware
 from ballonet.errors import InfeasiblePlan
-from ballonet.placement import Devices, NoRoom, Placement, apportion, attention_efficiency
+from ballonet.placement import Devices, NoRoom, Placement, apportion
 from ballonet.specs import ModelSpec
 
 
@@ -79,7 +79,7 @@ def refine(lengths, work, dev: Devices, local, split_shares, model: ModelSpec) -
     for sweep in range(4):
         for d in docs:
             m = members[d]
-            new_unit = per_token[d] / attention_efficiency(held[d]) if held[d].any() else unit[d]
+            new_unit = per_token[d] / hardware.attention_efficiency_array(held[d]) if held[d].any() else unit[d]
             if (sweep != 1 or len(m) <= 2) and stamp[m].max() <= done[d] and np.allclose(new_unit, unit[d], rtol=1e-3) \
                     and (sweep != 2 or ((load[m] / dev.speed[m]).max() <= 1.01 * mean_level)):
                 continue

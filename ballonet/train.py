@@ -19,6 +19,7 @@ import json
 import os
 import random
 import signal
+import subprocess
 import sys
 import time
 
@@ -196,18 +197,18 @@ def train(config: TrainConfig) -> list[dict]:
         wall = time.perf_counter() - wall
         sums_maxes = _stats([loss_sum.item(), cpu, sum(counter.total().values())], group)
         loss_total, cpu_sum, bytes_sum, _, cpu_max, _ = sums_maxes
+        num_tokens = sum(p.end - p.start for p in batch.pieces)
         record = {
             "step": step,
             "loss": loss_total / batch.num_valid_tokens_global,
-            "tokens": sum(p.end - p.start for p in batch.pieces),
-            "tokens_per_s": 0.0,
+            "tokens": num_tokens,
+            "tokens_per_s": num_tokens / wall,
             "plan_ms": batch.plan_ms,
             "compute_s_max": cpu_max,
             "compute_s_mean": cpu_sum / world_size,
             "bytes_sent": int(bytes_sum),
             "ledger": [list(p) for p in batch.pieces],
         }
-        record["tokens_per_s"] = record["tokens"] / wall
         records.append(record)
         if rank == 0:
             if config.json_log:
@@ -234,6 +235,4 @@ def launch(argv: list[str], nproc: int, max_restarts: int) -> int:
            "--max-restarts", str(max_restarts), "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
            "--monitor-interval", "0.5", "-m", "ballonet", "train", *argv]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    import subprocess
-
     return subprocess.run(cmd, env=env).returncode

@@ -7,7 +7,7 @@ import ballonet
 from ballonet import hardware, specs
 from ballonet.cost_model import breakeven_chunk_tokens
 from ballonet.errors import InfeasiblePlan, InputError
-from ballonet.placement import Placement, apportion, assemble, attention_efficiency, devices, zigzag_bounds
+from ballonet.placement import Placement, apportion, assemble, devices, zigzag_bounds
 from ballonet.plan import Segment, Transfer
 from ballonet.plan_metrics import plan_metrics
 from ballonet.planner import PLANNERS, crossover_lengths, plan_batch
@@ -187,7 +187,7 @@ def test_without_hierarchy_split_documents_span_every_rank():
 
 def test_vector_efficiency_matches_hardware():
     xs = [1, 100, 256, 300, 1000, 5000, 20000, 32768, 10**6]
-    assert attention_efficiency(np.array(xs)) == pytest.approx([hardware.attention_efficiency(x) for x in xs])
+    assert hardware.attention_efficiency_array(np.array(xs)) == pytest.approx([hardware.attention_efficiency(x) for x in xs])
 
 
 def test_apportion_by_largest_remainder_under_caps():
