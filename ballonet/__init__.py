@@ -1,17 +1,21 @@
 """Ballonet: balanced variable-length, long-context LLM training (the Zeppelin design).
 
-Layers, dependencies pointing one way: specs -> plan -> cost_model -> planner/baselines ->
-simulator; `ballonet.runtime` depends on the plan only; training and the CLI sit on top.
+The public API; everything else is reached through its subpackage. Layers, dependencies
+pointing one way (enforced by `.importlinter`, see docs/design.md):
+
+    errors, hardware, specs, workloads, plan, cost_model   the contract
+    planning/      lengths + cluster -> Plan (zeppelin and the baselines)
+    simulation/    Plan + cluster -> SimResult (one training iteration, simulated)
+    runtime/       Plan + tensors -> distributed attention and remap (torch.distributed)
+    training/      model, corpus, loader, checkpoints, the loop (torchrun)
 """
 
+from ballonet import workloads
 from ballonet.errors import InfeasiblePlan, InputError
+from ballonet.plan import InvalidPlan, Plan
+from ballonet.planning import PLANNERS, plan_batch
+from ballonet.simulation import SimResult, simulate
 from ballonet.specs import ClusterSpec, ModelSpec, cluster, model
 
-__all__ = ["ClusterSpec", "ModelSpec", "InputError", "InfeasiblePlan", "cluster", "model", "plan_batch"]
-
-
-def plan_batch(lengths, cluster, model, planner="zeppelin", **options):
-    """Plan one global batch of document `lengths` on `cluster` for `model` (see planner.py)."""
-    from ballonet.planner import plan_batch as _plan_batch
-
-    return _plan_batch(lengths, cluster, model, planner=planner, **options)
+__all__ = ["Plan", "plan_batch", "PLANNERS", "simulate", "SimResult", "cluster", "model", "workloads",
+           "ClusterSpec", "ModelSpec", "InputError", "InfeasiblePlan", "InvalidPlan"]

@@ -12,6 +12,7 @@ import sys
 
 from ballonet import cost_model, specs
 from ballonet.errors import InputError
+from ballonet.plan import InvalidPlan
 
 
 def _positive_int(text: str) -> int:
@@ -117,7 +118,8 @@ def cmd_demo(args) -> int:
     import os
     import tempfile
 
-    from ballonet import comparison, train
+    from ballonet.simulation import comparison
+    from ballonet.training.launch import launch
 
     cluster, model = specs.cluster("a800-4nic", num_nodes=4), specs.model("llama-7b")
     planners = ["zeppelin", "te_cp", "hybrid_dp", "packed_dp"]
@@ -135,7 +137,7 @@ def cmd_demo(args) -> int:
         argv = ["--model", "tiny", "--corpus", "stdlib", "--planner", "zeppelin", "--nodes", "2",
                 "--global-tokens", "8192", "--max-doc-tokens", "4096", "--steps", str(args.steps),
                 "--seed", str(args.seed), "--json-log", log, "--log-every", "5"]
-        code = train.launch(argv, nproc=4, max_restarts=0)
+        code = launch(argv, nproc=4, max_restarts=0)
         if code:
             return code
         with open(log) as f:
@@ -177,22 +179,24 @@ def _strip_launch_flags(argv: list[str]) -> list[str]:
 def cmd_train(args) -> int:
     import os
 
-    from ballonet import train, train_config
+    from ballonet.training import config as train_config
+    from ballonet.training.launch import launch
+    from ballonet.training.loop import preflight, train
 
     if args.nproc and "RANK" not in os.environ:
         if args.nproc < 1:
             raise InputError(f"--nproc must be positive, got {args.nproc}")
         if args.gpus_per_node and args.gpus_per_node * args.nodes != args.nproc:
             raise InputError(f"--nodes {args.nodes} x --gpus-per-node {args.gpus_per_node} != --nproc {args.nproc}")
-        train.preflight(train_config.config_from_args(args), args.nproc)  # bad input fails before any launch
+        preflight(train_config.config_from_args(args), args.nproc)  # bad input fails before any launch
         argv = args.argv[args.argv.index("train") + 1:]
-        return train.launch(_strip_launch_flags(argv), args.nproc, args.max_restarts)
-    train.train(train_config.config_from_args(args))
+        return launch(_strip_launch_flags(argv), args.nproc, args.max_restarts)
+    train(train_config.config_from_args(args))
     return 0
 
 
 def _add_train(sub) -> None:
-    from ballonet import train_config
+    from ballonet.training import config as train_config
 
     p = sub.add_parser("train", help="train a model on balanced, planned batches (torchrun; gloo on CPU)",
                        description="Train with torchrun (`torchrun --nproc-per-node N -m ballonet train ...`) "
@@ -228,7 +232,7 @@ def _plot_rows(rows, path: str, title: str) -> None:
 def cmd_simulate(args) -> int:
     from rich.progress import Progress
 
-    from ballonet import comparison
+    from ballonet.simulation import comparison
 
     cluster = specs.cluster(args.cluster, num_nodes=args.nodes)
     model = specs.model(args.model, **({"tp": args.tp} if args.tp else {}))
@@ -270,7 +274,7 @@ def cmd_simulate(args) -> int:
 def _add_simulate(sub) -> None:
     p = sub.add_parser("simulate", help="compare planners on a simulated cluster: step time, speedup, MFU",
                        description="Sample --steps batches of a workload, plan each with every planner, and "
-                                   "simulate one training iteration per batch (ballonet.simulator).")
+                                   "simulate one training iteration per batch (ballonet.simulate).")
     _add_target_args(p)
     p.add_argument("--workload", default="wlbllm", help="workload preset (wlbllm, prolong, shortmix) or lengths file")
     p.add_argument("--tokens-per-gpu", type=_positive_int, default=16384, help="global batch tokens per GPU")
@@ -292,7 +296,12 @@ def _add_simulate(sub) -> None:
 
 
 def _plan_report(plan, cluster, model, plan_ms: float) -> dict:
-    from ballonet.plan_metrics import plan_metrics, rank_attention_seconds, rank_bytes, rank_classes
+    from ballonet.planning.metrics import (
+        plan_metrics,
+        rank_attention_seconds,
+        rank_bytes,
+        rank_classes,
+    )
 
     seconds = rank_attention_seconds(plan, cluster, model)
     sent, received = rank_bytes(plan, model)
@@ -304,7 +313,7 @@ def _plan_report(plan, cluster, model, plan_ms: float) -> dict:
     try:
         plan.validate()
         valid = True
-    except AssertionError:
+    except InvalidPlan:
         valid = False
     return {"planner": plan.planner, "valid": valid, "cluster": cluster.name, "num_gpus": cluster.num_ranks,
             "model": model.name, "num_documents": len(plan.lengths), "num_tokens": plan.num_tokens,
@@ -316,7 +325,7 @@ def cmd_plan(args) -> int:
     import time
 
     from ballonet import workloads
-    from ballonet.planner import plan_batch
+    from ballonet.planning import plan_batch
 
     cluster = specs.cluster(args.cluster, num_nodes=args.nodes)
     model = specs.model(args.model, **({"tp": args.tp} if args.tp else {}))
@@ -355,7 +364,7 @@ def cmd_plan(args) -> int:
 
 
 def _add_plan(sub) -> None:
-    from ballonet.planner import PLANNERS
+    from ballonet.planning import PLANNERS
 
     p = sub.add_parser("plan", help="plan one batch: where every token goes, per-rank balance and traffic",
                        description="Plan one global batch with a planner and show each rank's tokens, attention "

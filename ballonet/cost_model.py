@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from ballonet import hardware
 from ballonet.specs import ClusterSpec, ModelSpec, NodeGroup
 
@@ -34,6 +36,15 @@ GRAD_BYTES = 2
 def attention_flops(model: ModelSpec, length: int) -> float:
     """Causal self-attention of one document of `length` tokens (all heads)."""
     return 2.0 * model.num_heads * model.head_dim * length * (length + 1)
+
+
+def attention_work(model: ModelSpec, lengths) -> np.ndarray:
+    """[D] forward attention cost of each whole document in peak-FLOP units per GPU: its
+    FLOPs (`attention_flops`, array form) over the kernel efficiency at its length, so
+    seconds on a GPU = work / its peak."""
+    L = np.asarray(lengths, dtype=float)
+    flops = 2.0 * model.num_heads * model.head_dim * L * (L + 1)
+    return flops / model.tp / hardware.attention_efficiency_array(L)
 
 
 def block_flops(model: ModelSpec, q_len: int, k_len: int, causal: bool = False) -> float:

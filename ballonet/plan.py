@@ -32,8 +32,9 @@ SPLIT_KINDS = ("intra", "inter")
 RING_COMMS = ("ring", "allgather")
 
 
-class InvalidPlan(AssertionError):
-    """A plan that breaks the contract: a planner bug, never a user error."""
+class InvalidPlan(Exception):
+    """A plan that breaks the contract: a planner bug, never a user error (so not an
+    `InputError`: the CLI reports it as a bug, not as bad input)."""
 
 
 @dataclass(frozen=True)

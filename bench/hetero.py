@@ -24,9 +24,8 @@ import statistics
 import sys
 import time
 
-from ballonet import specs, workloads
-from ballonet.planner import plan_batch
-from ballonet.simulator import simulate
+from ballonet import plan_batch, specs, workloads
+from ballonet.simulation.simulator import simulate
 
 CLUSTERS = ["h800+h20", "a800+l40s"]
 WORKLOADS = ["wlbllm", "prolong"]

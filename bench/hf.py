@@ -1,4 +1,4 @@
-"""What running an unmodified HF model on the attention layout costs, against `ballonet.llama`.
+"""What running an unmodified HF model on the attention layout costs, against `ballonet.training.model`.
 
     OMP_NUM_THREADS=1 python bench/hf.py [--tokens 16384] [--reps 3] [--out bench/results]
 
@@ -8,7 +8,7 @@ on 2 gloo ranks (`cpu` cluster, one node), the same model shape (fp32, sizes in
 
 * `hf`: `LlamaForCausalLM` with attn_implementation="ballonet" (`ballonet.integrations.hf`):
   attention on the plan, every linear layer on the attention layout (no remap);
-* `ballonet`: `ballonet.llama.Transformer`: attention on the plan, linear layers on the
+* `ballonet`: `ballonet.training.model.Transformer`: attention on the plan, linear layers on the
   token-balanced linear layout (remapped after QKV and before the output projection).
 
 Per rank: the median over `--reps` runs of the main thread's CPU time (time.thread_time:
@@ -34,10 +34,12 @@ import torch.multiprocessing as mp
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import ballonet
-from ballonet import data, workloads
+from ballonet import workloads
 from ballonet.integrations import hf
-from ballonet.llama import Transformer
 from ballonet.specs import ModelSpec
+from ballonet.training.corpus import from_lengths
+from ballonet.training.loader import Batch, Piece, RankBatch, build_batch, rank_view
+from ballonet.training.model import Transformer
 
 WORLD = 2
 SPEC = ModelSpec(name="bench-hf", num_layers=2, hidden=256, num_heads=8, num_kv_heads=4, ffn_hidden=704,
@@ -60,7 +62,7 @@ def _rank(rank: int, init_file: str, batches: list, reps: int, results) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     models = {"hf": hf_model(SPEC), "ballonet": Transformer(SPEC, seed=0)}
 
-    def step(name: str, view: data.RankBatch) -> None:
+    def step(name: str, view: RankBatch) -> None:
         if name == "hf":
             with hf.plan_context(view.plan, rank):
                 hf.loss_sum(models[name], view).backward()
@@ -69,7 +71,7 @@ def _rank(rank: int, init_file: str, batches: list, reps: int, results) -> None:
 
     out = []
     for batch in batches:
-        view = data.rank_view(batch, rank)
+        view = rank_view(batch, rank)
         times = {name: [] for name in MODELS}
         for rep in range(reps + 1):  # the first repetition warms up
             for name in MODELS:
@@ -108,14 +110,14 @@ def measure(batches: list, reps: int) -> list[list[dict]]:
     return [got[r] for r in range(WORLD)]
 
 
-def make_batches(num_tokens: int) -> list[data.Batch]:
+def make_batches(num_tokens: int) -> list[Batch]:
     cluster = ballonet.cluster("cpu", num_nodes=1, gpus_per_node=WORLD)
     batches = []
     for i, (workload, seed) in enumerate(BATCHES):
         lengths = workloads.sample_batch(workload, num_tokens, seed=seed)
-        corpus = data.from_lengths(lengths, seed=seed, vocab_size=SPEC.vocab_size)
-        pieces = [data.Piece(0, doc, 0, n) for doc, n in enumerate(lengths)]
-        batches.append(data.build_batch(corpus, pieces, i, lambda ls: ballonet.plan_batch(ls, cluster, SPEC)))
+        corpus = from_lengths(lengths, seed=seed, vocab_size=SPEC.vocab_size)
+        pieces = [Piece(0, doc, 0, n) for doc, n in enumerate(lengths)]
+        batches.append(build_batch(corpus, pieces, i, lambda ls: ballonet.plan_batch(ls, cluster, SPEC)))
     return batches
 
 
@@ -131,7 +133,7 @@ def report(batches: list, per_rank: list[list[dict]], command: str, reps: int) -
         f"Model: Llama shape, {SPEC.num_layers} layers, hidden {SPEC.hidden}, {SPEC.num_heads} heads, "
         f"{SPEC.num_kv_heads} KV heads, FFN {SPEC.ffn_hidden}, vocabulary {SPEC.vocab_size}, fp32; "
         f"`hf` = transformers `LlamaForCausalLM` with attn_implementation=\"ballonet\", `ballonet` = "
-        "`ballonet.llama.Transformer`. Plans: `zeppelin`, cluster `cpu` (1 node x 2 gloo ranks).  ",
+        "`ballonet.training.model.Transformer`. Plans: `zeppelin`, cluster `cpu` (1 node x 2 gloo ranks).  ",
         f"Forward + backward of the summed token loss; median of {reps} runs of each rank's main-thread CPU "
         "time, the two models alternating.  ",
         f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
@@ -168,7 +170,7 @@ def report(batches: list, per_rank: list[list[dict]], command: str, reps: int) -
               f"{min(token_ratios):.2f} to {max(token_ratios):.2f} here) is what the HF model's linear layers "
               "lose; the step loses less because attention, balanced the same way in both, is most of this "
               "small model's work. The loss grows with the linear share of the step (wider models, shorter "
-              "documents), and `ballonet.llama` avoids it by remapping."]
+              "documents), and `ballonet.training.model` avoids it by remapping."]
     return "\n".join(lines) + "\n"
 
 

@@ -21,13 +21,12 @@ import statistics
 import sys
 import time
 
-from ballonet import cost_model, specs, workloads
-from ballonet.comparison import compare
-from ballonet.fabric import Fabric
-from ballonet.planner import plan_batch
-from ballonet.routing_plan import plan_routes
-from ballonet.simulator import simulate
-from ballonet.timeline import Timeline
+from ballonet import cost_model, plan_batch, specs, workloads
+from ballonet.planning.routing import plan_routes
+from ballonet.simulation.comparison import compare
+from ballonet.simulation.fabric import Fabric
+from ballonet.simulation.simulator import simulate
+from ballonet.simulation.timeline import Timeline
 
 PLANNERS = ["zeppelin", "te_cp", "llama_cp", "hybrid_dp", "wlb_llm", "megatron_hcp", "packed_dp", "flops_dp"]
 CLUSTERS = {"A": "a800-4nic", "B": "h800-8nic", "C": "h200-8nic"}

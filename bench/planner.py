@@ -7,7 +7,7 @@ Quality (issue #3): on wlbllm and prolong batches of 16K tokens per GPU, 32 to 2
 imbalance <= 1.02, and at least 4x fewer bytes than te_cp on the same batch.
 Speed: zeppelin's planning time (`plan_batch`, validation included) on one core (CPU
 time, median of 7 runs): <= 20 ms for 128 GPUs, <= 200 ms for 1024 GPUs; and how it grows with GPUs
-and with documents. Figures come from `ballonet.plan_metrics` (forward, per layer).
+and with documents. Figures come from `ballonet.planning.metrics` (forward, per layer).
 Writes bench/results/planner.md and planner.json.
 """
 
@@ -22,9 +22,8 @@ import statistics
 import sys
 import time
 
-from ballonet import specs, workloads
-from ballonet.plan_metrics import plan_metrics
-from ballonet.planner import PLANNERS, plan_batch
+from ballonet import PLANNERS, plan_batch, specs, workloads
+from ballonet.planning.metrics import plan_metrics
 
 TOKENS_PER_GPU = 16384
 MODEL = "llama-7b"

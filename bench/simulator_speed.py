@@ -17,9 +17,8 @@ import statistics
 import sys
 import time
 
-from ballonet import specs, workloads
-from ballonet.planner import plan_batch
-from ballonet.simulator import simulate
+from ballonet import plan_batch, specs, workloads
+from ballonet.simulation.simulator import simulate
 
 PLANNERS = ["zeppelin", "te_cp", "llama_cp", "hybrid_dp", "wlb_llm", "megatron_hcp", "packed_dp", "flops_dp"]
 

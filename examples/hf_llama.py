@@ -26,8 +26,9 @@ import torch.multiprocessing as mp
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import ballonet
-from ballonet import data
 from ballonet.integrations import hf
+from ballonet.training.corpus import stdlib
+from ballonet.training.loader import BalancedLoader
 
 WORLD_SIZE = 2
 
@@ -54,7 +55,7 @@ def train(rank: int, args: argparse.Namespace, init_file: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE)
     cluster = ballonet.cluster("cpu", num_nodes=1, gpus_per_node=WORLD_SIZE)
     plan_fn = functools.partial(ballonet.plan_batch, cluster=cluster, model=ballonet.model("tiny"), planner="zeppelin")
-    loader = data.BalancedLoader(data.stdlib(), global_tokens=args.global_tokens, plan_fn=plan_fn, rank=rank,
+    loader = BalancedLoader(stdlib(), global_tokens=args.global_tokens, plan_fn=plan_fn, rank=rank,
                                  world_size=WORLD_SIZE, max_doc_tokens=args.max_doc_tokens, seed=args.seed)
     model = build_model(args.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)

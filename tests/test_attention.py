@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from distributed import run_ranks
 
 import ballonet
 from ballonet.plan import Plan, Ring, Segment, chunk_bounds
@@ -21,7 +22,6 @@ from ballonet.runtime import ByteCounter, attention, token_index
 from ballonet.runtime.comm import grad_rows_returned
 from ballonet.runtime.ring import ring_meta
 from ballonet.runtime.routing import predicted_bytes
-from distributed import run_ranks
 
 H, H_KV, D = 4, 2, 8
 NODES = {1: (0,), 2: (0, 1), 4: (0, 0, 1, 1)}

@@ -7,14 +7,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ballonet.data import (IGNORE_INDEX, BalancedLoader, ByteTokenizer, Piece, from_jsonl, from_lengths,
-                           from_text_dir, load_corpus)
 from ballonet.errors import InputError
 from ballonet.plan import Plan, Ring, Segment
+from ballonet.training.corpus import (
+    ByteTokenizer,
+    from_jsonl,
+    from_lengths,
+    from_text_dir,
+    load_corpus,
+)
+from ballonet.training.loader import IGNORE_INDEX, BalancedLoader, Piece
 
 
 def round_robin(world_size):
-    """Whole documents to ranks in turn: a planner independent of ballonet.planner."""
+    """Whole documents to ranks in turn: a planner independent of ballonet.planning."""
 
     def plan_fn(lengths):
         attention = [[] for _ in range(world_size)]

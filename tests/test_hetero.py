@@ -11,12 +11,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ballonet import cost_model, hardware, specs
+from ballonet import cost_model, hardware, plan_batch, specs
 from ballonet.cli import main
 from ballonet.errors import InfeasiblePlan
 from ballonet.plan import Plan, Segment
-from ballonet.planner import plan_batch
-from ballonet.simulator import simulate
+from ballonet.simulation.simulator import simulate
 from ballonet.specs import ClusterSpec, NodeGroup
 
 MODEL = specs.model("llama-3b")
@@ -128,7 +127,7 @@ def test_simulator_runs_each_device_at_its_speed_and_bound_is_speed_weighted(hal
 
 
 def test_pcie_node_has_no_cheap_intra_node_ring():
-    from ballonet.planner import crossover_lengths
+    from ballonet.planning.zeppelin import crossover_lengths
 
     cluster, model = specs.cluster("a800+l40s"), specs.model("llama-7b")
     a800, l40s = crossover_lengths(cluster, model)
@@ -180,7 +179,7 @@ def test_cli_assume_homogeneous(capsys):
 
 
 def test_routing_skips_pcie_dispatch_that_costs_more_than_it_saves():
-    from ballonet.routing_plan import _best_width
+    from ballonet.planning.routing import _best_width
 
     m = 64e6
     pcie = NodeGroup(gpu="l40s", nics_per_node=2, nic_gbps=200)  # 25 GB/s PCIe, 25 GB/s NICs

@@ -21,9 +21,10 @@ import torch.nn.functional as F  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import ballonet  # noqa: E402
-from ballonet import data  # noqa: E402
 from ballonet.integrations import hf  # noqa: E402
 from ballonet.plan import Plan, Ring, Segment, chunk_bounds  # noqa: E402
+from ballonet.training.corpus import from_lengths  # noqa: E402
+from ballonet.training.loader import Batch, Piece, build_batch, rank_view  # noqa: E402
 from tests.distributed import run_ranks  # noqa: E402
 
 RTOL = 1e-4
@@ -39,7 +40,7 @@ def _model(attn_implementation: str, state: dict | None = None) -> LlamaForCausa
     return model
 
 
-def _reference(batch: data.Batch, state: dict) -> tuple[float, dict[str, torch.Tensor]]:
+def _reference(batch: Batch, state: dict) -> tuple[float, dict[str, torch.Tensor]]:
     """Mean loss and gradients of the default-attention model, one document at a time."""
     model = _model("sdpa", state)
     total = 0.0
@@ -66,13 +67,13 @@ def _zeppelin_plan(lengths: tuple[int, ...]) -> Plan:
                                ballonet.model("tiny"), planner="zeppelin")
 
 
-def _batch(lengths, plan_fn) -> data.Batch:
-    corpus = data.from_lengths(lengths, seed=3)
-    pieces = [data.Piece(0, doc, 0, n) for doc, n in enumerate(lengths)]
-    return data.build_batch(corpus, pieces, 0, plan_fn)
+def _batch(lengths, plan_fn) -> Batch:
+    corpus = from_lengths(lengths, seed=3)
+    pieces = [Piece(0, doc, 0, n) for doc, n in enumerate(lengths)]
+    return build_batch(corpus, pieces, 0, plan_fn)
 
 
-def _relative_errors(batch: data.Batch, state: dict, loss: float, grads: dict) -> dict[str, float]:
+def _relative_errors(batch: Batch, state: dict, loss: float, grads: dict) -> dict[str, float]:
     ref_loss, ref_grads = _reference(batch, state)
     errors = {"loss": abs(loss - ref_loss) / abs(ref_loss)}
     for name, ref in ref_grads.items():
@@ -84,7 +85,7 @@ def _check_ranks(rank: int, world_size: int, state: dict, cases: list) -> list[d
     out = []
     for lengths, plan_fn in cases:
         batch = _batch(lengths, plan_fn)
-        view = data.rank_view(batch, rank)
+        view = rank_view(batch, rank)
         model = _model(hf.ATTENTION, state)
         with hf.plan_context(batch.plan, rank):
             loss = hf.loss_sum(model, view) / view.num_valid_tokens_global
@@ -114,7 +115,7 @@ def test_one_rank_packed_documents_match_default_attention():
                                             attention=(tuple(Segment(d, 0, n) for d, n in enumerate(ls)),)))
     state = _model("sdpa").state_dict()
     model = _model(hf.ATTENTION, state)
-    view = data.rank_view(batch, 0)
+    view = rank_view(batch, 0)
     with hf.plan_context(batch.plan, 0):
         loss = hf.loss_sum(model, view) / view.num_valid_tokens_global
     loss.backward()  # the engine keeps what backward needs: no context required

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ballonet.runtime import kernels
-from ballonet.runtime.attention import merge
+from ballonet.runtime.engine import merge
 from ballonet.runtime.kernels import Packing
 
 D = 8

@@ -5,13 +5,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from distributed import run_ranks
+from test_remap import remap_plan
 
 import ballonet
 from ballonet import runtime
-from ballonet.llama import IGNORE_INDEX, NORM_EPS, ROPE_THETA, Transformer
 from ballonet.plan import Plan, Segment
-from distributed import run_ranks
-from test_remap import remap_plan
+from ballonet.training.model import IGNORE_INDEX, NORM_EPS, ROPE_THETA, Transformer
 
 SPEC = ballonet.model("tiny")
 

@@ -4,7 +4,15 @@ import pytest
 import torch
 
 from ballonet import runtime
-from ballonet.plan import InvalidPlan, Plan, Ring, Route, Segment, Transfer, chunk_bounds
+from ballonet.plan import (
+    InvalidPlan,
+    Plan,
+    Ring,
+    Route,
+    Segment,
+    Transfer,
+    chunk_bounds,
+)
 
 
 def small_plan(**changes) -> Plan:

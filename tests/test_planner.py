@@ -4,14 +4,16 @@ import numpy as np
 import pytest
 
 import ballonet
-from ballonet import hardware, specs
+from ballonet import PLANNERS, hardware, plan_batch, specs
 from ballonet.cost_model import breakeven_chunk_tokens
 from ballonet.errors import InfeasiblePlan, InputError
-from ballonet.placement import Placement, apportion, assemble, devices, zigzag_bounds
 from ballonet.plan import Segment, Transfer
-from ballonet.plan_metrics import plan_metrics
-from ballonet.planner import PLANNERS, crossover_lengths, plan_batch
-from ballonet.remap_plan import plan_remap
+from ballonet.planning.assembly import Placement, assemble, zigzag_bounds
+from ballonet.planning.devices import devices
+from ballonet.planning.metrics import plan_metrics
+from ballonet.planning.packing import apportion
+from ballonet.planning.remap import plan_remap
+from ballonet.planning.zeppelin import crossover_lengths
 from ballonet.specs import ClusterSpec, NodeGroup
 
 MODEL = specs.model("llama-7b")
@@ -242,7 +244,7 @@ def test_cli_plan_json_and_errors(tmp_path, capsys):
 
 
 def test_water_level_tops_up_the_lowest_slots():
-    from ballonet.refinement import water_level
+    from ballonet.planning.refinement import water_level
 
     one = np.ones(3)
     # Level 2.5: (4 + 0 + 1) / 2 is below the third slot's 5.

@@ -5,10 +5,9 @@ batch cannot fit the cluster's memory at all."""
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ballonet import specs
+from ballonet import PLANNERS, plan_batch, specs
 from ballonet.errors import InfeasiblePlan
-from ballonet.placement import devices
-from ballonet.planner import PLANNERS, plan_batch
+from ballonet.planning.devices import devices
 from ballonet.specs import ClusterSpec, NodeGroup
 
 GPUS = ["h200", "h20", "a800", "l40s", "a10"]

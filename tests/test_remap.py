@@ -3,13 +3,13 @@ from collections import Counter
 import pytest
 import torch
 import torch.distributed as dist
+from distributed import run_ranks
+from test_plan import small_plan
 
 from ballonet import runtime
 from ballonet.plan import Plan, Ring, Segment, Transfer, chunk_bounds
 from ballonet.runtime import ByteCounter
-from ballonet.runtime.remap import link_bytes, plan_move, predicted_bytes, remap
-from distributed import run_ranks
-from test_plan import small_plan
+from ballonet.runtime.remapping import link_bytes, plan_move, predicted_bytes, remap
 
 
 def remap_plan() -> Plan:

@@ -14,17 +14,22 @@ from collections import Counter
 import pytest
 import torch
 import torch.distributed as dist
+from distributed import run_ranks
+from test_attention import H_KV, D, H, hand_plans, make_plan, reference
+from test_llama import SPEC, batch
+from test_remap import remap_plan
 
 import ballonet
-from ballonet.llama import Transformer
 from ballonet.plan import Plan, Route
 from ballonet.runtime import ByteCounter, attention, token_index
 from ballonet.runtime.comm import grad_rows_returned, link_bytes, nic_bytes
-from ballonet.runtime.routing import hop_paths, predicted_bytes, relay_meta, routes_by_hop
-from distributed import run_ranks
-from test_attention import H, H_KV, D, hand_plans, make_plan, reference
-from test_llama import SPEC, batch
-from test_remap import remap_plan
+from ballonet.runtime.routing import (
+    hop_paths,
+    predicted_bytes,
+    relay_meta,
+    routes_by_hop,
+)
+from ballonet.training.model import Transformer
 
 ROW = 2 * H_KV * D * 4
 """Bytes of one K/V row (K and V, fp32), and of one fp32 dK/dV row."""

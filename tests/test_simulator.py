@@ -13,11 +13,11 @@ import random
 import pytest
 
 from ballonet import cost_model, hardware, specs
-from ballonet.fabric import Fabric
 from ballonet.plan import Plan, Ring, Route, Segment, Transfer, chunk_bounds
-from ballonet.layer_graph import ring_tables
-from ballonet.simulator import simulate
-from ballonet.timeline import Timeline
+from ballonet.simulation.fabric import Fabric
+from ballonet.simulation.layer_graph import ring_tables
+from ballonet.simulation.simulator import simulate
+from ballonet.simulation.timeline import Timeline
 
 MODEL = specs.ModelSpec(name="m", num_layers=2, hidden=1024, num_heads=8, num_kv_heads=8, ffn_hidden=2816,
                         vocab_size=1000)

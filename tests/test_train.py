@@ -7,10 +7,11 @@ import subprocess
 import sys
 
 import pytest
-
-from ballonet import data
-from ballonet.train import TrainConfig, train
 from distributed import run_ranks
+
+from ballonet.training.corpus import load_corpus
+from ballonet.training.loader import BalancedLoader
+from ballonet.training.loop import TrainConfig, train
 
 STEPS = 5
 BASE = dict(model="tiny", corpus="stdlib", global_tokens=1536, max_doc_tokens=1024, lr=3e-3, seed=3)
@@ -33,7 +34,7 @@ def _ledger_reference(num_batches, **config):
         return Plan(planner="ref", lengths=tuple(lengths), node_of_rank=(0,), nic_of_rank=(0,),
                     attention=(tuple(Segment(d, 0, n) for d, n in enumerate(lengths)),))
 
-    loader = data.BalancedLoader(data.load_corpus(config["corpus"], seed=config["seed"]),
+    loader = BalancedLoader(load_corpus(config["corpus"], seed=config["seed"]),
                                  global_tokens=config["global_tokens"], plan_fn=whole_docs,
                                  seed=config["seed"], max_doc_tokens=config["max_doc_tokens"], prefetch=False)
     out = []

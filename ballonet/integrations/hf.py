@@ -16,7 +16,7 @@ restarts at every document and the engine keeps attention inside documents; tran
 builds no attention mask for it. What the model cannot do unmodified is remap: its
 embedding, projections, MLP and LM head run on the attention layout, where a rank that
 holds many short documents holds more tokens than one holding part of a long one (see
-bench/results/hf.md for what that costs against `ballonet.llama`, which remaps).
+bench/results/hf.md for what that costs against `ballonet.training.model`, which remaps).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ballonet import runtime
-from ballonet.data import IGNORE_INDEX, RankBatch
 from ballonet.plan import Plan
+from ballonet.training.loader import IGNORE_INDEX, RankBatch
 
 try:
     from transformers import AttentionInterface

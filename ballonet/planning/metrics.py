@@ -17,8 +17,8 @@ from collections import Counter
 import numpy as np
 
 from ballonet import cost_model
-from ballonet.placement import attention_token_counts, linear_token_counts
 from ballonet.plan import Plan, Ring
+from ballonet.planning.assembly import attention_token_counts, linear_token_counts
 from ballonet.specs import ClusterSpec, ModelSpec
 
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from ballonet import hardware
 from ballonet.errors import InputError
+from ballonet.simulation.timeline import Timeline
 from ballonet.specs import ClusterSpec
-from ballonet.timeline import Timeline
 
 
 class Fabric:

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from ballonet import cost_model, hardware
-from ballonet.fabric import Fabric
 from ballonet.plan import Plan
+from ballonet.simulation.fabric import Fabric
+from ballonet.simulation.timeline import Timeline
 from ballonet.specs import ModelSpec
-from ballonet.timeline import Timeline
 
 PRIORITY = {"inter": 0, "intra": 1, "local": 2, "linear": 3, "tp": 4}
 """Queue order of a GPU's stream with the attention engine: inter-node, intra-node, local."""

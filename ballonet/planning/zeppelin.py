@@ -41,19 +41,24 @@ speed-proportional runs of tokens (valid, not balanced; `meta["fallback"]`). Wit
 from __future__ import annotations
 
 import dataclasses
-import inspect
 
 import numpy as np
 
 from ballonet import cost_model
-from ballonet.baselines import BASELINES
+from ballonet.cost_model import attention_work
 from ballonet.errors import InfeasiblePlan, InputError
-from ballonet.placement import (Devices, NoRoom, Placement, apportion, assemble, attention_token_counts,
-                                attention_work, check_feasible, check_lengths, devices, lpt, with_memory)
 from ballonet.plan import Plan
-from ballonet.refinement import refine, split_work
-from ballonet.remap_plan import linear_targets, plan_remap
-from ballonet.routing_plan import plan_routes
+from ballonet.planning.assembly import (
+    Placement,
+    assemble,
+    attention_token_counts,
+    with_memory,
+)
+from ballonet.planning.devices import Devices, check_feasible, check_lengths, devices
+from ballonet.planning.packing import NoRoom, apportion, lpt
+from ballonet.planning.refinement import refine, split_work
+from ballonet.planning.remap import linear_targets, plan_remap
+from ballonet.planning.routing import plan_routes
 from ballonet.specs import ClusterSpec, ModelSpec
 
 
@@ -305,21 +310,3 @@ def _finish(lengths, cluster, model, dev: Devices, placement: Placement, meta, r
     if routing:
         plan = dataclasses.replace(plan, routes=plan_routes(plan, cluster, model, dev.local_index))
     return with_memory(plan, dev).validate()
-
-
-PLANNERS = {"zeppelin": zeppelin, **BASELINES}
-"""Every planner by name: a function (lengths, cluster, model, **options) -> Plan."""
-
-
-def plan_batch(lengths, cluster: ClusterSpec, model: ModelSpec, planner: str = "zeppelin", **options) -> Plan:
-    """Plan one global batch of document `lengths` (tokens, input order) on `cluster` for
-    `model` with `planner` (a key of `PLANNERS`); `options` go to the planner."""
-    if planner not in PLANNERS:
-        raise InputError(f"unknown planner {planner!r}; known: {', '.join(PLANNERS)}")
-    fn = PLANNERS[planner]
-    known = [p.name for p in inspect.signature(fn).parameters.values() if p.kind == p.KEYWORD_ONLY]
-    for key in options:
-        if key not in known:
-            raise InputError(f"planner {planner!r} has no option {key!r}; options: {', '.join(known) or 'none'}")
-    return fn(lengths, cluster, model, **options)
-

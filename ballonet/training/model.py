@@ -45,14 +45,13 @@ from torch import nn
 from ballonet import runtime
 from ballonet.plan import Plan
 from ballonet.runtime.layout import position_ids
-from ballonet.runtime.remap import remap
+from ballonet.runtime.remapping import remap
 from ballonet.specs import ModelSpec
+from ballonet.training.loader import IGNORE_INDEX
 
 ROPE_THETA = 10000.0
 NORM_EPS = 1e-5
 INIT_STD = 0.02
-IGNORE_INDEX = -100
-"""Label of a token without a next token (torch cross_entropy's default, as in `data`)."""
 
 AttentionFn = Callable[..., torch.Tensor]
 """(q [T_att, H, D], k [T_att, K, D], v [T_att, K, D], plan, rank, group) -> [T_att, H, D]."""

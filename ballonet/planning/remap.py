@@ -10,13 +10,12 @@ from __future__ import annotations
 import numpy as np
 
 from ballonet.plan import Transfer
+from ballonet.planning.packing import apportion
 
 
 def linear_targets(num_tokens: int, speed: np.ndarray, token_cap: np.ndarray) -> np.ndarray:
     """[R] tokens per rank for the linear layers: in proportion to each rank's speed (equal
     on a homogeneous cluster), none above its memory cap."""
-    from ballonet.placement import apportion
-
     return apportion(num_tokens, speed, token_cap)
 
 

@@ -9,17 +9,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ballonet import planner as planner_mod
 from ballonet import workloads
 from ballonet.errors import InputError
-from ballonet.simulator import SimResult, simulate
+from ballonet.planning import PLANNERS, plan_batch
+from ballonet.simulation.simulator import SimResult, simulate
 from ballonet.specs import ClusterSpec, ModelSpec
 
 REFERENCE = "te_cp"
 
 
 def planner_names() -> list[str]:
-    return list(planner_mod.PLANNERS)
+    return list(PLANNERS)
 
 
 def parse_planners(text: str) -> list[str]:
@@ -73,7 +73,7 @@ def compare(cluster: ClusterSpec, model: ModelSpec, workload: str, tokens_per_gp
         sopts = (sim_options or {}) if name == "zeppelin" else {}
         runs[name] = []
         for lengths in batches:
-            plan = planner_mod.plan_batch(lengths, cluster, model, name, **popts)
+            plan = plan_batch(lengths, cluster, model, name, **popts)
             runs[name].append(simulate(plan, cluster, model, **sopts))
             if progress:
                 progress(1)

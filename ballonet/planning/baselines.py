@@ -10,14 +10,14 @@ equal zig-zag chunks (`plan.chunk_bounds(L, 2g)`) with no padding, over rings in
 
 from __future__ import annotations
 
-
 import numpy as np
 
 from ballonet import cost_model
 from ballonet.errors import InfeasiblePlan, InputError
-from ballonet.placement import (Devices, NoRoom, Placement, assemble, check_feasible, check_lengths, devices, lpt,
-                                with_memory)
 from ballonet.plan import Plan, chunk_bounds
+from ballonet.planning.assembly import Placement, assemble, with_memory
+from ballonet.planning.devices import Devices, check_feasible, check_lengths, devices
+from ballonet.planning.packing import NoRoom, lpt
 from ballonet.specs import ClusterSpec, ModelSpec
 
 

@@ -17,23 +17,25 @@ from __future__ import annotations
 import functools
 import json
 import os
-import random
 import signal
-import subprocess
-import sys
 import time
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 import ballonet
-from ballonet import data, runtime
+from ballonet import runtime
 from ballonet.errors import InputError
-from ballonet.llama import Transformer
-from ballonet.train_config import TrainConfig
-
-CHECKPOINT = "checkpoint.pt"
+from ballonet.training.checkpoint import (
+    CHECKPOINT,
+    load_checkpoint,
+    save_checkpoint,
+    set_rng_state,
+)
+from ballonet.training.config import TrainConfig
+from ballonet.training.corpus import load_corpus
+from ballonet.training.loader import BalancedLoader
+from ballonet.training.model import Transformer
 
 
 def _cluster(config: TrainConfig, world_size: int) -> ballonet.ClusterSpec:
@@ -43,23 +45,6 @@ def _cluster(config: TrainConfig, world_size: int) -> ballonet.ClusterSpec:
     if spec.num_ranks != world_size:
         raise InputError(f"cluster {spec.name!r} has {spec.num_ranks} ranks, the job {world_size}")
     return spec
-
-
-def _rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
-
-
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
-
-
-def save_checkpoint(path: str, step: int, model, optimizer, loader) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    torch.save({"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "loader": loader.state_dict(), "rng": _rng_state()}, tmp)
-    os.replace(tmp, path)
 
 
 def _trim_log(path: str, last_step: int) -> None:
@@ -127,7 +112,7 @@ def preflight(config: TrainConfig, world_size: int):
                          f"({world_size} ranks)")
     cluster = _cluster(config, world_size)
     spec = ballonet.model(config.model)
-    corpus = data.load_corpus(config.corpus, seed=config.seed)
+    corpus = load_corpus(config.corpus, seed=config.seed)
     if corpus.vocab_size > spec.vocab_size:
         raise InputError(f"corpus {config.corpus!r} has token ids up to {corpus.vocab_size - 1}, "
                          f"model {spec.name!r} a vocabulary of {spec.vocab_size}")
@@ -153,7 +138,7 @@ def train(config: TrainConfig) -> list[dict]:
 
     cluster, spec, corpus = preflight(config, world_size)
     plan_fn = functools.partial(ballonet.plan_batch, cluster=cluster, model=spec, planner=config.planner)
-    loader = data.BalancedLoader(corpus, global_tokens=config.global_tokens, plan_fn=plan_fn, rank=rank,
+    loader = BalancedLoader(corpus, global_tokens=config.global_tokens, plan_fn=plan_fn, rank=rank,
                                  world_size=world_size, seed=config.seed, max_doc_tokens=config.max_doc_tokens)
     model = Transformer(spec, seed=config.seed).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
@@ -161,11 +146,11 @@ def train(config: TrainConfig) -> list[dict]:
     step = 0
     ckpt = os.path.join(config.checkpoint_dir, CHECKPOINT) if config.checkpoint_dir else None
     if config.resume and ckpt and os.path.exists(ckpt):
-        state = torch.load(ckpt, map_location=device, weights_only=False)
+        state = load_checkpoint(ckpt, device)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         loader.load_state_dict(state["loader"])
-        _set_rng_state(state["rng"])
+        set_rng_state(state["rng"])
         step = state["step"]
     if rank == 0 and config.json_log:
         if step:
@@ -227,12 +212,3 @@ def train(config: TrainConfig) -> list[dict]:
     if owns_group:
         dist.destroy_process_group()
     return records
-
-
-def launch(argv: list[str], nproc: int, max_restarts: int) -> int:
-    """Run `ballonet train argv` on `nproc` local ranks under torchrun."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--max-restarts", str(max_restarts), "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
-           "--monitor-interval", "0.5", "-m", "ballonet", "train", *argv]
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    return subprocess.run(cmd, env=env).returncode

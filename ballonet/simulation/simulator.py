@@ -40,9 +40,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ballonet import cost_model, hardware
-from ballonet.fabric import Fabric
-from ballonet.layer_graph import LayerGraph
 from ballonet.plan import Plan
+from ballonet.simulation.fabric import Fabric
+from ballonet.simulation.layer_graph import LayerGraph
 from ballonet.specs import ClusterSpec, ModelSpec
 
 

@@ -12,7 +12,9 @@ import numpy as np
 
 from ballonet import cost_model, hardware
 from ballonet.errors import InfeasiblePlan
-from ballonet.placement import Devices, NoRoom, Placement, apportion
+from ballonet.planning.assembly import Placement
+from ballonet.planning.devices import Devices
+from ballonet.planning.packing import NoRoom, apportion
 from ballonet.specs import ModelSpec
 
 

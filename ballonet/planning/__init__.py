@@ -1,0 +1,35 @@
+"""Planning: document lengths and a cluster in, a validated `Plan` out.
+
+`zeppelin` is the hierarchical partitioner (`zeppelin.py`, `refinement.py`, `remap.py`,
+`routing.py`); `baselines.py` reproduces the systems it is compared with. Every planner
+is a pure function (lengths, cluster, model, **options) -> Plan, listed in `PLANNERS`.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from ballonet.errors import InputError
+from ballonet.plan import Plan
+from ballonet.planning.baselines import BASELINES
+from ballonet.planning.zeppelin import zeppelin
+from ballonet.specs import ClusterSpec, ModelSpec
+
+__all__ = ["PLANNERS", "plan_batch"]
+
+PLANNERS = {"zeppelin": zeppelin, **BASELINES}
+"""Every planner by name: a function (lengths, cluster, model, **options) -> Plan."""
+
+
+def plan_batch(lengths, cluster: ClusterSpec, model: ModelSpec, planner: str = "zeppelin", **options) -> Plan:
+    """Plan one global batch of document `lengths` (tokens, input order) on `cluster` for
+    `model` with `planner` (a key of `PLANNERS`); `options` go to the planner."""
+    if planner not in PLANNERS:
+        raise InputError(f"unknown planner {planner!r}; known: {', '.join(PLANNERS)}")
+    fn = PLANNERS[planner]
+    known = [p.name for p in inspect.signature(fn).parameters.values() if p.kind == p.KEYWORD_ONLY]
+    for key in options:
+        if key not in known:
+            raise InputError(f"planner {planner!r} has no option {key!r}; options: {', '.join(known) or 'none'}")
+    return fn(lengths, cluster, model, **options)
+

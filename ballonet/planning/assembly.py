@@ -1,0 +1,107 @@
+"""Turning a placement into a Plan (every planner ends here).
+
+A *placement* says which rank holds each whole (local) document and, for each split
+document, how many of its tokens each member rank holds. `assemble` turns it into a
+`Plan`: zig-zag bounds that give every member exactly its token count, segments in the
+attention engine's queue order (inter-node chunks, intra-node chunks, local documents),
+and predicted memory per rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from ballonet.errors import InfeasiblePlan
+from ballonet.plan import Plan, Ring, Segment
+from ballonet.planning.devices import Devices
+
+
+@dataclass
+class Placement:
+    """Mutable result of a planner before assembly."""
+    num_ranks: int
+    local: list[list[int]] = field(default_factory=list)
+    """Per rank, the documents it holds whole."""
+    split: dict[int, dict[int, int]] = field(default_factory=dict)
+    """Per split document, tokens held by each member rank (ring in ascending rank order)."""
+    rings: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
+    """Per split document with a fixed ring: (ranks in ring order, 2g+1 bounds)."""
+
+    def __post_init__(self):
+        if not self.local:
+            self.local = [[] for _ in range(self.num_ranks)]
+
+
+def zigzag_bounds(length: int, tokens: list[int]) -> tuple[int, ...]:
+    """2g+1 bounds giving ring position i exactly tokens[i] tokens: front chunk i of
+    tokens[i] // 2 and the mirrored back chunk 2g-1-i of the rest. With front and back
+    chunks of equal size a position's causal work is proportional to its tokens, whatever
+    its place (chunk (s, a) at the front and its mirror at the back cost a*L together)."""
+    g = len(tokens)
+    bounds = [0] * (2 * g + 1)
+    for i, t in enumerate(tokens):
+        bounds[i + 1] = bounds[i] + t // 2
+    bounds[2 * g] = length
+    for i, t in enumerate(tokens):
+        bounds[2 * g - 1 - i] = bounds[2 * g - i] - (t - t // 2)
+    return tuple(bounds)
+
+
+def assemble(name: str, lengths: list[int], dev: Devices, placement: Placement, *, comm: str = "ring",
+             meta: dict | None = None) -> Plan:
+    """The plan of `placement` (rings of `split` in ascending rank order, which groups them
+    by node, so an inter-node ring crosses nodes only between node blocks)."""
+    ring_specs = []  # (doc, ranks, bounds)
+    for doc in sorted(placement.split):
+        members = sorted(r for r, t in placement.split[doc].items() if t > 0)
+        if len(members) == 1:
+            placement.local[members[0]].append(doc)
+            continue
+        tokens = [placement.split[doc][r] for r in members]
+        assert sum(tokens) == lengths[doc], (doc, tokens, lengths[doc])
+        ring_specs.append((doc, tuple(members), zigzag_bounds(lengths[doc], tokens)))
+    ring_specs += [(doc, tuple(ranks), tuple(bounds)) for doc, (ranks, bounds) in placement.rings.items()]
+    segs: list[list[tuple[int, int, int, int]]] = [[] for _ in range(dev.num_ranks)]  # (queue, doc, start, end)
+    rings = []
+    for doc, ranks, b in sorted(ring_specs):
+        kind = "inter" if len({dev.node[r] for r in ranks}) > 1 else "intra"
+        rings.append(Ring(doc=doc, kind=kind, ranks=ranks, bounds=b, comm=comm))
+        queue, g = (0 if kind == "inter" else 1), len(ranks)
+        for i, r in enumerate(ranks):  # chunks i and 2g-1-i (Ring.chunks_of), empty ones left out
+            if b[i + 1] > b[i]:
+                segs[r].append((queue, doc, b[i], b[i + 1]))
+            if b[2 * g - i] > b[2 * g - 1 - i]:
+                segs[r].append((queue, doc, b[2 * g - 1 - i], b[2 * g - i]))
+    for r, docs in enumerate(placement.local):
+        segs[r].extend((2, d, 0, lengths[d]) for d in docs)
+    attention = tuple(tuple(Segment(d, a, e) for _, d, a, e in sorted(rank_segs)) for rank_segs in segs)
+    return Plan(planner=name, lengths=tuple(lengths), node_of_rank=dev.node, nic_of_rank=dev.nic,
+                attention=attention, rings=tuple(rings), memory_cap=dev.memory_total, meta=dict(meta or {}))
+
+
+def attention_token_counts(plan: Plan) -> list[int]:
+    return [sum(s.end - s.start for s in segs) for segs in plan.attention]
+
+
+def with_memory(plan: Plan, dev: Devices) -> Plan:
+    """`plan` with predicted memory per rank: state plus activations of the larger of its
+    attention and linear token counts. Raises `InfeasiblePlan` if a rank is over its cap."""
+    att = attention_token_counts(plan)
+    lin = linear_token_counts(plan, att)
+    used = tuple(dev.static_bytes + dev.act_bytes_per_token * max(a, b) for a, b in zip(att, lin))
+    for r, (a, b) in enumerate(zip(att, lin)):
+        if max(a, b) > dev.token_cap[r]:
+            docs = sorted({s.doc for s in plan.attention[r]}, key=lambda d: -plan.lengths[d])
+            biggest = f" (largest document there: {docs[0]}, {plan.lengths[docs[0]]} tokens)" if docs else ""
+            raise InfeasiblePlan(f"{plan.planner}: rank {r} would hold {max(a, b)} tokens{biggest}, over its "
+                                 f"limit of {int(dev.token_cap[r])} tokens on a {dev.gpu[r].name} GPU")
+    return dataclasses.replace(plan, memory_bytes=used)
+
+
+def linear_token_counts(plan: Plan, att: list[int]) -> list[int]:
+    out = list(att)
+    for t in plan.remap:
+        out[t.src] -= t.num_tokens
+        out[t.dst] += t.num_tokens
+    return out

@@ -1,0 +1,121 @@
+"""The devices a planner plans for: one row per plan rank (where it sits, how fast it is,
+how many tokens it may hold), and the input checks every planner runs first.
+
+A plan rank is one GPU, or with tensor parallelism (`model.tp`) a group of `tp`
+consecutive GPUs of one node holding the same tokens (see `simulation/fabric.py`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ballonet import cost_model, hardware
+from ballonet.errors import InfeasiblePlan, InputError
+from ballonet.specs import ClusterSpec, ModelSpec
+
+
+@dataclass(frozen=True, kw_only=True)
+class Devices:
+    """Per plan rank: where it sits, how fast it is, how many tokens it can hold."""
+    node: tuple[int, ...]
+    nic: tuple[int, ...]
+    local_index: tuple[int, ...]
+    """Index of the rank inside its node (for rail alignment)."""
+    gpu: tuple[hardware.GPUType, ...]
+    group: tuple[int, ...]
+    """Node-group index of each rank."""
+    speed: np.ndarray
+    """[R] peak FLOP/s of each rank's GPU: attention and linear work go in proportion."""
+    token_cap: np.ndarray
+    """[R] most tokens a rank may hold under its memory cap."""
+    static_bytes: float
+    act_bytes_per_token: float
+    memory_total: tuple[float, ...]
+    """[R] bytes a plan may use on each rank's GPU (state plus activations)."""
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.node)
+
+    @property
+    def num_nodes(self) -> int:
+        return self.node[-1] + 1
+
+    def nodes(self) -> list[list[int]]:
+        out: list[list[int]] = [[] for _ in range(self.num_nodes)]
+        for r, n in enumerate(self.node):
+            out[n].append(r)
+        return out
+
+
+@functools.lru_cache(maxsize=16)  # every batch of a run plans on the same devices
+def devices(cluster: ClusterSpec, model: ModelSpec, assume_homogeneous: bool = False) -> Devices:
+    """The plan ranks of `cluster` for `model`. With `assume_homogeneous`, speeds are those
+    of the first GPU type (memory caps stay real, so the plan stays valid). Its arrays are
+    read-only: the result is shared between calls."""
+    tp = model.tp
+    for g in cluster.groups:
+        if g.gpus_per_node % tp:
+            raise InputError(f"tp={tp} does not divide the {g.gpus_per_node} GPUs per node of {g.gpu!r} nodes")
+    gpus = range(0, cluster.num_ranks, tp)
+    group_index = {id(g): i for i, g in enumerate(cluster.groups)}
+    group = tuple(group_index[id(cluster.group_of(x))] for x in gpus)
+    gpu = tuple(cluster.groups[i].gpu_type for i in group)
+    num_dp = cluster.num_ranks // tp
+    static = cost_model.static_bytes(model, num_dp)
+    act = cost_model.activation_bytes_per_token(model)
+    total = tuple(t.memory_bytes * cost_model.MEMORY_RESERVE for t in gpu)
+    caps = []
+    for t in total:
+        cap = max(-1, math.floor((t - static) / act))
+        while cap >= 0 and static + act * cap > t:  # guard the float rounding of the floor
+            cap -= 1
+        caps.append(cap)
+    first = cluster.gpu_of(0).peak_flops
+    speed = np.array([first if assume_homogeneous else t.peak_flops for t in gpu], dtype=float)
+    token_cap = np.array(caps, dtype=np.int64)
+    speed.flags.writeable = token_cap.flags.writeable = False
+    return Devices(
+        node=tuple(cluster.node_of(x) for x in gpus),
+        nic=tuple(cluster.nic_of(x) for x in gpus),
+        local_index=tuple(cluster.local_index(x) // tp for x in gpus),
+        gpu=gpu,
+        group=group,
+        speed=speed,
+        token_cap=token_cap,
+        static_bytes=static,
+        act_bytes_per_token=act,
+        memory_total=total,
+    )
+
+
+def check_feasible(lengths: list[int], dev: Devices, model: ModelSpec) -> None:
+    """Raise `InfeasiblePlan` when no plan can hold the batch: the model state alone is over
+    a GPU's memory, a document is longer than the whole cluster holds, or the batch is."""
+    if (dev.token_cap < 0).any():
+        r = int(np.argmin(dev.token_cap))
+        raise InfeasiblePlan(
+            f"model {model.name!r} needs {dev.static_bytes / 2**30:.1f} GiB of weights and optimizer state per GPU, "
+            f"over the {dev.memory_total[r] / 2**30:.1f} GiB a {dev.gpu[r].name} GPU may use")
+    total_cap = int(dev.token_cap.sum())
+    if lengths:
+        doc = int(np.argmax(lengths))
+        if lengths[doc] > total_cap:
+            raise InfeasiblePlan(f"document {doc} has {lengths[doc]} tokens, over the {total_cap} tokens "
+                                 f"the whole cluster can hold for model {model.name!r}")
+    if sum(lengths) > total_cap:
+        raise InfeasiblePlan(f"the batch has {sum(lengths)} tokens, over the {total_cap} tokens "
+                             f"the whole cluster can hold for model {model.name!r}")
+
+
+def check_lengths(lengths) -> list[int]:
+    out = []
+    for i, L in enumerate(lengths):
+        if isinstance(L, bool) or not isinstance(L, (int, np.integer)) or L < 1:
+            raise InputError(f"document {i}: length must be a positive integer, got {L!r}")
+        out.append(int(L))
+    return out

@@ -1,0 +1,115 @@
+"""Greedy packing shared by every planner: LPT over slots of equal or unequal speed, and
+apportioning an integer total in proportion to weights under caps."""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+
+from ballonet.errors import InfeasiblePlan
+
+
+class NoRoom(Exception):
+    """A greedy step found no slot with memory for document `doc`."""
+
+    def __init__(self, doc: int = -1):
+        super().__init__(doc)
+        self.doc = doc
+
+
+def lpt(docs: list[int], work, lengths: list[int], load: np.ndarray, speed: np.ndarray,
+        token_room: np.ndarray, spill: list[int] | None = None) -> dict[int, list[int]]:
+    """Whole documents, largest first, each to the slot that would finish it earliest
+    ((load + work) / speed) among those with memory for it; ties to the lower slot.
+    `work` is [D], or [slots, D] when a document costs more on some slots (unrelated
+    machines; largest first by its least cost). Updates `load` and `token_room`; returns
+    {slot: docs}. A document no slot has memory for raises `NoRoom`, or is appended to
+    `spill` when given."""
+    per_slot = isinstance(work, np.ndarray) and work.ndim == 2  # (np.ndim would copy a list each call)
+    if per_slot and (work == work[0]).all():
+        work, per_slot = work[0], False  # alike slots (a homogeneous cluster): the cheaper heap below
+    if per_slot:
+        least = np.min(work, axis=0)
+        order = sorted(docs, key=lambda d: (-least[d], d))
+        return _lpt_uniform(order, work, lengths, load, speed, token_room, spill)
+    order = sorted(docs, key=lambda d: (-work[d], d))
+    if len(set(speed.tolist())) > 1:
+        return _lpt_uniform(order, work, lengths, load, speed, token_room, spill)
+    loads, rooms = load.tolist(), token_room.tolist()
+    heap = [(loads[i], i) for i in range(len(loads))]  # equal speeds: least loaded finishes first
+    heapq.heapify(heap)
+    out: dict[int, list[int]] = {}
+    for d in order:
+        L, w = lengths[d], float(work[d])
+        skipped = []
+        while heap and rooms[heap[0][1]] < L:
+            skipped.append(heapq.heappop(heap))
+        if not heap:
+            if spill is None:
+                raise NoRoom(d)
+            spill.append(d)
+            heap = skipped
+            heapq.heapify(heap)
+            continue
+        i = heap[0][1]
+        out.setdefault(i, []).append(d)
+        loads[i] += w
+        rooms[i] -= L
+        heapq.heapreplace(heap, (loads[i], i))
+        for item in skipped:
+            heapq.heappush(heap, item)
+    load[:] = loads
+    token_room[:] = rooms
+    return out
+
+
+def _lpt_uniform(order, work, lengths, load, speed, token_room, spill) -> dict[int, list[int]]:
+    """`lpt` on slots of unequal speed (uniform machines), one vector step per document."""
+    out: dict[int, list[int]] = {}
+    per_slot = np.ndim(work) == 2
+    for d in order:
+        w = work[:, d] if per_slot else work[d]
+        finish = np.where(token_room >= lengths[d], (load + w) / speed, np.inf)
+        i = int(np.argmin(finish))
+        if finish[i] == np.inf:
+            if spill is None:
+                raise NoRoom(d)
+            spill.append(d)
+            continue
+        out.setdefault(i, []).append(d)
+        load[i] += w[i] if per_slot else w
+        token_room[i] -= lengths[d]
+    return out
+
+
+def apportion(total: int, weights: np.ndarray, caps: np.ndarray | None = None) -> np.ndarray:
+    """Integers summing to `total` in proportion to `weights` (largest remainder, ties to
+    the lower index), none above its cap: capped shares are fixed and the rest re-spread."""
+    weights = np.asarray(weights, dtype=float)
+    n = len(weights)
+    caps = np.full(n, np.iinfo(np.int64).max // 4, dtype=np.int64) if caps is None else np.asarray(caps, np.int64)
+    out = np.zeros(n, dtype=np.int64)
+    free = np.ones(n, dtype=bool)
+    left = total
+    while left > 0 and free.any():
+        w = np.where(free, weights, 0.0)
+        if w.sum() <= 0:
+            w = free.astype(float)
+        ideal = left * w / w.sum()
+        over = free & (ideal >= caps - out)
+        if over.any():
+            left -= int((caps - out)[over].sum())
+            out[over] = caps[over]
+            free &= ~over
+            continue
+        base = np.floor(ideal).astype(np.int64)
+        rest = left - int(base.sum())
+        frac = np.where(free, ideal - base, -1.0)
+        order = np.lexsort((np.arange(n), -frac))
+        base[order[:rest]] += 1
+        out += base
+        left = 0
+    if left > 0:
+        raise InfeasiblePlan(f"{total} tokens do not fit under the memory caps")
+    return out
