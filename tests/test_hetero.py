@@ -131,8 +131,8 @@ def test_pcie_node_has_no_cheap_intra_node_ring():
 
     cluster, model = specs.cluster("a800+l40s"), specs.model("llama-7b")
     a800, l40s = crossover_lengths(cluster, model)
-    assert l40s["intra"] > 5 * a800["intra"]
-    assert cost_model.breakeven_chunk_tokens(model, hardware.gpu("l40s"), 25e9) * 2 == l40s["intra"]
+    assert l40s.intra > 5 * a800.intra
+    assert cost_model.breakeven_chunk_tokens(model, hardware.gpu("l40s"), 25e9) * 2 == l40s.intra
 
 
 @st.composite

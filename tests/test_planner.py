@@ -61,8 +61,8 @@ def test_classes_local_intra_inter_on_two_nodes():
     (cross,) = crossover_lengths(cluster, MODEL)
     # 2 * break-even chunk (NVLink) and 2 * 8 * break-even chunk (one 400 Gb/s NIC per GPU).
     gpu = hardware.gpu("h200")
-    assert cross["intra"] == 2 * breakeven_chunk_tokens(MODEL, gpu, gpu.intra_link_bw)
-    assert cross["inter"] == 2 * 8 * breakeven_chunk_tokens(MODEL, gpu, 400e9 / 8, nic=True)
+    assert cross.intra == 2 * breakeven_chunk_tokens(MODEL, gpu, gpu.intra_link_bw)
+    assert cross.inter == 2 * 8 * breakeven_chunk_tokens(MODEL, gpu, 400e9 / 8, nic=True)
     plan = plan_batch([300_000] + [2_000] * 60, cluster, MODEL)
     kinds = {r.doc: r.kind for r in plan.rings}
     assert kinds.pop(0) == "inter" and set(kinds.values()) <= {"intra"}  # short ones: whole, or split to level
