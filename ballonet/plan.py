@@ -12,9 +12,18 @@ token lives in each of two layouts:
   attention-local order to `dst`. A rank keeps the tokens it does not send, in order, and
   appends what it receives, ordered by (src, start).
 
-Inter-node ring hops may carry a `Route`: the hop's buffer is cut into len(proxies) row
-ranges (`chunk_bounds`), and part j travels src -> proxies[j][0] (intra-node) ->
-proxies[j][1] (across nodes, rail-aligned) -> dst (intra-node).
+The traffic of split documents is `Plan.ring_messages()` (`RingMessage`: phase, payload,
+document, step, source, destination, rows), the one walk of the ring schedule that the
+metrics, the routing planner, the simulator and the runtime's byte prediction share. A
+"ring" document runs g steps: at step s, ring position i computes with (and then passes
+on) the K/V block of position (i - s) mod g (`ring_schedule`). An "allgather" document
+sends every block to every other member before attention, and every block's dK/dV back to
+its owner after.
+
+Inter-node ring hops may carry a `Route`: each message of the hop (K/V or dK/dV rows) is
+cut into len(proxies) row ranges (`Route.part_bounds`, i.e. `chunk_bounds(rows, k)`), and
+part j travels src -> proxies[j][0] (intra-node) -> proxies[j][1] (across nodes,
+rail-aligned) -> dst (intra-node), each leg carrying the part's rows.
 
 Token counts here are model-free; the cost model turns them into bytes and seconds.
 """
@@ -28,8 +37,12 @@ from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from typing import Iterator
 
+import numpy as np
+
 SPLIT_KINDS = ("intra", "inter")
 RING_COMMS = ("ring", "allgather")
+PHASES = ("forward", "backward")
+PAYLOADS = ("kv", "grad")
 
 
 class InvalidPlan(Exception):
@@ -71,6 +84,74 @@ class Ring:
         """Tokens (K/V rows) held by ring position `position`."""
         return sum(s.num_tokens for s in self.chunks_of(position))
 
+    def messages(self) -> Iterator[RingMessage]:
+        """Every message of this document's attention, forward then backward, per step;
+        empty ones left out. "ring": at step s position i holds the block of position
+        (i - s) mod g; it passes it to position i + 1 at steps s < g - 1 (forward, and
+        again in the backward, which recomputes with it), and in the backward passes the
+        partial dK/dV of the block it held at steps s >= 1 on the same hop, so each block's
+        gradient reaches its owner after the last step. "allgather": each block to every
+        other member (forward, and again in the backward), then the dK/dV of every other
+        member's block straight to that member."""
+        g, ranks = len(self.ranks), self.ranks
+        blocks = [self.block_tokens(i) for i in range(g)]
+        for phase in PHASES:
+            if self.comm == "allgather":
+                for i in range(g):
+                    for j in range(g):
+                        if j != i:
+                            yield from _message(phase, "kv", self.doc, 0, ranks[i], ranks[j], blocks[i])
+                            if phase == "backward":
+                                yield from _message(phase, "grad", self.doc, 0, ranks[i], ranks[j], blocks[j])
+                continue
+            held = ring_schedule(g).tolist()
+            for step in range(g):
+                for i in range(g):
+                    rows, dst = blocks[held[i][step]], ranks[(i + 1) % g]
+                    if step < g - 1:
+                        yield from _message(phase, "kv", self.doc, step, ranks[i], dst, rows)
+                    if phase == "backward" and step >= 1:
+                        yield from _message(phase, "grad", self.doc, step, ranks[i], dst, rows)
+
+    def forward_link_rows(self) -> list[tuple[int, int, int]]:
+        """(src, dst, rows): the forward K/V rows of `messages()` summed per link, in O(g)
+        for a "ring" (over its g - 1 steps the hop out of position i carries every block
+        but its successor's); an "allgather" sends each block to every other member."""
+        g, L = len(self.ranks), self.bounds[-1]
+        blocks = [self.block_tokens(i) for i in range(g)]
+        if self.comm == "allgather":
+            return [(self.ranks[i], self.ranks[j], blocks[i]) for i in range(g) for j in range(g)
+                    if i != j and blocks[i]]
+        return [(self.ranks[i], self.ranks[(i + 1) % g], L - blocks[(i + 1) % g]) for i in range(g)
+                if L - blocks[(i + 1) % g] > 0]
+
+
+@dataclass(frozen=True)
+class RingMessage:
+    """One message of a split document's attention (`Ring.messages`)."""
+    phase: str
+    """"forward" or "backward" (the pass that sends it)."""
+    payload: str
+    """"kv": K and V rows (in the dtype of K/V); "grad": dK and dV rows (fp32)."""
+    doc: int
+    step: int
+    """Ring step (0 for an "allgather" document)."""
+    src: int
+    dst: int
+    rows: int
+    """Rows of K (and as many of V); a routed hop cuts them by `Route.part_bounds`."""
+
+
+def _message(phase: str, payload: str, doc: int, step: int, src: int, dst: int, rows: int) -> Iterator[RingMessage]:
+    if rows:
+        yield RingMessage(phase=phase, payload=payload, doc=doc, step=step, src=src, dst=dst, rows=rows)
+
+
+def ring_schedule(g: int) -> np.ndarray:
+    """[g, g]: the ring position whose block position i holds at step s, (i - s) mod g."""
+    a = np.arange(g)
+    return (a[:, None] - a[None, :]) % g
+
 
 @dataclass(frozen=True)
 class Transfer:
@@ -91,6 +172,11 @@ class Route:
     dst: int
     proxies: tuple[tuple[int, int], ...]
     """(proxy on the source node, proxy on the destination node) per part."""
+
+    def part_bounds(self, rows: int) -> tuple[int, ...]:
+        """Row bounds of the parts of a message of `rows` rows: part j is rows
+        [b[j], b[j + 1]) and travels by proxies[j]."""
+        return chunk_bounds(rows, len(self.proxies))
 
 
 def chunk_bounds(length: int, num_chunks: int) -> tuple[int, ...]:
@@ -144,13 +230,25 @@ class Plan:
     def local_docs(self, rank: int) -> list[int]:
         return [s.doc for s in self.attention[rank] if s.doc not in self.ring_of_doc]
 
+    @cached_property
+    def attention_token_counts(self) -> tuple[int, ...]:
+        """Tokens each rank holds in the attention layout."""
+        return tuple(sum(s.num_tokens for s in segs) for segs in self.attention)
+
+    @cached_property
+    def linear_token_counts(self) -> tuple[int, ...]:
+        """Tokens each rank holds in the linear layout (after the remap)."""
+        out = list(self.attention_token_counts)
+        for t in self.remap:
+            out[t.src] -= t.num_tokens
+            out[t.dst] += t.num_tokens
+        return tuple(out)
+
     def attention_tokens(self, rank: int) -> int:
-        return sum(s.num_tokens for s in self.attention[rank])
+        return self.attention_token_counts[rank]
 
     def linear_tokens(self, rank: int) -> int:
-        sent = sum(t.num_tokens for t in self.remap if t.src == rank)
-        received = sum(t.num_tokens for t in self.remap if t.dst == rank)
-        return self.attention_tokens(rank) - sent + received
+        return self.linear_token_counts[rank]
 
     def linear_pieces(self, rank: int) -> list[tuple[int, int, int]]:
         """The linear layout of `rank` as (src rank, start, end) ranges of attention-local
@@ -167,30 +265,11 @@ class Plan:
         incoming = sorted((t.src, t.start, t.end) for t in self.remap if t.dst == rank)
         return pieces + incoming
 
-    def ring_steps(self, ring: Ring) -> Iterator[tuple[int, int, int, int]]:
-        """Forward K/V traffic of a split document as (step, src, dst, rows): at each of the
-        g-1 steps every ring position passes the block it holds to its successor."""
-        g = len(ring.ranks)
-        for step in range(g - 1):
-            for i in range(g):
-                rows = ring.block_tokens((i - step) % g)
-                if rows:
-                    yield step, ring.ranks[i], ring.ranks[(i + 1) % g], rows
-
-    def kv_rows_sent(self) -> Counter:
-        """Forward K/V rows per (src, dst) over every split document, direct (unrouted)."""
-        counts: Counter = Counter()
+    def ring_messages(self) -> Iterator[RingMessage]:
+        """Every ring message of one forward and one backward pass, ring by ring
+        (`Ring.messages`)."""
         for ring in self.rings:
-            g = len(ring.ranks)
-            if ring.comm == "allgather":
-                for i in range(g):
-                    for j in range(g):
-                        if i != j and ring.block_tokens(i):
-                            counts[ring.ranks[i], ring.ranks[j]] += ring.block_tokens(i)
-            else:
-                for _, src, dst, rows in self.ring_steps(ring):
-                    counts[src, dst] += rows
-        return counts
+            yield from ring.messages()
 
     def remap_tokens(self) -> Counter:
         counts: Counter = Counter()

@@ -49,8 +49,12 @@ def test_small_plan_validates_and_counts():
     assert [plan.attention_tokens(r) for r in range(4)] == [3, 5, 4, 3]
     assert [plan.linear_tokens(r) for r in range(4)] == [4, 4, 4, 3]
     assert plan.local_docs(1) == [0] and plan.local_docs(0) == []
-    # One ring step each way: rank 0 passes its 3 rows to rank 2, rank 2 its 4 rows to rank 0.
-    assert dict(plan.kv_rows_sent()) == {(0, 2): 3, (2, 0): 4}
+    # One ring step each way: rank 0 passes its 3 rows to rank 2, rank 2 its 4 rows to rank 0;
+    # the backward passes them again, then returns the dK/dV of the block each one held.
+    sent = [(m.phase, m.payload, m.step, m.src, m.dst, m.rows) for m in plan.ring_messages()]
+    assert sent == [("forward", "kv", 0, 0, 2, 3), ("forward", "kv", 0, 2, 0, 4),
+                    ("backward", "kv", 0, 0, 2, 3), ("backward", "kv", 0, 2, 0, 4),
+                    ("backward", "grad", 1, 0, 2, 4), ("backward", "grad", 1, 2, 0, 3)]
     assert dict(plan.remap_tokens()) == {(1, 0): 1}
 
 

@@ -80,15 +80,10 @@ def assemble(name: str, lengths: list[int], dev: Devices, placement: Placement, 
                 attention=attention, rings=tuple(rings), memory_cap=dev.memory_total, meta=dict(meta or {}))
 
 
-def attention_token_counts(plan: Plan) -> list[int]:
-    return [sum(s.end - s.start for s in segs) for segs in plan.attention]
-
-
 def with_memory(plan: Plan, dev: Devices) -> Plan:
     """`plan` with predicted memory per rank: state plus activations of the larger of its
     attention and linear token counts. Raises `InfeasiblePlan` if a rank is over its cap."""
-    att = attention_token_counts(plan)
-    lin = linear_token_counts(plan, att)
+    att, lin = plan.attention_token_counts, plan.linear_token_counts
     used = tuple(dev.static_bytes + dev.act_bytes_per_token * max(a, b) for a, b in zip(att, lin))
     for r, (a, b) in enumerate(zip(att, lin)):
         if max(a, b) > dev.token_cap[r]:
@@ -97,11 +92,3 @@ def with_memory(plan: Plan, dev: Devices) -> Plan:
             raise InfeasiblePlan(f"{plan.planner}: rank {r} would hold {max(a, b)} tokens{biggest}, over its "
                                  f"limit of {int(dev.token_cap[r])} tokens on a {dev.gpu[r].name} GPU")
     return dataclasses.replace(plan, memory_bytes=used)
-
-
-def linear_token_counts(plan: Plan, att: list[int]) -> list[int]:
-    out = list(att)
-    for t in plan.remap:
-        out[t.src] -= t.num_tokens
-        out[t.dst] += t.num_tokens
-    return out

@@ -2,7 +2,7 @@
 how many tokens it may hold), and the input checks every planner runs first.
 
 A plan rank is one GPU, or with tensor parallelism (`model.tp`) a group of `tp`
-consecutive GPUs of one node holding the same tokens (see `simulation/fabric.py`).
+consecutive GPUs of one node holding the same tokens (`specs.rank_hardware`).
 """
 
 from __future__ import annotations
@@ -15,19 +15,15 @@ import numpy as np
 
 from ballonet import cost_model, hardware
 from ballonet.errors import InfeasiblePlan, InputError
-from ballonet.specs import ClusterSpec, ModelSpec
+from ballonet.specs import ClusterSpec, ModelSpec, RankHardware, rank_hardware
 
 
 @dataclass(frozen=True, kw_only=True)
 class Devices:
     """Per plan rank: where it sits, how fast it is, how many tokens it can hold."""
-    node: tuple[int, ...]
-    nic: tuple[int, ...]
-    local_index: tuple[int, ...]
-    """Index of the rank inside its node (for rail alignment)."""
-    gpu: tuple[hardware.GPUType, ...]
-    group: tuple[int, ...]
-    """Node-group index of each rank."""
+    hw: RankHardware
+    """Where each rank sits and its hardware (`node`, `nic`, `local_index`, `gpu` and
+    `group` below are its fields)."""
     speed: np.ndarray
     """[R] peak FLOP/s of each rank's GPU: attention and linear work go in proportion."""
     token_cap: np.ndarray
@@ -36,6 +32,26 @@ class Devices:
     act_bytes_per_token: float
     memory_total: tuple[float, ...]
     """[R] bytes a plan may use on each rank's GPU (state plus activations)."""
+
+    @property
+    def node(self) -> tuple[int, ...]:
+        return self.hw.node
+
+    @property
+    def nic(self) -> tuple[int, ...]:
+        return self.hw.nic
+
+    @property
+    def local_index(self) -> tuple[int, ...]:
+        return self.hw.local_index
+
+    @property
+    def gpu(self) -> tuple[hardware.GPUType, ...]:
+        return self.hw.gpu
+
+    @property
+    def group(self) -> tuple[int, ...]:
+        return self.hw.group
 
     @property
     def num_ranks(self) -> int:
@@ -58,13 +74,8 @@ def devices(cluster: ClusterSpec, model: ModelSpec, assume_homogeneous: bool = F
     of the first GPU type (memory caps stay real, so the plan stays valid). Its arrays are
     read-only: the result is shared between calls."""
     tp = model.tp
-    for g in cluster.groups:
-        if g.gpus_per_node % tp:
-            raise InputError(f"tp={tp} does not divide the {g.gpus_per_node} GPUs per node of {g.gpu!r} nodes")
-    gpus = range(0, cluster.num_ranks, tp)
-    group_index = {id(g): i for i, g in enumerate(cluster.groups)}
-    group = tuple(group_index[id(cluster.group_of(x))] for x in gpus)
-    gpu = tuple(cluster.groups[i].gpu_type for i in group)
+    hw = rank_hardware(cluster, tp)
+    gpu = hw.gpu
     num_dp = cluster.num_ranks // tp
     static = cost_model.static_bytes(model, num_dp)
     act = cost_model.activation_bytes_per_token(model)
@@ -80,11 +91,7 @@ def devices(cluster: ClusterSpec, model: ModelSpec, assume_homogeneous: bool = F
     token_cap = np.array(caps, dtype=np.int64)
     speed.flags.writeable = token_cap.flags.writeable = False
     return Devices(
-        node=tuple(cluster.node_of(x) for x in gpus),
-        nic=tuple(cluster.nic_of(x) for x in gpus),
-        local_index=tuple(cluster.local_index(x) // tp for x in gpus),
-        gpu=gpu,
-        group=group,
+        hw=hw,
         speed=speed,
         token_cap=token_cap,
         static_bytes=static,

@@ -48,12 +48,7 @@ from ballonet import cost_model
 from ballonet.cost_model import attention_work
 from ballonet.errors import InfeasiblePlan, InputError
 from ballonet.plan import Plan
-from ballonet.planning.assembly import (
-    Placement,
-    assemble,
-    attention_token_counts,
-    with_memory,
-)
+from ballonet.planning.assembly import Placement, assemble, with_memory
 from ballonet.planning.devices import Devices, check_feasible, check_lengths, devices
 from ballonet.planning.packing import NoRoom, apportion, lpt
 from ballonet.planning.refinement import refine, split_work
@@ -310,7 +305,7 @@ def _finish(lengths, cluster, model, dev: Devices, placement: Placement, meta, r
     plan = assemble("zeppelin", lengths, dev, placement, meta=meta)
     if remap:
         targets = linear_targets(sum(lengths), dev.speed, dev.token_cap)
-        plan = dataclasses.replace(plan, remap=plan_remap(attention_token_counts(plan), targets, dev.node))
+        plan = dataclasses.replace(plan, remap=plan_remap(list(plan.attention_token_counts), targets, dev.node))
     if routing:
         plan = dataclasses.replace(plan, routes=plan_routes(plan, cluster, model, dev.local_index))
     return with_memory(plan, dev).validate()
