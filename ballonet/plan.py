@@ -201,6 +201,11 @@ class Plan:
     memory_bytes: tuple[float, ...] = ()
     """Predicted peak activation + state memory per rank (empty: not estimated)."""
     memory_cap: tuple[float, ...] = ()
+    attention_engine: bool = False
+    """Made for Zeppelin's attention engine: transfers start as soon as their data is there
+    and each rank runs ready work in queue order (inter-node, intra-node, local), so local
+    attention fills ring waits. False: the baselines' loop (fixed order; a ring step's
+    send issued after the previous step's compute). The simulator models it."""
     meta: dict = field(default_factory=dict, compare=False)
     """Free-form planner facts (thresholds used, options); part of the JSON."""
 
@@ -390,6 +395,7 @@ class Plan:
                                proxies=tuple(tuple(p) for p in r["proxies"])) for r in d["routes"]),
             memory_bytes=tuple(d["memory_bytes"]),
             memory_cap=tuple(d["memory_cap"]),
+            attention_engine=d["attention_engine"],
             meta=d["meta"],
         )
 

@@ -265,3 +265,12 @@ def test_water_level_tops_up_the_lowest_slots():
 def test_zeppelin_options_must_be_booleans():
     with pytest.raises(InputError, match="routing must be True or False"):
         plan_batch([1], h200(), MODEL, routing="no")
+
+
+def test_only_zeppelin_plans_are_made_for_the_attention_engine():
+    cluster = specs.cluster("a800-4nic", num_nodes=2)
+    lengths = [40_000, 9_000, 3_000, 700, 50]
+    for name in PLANNERS:
+        for options in ([{}, {"routing": False, "remap": False, "hierarchical": False}] if name == "zeppelin" else [{}]):
+            plan = plan_batch(lengths, cluster, MODEL, planner=name, **options)
+            assert plan.attention_engine == (name == "zeppelin"), (name, options)

@@ -49,7 +49,7 @@ def zigzag_bounds(length: int, tokens: list[int]) -> tuple[int, ...]:
 
 
 def assemble(name: str, lengths: list[int], dev: Devices, placement: Placement, *, comm: str = "ring",
-             meta: dict | None = None) -> Plan:
+             attention_engine: bool = False, meta: dict | None = None) -> Plan:
     """The plan of `placement` (rings of `split` in ascending rank order, which groups them
     by node, so an inter-node ring crosses nodes only between node blocks)."""
     ring_specs = []  # (doc, ranks, bounds)
@@ -77,7 +77,8 @@ def assemble(name: str, lengths: list[int], dev: Devices, placement: Placement, 
         segs[r].extend((2, d, 0, lengths[d]) for d in docs)
     attention = tuple(tuple(Segment(d, a, e) for _, d, a, e in sorted(rank_segs)) for rank_segs in segs)
     return Plan(planner=name, lengths=tuple(lengths), node_of_rank=dev.node, nic_of_rank=dev.nic,
-                attention=attention, rings=tuple(rings), memory_cap=dev.memory_total, meta=dict(meta or {}))
+                attention=attention, rings=tuple(rings), memory_cap=dev.memory_total,
+                attention_engine=attention_engine, meta=dict(meta or {}))
 
 
 def with_memory(plan: Plan, dev: Devices) -> Plan:

@@ -302,7 +302,7 @@ def zeppelin(lengths, cluster: ClusterSpec, model: ModelSpec, *, routing: bool =
 
 def _finish(lengths, cluster, model, dev: Devices, placement: Placement, meta, routing: bool, remap: bool) -> Plan:
     """Step 4 and checks: remap, routes, memory (raises `InfeasiblePlan`), validation."""
-    plan = assemble("zeppelin", lengths, dev, placement, meta=meta)
+    plan = assemble("zeppelin", lengths, dev, placement, attention_engine=True, meta=meta)
     if remap:
         targets = linear_targets(sum(lengths), dev.speed, dev.token_cap)
         plan = dataclasses.replace(plan, remap=plan_remap(list(plan.attention_token_counts), targets, dev.node))
