@@ -3,7 +3,7 @@
 A cluster is a list of node groups; every node of a group is alike (GPU type, GPUs per
 node, intra-node link, NICs). Ranks are numbered node by node, group by group. GPU j of a
 node with m NICs reaches NIC j * m // gpus_per_node, so with 8 GPUs and 4 NICs, GPUs 0
-and 1 share NIC 0 (the static NIC-GPU affinity of DESIGN.md section 1).
+and 1 share NIC 0 (the static NIC-GPU affinity that routing works around).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The hierarchical sequence partitioner (DESIGN.md section 2) and `plan_batch`.
+"""The hierarchical sequence partitioner (docs/design.md, section 4).
 
 Every document gets a class, from the cost model and the batch:
 
@@ -28,10 +28,10 @@ Placement, with work in peak-FLOP units so a rank's time is work / its peak:
     L_intra is split with the least busy such rank (`_split_to_level`).
   Step 3 (refinement): each split document's tokens are re-spread over its members by
     water-filling so that members end level relative to their speed (a split document
-    can be cut anywhere: see `placement.zigzag_bounds`); members join or leave a ring
+    can be cut anywhere: see `assembly.zigzag_bounds`); members join or leave a ring
     when that evens the load (`refinement.py`).
   Step 4: remap targets (tokens in proportion to speed, under memory caps) and routes
-    for inter-node hops (`remap_plan.py`, `routing_plan.py`).
+    for inter-node hops (`remap.py`, `routing.py`).
 
 A batch the greedy steps cannot fit under memory caps falls back to cutting the batch in
 speed-proportional runs of tokens (valid, not balanced; `meta["fallback"]`). Without
