@@ -33,16 +33,17 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
-from typing import Iterator
 
-import numpy as np
+from ballonet.ring_traffic import PAYLOADS, PHASES, RingMessage, forward_link_rows, ring_messages, ring_schedule
+
+__all__ = ["PAYLOADS", "PHASES", "RING_COMMS", "SPLIT_KINDS", "InvalidPlan", "Plan", "Ring",
+           "RingMessage", "Route", "Segment", "Transfer", "chunk_bounds", "ring_schedule"]
 
 SPLIT_KINDS = ("intra", "inter")
 RING_COMMS = ("ring", "allgather")
-PHASES = ("forward", "backward")
-PAYLOADS = ("kv", "grad")
 
 
 class InvalidPlan(Exception):
@@ -50,11 +51,8 @@ class InvalidPlan(Exception):
     `InputError`: the CLI reports it as a bug, not as bad input)."""
 
 
-@dataclass(frozen=True)
-class Segment:
-    doc: int
-    start: int
-    end: int
+class _TokenRange:
+    """Tokens [start, end) of something (fields of the dataclasses below)."""
 
     @property
     def num_tokens(self) -> int:
@@ -62,7 +60,16 @@ class Segment:
 
 
 @dataclass(frozen=True)
+class Segment(_TokenRange):
+    doc: int
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
 class Ring:
+    """A split document: its ranks in ring order and its zig-zag chunks."""
+
     doc: int
     kind: str
     """"intra" (one node) or "inter" (several nodes)."""
@@ -85,84 +92,21 @@ class Ring:
         return sum(s.num_tokens for s in self.chunks_of(position))
 
     def messages(self) -> Iterator[RingMessage]:
-        """Every message of this document's attention, forward then backward, per step;
-        empty ones left out. "ring": at step s position i holds the block of position
-        (i - s) mod g; it passes it to position i + 1 at steps s < g - 1 (forward, and
-        again in the backward, which recomputes with it), and in the backward passes the
-        partial dK/dV of the block it held at steps s >= 1 on the same hop, so each block's
-        gradient reaches its owner after the last step. "allgather": each block to every
-        other member (forward, and again in the backward), then the dK/dV of every other
-        member's block straight to that member."""
-        g, ranks = len(self.ranks), self.ranks
-        blocks = [self.block_tokens(i) for i in range(g)]
-        for phase in PHASES:
-            if self.comm == "allgather":
-                for i in range(g):
-                    for j in range(g):
-                        if j != i:
-                            yield from _message(phase, "kv", self.doc, 0, ranks[i], ranks[j], blocks[i])
-                            if phase == "backward":
-                                yield from _message(phase, "grad", self.doc, 0, ranks[i], ranks[j], blocks[j])
-                continue
-            held = ring_schedule(g).tolist()
-            for step in range(g):
-                for i in range(g):
-                    rows, dst = blocks[held[i][step]], ranks[(i + 1) % g]
-                    if step < g - 1:
-                        yield from _message(phase, "kv", self.doc, step, ranks[i], dst, rows)
-                    if phase == "backward" and step >= 1:
-                        yield from _message(phase, "grad", self.doc, step, ranks[i], dst, rows)
+        """Every message of this document's attention (`ring_traffic.ring_messages`)."""
+        return ring_messages(self)
 
     def forward_link_rows(self) -> list[tuple[int, int, int]]:
         """(src, dst, rows): the forward K/V rows of `messages()` summed per link, in O(g)
-        for a "ring" (over its g - 1 steps the hop out of position i carries every block
-        but its successor's); an "allgather" sends each block to every other member."""
-        g, L = len(self.ranks), self.bounds[-1]
-        blocks = [self.block_tokens(i) for i in range(g)]
-        if self.comm == "allgather":
-            return [(self.ranks[i], self.ranks[j], blocks[i]) for i in range(g) for j in range(g)
-                    if i != j and blocks[i]]
-        return [(self.ranks[i], self.ranks[(i + 1) % g], L - blocks[(i + 1) % g]) for i in range(g)
-                if L - blocks[(i + 1) % g] > 0]
+        (`ring_traffic.forward_link_rows`)."""
+        return forward_link_rows(self)
 
 
 @dataclass(frozen=True)
-class RingMessage:
-    """One message of a split document's attention (`Ring.messages`)."""
-    phase: str
-    """"forward" or "backward" (the pass that sends it)."""
-    payload: str
-    """"kv": K and V rows (in the dtype of K/V); "grad": dK and dV rows (fp32)."""
-    doc: int
-    step: int
-    """Ring step (0 for an "allgather" document)."""
-    src: int
-    dst: int
-    rows: int
-    """Rows of K (and as many of V); a routed hop cuts them by `Route.part_bounds`."""
-
-
-def _message(phase: str, payload: str, doc: int, step: int, src: int, dst: int, rows: int) -> Iterator[RingMessage]:
-    if rows:
-        yield RingMessage(phase=phase, payload=payload, doc=doc, step=step, src=src, dst=dst, rows=rows)
-
-
-def ring_schedule(g: int) -> np.ndarray:
-    """[g, g]: the ring position whose block position i holds at step s, (i - s) mod g."""
-    a = np.arange(g)
-    return (a[:, None] - a[None, :]) % g
-
-
-@dataclass(frozen=True)
-class Transfer:
+class Transfer(_TokenRange):
     src: int
     dst: int
     start: int
     end: int
-
-    @property
-    def num_tokens(self) -> int:
-        return self.end - self.start
 
 
 @dataclass(frozen=True)

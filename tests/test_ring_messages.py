@@ -7,6 +7,7 @@ zeppelin, te_cp and hybrid_dp plans, routed and unrouted, forward and backward, 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections import Counter
 
 import pytest
@@ -77,7 +78,7 @@ def message_bytes(plan: Plan) -> ByteCounter:
         for j, (a, b) in enumerate(route.proxies if route else ((msg.src, msg.dst),)):
             legs = [msg.src, a, b, msg.dst]
             legs = [r for k, r in enumerate(legs) if k == 0 or r != legs[k - 1]]
-            for x, y in zip(legs, legs[1:]):
+            for x, y in itertools.pairwise(legs):
                 if bounds[j + 1] > bounds[j]:
                     out.add(msg.phase, x, y, (bounds[j + 1] - bounds[j]) * ROW_BYTES[msg.payload])
     return out

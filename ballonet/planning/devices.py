@@ -15,15 +15,19 @@ import numpy as np
 
 from ballonet import cost_model, hardware
 from ballonet.errors import InfeasiblePlan, InputError
-from ballonet.specs import ClusterSpec, ModelSpec, RankHardware, rank_hardware
+from ballonet.specs import ClusterSpec, ModelSpec, rank_hardware
 
 
 @dataclass(frozen=True, kw_only=True)
 class Devices:
     """Per plan rank: where it sits, how fast it is, how many tokens it can hold."""
-    hw: RankHardware
-    """Where each rank sits and its hardware (`node`, `nic`, `local_index`, `gpu` and
-    `group` below are its fields)."""
+    node: tuple[int, ...]
+    nic: tuple[int, ...]
+    local_index: tuple[int, ...]
+    """Index of the rank inside its node (for rail alignment)."""
+    gpu: tuple[hardware.GPUType, ...]
+    group: tuple[int, ...]
+    """Node-group index of each rank."""
     speed: np.ndarray
     """[R] peak FLOP/s of each rank's GPU: attention and linear work go in proportion."""
     token_cap: np.ndarray
@@ -32,26 +36,6 @@ class Devices:
     act_bytes_per_token: float
     memory_total: tuple[float, ...]
     """[R] bytes a plan may use on each rank's GPU (state plus activations)."""
-
-    @property
-    def node(self) -> tuple[int, ...]:
-        return self.hw.node
-
-    @property
-    def nic(self) -> tuple[int, ...]:
-        return self.hw.nic
-
-    @property
-    def local_index(self) -> tuple[int, ...]:
-        return self.hw.local_index
-
-    @property
-    def gpu(self) -> tuple[hardware.GPUType, ...]:
-        return self.hw.gpu
-
-    @property
-    def group(self) -> tuple[int, ...]:
-        return self.hw.group
 
     @property
     def num_ranks(self) -> int:
@@ -74,7 +58,7 @@ def devices(cluster: ClusterSpec, model: ModelSpec, assume_homogeneous: bool = F
     of the first GPU type (memory caps stay real, so the plan stays valid). Its arrays are
     read-only: the result is shared between calls."""
     tp = model.tp
-    hw = rank_hardware(cluster, tp)
+    hw = rank_hardware(cluster, tp)  # where each rank sits and its hardware
     gpu = hw.gpu
     num_dp = cluster.num_ranks // tp
     static = cost_model.static_bytes(model, num_dp)
@@ -91,7 +75,11 @@ def devices(cluster: ClusterSpec, model: ModelSpec, assume_homogeneous: bool = F
     token_cap = np.array(caps, dtype=np.int64)
     speed.flags.writeable = token_cap.flags.writeable = False
     return Devices(
-        hw=hw,
+        node=hw.node,
+        nic=hw.nic,
+        local_index=hw.local_index,
+        gpu=hw.gpu,
+        group=hw.group,
         speed=speed,
         token_cap=token_cap,
         static_bytes=static,

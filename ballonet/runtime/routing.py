@@ -25,8 +25,9 @@ followed; `comm.link_bytes` and `comm.nic_bytes` turn it into link-class and NIC
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Generator
 from dataclasses import dataclass
-from typing import Generator
 
 import torch
 
@@ -195,7 +196,7 @@ def predicted_bytes(plan: Plan, num_kv_heads: int, head_dim: int, dtype: torch.d
         route = routes.get((msg.doc, msg.src, msg.dst))
         bounds = route.part_bounds(msg.rows) if route else (0, msg.rows)
         for j, path in enumerate(hop_paths(msg.src, msg.dst, route)):
-            for a, c in zip(path, path[1:]):
+            for a, c in itertools.pairwise(path):
                 if bounds[j + 1] > bounds[j]:
                     out.add(msg.phase, a, c, (bounds[j + 1] - bounds[j]) * row_bytes[msg.payload])
     return out
