@@ -1,7 +1,7 @@
 """Routing planning (docs/design.md, "Routing"): spread each inter-node ring hop over idle NICs.
 
-A hop of m bytes per ring step (its real forward K/V blocks, `Ring.messages`, averaged
-over the steps), cut over k rail-aligned proxy pairs, costs about
+A hop of m bytes per ring step (its real forward K/V blocks, `Ring.forward_link_rows`,
+averaged over the steps), cut over k rail-aligned proxy pairs, costs about
 2 * t_intra((k-1)/k * m) + t_nic(m / k + b_k) (dispatch, parallel NIC sends, combine)
 instead of t_nic(m + b_1) on the sender's own NIC, where b is the traffic the other
 inter-node hops of the same phase put on the busiest NIC used. Each side's intra-node
@@ -23,16 +23,14 @@ from ballonet.specs import ClusterSpec, ModelSpec, rank_hardware
 
 def _hops(plan: Plan) -> list[tuple[float, int, int, int, int]]:
     """(-K/V rows per step, doc, position, src, dst) of every node-crossing hop of P2P rings:
-    the forward K/V rows of the hop's `Ring.messages`, averaged over its g - 1 steps."""
+    the hop's forward K/V rows (`Ring.forward_link_rows`, the sum of its `Ring.messages`)
+    averaged over its g - 1 steps."""
     out = []
     for ring in plan.rings:
         if ring.kind != "inter" or ring.comm != "ring":
             continue
         g = len(ring.ranks)
-        rows: dict[tuple[int, int], int] = {}
-        for msg in ring.messages():
-            if msg.phase == "forward" and plan.node_of_rank[msg.src] != plan.node_of_rank[msg.dst]:
-                rows[msg.src, msg.dst] = rows.get((msg.src, msg.dst), 0) + msg.rows
+        rows = {(src, dst): n for src, dst, n in ring.forward_link_rows()}
         for i in range(g):
             src, dst = ring.ranks[i], ring.ranks[(i + 1) % g]
             if plan.node_of_rank[src] != plan.node_of_rank[dst]:
