@@ -94,12 +94,12 @@ def _fill(room: np.ndarray, token_room: np.ndarray, work: float, per_token: floa
 
 def _classify(batch: Batch, nodes, hierarchical: bool):
     """(intra, inter) masks: split inside a node / across nodes (module docstring)."""
-    L, work, dev, thresholds = np.asarray(batch.lengths), batch.work, batch.dev, batch.crossovers
+    L, work, dev, crossovers = np.asarray(batch.lengths), batch.work, batch.dev, batch.crossovers
     speed = dev.speed
     rank_share = work.sum() * speed.max() / speed.sum()
     node_share = work.sum() * max(speed[rs].sum() for rs in nodes) / speed.sum()
-    l_intra = min((t.intra for t in thresholds if t.intra), default=None)
-    l_inter = min(t.inter for t in thresholds)
+    l_intra = min((t.intra for t in crossovers if t.intra), default=None)
+    l_inter = min(t.inter for t in crossovers)
     can_intra = (L >= l_intra) if l_intra else np.zeros(len(L), dtype=bool)
     intra = (L > dev.token_cap.max()) | ((work > rank_share) & can_intra)
     inter = np.zeros(len(L), dtype=bool)
@@ -202,7 +202,7 @@ def _level2(batch: Batch, fill: RankFill, ranks: np.ndarray, node_work: float, d
     fill.token_room[ranks] = room
 
 
-def _place(lengths, work, dev: Devices, thresholds, hierarchical: bool, model: ModelSpec) -> tuple[Placement, dict]:
+def _place(lengths, work, dev: Devices, crossovers, hierarchical: bool, model: ModelSpec) -> tuple[Placement, dict]:
     R, nodes = dev.num_ranks, dev.nodes()
     # A document above a rank's fair share will be split over about work / share ranks,
     # whose shorter blocks run at a lower kernel efficiency: count it at that efficiency.
@@ -211,7 +211,7 @@ def _place(lengths, work, dev: Devices, thresholds, hierarchical: bool, model: M
     for d in np.nonzero(work > fair)[0]:
         for _ in range(4):  # fixed point: more members, shorter blocks, more work
             work[d] = split_work(model, lengths[d], min(np.ceil(work[d] / fair), R))
-    batch = Batch(lengths=lengths, work=work, work_list=work.tolist(), dev=dev, model=model, crossovers=thresholds)
+    batch = Batch(lengths=lengths, work=work, work_list=work.tolist(), dev=dev, model=model, crossovers=crossovers)
     intra, inter = _classify(batch, nodes, hierarchical)
     fill = RankFill(local=[[] for _ in range(R)], split_shares={}, token_room=dev.token_cap.astype(float))
     if not hierarchical:  # every split document over all ranks, shares set by refinement
@@ -224,7 +224,7 @@ def _place(lengths, work, dev: Devices, thresholds, hierarchical: bool, model: M
     for n, ranks in enumerate(nodes):
         water = [(w, d) for d, sh in inter_shares.items() if (w := sh.get(n, 0.0)) > 0]
         _level2(batch, fill, np.array(ranks), node_load[n], node_docs.get(n, []), water,
-                thresholds[dev.group[ranks[0]]].intra)
+                crossovers[dev.group[ranks[0]]].intra)
     return refine(batch, fill), {"inter_docs": len(inter_shares)}
 
 
@@ -289,10 +289,10 @@ def zeppelin(lengths, cluster: ClusterSpec, model: ModelSpec, *, routing: bool =
     lengths = check_lengths(lengths)
     dev = devices(cluster, model, assume_homogeneous)
     check_feasible(lengths, dev, model)
-    thresholds = crossover_lengths(cluster, model)
-    meta = {"options": options, "crossover_lengths": [dataclasses.asdict(t) for t in thresholds], "fallback": False}
+    crossovers = crossover_lengths(cluster, model)
+    meta = {"options": options, "crossover_lengths": [dataclasses.asdict(t) for t in crossovers], "fallback": False}
     try:
-        placement, facts = _place(lengths, attention_work(model, lengths), dev, thresholds, hierarchical, model)
+        placement, facts = _place(lengths, attention_work(model, lengths), dev, crossovers, hierarchical, model)
         meta.update(facts)
         return _finish(lengths, cluster, model, dev, placement, meta, routing, remap)
     except (NoRoom, InfeasiblePlan):

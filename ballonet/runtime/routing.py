@@ -135,6 +135,7 @@ class RelayMeta:
     tag: int
     """The ring's message tag base (as `RingMeta.tag`)."""
     block_rows: tuple[int, ...]
+    """K/V rows of each ring position's block."""
     relays: tuple[Relay, ...]
     """By (stage, hop position, part)."""
 
