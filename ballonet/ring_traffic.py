@@ -16,6 +16,8 @@ import numpy as np
 if TYPE_CHECKING:
     from ballonet.plan import Ring
 
+__all__ = ["PAYLOADS", "PHASES", "RingMessage", "forward_link_rows", "ring_messages", "ring_schedule"]
+
 PHASES = ("forward", "backward")
 PAYLOADS = ("kv", "grad")
 

@@ -16,6 +16,8 @@ from ballonet.errors import InfeasiblePlan
 from ballonet.plan import Plan, Ring, Segment
 from ballonet.planning.devices import Devices
 
+__all__ = ["Placement", "assemble", "with_memory", "zigzag_bounds"]
+
 
 @dataclass
 class Placement:

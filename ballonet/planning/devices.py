@@ -17,6 +17,8 @@ from ballonet import cost_model, hardware
 from ballonet.errors import InfeasiblePlan, InputError
 from ballonet.specs import ClusterSpec, ModelSpec, rank_hardware
 
+__all__ = ["Devices", "check_feasible", "check_lengths", "devices"]
+
 
 @dataclass(frozen=True, kw_only=True)
 class Devices:

@@ -20,6 +20,8 @@ from ballonet import cost_model
 from ballonet.plan import Plan, Ring
 from ballonet.specs import ClusterSpec, ModelSpec, rank_hardware
 
+__all__ = ["plan_metrics", "rank_attention_seconds", "rank_bytes", "rank_classes"]
+
 
 def rank_attention_seconds(plan: Plan, cluster: ClusterSpec, model: ModelSpec) -> list[float]:
     gpu = rank_hardware(cluster, model.tp).gpu

@@ -21,6 +21,8 @@ from ballonet.planning.packing import NoRoom, apportion
 from ballonet.planning.state import Batch, RankFill
 from ballonet.specs import ModelSpec
 
+__all__ = ["SWEEPS", "Levels", "Sweep", "refine", "split_work", "water_level"]
+
 
 def water_level(base: np.ndarray, speed: np.ndarray, unit: np.ndarray, cap: np.ndarray, total: float) -> np.ndarray:
     """Amounts x (sum `total`, 0 <= x <= cap) making (base + unit * x) / speed as level as

@@ -12,6 +12,8 @@ import numpy as np
 from ballonet.plan import Transfer
 from ballonet.planning.packing import apportion
 
+__all__ = ["linear_targets", "plan_remap"]
+
 
 def linear_targets(num_tokens: int, speed: np.ndarray, token_cap: np.ndarray) -> np.ndarray:
     """[R] tokens per rank for the linear layers: in proportion to each rank's speed (equal

@@ -20,6 +20,8 @@ from ballonet import cost_model
 from ballonet.plan import Plan, Route
 from ballonet.specs import ClusterSpec, ModelSpec, rank_hardware
 
+__all__ = ["plan_routes"]
+
 
 def _hops(plan: Plan) -> list[tuple[float, int, int, int, int]]:
     """(-K/V rows per step, doc, position, src, dst) of every node-crossing hop of P2P rings:

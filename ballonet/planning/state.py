@@ -13,6 +13,8 @@ import numpy as np
 from ballonet.planning.devices import Devices
 from ballonet.specs import ModelSpec
 
+__all__ = ["Batch", "Crossover", "RankFill"]
+
 
 @dataclass(frozen=True)
 class Crossover:

@@ -57,6 +57,8 @@ from ballonet.planning.routing import plan_routes
 from ballonet.planning.state import Batch, Crossover, RankFill
 from ballonet.specs import ClusterSpec, ModelSpec
 
+__all__ = ["crossover_lengths", "zeppelin"]
+
 
 def crossover_lengths(cluster: ClusterSpec, model: ModelSpec) -> list[Crossover]:
     """Per node group: the lengths above which a document's ring hides its transfers

@@ -18,6 +18,8 @@ import torch.distributed as dist
 
 from ballonet.plan import Plan
 
+__all__ = ["GRAD_DTYPE", "P2P", "ByteCounter", "Message", "check_plan", "link_bytes", "nic_bytes", "wait"]
+
 Message = tuple[int, torch.Tensor, int]
 """(peer plan rank, contiguous tensor, tag)."""
 

@@ -34,6 +34,9 @@ import torch
 from ballonet.plan import Plan, Ring, Route, chunk_bounds
 from ballonet.runtime.comm import GRAD_DTYPE, P2P, ByteCounter, Message, wait
 
+__all__ = ["MAX_PARTS", "MAX_RANKS", "MAX_RINGS", "Hop", "Relay", "RelayMeta", "hop_paths", "message_tag",
+           "predicted_bytes", "relay_meta", "relay_pass", "ring_hop", "routes_by_hop"]
+
 MAX_RANKS, MAX_PARTS, MAX_RINGS = 1024, 16, 2**14
 """Bounds of the tag encoding (tags are nonnegative int32)."""
 
