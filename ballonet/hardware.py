@@ -1,7 +1,7 @@
 """Figures of GPUs and links: vendor datasheets, plus efficiencies fitted to measurements.
 
 Peak figures are dense bf16 tensor-core FLOP/s (no sparsity). Link bandwidths are bytes/s
-in one direction. Efficiency curves are fitted to `shared/data/calibration/` (H100 runs
+in one direction. Efficiency curves are fitted to `data/calibration/` (H100 runs
 from hao-ai-lab/distca, `distca/profiling/data/`) and applied to every GPU type as a
 fraction of its own peak: a reasonable first order for Hopper/Ampere/Ada tensor cores.
 """

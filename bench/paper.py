@@ -1,4 +1,4 @@
-"""Reproduce the Zeppelin paper's evaluation in simulation (DESIGN.md section 4).
+"""Reproduce the Zeppelin paper's evaluation in simulation (docs/design.md, section 9).
 
     OMP_NUM_THREADS=1 python bench/paper.py [--quick] [--steps K] [--out bench/results]
 
@@ -260,7 +260,7 @@ NOTES = [
     "The attention kernel efficiency in hardware.py is ~12% of peak (its comment explains why); a higher "
     "efficiency would make attention cheaper against communication and shrink the gains of balancing.",
     "shortmix is a synthetic stand-in for ArXiv/GitHub/ProLong64k; the paper's datasets are not available.",
-    "Speedups depend on the planners in ballonet/planner.py and baselines.py as they stand; constants were "
+    "Speedups depend on the planners in ballonet/planning/ (zeppelin.py, baselines.py) as they stand; constants were "
     "not tuned to hit targets.",
 ]
 

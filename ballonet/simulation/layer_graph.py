@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ballonet import cost_model, hardware
-from ballonet.plan import Plan
+from ballonet.plan import Plan, ring_schedule
 from ballonet.simulation.fabric import Fabric
 from ballonet.simulation.timeline import Timeline
 from ballonet.specs import ModelSpec
@@ -35,7 +35,8 @@ def ring_groups(plan: Plan) -> list[tuple[tuple[int, ...], str, list]]:
 
 def ring_tables(plan: Plan, rings: list, model: ModelSpec, fabric: Fabric) -> tuple[np.ndarray, np.ndarray]:
     """Forward attention seconds [i, s] of ring position i at step s, and K/V rows [i, s]
-    it sends at step s. A doc's 2g chunk lengths l give, summed over docs with weight
+    it holds at step s (`plan.ring_schedule`), summed over the rings: what it sends at
+    step s, as the rings' `Ring.messages` (vectorised here). A doc's 2g chunk lengths l give, summed over docs with weight
     1/efficiency, M[q, k] = sum l[q] l[k] / eff: full blocks k < q cost 4*H*D*M[q, k],
     diagonal blocks 2*H*D*l[q](l[q]+1) (`cost_model.block_flops`)."""
     ranks = rings[0].ranks
@@ -46,7 +47,7 @@ def ring_tables(plan: Plan, rings: list, model: ModelSpec, fabric: Fabric) -> tu
     diag = (weight[:, None] * lens * (lens + 1)).sum(axis=0)
     hd = model.num_heads * model.head_dim
     a = np.arange(g)
-    src = (a[:, None] - a[None, :]) % g  # [i, s]: position whose block i holds at step s
+    src = ring_schedule(g)  # [i, s]: position whose block i holds at step s
     flops = np.zeros((g, g))
     for q in (a[:, None], 2 * g - 1 - a[:, None]):
         for k in (src, 2 * g - 1 - src):

@@ -153,12 +153,12 @@ def _grad_exposed(total: float, num_layers: int, layer_backward: float, overlap:
 def simulate(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, routing: bool = True, remap: bool = True,
              engine: bool | None = None, overlap_grad_allreduce: bool = True) -> SimResult:
     """Simulate one training iteration of `plan`. `routing=False` sends every hop directly,
-    `remap=False` runs the linear layers in the attention layout, `engine` (default: on for
-    Zeppelin plans only) selects the attention engine; see the module docstring."""
+    `remap=False` runs the linear layers in the attention layout, `engine` (default:
+    `plan.attention_engine`) selects the attention engine; see the module docstring."""
     fabric = Fabric(cluster, plan.num_ranks, model.tp)
     R = plan.num_ranks
     if engine is None:
-        engine = plan.planner.startswith("zeppelin")
+        engine = plan.attention_engine
     moves = plan.remap_tokens() if remap else Counter()
     tokens = [sum(s.num_tokens for s in segs) for segs in plan.attention]
     for (src, dst), n in moves.items():
