@@ -223,7 +223,7 @@ def simulate(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, routing: boo
     layers = max(layers, L * (fwd + bwd))
     step = layers + max(head) + grad_exposed
 
-    compute = [L * (fwd_compute[r] + bwd_compute[r] + slow[r]) + head[r] for r in range(R)]
+    compute = [L * (fwd_compute[r] + bwd_compute[r]) + head[r] for r in range(R)]  # slowdown: exposed
     busy_end = [L * (fwd_end[r] + bwd_end[r] + slow[r]) + head[r] for r in range(R)]
     exposed = [busy_end[r] - compute[r] + grad_exposed for r in range(R)]
     idle = [step - compute[r] - exposed[r] for r in range(R)]
