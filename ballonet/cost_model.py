@@ -305,7 +305,9 @@ class SequenceCost:
 
 
 def sequence_cost(model: ModelSpec, group: NodeGroup, length: int) -> SequenceCost:
-    gpu, mode = group.gpu_type, recompute_mode(model)
+    """One document alone on one GPU of `group`, with the cheapest recomputation that holds it."""
+    gpu = group.gpu_type
+    mode = cheapest_recompute(model, [length], [gpu], group.num_nodes * group.gpus_per_node // model.tp) or "full"
     att_flops = attention_flops(model, length)
     att = attention_time(model, gpu, att_flops, length)
     att_bwd = attention_time(model, gpu, att_flops, length, backward=True)
