@@ -227,9 +227,13 @@ def _machine(device: torch.device) -> dict:
 
 
 def _versions() -> dict:
-    from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
-    return {"python": platform.python_version(), "torch": torch.__version__, "ballonet": version("ballonet"),
+    try:
+        ours = version("ballonet")
+    except PackageNotFoundError:  # run from a source tree (PYTHONPATH)
+        ours = "source"
+    return {"python": platform.python_version(), "torch": torch.__version__, "ballonet": ours,
             "cuda": torch.version.cuda or "", "date": time.strftime("%Y-%m-%d")}
 
 
@@ -274,7 +278,10 @@ def init_distributed() -> torch.device:
 
 def _progress_factory(enabled: bool):
     """A rich progress bar on stderr; returns advance() for `run`."""
-    from rich.progress import Progress
+    try:
+        from rich.progress import Progress
+    except ImportError:  # a bare GPU machine: no bar
+        return None
 
     def factory(total: int):
         bar = Progress(transient=True, disable=not enabled)
@@ -362,15 +369,23 @@ def command(args) -> int:
     if args.json:
         print(json.dumps({"profile": profile.to_dict(), "measurements": raw}, indent=1))
     else:
+        _print_summary(profile, gpu, args.out)
+    return 0
+
+
+def _print_summary(profile: calibration.Profile, gpu: str, out: str | None) -> None:
+    try:
         from rich.console import Console
         from rich.table import Table
-
-        table = Table(title=f"calibration of {gpu}: fraction of peak", title_justify="left")
-        for col in ("what", "forward", "backward"):
-            table.add_column(col, justify="left" if col == "what" else "right")
+    except ImportError:
         for row in _summary(profile):
-            table.add_row(*row)
-        Console().print(table)
-        if args.out:
-            Console().print(f"wrote {args.out}")
-    return 0
+            print(*row, sep="\t")
+        return
+    table = Table(title=f"calibration of {gpu}: fraction of peak", title_justify="left")
+    for col in ("what", "forward", "backward"):
+        table.add_column(col, justify="left" if col == "what" else "right")
+    for row in _summary(profile):
+        table.add_row(*row)
+    Console().print(table)
+    if out:
+        Console().print(f"wrote {out}")

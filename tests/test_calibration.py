@@ -102,3 +102,17 @@ def test_calibrate_on_two_gloo_ranks_measures_the_links():
     assert profile.nic_latency_s == profile.p2p_latency_s
     assert set(profile.collective_efficiency) == set(calibration.COLLECTIVES)
     calibration.from_dict(json.loads(profile.to_json()))  # valid
+
+
+def test_calibration_check_compares_with_the_built_in_profile(tmp_path, capsys):
+    from ballonet import calibration_check
+
+    lines, worst = calibration_check.compare(hardware.profile("h200"))
+    assert worst == {"attention_forward": 0.0, "attention_backward": 0.0, "linear": 0.0}
+    path = tmp_path / "p.json"
+    d = json.loads(hardware.profile("h200").to_json())
+    d["linear"]["efficiency"] = [e / 2 for e in d["linear"]["efficiency"]]
+    path.write_text(json.dumps(d))
+    assert calibration_check.main([str(path)]) == 0
+    assert "linear x2.00" in capsys.readouterr().out
+    assert calibration_check.main([str(tmp_path / "missing.json")]) == 2
