@@ -8,10 +8,13 @@ What is measured, on the device this process runs on:
    `max_length` (doubling); a length L runs as a pack of max(1, pack_tokens // L)
    documents, as a batch's documents run. Efficiency = FLOPs / (seconds * peak), FLOPs
    2*H*D*L*(L+1) forward and 2.5x that backward (`cost_model`).
-2. The linear part of a layer (everything of `training.model.Block` but the attention
-   core: norms, RoPE, the QKV/O/MLP GEMMs) forward and backward, by tokens per rank:
-   efficiency = 3 * linear FLOPs / (seconds * peak), the same for forward and backward
-   (the backward's 2x FLOPs at the forward's efficiency is what the cost model assumes).
+2. The model without its attention core (`training.model.Transformer` with at most 2
+   layers: embedding, norms, RoPE, the QKV/O/MLP GEMMs, LM head and loss) forward and
+   backward, by tokens per rank: efficiency = 3 * (linear + head) FLOPs / (seconds *
+   peak), the same for forward and backward (the backward's 2x FLOPs at the forward's
+   efficiency is what the cost model assumes), so the cost model's linear layers and LM
+   head together take the measured time.
+   On a CPU, seconds are the thread's CPU time (as the training loop measures compute).
 3. With world > 1 (torchrun): point-to-point between ranks 0 and 1 (half a round trip),
    all-to-all and all-reduce over the world, by message size; latency and bandwidth from a
    least-squares line t = a + bytes / bw. All ranks of one host: the NIC figures are these
@@ -68,15 +71,19 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median_s(fn, device: torch.device, repeats: int) -> float:
+def _median_s(fn, device: torch.device, repeats: int, wall: bool = False) -> float:
+    """Median seconds of `fn` after a warm-up: on a CPU the calling thread's CPU time (what
+    a rank's compute costs whatever else shares the cores, as the training loop measures
+    it), on a GPU (or with `wall`) wall time after a synchronize."""
+    clock = time.perf_counter if wall or device.type == "cuda" else time.thread_time
     fn()
     _sync(device)
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         fn()
         _sync(device)
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return statistics.median(times)
 
 
@@ -113,25 +120,24 @@ def measure_attention(s: Settings, device: torch.device, dtype: torch.dtype, pro
 
 
 def measure_linear(s: Settings, device: torch.device, dtype: torch.dtype, progress=None) -> list[dict]:
-    """One row per token count: forward+backward seconds of a Block without its attention core."""
-    from ballonet.training.model import Block
+    """One row per token count: forward+backward seconds of the model without its attention
+    core (embedding, norms, RoPE, the QKV/O/MLP GEMMs, LM head and loss), at most 2 layers."""
+    from ballonet.training.model import Transformer
 
-    spec = specs.model(s.model)
-    block = Block(spec).to(device=device, dtype=dtype)
+    spec = dataclasses.replace(specs.model(s.model), num_layers=min(2, specs.model(s.model).num_layers))
+    model = Transformer(spec, attention_fn=lambda q, k, v, *_: q).to(device=device, dtype=dtype)  # no attention core
     peak = hardware.gpu(s.gpu).peak_flops
     rows = []
     for T in s.linear_tokens:
-        x = torch.randn(T, spec.hidden, device=device, dtype=dtype, requires_grad=True)
-        pos = torch.arange(T, device=device)
+        ids = torch.randint(0, spec.vocab_size, (T,), device=device)
         one_rank = Plan(planner="calibrate", lengths=(T,), node_of_rank=(0,), nic_of_rank=(0,),
                         attention=((Segment(0, 0, T),),))
 
         def step():
-            y = block(x, pos, one_rank, 0, None, lambda q, k, v, *_: q)  # attention core left out
-            y.sum().backward()
+            model.loss(ids, ids, one_rank, 0).backward()
 
         seconds = _median_s(step, device, s.repeats)
-        flops = 3 * cost_model.linear_flops_per_token(spec) * T
+        flops = 3 * (spec.num_layers * cost_model.linear_flops_per_token(spec) + cost_model.head_flops_per_token(spec)) * T
         rows.append({"tokens": T, "seconds": seconds, "efficiency": flops / (seconds * peak)})
         if progress:
             progress()
@@ -165,7 +171,7 @@ def measure_comm(s: Settings, device: torch.device, progress=None) -> dict:
                  "all_reduce": lambda: dist.all_reduce(buf)}
         for op, fn in timed.items():
             dist.barrier()
-            t = _median_s(fn, device, s.repeats)
+            t = _median_s(fn, device, s.repeats, wall=True)
             out[op].append({"bytes": n, "seconds": t / 2 if op == "p2p" else t})
         if progress:
             progress()
