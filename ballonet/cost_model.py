@@ -132,25 +132,38 @@ def recompute_mode(model: ModelSpec) -> str:
     return model.recompute or "full"
 
 
-def layer_activation_elements(model: ModelSpec) -> float:
-    """Elements a token saves for the backward of one layer without recomputation: the
-    attention block's input, normed input, q, k, v and output (flash attention keeps no
-    scores), the MLP block's input, normed input, gate, up, silu(gate) and their product."""
+def layer_activation_elements(model: ModelSpec) -> tuple[float, float]:
+    """Elements one token saves for the backward of one layer without recomputation, as
+    (on the linear layout, on the attention layout) (`training/model.py`): the attention
+    block's input, its normed input (QKV's input) and o (the output projection's input),
+    the MLP block's input, normed input, gate, up, silu(gate) and their product; on the
+    attention layout q, k, v and the attention output (flash attention keeps no scores)."""
     h, kv, f = model.hidden, model.kv_dim, model.ffn_hidden
-    return (4 * h + 2 * kv) + (2 * h + 4 * f)
+    return (3 * h) + (2 * h + 4 * f), 2 * h + 2 * kv
 
 
-def activation_bytes_per_token(model: ModelSpec, mode: str | None = None) -> float:
-    """Activation bytes a token holds at the peak of the backward, all layers, by
-    recomputation `mode` (default the model's): "none" keeps every layer's tensors;
+def activation_bytes(model: ModelSpec, linear_tokens: float, attention_tokens: float, mode: str | None = None) -> float:
+    """Activation bytes a rank holds at the peak of the backward, all layers, with
+    `linear_tokens` on the linear layout and `attention_tokens` on the attention layout,
+    by recomputation `mode` (default the model's): "none" keeps every layer's tensors;
     "selective" recomputes the MLP's intermediates (keeps its input); "full" keeps each
     layer's input plus one layer's tensors while it is recomputed."""
     mode = mode or recompute_mode(model)
-    h, b, n = model.hidden, model.dtype_bytes, model.num_layers
-    layer = layer_activation_elements(model)
-    per_layer = {"none": layer, "selective": layer - (h + 4 * model.ffn_hidden), "full": h}[mode]
-    working = layer if mode == "full" else 0.0
-    return (n * per_layer + working) * b / model.tp
+    h, f, n = model.hidden, model.ffn_hidden, model.num_layers
+    lin, att = layer_activation_elements(model)
+    one_layer = lin * linear_tokens + att * attention_tokens
+    if mode == "full":
+        elements = n * h * linear_tokens + one_layer
+    elif mode == "selective":
+        elements = n * (one_layer - (h + 4 * f) * linear_tokens)
+    else:
+        elements = n * one_layer
+    return elements * model.dtype_bytes / model.tp
+
+
+def activation_bytes_per_token(model: ModelSpec, mode: str | None = None) -> float:
+    """`activation_bytes` of a token held on both layouts (what a planner reserves per token)."""
+    return activation_bytes(model, 1, 1, mode)
 
 
 def recompute_flops_per_token(model: ModelSpec, mode: str | None = None) -> float:
@@ -175,13 +188,16 @@ def memory_cap(model: ModelSpec, gpu: hardware.GPUType, num_dp_ranks: int) -> fl
     return gpu.memory_bytes * MEMORY_RESERVE - static_bytes(model, num_dp_ranks)
 
 
-def cheapest_recompute(model: ModelSpec, tokens_per_rank, gpus, num_dp_ranks: int) -> str | None:
+def cheapest_recompute(model: ModelSpec, tokens_per_rank, gpus, num_dp_ranks: int,
+                       attention_tokens=None) -> str | None:
     """The cheapest recomputation under which every rank holds its tokens (`model.recompute`
-    when set); None if not even full recomputation fits."""
+    when set): `tokens_per_rank` on the linear layout and `attention_tokens` (default the
+    same) on the attention layout. None if not even full recomputation fits."""
+    att = tokens_per_rank if attention_tokens is None else attention_tokens
     modes = (model.recompute,) if model.recompute else RECOMPUTE_MODES
     for mode in modes:
-        per_token = activation_bytes_per_token(model, mode)
-        if all(n * per_token <= memory_cap(model, g, num_dp_ranks) for n, g in zip(tokens_per_rank, gpus)):
+        if all(activation_bytes(model, n, a, mode) <= memory_cap(model, g, num_dp_ranks)
+               for n, a, g in zip(tokens_per_rank, att, gpus)):
             return mode
     return None
 

@@ -91,13 +91,24 @@ def _like(base: Profile, gpu: str, family: str, pcie: bool = False) -> Profile:
     return dataclasses.replace(base, gpu=gpu, source=f"{family} profile ({base.source})", assumptions=notes)
 
 
-# An emulated "GPU" for CPU runs; `ballonet calibrate` on the machine replaces it.
+# An emulated "GPU" for CPU runs (gloo ranks, one thread each): measured on the development
+# VM (2 vCPUs, torch 2.13 CPU) by `ballonet calibrate` on 2 ranks, lengths up to 2048,
+# CPU time per thread (bench/results/cpu_profile.json, bench/fidelity.py). Fractions of
+# the nominal 1 TFLOP/s "peak" of hardware.GPUS["cpu"]; another machine: calibrate it.
+_CPU_LENGTHS = (64, 128, 256, 512, 1024, 2048)
 CPU = dataclasses.replace(
-    HOPPER, gpu="cpu", source="placeholder: measure with `ballonet calibrate --out cpu.json`",
-    attention_forward=_scaled(HOPPER_FORWARD, 0.1 / max(HOPPER_FORWARD.efficiency)),
-    attention_backward=_scaled(HOPPER_BACKWARD, 0.1 / max(HOPPER_BACKWARD.efficiency)), attention_launch_s=20e-6,
-    linear=Curve(tokens=HOPPER_LINEAR.tokens, efficiency=tuple(e * 0.3 for e in HOPPER_LINEAR.efficiency)), overlap_slowdown=0.0,
-    assumptions=("every figure: a CPU's speed depends on the machine; calibrate it",))
+    HOPPER, gpu="cpu", source="ballonet calibrate on the development VM (bench/results/cpu_profile.json)",
+    attention_forward=Curve(tokens=_CPU_LENGTHS, efficiency=(0.00416, 0.00736, 0.01033, 0.01372, 0.0183, 0.02595)),
+    attention_backward=Curve(tokens=_CPU_LENGTHS, efficiency=(0.00425, 0.0072, 0.01148, 0.01316, 0.01904, 0.02149)),
+    attention_launch_s=1.4e-4,
+    linear=Curve(tokens=(64, 256, 1024, 4096, 16384), efficiency=(0.00462, 0.00892, 0.01679, 0.01699, 0.01947)),
+    p2p_latency_s=1.2e-3, p2p_efficiency=0.142, nic_latency_s=1.2e-3, nic_efficiency=1.0, collective_latency_s=2.2e-3,
+    collective_efficiency={"all_gather": 0.05, "reduce_scatter": 0.05, "all_reduce": 0.05, "all_to_all": 0.034},
+    overlap_slowdown=0.0,
+    assumptions=("a CPU's speed depends on the machine and its load: calibrate it",
+                 "all ranks on one host: the NIC figures are the measured point-to-point ones",
+                 "all_gather and reduce_scatter taken as all_reduce (not measured)",
+                 "overlap slowdown not measured (0)"))
 
 PROFILES: dict[str, Profile] = {
     "h100": HOPPER,

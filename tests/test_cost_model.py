@@ -46,11 +46,15 @@ def test_bytes_by_hand():
 
 def test_activation_memory_by_recompute_mode_by_hand():
     h, f, n = 4096, 11008, 32
-    layer = (4 * h + 2 * h) + (2 * h + 4 * f)  # attention block + MLP block tensors (MHA: kv_dim = h)
-    assert cm.activation_bytes_per_token(LLAMA7B, "none") == n * layer * 2
-    assert cm.activation_bytes_per_token(LLAMA7B, "selective") == n * (layer - h - 4 * f) * 2
-    assert cm.activation_bytes_per_token(LLAMA7B, "full") == (n * h + layer) * 2
+    lin = 3 * h + 2 * h + 4 * f  # attention block input, normed, o; MLP input, normed, gate, up, silu, product
+    att = 2 * h + 2 * h  # q, k, v (MHA: kv_dim = h) and the attention output, on the attention layout
+    assert cm.activation_bytes_per_token(LLAMA7B, "none") == n * (lin + att) * 2
+    assert cm.activation_bytes_per_token(LLAMA7B, "selective") == n * (lin + att - h - 4 * f) * 2
+    assert cm.activation_bytes_per_token(LLAMA7B, "full") == (n * h + lin + att) * 2
     assert cm.activation_bytes_per_token(LLAMA7B) == cm.activation_bytes_per_token(LLAMA7B, "full")
+    # tokens held on one layout only: 100 linear-layout tokens and 300 attention-layout ones
+    assert cm.activation_bytes(LLAMA7B, 100, 300, "none") == n * (100 * lin + 300 * att) * 2
+    assert cm.activation_bytes(LLAMA7B, 100, 300, "full") == (n * h * 100 + 100 * lin + 300 * att) * 2
     assert cm.recompute_flops_per_token(LLAMA7B, "none") == 0
     assert cm.recompute_flops_per_token(LLAMA7B, "selective") == 2 * 3 * h * f
     assert cm.recompute_flops_per_token(LLAMA7B, "full") == cm.linear_flops_per_token(LLAMA7B)

@@ -74,7 +74,7 @@ def _token_cap(gpu: hardware.GPUType, model, num_ranks: int) -> int:
     h, kv, f = model.hidden, model.kv_dim, model.ffn_hidden
     params = model.num_layers * (h * (h + 2 * kv) + h * h + 3 * h * f + 2 * h) + 2 * model.vocab_size * h + h
     state = params * (2 + 2 + 12 / num_ranks)
-    layer = (4 * h + 2 * kv) + (2 * h + 4 * f)  # one layer's saved tensors (cost_model, by hand)
+    layer = (5 * h + 4 * f) + (2 * h + 2 * kv)  # one layer's saved tensors (cost_model, by hand)
     per_token = (model.num_layers * h + layer) * 2  # full recomputation: layer inputs + one layer
     return int((gpu.memory_bytes * 0.9 - state) // per_token)
 

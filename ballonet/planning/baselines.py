@@ -121,12 +121,15 @@ def context_cp_sizes(num_ranks: int) -> list[int]:
 
 
 def _smallest_cp(name: str, lengths, dev: Devices, comm: str) -> Plan:
-    """The plan of the smallest CP degree that fits the batch in memory."""
-    last = None
-    for cp in context_cp_sizes(dev.num_ranks):
+    """The plan of the smallest CP degree that holds the context (longest document) in the
+    batch's tokens per rank (Megatron: context / tokens per GPU) and fits in memory."""
+    per_rank = -(-sum(lengths) // dev.num_ranks)
+    need = -(-max(lengths) // per_rank) if lengths else 1
+    last = InfeasiblePlan(f"{name}: no CP degree of {dev.num_ranks} ranks holds the batch")
+    for cp in (d for d in context_cp_sizes(dev.num_ranks) if d >= min(need, dev.num_ranks)):
         try:
             return _split_all(name, lengths, dev, _cp_groups(dev.num_ranks, cp, name), comm, cp,
-                              meta={"cp_size_rule": "smallest that fits"})
+                              meta={"cp_size_rule": "context / tokens per rank, then memory"})
         except InfeasiblePlan as e:
             last = e
     raise last

@@ -192,8 +192,7 @@ def simulate(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, routing: boo
     for (src, dst), n in moves.items():
         tokens[src] -= n
         tokens[dst] += n
-    held = [max(a, b) for a, b in zip(att_tokens, tokens)]
-    mode = cost_model.cheapest_recompute(model, held, fabric.gpu, R) or "full"
+    mode = cost_model.cheapest_recompute(model, tokens, fabric.gpu, R, att_tokens) or "full"
     linear_s = [_linear_seconds(model, fabric.gpu[r], tokens[r], mode) for r in range(R)]
     tp_s = [0.0] * R
     if model.tp > 1:
