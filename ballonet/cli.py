@@ -90,10 +90,11 @@ def cmd_cost(args) -> int:
         ["attention FLOPs (fwd, per layer)", f"{cost.attention_flops_fwd:.3e}"],
         ["linear FLOPs (fwd, per layer)", f"{cost.linear_flops_fwd:.3e}"],
         ["attention time (fwd, per layer)", f"{cost.attention_time_s * 1e3:.3f} ms"],
+        ["attention time (bwd, per layer)", f"{cost.attention_backward_time_s * 1e3:.3f} ms"],
         ["linear time (fwd, per layer)", f"{cost.linear_time_s * 1e3:.3f} ms"],
         ["attention share of layer time", f"{att_share:.1%}"],
         ["fwd+bwd, all layers, one GPU", f"{cost.step_time_s:.3f} s"],
-        ["activation memory", f"{cost.activation_bytes / 2**30:.2f} GiB"],
+        ["activation memory", f"{cost.activation_bytes / 2**30:.2f} GiB (recompute: {cost.recompute})"],
         ["break-even ring chunk, NVLink/intra", f"{cost.breakeven_chunk_tokens['intra']} tokens"],
         ["break-even ring chunk, NIC/inter", f"{cost.breakeven_chunk_tokens['inter']} tokens"],
     ]

@@ -130,7 +130,7 @@ def main() -> None:
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "fidelity"))
     args = p.parse_args()
     t0 = time.time()
-    profile_path = args.profile or os.path.join(ROOT, "bench", "results", "cpu_profile.json")
+    profile_path = args.profile or os.path.join(ROOT, "bench", "results", "fidelity_profile.json")
     if not args.profile:
         calibrate(profile_path, args.max_doc_tokens)
     profile = calibration.load(profile_path)

@@ -104,3 +104,15 @@ def test_lower_bound_by_hand_on_one_gpu():
     assert mode == "none"  # 2K tokens of llama-3b fit an H100 without recomputation
     work = 26 * (att / best_f + 2.5 * att / best_b + 3 * lin / best_l) + 3 * head / best_l
     assert cost_model.batch_lower_bound([L], c, m) == pytest.approx(work / 989e12, rel=1e-9)
+
+
+def test_te_cp_is_sized_to_the_context_as_a_megatron_user_sizes_it():
+    c, m = ballonet.cluster("h800-8nic", num_nodes=2), ballonet.model("llama3-8b")  # 16 ranks
+    lengths = [30000] + [2000] * 49  # 128000 tokens: 8000 a rank, the context needs 30000 / 8000 -> 4
+    plan = plan_batch(lengths, c, m, "te_cp")
+    assert plan.meta["cp_size"] == 4
+    assert all(len(r.ranks) == 4 and r.ranks[0] % 4 == 0 for r in plan.rings)  # 4 data-parallel CP groups
+    whole = plan_batch(lengths, c, m, "te_cp", cp_size=16)
+    assert {len(r.ranks) for r in whole.rings} == {16}
+    short = plan_batch([3000] * 40, c, m, "te_cp")  # every document fits a rank's share: no CP
+    assert short.meta["cp_size"] == 1 and not short.rings
