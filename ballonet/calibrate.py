@@ -3,10 +3,10 @@ and write a calibration profile (`calibration.Profile`, JSON).
 
 What is measured, on the device this process runs on:
 
-1. Causal varlen attention, forward and backward timed separately, through the kernel
-   the runtime selects (`runtime.kernels.select`), for each head shape, at lengths 64 ..
-   `max_length` (doubling); a length L runs as a pack of max(1, pack_tokens // L)
-   documents, as a batch's documents run. Efficiency = FLOPs / (seconds * peak), FLOPs
+1. Causal varlen attention, forward and backward timed separately, through the runtime's
+   engine (`runtime.attention` on a one-rank plan, with the kernel `runtime.kernels.select`
+   picks), for each head shape, at lengths 64 .. `max_length` (doubling); a length L runs
+   as a pack of max(1, pack_tokens // L) documents, as a rank's local documents run. Efficiency = FLOPs / (seconds * peak), FLOPs
    2*H*D*L*(L+1) forward and 2.5x that backward (`cost_model`).
 2. The model without its attention core (`training.model.Transformer` with at most 2
    layers: embedding, norms, RoPE, the QKV/O/MLP GEMMs, LM head and loss) forward and
@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from ballonet import calibration, cost_model, hardware, specs
 from ballonet.plan import Plan, Segment
-from ballonet.runtime import kernels
+from ballonet import runtime
 
 SHAPES = {"cpu": ((4, 2, 16), (8, 8, 32)), "cuda": ((64, 4, 128), (32, 32, 128))}
 """(query heads, KV heads, head dim) timed per device type."""
@@ -96,20 +96,24 @@ def _lengths(max_length: int) -> list[int]:
 
 
 def measure_attention(s: Settings, device: torch.device, dtype: torch.dtype, progress=None) -> list[dict]:
-    """One row per (shape, length): forward and backward seconds of a pack of documents."""
-    kernel, rows = kernels.select(device=device), []
+    """One row per (shape, length): forward and backward seconds of a pack of documents
+    through the runtime's attention engine on a one-rank plan (its kernel, index
+    bookkeeping and merges: what a rank's local documents cost in training)."""
+    rows = []
     peak = hardware.gpu(s.gpu).peak_flops
     for heads, kv_heads, dim in SHAPES["cuda" if device.type == "cuda" else "cpu"]:
         for L in _lengths(s.max_length):
             n = max(1, s.pack_tokens // L)
-            packing = kernels.Packing.of([L] * n)
-            q = torch.randn(n * L, heads, dim, device=device, dtype=dtype)
-            k, v = (torch.randn(n * L, kv_heads, dim, device=device, dtype=dtype) for _ in range(2))
-            scale = kernels.default_scale(dim)
-            out, lse = kernel.forward(q, k, v, packing, scale)
+            plan = Plan(planner="calibrate", lengths=(L,) * n, node_of_rank=(0,), nic_of_rank=(0,),
+                        attention=(tuple(Segment(d, 0, L) for d in range(n)),))
+            q = torch.randn(n * L, heads, dim, device=device, dtype=dtype, requires_grad=True)
+            k, v = (torch.randn(n * L, kv_heads, dim, device=device, dtype=dtype, requires_grad=True)
+                    for _ in range(2))
+            with torch.no_grad():
+                fwd = _median_s(lambda: runtime.attention(q, k, v, plan, 0, verify_plan=False), device, s.repeats)
+            out = runtime.attention(q, k, v, plan, 0, verify_plan=False)
             dout = torch.randn_like(out)
-            fwd = _median_s(lambda: kernel.forward(q, k, v, packing, scale), device, s.repeats)
-            bwd = _median_s(lambda: kernel.backward(dout, q, k, v, out, lse, packing, scale), device, s.repeats)
+            bwd = _median_s(lambda: torch.autograd.backward(out, dout, retain_graph=True), device, s.repeats)
             flops = 2.0 * heads * dim * L * (L + 1) * n
             rows.append({"heads": heads, "kv_heads": kv_heads, "head_dim": dim, "length": L, "num_docs": n,
                          "forward_s": fwd, "backward_s": bwd, "forward_efficiency": flops / (fwd * peak),
