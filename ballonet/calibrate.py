@@ -37,9 +37,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ballonet import calibration, cost_model, hardware, specs
+from ballonet import calibration, cost_model, hardware, runtime, specs
 from ballonet.plan import Plan, Segment
-from ballonet import runtime
 
 SHAPES = {"cpu": ((4, 2, 16), (8, 8, 32)), "cuda": ((64, 4, 128), (32, 32, 128))}
 """(query heads, KV heads, head dim) timed per device type."""

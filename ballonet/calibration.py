@@ -165,13 +165,13 @@ def load(path: str) -> Profile:
     return from_dict(d, where=path)
 
 
-_OVERRIDES: contextvars.ContextVar[dict] = contextvars.ContextVar("ballonet_calibration", default={})
+_OVERRIDES: contextvars.ContextVar[dict | None] = contextvars.ContextVar("ballonet_calibration", default=None)
 
 
 @contextlib.contextmanager
 def use(*profiles: Profile):
     """Inside the block, GPUs of each profile's type are priced with it."""
-    token = _OVERRIDES.set({**_OVERRIDES.get(), **{p.gpu: p for p in profiles}})
+    token = _OVERRIDES.set({**(_OVERRIDES.get() or {}), **{p.gpu: p for p in profiles}})
     try:
         yield
     finally:
@@ -180,4 +180,4 @@ def use(*profiles: Profile):
 
 def override(gpu: str) -> Profile | None:
     """The profile `use` installed for `gpu`, if any."""
-    return _OVERRIDES.get().get(gpu)
+    return (_OVERRIDES.get() or {}).get(gpu)

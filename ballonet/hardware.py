@@ -68,7 +68,9 @@ REFERENCE_GPU = "h100"
 def profile(gpu: GPUType | str | None = None) -> calibration.Profile:
     """The profile pricing `gpu`: one installed by `calibration.use`, else the built-in; a
     GPU type without a profile of its own is priced like the reference GPU."""
-    from ballonet.profiles import PROFILES  # the built-ins are data about GPUS: imported late
+    from ballonet.profiles import (
+        PROFILES,  # the built-ins are data about GPUS: imported late
+    )
 
     name = REFERENCE_GPU if gpu is None else gpu if isinstance(gpu, str) else gpu.name
     return calibration.override(name) or PROFILES.get(name) or PROFILES[REFERENCE_GPU]

@@ -29,10 +29,10 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import ballonet  # noqa: E402
-from ballonet import calibration  # noqa: E402
-from ballonet.planning import plan_batch  # noqa: E402
-from ballonet.simulation import simulate  # noqa: E402
+import ballonet
+from ballonet import calibration
+from ballonet.planning import plan_batch
+from ballonet.simulation import simulate
 
 PLANNERS = ["zeppelin", "te_cp", "hybrid_dp", "wlb_llm", "packed_dp"]
 TARGETS = {"compute": 0.15, "step": 0.25}
