@@ -75,7 +75,9 @@ def cmd_cost(args) -> int:
         "attention_flops_fwd": cost.attention_flops_fwd,
         "linear_flops_fwd": cost.linear_flops_fwd,
         "attention_time_s": cost.attention_time_s,
+        "attention_backward_time_s": cost.attention_backward_time_s,
         "linear_time_s": cost.linear_time_s,
+        "recompute": cost.recompute,
         "step_time_s": cost.step_time_s,
         "activation_bytes": cost.activation_bytes,
         "breakeven_chunk_tokens": cost.breakeven_chunk_tokens,
@@ -88,10 +90,11 @@ def cmd_cost(args) -> int:
         ["attention FLOPs (fwd, per layer)", f"{cost.attention_flops_fwd:.3e}"],
         ["linear FLOPs (fwd, per layer)", f"{cost.linear_flops_fwd:.3e}"],
         ["attention time (fwd, per layer)", f"{cost.attention_time_s * 1e3:.3f} ms"],
+        ["attention time (bwd, per layer)", f"{cost.attention_backward_time_s * 1e3:.3f} ms"],
         ["linear time (fwd, per layer)", f"{cost.linear_time_s * 1e3:.3f} ms"],
         ["attention share of layer time", f"{att_share:.1%}"],
         ["fwd+bwd, all layers, one GPU", f"{cost.step_time_s:.3f} s"],
-        ["activation memory", f"{cost.activation_bytes / 2**30:.2f} GiB"],
+        ["activation memory", f"{cost.activation_bytes / 2**30:.2f} GiB (recompute: {cost.recompute})"],
         ["break-even ring chunk, NVLink/intra", f"{cost.breakeven_chunk_tokens['intra']} tokens"],
         ["break-even ring chunk, NIC/inter", f"{cost.breakeven_chunk_tokens['inter']} tokens"],
     ]
@@ -109,6 +112,7 @@ def _add_cost(sub) -> None:
     p.add_argument("--tp", type=_positive_int, default=None, help="tensor-parallel degree (default: the preset's)")
     p.add_argument("--json", action="store_true", help="print a JSON object")
     p.set_defaults(func=cmd_cost)
+    _add_calibration_arg(p)
 
 
 # ---- demo ----------------------------------------------------------------------------
@@ -290,6 +294,7 @@ def _add_simulate(sub) -> None:
                    help="write a Chrome/Perfetto trace of the first batch (out.json; out.PLANNER.json for several)")
     p.add_argument("--json", action="store_true", help="print a JSON object with `results`")
     p.set_defaults(func=cmd_simulate)
+    _add_calibration_arg(p)
 
 
 # ---- plan ----------------------------------------------------------------------------
@@ -380,6 +385,51 @@ def _add_plan(sub) -> None:
     p.add_argument("--out", default=None, help="write the plan as canonical JSON (Plan.from_json reads it)")
     p.add_argument("--json", action="store_true", help="print a JSON object: planner, valid, ranks, metrics")
     p.set_defaults(func=cmd_plan)
+    _add_calibration_arg(p)
+
+
+# ---- calibrate -----------------------------------------------------------------------
+
+
+def _add_calibrate(sub) -> None:
+    p = sub.add_parser("calibrate", help="measure this machine's kernels and links; write a calibration profile",
+                       description="Time attention (forward and backward), the linear layers and, under torchrun, "
+                                   "point-to-point, all-to-all and all-reduce, with the runtime's own kernels and "
+                                   "collectives; write the profile that --calibration FILE reads.")
+    p.add_argument("--out", help="write the profile (JSON) to this file")
+    p.add_argument("--json", action="store_true", help="print the profile and the raw measurements as JSON")
+    p.add_argument("--plot", help="plot measured points and fitted curves to this image file")
+    p.add_argument("--quick", action="store_true", help="a few seconds: short lengths, few sizes")
+    p.add_argument("--max-length", type=_positive_int, default=None, help="longest document timed (tokens)")
+    p.add_argument("--gpu", default=None, help="GPU type the profile is for (default: detected; 'cpu' on a CPU)")
+    p.add_argument("--model", default=None, help="model whose layer shape the linear part is timed with "
+                                                 "(default: tiny on CPU, llama-7b on a GPU)")
+    p.add_argument("--cluster", default="cpu", help="cluster preset giving the nominal NIC rate")
+
+    def run(args) -> int:
+        from ballonet import calibrate
+
+        return calibrate.command(args)
+
+    p.set_defaults(func=run)
+
+
+def _add_calibration_arg(p) -> None:
+    """--calibration FILE: price the command's GPUs with a measured profile (`ballonet
+    calibrate`). Wraps the parser's command, so call it after set_defaults(func=...)."""
+    p.add_argument("--calibration", metavar="FILE", help="calibration profile from `ballonet calibrate` "
+                                                         "(default: the built-in profiles)")
+    func = p.get_default("func")
+
+    def calibrated(args) -> int:
+        from ballonet import calibration
+
+        if not args.calibration:
+            return func(args)
+        with calibration.use(calibration.load(args.calibration)):
+            return func(args)
+
+    p.set_defaults(func=calibrated)
 
 
 # ---- entry point ---------------------------------------------------------------------
@@ -388,7 +438,7 @@ def _add_plan(sub) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ballonet", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_add_demo, _add_cost, _add_train, _add_simulate, _add_plan):
+    for add in (_add_demo, _add_cost, _add_train, _add_simulate, _add_plan, _add_calibrate):
         add(sub)
     return parser
 

@@ -1,14 +1,17 @@
 """FLOPs, bytes, memory and seconds of the pieces of a training step.
 
 Closed forms first, calibration second: FLOP and byte counts are exact functions of the
-model shape; seconds come from a GPU's peak times an efficiency fitted to measurements
-(`hardware.py`), and from an alpha-beta model of each link. All FLOPs are per layer and
-forward unless a name says otherwise; with tensor parallelism a GPU does 1/tp of them.
+model shape; seconds come from a GPU's peak times an efficiency from its calibration
+profile (`hardware.profile`: built in, or measured by `ballonet calibrate`), and from an
+alpha-beta model of each link. All FLOPs are per layer and forward unless a name says
+otherwise; with tensor parallelism a GPU does 1/tp of them.
 
 Sources: causal attention FLOPs as in FlashAttention's benchmark (2 matmuls of 2*D FLOPs
-per (query, key) pair and head); linear FLOPs as in Megatron-LM's `num_floating_point_
-operations` (2 FLOPs per weight per token); activation memory after Korthikanti et al.
-2022 ("Reducing Activation Recomputation", table 2) with full layer recomputation.
+per (query, key) pair and head; backward 2.5x, 5 matmuls); linear FLOPs as in
+Megatron-LM's `num_floating_point_operations` (2 FLOPs per weight per token); activation
+memory after Korthikanti et al. 2022 ("Reducing Activation Recomputation"), counted
+tensor by tensor for this Llama layer with a fused attention kernel (no score matrix).
+Bytes moved are what the runtime sends (`training/model.py`, `runtime/routing.py`).
 """
 
 from __future__ import annotations
@@ -28,23 +31,29 @@ MEMORY_RESERVE = 0.90
 """Share of a GPU's memory a plan may use; the rest is allocator and library slack."""
 GRAD_BYTES = 2
 """Bytes per gradient element in the data-parallel all-reduce (bf16)."""
+KV_GRAD_BYTES = 4
+"""Bytes per dK/dV element sent back around a ring: fp32 partial sums (`runtime.comm.GRAD_DTYPE`)."""
+RECOMPUTE_MODES = ("none", "selective", "full")
+"""Activation recomputation, cheapest first: `ModelSpec.recompute`, None = the cheapest that fits."""
 
 
 # ---- FLOPs ---------------------------------------------------------------------------
 
 
-def attention_flops(model: ModelSpec, length: int) -> float:
-    """Causal self-attention of one document of `length` tokens (all heads)."""
-    return 2.0 * model.num_heads * model.head_dim * length * (length + 1)
-
-
-def attention_work(model: ModelSpec, lengths) -> np.ndarray:
-    """[D] forward attention cost of each whole document in peak-FLOP units per GPU: its
-    FLOPs (`attention_flops`, array form) over the kernel efficiency at its length, so
-    seconds on a GPU = work / its peak."""
+def attention_flops(model: ModelSpec, lengths):
+    """Causal self-attention of documents of `lengths` tokens (all heads), forward: a
+    float for one length, an array for an array."""
     L = np.asarray(lengths, dtype=float)
     flops = 2.0 * model.num_heads * model.head_dim * L * (L + 1)
-    return flops / model.tp / hardware.attention_efficiency_array(L)
+    return float(flops) if flops.ndim == 0 else flops
+
+
+def attention_work(model: ModelSpec, lengths, gpu=None) -> np.ndarray:
+    """[D] forward attention cost of each whole document in peak-FLOP units per GPU: its
+    FLOPs over the kernel efficiency at its length (of `gpu`'s profile; default the
+    reference GPU's), so seconds on a GPU = work / its peak."""
+    L = np.asarray(lengths, dtype=float)
+    return attention_flops(model, L) / model.tp / hardware.attention_efficiency_array(L, gpu)
 
 
 def block_flops(model: ModelSpec, q_len: int, k_len: int, causal: bool = False) -> float:
@@ -59,6 +68,16 @@ def linear_flops_per_token(model: ModelSpec) -> float:
     h = model.hidden
     weights = h * (h + 2 * model.kv_dim) + h * h + 3 * h * model.ffn_hidden
     return 2.0 * weights
+
+
+def mlp_flops_per_token(model: ModelSpec) -> float:
+    """The SwiGLU MLP's share of `linear_flops_per_token` (what selective recomputation redoes)."""
+    return 2.0 * 3 * model.hidden * model.ffn_hidden
+
+
+def head_flops_per_token(model: ModelSpec) -> float:
+    """LM head, forward."""
+    return 2.0 * model.vocab_size * model.hidden
 
 
 def zigzag_rank_flops(model: ModelSpec, bounds: tuple[int, ...], position: int) -> float:
@@ -81,9 +100,23 @@ def kv_bytes(model: ModelSpec, rows: int) -> float:
     return 2.0 * rows * model.kv_dim * model.dtype_bytes / model.tp
 
 
+def kv_grad_bytes(model: ModelSpec, rows: int) -> float:
+    """dK and dV of `rows` tokens as the runtime returns them (fp32 partial sums)."""
+    return 2.0 * rows * model.kv_dim * KV_GRAD_BYTES / model.tp
+
+
 def hidden_bytes(model: ModelSpec, rows: int) -> float:
-    """Hidden states of `rows` tokens: what a remap moves per token."""
+    """Hidden states of `rows` tokens."""
     return float(rows * model.hidden * model.dtype_bytes)
+
+
+def remap_bytes(model: ModelSpec, tokens: int, toward_attention: bool) -> float:
+    """What the runtime's remap moves for `tokens` tokens in one layer, one way
+    (`training/model.py`): q, k and v (h + 2 kv_dim elements a token) toward the attention
+    layout, the attention output o (h) back. The backward moves the gradients of the
+    same tensors the other way, so the same bytes each way."""
+    per_token = model.hidden + 2 * model.kv_dim if toward_attention else model.hidden
+    return float(tokens * per_token * model.dtype_bytes / model.tp)
 
 
 def grad_bytes(model: ModelSpec) -> float:
@@ -91,10 +124,57 @@ def grad_bytes(model: ModelSpec) -> float:
     return model.num_params * GRAD_BYTES / model.tp
 
 
-def activation_bytes_per_token(model: ModelSpec) -> float:
-    """Layer inputs checkpointed for every layer plus one recomputed layer's working set
-    (34*h bytes per token in bf16 with a fused attention kernel)."""
-    return (model.num_layers * model.hidden * model.dtype_bytes + 34 * model.hidden) / model.tp
+# ---- memory ----------------------------------------------------------------------------
+
+
+def recompute_mode(model: ModelSpec) -> str:
+    """The recomputation a model spec asks for; None (cheapest that fits) plans as "full"."""
+    return model.recompute or "full"
+
+
+def layer_activation_elements(model: ModelSpec) -> tuple[float, float]:
+    """Elements one token saves for the backward of one layer without recomputation, as
+    (on the linear layout, on the attention layout) (`training/model.py`): the attention
+    block's input, its normed input (QKV's input) and o (the output projection's input),
+    the MLP block's input, normed input, gate, up, silu(gate) and their product; on the
+    attention layout q, k, v and the attention output (flash attention keeps no scores)."""
+    h, kv, f = model.hidden, model.kv_dim, model.ffn_hidden
+    return (3 * h) + (2 * h + 4 * f), 2 * h + 2 * kv
+
+
+def activation_bytes(model: ModelSpec, linear_tokens: float, attention_tokens: float, mode: str | None = None) -> float:
+    """Activation bytes a rank holds at the peak of the backward, all layers, with
+    `linear_tokens` on the linear layout and `attention_tokens` on the attention layout,
+    by recomputation `mode` (default the model's): "none" keeps every layer's tensors;
+    "selective" recomputes the MLP's intermediates (keeps its input); "full" keeps each
+    layer's input plus one layer's tensors while it is recomputed."""
+    mode = mode or recompute_mode(model)
+    h, f, n = model.hidden, model.ffn_hidden, model.num_layers
+    lin, att = layer_activation_elements(model)
+    one_layer = lin * linear_tokens + att * attention_tokens
+    if mode == "full":
+        elements = n * h * linear_tokens + one_layer
+    elif mode == "selective":
+        elements = n * (one_layer - (h + 4 * f) * linear_tokens)
+    else:
+        elements = n * one_layer
+    return elements * model.dtype_bytes / model.tp
+
+
+def activation_bytes_per_token(model: ModelSpec, mode: str | None = None) -> float:
+    """`activation_bytes` of a token held on both layouts (what a planner reserves per token)."""
+    return activation_bytes(model, 1, 1, mode)
+
+
+def recompute_flops_per_token(model: ModelSpec, mode: str | None = None) -> float:
+    """Linear FLOPs per token and layer run again in the backward by recomputation `mode`
+    (full recomputation also reruns the attention forward: `recompute_attention`)."""
+    mode = mode or recompute_mode(model)
+    return {"none": 0.0, "selective": mlp_flops_per_token(model), "full": linear_flops_per_token(model)}[mode]
+
+
+def recompute_attention(mode: str) -> bool:
+    return mode == "full"
 
 
 def static_bytes(model: ModelSpec, num_dp_ranks: int) -> float:
@@ -108,59 +188,92 @@ def memory_cap(model: ModelSpec, gpu: hardware.GPUType, num_dp_ranks: int) -> fl
     return gpu.memory_bytes * MEMORY_RESERVE - static_bytes(model, num_dp_ranks)
 
 
+def cheapest_recompute(model: ModelSpec, tokens_per_rank, gpus, num_dp_ranks: int,
+                       attention_tokens=None) -> str | None:
+    """The cheapest recomputation under which every rank holds its tokens (`model.recompute`
+    when set): `tokens_per_rank` on the linear layout and `attention_tokens` (default the
+    same) on the attention layout. None if not even full recomputation fits."""
+    att = tokens_per_rank if attention_tokens is None else attention_tokens
+    modes = (model.recompute,) if model.recompute else RECOMPUTE_MODES
+    for mode in modes:
+        if all(activation_bytes(model, n, a, mode) <= memory_cap(model, g, num_dp_ranks)
+               for n, a, g in zip(tokens_per_rank, att, gpus)):
+            return mode
+    return None
+
+
 # ---- seconds ---------------------------------------------------------------------------
 
 
-def attention_time(model: ModelSpec, gpu: hardware.GPUType, flops: float, length: float) -> float:
-    """Seconds of an attention kernel doing `flops` (whole-model count) on chunks of about
-    `length` tokens; efficiency depends on the chunk length."""
+def attention_seconds(model: ModelSpec, gpu: hardware.GPUType, flops, length, backward: bool = False):
+    """Seconds of attention kernels doing `flops` (whole-model forward count, array-like)
+    on sequences or chunks of about `length` tokens each, forward or backward (2.5x the
+    FLOPs at the backward's own efficiency); no launch floor (`attention_time` adds it)."""
+    eff = hardware.attention_efficiency_array(length, gpu, backward)
+    factor = ATTENTION_BACKWARD_FACTOR if backward else 1.0
+    return np.asarray(flops, dtype=float) * factor / model.tp / (gpu.peak_flops * eff)
+
+
+def attention_time(model: ModelSpec, gpu: hardware.GPUType, flops: float, length: float,
+                   backward: bool = False) -> float:
+    """Seconds of one attention kernel call doing `flops` (forward count) on chunks of
+    about `length` tokens, at least the profile's launch floor."""
     if flops <= 0:
         return 0.0
-    rate = gpu.peak_flops * hardware.attention_efficiency(length)
-    return max(hardware.ATTENTION_LAUNCH_S, flops / model.tp / rate)
+    seconds = float(attention_seconds(model, gpu, flops, length, backward))
+    return max(hardware.profile(gpu).attention_launch_s, seconds)
 
 
-def linear_time(model: ModelSpec, gpu: hardware.GPUType, num_tokens: float) -> float:
-    """Seconds of one layer's forward GEMMs over `num_tokens` tokens on one GPU."""
+def linear_time(model: ModelSpec, gpu: hardware.GPUType, num_tokens: float, flops_per_token: float | None = None) -> float:
+    """Seconds of one layer's forward GEMMs (or `flops_per_token` of them) over
+    `num_tokens` tokens on one GPU."""
     if num_tokens <= 0:
         return 0.0
-    flops = linear_flops_per_token(model) * num_tokens / model.tp
-    return flops / (gpu.peak_flops * hardware.linear_efficiency(num_tokens))
+    per_token = linear_flops_per_token(model) if flops_per_token is None else flops_per_token
+    return per_token * num_tokens / model.tp / (gpu.peak_flops * hardware.linear_efficiency(num_tokens, gpu))
 
 
-def p2p_time(num_bytes: float, bandwidth: float, nic: bool = False) -> float:
-    """One point-to-point transfer over a link of `bandwidth` bytes/s."""
+def p2p_time(num_bytes: float, bandwidth: float, nic: bool = False, gpu: hardware.GPUType | None = None) -> float:
+    """One point-to-point transfer over a link of `bandwidth` bytes/s (nominal)."""
     if num_bytes <= 0:
         return 0.0
+    p = hardware.profile(gpu)
     if nic:
-        return hardware.NIC_LATENCY_S + num_bytes / (bandwidth * hardware.NIC_EFFICIENCY)
-    return hardware.NCCL_LATENCY_S + num_bytes / (bandwidth * hardware.NCCL_BUS_EFFICIENCY["p2p"])
+        return p.nic_latency_s + num_bytes / (bandwidth * p.nic_efficiency)
+    return p.p2p_latency_s + num_bytes / (bandwidth * p.p2p_efficiency)
 
 
-def collective_time(op: str, num_bytes: float, num_ranks: int, bandwidth: float) -> float:
+def collective_time(op: str, num_bytes: float, num_ranks: int, bandwidth: float,
+                    gpu: hardware.GPUType | None = None) -> float:
     """NCCL ring collective over `num_ranks` GPUs of one node; `num_bytes` is the full
     buffer (nccl-tests' "size"): bus bytes are (n-1)/n of it, twice that for all_reduce."""
     if num_ranks <= 1 or num_bytes <= 0:
         return 0.0
+    p = hardware.profile(gpu)
     factor = (2 if op == "all_reduce" else 1) * (num_ranks - 1) / num_ranks
-    return hardware.NCCL_LATENCY_S + factor * num_bytes / (bandwidth * hardware.NCCL_BUS_EFFICIENCY[op])
+    return p.collective_latency_s + factor * num_bytes / (bandwidth * p.collective_efficiency[op])
+
+
+def grad_allreduce_parts(model: ModelSpec, group: NodeGroup, num_nodes: int) -> tuple[float, float]:
+    """A GPU's share of the hierarchical gradient all-reduce: (seconds of the intra-node
+    reduce-scatter and all-gather, bytes its NIC sends and receives across nodes). Each
+    GPU's 1/n shard is all-reduced over the nodes by a ring: 2(k-1)/k of it each way."""
+    total, n, gpu = grad_bytes(model), group.gpus_per_node, group.gpu_type
+    intra = sum(collective_time(op, total, n, group.intra_bw, gpu) for op in ("reduce_scatter", "all_gather"))
+    k = num_nodes
+    return intra, (2 * (k - 1) / k * total / n if k > 1 else 0.0)
 
 
 def grad_allreduce_time(model: ModelSpec, cluster: ClusterSpec) -> float:
-    """Hierarchical all-reduce of one GPU's gradients: reduce-scatter inside each node,
-    all-reduce of each shard across nodes over the NICs, all-gather inside the node.
-    The slowest node group sets the time."""
-    total = grad_bytes(model)
+    """Hierarchical all-reduce of one GPU's gradients alone on the links: reduce-scatter
+    inside each node, all-reduce of each shard across nodes over the NICs (a NIC shared
+    by m GPUs carries m shards), all-gather inside the node. The slowest group sets it."""
     worst = 0.0
     for g in cluster.groups:
-        n = g.gpus_per_node
-        t = collective_time("reduce_scatter", total, n, g.intra_bw) + collective_time("all_gather", total, n, g.intra_bw)
-        if cluster.num_nodes > 1:
-            shard = total / n
-            nic_share = g.nic_bw / g.gpus_per_nic
-            k = cluster.num_nodes
-            t += hardware.NIC_LATENCY_S + 2 * (k - 1) / k * shard / (nic_share * hardware.NIC_EFFICIENCY)
-        worst = max(worst, t)
+        intra, nic = grad_allreduce_parts(model, g, cluster.num_nodes)
+        if nic:
+            intra += p2p_time(nic * g.gpus_per_nic, g.nic_bw, nic=True, gpu=g.gpu_type)
+        worst = max(worst, intra)
     return worst
 
 
@@ -175,7 +288,7 @@ def breakeven_chunk_tokens(model: ModelSpec, gpu: hardware.GPUType, bandwidth: f
     to the last length that is not hidden."""
     def hidden(c: int) -> bool:
         compute = attention_time(model, gpu, block_flops(model, c, c), c)
-        return compute >= p2p_time(kv_bytes(model, c), bandwidth, nic)
+        return compute >= p2p_time(kv_bytes(model, c), bandwidth, nic, gpu)
 
     hi = 1 << 24
     if not hidden(hi):
@@ -198,30 +311,86 @@ class SequenceCost:
     attention_flops_fwd: float
     linear_flops_fwd: float
     attention_time_s: float
+    attention_backward_time_s: float
     linear_time_s: float
     step_time_s: float
-    """Forward plus backward of all layers, attention and linear, on one GPU."""
+    """Forward plus backward of all layers, attention and linear, with recomputation, on one GPU."""
+    recompute: str
     activation_bytes: float
     breakeven_chunk_tokens: dict
 
 
 def sequence_cost(model: ModelSpec, group: NodeGroup, length: int) -> SequenceCost:
+    """One document alone on one GPU of `group`, with the cheapest recomputation that holds it."""
     gpu = group.gpu_type
+    mode = cheapest_recompute(model, [length], [gpu], group.num_nodes * group.gpus_per_node // model.tp) or "full"
     att_flops = attention_flops(model, length)
     att = attention_time(model, gpu, att_flops, length)
+    att_bwd = attention_time(model, gpu, att_flops, length, backward=True)
     lin = linear_time(model, gpu, length)
-    step = model.num_layers * (att * (1 + ATTENTION_BACKWARD_FACTOR) + lin * (1 + LINEAR_BACKWARD_FACTOR))
+    redo = linear_time(model, gpu, length, recompute_flops_per_token(model, mode))
+    redo += att if recompute_attention(mode) else 0.0
+    step = model.num_layers * (att + att_bwd + lin * (1 + LINEAR_BACKWARD_FACTOR) + redo)
     return SequenceCost(
         length=length,
         attention_flops_fwd=att_flops,
         linear_flops_fwd=linear_flops_per_token(model) * length,
         attention_time_s=att,
+        attention_backward_time_s=att_bwd,
         linear_time_s=lin,
         step_time_s=step,
-        activation_bytes=activation_bytes_per_token(model) * length,
+        recompute=mode,
+        activation_bytes=activation_bytes_per_token(model, mode) * length,
         breakeven_chunk_tokens={
             "intra": breakeven_chunk_tokens(model, gpu, group.intra_bw),
             "inter": breakeven_chunk_tokens(model, gpu, group.nic_bw / group.gpus_per_nic, nic=True),
         },
     )
 
+
+# ---- a bound on the batch ----------------------------------------------------------------
+
+
+def _best(curve, upto) -> np.ndarray:
+    """The best efficiency of `curve` at any token count up to each of `upto`."""
+    x = np.asarray(upto, dtype=float)
+    knots = np.asarray(curve.tokens)
+    eff = np.asarray(curve.efficiency)
+    best_knot = np.array([eff[knots <= v].max(initial=0.0) for v in np.ravel(x)]).reshape(x.shape)
+    return np.maximum(best_knot, curve.at(x))
+
+
+def batch_recompute(lengths, cluster: ClusterSpec, model: ModelSpec) -> str:
+    """The cheapest recomputation under which the cluster could hold the batch at all
+    (total token capacity): no plan of the batch recomputes less."""
+    gpus = [cluster.gpu_of(r) for r in range(0, cluster.num_ranks, model.tp)]
+    num_dp = cluster.num_ranks // model.tp
+    modes = (model.recompute,) if model.recompute else RECOMPUTE_MODES
+    for mode in modes:
+        per_token = activation_bytes_per_token(model, mode)
+        if sum(max(0.0, memory_cap(model, g, num_dp)) for g in gpus) / per_token >= sum(lengths):
+            return mode
+    return modes[-1]
+
+
+def batch_lower_bound(lengths, cluster: ClusterSpec, model: ModelSpec) -> float:
+    """Seconds no plan of the batch can beat on `cluster`: every FLOP of the step (attention
+    forward and backward, linear layers, LM head, the recomputation the batch needs at
+    least) at the best efficiency any split or packing could give it, on all GPUs busy
+    together. Attention of a document of L tokens runs on chunks of at most L tokens,
+    GEMMs on at most the batch's tokens; the best GPU type sets each efficiency, and the
+    work is spread over the sum of the GPUs' peaks. The same for every planner."""
+    L = np.asarray(lengths, dtype=float)
+    T = float(L.sum())
+    types = {g.gpu_type.name: g.gpu_type for g in cluster.groups}
+    profiles = [hardware.profile(t) for t in types.values()]
+    fwd = np.max([_best(p.attention_forward, L) for p in profiles], axis=0)
+    bwd = np.max([_best(p.attention_backward, L) for p in profiles], axis=0)
+    lin = max(float(_best(p.linear, T)) for p in profiles)
+    mode = batch_recompute(lengths, cluster, model)
+    att = attention_flops(model, L)
+    att_work = np.sum(att / fwd + ATTENTION_BACKWARD_FACTOR * att / bwd + (att / fwd if recompute_attention(mode) else 0))
+    lin_flops = (linear_flops_per_token(model) * (1 + LINEAR_BACKWARD_FACTOR) + recompute_flops_per_token(model, mode))
+    work = model.num_layers * (att_work + lin_flops * T / lin) + head_flops_per_token(model) * (1 + LINEAR_BACKWARD_FACTOR) * T / lin
+    peak = sum(cluster.gpu_of(r).peak_flops for r in range(cluster.num_ranks))
+    return float(work / peak)

@@ -1,19 +1,18 @@
-"""Figures of GPUs and links: vendor datasheets, plus efficiencies fitted to measurements.
+"""Figures of GPUs and links: vendor datasheets, plus one calibration profile per GPU type.
 
 Peak figures are dense bf16 tensor-core FLOP/s (no sparsity). Link bandwidths are bytes/s
-in one direction. Efficiency curves are fitted to `data/calibration/` (H100 runs
-from hao-ai-lab/distca, `distca/profiling/data/`) and applied to every GPU type as a
-fraction of its own peak: a reasonable first order for Hopper/Ampere/Ada tensor cores.
+in one direction. Speeds below peak come from a `calibration.Profile` per GPU type
+(`PROFILES`, built in `ballonet/profiles.py` from the evidence named there), or from a
+profile file measured by `ballonet calibrate` and installed with `calibration.use`.
 """
 
 from __future__ import annotations
 
-import bisect
-import math
 from dataclasses import dataclass
 
 import numpy as np
 
+from ballonet import calibration
 from ballonet.errors import InputError
 
 GB = 1e9
@@ -62,51 +61,33 @@ def gpu(name: str) -> GPUType:
         raise InputError(f"unknown GPU type {name!r}; known: {', '.join(sorted(GPUS))}") from None
 
 
-# Attention kernel efficiency (achieved / peak) against sequence length, fitted to
-# h100_attention_latency.csv (causal forward, 64 query / 4 KV heads, head dim 128):
-# efficiency = 2*L*(L+1)*H*D / (latency * 989e12), read at the measured lengths. Below
-# the first point a kernel is launch-bound; LAUNCH_S is the measured floor.
-# Read as forward latencies, these are ~12% of peak at 32K tokens, well below what
-# FlashAttention reaches on H100; if the file holds forward+backward times the curve is
-# 3.5x higher. We take the file at its word until a GPU run recalibrates it.
-_ATTN_EFF_LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
-_ATTN_EFF = (0.0442, 0.0599, 0.0821, 0.0933, 0.0987, 0.1100, 0.1187, 0.1185)
-ATTENTION_LAUNCH_S = 11e-6
+REFERENCE_GPU = "h100"
+"""Whose profile prices work when no GPU is named (the planners' GPU-free unit of work)."""
 
 
-def attention_efficiency(length: float) -> float:
-    """Fraction of peak a causal attention kernel reaches on a sequence (or chunk) of `length`."""
-    if length <= _ATTN_EFF_LENGTHS[0]:
-        return _ATTN_EFF[0]  # shorter kernels are launch-bound: see ATTENTION_LAUNCH_S
-    if length >= _ATTN_EFF_LENGTHS[-1]:
-        return _ATTN_EFF[-1]
-    x = math.log2(length)
-    i = bisect.bisect_right(_ATTN_EFF_LENGTHS, length) - 1
-    x0, x1 = math.log2(_ATTN_EFF_LENGTHS[i]), math.log2(_ATTN_EFF_LENGTHS[i + 1])
-    return _ATTN_EFF[i] + (_ATTN_EFF[i + 1] - _ATTN_EFF[i]) * (x - x0) / (x1 - x0)
+def profile(gpu: GPUType | str | None = None) -> calibration.Profile:
+    """The profile pricing `gpu`: one installed by `calibration.use`, else the built-in; a
+    GPU type without a profile of its own is priced like the reference GPU."""
+    from ballonet.profiles import (
+        PROFILES,  # the built-ins are data about GPUS: imported late
+    )
+
+    name = REFERENCE_GPU if gpu is None else gpu if isinstance(gpu, str) else gpu.name
+    return calibration.override(name) or PROFILES.get(name) or PROFILES[REFERENCE_GPU]
 
 
-def attention_efficiency_array(lengths) -> np.ndarray:
-    """`attention_efficiency` over an array of lengths (the same clamped log-linear curve)."""
-    knots = np.log2(np.asarray(_ATTN_EFF_LENGTHS, dtype=float))
-    return np.interp(np.log2(np.maximum(np.asarray(lengths, dtype=float), 1.0)), knots, _ATTN_EFF)
+def attention_efficiency_array(lengths, gpu: GPUType | str | None = None, backward: bool = False) -> np.ndarray:
+    """Fraction of peak a causal attention kernel reaches on sequences (or chunks) of each
+    of `lengths` tokens, forward or backward (FLOPs of the backward counted as 2.5x)."""
+    p = profile(gpu)
+    return (p.attention_backward if backward else p.attention_forward).at(lengths)
 
 
-# GEMM efficiency, fitted to h100_megatron_layer_ops.tsv (32K tokens, TP=1, CP=1: the
-# output projection of a 4096-hidden layer, 2*T*h*h FLOPs in 1.449 ms = 0.77 of peak).
-# Fewer tokens per GEMM lose efficiency: half of it at LINEAR_HALF_TOKENS tokens.
-LINEAR_EFFICIENCY = 0.77
-LINEAR_HALF_TOKENS = 128
+def attention_efficiency(length: float, gpu: GPUType | str | None = None, backward: bool = False) -> float:
+    """`attention_efficiency_array` at one length."""
+    return float(attention_efficiency_array(length, gpu, backward))
 
 
-def linear_efficiency(num_tokens: float) -> float:
-    return LINEAR_EFFICIENCY * num_tokens / (num_tokens + LINEAR_HALF_TOKENS)
-
-
-# NCCL on NVLink, fitted to h100_nccl_perf.csv at 64 MB and above: bus bandwidth reached
-# as a fraction of the link's one-direction bandwidth, and a per-collective latency.
-NCCL_BUS_EFFICIENCY = {"all_gather": 0.78, "reduce_scatter": 0.685, "all_reduce": 0.94, "p2p": 0.80}
-NCCL_LATENCY_S = 40e-6
-# RDMA NICs reach ~90% of line rate on large messages; a hop costs a few microseconds.
-NIC_EFFICIENCY = 0.90
-NIC_LATENCY_S = 10e-6
+def linear_efficiency(num_tokens: float, gpu: GPUType | str | None = None) -> float:
+    """Fraction of peak the layer's GEMMs reach on calls of `num_tokens` tokens."""
+    return float(profile(gpu).linear.at(num_tokens))

@@ -155,11 +155,16 @@ class ModelSpec:
     """Tensor-parallel degree: heads and FFN are split over `tp` GPUs of one node."""
     dtype_bytes: int = 2
     """Bytes per activation element (2 for bf16)."""
+    recompute: str | None = None
+    """Activation recomputation: "none", "selective" (the MLP) or "full" (every layer);
+    None: the cheapest under which the plan fits in memory (`cost_model`)."""
 
     def __post_init__(self):
+        if self.recompute not in (None, "none", "selective", "full"):
+            raise InputError(f"model {self.name!r}: recompute must be none, selective or full, got {self.recompute!r}")
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name != "name" and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            if f.name not in ("name", "recompute") and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise InputError(f"model {self.name!r}: {f.name} must be a positive integer, got {v!r}")
         if self.hidden % self.num_heads:
             raise InputError(f"model {self.name!r}: hidden={self.hidden} is not a multiple of num_heads={self.num_heads}")

@@ -76,7 +76,9 @@ def hand_plans(world: int) -> dict[str, Plan]:
 
 def planner_plans() -> dict[str, Plan]:
     cluster, model = ballonet.cluster("cpu", num_nodes=2, gpus_per_node=2), ballonet.model("tiny")
-    plans = {name: ballonet.plan_batch(PLANNER_LENGTHS, cluster, model, planner=name) for name in PLANNERS}
+    whole = {"cp_size": cluster.num_ranks}  # CP over the whole cluster, so their rings cross nodes
+    plans = {name: ballonet.plan_batch(PLANNER_LENGTHS, cluster, model, planner=name,
+                                       **(whole if name in ("te_cp", "llama_cp") else {})) for name in PLANNERS}
     plans["zeppelin (intra)"] = ballonet.plan_batch([400, 300, 200, 37, 1, 5, 64, 9, 2], cluster, model)
     return plans
 

@@ -102,7 +102,7 @@ def _check_ranks(rank: int, world_size: int, state: dict, cases: list) -> list[d
 
 def test_two_ranks_match_single_process_default_attention():
     state = _model("sdpa").state_dict()
-    cases = [((37, 11, 20), _ring_plan), ((300, 40, 17, 90, 5), _zeppelin_plan)]
+    cases = [((37, 11, 20), _ring_plan), ((600, 40, 17, 90, 5), _zeppelin_plan)]
     for (lengths, plan_fn), errors in zip(cases, run_ranks(2, _check_ranks, state, cases)[0]):
         assert errors.pop("rings") >= 1, f"{plan_fn.__name__}{lengths}: no document is split over the ranks"
         worst = max(errors, key=errors.get)

@@ -1,8 +1,9 @@
 """The simulator against hand-built plans whose step time is known in closed form.
 
-Expected values are written out from the hardware figures (peak FLOP/s, efficiency
-curves, link bandwidths, latencies), never taken from the simulator or the cost model's
-time functions.
+Every test runs with a flat calibration profile installed for the H100 (constant
+efficiencies, no launch floor, no overlap slowdown), so expected values are written out
+from a handful of figures (peak FLOP/s, efficiencies, link bandwidths, latencies), never
+taken from the simulator or the cost model's time functions.
 """
 
 import collections
@@ -12,7 +13,8 @@ import random
 
 import pytest
 
-from ballonet import cost_model, hardware, specs
+from ballonet import calibration, cost_model, hardware, specs
+from ballonet.calibration import Curve
 from ballonet.plan import Plan, Ring, Route, Segment, Transfer, chunk_bounds
 from ballonet.simulation.fabric import Fabric
 from ballonet.simulation.layer_graph import ring_tables
@@ -53,31 +55,45 @@ def make_plan(c, local=None, split=(), routes=(), planner="test"):
 
 
 PEAK = hardware.gpu("h100").peak_flops
+EFF_F, EFF_B, EFF_LIN = 0.4, 0.3, 0.6
+FLAT = dataclasses.replace(
+    hardware.profile("h100"), attention_forward=Curve(tokens=(1,), efficiency=(EFF_F,)),
+    attention_backward=Curve(tokens=(1,), efficiency=(EFF_B,)), attention_launch_s=0.0,
+    linear=Curve(tokens=(1,), efficiency=(EFF_LIN,)), overlap_slowdown=0.0)
+BWD = 2.5 * EFF_F / EFF_B
+"""Backward attention seconds over forward seconds under FLAT."""
+
+
+@pytest.fixture(autouse=True)
+def flat_profile():
+    with calibration.use(FLAT):
+        yield
 
 
 def lin(n):  # one layer's forward GEMMs on n tokens, by hand: 2 FLOPs per weight per token
     h = MODEL.hidden
     weights = 4 * h * h + 3 * h * MODEL.ffn_hidden
-    return 2 * weights * n / (PEAK * hardware.LINEAR_EFFICIENCY * n / (n + hardware.LINEAR_HALF_TOKENS))
+    return 2 * weights * n / (PEAK * EFF_LIN)
 
 
 def head(n):
-    return 6 * MODEL.vocab_size * MODEL.hidden * n / (PEAK * hardware.LINEAR_EFFICIENCY * n / (n + 128))
+    return 6 * MODEL.vocab_size * MODEL.hidden * n / (PEAK * EFF_LIN)
 
 
 def nvlink(nbytes, bw):
-    return hardware.NCCL_LATENCY_S + nbytes / (bw * hardware.NCCL_BUS_EFFICIENCY["p2p"])
+    return FLAT.p2p_latency_s + nbytes / (bw * FLAT.p2p_efficiency)
 
 
 def nic(nbytes, bw):
-    return hardware.NIC_LATENCY_S + nbytes / (bw * hardware.NIC_EFFICIENCY)
+    return FLAT.nic_latency_s + nbytes / (bw * FLAT.nic_efficiency)
 
 
 def test_one_gpu_step_time_in_closed_form():
     L = 8192
     res = simulate(make_plan(cluster(), {0: [L]}), cluster(), MODEL)
-    att = 2 * HD * L * (L + 1) / (PEAK * hardware.attention_efficiency(L))
-    expected = MODEL.num_layers * (att * 3.5 + lin(L) * 3) + head(L)
+    att = 2 * HD * L * (L + 1) / (PEAK * EFF_F)
+    expected = MODEL.num_layers * (att * (1 + BWD) + lin(L) * 3) + head(L)
+    assert res.recompute == "none"
     assert res.step_time_s == pytest.approx(expected, rel=1e-9)
     assert res.lower_bound_s == pytest.approx(expected, rel=1e-9)
     assert res.exposed_comm_s[0] == pytest.approx(0, abs=1e-12) and res.idle_s[0] == pytest.approx(0, abs=1e-12)
@@ -92,16 +108,18 @@ def test_two_gpus_one_ring_step():
     # Step 0: two causal diagonals and one full block each; step 1: two full blocks each.
     c, bw = 2048, 5 * GB  # a slow link, so the K/V transfer is exposed
     C = cluster(gpus=2, nics=2, intra=bw)
-    res = simulate(make_plan(C, split=[(4 * c, (0, 1))]), C, MODEL, engine=True)
-    rate = PEAK * hardware.attention_efficiency(2 * c)
+    res = simulate(make_plan(C, split=[(4 * c, (0, 1))]), C, MODEL, engine=True, overlap_grad_allreduce=False)
+    rate = PEAK * EFF_F
     t0 = (2 * 2 * HD * c * (c + 1) + 4 * HD * c * c) / rate
     t1 = 2 * 4 * HD * c * c / rate
     x = nvlink(2 * 2 * c * MODEL.kv_dim * 2, bw)  # K and V of 2c rows, bf16
     assert x > t0
     assert res.layer_forward_s == pytest.approx(max(t0, x) + t1 + lin(2 * c), rel=1e-9)
-    b0, b1 = 2.5 * t0, 2.5 * t1
-    # backward: K/V sent at once, dK/dV after each step's compute, then once more to its owner
-    assert res.layer_backward_s == pytest.approx(2 * lin(2 * c) + max(b0, x) + max(b1, x) + x, rel=1e-9)
+    b0, b1 = BWD * t0, BWD * t1
+    # backward: K/V sent at once; after step 1 the gradient of the block held there goes
+    # home, in fp32 (twice the bytes of bf16 K/V)
+    xg = nvlink(2 * 2 * c * MODEL.kv_dim * 4, bw)
+    assert res.layer_backward_s == pytest.approx(2 * lin(2 * c) + max(b0, x) + b1 + xg, rel=1e-9)
     assert res.step_time_s >= res.lower_bound_s
 
 
@@ -126,7 +144,7 @@ def test_shared_nic_slows_two_inter_node_rings():
         return simulate(plan, C, MODEL, engine=True).layer_forward_s
 
     c = 1024
-    rate = PEAK * hardware.attention_efficiency(2 * c)
+    rate = PEAK * EFF_F
     t0, t1 = (2 * 2 * HD * c * (c + 1) + 4 * HD * c * c) / rate, 2 * 4 * HD * c * c / rate
     x = nic(2 * 2 * c * MODEL.kv_dim * 2, 400e9 / 8)
     assert forward(2) == pytest.approx(max(t0, x) + t1 + lin(2 * c), rel=1e-9)
@@ -166,23 +184,25 @@ def test_local_attention_fills_the_wait_for_inter_node_data():
     with_engine = simulate(plan, C, MODEL, engine=True)
     without = simulate(plan, C, MODEL, engine=False)
     c = 2048
-    rate = PEAK * hardware.attention_efficiency(2 * c)
+    rate = PEAK * EFF_F
     t0, t1 = (2 * 2 * HD * c * (c + 1) + 4 * HD * c * c) / rate, 2 * 4 * HD * c * c / rate
-    loc = 2 * HD * c * (c + 1) / (PEAK * hardware.attention_efficiency(c))
+    loc = 2 * HD * c * (c + 1) / (PEAK * EFF_F)
     x = nic(2 * 2 * c * MODEL.kv_dim * 2, 10e9 / 8)
     assert x > t0 + loc
     assert with_engine.layer_forward_s == pytest.approx(x + t1 + lin(3 * c), rel=1e-9)
     assert without.layer_forward_s == pytest.approx(x + t1 + loc + lin(3 * c), rel=1e-9)
 
 
-def test_remap_moves_hidden_states_both_ways():
-    # rank 0 holds two 4000-token documents, rank 1 none; the remap moves the second over
+def test_remap_moves_what_the_model_moves():
+    # rank 0 holds two 4000-token documents, rank 1 none; the remap moves the second over:
+    # after attention its output o (h a token), before the next attention q, k, v (3h, MHA)
     C = cluster(gpus=2, nics=2, intra=10 * GB)
     base = make_plan(C, local={0: [4000, 4000]})
     plan = dataclasses.replace(base, remap=(Transfer(src=0, dst=1, start=4000, end=8000),)).validate()
-    att0 = 2 * 2 * HD * 4000 * 4001 / (PEAK * hardware.attention_efficiency(4000))
-    move = nvlink(4000 * MODEL.hidden * 2, 10 * GB)
-    assert simulate(plan, C, MODEL).layer_forward_s == pytest.approx(att0 + move + lin(4000) + move, rel=1e-9)
+    att0 = 2 * 2 * HD * 4000 * 4001 / (PEAK * EFF_F)
+    o = nvlink(4000 * MODEL.hidden * 2, 10 * GB)
+    qkv = nvlink(4000 * (MODEL.hidden + 2 * MODEL.kv_dim) * 2, 10 * GB)
+    assert simulate(plan, C, MODEL).layer_forward_s == pytest.approx(att0 + o + lin(4000) + qkv, rel=1e-9)
     assert simulate(plan, C, MODEL, remap=False).layer_forward_s == pytest.approx(att0 + lin(8000), rel=1e-9)
 
 
@@ -192,7 +212,7 @@ def test_ring_steps_add_up_to_zigzag_flops_and_ring_traffic():
     seconds, rows = ring_tables(plan, list(plan.rings), MODEL, Fabric(C, 8, 1))
     for i in range(8):
         weighted = sum(cost_model.zigzag_rank_flops(MODEL, r.bounds, i)
-                       / hardware.attention_efficiency(plan.lengths[r.doc] / 8) for r in plan.rings)
+                       / EFF_F for r in plan.rings)
         assert seconds[i].sum() * PEAK == pytest.approx(weighted, rel=1e-9)
     sent = collections.Counter()
     for msg in plan.ring_messages():
@@ -230,7 +250,7 @@ def test_allgather_ring_and_tensor_parallel():
     one = simulate(one_rank, cluster(), MODEL)
     two = simulate(one_rank, cluster(gpus=2, nics=2), tp_model)
     bw = hardware.gpu("h100").intra_link_bw
-    coll = 2 * sum(hardware.NCCL_LATENCY_S + 0.5 * 4096 * 1024 * 2 / (bw * hardware.NCCL_BUS_EFFICIENCY[op])
+    coll = 2 * sum(FLAT.collective_latency_s + 0.5 * 4096 * 1024 * 2 / (bw * FLAT.collective_efficiency[op])
                    for op in ("all_gather", "reduce_scatter"))
     assert two.layer_forward_s == pytest.approx(one.layer_forward_s / 2 + coll, rel=1e-9)
     assert two.num_gpus == 2 and two.mfu == pytest.approx(one.mfu * one.step_time_s / two.step_time_s / 2)

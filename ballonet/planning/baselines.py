@@ -48,7 +48,7 @@ def _whole(name: str, lengths, dev: Devices, cost: np.ndarray, limit: str) -> Pl
 
 def packed_dp(lengths, cluster: ClusterSpec, model: ModelSpec) -> Plan:
     """Token-balanced packing per DP rank with a document mask, no splitting (Megatron-LM /
-    torchtitan sequence packing). Departure: LPT on token counts instead of first-fit in
+    torchtitan sequence packing). Configuration: none to choose. Departure: LPT on token counts instead of first-fit in
     arrival order, which only makes the baseline better balanced in tokens."""
     lengths, dev = _setup(lengths, cluster, model)
     return _whole("packed_dp", lengths, dev, np.asarray(lengths, dtype=float), "packed_dp never splits")
@@ -57,11 +57,17 @@ def packed_dp(lengths, cluster: ClusterSpec, model: ModelSpec) -> Plan:
 def flops_dp(lengths, cluster: ClusterSpec, model: ModelSpec) -> Plan:
     """Whole documents to DP ranks balanced on estimated FLOPs (attention plus linear), by
     LPT: the sequence balancing of veRL (`get_seqlen_balanced_partitions`, Karmarkar-Karp)
-    and slime. Departure: LPT instead of Karmarkar-Karp (both are near-equal here)."""
+    and slime. Configuration: none to choose. Departure: LPT instead of Karmarkar-Karp
+    (both are near-equal here)."""
     lengths, dev = _setup(lengths, cluster, model)
+    return _whole("flops_dp", lengths, dev, _flops(model, lengths), "flops_dp never splits")
+
+
+def _flops(model: ModelSpec, lengths) -> np.ndarray:
+    """Forward attention plus linear FLOPs of each document (the systems' FLOP estimate)."""
     L = np.asarray(lengths, dtype=float)
-    cost = 2.0 * model.num_heads * model.head_dim * L * (L + 1) + cost_model.linear_flops_per_token(model) * L
-    return _whole("flops_dp", lengths, dev, cost, "flops_dp never splits")
+    return cost_model.attention_flops(model, L) + cost_model.linear_flops_per_token(model) * L
+
 
 
 def _cp_groups(num_ranks: int, cp_size: int | None, name: str) -> list[list[int]]:
@@ -96,27 +102,58 @@ def _split_all(name: str, lengths, dev: Devices, groups, comm: str, cp_size, met
 
 def te_cp(lengths, cluster: ClusterSpec, model: ModelSpec, *, cp_size: int | None = None) -> Plan:
     """TransformerEngine / Megatron-LM context parallelism (`cp_comm_type="p2p"`, THD
-    format): every document zig-zag split over all `cp_size` ranks of its CP group (default:
-    the whole cluster), ring P2P of K/V in rank order over the fixed GPU-NIC affinity;
-    documents go to CP groups by tokens. Departure: no padding of documents to multiples
-    of 2*cp (chunks may be empty)."""
+    format): every document zig-zag split over all ranks of its CP group, ring P2P of K/V
+    in rank order over the fixed GPU-NIC affinity; documents go to the data-parallel CP
+    groups by tokens. Configuration: `cp_size` as a Megatron user sets it, the smallest
+    degree (a divisor of the ranks) under which the batch fits in memory, the rest
+    data-parallel (`context_cp_size`); `cp_size=<ranks>` is CP over the whole cluster,
+    a stress case. Departure: no padding of documents to multiples of 2*cp (chunks may
+    be empty)."""
     lengths, dev = _setup(lengths, cluster, model)
-    return _split_all("te_cp", lengths, dev, _cp_groups(dev.num_ranks, cp_size, "te_cp"), "ring", cp_size)
+    if cp_size is not None:
+        return _split_all("te_cp", lengths, dev, _cp_groups(dev.num_ranks, cp_size, "te_cp"), "ring", cp_size)
+    return _smallest_cp("te_cp", lengths, dev, "ring")
+
+
+def context_cp_sizes(num_ranks: int) -> list[int]:
+    """CP degrees a user can pick, smallest first: the divisors of the ranks."""
+    return [d for d in range(1, num_ranks + 1) if num_ranks % d == 0]
+
+
+def _smallest_cp(name: str, lengths, dev: Devices, comm: str) -> Plan:
+    """The plan of the smallest CP degree that holds the context (longest document) in the
+    batch's tokens per rank (Megatron: context / tokens per GPU) and fits in memory."""
+    per_rank = -(-sum(lengths) // dev.num_ranks)
+    need = -(-max(lengths) // per_rank) if lengths else 1
+    last = InfeasiblePlan(f"{name}: no CP degree of {dev.num_ranks} ranks holds the batch")
+    for cp in (d for d in context_cp_sizes(dev.num_ranks) if d >= min(need, dev.num_ranks)):
+        try:
+            return _split_all(name, lengths, dev, _cp_groups(dev.num_ranks, cp, name), comm, cp,
+                              meta={"cp_size_rule": "context / tokens per rank, then memory"})
+        except InfeasiblePlan as e:
+            last = e
+    raise last
 
 
 def llama_cp(lengths, cluster: ClusterSpec, model: ModelSpec, *, cp_size: int | None = None) -> Plan:
     """Llama-3 context parallelism (Dubey et al. 2024, section 3.3.2): every document split
-    into 2*cp zig-zag chunks over its CP group (default: the whole cluster), K/V all-gathered
-    before attention. Departure: per-document all-gather groups; no padding."""
+    into 2*cp zig-zag chunks over its CP group, K/V all-gathered before attention.
+    Configuration: `cp_size` default as `te_cp`'s (the smallest that fits, the rest
+    data-parallel; Llama-3 used CP 16 for 128K contexts). Departure: per-document
+    all-gather groups; no padding."""
     lengths, dev = _setup(lengths, cluster, model)
-    return _split_all("llama_cp", lengths, dev, _cp_groups(dev.num_ranks, cp_size, "llama_cp"), "allgather", cp_size)
+    if cp_size is not None:
+        return _split_all("llama_cp", lengths, dev, _cp_groups(dev.num_ranks, cp_size, "llama_cp"), "allgather",
+                          cp_size)
+    return _smallest_cp("llama_cp", lengths, dev, "allgather")
 
 
 def hybrid_dp(lengths, cluster: ClusterSpec, model: ModelSpec, *, rank_tokens: int | None = None) -> Plan:
     """ByteScale-style data-aware sharding (Ge et al. 2025): a document longer than a
     rank's token budget (`rank_tokens`, default the batch's mean per rank) is split over
     ceil(L / budget) consecutive ranks; shorter ones stay whole, packed by tokens (LPT)
-    around the long ones. Departures: CP groups are consecutive ranks in rank order (no
+    around the long ones. Configuration: the budget is the batch's mean tokens per rank
+    (ByteScale sizes CP groups to need, not to a fixed degree). Departures: CP groups are consecutive ranks in rank order (no
     topology search), and packing balances tokens, not ByteScale's FLOP estimate."""
     lengths, dev = _setup(lengths, cluster, model)
     R = dev.num_ranks
@@ -159,13 +196,13 @@ def wlb_llm(lengths, cluster: ClusterSpec, model: ModelSpec, *, cp_size: int | N
     ranks of one node, so rings stay on NVLink). Departures: one batch is planned, so the
     outlier delay (holding very long documents back for a later step) is replaced by
     placing outliers first; the per-document/per-sequence sharding choice is always
-    per-document."""
+    per-document. Configuration: CP group = one node (WLB-LLM's setting: CP inside
+    NVLink domains), the rest data-parallel."""
     lengths, dev = _setup(lengths, cluster, model)
     if cp_size is None:
         cp_size = int(np.gcd.reduce([len(n) for n in dev.nodes()]))
     groups = _cp_groups(dev.num_ranks, cp_size, "wlb_llm")
-    L = np.asarray(lengths, dtype=float)
-    cost = 2.0 * model.num_heads * model.head_dim * L * (L + 1) + cost_model.linear_flops_per_token(model) * L
+    cost = _flops(model, lengths)
     rooms = np.array([dev.token_cap[g].sum() for g in groups], dtype=float)
     try:
         by_group = lpt(range(len(lengths)), cost, lengths, np.zeros(len(groups)), np.ones(len(groups)), rooms)
@@ -187,7 +224,9 @@ def megatron_hcp(lengths, cluster: ClusterSpec, model: ModelSpec, *, rank_tokens
     power-of-two CP size that keeps L/cp within a rank's token budget (`rank_tokens`,
     default the batch's mean per rank); a greedy scheduler takes documents by L^2/cp,
     largest first, and puts each on the aligned block of cp ranks whose busiest rank is
-    least loaded. Departure: one scheduling round per batch (no micro-batch loop)."""
+    least loaded. Configuration: the budget is the batch's mean tokens per rank, so CP
+    sizes follow each document's need. Departure: one scheduling round per batch (no
+    micro-batch loop)."""
     lengths, dev = _setup(lengths, cluster, model)
     R = dev.num_ranks
     budget = _budget(lengths, R, rank_tokens, "megatron_hcp")

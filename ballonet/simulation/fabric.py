@@ -9,7 +9,7 @@ one node that hold the same tokens (each a 1/tp shard of the heads). Links:
 An intra-node transfer holds the sender's egress and the receiver's ingress; an
 inter-node one holds the sending ranks' NIC egresses and the receiving ranks' NIC
 ingresses (GPU-to-NIC traffic goes over PCIe, not NVLink). A TP group sends its tp
-shards through its NICs in parallel. Seconds as `cost_model.p2p_time` (alpha-beta).
+shards through its NICs in parallel. Seconds as `cost_model.p2p_time` (alpha-beta, the sender's GPU profile).
 A routed hop (docs/design.md, section 6) is cut into one part per proxy pair: dispatch over
 NVLink to the source-side proxy, NIC transfer to the far proxy, combine over NVLink.
 """
@@ -44,6 +44,20 @@ class Fabric:
             for n in nics:
                 self.nic_ranks.setdefault(n, []).append(r)
 
+    def nic_peer(self, rank: int) -> int | None:
+        """The rank of the next node (cyclically) on the same rail: where `rank` sends in a
+        ring all-reduce across nodes; None with one node."""
+        if not hasattr(self, "_node_ranks"):
+            self._node_ranks: dict[int, list[int]] = {}
+            for r, n in enumerate(self.node):
+                self._node_ranks.setdefault(n, []).append(r)
+        nodes = sorted(self._node_ranks)
+        if len(nodes) < 2:
+            return None
+        here = self._node_ranks[self.node[rank]]
+        there = self._node_ranks[nodes[(nodes.index(self.node[rank]) + 1) % len(nodes)]]
+        return there[here.index(rank) % len(there)]
+
     # ---- link ids: intra egress, intra ingress, NIC egress, NIC ingress ----------------
 
     def link_name(self, link: int) -> str:
@@ -65,14 +79,15 @@ class Fabric:
             R, N = self.num_ranks, self.num_nics
             if self.node[src] == self.node[dst]:
                 links = (src, R + dst)
-                lat, bw = hardware.NCCL_LATENCY_S, hardware.NCCL_BUS_EFFICIENCY["p2p"] * min(
-                    self.intra_bw[src], self.intra_bw[dst])
+                p = hardware.profile(self.gpu[src])
+                lat, bw = p.p2p_latency_s, p.p2p_efficiency * min(self.intra_bw[src], self.intra_bw[dst])
                 per_byte = 1.0 / bw
             else:
                 links = tuple(2 * R + n for n in self.nics[src]) + tuple(2 * R + N + n for n in self.nics[dst])
-                lat = hardware.NIC_LATENCY_S
+                p = hardware.profile(self.gpu[src])
+                lat = p.nic_latency_s
                 per_byte = self.tp * max(1.0 / (len(self.nics[r]) * self.nic_bw[r]) for r in (src, dst)) \
-                    / hardware.NIC_EFFICIENCY
+                    / p.nic_efficiency
             self._paths[key] = (links, lat, per_byte)
         return self._paths[key]
 

@@ -15,22 +15,32 @@ What is simulated (`timeline.py` has the event model, `fabric.py` the links,
 * Split documents that share the same ring of ranks run as one ring, as TransformerEngine
   does for packed sequences: per step one kernel on each rank and one K/V transfer.
   Ring step s of position i computes its zig-zag chunks against the block of position
-  i - s. Backward passes K/V ahead and dK/dV after each step's compute, with one more
-  hop to bring dK/dV home. "allgather" rings gather K/V first (backward: compute, then
-  reduce-scatter dK/dV).
+  i - s. Backward passes K/V ahead and dK/dV (fp32, as the runtime sends them) after each
+  step's compute, with one more hop to bring dK/dV home. "allgather" rings send K/V to
+  every member first (backward: again, then each block's gradient back to its owner).
+  Local documents of a rank are one varlen kernel call. Bytes are what the runtime moves
+  (`SimResult.bytes_sent`; tests compare them with the runtime's own prediction).
 * The attention engine (`engine=True`, Zeppelin's): transfers start as soon as their data
   is there and each GPU's stream runs ready work in queue order inter-node, intra-node,
   local, so local attention fills waits. Without it (the baselines' loop), a rank runs its
   attention work in a fixed order and issues a ring step's send only after its previous
   compute, as ring-flash-attention and TransformerEngine do.
 * Gradient all-reduce: hierarchical (`cost_model.grad_allreduce_time`), in one bucket per
-  layer that starts when that layer's backward ends (Megatron's overlap_grad_reduce); it
-  does not contend with attention traffic in this model.
+  layer (Megatron's overlap_grad_reduce): the bucket of layer l runs during the backward
+  of layer l-1 on the same NVLink ports and NICs as its ring and remap transfers (cut
+  into pieces, so they interleave); the last layer's bucket is exposed.
+* Recomputation (`ModelSpec.recompute`, default the cheapest under which every rank's
+  tokens fit, `cost_model.cheapest_recompute`): the backward reruns the MLP GEMMs
+  ("selective") or the whole layer forward, attention included ("full"; the rerun's
+  K/V transfers are taken as shared with the backward's).
+* Compute that overlaps communication on the same GPU slows by the profile's
+  `overlap_slowdown` times the rank's transfer seconds (an assumption on GPUs).
 
 Per rank: compute (attention + linear + head), exposed communication (time its stream
 waits before its own last piece of a layer arrives, plus TP collectives and the exposed
-all-reduce) and idle (waiting for the slowest rank). Lower bound: the same compute spread
-perfectly over the GPUs in proportion to peak FLOP/s, with all communication hidden.
+all-reduce) and idle (waiting for the slowest rank). `lower_bound_s` is a bound on the
+batch, the same for every plan (`cost_model.batch_lower_bound`); `compute_bound_s` is
+this plan's compute spread perfectly over the GPUs by peak FLOP/s.
 """
 
 from __future__ import annotations
@@ -53,6 +63,11 @@ class SimResult:
     num_tokens: int
     step_time_s: float
     lower_bound_s: float
+    """No plan of this batch runs faster on this cluster (`cost_model.batch_lower_bound`)."""
+    compute_bound_s: float
+    """This plan's own compute spread evenly over the GPUs by peak, communication hidden."""
+    recompute: str
+    """The activation recomputation the step runs with (the cheapest that fits, or the model's)."""
     mfu: float
     compute_s: tuple[float, ...]
     """Per plan rank, per step: attention, linear and head compute."""
@@ -64,6 +79,9 @@ class SimResult:
     head_s: float
     grad_allreduce_s: float
     grad_allreduce_exposed_s: float
+    bytes_sent: dict = field(default_factory=dict, repr=False, compare=False)
+    """Bytes of one layer, "forward" and "backward": Counter of (class, src, dst), class
+    "kv", "grad" (dK/dV), "remap" or "allreduce"."""
     timelines: tuple = field(default=(), repr=False, compare=False)
     """(name, Timeline, start, finish, Fabric) of the simulated forward and backward layer."""
 
@@ -82,7 +100,8 @@ class SimResult:
         return sum(self.exposed_comm_s) / len(self.exposed_comm_s) / self.step_time_s
 
     def to_dict(self) -> dict:
-        keys = ("planner", "num_gpus", "num_tokens", "step_time_s", "lower_bound_s", "mfu", "layer_forward_s",
+        keys = ("planner", "num_gpus", "num_tokens", "step_time_s", "lower_bound_s", "compute_bound_s", "recompute",
+                "mfu", "layer_forward_s",
                 "layer_backward_s", "head_s", "grad_allreduce_s", "grad_allreduce_exposed_s")
         d = {k: getattr(self, k) for k in keys}
         d.update(tokens_per_s=self.tokens_per_s, attention_imbalance=self.attention_imbalance,
@@ -139,15 +158,23 @@ def _run_pass(p: LayerGraph) -> tuple[float, list, list, list, tuple]:
     return max(end, default=0.0), compute, end, attention, (name, p.tl, start, finish, p.fabric)
 
 
-def _grad_exposed(total: float, num_layers: int, layer_backward: float, overlap: bool) -> float:
-    """All-reduce time left after the backward: buckets of total/num_layers, bucket k
-    ready at the end of the k-th layer's backward, sent one after another."""
-    if not overlap:
-        return total
-    bucket, t = total / num_layers, 0.0
-    for k in range(1, num_layers + 1):
-        t = max(t, k * layer_backward) + bucket
-    return t - num_layers * layer_backward
+def _linear_seconds(model: ModelSpec, gpu, tokens: int, mode: str) -> tuple[float, float]:
+    """(forward, backward) seconds of a rank's linear layers; the backward reruns what
+    recomputation `mode` drops."""
+    fwd = cost_model.linear_time(model, gpu, tokens)
+    redo = cost_model.linear_time(model, gpu, tokens, cost_model.recompute_flops_per_token(model, mode))
+    return fwd, fwd * cost_model.LINEAR_BACKWARD_FACTOR + redo
+
+
+def _slowdown(p: LayerGraph, compute: list) -> list:
+    """Per rank, compute seconds lost to communication running beside it: the profile's
+    overlap slowdown times the rank's transfer seconds (at most its compute)."""
+    comm = [0.0] * p.plan.num_ranks
+    for task in range(p.tl.num_tasks):
+        kind, rank, _ = p.tl.label[task]
+        if kind == "send" and rank >= 0:
+            comm[rank] += p.tl.duration[task]
+    return [hardware.profile(p.fabric.gpu[r]).overlap_slowdown * min(comm[r], compute[r]) for r in range(len(comm))]
 
 
 def simulate(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, routing: bool = True, remap: bool = True,
@@ -160,50 +187,65 @@ def simulate(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, routing: boo
     if engine is None:
         engine = plan.attention_engine
     moves = plan.remap_tokens() if remap else Counter()
-    tokens = [sum(s.num_tokens for s in segs) for segs in plan.attention]
+    att_tokens = [sum(s.num_tokens for s in segs) for segs in plan.attention]
+    tokens = list(att_tokens)
     for (src, dst), n in moves.items():
         tokens[src] -= n
         tokens[dst] += n
-    linear_s = [cost_model.linear_time(model, fabric.gpu[r], tokens[r]) for r in range(R)]
+    mode = cost_model.cheapest_recompute(model, tokens, fabric.gpu, R, att_tokens) or "full"
+    linear_s = [_linear_seconds(model, fabric.gpu[r], tokens[r], mode) for r in range(R)]
     tp_s = [0.0] * R
     if model.tp > 1:
         for r in range(R):
             nbytes = cost_model.hidden_bytes(model, tokens[r])
-            tp_s[r] = 2 * sum(cost_model.collective_time(op, nbytes, model.tp, fabric.intra_bw[r])
+            tp_s[r] = 2 * sum(cost_model.collective_time(op, nbytes, model.tp, fabric.intra_bw[r], fabric.gpu[r])
                               for op in ("all_gather", "reduce_scatter"))
     routes = {}
     if routing:
         for route in plan.routes:
             routes.setdefault((route.src, route.dst), route.proxies)
-    common = dict(plan=plan, model=model, fabric=fabric, engine=engine, routes=routes, remap=moves,
-                  linear_s=linear_s, tp_s=tp_s)
-    fwd, fwd_compute, fwd_end, fwd_att, fwd_rec = _run_pass(LayerGraph(backward=False, **common))
-    bwd, bwd_compute, bwd_end, bwd_att, bwd_rec = _run_pass(LayerGraph(backward=True, **common))
-
     L = model.num_layers
-    head_flops = 2.0 * model.vocab_size * model.hidden * (1 + cost_model.LINEAR_BACKWARD_FACTOR) / model.tp
-    head = [head_flops * n / (fabric.gpu[r].peak_flops * hardware.linear_efficiency(n)) if n else 0.0
+    bucket = _bucket(model, cluster, L) if overlap_grad_allreduce else (0.0, 0.0)
+    common = dict(plan=plan, model=model, fabric=fabric, engine=engine, routes=routes, remap=moves,
+                  linear_s=linear_s, tp_s=tp_s, recompute=mode)
+    graphs = (LayerGraph(backward=False, **common), LayerGraph(backward=True, grad_bucket=bucket, **common))
+    fwd, fwd_compute, fwd_end, fwd_att, fwd_rec = _run_pass(graphs[0])
+    bwd, bwd_compute, bwd_end, bwd_att, bwd_rec = _run_pass(graphs[1])
+    slow = [a + b for a, b in zip(_slowdown(graphs[0], fwd_compute), _slowdown(graphs[1], bwd_compute))]
+
+    head_flops = cost_model.head_flops_per_token(model) * (1 + cost_model.LINEAR_BACKWARD_FACTOR) / model.tp
+    head = [head_flops * n / (fabric.gpu[r].peak_flops * hardware.linear_efficiency(n, fabric.gpu[r])) if n else 0.0
             for r, n in enumerate(tokens)]
     grad = cost_model.grad_allreduce_time(model, cluster)
-    grad_exposed = _grad_exposed(grad, L, bwd, overlap_grad_allreduce)
-    step = L * (fwd + bwd) + max(head) + grad_exposed
+    grad_exposed = grad / L if overlap_grad_allreduce else grad  # the last layer's bucket
+    layers = max(L * (fwd_end[r] + bwd_end[r] + slow[r]) for r in range(R))
+    layers = max(layers, L * (fwd + bwd))
+    step = layers + max(head) + grad_exposed
 
-    compute = [L * (fwd_compute[r] + bwd_compute[r]) + head[r] for r in range(R)]
-    busy_end = [L * (fwd_end[r] + bwd_end[r]) + head[r] for r in range(R)]
+    compute = [L * (fwd_compute[r] + bwd_compute[r]) + head[r] for r in range(R)]  # slowdown: exposed
+    busy_end = [L * (fwd_end[r] + bwd_end[r] + slow[r]) + head[r] for r in range(R)]
     exposed = [busy_end[r] - compute[r] + grad_exposed for r in range(R)]
     idle = [step - compute[r] - exposed[r] for r in range(R)]
     peaks = [fabric.gpu[r].peak_flops for r in range(R)]
-    lower = sum(c * p for c, p in zip(compute, peaks)) / sum(peaks)
 
     T = plan.num_tokens
     model_flops = (1 + cost_model.LINEAR_BACKWARD_FACTOR) * (
-        L * (cost_model.linear_flops_per_token(model) * T
-             + sum(cost_model.attention_flops(model, n) for n in plan.lengths))
-        + 2.0 * model.vocab_size * model.hidden * T)
+        L * (cost_model.linear_flops_per_token(model) * T + float(cost_model.attention_flops(model, plan.lengths).sum()))
+        + cost_model.head_flops_per_token(model) * T)
     mfu = model_flops / (step * sum(peaks) * model.tp)
     return SimResult(
-        planner=plan.planner, num_gpus=R * model.tp, num_tokens=T, step_time_s=step, lower_bound_s=lower,
+        planner=plan.planner, num_gpus=R * model.tp, num_tokens=T, step_time_s=step,
+        lower_bound_s=cost_model.batch_lower_bound(plan.lengths, cluster, model),
+        compute_bound_s=sum(c * p for c, p in zip(compute, peaks)) / sum(peaks), recompute=mode,
         mfu=mfu, compute_s=tuple(compute), exposed_comm_s=tuple(exposed), idle_s=tuple(idle),
         attention_s=tuple(L * (fwd_att[r] + bwd_att[r]) for r in range(R)),
         layer_forward_s=fwd, layer_backward_s=bwd, head_s=max(head), grad_allreduce_s=grad,
-        grad_allreduce_exposed_s=grad_exposed, timelines=(fwd_rec, bwd_rec))
+        grad_allreduce_exposed_s=grad_exposed, bytes_sent={"forward": graphs[0].sent, "backward": graphs[1].sent},
+        timelines=(fwd_rec, bwd_rec))
+
+
+def _bucket(model: ModelSpec, cluster: ClusterSpec, num_layers: int) -> tuple[float, float]:
+    """One layer's share of the gradient all-reduce, for the slowest node group: (intra-node
+    seconds, bytes a GPU sends across nodes)."""
+    parts = [cost_model.grad_allreduce_parts(model, g, cluster.num_nodes) for g in cluster.groups]
+    return max(p[0] for p in parts) / num_layers, max(p[1] for p in parts) / num_layers

@@ -1,0 +1,400 @@
+"""`ballonet calibrate`: measure this machine with the runtime's own kernels and collectives
+and write a calibration profile (`calibration.Profile`, JSON).
+
+What is measured, on the device this process runs on:
+
+1. Causal varlen attention, forward and backward timed separately, through the runtime's
+   engine (`runtime.attention` on a one-rank plan, with the kernel `runtime.kernels.select`
+   picks), for each head shape, at lengths 64 .. `max_length` (doubling); a length L runs
+   as a pack of max(1, pack_tokens // L) documents, as a rank's local documents run. Efficiency = FLOPs / (seconds * peak), FLOPs
+   2*H*D*L*(L+1) forward and 2.5x that backward (`cost_model`).
+2. The model without its attention core (`training.model.Transformer` with at most 2
+   layers: embedding, norms, RoPE, the QKV/O/MLP GEMMs, LM head and loss) forward and
+   backward, by tokens per rank: efficiency = 3 * (linear + head) FLOPs / (seconds *
+   peak), the same for forward and backward (the backward's 2x FLOPs at the forward's
+   efficiency is what the cost model assumes), so the cost model's linear layers and LM
+   head together take the measured time.
+   On a CPU, seconds are the thread's CPU time (as the training loop measures compute).
+3. With world > 1 (torchrun): point-to-point between ranks 0 and 1 (half a round trip),
+   all-to-all and all-reduce over the world, by message size; latency and bandwidth from a
+   least-squares line t = a + bytes / bw. All ranks of one host: the NIC figures are these
+   same transfers (the profile says so).
+
+Peak FLOP/s and nominal link bandwidths are the GPU type's (`hardware.GPUS`) and the
+cluster preset's NIC rate, so efficiencies are fractions of what the simulator assumes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+import socket
+import statistics
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ballonet import calibration, cost_model, hardware, runtime, specs
+from ballonet.plan import Plan, Segment
+
+SHAPES = {"cpu": ((4, 2, 16), (8, 8, 32)), "cuda": ((64, 4, 128), (32, 32, 128))}
+"""(query heads, KV heads, head dim) timed per device type."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Settings:
+    gpu: str
+    """GPU type the profile is for (a key of `hardware.GPUS`)."""
+    model: str
+    """Model preset whose layer shape the linear part is timed with."""
+    cluster: str = "cpu"
+    """Cluster preset giving the nominal NIC rate (efficiencies are fractions of it)."""
+    max_length: int = 8192
+    pack_tokens: int = 16384
+    linear_tokens: tuple[int, ...] = (64, 256, 1024, 4096, 16384)
+    message_bytes: tuple[int, ...] = tuple(2**k for k in range(10, 25, 2))
+    repeats: int = 5
+
+
+def quick(settings: Settings) -> Settings:
+    """A run of seconds (tests, smoke checks): short lengths, few sizes, 2 repeats."""
+    return dataclasses.replace(settings, max_length=min(settings.max_length, 512), pack_tokens=1024,
+                               linear_tokens=(64, 512), message_bytes=(2**10, 2**16, 2**20), repeats=2)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_s(fn, device: torch.device, repeats: int, wall: bool = False) -> float:
+    """Median seconds of `fn` after a warm-up: on a CPU the calling thread's CPU time (what
+    a rank's compute costs whatever else shares the cores, as the training loop measures
+    it), on a GPU (or with `wall`) wall time after a synchronize."""
+    clock = time.perf_counter if wall or device.type == "cuda" else time.thread_time
+    fn()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        start = clock()
+        fn()
+        _sync(device)
+        times.append(clock() - start)
+    return statistics.median(times)
+
+
+def _lengths(max_length: int) -> list[int]:
+    out, L = [], 64
+    while L <= max_length:
+        out.append(L)
+        L *= 2
+    return out
+
+
+def measure_attention(s: Settings, device: torch.device, dtype: torch.dtype, progress=None) -> list[dict]:
+    """One row per (shape, length): forward and backward seconds of a pack of documents
+    through the runtime's attention engine on a one-rank plan (its kernel, index
+    bookkeeping and merges: what a rank's local documents cost in training)."""
+    rows = []
+    peak = hardware.gpu(s.gpu).peak_flops
+    for heads, kv_heads, dim in SHAPES["cuda" if device.type == "cuda" else "cpu"]:
+        for L in _lengths(s.max_length):
+            n = max(1, s.pack_tokens // L)
+            plan = Plan(planner="calibrate", lengths=(L,) * n, node_of_rank=(0,), nic_of_rank=(0,),
+                        attention=(tuple(Segment(d, 0, L) for d in range(n)),))
+            q = torch.randn(n * L, heads, dim, device=device, dtype=dtype, requires_grad=True)
+            k, v = (torch.randn(n * L, kv_heads, dim, device=device, dtype=dtype, requires_grad=True)
+                    for _ in range(2))
+            with torch.no_grad():
+                fwd = _median_s(lambda: runtime.attention(q, k, v, plan, 0, verify_plan=False), device, s.repeats)
+            out = runtime.attention(q, k, v, plan, 0, verify_plan=False)
+            dout = torch.randn_like(out)
+            bwd = _median_s(lambda: torch.autograd.backward(out, dout, retain_graph=True), device, s.repeats)
+            flops = 2.0 * heads * dim * L * (L + 1) * n
+            rows.append({"heads": heads, "kv_heads": kv_heads, "head_dim": dim, "length": L, "num_docs": n,
+                         "forward_s": fwd, "backward_s": bwd, "forward_efficiency": flops / (fwd * peak),
+                         "backward_efficiency": 2.5 * flops / (bwd * peak)})
+            if progress:
+                progress()
+    return rows
+
+
+def measure_linear(s: Settings, device: torch.device, dtype: torch.dtype, progress=None) -> list[dict]:
+    """One row per token count: forward+backward seconds of the model without its attention
+    core (embedding, norms, RoPE, the QKV/O/MLP GEMMs, LM head and loss), at most 2 layers."""
+    from ballonet.training.model import Transformer
+
+    spec = dataclasses.replace(specs.model(s.model), num_layers=min(2, specs.model(s.model).num_layers))
+    model = Transformer(spec, attention_fn=lambda q, k, v, *_: q).to(device=device, dtype=dtype)  # no attention core
+    peak = hardware.gpu(s.gpu).peak_flops
+    rows = []
+    for T in s.linear_tokens:
+        ids = torch.randint(0, spec.vocab_size, (T,), device=device)
+        one_rank = Plan(planner="calibrate", lengths=(T,), node_of_rank=(0,), nic_of_rank=(0,),
+                        attention=((Segment(0, 0, T),),))
+
+        def step():
+            model.loss(ids, ids, one_rank, 0).backward()
+
+        seconds = _median_s(step, device, s.repeats)
+        flops = 3 * (spec.num_layers * cost_model.linear_flops_per_token(spec) + cost_model.head_flops_per_token(spec)) * T
+        rows.append({"tokens": T, "seconds": seconds, "efficiency": flops / (seconds * peak)})
+        if progress:
+            progress()
+    return rows
+
+
+def _fit(sizes, seconds) -> tuple[float, float]:
+    """(latency s, bandwidth bytes/s) of t = a + n / bw, least squares, a >= 0."""
+    slope, intercept = np.polyfit(np.asarray(sizes, float), np.asarray(seconds, float), 1)
+    return max(float(intercept), 0.0), 1.0 / max(float(slope), 1e-15)
+
+
+def measure_comm(s: Settings, device: torch.device, progress=None) -> dict:
+    """p2p (ranks 0 and 1), all-to-all and all-reduce over the world, by message size."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    out = {"p2p": [], "all_to_all": [], "all_reduce": []}
+    for n in s.message_bytes:
+        buf = torch.zeros(n // 4, device=device)
+
+        def ping():
+            if rank == 0:
+                dist.send(buf, 1)
+                dist.recv(buf, 1)
+            elif rank == 1:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+
+        a2a_in = torch.zeros(world * max(1, n // (4 * world)), device=device)
+        a2a_out = torch.empty_like(a2a_in)
+        timed = {"p2p": lambda: ping(), "all_to_all": lambda: dist.all_to_all_single(a2a_out, a2a_in),
+                 "all_reduce": lambda: dist.all_reduce(buf)}
+        for op, fn in timed.items():
+            dist.barrier()
+            t = _median_s(fn, device, s.repeats, wall=True)
+            out[op].append({"bytes": n, "seconds": t / 2 if op == "p2p" else t})
+        if progress:
+            progress()
+    return out
+
+
+def _curve(tokens, effs) -> calibration.Curve:
+    """Measured points, made increasing in tokens and clipped to (0, 1]."""
+    pairs = sorted(zip(tokens, effs))
+    return calibration.Curve(tokens=[t for t, _ in pairs], efficiency=[min(1.0, max(e, 1e-6)) for _, e in pairs])
+
+
+def build_profile(s: Settings, attention: list[dict], linear: list[dict], comm: dict | None,
+                  device: torch.device) -> calibration.Profile:
+    """The profile: attention curves averaged over shapes, the linear curve, link figures."""
+    base = hardware.profile(s.gpu)
+    by_len: dict = {}
+    for r in attention:
+        by_len.setdefault(r["length"], []).append(r)
+    lengths = sorted(by_len)
+    fwd = [statistics.mean(r["forward_efficiency"] for r in by_len[L]) for L in lengths]
+    bwd = [statistics.mean(r["backward_efficiency"] for r in by_len[L]) for L in lengths]
+    launch = min(min(r["forward_s"] / r["num_docs"], r["backward_s"] / r["num_docs"]) for r in attention)
+    notes = [f"attention efficiency beyond {lengths[-1]} tokens taken equal to the last measured length"]
+    fields = dict(attention_forward=_curve(lengths, fwd), attention_backward=_curve(lengths, bwd),
+                  attention_launch_s=launch,
+                  linear=_curve([r["tokens"] for r in linear], [r["efficiency"] for r in linear]))
+    gpu = hardware.gpu(s.gpu)
+    if comm:
+        world = dist.get_world_size()
+        lat, bw = _fit([r["bytes"] for r in comm["p2p"]], [r["seconds"] for r in comm["p2p"]])
+        nic_bw = specs.cluster(s.cluster).groups[0].nic_bw
+        coll = {}
+        for op, factor in (("all_to_all", (world - 1) / world), ("all_reduce", 2 * (world - 1) / world)):
+            c_lat, c_bw = _fit([r["bytes"] * factor for r in comm[op]], [r["seconds"] for r in comm[op]])
+            coll[op] = min(1.0, c_bw / gpu.intra_link_bw)
+        coll["all_gather"] = coll["reduce_scatter"] = coll["all_reduce"]
+        fields.update(p2p_latency_s=lat, p2p_efficiency=min(1.0, bw / gpu.intra_link_bw), nic_latency_s=lat,
+                      nic_efficiency=min(1.0, bw / nic_bw), collective_latency_s=c_lat, collective_efficiency=coll)
+        notes += [f"all ranks on one host: NIC figures are the measured point-to-point ones "
+                  f"({bw / 1e9:.2f} GB/s over the '{s.cluster}' preset's {nic_bw / 1e9:.2f} GB/s NIC)",
+                  "all_gather and reduce_scatter taken as all_reduce (not measured)"]
+    else:
+        notes.append("links not measured (one process): the built-in profile's figures")
+    notes.append("overlap slowdown not measured: the built-in profile's figure")
+    return dataclasses.replace(
+        base, **fields, gpu=s.gpu, source=f"ballonet calibrate on {socket.gethostname()} ({_device_name(device)})",
+        assumptions=tuple(notes), machine=_machine(device), versions=_versions())
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+
+
+def _machine(device: torch.device) -> dict:
+    return {"host": socket.gethostname(), "device": _device_name(device), "platform": platform.platform(),
+            "cpu_threads": torch.get_num_threads(),
+            "world_size": dist.get_world_size() if dist.is_initialized() else 1}
+
+
+def _versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        ours = version("ballonet")
+    except PackageNotFoundError:  # run from a source tree (PYTHONPATH)
+        ours = "source"
+    return {"python": platform.python_version(), "torch": torch.__version__, "ballonet": ours,
+            "cuda": torch.version.cuda or "", "date": time.strftime("%Y-%m-%d")}
+
+
+def default_gpu(device: torch.device) -> str:
+    """The GPU type of `device`: its name matched against `hardware.GPUS`, "cpu" on a CPU."""
+    if device.type != "cuda":
+        return "cpu"
+    name = torch.cuda.get_device_name(device).lower()
+    for key in sorted(hardware.GPUS, key=len, reverse=True):
+        if key != "cpu" and key in name:
+            return key
+    return hardware.REFERENCE_GPU
+
+
+def run(s: Settings, device: torch.device, progress_factory=None) -> tuple[calibration.Profile, dict]:
+    """Measure and return (profile, raw measurements). Collective under torchrun."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    multi = dist.is_initialized() and dist.get_world_size() > 1
+    total = len(SHAPES["cpu"]) * len(_lengths(s.max_length)) + len(s.linear_tokens) + (len(s.message_bytes) if multi else 0)
+    advance = progress_factory(total) if progress_factory else None
+    attention = measure_attention(s, device, dtype, advance)
+    linear = measure_linear(s, device, dtype, advance)
+    comm = measure_comm(s, device, advance) if multi else None
+    raw = {"attention": attention, "linear": linear, "comm": comm, "settings": dataclasses.asdict(s)}
+    return build_profile(s, attention, linear, comm, device), raw
+
+
+def init_distributed() -> torch.device:
+    """Join torchrun's process group if launched by it; the device this rank measures."""
+    if "RANK" in os.environ and not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend)
+    if torch.cuda.is_available():
+        index = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+# ---- the command ---------------------------------------------------------------------------
+
+
+def _progress_factory(enabled: bool):
+    """A rich progress bar on stderr; returns advance() for `run`."""
+    try:
+        from rich.progress import Progress
+    except ImportError:  # a bare GPU machine: no bar
+        return None
+
+    def factory(total: int):
+        bar = Progress(transient=True, disable=not enabled)
+        bar.start()
+        task = bar.add_task("calibrating", total=total)
+
+        def advance():
+            bar.advance(task)
+            if bar.tasks[task].completed >= total:
+                bar.stop()
+        return advance
+    return factory
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def plot(profile: calibration.Profile, raw: dict, path: str) -> None:
+    """Measured efficiencies (points) and the profile's curves (lines), by tokens."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for key, curve, color in (("forward_efficiency", profile.attention_forward, "C0"),
+                              ("backward_efficiency", profile.attention_backward, "C1")):
+        pts = [(r["length"], r[key]) for r in raw["attention"]]
+        ax.scatter(*zip(*pts), color=color, s=12, label=f"attention {key.split('_')[0]} (measured)")
+        xs = np.geomspace(curve.tokens[0], curve.tokens[-1], 100)
+        ax.plot(xs, curve.at(xs), color=color)
+    lin = [(r["tokens"], r["efficiency"]) for r in raw["linear"]]
+    ax.scatter(*zip(*lin), color="C2", marker="s", s=12, label="linear layers (measured)")
+    xs = np.geomspace(profile.linear.tokens[0], profile.linear.tokens[-1], 100)
+    ax.plot(xs, profile.linear.at(xs), color="C2")
+    ax.set(xscale="log", xlabel="tokens per call", ylabel=f"fraction of {profile.gpu} peak", title=profile.source)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _summary(profile: calibration.Profile) -> list[list[str]]:
+    rows = [[f"attention L={int(t)}", f"{f:.4f}", f"{b:.4f}"] for t, f, b in
+            zip(profile.attention_forward.tokens, profile.attention_forward.efficiency,
+                profile.attention_backward.efficiency)]
+    rows += [[f"linear T={int(t)}", f"{e:.4f}", ""] for t, e in zip(profile.linear.tokens, profile.linear.efficiency)]
+    rows.append(["p2p latency / efficiency", f"{profile.p2p_latency_s * 1e6:.1f} us", f"{profile.p2p_efficiency:.3f}"])
+    return rows
+
+
+def command(args) -> int:
+    """`ballonet calibrate`: see the module docstring. Rank 0 writes and prints."""
+    import json
+
+    from ballonet.errors import InputError
+
+    if args.max_length is not None and args.max_length < 64:
+        raise InputError(f"--max-length must be at least 64, got {args.max_length}")
+    device = init_distributed()
+    gpu = args.gpu or default_gpu(device)
+    hardware.gpu(gpu)
+    specs.model(args.model or ("llama-7b" if device.type == "cuda" else "tiny"))
+    specs.cluster(args.cluster)
+    s = Settings(gpu=gpu, model=args.model or ("llama-7b" if device.type == "cuda" else "tiny"), cluster=args.cluster)
+    if device.type == "cuda":
+        s = dataclasses.replace(s, max_length=131072, pack_tokens=65536, linear_tokens=(128, 512, 2048, 8192, 32768),
+                                message_bytes=tuple(2**k for k in range(10, 31, 2)))
+    if args.quick:
+        s = quick(s)
+    if args.max_length:
+        s = dataclasses.replace(s, max_length=args.max_length)
+    lead = not dist.is_initialized() or dist.get_rank() == 0
+    profile, raw = run(s, device, _progress_factory(lead and not args.json))
+    if not lead:
+        return 0
+    if args.out:
+        _write_atomic(args.out, profile.to_json())
+    if args.plot:
+        plot(profile, raw, args.plot)
+    if args.json:
+        print(json.dumps({"profile": profile.to_dict(), "measurements": raw}, indent=1))
+    else:
+        _print_summary(profile, gpu, args.out)
+    return 0
+
+
+def _print_summary(profile: calibration.Profile, gpu: str, out: str | None) -> None:
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        for row in _summary(profile):
+            print(*row, sep="\t")
+        return
+    table = Table(title=f"calibration of {gpu}: fraction of peak", title_justify="left")
+    for col in ("what", "forward", "backward"):
+        table.add_column(col, justify="left" if col == "what" else "right")
+    for row in _summary(profile):
+        table.add_row(*row)
+    Console().print(table)
+    if out:
+        Console().print(f"wrote {out}")

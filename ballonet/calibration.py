@@ -1,0 +1,183 @@
+"""Calibration profiles: how fast one GPU type runs the pieces of a training step.
+
+A `Profile` holds what the cost model cannot derive from a datasheet: the fraction of
+peak FLOP/s an attention kernel reaches, forward and backward separately, against the
+tokens of the sequence (or chunk) it runs on; the same for the layer's GEMMs against the
+tokens of one call; the latency and the share of the nominal bandwidth reached by a
+point-to-point transfer inside a node and across nodes, and by each collective; and how
+much compute slows while communication runs beside it.
+
+Built-in profiles, one per GPU type, are in `hardware.py` with their sources. A profile
+file (JSON, `SCHEMA_VERSION`) is what `ballonet calibrate` writes; `load` reads one and
+refuses a wrong schema version, a missing field or a negative figure with one line naming
+the field; `use(profile)` prices every GPU of that type with it inside a `with` block (a
+context variable, so nothing global changes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ballonet.errors import InputError
+
+SCHEMA_VERSION = 1
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Curve:
+    """Efficiency (achieved / peak) at increasing token counts; log-linear in between,
+    flat beyond the first and last points."""
+    tokens: tuple[float, ...]
+    efficiency: tuple[float, ...]
+
+    def __post_init__(self):
+        object.__setattr__(self, "tokens", tuple(float(x) for x in self.tokens))
+        object.__setattr__(self, "efficiency", tuple(float(x) for x in self.efficiency))
+        if not self.tokens or len(self.tokens) != len(self.efficiency):
+            raise InputError("tokens and efficiency must be non-empty lists of one length")
+        if any(b <= a for a, b in zip(self.tokens, self.tokens[1:])) or self.tokens[0] < 1:
+            raise InputError("tokens must increase from 1 or more")
+        if any(not 0 < e <= 1 for e in self.efficiency):
+            raise InputError("efficiency must lie in (0, 1]")
+
+    def at(self, tokens) -> np.ndarray:
+        """The efficiency at each of `tokens` (array-like; any shape)."""
+        x = np.log2(np.maximum(np.asarray(tokens, dtype=float), 1.0))
+        return np.interp(x, np.log2(self.tokens), self.efficiency)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Profile:
+    gpu: str
+    """The GPU type this profile prices (a key of `hardware.GPUS`)."""
+    source: str
+    """Where the figures come from: a measurement (machine, command) or a citation."""
+    attention_forward: Curve
+    """Causal varlen attention forward, against the tokens of one sequence (or chunk);
+    FLOPs counted as 2*H*D*L*(L+1) (`cost_model.attention_flops`)."""
+    attention_backward: Curve
+    """The backward of the same kernel, FLOPs counted as 2.5x the forward's."""
+    attention_launch_s: float
+    """Floor of one attention kernel call, forward or backward."""
+    linear: Curve
+    """bf16 GEMMs of a layer (QKV, O, MLP) against the tokens of one call."""
+    p2p_latency_s: float
+    """One intra-node point-to-point transfer's fixed cost."""
+    p2p_efficiency: float
+    """Bandwidth reached by a large intra-node transfer over the GPU type's nominal one."""
+    nic_latency_s: float
+    nic_efficiency: float
+    """Bandwidth reached across nodes over the NIC's line rate."""
+    collective_latency_s: float
+    collective_efficiency: dict
+    """Bus bandwidth of each of `COLLECTIVES` over the nominal intra-node bandwidth."""
+    overlap_slowdown: float = 0.0
+    """Compute seconds added per second of communication running beside it on the same
+    GPU (copy engines and NCCL kernels take memory bandwidth and SMs)."""
+    assumptions: tuple[str, ...] = ()
+    """Figures of this profile that no measurement backs, in words."""
+    machine: dict = field(default_factory=dict)
+    versions: dict = field(default_factory=dict)
+    schema: int = SCHEMA_VERSION
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, sort_keys=True)
+
+
+_SCALARS = ("attention_launch_s", "p2p_latency_s", "p2p_efficiency", "nic_latency_s", "nic_efficiency",
+            "collective_latency_s", "overlap_slowdown")
+_CURVES = ("attention_forward", "attention_backward", "linear")
+
+
+def _number(where: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value):
+        raise InputError(f"{where} must be a number, got {value!r}")
+    if value < 0:
+        raise InputError(f"{where} must not be negative, got {value!r}")
+    return float(value)
+
+
+def from_dict(d: dict, where: str = "calibration") -> Profile:
+    """A validated `Profile` from its JSON form; InputError names the first bad field."""
+    if not isinstance(d, dict):
+        raise InputError(f"{where}: a profile must be a JSON object")
+    if d.get("schema") != SCHEMA_VERSION:
+        raise InputError(f"{where}: field 'schema' must be {SCHEMA_VERSION}, got {d.get('schema')!r}")
+    required = [f.name for f in dataclasses.fields(Profile)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    for name in required:
+        if name not in d:
+            raise InputError(f"{where}: field {name!r} is missing")
+    known = {f.name for f in dataclasses.fields(Profile)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise InputError(f"{where}: unknown field {unknown[0]!r}")
+    kw = dict(d)
+    for name in _SCALARS:
+        if name in kw:
+            kw[name] = _number(f"{where}: field {name!r}", kw[name])
+    for name in _CURVES:
+        c = kw[name]
+        if not isinstance(c, dict) or set(c) != {"tokens", "efficiency"}:
+            raise InputError(f"{where}: field {name!r} must be an object with 'tokens' and 'efficiency' lists")
+        for key in ("tokens", "efficiency"):
+            if not isinstance(c[key], list):
+                raise InputError(f"{where}: field '{name}.{key}' must be a list")
+            for i, v in enumerate(c[key]):
+                _number(f"{where}: field '{name}.{key}[{i}]'", v)
+        try:
+            kw[name] = Curve(**c)
+        except InputError as e:
+            raise InputError(f"{where}: field {name!r}: {e}") from None
+    coll = kw["collective_efficiency"]
+    if not isinstance(coll, dict):
+        raise InputError(f"{where}: field 'collective_efficiency' must be an object")
+    for op in COLLECTIVES:
+        if op not in coll:
+            raise InputError(f"{where}: field 'collective_efficiency.{op}' is missing")
+        coll[op] = _number(f"{where}: field 'collective_efficiency.{op}'", coll[op])
+    kw["assumptions"] = tuple(kw.get("assumptions", ()))
+    for name in ("gpu", "source"):
+        if not isinstance(kw[name], str) or not kw[name]:
+            raise InputError(f"{where}: field {name!r} must be a non-empty string")
+    return Profile(**kw)
+
+
+def load(path: str) -> Profile:
+    """Read and validate a profile file."""
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except OSError as e:
+        raise InputError(f"{path}: cannot read calibration file ({e.strerror})") from None
+    except json.JSONDecodeError as e:
+        raise InputError(f"{path}: malformed JSON: {e}") from None
+    return from_dict(d, where=path)
+
+
+_OVERRIDES: contextvars.ContextVar[dict | None] = contextvars.ContextVar("ballonet_calibration", default=None)
+
+
+@contextlib.contextmanager
+def use(*profiles: Profile):
+    """Inside the block, GPUs of each profile's type are priced with it."""
+    token = _OVERRIDES.set({**(_OVERRIDES.get() or {}), **{p.gpu: p for p in profiles}})
+    try:
+        yield
+    finally:
+        _OVERRIDES.reset(token)
+
+
+def override(gpu: str) -> Profile | None:
+    """The profile `use` installed for `gpu`, if any."""
+    return (_OVERRIDES.get() or {}).get(gpu)

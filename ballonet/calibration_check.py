@@ -1,0 +1,54 @@
+"""Compare a measured calibration profile with the built-in profile of its GPU type.
+
+    python -m ballonet.calibration_check PROFILE.json
+
+Prints a Markdown table: per token count, the measured efficiency over the built-in one
+for attention forward, attention backward and the linear layers (1.00 = the built-in
+profile predicts this machine exactly), and the largest deviation of each part.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from ballonet import calibration, hardware
+from ballonet.profiles import PROFILES
+
+
+def compare(measured: calibration.Profile) -> tuple[list[str], dict[str, float]]:
+    built_in = PROFILES.get(measured.gpu, hardware.profile(measured.gpu))
+    lines = [f"# {measured.source} vs the built-in '{measured.gpu}' profile", "",
+             "| part | tokens | measured | built-in | ratio |", "| --- | --- | --- | --- | --- |"]
+    worst = {}
+    for part in ("attention_forward", "attention_backward", "linear"):
+        mine, theirs = getattr(measured, part), getattr(built_in, part)
+        ratios = []
+        for t, e in zip(mine.tokens, mine.efficiency):
+            ref = float(theirs.at(t))
+            ratios.append(e / ref)
+            lines.append(f"| {part} | {int(t)} | {e:.4f} | {ref:.4f} | {e / ref:.2f} |")
+        worst[part] = float(np.max(np.abs(np.log(ratios))))
+    lines += ["", "Largest deviation (max |ln ratio|, as a factor): "
+              + ", ".join(f"{k} x{np.exp(v):.2f}" for k, v in worst.items())]
+    return lines, worst
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m ballonet.calibration_check PROFILE.json", file=sys.stderr)
+        return 2
+    try:
+        measured = calibration.load(argv[0])
+    except calibration.InputError as e:
+        print(f"calibration_check: error: {e}", file=sys.stderr)
+        return 2
+    lines, _ = compare(measured)
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

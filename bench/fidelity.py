@@ -1,0 +1,156 @@
+"""Fidelity of the simulator against the real runtime on this CPU machine.
+
+    python bench/fidelity.py [--ranks 2 4] [--steps 6] [--profile FILE]
+
+1. Calibrate this machine (`ballonet calibrate` under torchrun on 2 gloo ranks, lengths up
+   to --max-doc-tokens) unless --profile names a profile already measured.
+2. For each world size and planner, train the tiny model for --steps real steps
+   (`ballonet train --nproc N --json-log`), 2 ranks on one emulated node, 4 ranks on two.
+3. For every step but the first (warm-up), plan the same batch (the log's ledger gives
+   its document lengths) on the same emulated cluster and simulate it with the measured
+   profile; compare predicted and measured per-rank compute time (max and mean over
+   ranks: CPU time of the training thread, forward and backward) and step time (wall).
+
+Targets (issue 13): compute within 15%, step within 25%, planners in the same order.
+Writes bench/results/fidelity.md and fidelity.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import ballonet
+from ballonet import calibration
+from ballonet.planning import plan_batch
+from ballonet.simulation import simulate
+
+PLANNERS = ["zeppelin", "te_cp", "hybrid_dp", "wlb_llm", "packed_dp"]
+TARGETS = {"compute": 0.15, "step": 0.25}
+
+
+def _env() -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def calibrate(path: str, max_length: int) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", "127.0.0.1:0", "-m", "ballonet", "calibrate", "--max-length", str(max_length),
+           "--out", path]
+    subprocess.run(cmd, env=_env(), check=True, stdout=subprocess.DEVNULL)
+
+
+def train(nproc: int, planner: str, args, log: str) -> list[dict]:
+    nodes = 1 if nproc <= 2 else 2
+    cmd = [sys.executable, "-m", "ballonet", "train", "--nproc", str(nproc), "--nodes", str(nodes),
+           "--planner", planner, "--steps", str(args.steps), "--global-tokens", str(args.global_tokens),
+           "--max-doc-tokens", str(args.max_doc_tokens), "--json-log", log, "--seed", str(args.seed)]
+    subprocess.run(cmd, env=_env(), check=True, stdout=subprocess.DEVNULL)
+    with open(log) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def predict(record: dict, nproc: int, planner: str, profile) -> dict:
+    nodes = 1 if nproc <= 2 else 2
+    cluster = ballonet.cluster("cpu", num_nodes=nodes, gpus_per_node=nproc // nodes)
+    model = ballonet.model("tiny")
+    lengths = [end - start for _, _, start, end in record["ledger"]]
+    with calibration.use(profile):
+        res = simulate(plan_batch(lengths, cluster, model, planner), cluster, model)
+    return {"compute_s_max": max(res.compute_s), "compute_s_mean": statistics.mean(res.compute_s),
+            "step_s": res.step_time_s}
+
+
+def compare(records: list[dict], nproc: int, planner: str, profile) -> dict:
+    rows = []
+    for rec in records[1:]:  # the first step warms up allocators and kernels
+        p = predict(rec, nproc, planner, profile)
+        rows.append({"step": rec["step"], "predicted": p,
+                     "measured": {"compute_s_max": rec["compute_s_max"], "compute_s_mean": rec["compute_s_mean"],
+                                  "step_s": rec["tokens"] / rec["tokens_per_s"]}})
+    out = {"steps": rows}
+    for key in ("compute_s_max", "compute_s_mean", "step_s"):
+        pred = statistics.mean(r["predicted"][key] for r in rows)
+        meas = statistics.mean(r["measured"][key] for r in rows)
+        out[key] = {"predicted": pred, "measured": meas, "error": pred / meas - 1}
+    return out
+
+
+def _order(results: dict, nproc: int, side: str) -> list[str]:
+    mine = {p: r["step_s"][side] for (n, p), r in results.items() if n == nproc}
+    return sorted(mine, key=mine.get)
+
+
+def report(results: dict, args, profile_path: str, seconds: float) -> str:
+    lines = ["# Simulator fidelity on this CPU machine (tiny model, gloo ranks)", "",
+             f"Command: `python bench/fidelity.py {' '.join(sys.argv[1:])}` ({seconds:.0f} s). Profile: "
+             f"`{os.path.relpath(profile_path, ROOT)}` (`ballonet calibrate` on 2 gloo ranks, this machine). "
+             f"{args.steps} steps of {args.global_tokens} tokens per run, documents cut at {args.max_doc_tokens} "
+             "tokens, the first step left out. Compute = CPU time of each rank's training thread over forward "
+             "and backward (max and mean over ranks); step = wall time of the step. Targets: compute within "
+             f"{TARGETS['compute']:.0%}, step within {TARGETS['step']:.0%}, planners in the same order. "
+             f"Load average of this {os.cpu_count()}-core machine during the runs (other jobs share it): "
+             f"{', '.join(f'{x:.1f}' for x in args.load)}; the simulator's step assumes a core per rank, so "
+             "wall-clock steps are only comparable on an otherwise idle machine.", "",
+             "| ranks | planner | compute max pred / meas (s) | err | compute mean pred / meas (s) | err "
+             "| step pred / meas (s) | err | met |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for (n, planner), r in sorted(results.items()):
+        cm, cmean, st = r["compute_s_max"], r["compute_s_mean"], r["step_s"]
+        met = abs(cm["error"]) <= TARGETS["compute"] and abs(cmean["error"]) <= TARGETS["compute"] \
+            and abs(st["error"]) <= TARGETS["step"]
+        lines.append(f"| {n} | {planner} | {cm['predicted']:.3f} / {cm['measured']:.3f} | {cm['error']:+.0%} "
+                     f"| {cmean['predicted']:.3f} / {cmean['measured']:.3f} | {cmean['error']:+.0%} "
+                     f"| {st['predicted']:.3f} / {st['measured']:.3f} | {st['error']:+.0%} | {'yes' if met else 'no'} |")
+    lines += ["", "Planner order by step time, fastest first:", ""]
+    for n in sorted({n for n, _ in results}):
+        pred, meas = _order(results, n, "predicted"), _order(results, n, "measured")
+        lines.append(f"* {n} ranks: predicted {' < '.join(pred)}; measured {' < '.join(meas)}: "
+                     f"{'same order' if pred == meas else 'different order'}")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--planners", nargs="+", default=PLANNERS)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--global-tokens", type=int, default=8192)
+    p.add_argument("--max-doc-tokens", type=int, default=2048)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", default=None, help="a measured profile (default: calibrate now)")
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "fidelity"))
+    args = p.parse_args()
+    t0 = time.time()
+    profile_path = args.profile or os.path.join(ROOT, "bench", "results", "fidelity_profile.json")
+    if not args.profile:
+        calibrate(profile_path, args.max_doc_tokens)
+    profile = calibration.load(profile_path)
+    results, logs = {}, tempfile.mkdtemp(prefix="ballonet-fidelity-")
+    args.load = []
+    for n in args.ranks:
+        for planner in args.planners:
+            args.load.append(os.getloadavg()[0])
+            records = train(n, planner, args, os.path.join(logs, f"{planner}_{n}.jsonl"))
+            results[n, planner] = compare(records, n, planner, profile)
+            r = results[n, planner]
+            print(f"{n} ranks {planner:10s} compute max {r['compute_s_max']['error']:+.0%} "
+                  f"mean {r['compute_s_mean']['error']:+.0%} step {r['step_s']['error']:+.0%}", flush=True)
+    text = report(results, args, profile_path, time.time() - t0)
+    with open(args.out + ".md", "w") as f:
+        f.write(text)
+    with open(args.out + ".json", "w") as f:
+        json.dump({f"{n}/{p}": r for (n, p), r in results.items()}, f, indent=1)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

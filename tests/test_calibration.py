@@ -1,0 +1,118 @@
+"""Calibration profiles: the file format, its refusals, `use`, and `ballonet calibrate`.
+
+Speed figures are never asserted here (bench/fidelity.py compares predictions with
+measured steps); these tests check the format, what is measured and where it goes.
+"""
+
+import json
+
+import pytest
+import torch
+
+from ballonet import calibration, cost_model, hardware
+from ballonet.cli import main
+from ballonet.errors import InputError
+from tests.distributed import run_ranks
+
+
+def _profile_dict() -> dict:
+    return json.loads(hardware.profile("cpu").to_json())
+
+
+def test_built_in_profile_round_trips_through_json():
+    for name in hardware.GPUS:
+        p = hardware.profile(name)
+        assert calibration.from_dict(json.loads(p.to_json())) == p
+
+
+@pytest.mark.parametrize("change, field", [
+    (lambda d: d.update(schema=2), "'schema'"),
+    (lambda d: d.pop("linear"), "'linear' is missing"),
+    (lambda d: d.pop("collective_efficiency"), "'collective_efficiency' is missing"),
+    (lambda d: d.update(attention_launch_s=-1e-6), "'attention_launch_s' must not be negative"),
+    (lambda d: d.update(p2p_latency_s="fast"), "'p2p_latency_s' must be a number"),
+    (lambda d: d["attention_backward"]["efficiency"].__setitem__(0, -0.1), "'attention_backward.efficiency[0]'"),
+    (lambda d: d["collective_efficiency"].pop("all_reduce"), "'collective_efficiency.all_reduce' is missing"),
+    (lambda d: d.update(speed=3), "unknown field 'speed'"),
+])
+def test_bad_profiles_are_refused_naming_the_field(tmp_path, capsys, change, field):
+    d = _profile_dict()
+    change(d)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(InputError, match=field.replace("[", r"\[").replace("]", r"\]")):
+        calibration.load(str(path))
+    assert main(["cost", "--length", "1024", "--calibration", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(path) in err and "Traceback" not in err
+
+
+def test_use_prices_one_gpu_type_inside_the_block_only():
+    d = _profile_dict()
+    d["attention_forward"] = {"tokens": [1], "efficiency": [0.5]}
+    fast = calibration.from_dict(d)
+    model = pytest.importorskip("ballonet").model("tiny")
+    cpu = hardware.gpu("cpu")
+    before = cost_model.attention_time(model, cpu, 1e9, 4096)
+    with calibration.use(fast):
+        assert hardware.profile("cpu") is fast and hardware.profile("h100") is not fast
+        assert cost_model.attention_time(model, cpu, 1e9, 4096) == pytest.approx(1e9 / (0.5 * cpu.peak_flops))
+    assert cost_model.attention_time(model, cpu, 1e9, 4096) == before
+
+
+def test_calibrate_quick_writes_a_profile_the_other_commands_read(tmp_path, capsys):
+    out, fig = tmp_path / "cpu.json", tmp_path / "cpu.png"
+    assert main(["calibrate", "--quick", "--out", str(out), "--plot", str(fig)]) == 0
+    capsys.readouterr()
+    p = calibration.load(str(out))
+    assert p.gpu == "cpu" and p.versions["torch"] == torch.__version__ and p.machine["world_size"] == 1
+    assert p.attention_forward.tokens == (64, 128, 256, 512) and p.attention_backward.tokens == p.attention_forward.tokens
+    assert p.attention_forward.efficiency != p.attention_backward.efficiency  # timed separately
+    assert any("one process" in a for a in p.assumptions)
+    assert fig.stat().st_size > 0
+    args = ["--cluster", "cpu", "--model", "tiny"]
+    assert main(["cost", *args, "--length", "512", "--json"]) == 0
+    built_in = json.loads(capsys.readouterr().out)
+    assert main(["cost", *args, "--length", "512", "--json", "--calibration", str(out)]) == 0
+    measured = json.loads(capsys.readouterr().out)
+    flops = measured["attention_flops_fwd"]
+    assert measured["attention_time_s"] == pytest.approx(
+        max(p.attention_launch_s, flops / (hardware.gpu("cpu").peak_flops * p.attention_forward.efficiency[-1])))
+    assert measured["attention_time_s"] != built_in["attention_time_s"]
+    assert main(["simulate", *args, "--nodes", "1", "--tokens-per-gpu", "1024", "--planners", "zeppelin",
+                 "--json", "--calibration", str(out)]) == 0
+    assert json.loads(capsys.readouterr().out)["results"][0]["step_time_s"] > 0
+    assert main(["calibrate", "--max-length", "8"]) == 2 and "--max-length" in capsys.readouterr().err
+
+
+def _calibrate_on_ranks(rank: int, world: int):
+    from ballonet import calibrate
+
+    s = calibrate.quick(calibrate.Settings(gpu="cpu", model="tiny"))
+    profile, raw = calibrate.run(s, torch.device("cpu"))
+    return profile, raw
+
+
+def test_calibrate_on_two_gloo_ranks_measures_the_links():
+    (profile, raw), _ = run_ranks(2, _calibrate_on_ranks)
+    built_in = hardware.profile("cpu")
+    assert [r["bytes"] for r in raw["comm"]["p2p"]] == [2**10, 2**16, 2**20]
+    assert all(r["seconds"] > 0 for op in ("p2p", "all_to_all", "all_reduce") for r in raw["comm"][op])
+    assert profile.p2p_efficiency != built_in.p2p_efficiency and profile.machine["world_size"] == 2
+    assert profile.nic_latency_s == profile.p2p_latency_s
+    assert set(profile.collective_efficiency) == set(calibration.COLLECTIVES)
+    calibration.from_dict(json.loads(profile.to_json()))  # valid
+
+
+def test_calibration_check_compares_with_the_built_in_profile(tmp_path, capsys):
+    from ballonet import calibration_check
+
+    lines, worst = calibration_check.compare(hardware.profile("h200"))
+    assert worst == {"attention_forward": 0.0, "attention_backward": 0.0, "linear": 0.0}
+    path = tmp_path / "p.json"
+    d = json.loads(hardware.profile("h200").to_json())
+    d["linear"]["efficiency"] = [e / 2 for e in d["linear"]["efficiency"]]
+    path.write_text(json.dumps(d))
+    assert calibration_check.main([str(path)]) == 0
+    assert "linear x2.00" in capsys.readouterr().out
+    assert calibration_check.main([str(tmp_path / "missing.json")]) == 2

@@ -1,0 +1,118 @@
+"""One truth for simulator and runtime, and a bound no plan beats.
+
+* The bytes the simulator moves, per transfer class and (src, dst) pair, equal the
+  runtime's own prediction (`runtime.routing.predicted_bytes` for ring K/V and dK/dV,
+  `runtime.remapping.predicted_bytes` for the remaps of q/k/v and o) for every planner;
+  those predictions are checked against bytes counted on real gloo runs in
+  tests/test_attention.py and tests/test_remap.py.
+* `lower_bound_s` is the same for every planner on a batch, and no planner's simulated
+  step is below it.
+"""
+
+from collections import Counter
+
+import pytest
+import torch
+
+import ballonet
+from ballonet import cost_model, hardware
+from ballonet.planning import PLANNERS, plan_batch
+from ballonet.runtime import remapping, routing
+from ballonet.simulation import simulate
+from ballonet.specs import ClusterSpec, NodeGroup
+
+CONFIGS = [
+    # (cluster, nodes, model, lengths)
+    ("cpu", 2, "tiny", [700, 90, 2300, 40, 1200, 600, 310, 3900, 25, 800]),
+    ("h800-8nic", 2, "llama3-8b", [40000, 3000, 800, 12000, 500, 2500, 7000, 300, 1500, 20000] * 3),
+    ("a800-4nic", 2, "llama-7b", [30000, 1000, 200, 9000, 4000, 600, 16000, 2200, 120, 5000] * 2),
+]
+
+
+def _planned(cluster_name, nodes, model_name, lengths):
+    c, m = ballonet.cluster(cluster_name, num_nodes=nodes), ballonet.model(model_name)
+    for name in PLANNERS:
+        try:
+            yield name, c, m, plan_batch(lengths, c, m, name)
+        except ballonet.InfeasiblePlan:
+            continue
+
+
+def _dtype(model) -> torch.dtype:
+    return {2: torch.bfloat16, 4: torch.float32}[model.dtype_bytes]
+
+
+def _runtime_bytes(plan, model) -> dict[str, Counter]:
+    """Per phase, Counter of (class, src, dst) the runtime sends in one layer."""
+    ring = routing.predicted_bytes(plan, model.num_kv_heads, model.head_dim, _dtype(model))
+    grad_only = ring.backward - ring.forward  # backward = K/V again + fp32 dK/dV
+    elem = model.dtype_bytes
+    qkv = remapping.predicted_bytes(plan, (model.hidden + 2 * model.kv_dim) * elem, src="linear")
+    o = remapping.predicted_bytes(plan, model.hidden * elem, src="attention")
+    out = {}
+    for phase in ("forward", "backward"):
+        c = Counter()
+        for (a, b), n in ring.forward.items():
+            c["kv", a, b] += n
+        if phase == "backward":
+            for (a, b), n in grad_only.items():
+                c["grad", a, b] += n
+        for (a, b), n in (getattr(qkv, phase) + getattr(o, phase)).items():
+            c["remap", a, b] += n
+        out[phase] = +c
+    return out
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[c[0] for c in CONFIGS])
+def test_simulator_moves_exactly_the_runtime_bytes_for_every_planner(config):
+    seen = set()
+    for name, c, m, plan in _planned(*config):
+        res = simulate(plan, c, m)
+        expected = _runtime_bytes(plan, m)
+        for phase in ("forward", "backward"):
+            sim = Counter({k: v for k, v in res.bytes_sent[phase].items() if k[0] != "allreduce"})
+            assert sim == expected[phase], (name, phase)
+        seen.add(name)
+    assert {"zeppelin", "te_cp", "packed_dp", "wlb_llm", "hybrid_dp"} <= seen
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[c[0] for c in CONFIGS])
+def test_no_planner_beats_the_batch_lower_bound(config):
+    bounds, steps = set(), {}
+    for name, c, m, plan in _planned(*config):
+        res = simulate(plan, c, m)
+        bounds.add(res.lower_bound_s)
+        steps[name] = res.step_time_s
+        assert res.step_time_s >= res.lower_bound_s > 0, name
+        assert res.compute_bound_s >= res.lower_bound_s * (1 - 1e-12), name
+    assert len(bounds) == 1 and len(steps) >= 5
+
+
+def test_lower_bound_by_hand_on_one_gpu():
+    # One document on one GPU: the bound is its FLOPs at the profile's best efficiencies.
+    c = ClusterSpec(name="one", groups=(NodeGroup(gpu="h100", num_nodes=1, gpus_per_node=1, nics_per_node=1),))
+    m = ballonet.model("llama-3b")
+    L = 2048
+    p = hardware.profile("h100")
+    best_f = max(e for t, e in zip(p.attention_forward.tokens, p.attention_forward.efficiency) if t <= L)
+    best_b = max(e for t, e in zip(p.attention_backward.tokens, p.attention_backward.efficiency) if t <= L)
+    best_l = max(e for t, e in zip(p.linear.tokens, p.linear.efficiency) if t <= L)
+    att = 2 * 3200 * L * (L + 1)
+    lin = 2 * (4 * 3200**2 + 3 * 3200 * 8640) * L
+    head = 2 * 32000 * 3200 * L
+    mode = cost_model.batch_recompute([L], c, m)
+    assert mode == "none"  # 2K tokens of llama-3b fit an H100 without recomputation
+    work = 26 * (att / best_f + 2.5 * att / best_b + 3 * lin / best_l) + 3 * head / best_l
+    assert cost_model.batch_lower_bound([L], c, m) == pytest.approx(work / 989e12, rel=1e-9)
+
+
+def test_te_cp_is_sized_to_the_context_as_a_megatron_user_sizes_it():
+    c, m = ballonet.cluster("h800-8nic", num_nodes=2), ballonet.model("llama3-8b")  # 16 ranks
+    lengths = [30000] + [2000] * 49  # 128000 tokens: 8000 a rank, the context needs 30000 / 8000 -> 4
+    plan = plan_batch(lengths, c, m, "te_cp")
+    assert plan.meta["cp_size"] == 4
+    assert all(len(r.ranks) == 4 and r.ranks[0] % 4 == 0 for r in plan.rings)  # 4 data-parallel CP groups
+    whole = plan_batch(lengths, c, m, "te_cp", cp_size=16)
+    assert {len(r.ranks) for r in whole.rings} == {16}
+    short = plan_batch([3000] * 40, c, m, "te_cp")  # every document fits a rank's share: no CP
+    assert short.meta["cp_size"] == 1 and not short.rings
