@@ -2,11 +2,11 @@ from pathlib import Path
 
 import pytest
 
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 
 
 @pytest.fixture
-def shared_data() -> Path:
-    if not SHARED_DATA.is_dir():
-        pytest.skip(f"real data not found at {SHARED_DATA}")
-    return SHARED_DATA
+def real_data() -> Path:
+    """The repository's measured data (data/README.md: document lengths, H100 timings)."""
+    assert DATA.is_dir(), f"the repository's data folder is missing: {DATA}"
+    return DATA

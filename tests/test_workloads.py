@@ -26,8 +26,8 @@ def _assert_close(drawn, reference):
 
 
 @pytest.mark.parametrize("name", ["wlbllm", "prolong"])
-def test_preset_matches_real_list(name, shared_data):
-    real = json.loads((shared_data / "workloads" / f"{name}.json").read_text())
+def test_preset_matches_real_list(name, real_data):
+    real = json.loads((real_data / "workloads" / f"{name}.json").read_text())
     drawn = workloads.get(name).sample_lengths(200_000, np.random.default_rng(7))
     _assert_close(drawn, real)
     assert f"{name}.json" in workloads.PRESETS[name].source
