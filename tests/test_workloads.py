@@ -162,7 +162,7 @@ def test_each_format_loads(tmp_path):
     ("lengths.jsonl", '{"length": 4}\n{"length": -1}\n', "lengths.jsonl:2: length must be a positive integer, got -1"),
     ("lengths.jsonl", '{"length": 4}\n{"text": ""}\n', "lengths.jsonl:2: length must be a positive integer, got 0"),
     ("lengths.jsonl", '{"length": 4}\n{"tokens": [1]}\n', "lengths.jsonl:2: expected an object with a 'length'"),
-    ("lengths.jsonl", '{"length": 4}\nnot json\n', "lengths.jsonl:2: malformed JSON"),
+    ("lengths.jsonl", '{"length": 4}\nnot json\n', "lengths.jsonl:2: not JSON Lines: malformed JSON"),
     ("empty.txt", "\n\n", "empty.txt: no lengths in file"),
 ])
 def test_bad_files_name_file_and_line(tmp_path, name, content, message):
