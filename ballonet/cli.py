@@ -139,7 +139,7 @@ def cmd_demo(args) -> int:
     _print_table("one training iteration, simulated", ["planner", "step s", "vs te_cp", "MFU", "attn imbalance",
                                                        "exposed comm"],
                  [_row_cells(r, ["step_time_s", "speedup_vs_te_cp", "mfu", "attention_imbalance",
-                                 "exposed_comm_share"]) for r in rows])
+                                 "exposed_comm_share"]) for r in rows], _infeasible_footer(rows))
     print(f"\n2/2  Real: the tiny model trained on 4 CPU ranks (2 emulated nodes of 2) with zeppelin plans, "
           f"on the Python standard library's source files, {args.steps} steps\n", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -227,11 +227,16 @@ _CELL_FORMATS = {"step_time_s": "{:.3f}", "speedup_vs_te_cp": "{:.2f}x", "mfu": 
 
 
 def _row_cells(row, keys: list[str]) -> list[str]:
-    """The planner and its figures, or "infeasible: <reason>" across the row."""
+    """The planner and its figures, or "infeasible" (the reasons go under the table: `_infeasible_footer`)."""
     if not row.feasible:
-        return [row.planner, f"infeasible: {row.reason}"] + [""] * (len(keys) - 1)
+        return [row.planner, "infeasible"] + ["-"] * (len(keys) - 1)
     values = [getattr(row, k) for k in keys]
     return [row.planner] + ["-" if v is None else _CELL_FORMATS[k].format(v) for k, v in zip(keys, values)]
+
+
+def _infeasible_footer(rows) -> str | None:
+    lines = [f"infeasible: {r.reason}" for r in rows if not r.feasible]
+    return "\n".join(lines) or None
 
 
 def _plot_formats() -> tuple[str, ...]:
@@ -311,7 +316,7 @@ def cmd_simulate(args) -> int:
     table = [_row_cells(r, ["step_time_s", "speedup_vs_te_cp", "mfu", "attention_imbalance", "exposed_comm_share",
                             "ratio_to_lower_bound"]) for r in rows]
     _print_table(title, ["planner", "step s", "vs te_cp", "MFU", "attn imbalance", "exposed comm",
-                         "step / bound"], table)
+                         "step / bound"], table, _infeasible_footer(rows))
     return 0
 
 

@@ -42,7 +42,8 @@ def config(cluster: str, nodes: int, model: str, tp: int, workload: str, tokens:
     m = specs.model(model, tp=tp)
     t = time.perf_counter()
     rows = compare(c, m, workload, tokens, planners, steps=steps, seed=0, max_length=max_length)
-    results = {r.planner: {**r.to_dict(), "tokens_per_s": tokens * c.num_ranks / r.step_time_s} for r in rows}
+    results = {r.planner: {**r.to_dict(), "tokens_per_s": tokens * c.num_ranks / r.step_time_s if r.feasible else None}
+               for r in rows}
     # TE CP as a Megatron user would size it for the context window: cp = context / tokens per GPU
     cp = max(1, max_length // tokens // tp) if max_length else 1
     if cp > 1 and (c.num_ranks // tp) % cp == 0:
@@ -54,12 +55,15 @@ def config(cluster: str, nodes: int, model: str, tp: int, workload: str, tokens:
            "tokens_per_gpu": tokens, "max_length": max_length, "steps": steps, "results": results,
            "seconds": time.perf_counter() - t}
     print(f"  {cluster} {c.num_ranks:4d} GPUs {model:9s} tp{tp} {workload:8s} ctx {max_length}: zeppelin "
-          f"x{out['results']['zeppelin']['speedup_vs_te_cp']:.2f} ({out['seconds']:.0f}s)", file=sys.stderr, flush=True)
+          f"x{speedup(out):.2f} ({out['seconds']:.0f}s)", file=sys.stderr, flush=True)
     return out
 
 
 def speedup(cfg: dict, planner: str = "zeppelin", over: str = "te_cp") -> float:
+    """NaN when either planner is infeasible on the configuration."""
     r = cfg["results"]
+    if r[over].get("feasible") is False or r[planner].get("feasible") is False:
+        return float("nan")
     return r[over]["step_time_s"] / r[planner]["step_time_s"]
 
 
@@ -218,7 +222,7 @@ def _table(configs: list[dict], key: str) -> list[str]:
              "to the context | zeppelin MFU | zeppelin step/bound |", "|" + " --- |" * (len(PLANNERS) + 8)]
     for c in configs:
         r = c["results"]
-        cells = [f"{speedup(c, p):.2f}" for p in PLANNERS]
+        cells = [f"{speedup(c, p):.2f}" if r[p].get("feasible", True) else "infeasible" for p in PLANNERS]
         cells.append(f"{speedup(c, over='te_cp_ctx'):.2f} (cp {r['te_cp_ctx']['cp_size']})" if "te_cp_ctx" in r else "-")
         lines.append(f"| {c['cluster']} | {c['gpus']} | {c['model']} (tp {c['tp']}) | {c['workload']} | "
                      f"{c['max_length']} | " + " | ".join(cells) +

@@ -67,7 +67,7 @@ def _failure_line(failures: dict, folder: str) -> tuple[str, int]:
                 return f.read().strip(), failures[rank].exitcode if rank in failures else 2
     code = failures[first].exitcode
     cause = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-    return f"ballonet train: error: rank {first} failed ({cause}; its output is above)", 1
+    return f"ballonet train: error: rank {first} failed ({cause})", 1
 
 
 def launch(argv: list[str], nproc: int, max_restarts: int) -> int:
