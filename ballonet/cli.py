@@ -194,11 +194,11 @@ def _check_launch_flags(args) -> None:
 
 
 def cmd_train(args) -> int:
+    _check_launch_flags(args)
     from ballonet.training import config as train_config
     from ballonet.training.launch import launch
     from ballonet.training.loop import preflight, train
 
-    _check_launch_flags(args)
     if args.nproc is not None and "RANK" not in os.environ:
         if args.gpus_per_node and args.gpus_per_node * args.nodes != args.nproc:
             raise InputError(f"--nodes {args.nodes} x --gpus-per-node {args.gpus_per_node} != --nproc {args.nproc}")
@@ -301,6 +301,8 @@ def cmd_simulate(args) -> int:
         rows = comparison.compare(cluster, model, args.workload, args.tokens_per_gpu, planners, steps=args.steps,
                                   seed=args.seed, max_length=args.max_length, planner_options=popts,
                                   sim_options=sopts, progress=lambda n: bar.advance(task, n))
+    if not any(r.feasible for r in rows):
+        raise InputError(f"no planner can run the batch: {rows[0].reason}")
     for r in rows:
         if r.planner in traces and r.feasible:
             write_atomic(traces[r.planner], r.first.to_chrome_trace)
