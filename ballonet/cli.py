@@ -187,10 +187,15 @@ def _strip_launch_flags(argv: list[str]) -> list[str]:
 
 
 def _check_launch_flags(args) -> None:
+    """The flags `TrainConfig` does not hold: the launch, and where the run writes."""
     for flag, value, least in (("--nproc", args.nproc, 1), ("--gpus-per-node", args.gpus_per_node, 1),
                                ("--max-restarts", args.max_restarts, 0)):
         if value is not None and value < least:
             raise InputError(f"{flag} must be {'positive' if least else 'non-negative'}, got {value}")
+    if args.json_log:
+        check_output(args.json_log, "--json-log")
+    if args.checkpoint_dir and os.path.exists(args.checkpoint_dir) and not os.path.isdir(args.checkpoint_dir):
+        raise InputError(f"--checkpoint-dir {args.checkpoint_dir}: is a file; give a folder")
 
 
 def cmd_train(args) -> int:
