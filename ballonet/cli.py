@@ -76,6 +76,8 @@ def cmd_cost(args) -> int:
     cluster = specs.cluster(args.cluster)
     model = specs.model(args.model, **({"tp": args.tp} if args.tp else {}))
     group = cluster.groups[0]
+    if group.gpus_per_node % model.tp:
+        raise InputError(f"--tp {model.tp} does not divide the {group.gpus_per_node} GPUs per node of {cluster.name!r}")
     cost = cost_model.sequence_cost(model, group, args.length)
     report = {
         "model": model.name,

@@ -170,6 +170,7 @@ SWEEP: list[Case] = [
     _case("tp above the heads", "cost", "--length", "10", "--tp", "64"),
     _case("tp not dividing the heads", "cost", "--length", "10", "--tp", "3"),
     _case("tp above the GPUs of a node", "plan", "--cluster", "cpu", "--tp", "4"),
+    _case("cost: tp above the GPUs of a node", "cost", "--length", "10", "--tp", "16"),
     _case("unknown planner", "plan", "--planner", "magic"),
     _case("unknown planner in a list", "simulate", "--planners", "zeppelin,magic"),
     _case("empty planner list", "simulate", "--planners", ","),
