@@ -18,6 +18,7 @@ named like a preset) should exit 0. Writes bench/results/fuzz.md and fuzz.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -102,19 +103,31 @@ def check_call(lengths, cluster, model, planner: str, timeout_s: float) -> str:
         signal.signal(signal.SIGALRM, old)
 
 
-def fuzz_planners(num_cases: int, seed: int = 0, timeout_s: float = 30.0) -> dict:
+def _fuzz_case(seed: int, case: int, timeout_s: float) -> tuple[int, dict[str, str], tuple]:
+    """Case `case` of the fuzz (its own generator, so cases split over processes)."""
+    lengths, cluster, model = random_case(np.random.default_rng([seed, case]))
+    outcomes = {name: check_call(lengths, cluster, model, name, timeout_s) for name in PLANNERS}
+    return case, outcomes, (lengths, cluster, model)
+
+
+def fuzz_planners(num_cases: int, seed: int = 0, timeout_s: float = 30.0, jobs: int = 1) -> dict:
     """Outcome counts per planner, and the first failures (with the case that made them)."""
-    rng = np.random.default_rng(seed)
+    import functools
+    import multiprocessing
+
     counts = {name: Counter() for name in PLANNERS}
     failures = []
-    for case in range(num_cases):
-        lengths, cluster, model = random_case(rng)
-        for name in PLANNERS:
-            outcome = check_call(lengths, cluster, model, name, timeout_s)
-            counts[name][outcome.split(":")[0]] += 1
-            if outcome not in ("ok", "infeasible", "input_error") and len(failures) < 20:
-                failures.append({"case": case, "planner": name, "outcome": outcome, "lengths": lengths,
-                                 "cluster": cluster.to_dict(), "model": model.name, "tp": model.tp})
+    run = functools.partial(_fuzz_case, seed, timeout_s=timeout_s)
+    with multiprocessing.get_context("fork").Pool(jobs) if jobs > 1 else contextlib.nullcontext() as pool:
+        results = pool.imap_unordered(run, range(num_cases), chunksize=16) if pool else map(run, range(num_cases))
+        for done, (case, outcomes, (lengths, cluster, model)) in enumerate(results, 1):
+            for name, outcome in outcomes.items():
+                counts[name][outcome.split(":")[0]] += 1
+                if outcome not in ("ok", "infeasible", "input_error") and len(failures) < 20:
+                    failures.append({"case": case, "planner": name, "outcome": outcome, "lengths": lengths,
+                                     "cluster": cluster.to_dict(), "model": model.name, "tp": model.tp})
+            if done % 500 == 0:
+                print(f"  {done}/{num_cases} cases", file=sys.stderr, flush=True)
     return {"cases": num_cases, "seed": seed, "timeout_s": timeout_s, "counts": {k: dict(v) for k, v in counts.items()},
             "failures": failures}
 
@@ -363,6 +376,7 @@ def main() -> None:
     p.add_argument("--cases", type=int, default=10000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=30.0, help="seconds per planner call before it counts as a hang")
+    p.add_argument("--jobs", type=int, default=1, help="processes for the planner fuzz")
     p.add_argument("--no-sweep", action="store_true", help="keep the sweep of the last run (in OUT.json)")
     p.add_argument("--no-planners", action="store_true", help="keep the planner fuzz of the last run (in OUT.json)")
     p.add_argument("--out", default=os.path.join(HERE, "results", "fuzz"), help="OUT.md and OUT.json")
@@ -374,7 +388,7 @@ def main() -> None:
             results = json.load(f)
     if not args.no_planners:
         start = time.perf_counter()
-        results["planners"] = fuzz_planners(args.cases, args.seed, args.timeout)
+        results["planners"] = fuzz_planners(args.cases, args.seed, args.timeout, args.jobs)
         results["planners"]["stamp"] = _stamp(command, time.perf_counter() - start)
     if not args.no_sweep:
         start = time.perf_counter()
