@@ -1,18 +1,28 @@
 """`ballonet` command line: thin argparse subcommands over library functions.
 
 Every command prints a human view by default and, where it has one, a JSON object with
-`--json`. Bad input is one line on stderr and exit code 2.
+`--json`. Bad input (argparse's errors included) is one line on stderr and exit code 2;
+output paths are checked before any work and files are written whole or not at all.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
-from ballonet import cost_model, specs
+from ballonet import cost_model, specs, workloads
 from ballonet.errors import InputError
+from ballonet.paths import check_output, write_atomic
 from ballonet.plan import InvalidPlan
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors on one line (no usage block); `--help` is unchanged."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _positive_int(text: str) -> int:
@@ -66,6 +76,8 @@ def cmd_cost(args) -> int:
     cluster = specs.cluster(args.cluster)
     model = specs.model(args.model, **({"tp": args.tp} if args.tp else {}))
     group = cluster.groups[0]
+    if group.gpus_per_node % model.tp:
+        raise InputError(f"--tp {model.tp} does not divide the {group.gpus_per_node} GPUs per node of {cluster.name!r}")
     cost = cost_model.sequence_cost(model, group, args.length)
     report = {
         "model": model.name,
@@ -132,8 +144,8 @@ def cmd_demo(args) -> int:
     rows = comparison.compare(cluster, model, "wlbllm", args.tokens_per_gpu, planners, steps=1, seed=args.seed)
     _print_table("one training iteration, simulated", ["planner", "step s", "vs te_cp", "MFU", "attn imbalance",
                                                        "exposed comm"],
-                 [[r.planner, f"{r.step_time_s:.3f}", f"{r.speedup_vs_te_cp:.2f}x", f"{r.mfu:.1%}",
-                   f"{r.attention_imbalance:.2f}", f"{r.exposed_comm_share:.1%}"] for r in rows])
+                 [_row_cells(r, ["step_time_s", "speedup_vs_te_cp", "mfu", "attention_imbalance",
+                                 "exposed_comm_share"]) for r in rows], _infeasible_footer(rows))
     print(f"\n2/2  Real: the tiny model trained on 4 CPU ranks (2 emulated nodes of 2) with zeppelin plans, "
           f"on the Python standard library's source files, {args.steps} steps\n", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -180,16 +192,25 @@ def _strip_launch_flags(argv: list[str]) -> list[str]:
     return out
 
 
-def cmd_train(args) -> int:
-    import os
+def _check_launch_flags(args) -> None:
+    """The flags `TrainConfig` does not hold: the launch, and where the run writes."""
+    for flag, value, least in (("--nproc", args.nproc, 1), ("--gpus-per-node", args.gpus_per_node, 1),
+                               ("--max-restarts", args.max_restarts, 0)):
+        if value is not None and value < least:
+            raise InputError(f"{flag} must be {'positive' if least else 'non-negative'}, got {value}")
+    if args.json_log:
+        check_output(args.json_log, "--json-log")
+    if args.checkpoint_dir and os.path.exists(args.checkpoint_dir) and not os.path.isdir(args.checkpoint_dir):
+        raise InputError(f"--checkpoint-dir {args.checkpoint_dir}: is a file; give a folder")
 
+
+def cmd_train(args) -> int:
+    _check_launch_flags(args)
     from ballonet.training import config as train_config
     from ballonet.training.launch import launch
     from ballonet.training.loop import preflight, train
 
-    if args.nproc and "RANK" not in os.environ:
-        if args.nproc < 1:
-            raise InputError(f"--nproc must be positive, got {args.nproc}")
+    if args.nproc is not None and "RANK" not in os.environ:
         if args.gpus_per_node and args.gpus_per_node * args.nodes != args.nproc:
             raise InputError(f"--nodes {args.nodes} x --gpus-per-node {args.gpus_per_node} != --nproc {args.nproc}")
         preflight(train_config.config_from_args(args), args.nproc)  # bad input fails before any launch
@@ -212,12 +233,45 @@ def _add_train(sub) -> None:
 # ---- simulate ------------------------------------------------------------------------
 
 
+_CELL_FORMATS = {"step_time_s": "{:.3f}", "speedup_vs_te_cp": "{:.2f}x", "mfu": "{:.1%}",
+                 "attention_imbalance": "{:.2f}", "exposed_comm_share": "{:.1%}", "ratio_to_lower_bound": "{:.2f}"}
+
+
+def _row_cells(row, keys: list[str]) -> list[str]:
+    """The planner and its figures, or "infeasible" (the reasons go under the table: `_infeasible_footer`)."""
+    if not row.feasible:
+        return [row.planner, "infeasible"] + ["-"] * (len(keys) - 1)
+    values = [getattr(row, k) for k in keys]
+    return [row.planner] + ["-" if v is None else _CELL_FORMATS[k].format(v) for k, v in zip(keys, values)]
+
+
+def _infeasible_footer(rows) -> str | None:
+    lines = [f"infeasible: {r.reason}" for r in rows if not r.feasible]
+    return "\n".join(lines) or None
+
+
+def _plot_formats() -> tuple[str, ...]:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    return tuple("." + ext for ext in FigureCanvasAgg(Figure()).get_supported_filetypes())
+
+
+def _trace_paths(path: str, planners: list[str]) -> dict[str, str]:
+    """--trace out.json: out.json for one planner, out.PLANNER.json for several."""
+    if len(planners) == 1:
+        return {planners[0]: path}
+    root, ext = os.path.splitext(path)
+    return {name: f"{root}.{name}{ext}" for name in planners}
+
+
 def _plot_rows(rows, path: str, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = [r for r in rows if r.feasible]
     fig, ax = plt.subplots(figsize=(1.2 * len(rows) + 2, 4))
     names = [r.planner for r in rows]
     ax.bar(names, [r.step_time_s for r in rows], color="tab:blue", label="step time")
@@ -229,7 +283,7 @@ def _plot_rows(rows, path: str, title: str) -> None:
     ax.set_title(title)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=120, format=os.path.splitext(path)[1][1:].lower()))
     plt.close(fig)
 
 
@@ -241,6 +295,11 @@ def cmd_simulate(args) -> int:
     cluster = specs.cluster(args.cluster, num_nodes=args.nodes)
     model = specs.model(args.model, **({"tp": args.tp} if args.tp else {}))
     planners = comparison.parse_planners(args.planners)
+    traces = _trace_paths(args.trace, planners) if args.trace else {}
+    for path in traces.values():
+        check_output(path, "--trace")
+    if args.plot:
+        check_output(args.plot, "--plot", _plot_formats())
     popts = {k: False for k in ("routing", "remap", "hierarchical") if getattr(args, f"no_{k}")}
     if args.assume_homogeneous:
         popts["assume_homogeneous"] = True
@@ -253,10 +312,11 @@ def cmd_simulate(args) -> int:
         rows = comparison.compare(cluster, model, args.workload, args.tokens_per_gpu, planners, steps=args.steps,
                                   seed=args.seed, max_length=args.max_length, planner_options=popts,
                                   sim_options=sopts, progress=lambda n: bar.advance(task, n))
-    if args.trace:
-        for r in rows:
-            path = args.trace if len(rows) == 1 else args.trace.replace(".json", f".{r.planner}.json")
-            r.first.to_chrome_trace(path)
+    if not any(r.feasible for r in rows):
+        raise InputError(f"no planner can run the batch: {rows[0].reason}")
+    for r in rows:
+        if r.planner in traces and r.feasible:
+            write_atomic(traces[r.planner], r.first.to_chrome_trace)
     title = (f"{model.name} on {cluster.num_ranks} GPUs ({cluster.name}), {args.workload}, "
              f"{args.tokens_per_gpu} tokens/GPU, {args.steps} batch(es)")
     if args.plot:
@@ -266,12 +326,10 @@ def cmd_simulate(args) -> int:
                           "workload": args.workload, "tokens_per_gpu": args.tokens_per_gpu, "steps": args.steps,
                           "seed": args.seed, "results": [r.to_dict() for r in rows]}, indent=2))
         return 0
-    table = [[r.planner, f"{r.step_time_s:.3f}",
-              f"{r.speedup_vs_te_cp:.2f}x" if r.speedup_vs_te_cp else "-", f"{r.mfu:.1%}",
-              f"{r.attention_imbalance:.2f}", f"{r.exposed_comm_share:.1%}", f"{r.ratio_to_lower_bound:.2f}"]
-             for r in rows]
+    table = [_row_cells(r, ["step_time_s", "speedup_vs_te_cp", "mfu", "attention_imbalance", "exposed_comm_share",
+                            "ratio_to_lower_bound"]) for r in rows]
     _print_table(title, ["planner", "step s", "vs te_cp", "MFU", "attn imbalance", "exposed comm",
-                         "step / bound"], table)
+                         "step / bound"], table, _infeasible_footer(rows))
     return 0
 
 
@@ -280,7 +338,9 @@ def _add_simulate(sub) -> None:
                        description="Sample --steps batches of a workload, plan each with every planner, and "
                                    "simulate one training iteration per batch (ballonet.simulate).")
     _add_target_args(p)
-    p.add_argument("--workload", default="wlbllm", help="workload preset (wlbllm, prolong, shortmix) or lengths file")
+    p.add_argument("--workload", default="wlbllm",
+                   help=f"workload preset ({', '.join(workloads.PRESETS)}) or lengths file to sample from: "
+                        f"{workloads.LENGTHS_FILE_KINDS}")
     p.add_argument("--tokens-per-gpu", type=_positive_int, default=16384, help="global batch tokens per GPU")
     p.add_argument("--max-length", type=_positive_int, default=None, help="context window: documents are cut to it")
     p.add_argument("--planners", default="all", help="'all' or a comma-separated list (e.g. zeppelin,te_cp)")
@@ -289,9 +349,10 @@ def _add_simulate(sub) -> None:
     _add_zeppelin_options(p)
     p.add_argument("--no-engine", action="store_true",
                    help="ablation: zeppelin's attention run in a fixed order, sends issued after compute")
-    p.add_argument("--plot", default=None, help="write a bar chart of step times (PNG)")
+    p.add_argument("--plot", default=None, help="write a bar chart of step times (.png, .svg, .pdf, ...)")
     p.add_argument("--trace", default=None,
-                   help="write a Chrome/Perfetto trace of the first batch (out.json; out.PLANNER.json for several)")
+                   help="write a Chrome/Perfetto trace of the first batch (out.json; out.PLANNER.json for several; "
+                        "none for an infeasible planner)")
     p.add_argument("--json", action="store_true", help="print a JSON object with `results`")
     p.set_defaults(func=cmd_simulate)
     _add_calibration_arg(p)
@@ -326,12 +387,18 @@ def _plan_report(plan, cluster, model, plan_ms: float) -> dict:
             "metrics": {**plan_metrics(plan, cluster, model), "plan_ms": plan_ms}}
 
 
+def _write_text(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
 def cmd_plan(args) -> int:
     import time
 
-    from ballonet import workloads
     from ballonet.planning import plan_batch
 
+    if args.out:
+        check_output(args.out, "--out")
     cluster = specs.cluster(args.cluster, num_nodes=args.nodes)
     model = specs.model(args.model, **({"tp": args.tp} if args.tp else {}))
     if args.lengths:
@@ -345,8 +412,8 @@ def cmd_plan(args) -> int:
     plan = plan_batch(lengths, cluster, model, planner=args.planner, **options)
     plan_ms = (time.perf_counter() - start) * 1e3
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(plan.to_json())
+        text = plan.to_json()
+        write_atomic(args.out, lambda tmp: _write_text(tmp, text))
     report = _plan_report(plan, cluster, model, plan_ms)
     if args.json:
         print(json.dumps(report, indent=2))
@@ -376,8 +443,10 @@ def _add_plan(sub) -> None:
                                    "cost, linear tokens after remap and bytes moved, with balance figures.")
     _add_target_args(p)
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--workload", default="wlbllm", help="workload preset (wlbllm, prolong, shortmix) or file to sample")
-    src.add_argument("--lengths", default=None, help="file of document lengths: the batch itself, in order")
+    src.add_argument("--workload", default="wlbllm",
+                     help=f"workload preset ({', '.join(workloads.PRESETS)}) or lengths file to sample from")
+    src.add_argument("--lengths", default=None,
+                     help=f"file of document lengths, the batch itself in order: {workloads.LENGTHS_FILE_KINDS}")
     p.add_argument("--tokens-per-gpu", type=_positive_int, default=16384, help="batch tokens per GPU (with --workload)")
     p.add_argument("--seed", type=int, default=0, help="seed of the batch sampler")
     p.add_argument("--planner", default="zeppelin", help=f"one of {', '.join(PLANNERS)}")
@@ -436,7 +505,7 @@ def _add_calibration_arg(p) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ballonet", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="ballonet", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in (_add_demo, _add_cost, _add_train, _add_simulate, _add_plan, _add_calibrate):
         add(sub)
@@ -449,5 +518,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except InputError as e:
-        print(f"ballonet {args.command}: error: {e}", file=sys.stderr)
+        from ballonet.training.launch import report_rank_error
+
+        line = f"ballonet {args.command}: error: {e}"
+        if not report_rank_error(line):
+            print(line, file=sys.stderr)
         return 2

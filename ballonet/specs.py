@@ -16,6 +16,7 @@ from functools import cached_property
 
 from ballonet import hardware
 from ballonet.errors import InputError
+from ballonet.paths import looks_like_path
 
 GBIT = 1e9 / 8
 
@@ -33,7 +34,13 @@ class NodeGroup:
     """Override of the GPU type's intra-node bandwidth, bytes/s one direction."""
 
     def __post_init__(self):
+        if not isinstance(self.gpu, str):
+            raise InputError(f"node group: gpu must be a GPU type name (a string), got {self.gpu!r}")
         hardware.gpu(self.gpu)
+        for name in ("nic_gbps", "intra_link_bw"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+                raise InputError(f"node group {self.gpu!r}: {name} must be a number, got {value!r}")
         for name in ("num_nodes", "gpus_per_node", "nics_per_node"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -170,8 +177,9 @@ class ModelSpec:
             raise InputError(f"model {self.name!r}: hidden={self.hidden} is not a multiple of num_heads={self.num_heads}")
         if self.num_heads % self.num_kv_heads:
             raise InputError(f"model {self.name!r}: num_heads={self.num_heads} is not a multiple of num_kv_heads")
-        if self.num_kv_heads % self.tp and self.tp % self.num_kv_heads:
-            raise InputError(f"model {self.name!r}: tp={self.tp} does not divide the {self.num_kv_heads} KV heads")
+        if self.num_heads % self.tp or self.num_kv_heads % self.tp:
+            raise InputError(f"model {self.name!r}: tp={self.tp} must divide its {self.num_heads} heads and "
+                             f"{self.num_kv_heads} KV heads")
 
     @property
     def head_dim(self) -> int:
@@ -243,6 +251,8 @@ def _load_toml(path: str) -> dict:
             return tomllib.load(f)
     except OSError as e:
         raise InputError(f"{path}: cannot read cluster file ({e.strerror})") from None
+    except UnicodeDecodeError:
+        raise InputError(f"{path}: not a TOML cluster file (not UTF-8 text)") from None
     except tomllib.TOMLDecodeError as e:
         raise InputError(f"{path}: malformed TOML: {e}") from None
 
@@ -257,7 +267,12 @@ def cluster_from_toml(path: str) -> ClusterSpec:
         raise InputError(f"{path}: field 'node_groups' must be a non-empty array of tables ([[node_groups]])")
     known = {f.name for f in dataclasses.fields(NodeGroup)}
     parsed = []
+    name = data.get("name", os.path.splitext(os.path.basename(path))[0])
+    if not isinstance(name, str):
+        raise InputError(f"{path}: field 'name' must be a string, got {name!r}")
     for i, g in enumerate(groups):
+        if not isinstance(g, dict):
+            raise InputError(f"{path}: node_groups[{i}]: expected a table ([[node_groups]]), got {g!r}")
         unknown = sorted(set(g) - known)
         if unknown:
             raise InputError(f"{path}: node_groups[{i}]: unknown field {unknown[0]!r}; known: {', '.join(sorted(known))}")
@@ -267,16 +282,18 @@ def cluster_from_toml(path: str) -> ClusterSpec:
             parsed.append(NodeGroup(**g))
         except InputError as e:
             raise InputError(f"{path}: node_groups[{i}]: {e}") from None
-    return ClusterSpec(name=str(data.get("name", os.path.splitext(os.path.basename(path))[0])), groups=tuple(parsed))
+    return ClusterSpec(name=name, groups=tuple(parsed))
 
 
 def cluster(name_or_path: str, num_nodes: int | None = None, **overrides) -> ClusterSpec:
-    """A preset by name or a TOML file by path. `num_nodes` and `overrides` (fields of
-    `NodeGroup`, such as `gpus_per_node=2`) apply to every node group."""
-    if os.path.exists(name_or_path) or name_or_path.endswith(".toml"):
-        spec = cluster_from_toml(name_or_path)
-    elif name_or_path in CLUSTERS:
+    """A preset by name or a TOML file by path. A preset wins over a local file of the same
+    name unless the argument looks like a path (a separator or a .toml suffix: `./h200-8nic`).
+    `num_nodes` and `overrides` (fields of `NodeGroup`, such as `gpus_per_node=2`) apply to
+    every node group."""
+    if name_or_path in CLUSTERS and not looks_like_path(name_or_path, (".toml",)):
         spec = CLUSTERS[name_or_path]
+    elif looks_like_path(name_or_path, (".toml",)) or os.path.exists(name_or_path):
+        spec = cluster_from_toml(name_or_path)
     else:
         raise InputError(f"unknown cluster {name_or_path!r}; presets: {', '.join(CLUSTERS)} (or a .toml file)")
     if num_nodes is not None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -25,9 +25,14 @@ from pathlib import Path
 import numpy as np
 
 from ballonet.errors import InputError
+from ballonet.paths import looks_like_path
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
 PRESET_NAMES = ("wlbllm", "prolong", "shortmix")
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+LENGTHS_FILE_KINDS = ("a .json list of lengths, a .npy array, a .jsonl file (one object per line with length, "
+                      "input_ids or text), or text with one length per line")
+"""What `load_lengths` reads (and so `plan --lengths`, `--workload` and `train --corpus`)."""
 _FIRST_CHUNK = 256
 """Documents drawn at once when filling a batch; the chunk doubles until the budget is met."""
 
@@ -114,14 +119,15 @@ class Workload:
 
 def load_lengths(path: str) -> list[int]:
     """Document lengths from a file, by extension: `.json` (a list of integers), `.jsonl`
-    (one object per line with `length`, `input_ids` or `text`; text counts UTF-8 bytes,
-    as the byte-level tokenizer does), `.npy` (a 1-D array), anything else: text, one
-    length per line. Blank lines are skipped."""
+    or `.ndjson` (one object per line with `length`, `input_ids` or `text`; text counts
+    UTF-8 bytes, as the byte-level tokenizer does), `.npy` (a 1-D array), anything else:
+    text, one length per line. Blank lines are skipped."""
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise InputError(f"{path}: no such lengths file" if not os.path.exists(path) else f"{path}: not a file")
     suffix = os.path.splitext(path)[1].lower()
-    reader = {".json": _read_json, ".jsonl": _read_jsonl, ".npy": _read_npy}.get(suffix, _read_text)
+    readers = {".json": _read_json, ".npy": _read_npy, **{s: _read_jsonl for s in JSONL_SUFFIXES}}
+    reader = readers.get(suffix, _read_text)
     try:
         lengths = reader(path)
     except OSError as e:
@@ -159,19 +165,31 @@ def _read_json(path: str) -> list[int]:
     return [_length(value, f"{path}[{i}]") for i, value in enumerate(data)]
 
 
+def read_jsonl(path, row_value: Callable[[object, str], object]) -> list:
+    """`row_value(row, where)` of each non-blank line of a JSON Lines file, `where` being
+    "path:line". The one JSONL reader: lengths files here, corpora in `training.corpus`.
+    Malformed lines and non-UTF-8 bytes are one-line InputErrors naming the line."""
+    values = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line_no, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                where = f"{path}:{line_no}"
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise InputError(f"{where}: not JSON Lines: malformed JSON ({e.msg})") from None
+                values.append(row_value(row, where))
+    except UnicodeDecodeError:
+        raise InputError(f"{path}: not JSON Lines (not UTF-8 text)") from None
+    except OSError as e:
+        raise InputError(f"{path}: cannot read ({e.strerror or e})") from None
+    return values
+
+
 def _read_jsonl(path: str) -> list[int]:
-    lengths = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{line_no}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InputError(f"{where}: malformed JSON ({e.msg})") from None
-            lengths.append(_length(_jsonl_length(row, where), where))
-    return lengths
+    return read_jsonl(path, lambda row, where: _length(_jsonl_length(row, where), where))
 
 
 def _jsonl_length(row, where: str):
@@ -196,6 +214,10 @@ def _read_npy(path: str) -> list[int]:
     bad = np.flatnonzero(~(np.isfinite(array) & (array >= 1) & (np.floor(array) == array)))
     if bad.size:
         _length(array[bad[0]].item(), f"{path}[{bad[0]}]")
+    too_big = np.flatnonzero(array > np.iinfo(np.int64).max if array.dtype.kind == "u" else
+                             array >= 2.0**63 if array.dtype.kind == "f" else np.zeros(len(array), bool))
+    if too_big.size:
+        raise InputError(f"{path}[{too_big[0]}]: length {array[too_big[0]].item()} is above 2^63 - 1")
     return array.astype(np.int64).tolist()
 
 
@@ -243,11 +265,12 @@ def from_file(path: str) -> Workload:
 
 
 def get(name_or_path: str) -> Workload:
-    """A preset by name, or the empirical distribution of a lengths file by path."""
+    """A preset by name, or the empirical distribution of a lengths file by path (a preset
+    wins over a local file of the same name unless the argument looks like a path)."""
+    name_or_path = os.fspath(name_or_path)
     if name_or_path in PRESETS:
         return PRESETS[name_or_path]
-    name_or_path = os.fspath(name_or_path)
-    if os.path.exists(name_or_path) or os.sep in name_or_path or os.path.splitext(name_or_path)[1]:
+    if os.path.exists(name_or_path) or looks_like_path(name_or_path):
         return from_file(name_or_path)
     raise InputError(f"unknown workload {name_or_path!r}; presets: {', '.join(PRESETS)} (or a lengths file)")
 

@@ -47,7 +47,8 @@ def config(cluster: str, nodes: int, model: str, tp: int, workload: str, tokens:
     m = specs.model(model, tp=tp)
     t = time.perf_counter()
     rows = compare(c, m, workload, tokens, planners, steps=steps, seed=0, max_length=max_length)
-    results = {r.planner: {**r.to_dict(), "tokens_per_s": tokens * c.num_ranks / r.step_time_s} for r in rows}
+    results = {r.planner: {**r.to_dict(), "tokens_per_s": tokens * c.num_ranks / r.step_time_s if r.feasible else None}
+               for r in rows}
     batches = list(workloads.get(workload).batches(tokens * c.num_ranks, 0, steps, max_length))
     results["te_cp"]["cp_size"] = plan_batch(batches[0], c, m, "te_cp").meta["cp_size"]
     # The stress case: one CP group over the whole cluster.
@@ -65,14 +66,18 @@ def config(cluster: str, nodes: int, model: str, tp: int, workload: str, tokens:
 
 
 def speedup(cfg: dict, planner: str = "zeppelin", over: str = "te_cp") -> float:
+    """NaN when either planner is infeasible on the configuration."""
     r = cfg["results"]
+    if r[over].get("feasible") is False or r[planner].get("feasible") is False:
+        return float("nan")
     return r[over]["step_time_s"] / r[planner]["step_time_s"]
 
 
 def best_baseline(cfg: dict) -> str:
     """The fastest baseline of a configuration (te_cp_whole, the stress case, left out)."""
     r = cfg["results"]
-    return min((p for p in PLANNERS if p != "zeppelin" and p in r), key=lambda p: r[p]["step_time_s"])
+    return min((p for p in PLANNERS if p != "zeppelin" and p in r and r[p].get("feasible", True)),
+               key=lambda p: r[p]["step_time_s"])
 
 
 def over_best(cfg: dict) -> float:
@@ -245,7 +250,8 @@ def _table(configs: list[dict], key: str) -> list[str]:
              "zeppelin step/bound |", "|" + " --- |" * (len(PLANNERS) + 10)]
     for c in configs:
         r = c["results"]
-        cells = [str(r["te_cp"].get("cp_size", "-"))] + [f"{speedup(c, p):.2f}" for p in PLANNERS]
+        cells = [str(r["te_cp"].get("cp_size", "-"))] + [f"{speedup(c, p):.2f}" if r[p].get("feasible", True) else "infeasible"
+                                                  for p in PLANNERS]
         cells.append(f"{speedup(c, over='te_cp_whole'):.2f}")
         cells.append(f"{over_best(c):.2f} ({best_baseline(c)})")
         lines.append(f"| {c['cluster']} | {c['gpus']} | {c['model']} (tp {c['tp']}) | {c['workload']} | "

@@ -43,3 +43,125 @@ def test_bad_input_is_one_line_and_exit_2(args, message):
     assert message in r.stderr
     assert "Traceback" not in r.stderr and r.stdout == ""
     assert len([line for line in r.stderr.splitlines() if "error" in line]) == 1
+
+
+# ---- hardening (issue 16) --------------------------------------------------------------
+
+
+def _main(argv, capsys):
+    from ballonet import cli
+
+    try:
+        code = cli.main(argv)
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_argparse_errors_are_one_line_and_help_is_full(capsys):
+    code, out, err = _main(["plan", "--nodes", "0"], capsys)
+    assert code == 2 and out == ""
+    assert err == "ballonet plan: error: argument --nodes: expected a positive integer, got '0' " \
+                  "(see ballonet plan --help)\n"
+    code, out, err = _main(["plan", "--help"], capsys)
+    assert code == 0 and out.startswith("usage: ballonet plan") and "--lengths" in out and len(out.splitlines()) > 20
+
+
+def test_output_paths_are_checked_before_any_work(tmp_path, monkeypatch, capsys):
+    from ballonet.simulation import comparison
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the comparison ran before the output path was checked")
+
+    monkeypatch.setattr(comparison, "compare", no_work)
+    monkeypatch.setattr("ballonet.planning.plan_batch", no_work)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "d").mkdir()
+    for argv, message in [
+        (["simulate", "--trace", "nodir/t.json"], "--trace nodir/t.zeppelin.json: folder 'nodir' does not exist"),
+        (["simulate", "--planners", "zeppelin,te_cp", "--trace", "d/t.json", "--plot", "d"], "--plot d: is a folder"),
+        (["simulate", "--plot", "x.zzz"], "--plot x.zzz: expected a file name ending in one of"),
+        (["plan", "--out", "d"], "--out d: is a folder"),
+    ]:
+        code, out, err = _main(argv, capsys)
+        assert code == 2 and message in err and len(err.splitlines()) == 1, (argv, err)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["d"]
+
+
+def test_plan_out_is_the_plan_written_whole(tmp_path, monkeypatch, capsys):
+    import ballonet
+    from ballonet.plan import Plan
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "lens.txt").write_text("300\n20\n4000\n7\n")
+    code, _, err = _main(["plan", "--lengths", "lens.txt", "--cluster", "cpu", "--model", "tiny", "--out", "p.json"],
+                         capsys)
+    assert code == 0, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lens.txt", "p.json"]  # no temporary file left
+    reference = ballonet.plan_batch([300, 20, 4000, 7], ballonet.cluster("cpu"), ballonet.model("tiny"))
+    assert Plan.from_json((tmp_path / "p.json").read_text()).digest == reference.digest
+
+
+def _infeasible_setup(tmp_path, monkeypatch):
+    """packed_dp cannot place a 30000-token document on an H800 with llama-13b (at most
+    ~25.8K tokens per GPU); zeppelin and te_cp split it."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "big.txt").write_text("30000\n")
+    return ["simulate", "--cluster", "h800-8nic", "--nodes", "4", "--model", "llama-13b", "--workload", "big.txt",
+            "--tokens-per-gpu", "4096", "--planners", "zeppelin,packed_dp,te_cp"]
+
+
+def test_an_infeasible_planner_is_a_row_and_the_rest_carry_on(tmp_path, monkeypatch, capsys):
+    import ballonet
+    from ballonet.errors import InfeasiblePlan
+
+    argv = _infeasible_setup(tmp_path, monkeypatch)
+    code, out, err = _main([*argv, "--json", "--trace", "t.json"], capsys)
+    assert code == 0, err
+    rows = {r["planner"]: r for r in json.loads(out)["results"]}
+    cluster, model = ballonet.cluster("h800-8nic", num_nodes=4), ballonet.model("llama-13b")
+    batch = ballonet.workloads.get("big.txt").sample_batch(4096 * cluster.num_ranks, (0, 0))
+    with pytest.raises(InfeasiblePlan) as reason:
+        ballonet.plan_batch(batch, cluster, model, "packed_dp")
+    assert rows["packed_dp"]["feasible"] is False and rows["packed_dp"]["reason"] == str(reason.value)
+    assert rows["packed_dp"]["step_time_s"] is None
+    for name in ("zeppelin", "te_cp"):
+        expected = ballonet.simulate(ballonet.plan_batch(batch, cluster, model, name), cluster, model).step_time_s
+        assert rows[name]["feasible"] is True and rows[name]["step_time_s"] == pytest.approx(expected)
+    assert rows["zeppelin"]["speedup_vs_te_cp"] == pytest.approx(rows["te_cp"]["step_time_s"]
+                                                                 / rows["zeppelin"]["step_time_s"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.txt", "t.te_cp.json", "t.zeppelin.json"]
+    code, out, err = _main(argv, capsys)
+    assert code == 0 and "infeasible" in out and "packed_dp never splits" in out.replace("\n", " "), out
+
+
+def test_every_planner_infeasible_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    argv = _infeasible_setup(tmp_path, monkeypatch)
+    code, out, err = _main([*argv[:argv.index("--planners")], "--planners", "packed_dp,flops_dp"], capsys)
+    assert code == 2 and len(err.splitlines()) == 1 and "no planner can run the batch: packed_dp:" in err
+
+
+def test_failed_rank_line_prefers_the_rank_s_own_message(tmp_path):
+    from types import SimpleNamespace
+
+    from ballonet.training.launch import _failure_line
+
+    failures = {1: SimpleNamespace(exitcode=2, timestamp=10), 0: SimpleNamespace(exitcode=-15, timestamp=11)}
+    (tmp_path / "1").write_text("ballonet train: error: the cause\n")
+    assert _failure_line(failures, str(tmp_path)) == ("ballonet train: error: the cause", 2)
+    (tmp_path / "1").unlink()
+    assert _failure_line(failures, str(tmp_path)) == ("ballonet train: error: rank 1 failed (exit code 2)", 1)
+    failures = {0: SimpleNamespace(exitcode=-9, timestamp=3)}
+    assert _failure_line(failures, str(tmp_path)) == ("ballonet train: error: rank 0 failed (killed by signal 9)", 1)
+
+
+def test_a_rank_s_bad_input_under_nproc_is_its_one_line_and_exit_2(tmp_path):
+    # --max-doc-tokens 0 passes the launcher's preflight and stops each rank in its loader
+    # (once TrainConfig checks it, the launcher refuses it first: the same line and code).
+    r = subprocess.run([sys.executable, "-m", "ballonet", "train", "--nproc", "2", "--steps", "1",
+                        "--global-tokens", "256", "--max-doc-tokens", "0"], capture_output=True, text=True,
+                       cwd=tmp_path, timeout=300)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr == "ballonet train: error: max document tokens must be positive, got 0\n"
+    assert list(tmp_path.iterdir()) == []

@@ -69,3 +69,52 @@ def test_malformed_toml_names_the_field(tmp_path, text, message):
     path.write_text(text)
     with pytest.raises(InputError, match=message):
         ballonet.cluster(str(path))
+
+
+# ---- hardening (issue 16) --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, message", [
+    ('[[node_groups]]\ngpu = 5\n', "node_groups[0]: node group: gpu must be a GPU type name (a string), got 5"),
+    ("node_groups = [1, 2]\n", "node_groups[0]: expected a table ([[node_groups]]), got 1"),
+    ('[[node_groups]]\ngpu = "h200"\nnic_gbps = "fast"\n', "node_groups[0]: node group 'h200': nic_gbps must be a number"),
+    ('[[node_groups]]\ngpu = "h200"\nintra_link_bw = true\n', "intra_link_bw must be a number, got True"),
+    ('name = [1]\n[[node_groups]]\ngpu = "h200"\n', "field 'name' must be a string, got [1]"),
+    (b"\x80\x81\xfe" * 50, "not a TOML cluster file (not UTF-8 text)"),
+])
+def test_toml_of_the_wrong_type_is_one_line_naming_file_and_field(tmp_path, text, message):
+    path = tmp_path / "c.toml"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(InputError) as err:
+        ballonet.cluster(str(path))
+    assert str(err.value).startswith(f"{path}: ") and message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("model, tp", [("llama-7b", 64), ("llama-7b", 3), ("tiny", 4), ("llama3-8b", 16)])
+def test_tp_must_divide_heads_and_kv_heads(model, tp):
+    spec = ballonet.model(model)
+    assert spec.num_heads % tp or spec.num_kv_heads % tp  # the case is one that does not divide
+    with pytest.raises(InputError, match=f"tp={tp} must divide"):
+        ballonet.model(model, tp=tp)
+
+
+def test_tp_dividing_both_is_accepted():
+    for name in ("llama-7b", "llama3-8b", "tiny"):
+        spec = ballonet.model(name)
+        for tp in (1, 2, 4, 8):
+            if spec.num_heads % tp == 0 and spec.num_kv_heads % tp == 0:
+                assert ballonet.model(name, tp=tp).tp == tp
+
+
+def test_presets_win_over_same_named_local_paths(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "h200-8nic").mkdir()
+    (tmp_path / "cpu").write_text("not toml [[")
+    assert ballonet.cluster("h200-8nic") == ballonet.specs.CLUSTERS["h200-8nic"]
+    assert ballonet.cluster("cpu") == ballonet.specs.CLUSTERS["cpu"]
+    with pytest.raises(InputError, match=r"\./h200-8nic: cannot read cluster file"):
+        ballonet.cluster("./h200-8nic")  # a separator: the path, as given
+    (tmp_path / "mine.toml").write_text('[[node_groups]]\ngpu = "a10"\n')
+    assert ballonet.cluster("mine.toml").groups[0].gpu == "a10"
+    (tmp_path / "mine").write_text('[[node_groups]]\ngpu = "l20"\n')
+    assert ballonet.cluster("mine").groups[0].gpu == "l20"  # no preset of that name: the file

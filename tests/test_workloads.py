@@ -162,7 +162,7 @@ def test_each_format_loads(tmp_path):
     ("lengths.jsonl", '{"length": 4}\n{"length": -1}\n', "lengths.jsonl:2: length must be a positive integer, got -1"),
     ("lengths.jsonl", '{"length": 4}\n{"text": ""}\n', "lengths.jsonl:2: length must be a positive integer, got 0"),
     ("lengths.jsonl", '{"length": 4}\n{"tokens": [1]}\n', "lengths.jsonl:2: expected an object with a 'length'"),
-    ("lengths.jsonl", '{"length": 4}\nnot json\n', "lengths.jsonl:2: malformed JSON"),
+    ("lengths.jsonl", '{"length": 4}\nnot json\n', "lengths.jsonl:2: not JSON Lines: malformed JSON"),
     ("empty.txt", "\n\n", "empty.txt: no lengths in file"),
 ])
 def test_bad_files_name_file_and_line(tmp_path, name, content, message):
@@ -186,3 +186,46 @@ def test_bad_npy_and_missing_files(tmp_path):
         workloads.load_lengths(str(tmp_path / "nope.txt"))
     with pytest.raises(InputError, match="no such lengths file"):
         workloads.get(str(tmp_path / "nope.json"))
+
+
+# ---- hardening (issue 16) --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("array, where", [
+    (np.array([5, 2**63 + 5], dtype=np.uint64), "[1]: length 9223372036854775813 is above 2^63 - 1"),
+    (np.array([5.0, 3.0, 1e30]), "[2]: length 1e+30 is above 2^63 - 1"),
+])
+def test_npy_lengths_beyond_int64_name_file_and_index(tmp_path, array, where):
+    path = tmp_path / "big.npy"
+    np.save(path, array)
+    with pytest.raises(InputError) as err:
+        workloads.load_lengths(str(path))
+    assert str(err.value) == f"{path}{where}"
+
+
+def test_npy_uint64_within_int64_is_read_exactly(tmp_path):
+    path = tmp_path / "ok.npy"
+    values = [1, 7, 2**40 + 3]
+    np.save(path, np.array(values, dtype=np.uint64))
+    assert workloads.load_lengths(str(path)) == values
+
+
+def test_workload_preset_wins_over_a_local_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "wlbllm").mkdir()
+    assert workloads.get("wlbllm") is workloads.PRESETS["wlbllm"]
+    with pytest.raises(InputError, match="not a file"):
+        workloads.get("./wlbllm")
+
+
+def test_read_jsonl_names_the_line_for_every_reader(tmp_path):
+    path = tmp_path / "x.jsonl"
+    path.write_text('{"length": 3}\n\n{"length": 4\n')
+    with pytest.raises(InputError, match=r"x.jsonl:3: not JSON Lines: malformed JSON"):
+        workloads.read_jsonl(path, lambda row, where: row)
+    path.write_bytes(b'{"length": 3}\n\xff\n')
+    with pytest.raises(InputError, match=r"x.jsonl: not JSON Lines \(not UTF-8 text\)"):
+        workloads.read_jsonl(path, lambda row, where: row)
+    path.write_text('{"a": 1}\n\n{"b": 2}\n')
+    assert workloads.read_jsonl(path, lambda row, where: (where, row)) == [
+        (f"{path}:1", {"a": 1}), (f"{path}:3", {"b": 2})]

@@ -2,7 +2,9 @@
 
 Every planner sees the same `steps` batches (`Workload.batches`); figures are averaged
 over them. Speedup over TE CP is the ratio of mean step times, measured on the same
-batches (TE CP is simulated as a reference even when not asked for).
+batches (TE CP is simulated as a reference even when not asked for). A planner that
+cannot plan one of the batches (`InfeasiblePlan`) is a row with `feasible=False` and the
+one-line reason; the others carry on.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ballonet import workloads
-from ballonet.errors import InputError
+from ballonet.errors import InfeasiblePlan, InputError
 from ballonet.planning import PLANNERS, plan_batch
 from ballonet.simulation.simulator import SimResult, simulate
 from ballonet.specs import ClusterSpec, ModelSpec
@@ -38,22 +40,28 @@ def parse_planners(text: str) -> list[str]:
 
 @dataclass(frozen=True, kw_only=True)
 class Row:
+    """One planner's figures, averaged over the batches; None when it is infeasible."""
+
     planner: str
-    step_time_s: float
-    lower_bound_s: float
-    speedup_vs_te_cp: float | None
-    mfu: float
-    attention_imbalance: float
-    exposed_comm_share: float
-    first: SimResult = field(repr=False, compare=False)
+    feasible: bool = True
+    reason: str = ""
+    """Why the planner could not plan a batch (the InfeasiblePlan message), if it could not."""
+    step_time_s: float | None = None
+    lower_bound_s: float | None = None
+    speedup_vs_te_cp: float | None = None
+    mfu: float | None = None
+    attention_imbalance: float | None = None
+    exposed_comm_share: float | None = None
+    first: SimResult | None = field(default=None, repr=False, compare=False)
     """The simulation of the first batch (for traces)."""
 
     @property
-    def ratio_to_lower_bound(self) -> float:
-        return self.step_time_s / self.lower_bound_s
+    def ratio_to_lower_bound(self) -> float | None:
+        return self.step_time_s / self.lower_bound_s if self.feasible else None
 
     def to_dict(self) -> dict:
-        return {"planner": self.planner, "step_time_s": self.step_time_s, "lower_bound_s": self.lower_bound_s,
+        return {"planner": self.planner, "feasible": self.feasible, **({"reason": self.reason} if self.reason else {}),
+                "step_time_s": self.step_time_s, "lower_bound_s": self.lower_bound_s,
                 "speedup_vs_te_cp": self.speedup_vs_te_cp, "mfu": self.mfu,
                 "attention_imbalance": self.attention_imbalance, "exposed_comm_share": self.exposed_comm_share,
                 "ratio_to_lower_bound": self.ratio_to_lower_bound}
@@ -67,20 +75,29 @@ def compare(cluster: ClusterSpec, model: ModelSpec, workload: str, tokens_per_gp
     wl = workloads.get(workload)
     batches = list(wl.batches(tokens_per_gpu * cluster.num_ranks, seed, steps, max_length))
     names = planners + ([REFERENCE] if REFERENCE not in planners and REFERENCE in planner_names() else [])
-    runs: dict[str, list[SimResult]] = {}
+    runs: dict[str, list[SimResult] | str] = {}  # the simulations, or why the planner is infeasible
     for name in names:
         popts = (planner_options or {}) if name == "zeppelin" else {}
         sopts = (sim_options or {}) if name == "zeppelin" else {}
         runs[name] = []
-        for lengths in batches:
-            plan = plan_batch(lengths, cluster, model, name, **popts)
+        for step, lengths in enumerate(batches):
+            try:
+                plan = plan_batch(lengths, cluster, model, name, **popts)
+            except InfeasiblePlan as e:
+                runs[name] = f"batch {step}: {e}" if steps > 1 else str(e)
+                if progress:
+                    progress(len(batches) - step)
+                break
             runs[name].append(simulate(plan, cluster, model, **sopts))
             if progress:
                 progress(1)
-    ref = sum(r.step_time_s for r in runs[REFERENCE]) if REFERENCE in runs else None
+    ref = sum(r.step_time_s for r in runs[REFERENCE]) if isinstance(runs.get(REFERENCE), list) else None
     rows = []
     for name in planners:
         res = runs[name]
+        if isinstance(res, str):
+            rows.append(Row(planner=name, feasible=False, reason=res))
+            continue
         step = sum(r.step_time_s for r in res)
         rows.append(Row(
             planner=name, step_time_s=step / steps, lower_bound_s=sum(r.lower_bound_s for r in res) / steps,

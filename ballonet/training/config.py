@@ -51,7 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     defaults = TrainConfig()
     p.add_argument("--model", default=defaults.model, help="model preset (default: %(default)s)")
     p.add_argument("--corpus", default=defaults.corpus,
-                   help="'stdlib' (default), a JSONL file, a folder of text files, or a lengths file")
+                   help="'stdlib' (default), a folder of text files, a .jsonl file (text, input_ids or length "
+                        "per line), or a lengths file as plan --lengths reads it (.json, .npy, one length per line)")
     p.add_argument("--planner", default=defaults.planner, help="zeppelin or a baseline (default: %(default)s)")
     p.add_argument("--global-tokens", type=int, default=defaults.global_tokens,
                    help="tokens per global batch, independent of the number of ranks (default: %(default)s)")

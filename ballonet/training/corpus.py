@@ -1,15 +1,14 @@
 """Corpora: a fixed, ordered list of documents (token id arrays) with stable ids, and the
 byte tokenizer (UTF-8 bytes, vocabulary 256, nothing to download).
 
-Sources: JSON Lines (`text` or `input_ids` per line), a folder of text files, the Python
-standard library's own sources (`stdlib`, the zero-download default), or a lengths file
-(synthetic tokens drawn with a seed).
+Sources: JSON Lines (`text`, `input_ids` or `length` per line), a folder of text files,
+the Python standard library's own sources (`stdlib`, the zero-download default), or a
+lengths file read as `plan --lengths` reads it (synthetic tokens drawn with a seed).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sysconfig
 from pathlib import Path
@@ -18,7 +17,7 @@ from typing import Callable
 import numpy as np
 
 from ballonet.errors import InputError
-from ballonet.workloads import load_lengths
+from ballonet.workloads import JSONL_SUFFIXES, load_lengths, read_jsonl
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,39 +73,42 @@ def _corpus(name: str, names: list[str], lengths: list[int], vocab_size: int, re
                   vocab_size=vocab_size, read=read)
 
 
-def _jsonl_record(path: Path, lineno: int, line: str, tokenizer: ByteTokenizer) -> np.ndarray:
-    where = f"{path}:{lineno}"
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise InputError(f"{where}: not JSON Lines ({e.msg})") from None
+def _jsonl_record(record, where: str, tokenizer: ByteTokenizer) -> tuple[str, np.ndarray | int]:
+    """(where, token ids) of a text or input_ids row, (where, length) of a length row."""
     if isinstance(record, dict) and isinstance(record.get("text"), str):
-        return tokenizer.encode(record["text"])
+        return where, tokenizer.encode(record["text"])
     if isinstance(record, dict) and isinstance(record.get("input_ids"), list):
         ids = record["input_ids"]
         if all(type(i) is int and i >= 0 for i in ids):
-            return np.asarray(ids, dtype=np.int64)
+            return where, np.asarray(ids, dtype=np.int64)
         raise InputError(f"{where}: input_ids must be a list of non-negative integers")
-    raise InputError(f'{where}: expected an object with "text" (a string) or "input_ids" (a list)')
+    if isinstance(record, dict) and "length" in record:
+        n = record["length"]
+        if type(n) is int and n >= 0:
+            return where, n
+        raise InputError(f"{where}: length must be a non-negative integer, got {n!r}")
+    raise InputError(f'{where}: expected an object with "text" (a string), "input_ids" (a list) or "length"')
 
 
-def from_jsonl(path: str | os.PathLike, tokenizer: ByteTokenizer = ByteTokenizer()) -> Corpus:
-    """One document per line: {"text": str} (tokenized) or {"input_ids": [int, ...]}.
-    Blank lines and empty documents are skipped; names are "path:line"."""
+def from_jsonl(path: str | os.PathLike, tokenizer: ByteTokenizer = ByteTokenizer(), seed: int = 0) -> Corpus:
+    """One document per line: {"text": str} (tokenized), {"input_ids": [int, ...]}, or
+    {"length": int} (seeded random tokens, as `from_lengths` makes them). Blank lines and
+    empty documents are skipped; names are "path:line"."""
     path = Path(path)
-    docs, names = [], []
-    try:
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, start=1):
-                if line.strip():
-                    ids = _jsonl_record(path, lineno, line, tokenizer)
-                    if len(ids):
-                        docs.append(ids)
-                        names.append(f"{path}:{lineno}")
-    except UnicodeDecodeError:
-        raise InputError(f"{path}: not JSON Lines (not UTF-8 text)") from None
-    vocab = max([int(d.max()) + 1 for d in docs] + [tokenizer.vocab_size])
-    return _corpus(str(path), names, [len(d) for d in docs], vocab, docs.__getitem__)
+    rows = [(w, d) for w, d in read_jsonl(path, lambda r, w: _jsonl_record(r, w, tokenizer))
+            if (d if isinstance(d, int) else len(d))]
+    docs = [d for _, d in rows]
+    vocab = max([int(d.max()) + 1 for d in docs if not isinstance(d, int)] + [tokenizer.vocab_size])
+
+    def read(doc: int) -> np.ndarray:
+        d = docs[doc]
+        return _random_tokens(seed, doc, d, tokenizer.vocab_size) if isinstance(d, int) else d
+
+    return _corpus(str(path), [w for w, _ in rows], [d if isinstance(d, int) else len(d) for d in docs], vocab, read)
+
+
+def _random_tokens(seed: int, doc: int, length: int, vocab_size: int) -> np.ndarray:
+    return np.random.default_rng([seed, doc]).integers(0, vocab_size, length, dtype=np.int64)
 
 
 def _walk(root: Path, suffix: str, exclude: frozenset[str]) -> list[Path]:
@@ -158,24 +160,29 @@ def from_lengths(lengths, seed: int = 0, vocab_size: int = 256, name: str = "syn
             raise InputError(f"{name}: document {doc} has length {n}; lengths must be positive")
 
     def read(doc: int) -> np.ndarray:
-        return np.random.default_rng([seed, doc]).integers(0, vocab_size, lengths[doc], dtype=np.int64)
+        return _random_tokens(seed, doc, lengths[doc], vocab_size)
 
     return _corpus(name, [f"{name}[{i}]" for i in range(len(lengths))], lengths, vocab_size, read)
 
 
+CORPUS_KINDS = ("'stdlib', a folder of text files (one document each), a JSON Lines file (.jsonl: text, "
+                "input_ids or length per line), or any other file as a lengths file (a .json list, a .npy array, "
+                "or text with one length per line; synthetic tokens)")
+"""What `load_corpus` takes (the help of `train --corpus`)."""
+
+
 def load_corpus(spec: str, seed: int = 0) -> Corpus:
-    """"stdlib", a folder of text files, a lengths file (.json list or .npy array; tokens
-    drawn with `seed`), or a JSON Lines file of documents (any other file)."""
+    """"stdlib", a folder of text files, a JSON Lines file (.jsonl, .ndjson), or any other
+    file as a lengths file, read as `workloads.load_lengths` reads it (tokens drawn with `seed`)."""
     if spec == "stdlib":
         return stdlib()
     path = Path(spec)
     if path.is_dir():
         return from_text_dir(path)
     if not path.is_file():
-        raise InputError(f"corpus {spec!r}: no such file or folder "
-                         "(use 'stdlib', a .jsonl file, a folder of text files or a .json/.npy lengths file)")
-    if path.suffix in (".json", ".npy"):
-        return from_lengths(load_lengths(path), seed=seed, name=str(path))
-    return from_jsonl(path)
+        raise InputError(f"corpus {spec!r}: no such file or folder (use {CORPUS_KINDS})")
+    if path.suffix.lower() in JSONL_SUFFIXES:
+        return from_jsonl(path, seed=seed)
+    return from_lengths(load_lengths(path), seed=seed, name=str(path))
 
 

@@ -1,0 +1,63 @@
+"""A slice of `bench/fuzz.py` in CI: the planner fuzz on a few hundred calls, and the
+bad-input sweep (in-process through `cli.main`, plus a few real subprocesses)."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from ballonet import PLANNERS, cli
+
+_spec = importlib.util.spec_from_file_location("fuzz", Path(__file__).resolve().parents[1] / "bench" / "fuzz.py")
+fuzz = sys.modules.setdefault("fuzz", importlib.util.module_from_spec(_spec))
+_spec.loader.exec_module(fuzz)
+
+CI_CASES = [c for c in fuzz.SWEEP if c.owner == "C" and not c.slow]
+"""Training-loop classes (owner D) run in the bench sweep only."""
+
+
+def test_planner_fuzz_slice_has_no_invalid_plan_crash_or_hang():
+    result = fuzz.fuzz_planners(40, seed=7, timeout_s=60)
+    assert result["failures"] == []
+    for name in PLANNERS:
+        counts = result["counts"][name]
+        assert sum(counts.values()) == 40 and counts.get("ok", 0) > 0, (name, counts)
+
+
+def test_random_cases_cover_the_ranges():
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    cases = [fuzz.random_case(rng) for _ in range(300)]
+    gpus = {g.gpu for _, c, _ in cases for g in c.groups}
+    assert gpus == set(fuzz.hardware.GPUS)
+    assert {m.tp for _, _, m in cases} == set(fuzz.TP_CHOICES)
+    assert any(len(c.groups) > 1 for _, c, _ in cases)
+    lengths = [n for lens, _, _ in cases for n in lens]
+    assert min(lengths) == 1 and max(lengths) > 100_000 and max(lengths) <= fuzz.MAX_LENGTH
+
+
+@pytest.mark.parametrize("case", CI_CASES, ids=[c.name for c in CI_CASES])
+def test_bad_input_in_process(case, tmp_path, monkeypatch, capsys):
+    fuzz._make_files(str(tmp_path), case.files)
+    before = fuzz._listing(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    try:
+        code = cli.main(list(case.argv))
+    except SystemExit as e:  # argparse
+        code = e.code
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == case.exit_code, err
+    if case.exit_code == 2:
+        assert len(lines) == 1 and lines[0].startswith("ballonet") and "Traceback" not in err, err
+    assert fuzz._listing(str(tmp_path)) == before
+
+
+@pytest.mark.parametrize("name", ["unknown flag", "cluster TOML gpu = 5", "simulate --plot a folder",
+                                  "train --nproc 0"])
+def test_bad_input_subprocess(name):
+    row = fuzz.run_case(next(c for c in fuzz.SWEEP if c.name == name))
+    assert row["ok"], row
+    assert row["exit_code"] == 2 and row["stderr_lines"] == 1 and not row["traceback"] and not row["left_behind"]
