@@ -33,6 +33,7 @@ import shutil
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -224,14 +225,19 @@ def load(path: str, model, optimizer, rank: int, group, device) -> dict:
     try:
         dcp.load(state, storage_reader=SafeReader(path), planner=SafeLoadPlanner(), process_group=group,
                  no_dist=group is None)
-    except Exception as e:  # noqa: BLE001 - DCP wraps every rank's failure; report one line
-        reason = " ".join(str(e).split())[:300]
-        raise InputError(f"{path}: corrupt or foreign checkpoint ({type(e).__name__}: {reason})") from None
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP gathers every rank's failure
+        raise InputError(f"{path}: corrupt or foreign checkpoint ({_last_line(e)})") from None
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     world = 1 if group is None else dist.get_world_size(group)
     if meta.get("world_size") == world and len(meta.get("rng", [])) == world:
         _set_rng(meta["rng"][rank], device)
     return meta
+
+
+def _last_line(e: BaseException) -> str:
+    """The innermost message of a (possibly DCP-wrapped, multi-line) exception, one line."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return (lines[-1] if lines else type(e).__name__)[:300]
 
 
 def _barrier(group) -> None:

@@ -16,10 +16,6 @@ from typing import Literal
 
 from ballonet.errors import InputError
 
-LAUNCH_FIELDS = ("nproc", "max_restarts", "gpus_per_node")
-"""Fields read by the launcher (`ballonet train --nproc`), not by the loop."""
-
-
 @dataclass(kw_only=True)
 class TrainConfig:
     model: str = "tiny"
@@ -53,7 +49,7 @@ class TrainConfig:
     timeout_minutes: float = 5.0
     """Process-group timeout: a dead or disagreeing peer fails every rank after this long."""
     calibration: str | None = None
-    """Calibration profile (JSON) whose measured peak FLOP/s the MFU is computed against."""
+    """Calibration profile (JSON, `ballonet calibrate`) of the GPU the run's MFU is reported for."""
     checkpoint_dir: str | None = None
     """Folder of sharded checkpoints (torch.distributed.checkpoint)."""
     checkpoint_every: int = 0
@@ -66,6 +62,7 @@ class TrainConfig:
     """Also log the step metrics to this TensorBoard folder (needs the `tb` extra)."""
     log_every: int = 1
     """Steps between printed log lines."""
+    # Read by the launcher (`ballonet train --nproc`), not by the loop:
     nproc: int | None = None
     """Launch this many ranks with torchrun (otherwise: one process, or torchrun's ranks)."""
     max_restarts: int = 0

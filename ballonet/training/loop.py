@@ -154,9 +154,10 @@ def _tensorboard_writer(folder: str | None):
     return SummaryWriter(folder) if folder else None
 
 
-def _reduce(values: list[float], group) -> tuple[list[float], list[float]]:
-    """Sum and max over ranks of each value (one tensor, two all-reduces)."""
-    t = torch.tensor(values, dtype=torch.float64)
+def _reduce(values: list[float], group, device: torch.device) -> tuple[list[float], list[float]]:
+    """Sum and max over ranks of each value (one tensor, two all-reduces; on the device,
+    which NCCL needs)."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
     s, m = t.clone(), t.clone()
     dist.all_reduce(s, group=group)
     dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
@@ -182,6 +183,10 @@ def _unplannable(e: InputError, step: int, loader: BalancedLoader, corpus: Corpu
     return InputError(f"step {step}: cannot plan the batch: {message}")
 
 
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())[:400] or type(e).__name__
+
+
 # ---- the loop ------------------------------------------------------------------------------
 
 
@@ -198,13 +203,19 @@ def train_model(config: TrainConfig):
     if owns_group:
         if use_cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        _init_process_group("nccl" if use_cuda else "gloo", datetime.timedelta(minutes=config.timeout_minutes))
+        timeout = datetime.timedelta(minutes=config.timeout_minutes)
+        try:
+            _init_process_group("nccl" if use_cuda else "gloo", timeout)
+        except (RuntimeError, dist.DistError) as e:
+            raise RankFailure(f"rank {os.environ.get('RANK', 0)}: could not form the process group of "
+                              f"{os.environ.get('WORLD_SIZE', 1)} ranks within --timeout-minutes "
+                              f"{config.timeout_minutes:g} ({_one_line(e)})") from None
     try:
         return _run(config, dist.group.WORLD, use_cuda)
     except (RuntimeError, dist.DistError) as e:
         if isinstance(e, InputError):
             raise
-        raise RankFailure(f"rank {dist.get_rank()}: {' '.join(str(e).split())[:400]}") from e
+        raise RankFailure(f"rank {dist.get_rank()}: {_one_line(e)}") from e
     finally:
         if owns_group:
             dist.destroy_process_group()
@@ -280,7 +291,7 @@ def _step(model, optimizer, batch, rank: int, group, device, spec, peak: float, 
     exposed = max(wall - (time.thread_time() - cpu), 0.0)
     values = [loss_sum.item(), compute, float(sum(counter.total().values())), exposed,
               float(metrics.memory_high_water(device)), float(parallel.local_parameter_bytes(model, optimizer))]
-    sums, maxes = _reduce(values, group)
+    sums, maxes = _reduce(values, group, device)
     world_size = dist.get_world_size(group)
     num_tokens = sum(p.end - p.start for p in batch.pieces)
     return {

@@ -36,17 +36,19 @@ def step_flops(model: ModelSpec, lengths) -> float:
 
 
 def peak_flops(cluster: ClusterSpec, calibration: str | None = None) -> float:
-    """Summed peak FLOP/s of the cluster's ranks: calibrated if a profile is given."""
-    gpus = [hardware.gpu(g.gpu) for g in cluster.groups for _ in range(g.num_nodes * g.gpus_per_node)]
-    if calibration is None:
-        return sum(g.peak_flops for g in gpus)
-    try:
-        from ballonet import calibration as profiles  # noqa: PLC0415 - optional until it lands
-    except ImportError:
-        raise InputError(f"--calibration {calibration}: this build has no calibration profiles "
-                         "(ballonet.calibration)") from None
-    profile = profiles.load_profile(calibration)
-    return sum(profile.peak_flops(g.name) if callable(profile.peak_flops) else profile.peak_flops for g in gpus)
+    """Summed datasheet peak FLOP/s of the cluster's ranks. A calibration profile
+    (`ballonet.calibration`, `--calibration`) names the GPU type actually measured: its
+    peak then counts for every rank (MFU stays relative to the datasheet peak, the usual
+    definition; the profile's efficiencies are what the cost model prices with)."""
+    gpus = [g.gpu for g in cluster.groups for _ in range(g.num_nodes * g.gpus_per_node)]
+    if calibration is not None:
+        try:
+            from ballonet import calibration as profiles  # noqa: PLC0415 - optional until it lands
+        except ImportError:
+            raise InputError(f"--calibration {calibration}: this build has no calibration profiles "
+                             "(ballonet.calibration)") from None
+        gpus = [profiles.load(calibration).gpu] * len(gpus)
+    return sum(hardware.gpu(name).peak_flops for name in gpus)
 
 
 def memory_high_water(device: torch.device) -> int:
