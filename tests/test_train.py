@@ -3,12 +3,14 @@ independent one-process reference, under every planner, sharding, recomputation 
 exact resume from sharded checkpoints on the same and another world size; recovery from
 a killed rank under torchrun; clear errors."""
 
+import functools
 import itertools
 import json
 import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from distributed import run_ranks
@@ -63,11 +65,41 @@ def _reference_run(steps, **config):
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+def _first_step_grads(config: dict, rank: int, world_size: int) -> dict:
+    """Gradients of the first batch's mean loss, unsharded, as the loop computes them."""
+    from ballonet.training import parallel
+    from ballonet.training.loop import preflight
+    from ballonet.training.model import build_model
+
+    tc = TrainConfig(**config)
+    cluster, spec, corpus = preflight(tc, world_size)
+    plan_fn = functools.partial(ballonet.plan_batch, cluster=cluster, model=spec, planner=tc.planner)
+    batch = next(iter(BalancedLoader(corpus, global_tokens=tc.global_tokens, plan_fn=plan_fn, rank=rank,
+                                     world_size=world_size, seed=tc.seed, max_doc_tokens=tc.max_doc_tokens)))
+    model = build_model(tc, spec, torch.device("cpu"))
+    if world_size > 1:
+        parallel.parallelize(model, parallel.device_mesh(world_size, tc.shard, torch.device("cpu")))
+    loss = model.loss(batch.input_ids, batch.labels, batch.plan, rank, torch.distributed.group.WORLD if world_size > 1
+                      else None)
+    (loss / batch.num_valid_tokens_global).backward()
+    full = lambda g: g.full_tensor() if hasattr(g, "full_tensor") else g  # noqa: E731
+    return {n: full(p.grad).numpy() for n, p in model.named_parameters()}
+
+
+def _reference_grads(**config) -> dict:
+    """First-batch gradients of the plain one-process model (`_reference_run`'s first step)."""
+    model = Transformer(ballonet.model(config["model"]), seed=config["seed"])
+    b = next(iter(_reference_loader(**config)))
+    (model.loss(b.input_ids, b.labels, b.plan, 0) / b.num_valid_tokens_global).backward()
+    return {n: p.grad.numpy() for n, p in model.named_parameters()}
+
+
 def _train_on_ranks(rank, world_size, configs):
-    out = []
+    out = [_first_step_grads(configs[0], rank, world_size)]
     for c in configs:
         records, model = train_model(TrainConfig(**c))
-        params = {n: p.full_tensor() for n, p in model.named_parameters()}  # collective
+        # full_tensor is collective; numpy, as tensors would cross to the parent by file descriptor
+        params = {n: p.full_tensor().numpy() for n, p in model.named_parameters()}
         out.append(([r["loss"] for r in records], params, records[-1]))
     return out
 
@@ -76,8 +108,8 @@ def _assert_matches(run, reference, tol=1e-4):
     (losses, params, _), (ref_losses, ref_params) = run, reference
     assert all(abs(x - y) <= tol * abs(y) for x, y in zip(losses, ref_losses, strict=True)), (losses, ref_losses)
     for name, p in ref_params.items():
-        assert params[name].dtype == torch.float32, name  # fp32 master weights
-        assert (params[name] - p).abs().max().item() <= tol, name
+        assert params[name].dtype == np.float32, name  # fp32 master weights
+        assert np.abs(params[name] - p.numpy()).max() <= tol, name
 
 
 def test_fsdp_losses_and_parameters_match_one_process_on_2_and_4_ranks():
@@ -87,8 +119,12 @@ def test_fsdp_losses_and_parameters_match_one_process_on_2_and_4_ranks():
     four = [dict(run, nodes=2, planner="zeppelin"), dict(run, nodes=2, planner="te_cp", recompute="full"),
             dict(run, nodes=2, planner="packed_dp", shard="none")]
     two = [dict(run, planner="zeppelin", recompute="selective")]
+    reference_grads = _reference_grads(**BASE)
     for world_size, configs in ((4, four), (2, two)):
         for rank_runs in run_ranks(world_size, _train_on_ranks, configs, timeout=1800):
+            grads, rank_runs = rank_runs[0], rank_runs[1:]
+            for name, g in reference_grads.items():  # the sum over ranks, not their mean
+                assert np.abs(grads[name] - g).max() <= 1e-5 * np.abs(g).max(), name
             for config, run in zip(configs, rank_runs):
                 _assert_matches(run, reference), config
                 assert run[2]["bytes_sent"] > 0 and 0 < run[2]["mfu"] < 1
@@ -156,7 +192,8 @@ def test_resume_on_another_world_size_continues_the_ledger(tmp_path):
     ledger = [r["ledger"] for r in first + second]
     assert ledger == _ledger_reference(8, **BASE)  # nothing lost, nothing twice
     reference = _reference_run(8, **BASE)[0]
-    assert all(abs(r["loss"] - x) <= 1e-4 * x for r, x in zip(first + second, reference, strict=True))
+    losses = [r["loss"] for r in first + second]
+    assert all(abs(x - y) <= 1e-4 * y for x, y in zip(losses, reference, strict=True)), (losses, reference)
 
 
 def _checkpoint(tmp_path, steps=2):

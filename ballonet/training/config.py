@@ -45,7 +45,7 @@ class TrainConfig:
     dtype: Literal["fp32", "bf16"] = "fp32"
     """Compute dtype (bf16: bf16 compute, fp32 master weights and gradient reduction)."""
     recompute: Literal["none", "selective", "full"] = "none"
-    """Activation recomputation: none, selective (the attention core) or full (each block)."""
+    """Activation recomputation: none, selective (the MLP) or full (each block), as the cost model prices them."""
     timeout_minutes: float = 5.0
     """Process-group timeout: a dead or disagreeing peer fails every rank after this long."""
     calibration: str | None = None

@@ -41,6 +41,11 @@ class RankFailure(InputError):
     """A peer died, timed out or disagreed: one line on every rank instead of a hang."""
 
 
+_PEER_TROUBLE = re.compile(r"disagree on the plan|another plan rank|the plan is for|[Cc]onnection|[Tt]imed? ?out|"
+                           r"[Pp]eer|[Gg]loo|NCCL")
+"""What the runtime's plan check and the communication backends say when ranks part ways."""
+
+
 def _cluster(config: TrainConfig, world_size: int) -> ballonet.ClusterSpec:
     if world_size % config.nodes:
         raise InputError(f"{world_size} ranks cannot be spread evenly over --nodes {config.nodes}")
@@ -212,10 +217,10 @@ def train_model(config: TrainConfig):
                               f"{config.timeout_minutes:g} ({_one_line(e)})") from None
     try:
         return _run(config, dist.group.WORLD, use_cuda)
-    except (RuntimeError, dist.DistError) as e:
-        if isinstance(e, InputError):
-            raise
-        raise RankFailure(f"rank {dist.get_rank()}: {_one_line(e)}") from e
+    except RuntimeError as e:
+        if isinstance(e, dist.DistError) or _PEER_TROUBLE.search(str(e)):
+            raise RankFailure(f"rank {dist.get_rank()}: {_one_line(e)}") from e
+        raise
     finally:
         if owns_group:
             dist.destroy_process_group()

@@ -60,10 +60,12 @@ AttentionFn = Callable[..., torch.Tensor]
 """(q [T_att, H, D], k [T_att, K, D], v [T_att, K, D], plan, rank, group) -> [T_att, H, D]."""
 
 Recompute = Literal["none", "selective", "full"]
-"""Activation recomputation (`torch.utils.checkpoint`, non-reentrant): "selective" keeps
-the block's activations but recomputes the attention core (drops its output and LSE),
+"""Activation recomputation (`torch.utils.checkpoint`, non-reentrant), as the cost model
+prices it (`cost_model.activation_bytes`): "selective" keeps the MLP's input and reruns
+its norm and SwiGLU in the backward (their 4 ffn_hidden + hidden elements a token are
+the largest share of a layer's activations; the attention core keeps no scores anyway);
 "full" keeps only each block's input and reruns the whole block, remaps and rings
-included, in the backward pass. The cost model prices the same three options."""
+included."""
 
 
 def rope(x_THD: torch.Tensor, pos_T: torch.Tensor, theta: float = ROPE_THETA) -> torch.Tensor:
@@ -109,15 +111,16 @@ class Block(nn.Module):
         qkv_att = remap(torch.cat([q_THD, k_TKD, v_TKD], 1), plan, rank, "linear", "attention", group, counter,
                         verify_plan=False)
         q_att, k_att, v_att = qkv_att.split([H, K, K], 1)
-        q_att, k_att, v_att = q_att.contiguous(), k_att.contiguous(), v_att.contiguous()
-        if self.recompute == "selective" and torch.is_grad_enabled():
-            o_att = checkpoint(attention_fn, q_att, k_att, v_att, plan, rank, group, use_reentrant=False)
-        else:
-            o_att = attention_fn(q_att, k_att, v_att, plan, rank, group)
+        o_att = attention_fn(q_att.contiguous(), k_att.contiguous(), v_att.contiguous(), plan, rank, group)
         o_THD = remap(o_att, plan, rank, "attention", "linear", group, counter, verify_plan=False)
         x_TC = x_TC + self.wo(o_THD.reshape(T, H * D))
+        if self.recompute == "selective" and torch.is_grad_enabled():
+            return x_TC + checkpoint(self._mlp, x_TC, use_reentrant=False)
+        return x_TC + self._mlp(x_TC)
+
+    def _mlp(self, x_TC):
         h_TC = self.ffn_norm(x_TC)
-        return x_TC + self.w2(F.silu(self.w1(h_TC)) * self.w3(h_TC))
+        return self.w2(F.silu(self.w1(h_TC)) * self.w3(h_TC))
 
 
 class Transformer(nn.Module):

@@ -68,8 +68,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, dtype: str = "fp32",
     for name in forward_methods:
         if hasattr(model, name):
             register_fsdp_forward_method(model, name)
-    model.set_gradient_divide_factor(1.0)
-    model.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
+    for unit in model.modules():  # each unit's own setting: the root's does not reach the blocks
+        if isinstance(unit, FSDPModule):
+            unit.set_gradient_divide_factor(1.0)
+            unit.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
     return model
 
 
