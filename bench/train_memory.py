@@ -49,8 +49,8 @@ def main() -> None:
     for shard in shards:
         local, peak = results[shard]
         lines.append(f"| {shard} | {local:,} | {local / base:.3f} | {peak / 2**20:.0f} |")
-    lines += ["", f"Ideal with {args.ranks} ranks: {1 / args.ranks:.3f}; above it by FSDP2's padding of each "
-              "parameter's first dimension to a multiple of the ranks. Peak RSS is the whole process "
+    lines += ["", f"Ideal with {args.ranks} ranks: {1 / args.ranks:.3f}; FSDP2 pads a parameter whose first "
+              "dimension the ranks do not divide, which would show as more. Peak RSS is the whole process "
               "(PyTorch, the corpus, activations), not the weights alone.", ""]
     with open(args.out, "w") as f:
         f.write("\n".join(lines))
