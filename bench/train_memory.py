@@ -15,9 +15,9 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
-from distributed import run_ranks  # noqa: E402
+from distributed import run_ranks
 
-from ballonet.training.loop import TrainConfig, train  # noqa: E402
+from ballonet.training.loop import TrainConfig, train
 
 OUT = os.path.join(os.path.dirname(__file__), "results", "train_memory.md")
 

@@ -82,7 +82,7 @@ def _first_step_grads(config: dict, rank: int, world_size: int) -> dict:
     loss = model.loss(batch.input_ids, batch.labels, batch.plan, rank, torch.distributed.group.WORLD if world_size > 1
                       else None)
     (loss / batch.num_valid_tokens_global).backward()
-    full = lambda g: g.full_tensor() if hasattr(g, "full_tensor") else g  # noqa: E731
+    full = lambda g: g.full_tensor() if hasattr(g, "full_tensor") else g
     return {n: full(p.grad).numpy() for n, p in model.named_parameters()}
 
 
@@ -174,7 +174,7 @@ def test_resume_gives_identical_losses_and_ledger(tmp_path):
     assert [r["loss"] for r in resumed] == [r["loss"] for r in straight]
     assert [r["ledger"] for r in resumed] == [r["ledger"] for r in straight]
     assert [r["ledger"] for r in straight] == _ledger_reference(10, **BASE)
-    key = lambda r: (r["step"], r["loss"], r["ledger"])  # noqa: E731
+    key = lambda r: (r["step"], r["loss"], r["ledger"])
     assert [key(r) for r in _read_log(tmp_path / "b.jsonl")] == [key(r) for r in _read_log(tmp_path / "a.jsonl")]
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["latest", "step-00000005"]
 

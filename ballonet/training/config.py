@@ -16,6 +16,7 @@ from typing import Literal
 
 from ballonet.errors import InputError
 
+
 @dataclass(kw_only=True)
 class TrainConfig:
     model: str = "tiny"

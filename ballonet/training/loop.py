@@ -153,7 +153,7 @@ def _trim_log(path: str, last_step: int) -> None:
 
 def _tensorboard_writer(folder: str | None):
     try:
-        from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415
+        from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         raise InputError("--tensorboard needs the tensorboard package (pip install 'ballonet[tb]')") from None
     return SummaryWriter(folder) if folder else None
@@ -212,8 +212,8 @@ def train_model(config: TrainConfig):
         try:
             _init_process_group("nccl" if use_cuda else "gloo", timeout)
         except (RuntimeError, dist.DistError) as e:
-            raise RankFailure(f"rank {os.environ.get('RANK', 0)}: could not form the process group of "
-                              f"{os.environ.get('WORLD_SIZE', 1)} ranks within --timeout-minutes "
+            raise RankFailure(f"rank {os.environ.get('RANK', '0')}: could not form the process group of "
+                              f"{os.environ.get('WORLD_SIZE', '1')} ranks within --timeout-minutes "
                               f"{config.timeout_minutes:g} ({_one_line(e)})") from None
     try:
         return _run(config, dist.group.WORLD, use_cuda)

@@ -43,7 +43,7 @@ def peak_flops(cluster: ClusterSpec, calibration: str | None = None) -> float:
     gpus = [g.gpu for g in cluster.groups for _ in range(g.num_nodes * g.gpus_per_node)]
     if calibration is not None:
         try:
-            from ballonet import calibration as profiles  # noqa: PLC0415 - optional until it lands
+            from ballonet import calibration as profiles
         except ImportError:
             raise InputError(f"--calibration {calibration}: this build has no calibration profiles "
                              "(ballonet.calibration)") from None
@@ -74,7 +74,7 @@ def training_bytes_per_token(model: ModelSpec, dtype_bytes: int, recompute: str)
 
 
 def _with_dtype(model: ModelSpec, dtype_bytes: int) -> ModelSpec:
-    import dataclasses  # noqa: PLC0415
+    import dataclasses
 
     return dataclasses.replace(model, dtype_bytes=dtype_bytes)
 

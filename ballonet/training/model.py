@@ -37,7 +37,8 @@ from __future__ import annotations
 
 import functools
 import typing
-from typing import Callable, Literal
+from collections.abc import Callable
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
