@@ -237,6 +237,9 @@ MODELS: dict[str, ModelSpec] = {
         # Trains on CPU in seconds; byte-level vocabulary.
         ModelSpec(name="tiny", num_layers=2, hidden=64, num_heads=4, num_kv_heads=2,
                   ffn_hidden=176, vocab_size=256, dtype_bytes=4),
+        # Llama-3.2-1B shapes (untied head): the one-GPU training check.
+        ModelSpec(name="llama3-1b", num_layers=16, hidden=2048, num_heads=32, num_kv_heads=8,
+                  ffn_hidden=8192, vocab_size=128256),
     ]
 }
 

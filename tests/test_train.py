@@ -1,59 +1,153 @@
-"""Training end to end: the same losses on 1, 2 and 4 ranks and under every planner,
-exact resume, recovery from a killed rank under torchrun, and clear errors."""
+"""Training end to end with FSDP2: the same losses and parameters on 2 and 4 ranks as an
+independent one-process reference, under every planner, sharding, recomputation mode;
+exact resume from sharded checkpoints on the same and another world size; recovery from
+a killed rank under torchrun; clear errors."""
 
+import functools
+import itertools
 import json
 import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+import torch
 from distributed import run_ranks
 
+import ballonet
+from ballonet.plan import Plan, Segment
 from ballonet.training.corpus import load_corpus
 from ballonet.training.loader import BalancedLoader
-from ballonet.training.loop import TrainConfig, train
+from ballonet.training.loop import TrainConfig, train, train_model
+from ballonet.training.model import Transformer
 
 STEPS = 5
 BASE = dict(model="tiny", corpus="stdlib", global_tokens=1536, max_doc_tokens=1024, lr=3e-3, seed=3)
 
 
-def _train_on_ranks(rank, world_size, configs):
-    return [[r["loss"] for r in train(TrainConfig(**c))] for c in configs]
+def _whole_docs(lengths):
+    return Plan(planner="ref", lengths=tuple(lengths), node_of_rank=(0,), nic_of_rank=(0,),
+                attention=(tuple(Segment(d, 0, n) for d, n in enumerate(lengths)),))
 
 
-def _close(a, b, rel=1e-4):
-    return all(abs(x - y) <= rel * abs(y) for x, y in zip(a, b, strict=True))
+def _reference_loader(**config):
+    return BalancedLoader(load_corpus(config["corpus"], seed=config["seed"]), global_tokens=config["global_tokens"],
+                          plan_fn=_whole_docs, seed=config["seed"], max_doc_tokens=config["max_doc_tokens"],
+                          prefetch=False)
 
 
 def _ledger_reference(num_batches, **config):
     """The pieces the first `num_batches` batches must hold, read straight off the loader
     with a trivial one-rank plan (no planner, no model)."""
-    from ballonet.plan import Plan, Segment
-
-    def whole_docs(lengths):
-        return Plan(planner="ref", lengths=tuple(lengths), node_of_rank=(0,), nic_of_rank=(0,),
-                    attention=(tuple(Segment(d, 0, n) for d, n in enumerate(lengths)),))
-
-    loader = BalancedLoader(load_corpus(config["corpus"], seed=config["seed"]),
-                                 global_tokens=config["global_tokens"], plan_fn=whole_docs,
-                                 seed=config["seed"], max_doc_tokens=config["max_doc_tokens"], prefetch=False)
     out = []
-    for i, b in enumerate(loader):
+    for i, b in enumerate(_reference_loader(**config)):
         if i == num_batches:
             break
         out.append([list(p) for p in b.pieces])
     return out
 
 
-def test_losses_match_one_process_on_2_and_4_ranks_and_every_planner():
-    single = [r["loss"] for r in train(TrainConfig(**BASE, steps=STEPS))]
-    assert single[-1] < single[0]  # it learns
-    four = run_ranks(4, _train_on_ranks, [dict(BASE, steps=STEPS, nodes=2, planner=p)
-                                          for p in ("zeppelin", "te_cp", "packed_dp")])
-    two = run_ranks(2, _train_on_ranks, [dict(BASE, steps=STEPS, planner="zeppelin")])
-    for rank_losses in four + two:
-        for losses in rank_losses:
-            assert _close(losses, single), (losses, single)
+def _reference_run(steps, **config):
+    """Plain PyTorch, one process, no process group, no FSDP: every document whole on one
+    rank, the loss averaged over the batch's valid labels, AdamW. -> (losses, parameters)."""
+    model = Transformer(ballonet.model(config["model"]), seed=config["seed"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config["lr"], weight_decay=0.0)
+    losses = []
+    for i, b in enumerate(_reference_loader(**config)):
+        if i == steps:
+            break
+        loss = model.loss(b.input_ids, b.labels, b.plan, 0) / b.num_valid_tokens_global
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _first_step_grads(config: dict, rank: int, world_size: int) -> dict:
+    """Gradients of the first batch's mean loss, unsharded, as the loop computes them."""
+    from ballonet.training import parallel
+    from ballonet.training.loop import preflight
+    from ballonet.training.model import build_model
+
+    tc = TrainConfig(**config)
+    cluster, spec, corpus = preflight(tc, world_size)
+    plan_fn = functools.partial(ballonet.plan_batch, cluster=cluster, model=spec, planner=tc.planner)
+    batch = next(iter(BalancedLoader(corpus, global_tokens=tc.global_tokens, plan_fn=plan_fn, rank=rank,
+                                     world_size=world_size, seed=tc.seed, max_doc_tokens=tc.max_doc_tokens)))
+    model = build_model(tc, spec, torch.device("cpu"))
+    if world_size > 1:
+        parallel.parallelize(model, parallel.device_mesh(world_size, tc.shard, torch.device("cpu")))
+    loss = model.loss(batch.input_ids, batch.labels, batch.plan, rank, torch.distributed.group.WORLD if world_size > 1
+                      else None)
+    (loss / batch.num_valid_tokens_global).backward()
+    full = lambda g: g.full_tensor() if hasattr(g, "full_tensor") else g
+    return {n: full(p.grad).numpy() for n, p in model.named_parameters()}
+
+
+def _reference_grads(**config) -> dict:
+    """First-batch gradients of the plain one-process model (`_reference_run`'s first step)."""
+    model = Transformer(ballonet.model(config["model"]), seed=config["seed"])
+    b = next(iter(_reference_loader(**config)))
+    (model.loss(b.input_ids, b.labels, b.plan, 0) / b.num_valid_tokens_global).backward()
+    return {n: p.grad.numpy() for n, p in model.named_parameters()}
+
+
+def _train_on_ranks(rank, world_size, configs):
+    out = [_first_step_grads(configs[0], rank, world_size)]
+    for c in configs:
+        records, model = train_model(TrainConfig(**c))
+        # full_tensor is collective; numpy, as tensors would cross to the parent by file descriptor
+        params = {n: p.full_tensor().numpy() for n, p in model.named_parameters()}
+        out.append(([r["loss"] for r in records], params, records[-1]))
+    return out
+
+
+def _assert_matches(run, reference, tol=1e-4):
+    (losses, params, _), (ref_losses, ref_params) = run, reference
+    assert all(abs(x - y) <= tol * abs(y) for x, y in zip(losses, ref_losses, strict=True)), (losses, ref_losses)
+    for name, p in ref_params.items():
+        assert params[name].dtype == np.float32, name  # fp32 master weights
+        assert np.abs(params[name] - p.numpy()).max() <= tol, name
+
+
+def test_fsdp_losses_and_parameters_match_one_process_on_2_and_4_ranks():
+    reference = _reference_run(STEPS, **BASE)
+    assert reference[0][-1] < reference[0][0]  # it learns
+    run = dict(BASE, steps=STEPS, log_every=STEPS)
+    four = [dict(run, nodes=2, planner="zeppelin"), dict(run, nodes=2, planner="te_cp", recompute="full"),
+            dict(run, nodes=2, planner="packed_dp", shard="none")]
+    two = [dict(run, planner="zeppelin", recompute="selective")]
+    reference_grads = _reference_grads(**BASE)
+    for world_size, configs in ((4, four), (2, two)):
+        for rank_runs in run_ranks(world_size, _train_on_ranks, configs, timeout=1800):
+            grads, rank_runs = rank_runs[0], rank_runs[1:]
+            for name, g in reference_grads.items():  # the sum over ranks, not their mean
+                assert np.abs(grads[name] - g).max() <= 1e-5 * np.abs(g).max(), name
+            for config, run in zip(configs, rank_runs):
+                _assert_matches(run, reference), config
+                assert run[2]["bytes_sent"] > 0 and 0 < run[2]["mfu"] < 1
+
+
+def _memory_runs(rank, world_size):
+    return [train(TrainConfig(**BASE, steps=1, shard=s))[-1]["param_bytes_max"] for s in ("full", "none")]
+
+
+def test_full_sharding_holds_about_a_quarter_of_the_weights_per_rank_on_4_ranks():
+    full, none = run_ranks(4, _memory_runs)[0]
+    assert 0.2 < full / none < 0.35, (full, none)
+
+
+def test_bf16_trains_close_to_fp32_with_fp32_master_weights():
+    records, model = train_model(TrainConfig(**BASE, steps=3, dtype="bf16", recompute="full"))
+    reference = _reference_run(3, **BASE)[0]
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert abs(records[0]["loss"] - reference[0]) < 2e-2 * reference[0]
+    assert records[-1]["loss"] < records[0]["loss"]
+
+
+# ---- checkpoints -----------------------------------------------------------------------
 
 
 def _resume_runs(rank, world_size, tmp):
@@ -61,6 +155,9 @@ def _resume_runs(rank, world_size, tmp):
     ckpt = os.path.join(tmp, "ckpt")
     first = train(TrainConfig(**BASE, steps=5, checkpoint_dir=ckpt, checkpoint_every=5,
                               json_log=os.path.join(tmp, "b.jsonl")))
+    if rank == 0:  # a run killed mid-write leaves a torn last line
+        with open(os.path.join(tmp, "b.jsonl"), "a") as f:
+            f.write('{"step": 6, "lo')
     second = train(TrainConfig(**BASE, steps=10, checkpoint_dir=ckpt, resume=True,
                                json_log=os.path.join(tmp, "b.jsonl")))
     return straight, first + second
@@ -77,8 +174,58 @@ def test_resume_gives_identical_losses_and_ledger(tmp_path):
     assert [r["loss"] for r in resumed] == [r["loss"] for r in straight]
     assert [r["ledger"] for r in resumed] == [r["ledger"] for r in straight]
     assert [r["ledger"] for r in straight] == _ledger_reference(10, **BASE)
-    key = lambda r: (r["step"], r["loss"], r["ledger"])  # noqa: E731
+    key = lambda r: (r["step"], r["loss"], r["ledger"])
     assert [key(r) for r in _read_log(tmp_path / "b.jsonl")] == [key(r) for r in _read_log(tmp_path / "a.jsonl")]
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["latest", "step-00000005"]
+
+
+def _train_configs(rank, world_size, configs):
+    return [train(TrainConfig(**c)) for c in configs]
+
+
+def test_resume_on_another_world_size_continues_the_ledger(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    common = dict(BASE, nodes=1, checkpoint_dir=ckpt)
+    first = run_ranks(4, _train_configs, [dict(common, steps=4, checkpoint_every=4)])[0][0]
+    second = run_ranks(2, _train_configs, [dict(common, steps=8, resume=True)])[0][0]
+    assert [r["step"] for r in first + second] == list(range(1, 9))
+    ledger = [r["ledger"] for r in first + second]
+    assert ledger == _ledger_reference(8, **BASE)  # nothing lost, nothing twice
+    reference = _reference_run(8, **BASE)[0]
+    losses = [r["loss"] for r in first + second]
+    assert all(abs(x - y) <= 1e-4 * y for x, y in zip(losses, reference, strict=True)), (losses, reference)
+
+
+def _checkpoint(tmp_path, steps=2):
+    ckpt = tmp_path / "ckpt"
+    train(TrainConfig(**BASE, steps=steps, checkpoint_dir=str(ckpt), checkpoint_every=steps))
+    return ckpt, ckpt / f"step-{steps:08d}"
+
+
+def test_interrupted_save_leaves_the_last_checkpoint_and_no_stray_files(tmp_path):
+    ckpt, step2 = _checkpoint(tmp_path)
+    (ckpt / ".tmp-step-00000004").mkdir()  # what a save killed midway leaves
+    (ckpt / ".tmp-step-00000004" / "__0_0.distcp").write_bytes(b"partial")
+    (ckpt / "latest.tmp").write_text("step-000")
+    records = train(TrainConfig(**BASE, steps=3, checkpoint_dir=str(ckpt), resume=True))
+    assert [r["step"] for r in records] == [3]
+    assert sorted(os.listdir(ckpt)) == ["latest", step2.name]
+
+
+def test_loading_a_checkpoint_never_runs_its_code(tmp_path):
+    import pickle
+
+    ckpt, step2 = _checkpoint(tmp_path)
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    (step2 / ".metadata").write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(ballonet.InputError, match=r"\.metadata|corrupt or foreign"):
+        train(TrainConfig(**BASE, steps=3, checkpoint_dir=str(ckpt), resume=True))
+    assert not marker.exists()
 
 
 def _cli(*args, env=None, cwd=None):
@@ -104,19 +251,119 @@ def test_killed_rank_restarts_from_checkpoint_without_losing_documents(tmp_path)
     assert len(pieces) == len(set(pieces))
 
 
+# ---- bad input -------------------------------------------------------------------------
+
+
 def test_bad_input_is_one_line_and_exit_2(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     not_jsonl = tmp_path / "notes.jsonl"
     not_jsonl.write_text('{"text": "fine"}\nthis is not json\n')
+    ckpt, step2 = _checkpoint(tmp_path)
+    data = sorted(step2.glob("*.distcp"))[0]
+    data.write_bytes(data.read_bytes()[:20])  # truncated
     cases = [
-        (["train", "--corpus", str(empty)], "empty"),
         (["train", "--corpus", str(not_jsonl)], "notes.jsonl:2"),
         (["train", "--nproc", "4", "--global-tokens", "3"], "smaller than one token per rank"),
-        (["train", "--planner", "magic"], "magic"),
+        (["train", "--seed", "-1"], "--seed"),
+        (["train", "--json-log", str(empty)], "is a folder"),
+        (["train", "--checkpoint-dir", str(ckpt), "--resume", "--steps", "3"], str(step2)),
     ]
     for args, message in cases:
         r = _cli(*args, cwd=tmp_path)
         assert r.returncode == 2, (args, r.stderr)
         assert message in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_bad_configs_are_refused_with_one_line_before_any_work(tmp_path):
+    from ballonet.training.loop import preflight
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "checkpoint.pt").write_bytes(b"\x80\x04K\x01.")
+    dangling = tmp_path / "dangling"
+    dangling.mkdir()
+    (dangling / "latest").write_text("step-00000009")
+    cases = [
+        (dict(corpus=str(empty)), "empty"),
+        (dict(planner="magic"), "magic"),
+        (dict(max_doc_tokens=0), "--max-doc-tokens"),
+        (dict(weight_decay=-1.0), "--weight-decay"),
+        (dict(seed=-1), "--seed"),
+        (dict(max_restarts=-1), "--max-restarts"),
+        (dict(timeout_minutes=0), "--timeout-minutes"),
+        (dict(shard="half"), "--shard"),
+        (dict(json_log=str(empty)), "is a folder"),
+        (dict(json_log=str(tmp_path / "nodir" / "log.jsonl")), "does not exist"),
+        (dict(checkpoint_dir=str(a_file)), "is a file"),
+        (dict(global_tokens=8_000_000), "--global-tokens 8000000"),
+        (dict(checkpoint_dir=str(foreign), resume=True), "not a ballonet checkpoint"),
+        (dict(checkpoint_dir=str(dangling), resume=True), "not a complete checkpoint"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ballonet.InputError, match=message) as e:
+            preflight(TrainConfig(**kwargs), 1)
+        assert "\n" not in str(e.value)
+
+
+def test_budget_is_checked_before_any_batch_is_built():
+    import time
+
+    from ballonet.training.loop import preflight
+
+    start = time.perf_counter()
+    with pytest.raises(ballonet.InputError, match="--global-tokens 8000000"):
+        preflight(TrainConfig(global_tokens=8_000_000), 1)
+    assert time.perf_counter() - start < 1.0
+
+
+def test_flags_are_generated_from_the_config_fields():
+    import argparse
+    import dataclasses
+
+    from ballonet.training import config
+
+    parser = argparse.ArgumentParser()
+    config.add_arguments(parser)
+    args = parser.parse_args(["--shard", "none", "--recompute", "selective", "--lr", "0.01", "--resume",
+                              "--checkpoint-dir", "ckpt"])
+    parsed = config.config_from_args(args)
+    assert (parsed.shard, parsed.recompute, parsed.lr, parsed.resume) == ("none", "selective", 0.01, True)
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    assert {a.dest for a in parser._actions} - {"help"} == fields
+    docs = config.field_docs()
+    assert set(docs) == fields and all(docs.values())  # every field documented
+
+
+def test_tensorboard_is_optional(tmp_path):
+    config = TrainConfig(**BASE, steps=1, tensorboard=str(tmp_path / "tb"))
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        with pytest.raises(ballonet.InputError, match="tensorboard"):
+            train(config)
+        return
+    train(config)
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path / "tb"))
+
+
+def test_an_unplannable_batch_names_the_step_and_the_corpus_document():
+    from ballonet.training.loop import _unplannable
+
+    config = TrainConfig(**BASE)
+    corpus = load_corpus(config.corpus, seed=config.seed)
+    fourth = list(itertools.islice(_reference_loader(**BASE), 4))[3].pieces
+    loader = _reference_loader(**BASE)
+    batches = iter(loader)
+    for _ in range(3):
+        next(batches)  # the loader now stands before batch 4, as when planning it fails
+    error = ballonet.InputError("packed_dp: document 1 (900 tokens) fits no single GPU")
+    message = str(_unplannable(error, 4, loader, corpus, config))
+    piece = fourth[1]
+    assert message == ("step 4: cannot plan the batch: packed_dp: document 1 (corpus document "
+                       f"{corpus.names[piece.doc]}, tokens {piece.start}-{piece.end}) (900 tokens) fits no single GPU")

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ballonet.plan import Plan
-from ballonet.runtime.comm import ByteCounter, link_bytes  # noqa: F401 - link_bytes: re-exported
+from ballonet.runtime.comm import ByteCounter, check_plan, link_bytes  # noqa: F401 - link_bytes: re-exported
 from ballonet.runtime.layout import LAYOUTS
 
 
@@ -117,18 +117,22 @@ class _Remap(torch.autograd.Function):
 
 
 def remap(x: torch.Tensor, plan: Plan, rank: int, src: str = "attention", dst: str = "linear",
-          group=None, counter: ByteCounter | None = None) -> torch.Tensor:
+          group=None, counter: ByteCounter | None = None, verify_plan: bool = True) -> torch.Tensor:
     """Move this rank's [T_src, ...] rows from layout `src` to `dst`: [T_dst, ...].
 
     Collective: every rank of `group` (plan rank i = group rank i) must call it. Moves
     integer tensors (metadata) too. `counter`, if given, records the bytes this rank sends
     per (rank, peer), forward and backward (`predicted_bytes` gives the plan's figures).
     A plan with one rank or no remap transfers needs no process group: `x` comes back as is.
+    Every rank must call with the same plan: checked first (one all_gather, a mismatch
+    raises RuntimeError on all), unless `verify_plan=False` (a caller that checked once).
     """
     _check_layouts(src, dst)
     expected = plan.attention_tokens(rank) if src == "attention" else plan.linear_tokens(rank)
     if x.shape[0] != expected:
         raise ValueError(f"rank {rank} holds {expected} tokens in the {src} layout, got a tensor of {x.shape[0]}")
+    if verify_plan and plan.num_ranks > 1:  # before the early return: a rank without transfers must not skip it
+        check_plan(plan, rank, group, x.device)
     if plan.num_ranks == 1 or not plan.remap:
         return x
     return _Remap.apply(x, plan_move(plan, rank, src, dst), group, counter)

@@ -1,32 +1,245 @@
-"""Checkpoints: model, optimizer, loader state and RNG of one training run."""
+"""Sharded, safe, atomic checkpoints with `torch.distributed.checkpoint` (DCP).
+
+A checkpoint folder holds one finished checkpoint, `step-NNNNNNNN/`, named by the text
+file `latest`:
+
+    step-00000010/  DCP files: each rank writes its own shards of the model and optimizer
+                    (FSDP2 DTensors); `.metadata` indexes them
+                    ballonet.json: step, world size, loader state (JSON), RNG states
+    latest          "step-00000010"
+
+Saving: every rank writes into `.tmp-step-N/` (DCP fsyncs each file), rank 0 adds
+`ballonet.json`, fsyncs, renames the folder into place, then replaces `latest` (write,
+fsync, rename) and only then deletes the previous checkpoint. A save killed at any point
+leaves `latest` naming a complete checkpoint; stale `.tmp-*` folders are removed when
+the next run starts (`clean_stale`).
+
+Loading never executes code from the checkpoint: DCP's `.metadata` (a pickle) is read
+with an unpickler that admits only DCP's own metadata classes, non-tensor items go
+through `torch.load(weights_only=True)`, and loader state and RNG are JSON. Shards
+reassemble on any world size (DCP reshards DTensors), so a run saved on 4 ranks resumes
+on 2; RNG states are restored only on the world size that saved them.
+"""
 
 from __future__ import annotations
 
+import base64
+import io
+import json
 import os
-import random
+import pickle
+import shutil
 
-import numpy as np
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-CHECKPOINT = "checkpoint.pt"
+from ballonet.errors import InputError
+
+LATEST = "latest"
+META = "ballonet.json"
+FORMAT = "ballonet-dcp-1"
+_SAFE_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": None,  # every class of DCP's metadata module
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"} | {name for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype)},
+    "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
 
 
-def rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        allowed = _SAFE_GLOBALS.get(module, set())
+        if module in _SAFE_GLOBALS and (allowed is None or name in allowed):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name}")
 
 
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
+class SafeReader(dcp.FileSystemReader):
+    """A FileSystemReader whose metadata unpickler admits DCP's metadata classes only."""
+
+    def read_metadata(self, *args, **kwargs):
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as f:
+            metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = dcp.metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
 
-def save_checkpoint(path: str, step: int, model, optimizer, loader) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    torch.save({"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "loader": loader.state_dict(), "rng": rng_state()}, tmp)
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """Non-tensor items (optimizer hyperparameters) through the weights-only unpickler."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        loaded = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            from torch.distributed.checkpoint._nested_dict import set_element
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+# ---- files -----------------------------------------------------------------------------
+
+
+def _fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_durably(path: str, text: str) -> None:
+    """Write, fsync, rename over `path`, fsync the folder: all or nothing."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
+    _fsync_path(os.path.dirname(path) or ".")
 
 
-def load_checkpoint(path: str, device) -> dict:
-    return torch.load(path, map_location=device, weights_only=False)
+def clean_stale(folder: str) -> None:
+    """Remove what an interrupted save left behind (rank 0, before any save)."""
+    if not os.path.isdir(folder):
+        return
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        if name.startswith(".tmp-") or name == f"{LATEST}.tmp":
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+
+
+def latest(folder: str) -> str | None:
+    """The finished checkpoint `latest` names, or None if the folder holds none.
+    Raises InputError for a folder with something else in it, or a dangling `latest`."""
+    if not os.path.isdir(folder):
+        return None
+    pointer = os.path.join(folder, LATEST)
+    if not os.path.exists(pointer):
+        foreign = sorted(n for n in os.listdir(folder) if not n.startswith("."))
+        if foreign:
+            raise InputError(f"{folder}: not a ballonet checkpoint folder (no '{LATEST}' file, holds {foreign[0]!r})")
+        return None
+    try:
+        with open(pointer, encoding="utf-8") as f:
+            name = f.read().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"{pointer}: unreadable ({e})") from None
+    path = os.path.join(folder, name)
+    if os.sep in name or not name.startswith("step-") or not os.path.isfile(os.path.join(path, META)):
+        raise InputError(f"{pointer}: names {name!r}, which is not a complete checkpoint in {folder}")
+    return path
+
+
+def read_meta(path: str) -> dict:
+    meta_path = os.path.join(path, META)
+    try:
+        with open(meta_path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InputError(f"{meta_path}: corrupt checkpoint metadata ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise InputError(f"{meta_path}: not a {FORMAT} checkpoint")
+    return meta
+
+
+# ---- RNG -------------------------------------------------------------------------------
+
+
+def _rng_tensor(device: torch.device) -> torch.Tensor:
+    states = [torch.get_rng_state()]
+    if device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(device))
+    return torch.cat(states)
+
+
+def _gather_rng(group, device: torch.device) -> list[str]:
+    """Every rank's RNG state (CPU, and CUDA on GPU), base64, gathered to all ranks."""
+    mine = _rng_tensor(device)
+    if group is None:
+        return [base64.b64encode(mine.numpy().tobytes()).decode()]
+    comm_device = device if device.type == "cuda" else torch.device("cpu")
+    everyone = [torch.empty_like(mine, device=comm_device) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, mine.to(comm_device), group=group)
+    return [base64.b64encode(t.cpu().numpy().tobytes()).decode() for t in everyone]
+
+
+def _set_rng(encoded: str, device: torch.device) -> None:
+    state = torch.frombuffer(bytearray(base64.b64decode(encoded)), dtype=torch.uint8)
+    cpu_size = torch.get_rng_state().numel()
+    torch.set_rng_state(state[:cpu_size].clone())
+    if device.type == "cuda" and state.numel() > cpu_size:
+        torch.cuda.set_rng_state(state[cpu_size:].clone(), device)
+
+
+# ---- save and load ---------------------------------------------------------------------
+
+
+def save(folder: str, step: int, model, optimizer, loader_state: dict, rank: int, group, device) -> str:
+    """Collective: write checkpoint `step` of every rank's shards; returns its folder."""
+    name = f"step-{step:08d}"
+    tmp = os.path.join(folder, f".tmp-{name}")
+    if rank == 0:
+        os.makedirs(folder, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    rng = _gather_rng(group, device)
+    _barrier(group)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optimizer": optim_sd}, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
+             process_group=group, no_dist=group is None)
+    final = os.path.join(folder, name)
+    if rank == 0:
+        world = 1 if group is None else dist.get_world_size(group)
+        meta = {"format": FORMAT, "step": step, "world_size": world, "loader": loader_state, "rng": rng}
+        _write_durably(os.path.join(tmp, META), json.dumps(meta))
+        previous = latest(folder)
+        if os.path.exists(final):  # a run restarted without --resume reached this step again
+            if previous == final:
+                os.remove(os.path.join(folder, LATEST))
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_path(folder)
+        _write_durably(os.path.join(folder, LATEST), name)
+        for other in os.listdir(folder):
+            if other.startswith("step-") and other != name:
+                shutil.rmtree(os.path.join(folder, other), ignore_errors=True)
+    _barrier(group)
+    return final
+
+
+def load(path: str, model, optimizer, rank: int, group, device) -> dict:
+    """Collective: restore model and optimizer shards from checkpoint `path` (any world
+    size) and RNG (same world size); returns its metadata (step, loader state)."""
+    meta = read_meta(path)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optimizer": optim_sd}
+    try:
+        dcp.load(state, storage_reader=SafeReader(path), planner=SafeLoadPlanner(), process_group=group,
+                 no_dist=group is None)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP gathers every rank's failure
+        raise InputError(f"{path}: corrupt or foreign checkpoint ({_last_line(e)})") from None
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    world = 1 if group is None else dist.get_world_size(group)
+    if meta.get("world_size") == world and len(meta.get("rng", [])) == world:
+        _set_rng(meta["rng"][rank], device)
+    return meta
+
+
+def _last_line(e: BaseException) -> str:
+    """The innermost message of a (possibly DCP-wrapped, multi-line) exception, one line."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return (lines[-1] if lines else type(e).__name__)[:300]
+
+
+def _barrier(group) -> None:
+    if group is not None:
+        dist.barrier(group)

@@ -1,11 +1,18 @@
-"""What a training run is: `TrainConfig` and its command-line flags (no torch import, so
-`ballonet --help` stays fast)."""
+"""What a training run is: `TrainConfig`, and its command-line flags generated from the
+dataclass fields (one declaration per field: its type, default and docstring give the
+flag, its argument type, choices and help). No torch import, so `ballonet --help` stays
+fast."""
 
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+import functools
+import inspect
+import typing
 from dataclasses import dataclass
+from typing import Literal
 
 from ballonet.errors import InputError
 
@@ -15,64 +22,116 @@ class TrainConfig:
     model: str = "tiny"
     """Model preset (`ballonet.specs.MODELS`)."""
     corpus: str = "stdlib"
-    """"stdlib", a JSONL file, a folder of text files, or a lengths file (synthetic tokens)."""
+    """'stdlib', a folder of text files, a .jsonl file (text, input_ids or length per line), or a
+    lengths file as `plan --lengths` reads it (.json, .npy, one length per line; synthetic tokens)."""
     planner: str = "zeppelin"
+    """Zeppelin or a baseline (`ballonet.PLANNERS`)."""
     global_tokens: int = 8192
     """Tokens in every global batch, whatever the number of ranks."""
     max_doc_tokens: int | None = None
     """Context window: longer documents are cut."""
     steps: int = 20
+    """Training steps (optimizer updates)."""
     lr: float = 3e-3
+    """AdamW learning rate."""
     weight_decay: float = 0.0
+    """AdamW weight decay (>= 0)."""
     seed: int = 0
+    """Seed of the weights, the document order and synthetic tokens (>= 0)."""
     cluster: str = "cpu"
     """Cluster preset or TOML file giving the (emulated) topology."""
     nodes: int = 1
     """Nodes the ranks are spread over (ranks per node = world size / nodes)."""
+    shard: Literal["full", "none"] = "full"
+    """FSDP2 parameter sharding over the ranks: full (ZeRO-3 style) or none (replicated)."""
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    """Compute dtype (bf16: bf16 compute, fp32 master weights and gradient reduction)."""
+    recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recomputation: none, selective (the MLP) or full (each block), as the cost model prices them."""
+    timeout_minutes: float = 5.0
+    """Process-group timeout: a dead or disagreeing peer fails every rank after this long."""
+    calibration: str | None = None
+    """Calibration profile (JSON, `ballonet calibrate`) of the GPU the run's MFU is reported for."""
     checkpoint_dir: str | None = None
+    """Folder of sharded checkpoints (torch.distributed.checkpoint)."""
     checkpoint_every: int = 0
+    """Steps between checkpoints (0: never)."""
     resume: bool = False
+    """Continue from the last checkpoint in --checkpoint-dir."""
     json_log: str | None = None
+    """Write one JSON object per step to this file."""
+    tensorboard: str | None = None
+    """Also log the step metrics to this TensorBoard folder (needs the `tb` extra)."""
     log_every: int = 1
+    """Steps between printed log lines."""
+    # Read by the launcher (`ballonet train --nproc`), not by the loop:
+    nproc: int | None = None
+    """Launch this many ranks with torchrun (otherwise: one process, or torchrun's ranks)."""
+    max_restarts: int = 0
+    """With --nproc: torchrun restarts after a failure."""
+    gpus_per_node: int | None = None
+    """Ranks per node; with --nproc, defaults to nproc / nodes."""
 
     def __post_init__(self):
-        for name in ("global_tokens", "steps", "nodes", "log_every"):
-            if getattr(self, name) < 1:
-                raise InputError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        if self.checkpoint_every < 0 or (self.checkpoint_every and not self.checkpoint_dir):
-            raise InputError("--checkpoint-every needs --checkpoint-dir and must be >= 0")
+        for name in ("global_tokens", "steps", "nodes", "log_every", "max_doc_tokens", "nproc", "gpus_per_node"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise InputError(f"{_flag(name)} must be positive, got {value}")
+        for name in ("weight_decay", "seed", "max_restarts", "checkpoint_every"):
+            if getattr(self, name) < 0:
+                raise InputError(f"{_flag(name)} must be >= 0, got {getattr(self, name)}")
+        for name, choices in _choices().items():
+            if getattr(self, name) not in choices:
+                raise InputError(f"{_flag(name)} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
+        if self.checkpoint_every and not self.checkpoint_dir:
+            raise InputError("--checkpoint-every needs --checkpoint-dir")
         if self.resume and not self.checkpoint_dir:
             raise InputError("--resume needs --checkpoint-dir")
         if not self.lr > 0:
             raise InputError(f"--lr must be positive, got {self.lr}")
+        if not self.timeout_minutes > 0:
+            raise InputError(f"--timeout-minutes must be positive, got {self.timeout_minutes}")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+@functools.cache
+def _choices() -> dict[str, tuple]:
+    hints = typing.get_type_hints(TrainConfig)
+    return {name: typing.get_args(t) for name, t in hints.items() if typing.get_origin(t) is Literal}
+
+
+@functools.cache
+def field_docs() -> dict[str, str]:
+    """Each field's docstring (the string literal right after its declaration)."""
+    body = ast.parse(inspect.getsource(TrainConfig)).body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
+            docs[node.target.id] = " ".join(str(after.value.value).split())
+    return docs
+
+
+def _arg_type(hint):
+    """int, float or str from `int`, `int | None`, ... (argparse's `type`)."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    return args[0] if args[0] in (int, float) else str
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    defaults = TrainConfig()
-    p.add_argument("--model", default=defaults.model, help="model preset (default: %(default)s)")
-    p.add_argument("--corpus", default=defaults.corpus,
-                   help="'stdlib' (default), a folder of text files, a .jsonl file (text, input_ids or length "
-                        "per line), or a lengths file as plan --lengths reads it (.json, .npy, one length per line)")
-    p.add_argument("--planner", default=defaults.planner, help="zeppelin or a baseline (default: %(default)s)")
-    p.add_argument("--global-tokens", type=int, default=defaults.global_tokens,
-                   help="tokens per global batch, independent of the number of ranks (default: %(default)s)")
-    p.add_argument("--max-doc-tokens", type=int, default=None, help="context window; longer documents are cut")
-    p.add_argument("--steps", type=int, default=defaults.steps)
-    p.add_argument("--lr", type=float, default=defaults.lr)
-    p.add_argument("--weight-decay", type=float, default=defaults.weight_decay)
-    p.add_argument("--seed", type=int, default=defaults.seed)
-    p.add_argument("--cluster", default=defaults.cluster, help="topology preset or TOML file (default: %(default)s)")
-    p.add_argument("--nodes", type=int, default=defaults.nodes, help="(emulated) nodes the ranks are spread over")
-    p.add_argument("--gpus-per-node", type=int, default=None,
-                   help="ranks per node; with --nproc, defaults to nproc / nodes")
-    p.add_argument("--checkpoint-dir", default=None)
-    p.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: never)")
-    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --checkpoint-dir")
-    p.add_argument("--json-log", default=None, help="write one JSON object per step to this file")
-    p.add_argument("--log-every", type=int, default=defaults.log_every, help="steps between printed log lines")
-    p.add_argument("--nproc", type=int, default=None,
-                   help="launch this many ranks with torchrun (otherwise: one process, or torchrun's ranks)")
-    p.add_argument("--max-restarts", type=int, default=0, help="with --nproc: torchrun restarts after a failure")
+    """One flag per `TrainConfig` field: `--name-with-dashes`, typed, help from the docstring."""
+    hints, docs, choices = typing.get_type_hints(TrainConfig), field_docs(), _choices()
+    for f in dataclasses.fields(TrainConfig):
+        help_text = docs.get(f.name, "").replace("%", "%%")
+        if hints[f.name] is bool:
+            p.add_argument(_flag(f.name), action="store_true", help=help_text)
+            continue
+        if f.default is not None:
+            help_text += " (default: %(default)s)"
+        p.add_argument(_flag(f.name), type=_arg_type(hints[f.name]), default=f.default,
+                       choices=choices.get(f.name), help=help_text)
 
 
 def config_from_args(args) -> TrainConfig:

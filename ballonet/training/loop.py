@@ -2,21 +2,25 @@
 
 Every rank reads the same corpus, builds the same global batches and computes the same
 plan (`BalancedLoader`); the model runs its attention on the plan's attention layout and
-everything else on the token-balanced linear layout. The loss is the sum of token losses
-divided by the global count of valid labels, so summing gradients over ranks gives the
-gradient of the global mean loss whatever the layout: every planner trains the same model.
+everything else on the token-balanced linear layout, its weights sharded by FSDP2
+(`parallel.py`). The loss is the sum of token losses divided by the global count of
+valid labels, so the sum of the ranks' gradients (FSDP2's reduce-scatter, overlapped
+with backward) is the gradient of the global mean loss whatever the layout: every
+planner trains the same model.
 
-Checkpoints hold model, optimizer, loader state and RNG, written by rank 0 to a temporary
-file and renamed into place. With `--resume`, a restarted job (by hand or by torchrun's
-`--max-restarts`) continues from the last checkpoint; the JSON log is cut back to it so
-every step appears once.
+Checkpoints (`checkpoint.py`) are sharded, atomic and safe to load. With `--resume`, a
+restarted job (by hand or by torchrun's `--max-restarts`) continues from the last one,
+on the same or another world size; the JSON log is cut back to it so every step appears
+once.
 """
 
 from __future__ import annotations
 
+import datetime
 import functools
 import json
 import os
+import re
 import signal
 import time
 
@@ -26,16 +30,20 @@ import torch.distributed as dist
 import ballonet
 from ballonet import runtime
 from ballonet.errors import InputError
-from ballonet.training.checkpoint import (
-    CHECKPOINT,
-    load_checkpoint,
-    save_checkpoint,
-    set_rng_state,
-)
+from ballonet.training import checkpoint, metrics, parallel
 from ballonet.training.config import TrainConfig
-from ballonet.training.corpus import load_corpus
-from ballonet.training.loader import BalancedLoader
-from ballonet.training.model import Transformer
+from ballonet.training.corpus import Corpus, load_corpus
+from ballonet.training.loader import BalancedLoader, Cursor, document_order, take_pieces
+from ballonet.training.model import build_model
+
+
+class RankFailure(InputError):
+    """A peer died, timed out or disagreed: one line on every rank instead of a hang."""
+
+
+_PEER_TROUBLE = re.compile(r"disagree on the plan|another plan rank|the plan is for|[Cc]onnection|[Tt]imed? ?out|"
+                           r"[Pp]eer|[Gg]loo|NCCL")
+"""What the runtime's plan check and the communication backends say when ranks part ways."""
 
 
 def _cluster(config: TrainConfig, world_size: int) -> ballonet.ClusterSpec:
@@ -47,37 +55,62 @@ def _cluster(config: TrainConfig, world_size: int) -> ballonet.ClusterSpec:
     return spec
 
 
-def _trim_log(path: str, last_step: int) -> None:
-    """Keep the JSON log's entries up to `last_step`: the steps after it will run again."""
-    if not os.path.exists(path):
+def _check_paths(config: TrainConfig) -> None:
+    if config.json_log:
+        if os.path.isdir(config.json_log):
+            raise InputError(f"--json-log {config.json_log}: is a folder, not a file")
+        parent = os.path.dirname(config.json_log) or "."
+        if not os.path.isdir(parent):
+            raise InputError(f"--json-log {config.json_log}: folder {parent} does not exist")
+    if config.checkpoint_dir and os.path.exists(config.checkpoint_dir) and not os.path.isdir(config.checkpoint_dir):
+        raise InputError(f"--checkpoint-dir {config.checkpoint_dir}: is a file, not a folder")
+    if config.resume and config.checkpoint_dir:
+        path = checkpoint.latest(config.checkpoint_dir)  # a foreign folder or dangling pointer fails here
+        if path:
+            checkpoint.read_meta(path)
+
+
+def preflight(config: TrainConfig, world_size: int):
+    """Check what can be checked before any process starts or any batch is built; returns
+    (cluster, model spec, corpus). Raises InputError with one line on bad input."""
+    if config.global_tokens < world_size:
+        raise InputError(f"--global-tokens {config.global_tokens} is smaller than one token per rank "
+                         f"({world_size} ranks)")
+    _check_paths(config)
+    cluster = _cluster(config, world_size)
+    spec = ballonet.model(config.model)
+    dtype_bytes = parallel.DTYPES[config.dtype].itemsize
+    metrics.check_budget(spec, cluster, config.global_tokens, world_size, dtype_bytes, config.recompute, config.shard)
+    if config.tensorboard:
+        _tensorboard_writer(None)
+    corpus = load_corpus(config.corpus, seed=config.seed)
+    if corpus.vocab_size > spec.vocab_size:
+        raise InputError(f"corpus {config.corpus!r} has token ids up to {corpus.vocab_size - 1}, "
+                         f"model {spec.name!r} a vocabulary of {spec.vocab_size}")
+    ballonet.plan_batch([1] * world_size, cluster, spec, planner=config.planner)  # a bad planner fails here
+    metrics.peak_flops(cluster, config.calibration)  # a bad profile fails here
+    return cluster, spec, corpus
+
+
+# ---- process group -----------------------------------------------------------------------
+
+
+def _init_process_group(backend: str, timeout: datetime.timedelta) -> None:
+    """init_process_group: from torchrun's environment, with the store keys of each restart
+    attempt under their own prefix (after torchrun restarts the workers, the previous
+    attempt's gloo addresses are still in the agent's store, and a rank that reads one
+    fails with "connection refused", seen on torch 2.13 with --max-restarts); or a group
+    of one (so one process runs the same FSDP2 code)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         return
-    with open(path) as f:
-        kept = [line for line in f if line.strip() and json.loads(line)["step"] <= last_step]
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.writelines(kept)
-    os.replace(tmp, path)
-
-
-def _all_reduce_grads(model, group) -> None:
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset: offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
-def _stats(values: list[float], group) -> list[float]:
-    """Sum and max over ranks of each value."""
-    t = torch.tensor(values, dtype=torch.float64)
-    if group is None:
-        return list(values) + list(values)
-    s, m = t.clone(), t.clone()
-    dist.all_reduce(s, group=group)
-    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-    return s.tolist() + m.tolist()
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=rank == 0 and not agent_hosts_store, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(backend, store=dist.PrefixStore(f"ballonet/attempt{attempt}/", store),
+                            rank=rank, world_size=world_size, timeout=timeout)
 
 
 def _maybe_fault(step: int, rank: int) -> None:
@@ -90,75 +123,140 @@ def _maybe_fault(step: int, rank: int) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _init_process_group(backend: str) -> None:
-    """init_process_group from torchrun's environment, with the store keys of each restart
-    attempt under their own prefix: after torchrun restarts the workers, the previous
-    attempt's gloo addresses are still in the agent's store, and a rank that reads one
-    fails with "connection refused" (seen on torch 2.13 with --max-restarts)."""
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                          is_master=rank == 0 and not agent_hosts_store)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    dist.init_process_group(backend, store=dist.PrefixStore(f"ballonet/attempt{attempt}/", store),
-                            rank=rank, world_size=world_size)
+# ---- logs ----------------------------------------------------------------------------------
 
 
-def preflight(config: TrainConfig, world_size: int):
-    """Check what can be checked before any process starts; returns (cluster, model spec,
-    corpus). Raises InputError with one line on bad input."""
-    if config.global_tokens < world_size:
-        raise InputError(f"--global-tokens {config.global_tokens} is smaller than one token per rank "
-                         f"({world_size} ranks)")
-    cluster = _cluster(config, world_size)
-    spec = ballonet.model(config.model)
-    corpus = load_corpus(config.corpus, seed=config.seed)
-    if corpus.vocab_size > spec.vocab_size:
-        raise InputError(f"corpus {config.corpus!r} has token ids up to {corpus.vocab_size - 1}, "
-                         f"model {spec.name!r} a vocabulary of {spec.vocab_size}")
-    ballonet.plan_batch([1] * world_size, cluster, spec, planner=config.planner)  # a bad planner fails here
-    return cluster, spec, corpus
+def _trim_log(path: str, last_step: int) -> None:
+    """Keep the JSON log's entries up to `last_step` (the steps after it run again); a
+    torn last line (a run killed mid-write) is dropped."""
+    if not os.path.exists(path):
+        return
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = [line for line in f if line.strip()]
+    kept = []
+    for i, line in enumerate(lines):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:
+                break
+            raise InputError(f"{path}:{i + 1}: not a JSON log line; cannot resume its log") from None
+        if record.get("step", 0) <= last_step:
+            kept.append(json.dumps(record) + "\n")
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.writelines(kept)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _tensorboard_writer(folder: str | None):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise InputError("--tensorboard needs the tensorboard package (pip install 'ballonet[tb]')") from None
+    return SummaryWriter(folder) if folder else None
+
+
+def _reduce(values: list[float], group, device: torch.device) -> tuple[list[float], list[float]]:
+    """Sum and max over ranks of each value (one tensor, two all-reduces; on the device,
+    which NCCL needs)."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    s, m = t.clone(), t.clone()
+    dist.all_reduce(s, group=group)
+    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    return s.tolist(), m.tolist()
+
+
+def _unplannable(e: InputError, step: int, loader: BalancedLoader, corpus: Corpus, config: TrainConfig) -> InputError:
+    """The planner's message with the step and the corpus documents it is about."""
+    state = loader.state_dict()
+    cursor = Cursor(state["epoch"], state["position"], state["offset"], state["batch"])
+    order = functools.partial(document_order, corpus.num_docs, seed=config.seed, shuffle=True)
+    pieces, _ = take_pieces(corpus.lengths, lambda epoch: order(epoch), cursor, config.global_tokens,
+                            config.max_doc_tokens, None)
+
+    def name(match: re.Match) -> str:
+        i = int(match.group(1))
+        if i >= len(pieces):
+            return match.group(0)
+        p = pieces[i]
+        return f"{match.group(0)} (corpus document {corpus.names[p.doc]}, tokens {p.start}-{p.end})"
+
+    message = re.sub(r"document (\d+)", name, str(e))
+    return InputError(f"step {step}: cannot plan the batch: {message}")
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())[:400] or type(e).__name__
+
+
+# ---- the loop ------------------------------------------------------------------------------
 
 
 def train(config: TrainConfig) -> list[dict]:
     """Run the loop in this process as one rank: of the process group already initialised,
     of torchrun's (from its environment), or alone. Returns the per-step log records."""
-    owns_group = not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    return train_model(config)[0]
+
+
+def train_model(config: TrainConfig):
+    """`train`, also returning the trained (FSDP2-sharded) model."""
+    owns_group = not dist.is_initialized()
     use_cuda = torch.cuda.is_available()
     if owns_group:
         if use_cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        _init_process_group("nccl" if use_cuda else "gloo")
-    distributed = dist.is_initialized()
-    group = dist.group.WORLD if distributed else None
-    rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+        timeout = datetime.timedelta(minutes=config.timeout_minutes)
+        try:
+            _init_process_group("nccl" if use_cuda else "gloo", timeout)
+        except (RuntimeError, dist.DistError) as e:
+            raise RankFailure(f"rank {os.environ.get('RANK', '0')}: could not form the process group of "
+                              f"{os.environ.get('WORLD_SIZE', '1')} ranks within --timeout-minutes "
+                              f"{config.timeout_minutes:g} ({_one_line(e)})") from None
+    try:
+        return _run(config, dist.group.WORLD, use_cuda)
+    except RuntimeError as e:
+        if isinstance(e, dist.DistError) or _PEER_TROUBLE.search(str(e)):
+            raise RankFailure(f"rank {dist.get_rank()}: {_one_line(e)}") from e
+        raise
+    finally:
+        if owns_group:
+            dist.destroy_process_group()
+
+
+def _run(config: TrainConfig, group, use_cuda: bool):
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
-    torch.set_num_threads(1)
+    if not use_cuda:
+        torch.set_num_threads(1)
     torch.manual_seed(config.seed)
 
     cluster, spec, corpus = preflight(config, world_size)
     plan_fn = functools.partial(ballonet.plan_batch, cluster=cluster, model=spec, planner=config.planner)
     loader = BalancedLoader(corpus, global_tokens=config.global_tokens, plan_fn=plan_fn, rank=rank,
-                                 world_size=world_size, seed=config.seed, max_doc_tokens=config.max_doc_tokens)
-    model = Transformer(spec, seed=config.seed).to(device)
+                            world_size=world_size, seed=config.seed, max_doc_tokens=config.max_doc_tokens)
+    model = build_model(config, spec, device)
+    parallel.parallelize(model, parallel.device_mesh(world_size, config.shard, device), config.dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
 
     step = 0
-    ckpt = os.path.join(config.checkpoint_dir, CHECKPOINT) if config.checkpoint_dir else None
-    if config.resume and ckpt and os.path.exists(ckpt):
-        state = load_checkpoint(ckpt, device)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        loader.load_state_dict(state["loader"])
-        set_rng_state(state["rng"])
-        step = state["step"]
+    if config.checkpoint_dir and rank == 0:
+        checkpoint.clean_stale(config.checkpoint_dir)
+    dist.barrier(group)
+    found = checkpoint.latest(config.checkpoint_dir) if config.resume and config.checkpoint_dir else None
+    if found:
+        meta = checkpoint.load(found, model, optimizer, rank, group, device)
+        loader.load_state_dict(meta["loader"])
+        step = meta["step"]
     if rank == 0 and config.json_log:
         if step:
             _trim_log(config.json_log, step)
         elif os.path.exists(config.json_log):
             os.remove(config.json_log)
-    if rank == 0 and ckpt:
-        os.makedirs(config.checkpoint_dir, exist_ok=True)
+    writer = _tensorboard_writer(config.tensorboard) if config.tensorboard and rank == 0 else None
+    peak = metrics.peak_flops(cluster, config.calibration)
 
     records = []
     batches = iter(loader)
@@ -167,48 +265,68 @@ def train(config: TrainConfig) -> list[dict]:
             batch = next(batches)
         except StopIteration:
             break
+        except InputError as e:
+            raise _unplannable(e, step + 1, loader, corpus, config) from None
         step += 1
         _maybe_fault(step, rank)
-        wall, cpu = time.perf_counter(), time.thread_time()
-        counter = runtime.ByteCounter()
-        loss_sum = model.loss(batch.input_ids.to(device), batch.labels.to(device), batch.plan, rank, group,
-                              counter=counter)
-        (loss_sum / batch.num_valid_tokens_global).backward()
-        cpu = time.thread_time() - cpu
-        if group is not None:
-            _all_reduce_grads(model, group)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        wall = time.perf_counter() - wall
-        sums_maxes = _stats([loss_sum.item(), cpu, sum(counter.total().values())], group)
-        loss_total, cpu_sum, bytes_sum, _, cpu_max, _ = sums_maxes
-        num_tokens = sum(p.end - p.start for p in batch.pieces)
-        record = {
-            "step": step,
-            "loss": loss_total / batch.num_valid_tokens_global,
-            "tokens": num_tokens,
-            "tokens_per_s": num_tokens / wall,
-            "plan_ms": batch.plan_ms,
-            "compute_s_max": cpu_max,
-            "compute_s_mean": cpu_sum / world_size,
-            "bytes_sent": int(bytes_sum),
-            "ledger": [list(p) for p in batch.pieces],
-        }
+        record = _step(model, optimizer, batch, rank, group, device, spec, peak, step)
         records.append(record)
         if rank == 0:
-            if config.json_log:
-                with open(config.json_log, "a") as f:
-                    f.write(json.dumps(record) + "\n")
-            if step % config.log_every == 0 or step == config.steps:
-                print(f"step {step:4d}  loss {record['loss']:.4f}  tok/s {record['tokens_per_s']:8.0f}  "
-                      f"plan {record['plan_ms']:6.1f} ms  compute max/mean "
-                      f"{cpu_max / max(cpu_sum / world_size, 1e-9):.2f}  bytes {record['bytes_sent']}",
-                      flush=True)
-        if ckpt and config.checkpoint_every and step % config.checkpoint_every == 0:
-            if rank == 0:
-                save_checkpoint(ckpt, step, model, optimizer, loader)
-            if group is not None:
-                dist.barrier(group)
-    if owns_group:
-        dist.destroy_process_group()
-    return records
+            _log(config, record, writer)
+        if config.checkpoint_dir and config.checkpoint_every and step % config.checkpoint_every == 0:
+            checkpoint.save(config.checkpoint_dir, step, model, optimizer, loader.state_dict(), rank, group, device)
+    if writer is not None:
+        writer.close()
+    return records, model
+
+
+def _step(model, optimizer, batch, rank: int, group, device, spec, peak: float, step: int) -> dict:
+    """One optimizer step on this rank's share of `batch`; its log record."""
+    wall, cpu = time.perf_counter(), time.thread_time()
+    counter = runtime.ByteCounter()
+    loss_sum = model.loss(batch.input_ids.to(device), batch.labels.to(device), batch.plan, rank, group,
+                          counter=counter)
+    (loss_sum / batch.num_valid_tokens_global).backward()
+    compute = time.thread_time() - cpu
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    wall = time.perf_counter() - wall
+    exposed = max(wall - (time.thread_time() - cpu), 0.0)
+    values = [loss_sum.item(), compute, float(sum(counter.total().values())), exposed,
+              float(metrics.memory_high_water(device)), float(parallel.local_parameter_bytes(model, optimizer))]
+    sums, maxes = _reduce(values, group, device)
+    world_size = dist.get_world_size(group)
+    num_tokens = sum(p.end - p.start for p in batch.pieces)
+    return {
+        "step": step,
+        "loss": sums[0] / batch.num_valid_tokens_global,
+        "tokens": num_tokens,
+        "tokens_per_s": num_tokens / wall,
+        "plan_ms": batch.plan_ms,
+        "compute_s_max": maxes[1],
+        "compute_s_mean": sums[1] / world_size,
+        "bytes_sent": int(sums[2]),
+        "ledger": [list(p) for p in batch.pieces],
+        "mfu": metrics.step_flops(spec, batch.plan.lengths) / (wall * peak),
+        "exposed_comm_s_max": maxes[3],
+        "memory_peak_bytes_max": int(maxes[4]),
+        "param_bytes_max": int(maxes[5]),
+    }
+
+
+def _log(config: TrainConfig, record: dict, writer) -> None:
+    if config.json_log:
+        with open(config.json_log, "a") as f:
+            f.write(json.dumps(record) + "\n")
+    if writer is not None:
+        for key in ("loss", "tokens_per_s", "mfu", "compute_s_max", "exposed_comm_s_max", "memory_peak_bytes_max"):
+            writer.add_scalar(f"train/{key}", record[key], record["step"])
+    step = record["step"]
+    if step % config.log_every == 0 or step == config.steps:
+        balance = record["compute_s_max"] / max(record["compute_s_mean"], 1e-9)
+        print(f"step {step:4d}  loss {record['loss']:.4f}  tok/s {record['tokens_per_s']:8.0f}  "
+              f"MFU {record['mfu']:6.2%}  plan {record['plan_ms']:6.1f} ms  compute max/mean {balance:.2f}  "
+              f"exposed comm {record['exposed_comm_s_max']:.3f} s  mem {record['memory_peak_bytes_max'] / 2**20:.0f} MiB  "
+              f"bytes {record['bytes_sent']}", flush=True)

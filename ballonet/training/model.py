@@ -36,17 +36,21 @@ H query heads, K KV heads, D head dim, V vocabulary.
 from __future__ import annotations
 
 import functools
-from typing import Callable
+import typing
+from collections.abc import Callable
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ballonet import runtime
 from ballonet.plan import Plan
 from ballonet.runtime.layout import position_ids
 from ballonet.runtime.remapping import remap
 from ballonet.specs import ModelSpec
+from ballonet.training.config import TrainConfig
 from ballonet.training.loader import IGNORE_INDEX
 
 ROPE_THETA = 10000.0
@@ -55,6 +59,14 @@ INIT_STD = 0.02
 
 AttentionFn = Callable[..., torch.Tensor]
 """(q [T_att, H, D], k [T_att, K, D], v [T_att, K, D], plan, rank, group) -> [T_att, H, D]."""
+
+Recompute = Literal["none", "selective", "full"]
+"""Activation recomputation (`torch.utils.checkpoint`, non-reentrant), as the cost model
+prices it (`cost_model.activation_bytes`): "selective" keeps the MLP's input and reruns
+its norm and SwiGLU in the backward (their 4 ffn_hidden + hidden elements a token are
+the largest share of a layer's activations; the attention core keeps no scores anyway);
+"full" keeps only each block's input and reruns the whole block, remaps and rings
+included."""
 
 
 def rope(x_THD: torch.Tensor, pos_T: torch.Tensor, theta: float = ROPE_THETA) -> torch.Tensor:
@@ -70,9 +82,10 @@ def rope(x_THD: torch.Tensor, pos_T: torch.Tensor, theta: float = ROPE_THETA) ->
 
 
 class Block(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, recompute: Recompute = "none"):
         super().__init__()
         C, D = spec.hidden, spec.head_dim
+        self.recompute = recompute
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, D
         self.attention_norm = nn.RMSNorm(C, eps=NORM_EPS)
         self.wq = nn.Linear(C, spec.num_heads * D, bias=False)
@@ -85,34 +98,51 @@ class Block(nn.Module):
         self.w2 = nn.Linear(spec.ffn_hidden, C, bias=False)  # down
 
     def forward(self, x_TC, pos_T, plan: Plan, rank: int, group, attention_fn: AttentionFn, counter=None):
+        if self.recompute == "full" and torch.is_grad_enabled():
+            return checkpoint(self._forward, x_TC, pos_T, plan, rank, group, attention_fn, counter, use_reentrant=False)
+        return self._forward(x_TC, pos_T, plan, rank, group, attention_fn, counter)
+
+    def _forward(self, x_TC, pos_T, plan: Plan, rank: int, group, attention_fn: AttentionFn, counter=None):
         T, H, K, D = x_TC.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         h_TC = self.attention_norm(x_TC)
         q_THD = rope(self.wq(h_TC).view(T, H, D), pos_T)
         k_TKD = rope(self.wk(h_TC).view(T, K, D), pos_T)
         v_TKD = self.wv(h_TC).view(T, K, D)
         # One all-to-all for q, k and v together.
-        qkv_att = remap(torch.cat([q_THD, k_TKD, v_TKD], 1), plan, rank, "linear", "attention", group, counter)
+        qkv_att = remap(torch.cat([q_THD, k_TKD, v_TKD], 1), plan, rank, "linear", "attention", group, counter,
+                        verify_plan=False)
         q_att, k_att, v_att = qkv_att.split([H, K, K], 1)
         o_att = attention_fn(q_att.contiguous(), k_att.contiguous(), v_att.contiguous(), plan, rank, group)
-        o_THD = remap(o_att, plan, rank, "attention", "linear", group, counter)
+        o_THD = remap(o_att, plan, rank, "attention", "linear", group, counter, verify_plan=False)
         x_TC = x_TC + self.wo(o_THD.reshape(T, H * D))
+        if self.recompute == "selective" and torch.is_grad_enabled():
+            return x_TC + checkpoint(self._mlp, x_TC, use_reentrant=False)
+        return x_TC + self._mlp(x_TC)
+
+    def _mlp(self, x_TC):
         h_TC = self.ffn_norm(x_TC)
-        return x_TC + self.w2(F.silu(self.w1(h_TC)) * self.w3(h_TC))
+        return self.w2(F.silu(self.w1(h_TC)) * self.w3(h_TC))
 
 
 class Transformer(nn.Module):
     """Built from a `ModelSpec`; weights drawn from `seed` alone, so every rank builds the
     same model. `attention_fn` replaces the runtime engine (`runtime.attention`), e.g. with
-    a single-process reference in tests."""
+    a single-process reference in tests; `recompute` as in `Recompute`.
 
-    def __init__(self, spec: ModelSpec, *, seed: int = 0, attention_fn: AttentionFn | None = None):
+    The plan is checked (every rank of the group runs the same plan, as its own rank:
+    `runtime.check_plan`) once per call, before the first exchange."""
+
+    def __init__(self, spec: ModelSpec, *, seed: int = 0, attention_fn: AttentionFn | None = None,
+                 recompute: Recompute = "none"):
         super().__init__()
         if spec.tp != 1:
             raise ValueError(f"model {spec.name!r}: tensor parallelism (tp={spec.tp}) is not implemented")
+        if recompute not in typing.get_args(Recompute):
+            raise ValueError(f"recompute must be one of {typing.get_args(Recompute)}, got {recompute!r}")
         self.spec = spec
         self.attention_fn = attention_fn
         self.embed = nn.Embedding(spec.vocab_size, spec.hidden)
-        self.layers = nn.ModuleList(Block(spec) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(Block(spec, recompute) for _ in range(spec.num_layers))
         self.norm = nn.RMSNorm(spec.hidden, eps=NORM_EPS)
         self.head = nn.Linear(spec.hidden, spec.vocab_size, bias=False)
         self.reset_parameters(seed)
@@ -130,8 +160,7 @@ class Transformer(nn.Module):
     def _hidden(self, ids_T, plan: Plan, rank: int, group, counter=None) -> torch.Tensor:
         """Token ids on the linear layout -> final normed hidden states [T_lin, C]."""
         attention_fn = self.attention_fn
-        if attention_fn is None:  # every layer runs the same plan: check it once, not per layer
-            runtime.check_plan(plan, rank, group, ids_T.device)
+        if attention_fn is None:  # the caller checked the plan: once per step, not per layer
             attention_fn = functools.partial(runtime.attention, counter=counter, verify_plan=False)
         pos_T = position_ids(plan, rank, "linear").to(ids_T.device)
         x_TC = self.embed(ids_T)
@@ -143,7 +172,8 @@ class Transformer(nn.Module):
         """input_ids [T_att]: this rank's tokens in the attention layout (the data loader's
         order). Returns logits [T_lin, V] on the linear layout, i.e. for the tokens at
         `runtime.token_index(plan, rank, "linear")`. Collective when the plan has ranks."""
-        ids_T = remap(input_ids, plan, rank, "attention", "linear", group)
+        _check_plan_first(plan, rank, group, input_ids.device)
+        ids_T = remap(input_ids, plan, rank, "attention", "linear", group, verify_plan=False)
         return self.head(self._hidden(ids_T, plan, rank, group))
 
     def loss(self, input_ids: torch.Tensor, labels: torch.Tensor, plan: Plan, rank: int, group=None,
@@ -154,8 +184,23 @@ class Transformer(nn.Module):
         (a `runtime.ByteCounter`) records the bytes every remap and ring transfer sends."""
         if labels.shape != input_ids.shape:
             raise ValueError(f"labels {tuple(labels.shape)} and input_ids {tuple(input_ids.shape)} differ in shape")
-        ids_labels_T2 = remap(torch.stack([input_ids, labels], 1), plan, rank, "attention", "linear", group, counter)
+        _check_plan_first(plan, rank, group, input_ids.device)
+        ids_labels_T2 = remap(torch.stack([input_ids, labels], 1), plan, rank, "attention", "linear", group, counter,
+                              verify_plan=False)
         logits_TV = self.head(self._hidden(ids_labels_T2[:, 0], plan, rank, group, counter))
         logits_TV = logits_TV.to(torch.promote_types(logits_TV.dtype, torch.float32))
         return F.cross_entropy(logits_TV, ids_labels_T2[:, 1], ignore_index=IGNORE_INDEX, reduction="sum")
 
+
+
+def _check_plan_first(plan: Plan, rank: int, group, device) -> None:
+    """Every rank runs the same plan, checked before any exchange depends on it (a
+    one-rank plan exchanges nothing)."""
+    if plan.num_ranks > 1:
+        runtime.check_plan(plan, rank, group, device)
+
+
+def build_model(config: TrainConfig, spec: ModelSpec, device: torch.device) -> Transformer:
+    """The model a training run trains: the loop's one place to build it (weights from
+    `config.seed`, the same on every rank), before sharding."""
+    return Transformer(spec, seed=config.seed, recompute=config.recompute).to(device)

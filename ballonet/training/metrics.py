@@ -1,0 +1,93 @@
+"""What a training step reports beyond its loss: model FLOPs and MFU, memory high-water
+mark, exposed communication; and the budgets a run is checked against before any batch
+is built.
+
+MFU = model FLOPs of the step (forward and backward, recomputation not counted, as in
+PaLM's definition) / (step seconds x the ranks' summed peak FLOP/s). FLOPs come from the
+cost model: linear layers and attention per layer (`cost_model.linear_flops_per_token`,
+`cost_model.attention_flops`, backward `cost_model.LINEAR_BACKWARD_FACTOR` times forward)
+plus the LM head, the same closed form the simulator uses for its MFU. The peak is the
+calibration profile's (`--calibration`) or the datasheet figure (`ballonet.hardware`).
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import sys
+
+import torch
+
+from ballonet import cost_model, hardware
+from ballonet.errors import InputError
+from ballonet.specs import ClusterSpec, ModelSpec
+
+LOGIT_COPIES = 3
+"""fp32 logits, their log-softmax and its gradient: held at once around the loss."""
+
+
+def step_flops(model: ModelSpec, lengths) -> float:
+    """Forward + backward model FLOPs of one global batch of documents of `lengths`."""
+    num_tokens = sum(lengths)
+    forward = (model.num_layers * (cost_model.linear_flops_per_token(model) * num_tokens
+                                   + sum(cost_model.attention_flops(model, n) for n in lengths))
+               + 2.0 * model.vocab_size * model.hidden * num_tokens)
+    return (1 + cost_model.LINEAR_BACKWARD_FACTOR) * forward
+
+
+def peak_flops(cluster: ClusterSpec, calibration: str | None = None) -> float:
+    """Summed datasheet peak FLOP/s of the cluster's ranks. A calibration profile
+    (`ballonet.calibration`, `--calibration`) names the GPU type actually measured: its
+    peak then counts for every rank (MFU stays relative to the datasheet peak, the usual
+    definition; the profile's efficiencies are what the cost model prices with)."""
+    gpus = [g.gpu for g in cluster.groups for _ in range(g.num_nodes * g.gpus_per_node)]
+    if calibration is not None:
+        try:
+            from ballonet import calibration as profiles
+        except ImportError:
+            raise InputError(f"--calibration {calibration}: this build has no calibration profiles "
+                             "(ballonet.calibration)") from None
+        gpus = [profiles.load(calibration).gpu] * len(gpus)
+    return sum(hardware.gpu(name).peak_flops for name in gpus)
+
+
+def memory_high_water(device: torch.device) -> int:
+    """Peak bytes: allocated by the CUDA caching allocator, or the process's peak RSS on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+# ---- budgets ---------------------------------------------------------------------------
+
+
+def training_bytes_per_token(model: ModelSpec, dtype_bytes: int, recompute: str) -> float:
+    """A lower bound on activation bytes a rank holds per token of its share: the cost
+    model's (each layer's input, one layer's working set) scaled to the compute dtype,
+    plus the fp32 logits around the loss. Without recomputation a rank holds more."""
+    spec = model if model.dtype_bytes == dtype_bytes else _with_dtype(model, dtype_bytes)
+    held = cost_model.activation_bytes_per_token(spec)
+    if recompute == "none":
+        held += model.num_layers * 34 * model.hidden * dtype_bytes / 2 / model.tp
+    return held + LOGIT_COPIES * 4 * model.vocab_size
+
+
+def _with_dtype(model: ModelSpec, dtype_bytes: int) -> ModelSpec:
+    import dataclasses
+
+    return dataclasses.replace(model, dtype_bytes=dtype_bytes)
+
+
+def check_budget(model: ModelSpec, cluster: ClusterSpec, global_tokens: int, world_size: int,
+                 dtype_bytes: int, recompute: str, shard: str) -> None:
+    """Refuse, before any batch is built, a global batch whose even share per rank cannot
+    fit the smallest device's memory (weights, gradients and Adam states included)."""
+    tokens_per_rank = math.ceil(global_tokens / world_size)
+    weights = model.num_params * (4 + 4 + 8) / (world_size if shard == "full" else 1)
+    need = tokens_per_rank * training_bytes_per_token(model, dtype_bytes, recompute) + weights
+    have = min(hardware.gpu(g.gpu).memory_bytes for g in cluster.groups)
+    if need > have:
+        raise InputError(f"--global-tokens {global_tokens}: {tokens_per_rank} tokens per rank need at least "
+                         f"{need / 2**30:.1f} GiB on each of {world_size} ranks, over the {have / 2**30:.1f} GiB "
+                         f"of a {cluster.groups[0].gpu} (fewer tokens, more ranks, or --recompute full)")

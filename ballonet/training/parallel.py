@@ -1,0 +1,93 @@
+"""Data parallelism from PyTorch's own engine: FSDP2 (`fully_shard`), one unit per block
+plus the root, over a device mesh of all ranks.
+
+The plan decides where tokens go (its attention and linear layouts); FSDP2 decides where
+weights live. The two compose because every rank runs every block on its own tokens:
+FSDP2 all-gathers a block's weights before its forward (and again before its backward
+when resharded) and reduce-scatters its gradients as soon as its backward is done, so
+gradient traffic overlaps the backward of the blocks below.
+
+`shard="full"`: parameters, gradients and optimizer states sharded over all ranks.
+`shard="none"`: the same machinery on a (ranks x 1) mesh (HSDP with shards of one), i.e.
+replicated weights whose gradients are all-reduced, as in DDP: for comparison.
+
+Each rank's loss is a sum over its tokens divided by the global count of valid labels,
+so the global gradient is the SUM of the ranks' gradients: FSDP2's reduction divides by
+nothing (`set_gradient_divide_factor(1.0)`, as a plain SUM).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import (
+    FSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def device_mesh(world_size: int, shard: str, device: torch.device) -> DeviceMesh:
+    """All ranks as one shard dimension ("full"), or as replicas of one-rank shards ("none")."""
+    if shard == "full":
+        return init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
+    if shard == "none":
+        return init_device_mesh(device.type, (world_size, 1), mesh_dim_names=("replicate", "shard"))
+    raise ValueError(f"shard must be 'full' or 'none', got {shard!r}")
+
+
+def mixed_precision(dtype: str) -> MixedPrecisionPolicy:
+    """Compute in `dtype`; master weights, gradients and their reduction in fp32.
+
+    Forward inputs are not cast: the blocks take the plan, the process group and a byte
+    counter besides their tensors, and FSDP2's cast would rebuild those (dataclasses are
+    copied field by field); the activations are already in `dtype` after the embedding."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    param_dtype = None if DTYPES[dtype] == torch.float32 else DTYPES[dtype]
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+
+
+def transformer_blocks(model: nn.Module) -> nn.ModuleList:
+    """The repeated blocks: `model.layers` (ballonet) or `model.model.layers` (Hugging Face)."""
+    for owner in (model, getattr(model, "model", None)):
+        layers = getattr(owner, "layers", None)
+        if isinstance(layers, nn.ModuleList):
+            return layers
+    raise ValueError(f"{type(model).__name__}: no `layers` ModuleList to shard block by block")
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh, dtype: str = "fp32",
+                forward_methods: tuple[str, ...] = ("loss",)) -> FSDPModule:
+    """Shard `model` in place with FSDP2: each block a unit (resharded after forward), the
+    root (embeddings, final norm, head) a unit kept unsharded between forward and backward.
+    `forward_methods` are entry points besides `forward` that run FSDP2's hooks."""
+    policy = mixed_precision(dtype)
+    for block in transformer_blocks(model):
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    for name in forward_methods:
+        if hasattr(model, name):
+            register_fsdp_forward_method(model, name)
+    for unit in model.modules():  # each unit's own setting: the root's does not reach the blocks
+        if isinstance(unit, FSDPModule):
+            unit.set_gradient_divide_factor(1.0)
+            unit.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
+    return model
+
+
+def local_parameter_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
+    """Bytes of this rank's parameters (its shards) and optimizer states."""
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    total = sum(local(p).numel() * p.element_size() for p in model.parameters())
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            total += sum(local(t).numel() * t.element_size() for t in state.values()
+                         if isinstance(t, torch.Tensor) and t.dim() > 0)
+    return total

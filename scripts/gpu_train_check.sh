@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The GPU path, end to end, on one GPU in under 5 minutes (issue 15, item 6):
+#   1. the CUDA kernel seam (aten flash-attention varlen, bf16) forward and backward
+#      against the fp32 reference (tests/test_kernels.py runs the "cuda" backend when a
+#      GPU is present);
+#   2. one-rank bf16 training of a ~1B llama-shaped model (llama3-1b) with FSDP2 and full
+#      recomputation, printing tokens/s and MFU per step;
+# and appends the figures, with the date, to bench/results/gpu.md.
+#
+#   bash scripts/gpu_train_check.sh      # from the repository root, python on PATH
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+LOG=$(mktemp -d)/train.jsonl
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+
+echo "== 1/2 kernels: cuda against the fp32 reference"
+$PY -m pytest -q -x tests/test_kernels.py 2>&1 | tail -3
+
+echo "== 2/2 llama3-1b, 1 rank, FSDP2, bf16, --recompute full"
+CMD=(-m ballonet train --model llama3-1b --cluster h200-8nic --nodes 1 --dtype bf16 --recompute full
+     --steps 6 --global-tokens 16384 --max-doc-tokens 4096 --json-log "$LOG")
+$PY "${CMD[@]}"
+
+$PY - "$LOG" "${CMD[*]}" <<'PY'
+import datetime, json, statistics, subprocess, sys
+records = [json.loads(line) for line in open(sys.argv[1])]
+steady = records[1:] or records  # the first step pays for warm-up
+gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                     capture_output=True, text=True).stdout.strip()
+lines = [f"\n## {datetime.date.today()}: {gpu}\n", f"`python {sys.argv[2]}`\n",
+         "| step | loss | tokens/s | MFU | peak memory GiB |", "| --- | --- | --- | --- | --- |"]
+lines += [f"| {r['step']} | {r['loss']:.4f} | {r['tokens_per_s']:.0f} | {r['mfu']:.1%} | "
+          f"{r['memory_peak_bytes_max'] / 2**30:.1f} |" for r in records]
+lines.append(f"\nSteady state (steps 2+): {statistics.median(r['tokens_per_s'] for r in steady):.0f} tokens/s, "
+             f"MFU {statistics.median(r['mfu'] for r in steady):.1%} (median).\n")
+with open("bench/results/gpu.md", "a") as f:
+    f.write("\n".join(lines))
+print("\n".join(lines))
+PY
