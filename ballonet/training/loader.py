@@ -182,6 +182,8 @@ class RankBatch:
     """Index of the piece within the batch (the plan's document), not the corpus id."""
     num_valid_tokens_global: int
     """Valid labels over the whole batch: the loss denominator on every rank."""
+    layout: str = "attention"
+    """The plan layout these tokens are in."""
 
     @property
     def plan(self) -> Plan:
@@ -205,7 +207,7 @@ def rank_view(batch: Batch, rank: int, layout: str = "attention") -> RankBatch:
     return RankBatch(batch=batch, rank=rank, input_ids=input_ids, labels=labels,
                      loss_mask=labels != IGNORE_INDEX, position_ids=position_ids(batch.plan, rank, layout),
                      token_index=token_index(batch.plan, rank, layout), doc_ids=doc_ids(batch.plan, rank, layout),
-                     num_valid_tokens_global=batch.num_valid_tokens)
+                     num_valid_tokens_global=batch.num_valid_tokens, layout=layout)
 
 
 # ---- the loader ----------------------------------------------------------------------
