@@ -26,18 +26,21 @@ STDLIB = Path(sysconfig.get_paths()["stdlib"])
 TEXT_FILES = sorted((STDLIB / "json").glob("*.py")) + sorted((STDLIB / "email").glob("_*.py"))
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    """A byte-level BPE of vocabulary 600 trained on the text files, saved as tokenizer.json."""
-    folder = tmp_path_factory.mktemp("tokenizer")
+def train_tokenizer(folder: Path, vocab_size: int = 600) -> Path:
+    """A byte-level BPE trained on the text files, with a BOS, saved as folder/tokenizer.json."""
     tok = tokenizers.Tokenizer(tokenizers.models.BPE())
     tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = tokenizers.trainers.BpeTrainer(vocab_size=600, special_tokens=["<s>"],
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>"],
                                              initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
     tok.train([str(p) for p in TEXT_FILES], trainer)
     tok.post_processor = tokenizers.processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
     tok.save(str(folder / "tokenizer.json"))
     return folder
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    return train_tokenizer(tmp_path_factory.mktemp("tokenizer"))
 
 
 def texts() -> list[str]:

@@ -58,6 +58,8 @@ class _Step:
     counter: runtime.ByteCounter | None
     checked: list[torch.device] = field(default_factory=list)
     """Where the ranks' plan digests were compared (once per context)."""
+    num_pad: int = 0
+    """Padding tokens after this rank's own (see `linear_logits`)."""
 
     def check(self, device: torch.device) -> None:
         """Compare plan digests over the group once, before this context's first collective."""
@@ -71,14 +73,15 @@ _STEP: contextvars.ContextVar[_Step | None] = contextvars.ContextVar("ballonet_h
 
 @contextlib.contextmanager
 def plan_context(plan: Plan, rank: int, group: dist.ProcessGroup | None = None, *, kernel: str | None = None,
-                 counter: runtime.ByteCounter | None = None) -> Iterator[None]:
+                 counter: runtime.ByteCounter | None = None) -> Iterator[_Step]:
     """Run "ballonet" attention layers on `plan` as `rank` of `group` (None: the default
     group) inside the block. `kernel` and `counter` go to `runtime.attention`."""
     if not 0 <= rank < plan.num_ranks:
         raise ValueError(f"rank {rank} outside the plan's {plan.num_ranks} ranks")
-    token = _STEP.set(_Step(plan, rank, group, kernel, counter))
+    step = _Step(plan, rank, group, kernel, counter)
+    token = _STEP.set(step)
     try:
-        yield
+        yield step
     finally:
         _STEP.reset(token)
 
@@ -101,14 +104,16 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         raise NotImplementedError("ballonet attention is causal full attention without dropout, sliding window "
                                   "or softcap")
     step.check(query.device)
-    H, K = query.shape[1], key.shape[1]
-    qkv_THD = torch.cat([query[0], key[0], value[0]], 0).transpose(0, 1)
+    H, K, T = query.shape[1], key.shape[1], query.shape[2] - step.num_pad
+    qkv_THD = torch.cat([query[0, :, :T], key[0, :, :T], value[0, :, :T]], 0).transpose(0, 1)
     # One all-to-all for q, k and v together (layout: runtime.layout).
     qkv_att = remap(qkv_THD, step.plan, step.rank, "linear", "attention", step.group, step.counter)
     q_att, k_att, v_att = (x.contiguous() for x in qkv_att.split([H, K, K], 1))
     o_att = runtime.attention(q_att, k_att, v_att, step.plan, step.rank, step.group, kernel=step.kernel,
                               counter=step.counter, scale=scaling, verify_plan=False)
     o_THD = remap(o_att, step.plan, step.rank, "attention", "linear", step.group, step.counter)
+    if step.num_pad:  # padding attends to nothing: zeros, through which no gradient flows
+        o_THD = torch.cat([o_THD, o_THD.new_zeros(step.num_pad, *o_THD.shape[1:])])
     return o_THD[None], None
 
 
@@ -121,6 +126,24 @@ def linear_inputs(batch: RankBatch, group: dist.ProcessGroup | None = None,
     stacked_T3 = torch.stack([batch.input_ids, batch.labels, batch.position_ids], 1)
     moved_T3 = remap(stacked_T3, batch.plan, batch.rank, "attention", "linear", group, counter)
     return moved_T3[:, 0], moved_T3[:, 1], moved_T3[:, 2]
+
+
+def linear_logits(forward, ids_T: torch.Tensor, pos_T: torch.Tensor) -> torch.Tensor:
+    """`forward(input_ids=[1, T], position_ids=[1, T], use_cache=False).logits` as [T, V]
+    (fp32 at least), for this rank's tokens in the linear layout; call inside
+    `plan_context`. A rank with no token runs one padding token instead (transformers
+    cannot reshape an empty sequence, and the rank must still join every exchange and
+    produce every gradient): the attention drops it before the remap, its logits are cut."""
+    step = _STEP.get()
+    step.num_pad = 1 if ids_T.numel() == 0 else 0
+    if step.num_pad:
+        ids_T, pos_T = ids_T.new_zeros(1), pos_T.new_zeros(1)
+    try:
+        logits_1TV = forward(input_ids=ids_T[None], position_ids=pos_T[None], use_cache=False).logits
+    finally:
+        num_pad, step.num_pad = step.num_pad, 0
+    logits_TV = logits_1TV[0, : logits_1TV.shape[1] - num_pad]
+    return logits_TV.to(torch.promote_types(logits_TV.dtype, torch.float32))
 
 
 def loss_sum(model: torch.nn.Module, batch: RankBatch) -> torch.Tensor:
@@ -139,8 +162,7 @@ def loss_sum(model: torch.nn.Module, batch: RankBatch) -> torch.Tensor:
     device = next(model.parameters()).device
     step.check(device)
     ids_T, labels_T, pos_T = (x.to(device) for x in linear_inputs(batch, step.group, step.counter))
-    logits_1TV = model(input_ids=ids_T[None], position_ids=pos_T[None], use_cache=False).logits
-    logits_TV = logits_1TV[0].to(torch.promote_types(logits_1TV.dtype, torch.float32))
+    logits_TV = linear_logits(model, ids_T, pos_T)
     return F.cross_entropy(logits_TV, labels_T, ignore_index=IGNORE_INDEX, reduction="sum")
 
 

@@ -26,6 +26,7 @@ import torch.distributed as dist
 import ballonet
 from ballonet import runtime
 from ballonet.errors import InputError
+from ballonet.integrations import hf_model
 from ballonet.training.checkpoint import (
     CHECKPOINT,
     load_checkpoint,
@@ -111,7 +112,7 @@ def preflight(config: TrainConfig, world_size: int):
         raise InputError(f"--global-tokens {config.global_tokens} is smaller than one token per rank "
                          f"({world_size} ranks)")
     cluster = _cluster(config, world_size)
-    spec = ballonet.model(config.model)
+    spec = hf_model.model_spec(config.model) if hf_model.is_hf(config.model) else ballonet.model(config.model)
     corpus = load_corpus(config.corpus, seed=config.seed)
     if corpus.vocab_size > spec.vocab_size:
         raise InputError(f"corpus {config.corpus!r} has token ids up to {corpus.vocab_size - 1}, "
@@ -140,7 +141,8 @@ def train(config: TrainConfig) -> list[dict]:
     plan_fn = functools.partial(ballonet.plan_batch, cluster=cluster, model=spec, planner=config.planner)
     loader = BalancedLoader(corpus, global_tokens=config.global_tokens, plan_fn=plan_fn, rank=rank,
                                  world_size=world_size, seed=config.seed, max_doc_tokens=config.max_doc_tokens)
-    model = Transformer(spec, seed=config.seed).to(device)
+    model = (hf_model.build_model(config.model, config.seed, device) if hf_model.is_hf(config.model)
+             else Transformer(spec, seed=config.seed).to(device))
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
 
     step = 0
