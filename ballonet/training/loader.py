@@ -10,7 +10,9 @@ once per epoch and every token but a document's first is a label once per epoch.
 
 Batch composition depends on (corpus, global_tokens, max_doc_tokens, seed, shuffle,
 position) only, never on the number of ranks: runs on 1, 2 or 4 ranks see the same
-batches, and a checkpoint made on one world size resumes on another.
+batches, and a checkpoint made on one world size resumes on another. Batches are cut and
+planned from the corpus's document lengths alone; each rank then reads from the corpus
+only the token ranges the plan gives it (plus the one token after each, for its label).
 """
 
 from __future__ import annotations

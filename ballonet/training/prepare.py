@@ -37,6 +37,7 @@ from ballonet.training.corpus import (
     PREPARED_VERSION,
     TOKENIZER_FILE,
     ByteTokenizer,
+    _walk,
     shard_name,
 )
 
@@ -194,8 +195,6 @@ def _folder_batches(files: list[Path], size: int, progress: Progress) -> Iterato
 
 def list_sources(data: str) -> list[Path]:
     """The input files, in document order."""
-    from ballonet.training.corpus import _walk
-
     path = Path(data)
     if path.is_dir():
         files = [p for p in _walk(path, "", frozenset()) if p.stat().st_size > 0]
