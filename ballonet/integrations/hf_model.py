@@ -87,8 +87,10 @@ class BallonetLoss:
         return F.cross_entropy(logits_TV, moved_T3[:, 1], ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def build_model(name: str, seed: int, device: torch.device) -> torch.nn.Module:
+def build_model(name: str, seed: int, device: torch.device, recompute: str = "none") -> torch.nn.Module:
     """The causal LM of `hf:DIR` with attn_implementation="ballonet", fp32, on `device`."""
+    if recompute != "none":  # recomputation runs outside plan_context: not wired for HF models yet
+        raise InputError(f"--recompute {recompute}: not available for --model hf:DIR yet (use none)")
     folder = _folder(name)
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
