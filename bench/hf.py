@@ -172,7 +172,7 @@ def report(batches: list, per_rank: list[list[dict]], command: str, reps: int) -
         lines.append(
             f"| {workload} seed {seed} | {len(plan.lengths)} | {len(plan.rings)} | {att} | {lin} "
             + " ".join(f"| {[round(x, 3) for x in cpu[m]]}" for m in MODELS)
-            + " ".join(f" | {top[m]:.3f}" for m in MODELS) + f" | {gains[-1]:.2f} | {gaps[-1]:.2f} |")
+            + "".join(f" | {top[m]:.3f}" for m in MODELS) + f" | {gains[-1]:.2f} | {gaps[-1]:.2f} |")
     token_ratios = [_ratio([b.plan.attention_tokens(r) for r in range(WORLD)]) for b in batches]
     lines += ["", f"Medians over the batches: max hf_no_remap/hf {statistics.median(gains):.2f}, "
                   f"max hf/ballonet {statistics.median(gaps):.2f}.",
