@@ -6,10 +6,11 @@
 A small, randomly initialised model is built from a config (nothing is downloaded) with
 attn_implementation="ballonet"; `BalancedLoader` streams the Python standard library's
 source files as byte tokens and plans every global batch with the Zeppelin planner. Each
-rank calls the model on its tokens in the plan's attention layout, as a batch of one with
-per-document positions; its attention layers run the plan's distributed attention (split
-documents as zig-zag rings, the rest locally). The linear layers run on that same layout
-(the HF model cannot remap): the rank holding more tokens does more of that work.
+rank reads only its own tokens in the plan's linear (token-balanced) layout and calls the
+model on them, as a batch of one with per-document positions: embedding, projections, MLP
+and LM head run token-balanced; its attention layers move q, k, v to the attention layout,
+run the plan's distributed attention (split documents as zig-zag rings, the rest locally)
+and move the output back. (`ballonet train --model hf:DIR` does the same from a config.)
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def train(rank: int, args: argparse.Namespace, init_file: str) -> None:
     cluster = ballonet.cluster("cpu", num_nodes=1, gpus_per_node=WORLD_SIZE)
     plan_fn = functools.partial(ballonet.plan_batch, cluster=cluster, model=ballonet.model("tiny"), planner="zeppelin")
     loader = BalancedLoader(stdlib(), global_tokens=args.global_tokens, plan_fn=plan_fn, rank=rank,
-                                 world_size=WORLD_SIZE, max_doc_tokens=args.max_doc_tokens, seed=args.seed)
+                            world_size=WORLD_SIZE, max_doc_tokens=args.max_doc_tokens, seed=args.seed, layout="linear")
     model = build_model(args.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     for step, batch in zip(range(1, args.steps + 1), loader):
@@ -74,7 +75,7 @@ def train(rank: int, args: argparse.Namespace, init_file: str) -> None:
         dist.all_gather(everyone, tokens)
         if rank == 0:
             print(f"step {step:3d}  loss {loss.item():.4f}  documents {len(batch.pieces):3d}  "
-                  f"split {len(batch.plan.rings)}  tokens per rank {[int(t) for t in everyone]}  "
+                  f"split {len(batch.plan.rings)}  linear tokens per rank {[int(t) for t in everyone]}  "
                   f"{time.perf_counter() - start:.2f} s", flush=True)
     dist.destroy_process_group()
 

@@ -6,10 +6,12 @@ each document separately (no packing, no plan), loss summed over documents.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -22,7 +24,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import ballonet  # noqa: E402
 from ballonet.integrations import hf  # noqa: E402
-from ballonet.plan import Plan, Ring, Segment, chunk_bounds  # noqa: E402
+from ballonet.plan import Plan, Ring, Segment, Transfer, chunk_bounds  # noqa: E402
 from ballonet.training.corpus import from_lengths  # noqa: E402
 from ballonet.training.loader import Batch, Piece, build_batch, rank_view  # noqa: E402
 from tests.distributed import run_ranks  # noqa: E402
@@ -83,9 +85,9 @@ def _relative_errors(batch: Batch, state: dict, loss: float, grads: dict) -> dic
 
 def _check_ranks(rank: int, world_size: int, state: dict, cases: list) -> list[dict[str, float]]:
     out = []
-    for lengths, plan_fn in cases:
+    for lengths, plan_fn, layout in cases:
         batch = _batch(lengths, plan_fn)
-        view = rank_view(batch, rank)
+        view = rank_view(batch, rank, layout)
         model = _model(hf.ATTENTION, state)
         with hf.plan_context(batch.plan, rank):
             loss = hf.loss_sum(model, view) / view.num_valid_tokens_global
@@ -96,49 +98,61 @@ def _check_ranks(rank: int, world_size: int, state: dict, cases: list) -> list[d
         for name, p in model.named_parameters():
             dist.all_reduce(p.grad)
             grads[name] = p.grad
-        out.append({"rings": len(batch.plan.rings), **_relative_errors(batch, state, loss.item(), grads)})
+        out.append({"rings": len(batch.plan.rings), "moved": sum(t.num_tokens for t in batch.plan.remap),
+                    **_relative_errors(batch, state, loss.item(), grads)})
     return out
 
 
-def test_two_ranks_match_single_process_default_attention():
+def _remap_plan(lengths: tuple[int, ...]) -> Plan:
+    """`_ring_plan` with a remap: rank 1 sends its last tokens so both hold the same number."""
+    plan = _ring_plan(lengths)
+    held = [plan.attention_tokens(r) for r in (0, 1)]
+    surplus = (held[1] - held[0]) // 2
+    assert surplus > 0
+    return dataclasses.replace(plan, remap=(Transfer(1, 0, held[1] - surplus, held[1]),)).validate()
+
+
+def test_two_ranks_with_remap_match_single_process_default_attention():
+    """Linear layers token-balanced (the remap moves tokens) and a document split over the
+    ranks: loss and every gradient equal the one-process model's, fed either layout."""
     state = _model("sdpa").state_dict()
-    cases = [((37, 11, 20), _ring_plan), ((600, 40, 17, 90, 5), _zeppelin_plan)]
-    for (lengths, plan_fn), errors in zip(cases, run_ranks(2, _check_ranks, state, cases)[0]):
-        assert errors.pop("rings") >= 1, f"{plan_fn.__name__}{lengths}: no document is split over the ranks"
+    cases = [((37, 11, 20), _ring_plan, "attention"), ((37, 11, 40), _remap_plan, "attention"),
+             ((37, 11, 40), _remap_plan, "linear"), ((600, 40, 17, 90, 5), _zeppelin_plan, "linear")]
+    for (lengths, plan_fn, layout), errors in zip(cases, run_ranks(2, _check_ranks, state, cases)[0]):
+        name = f"{plan_fn.__name__}{lengths} fed the {layout} layout"
+        assert errors.pop("rings") >= 1, f"{name}: no document is split over the ranks"
+        moved = errors.pop("moved")
+        assert moved > 0 or plan_fn is _ring_plan, f"{name}: the remap moves no token"
         worst = max(errors, key=errors.get)
-        assert errors[worst] <= RTOL, f"{plan_fn.__name__}{lengths}: {worst} off by {errors[worst]:.2e} relative"
+        assert errors[worst] <= RTOL, f"{name}: {worst} off by {errors[worst]:.2e} relative"
 
 
-def test_one_rank_packed_documents_match_default_attention():
-    lengths = (9, 1, 16, 4)
-    batch = _batch(lengths, lambda ls: Plan(planner="test", lengths=ls, node_of_rank=(0,), nic_of_rank=(0,),
-                                            attention=(tuple(Segment(d, 0, n) for d, n in enumerate(ls)),)))
-    state = _model("sdpa").state_dict()
-    model = _model(hf.ATTENTION, state)
-    view = rank_view(batch, 0)
-    with hf.plan_context(batch.plan, 0):
-        loss = hf.loss_sum(model, view) / view.num_valid_tokens_global
-    loss.backward()  # the engine keeps what backward needs: no context required
-    errors = _relative_errors(batch, state, loss.item(), {n: p.grad for n, p in model.named_parameters()})
-    worst = max(errors, key=errors.get)
-    assert errors[worst] <= RTOL, f"{worst} off by {errors[worst]:.2e} relative"
+def _disagree(rank: int, world_size: int, cases: tuple[str, ...]) -> list[str]:
+    """Rank 1 holds another plan, or claims to be rank 0: the model call must fail on every
+    rank, before any remap or ring transfer. One result ("seconds message") per case."""
+    out = []
+    for how in cases:
+        lengths = (37, 11, 40) if how == "call_as_rank_0" or rank == 0 else (37, 12, 39)
+        batch = _batch(lengths, _remap_plan)
+        plan_rank = 0 if how == "call_as_rank_0" else rank
+        view = rank_view(batch, plan_rank)
+        model = _model(hf.ATTENTION)
+        start = time.monotonic()
+        try:
+            with hf.plan_context(batch.plan, plan_rank):
+                hf.loss_sum(model, view)
+            out.append("no error")
+        except RuntimeError as e:
+            out.append(f"{time.monotonic() - start:.1f} {e}")
+    return out
 
 
-def test_plan_context_is_scoped_and_required():
-    model = _model(hf.ATTENTION)
-    ids = torch.zeros(1, 4, dtype=torch.long)
-    with pytest.raises(RuntimeError, match="plan_context"):
-        model(input_ids=ids)
-    plan = Plan(planner="test", lengths=(4,), node_of_rank=(0,), nic_of_rank=(0,), attention=((Segment(0, 0, 4),),))
-    with hf.plan_context(plan, 0):
-        assert model(input_ids=ids, use_cache=False).logits.shape == (1, 4, 256)
-        with pytest.raises(ValueError, match="attention_mask"):
-            model(input_ids=ids, attention_mask=torch.ones(1, 1, 4, 4, dtype=torch.bool), use_cache=False)
-    with pytest.raises(RuntimeError, match="plan_context"):
-        model(input_ids=ids)
-    with pytest.raises(ValueError, match="rank 1"):
-        with hf.plan_context(plan, 1):
-            pass
+def test_ranks_that_disagree_on_the_plan_all_fail_fast():
+    cases = {"other_plan": "disagree on the plan", "call_as_rank_0": "another plan rank"}
+    for rank, results in enumerate(run_ranks(2, _disagree, tuple(cases), timeout=120)):
+        for (how, message), result in zip(cases.items(), results):
+            assert message in result, f"{how}, rank {rank}: {result}"
+            assert float(result.split()[0]) < 60, f"{how}, rank {rank} took {result.split()[0]} s to fail"
 
 
 @pytest.mark.slow

@@ -1,4 +1,5 @@
-"""Hugging Face transformers models on Ballonet's balanced, distributed attention.
+"""Hugging Face transformers models on Ballonet's balanced, distributed attention, with
+the remap: every linear layer runs token-balanced, the model unmodified.
 
 Importing this module registers the attention implementation "ballonet" with
 transformers' `AttentionInterface`. A model built with `attn_implementation="ballonet"`
@@ -10,20 +11,24 @@ by `plan_context` (a context variable, so nothing leaks between runs or threads)
         loss = loss_sum(model, batch) / batch.num_valid_tokens_global
         loss.backward()
 
-The model sees this rank's tokens in the attention layout as one sequence (a batch of one)
-with each token's position within its own document (`runtime.position_ids`), so RoPE
-restarts at every document and the engine keeps attention inside documents; transformers
-builds no attention mask for it. What the model cannot do unmodified is remap: its
-embedding, projections, MLP and LM head run on the attention layout, where a rank that
-holds many short documents holds more tokens than one holding part of a long one (see
-bench/results/hf.md for what that costs against `ballonet.training.model`, which remaps).
+The model is fed this rank's tokens in the plan's linear (token-balanced) layout as one
+sequence (a batch of one), with each token's position within its own document, so its
+embedding, projections, MLP, norms and LM head all run token-balanced and RoPE restarts
+at every document. The attention interface receives q, k and v right after the
+projections (and RoPE) and returns o right before the output projection: there
+`attention_forward` moves q, k and v to the attention layout in one all-to-all, runs the
+engine (which keeps attention inside documents), and moves o back. This is where
+`ballonet.training.model` remaps too. transformers builds no attention mask for it.
+
+Before the first collective of a step, the ranks compare plan digests
+(`runtime.check_plan`): ranks holding different plans fail together instead of hanging.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
@@ -32,6 +37,7 @@ import torch.nn.functional as F
 
 from ballonet import runtime
 from ballonet.plan import Plan
+from ballonet.runtime.remapping import remap
 from ballonet.training.loader import IGNORE_INDEX, RankBatch
 
 try:
@@ -43,13 +49,23 @@ ATTENTION = "ballonet"
 """The `attn_implementation` name this module registers."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Step:
     plan: Plan
     rank: int
     group: dist.ProcessGroup | None
     kernel: str | None
     counter: runtime.ByteCounter | None
+    checked: list[torch.device] = field(default_factory=list)
+    """Where the ranks' plan digests were compared (once per context)."""
+    num_pad: int = 0
+    """Padding tokens after this rank's own (see `linear_logits`)."""
+
+    def check(self, device: torch.device) -> None:
+        """Compare plan digests over the group once, before this context's first collective."""
+        if not self.checked:
+            runtime.check_plan(self.plan, self.rank, self.group, device)
+            self.checked.append(device)
 
 
 _STEP: contextvars.ContextVar[_Step | None] = contextvars.ContextVar("ballonet_hf_step", default=None)
@@ -57,14 +73,15 @@ _STEP: contextvars.ContextVar[_Step | None] = contextvars.ContextVar("ballonet_h
 
 @contextlib.contextmanager
 def plan_context(plan: Plan, rank: int, group: dist.ProcessGroup | None = None, *, kernel: str | None = None,
-                 counter: runtime.ByteCounter | None = None) -> Iterator[None]:
+                 counter: runtime.ByteCounter | None = None) -> Iterator[_Step]:
     """Run "ballonet" attention layers on `plan` as `rank` of `group` (None: the default
     group) inside the block. `kernel` and `counter` go to `runtime.attention`."""
     if not 0 <= rank < plan.num_ranks:
         raise ValueError(f"rank {rank} outside the plan's {plan.num_ranks} ranks")
-    token = _STEP.set(_Step(plan, rank, group, kernel, counter))
+    step = _Step(plan, rank, group, kernel, counter)
+    token = _STEP.set(step)
     try:
-        yield
+        yield step
     finally:
         _STEP.reset(token)
 
@@ -73,7 +90,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                       **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention signature: query [1, H, T, D], key and value [1, H_kv, T, D]
-    (T: this rank's tokens in the plan's attention layout) -> ([1, T, H, D], no weights)."""
+    (T: this rank's tokens in the plan's linear layout) -> ([1, T, H, D], no weights).
+    Collective over the plan's ranks: q, k, v go to the attention layout and o comes back."""
     step = _STEP.get()
     if step is None:
         raise RuntimeError('attn_implementation="ballonet" needs a plan: call the model inside '
@@ -85,17 +103,54 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if dropout or kwargs.get("sliding_window") or kwargs.get("softcap") or not getattr(module, "is_causal", True):
         raise NotImplementedError("ballonet attention is causal full attention without dropout, sliding window "
                                   "or softcap")
-    q_THD, k_TKD, v_TKD = (x[0].transpose(0, 1) for x in (query, key, value))
-    out_THD = runtime.attention(q_THD, k_TKD, v_TKD, step.plan, step.rank, step.group, kernel=step.kernel,
-                                counter=step.counter, scale=scaling)
-    return out_THD[None], None
+    step.check(query.device)
+    H, K, T = query.shape[1], key.shape[1], query.shape[2] - step.num_pad
+    qkv_THD = torch.cat([query[0, :, :T], key[0, :, :T], value[0, :, :T]], 0).transpose(0, 1)
+    # One all-to-all for q, k and v together (layout: runtime.layout).
+    qkv_att = remap(qkv_THD, step.plan, step.rank, "linear", "attention", step.group, step.counter)
+    q_att, k_att, v_att = (x.contiguous() for x in qkv_att.split([H, K, K], 1))
+    o_att = runtime.attention(q_att, k_att, v_att, step.plan, step.rank, step.group, kernel=step.kernel,
+                              counter=step.counter, scale=scaling, verify_plan=False)
+    o_THD = remap(o_att, step.plan, step.rank, "attention", "linear", step.group, step.counter)
+    if step.num_pad:  # padding attends to nothing: zeros, through which no gradient flows
+        o_THD = torch.cat([o_THD, o_THD.new_zeros(step.num_pad, *o_THD.shape[1:])])
+    return o_THD[None], None
+
+
+def linear_inputs(batch: RankBatch, group: dist.ProcessGroup | None = None,
+                  counter: runtime.ByteCounter | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids, labels, position_ids) of this rank in the plan's linear layout, each
+    [T_lin]: as read by a loader in the linear layout, or moved there (one all-to-all)."""
+    if batch.layout == "linear":
+        return batch.input_ids, batch.labels, batch.position_ids
+    stacked_T3 = torch.stack([batch.input_ids, batch.labels, batch.position_ids], 1)
+    moved_T3 = remap(stacked_T3, batch.plan, batch.rank, "attention", "linear", group, counter)
+    return moved_T3[:, 0], moved_T3[:, 1], moved_T3[:, 2]
+
+
+def linear_logits(forward, ids_T: torch.Tensor, pos_T: torch.Tensor) -> torch.Tensor:
+    """`forward(input_ids=[1, T], position_ids=[1, T], use_cache=False).logits` as [T, V]
+    (fp32 at least), for this rank's tokens in the linear layout; call inside
+    `plan_context`. A rank with no token runs one padding token instead (transformers
+    cannot reshape an empty sequence, and the rank must still join every exchange and
+    produce every gradient): the attention drops it before the remap, its logits are cut."""
+    step = _STEP.get()
+    step.num_pad = 1 if ids_T.numel() == 0 else 0
+    if step.num_pad:
+        ids_T, pos_T = ids_T.new_zeros(1), pos_T.new_zeros(1)
+    try:
+        logits_1TV = forward(input_ids=ids_T[None], position_ids=pos_T[None], use_cache=False).logits
+    finally:
+        num_pad, step.num_pad = step.num_pad, 0
+    logits_TV = logits_1TV[0, : logits_1TV.shape[1] - num_pad]
+    return logits_TV.to(torch.promote_types(logits_TV.dtype, torch.float32))
 
 
 def loss_sum(model: torch.nn.Module, batch: RankBatch) -> torch.Tensor:
     """Sum of next-token cross-entropies over this rank's valid labels, for a causal LM
-    built with attn_implementation="ballonet" and a `data.RankBatch` in the attention
-    layout; call inside `plan_context(batch.plan, ...)`. Divide by
-    `batch.num_valid_tokens_global` and sum gradients over ranks for the global mean.
+    built with attn_implementation="ballonet" and a `loader.RankBatch` (either layout);
+    call inside `plan_context(batch.plan, ...)`. Divide by `batch.num_valid_tokens_global`
+    and sum gradients over ranks for the global mean. Collective.
 
     The labels come from the loader (the next token of the same document, also where it
     lives on another rank), not from the model's own shift, which would cross documents."""
@@ -105,10 +160,10 @@ def loss_sum(model: torch.nn.Module, batch: RankBatch) -> torch.Tensor:
     if batch.rank != step.rank:
         raise ValueError(f"loss_sum: the batch is rank {batch.rank}'s, the plan context rank {step.rank}'s")
     device = next(model.parameters()).device
-    logits_1TV = model(input_ids=batch.input_ids[None].to(device), position_ids=batch.position_ids[None].to(device),
-                       use_cache=False).logits
-    logits_TV = logits_1TV[0].to(torch.promote_types(logits_1TV.dtype, torch.float32))
-    return F.cross_entropy(logits_TV, batch.labels.to(logits_TV.device), ignore_index=IGNORE_INDEX, reduction="sum")
+    step.check(device)
+    ids_T, labels_T, pos_T = (x.to(device) for x in linear_inputs(batch, step.group, step.counter))
+    logits_TV = linear_logits(model, ids_T, pos_T)
+    return F.cross_entropy(logits_TV, labels_T, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 AttentionInterface.register(ATTENTION, attention_forward)

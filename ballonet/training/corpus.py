@@ -2,17 +2,20 @@
 byte tokenizer (UTF-8 bytes, vocabulary 256, nothing to download).
 
 Sources: JSON Lines (`text`, `input_ids` or `length` per line), a folder of text files,
-the Python standard library's own sources (`stdlib`, the zero-download default), or a
-lengths file read as `plan --lengths` reads it (synthetic tokens drawn with a seed).
+the Python standard library's own sources (`stdlib`, the zero-download default), a
+lengths file read as `plan --lengths` reads it (synthetic tokens drawn with a seed), or a
+folder written by `ballonet prepare` (memory-mapped token shards; each read takes only
+the tokens asked for).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sysconfig
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -43,13 +46,15 @@ class ByteTokenizer:
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
 class Corpus:
     name: str
-    names: tuple[str, ...]
+    names: Sequence[str]
     """Where each document came from ("file.jsonl:12", a relative path, ...)."""
     lengths: np.ndarray
     """[D] tokens per document, all >= 1; the document id is the index."""
     vocab_size: int
     read: Callable[[int], np.ndarray]
     """Document id -> its [L] int64 token ids (may read a file)."""
+    read_range: Callable[[int, int, int], np.ndarray] | None = None
+    """(doc, start, end) -> its tokens [start, end), reading only those (None: slice `read`)."""
 
     @property
     def num_docs(self) -> int:
@@ -64,6 +69,14 @@ class Corpus:
         if len(ids) != self.lengths[doc]:
             raise InputError(f"{self.names[doc]}: changed while in use ({len(ids)} tokens, was {self.lengths[doc]})")
         return ids
+
+    def tokens_range(self, doc: int, start: int, end: int) -> np.ndarray:
+        """[end - start] token ids of document `doc` from `start` to `end`."""
+        if not 0 <= start <= end <= self.lengths[doc]:
+            raise ValueError(f"{self.names[doc]}: tokens [{start}, {end}) outside its {self.lengths[doc]}")
+        if self.read_range is None:
+            return self.tokens(doc)[start:end]
+        return self.read_range(doc, start, end)
 
 
 def _corpus(name: str, names: list[str], lengths: list[int], vocab_size: int, read) -> Corpus:
@@ -165,18 +178,101 @@ def from_lengths(lengths, seed: int = 0, vocab_size: int = 256, name: str = "syn
     return _corpus(name, [f"{name}[{i}]" for i in range(len(lengths))], lengths, vocab_size, read)
 
 
-CORPUS_KINDS = ("'stdlib', a folder of text files (one document each), a JSON Lines file (.jsonl: text, "
+# ---- prepared corpora (written by `ballonet prepare`, training/prepare.py) -------------
+
+PREPARED_FORMAT = "ballonet-tokens"
+PREPARED_VERSION = 1
+MANIFEST = "manifest.json"
+INDEX = "index.npy"
+"""int64 [D, 5]: shard, offset, length, source, record of each document."""
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def shard_name(shard: int) -> str:
+    return f"tokens-{shard:05d}.bin"
+
+
+class _PreparedNames(Sequence):
+    """Document names ("source:record") made when asked, not held for millions of documents."""
+
+    def __init__(self, sources: list[str], index: np.ndarray, by_row: bool):
+        self._sources, self._index, self._by_row = sources, index, by_row
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __getitem__(self, doc):
+        if isinstance(doc, slice):
+            return [self[i] for i in range(*doc.indices(len(self)))]
+        source, record = self._sources[self._index[doc, 3]], int(self._index[doc, 4])
+        return f"{source}:{record}" if self._by_row else source
+
+
+def _read_manifest(root: Path) -> dict:
+    path = root / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InputError(f"{path}: unreadable ({getattr(e, 'strerror', None) or e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != PREPARED_FORMAT:
+        raise InputError(f"{path}: not a prepared corpus (format is not {PREPARED_FORMAT!r})")
+    if manifest.get("version") != PREPARED_VERSION:
+        raise InputError(f"{path}: version {manifest.get('version')!r}; this Ballonet reads {PREPARED_VERSION}")
+    return manifest
+
+
+def _open_shards(root: Path, manifest: dict, index: np.ndarray) -> list[np.ndarray]:
+    dtype = np.dtype(manifest["dtype"])
+    shards = []
+    for i, shard in enumerate(manifest["shards"]):
+        path = root / shard["file"]
+        expected = int(index[index[:, 0] == i, 2].sum())
+        size = path.stat().st_size if path.is_file() else -1
+        if size != expected * dtype.itemsize or shard["num_tokens"] != expected:
+            raise InputError(f"{path}: {size} bytes, the index says {expected} tokens of {dtype.name}: corrupt")
+        shards.append(np.memmap(path, dtype=dtype, mode="r") if expected else np.zeros(0, dtype))
+    return shards
+
+
+def from_prepared(path: str | os.PathLike) -> Corpus:
+    """A folder written by `ballonet prepare`: lengths from its index, tokens read from the
+    memory-mapped shards only when asked, and only the range asked for."""
+    root = Path(path)
+    manifest = _read_manifest(root)
+    try:
+        index = np.load(root / INDEX, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise InputError(f"{root / INDEX}: unreadable ({e})") from None
+    if index.ndim != 2 or index.shape[1] != 5 or index.dtype != np.int64 or (index[:, 2] < 1).any():
+        raise InputError(f"{root / INDEX}: not a document index (int64 [documents, 5], positive lengths)")
+    shards = _open_shards(root, manifest, index)
+    shard_T, offset_T = index[:, 0], index[:, 1]
+
+    def read_range(doc: int, start: int, end: int) -> np.ndarray:
+        begin = int(offset_T[doc]) + start
+        return np.asarray(shards[shard_T[doc]][begin: begin + end - start], dtype=np.int64)
+
+    lengths = index[:, 2].copy()
+    names = _PreparedNames(manifest["sources"], index, by_row=len(manifest["sources"]) == 1)
+    return Corpus(name=str(root), names=names, lengths=lengths, vocab_size=int(manifest["vocab_size"]),
+                  read=lambda doc: read_range(doc, 0, int(lengths[doc])), read_range=read_range)
+
+
+CORPUS_KINDS = ("'stdlib', a folder written by `ballonet prepare`, a folder of text files (one document each), a JSON Lines file (.jsonl: text, "
                 "input_ids or length per line), or any other file as a lengths file (a .json list, a .npy array, "
                 "or text with one length per line; synthetic tokens)")
 """What `load_corpus` takes (the help of `train --corpus`)."""
 
 
 def load_corpus(spec: str, seed: int = 0) -> Corpus:
-    """"stdlib", a folder of text files, a JSON Lines file (.jsonl, .ndjson), or any other
-    file as a lengths file, read as `workloads.load_lengths` reads it (tokens drawn with `seed`)."""
+    """"stdlib", a folder from `ballonet prepare`, a folder of text files, a JSON Lines file
+    (.jsonl, .ndjson), or any other file as a lengths file, read as `workloads.load_lengths`
+    reads it (tokens drawn with `seed`)."""
     if spec == "stdlib":
         return stdlib()
     path = Path(spec)
+    if (path / MANIFEST).is_file():
+        return from_prepared(path)
     if path.is_dir():
         return from_text_dir(path)
     if not path.is_file():

@@ -10,7 +10,9 @@ once per epoch and every token but a document's first is a label once per epoch.
 
 Batch composition depends on (corpus, global_tokens, max_doc_tokens, seed, shuffle,
 position) only, never on the number of ranks: runs on 1, 2 or 4 ranks see the same
-batches, and a checkpoint made on one world size resumes on another.
+batches, and a checkpoint made on one world size resumes on another. Batches are cut and
+planned from the corpus's document lengths alone; each rank then reads from the corpus
+only the token ranges the plan gives it (plus the one token after each, for its label).
 """
 
 from __future__ import annotations
@@ -18,15 +20,22 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Iterator, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from ballonet.errors import InputError
 from ballonet.plan import Plan
-from ballonet.runtime.layout import LAYOUTS, doc_ids, position_ids, token_index
+from ballonet.runtime.layout import (
+    LAYOUTS,
+    doc_ids,
+    doc_ranges,
+    position_ids,
+    token_index,
+)
 from ballonet.training.corpus import Corpus
 
 IGNORE_INDEX = -100
@@ -86,38 +95,75 @@ def take_pieces(lengths: np.ndarray, order: Callable[[int], np.ndarray], cursor:
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
 class Batch:
-    """One global batch, the same on every rank."""
+    """One global batch, the same on every rank: the ledger and its plan. Tokens are read
+    from the corpus per rank (`rank_view`), only those the rank holds."""
 
     index: int
     pieces: tuple[Piece, ...]
     """The ledger, in the plan's document order."""
-    tokens: torch.Tensor
-    """[T] token ids, the pieces concatenated."""
-    labels: torch.Tensor
-    """[T] the next token of the same document, IGNORE_INDEX after a document's last."""
+    corpus: Corpus
     plan: Plan
     plan_ms: float
+    num_valid_tokens: int
+    """Tokens with a label (all but the pieces that end their document), over the batch."""
 
     @property
     def lengths(self) -> tuple[int, ...]:
         return tuple(p.end - p.start for p in self.pieces)
 
+    def read(self, ranges: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids and labels of `ranges` ((piece, start, end) within the pieces),
+        concatenated. Reads from the corpus only those tokens and the one after each range."""
+        tokens, labels = [], []
+        for piece, start, end in _merge_adjacent(ranges):
+            p = self.pieces[piece]
+            length = int(self.corpus.lengths[p.doc])
+            lo, hi = p.start + start, p.start + end
+            ids = self.corpus.tokens_range(p.doc, lo, min(hi + 1, length))
+            tokens.append(ids[: hi - lo])
+            labels.append(ids[1:] if hi < length else np.append(ids[1:], IGNORE_INDEX))
+        if not tokens:
+            return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+        return (torch.from_numpy(np.concatenate(tokens).astype(np.int64)),
+                torch.from_numpy(np.concatenate(labels).astype(np.int64)))
+
+    @functools.cached_property
+    def tokens_labels(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """([T], [T]) every token of the batch and its label: reads the whole batch, for
+        single-process references and tests (training reads per rank)."""
+        return self.read([(i, 0, p.end - p.start) for i, p in enumerate(self.pieces)])
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        return self.tokens_labels[0]
+
+    @property
+    def labels(self) -> torch.Tensor:
+        return self.tokens_labels[1]
+
+
+def _merge_adjacent(ranges: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """(piece, start, end) ranges with each one that continues the previous joined to it."""
+    merged: list[tuple[int, int, int]] = []
+    for piece, start, end in ranges:
+        if merged and merged[-1][0] == piece and merged[-1][2] == start:
+            merged[-1] = (piece, merged[-1][1], end)
+        else:
+            merged.append((piece, start, end))
+    return merged
+
 
 def build_batch(corpus: Corpus, pieces: list[Piece], index: int, plan_fn: Callable[[tuple[int, ...]], Plan]) -> Batch:
-    tokens, labels = [], []
-    for p in pieces:
-        doc = corpus.tokens(p.doc)
-        following = doc[p.start + 1: p.end + 1]
-        tokens.append(doc[p.start: p.end])
-        labels.append(following if p.end < len(doc) else np.append(following, IGNORE_INDEX))
+    """Plan the batch from the pieces' lengths alone (no token is read)."""
     lengths = tuple(p.end - p.start for p in pieces)
     start = time.perf_counter()
     plan = plan_fn(lengths)
     plan_ms = (time.perf_counter() - start) * 1e3
     if tuple(plan.lengths) != lengths:
         raise ValueError(f"batch {index}: the plan is for other document lengths")
-    return Batch(index=index, pieces=tuple(pieces), tokens=torch.from_numpy(np.concatenate(tokens)),
-                 labels=torch.from_numpy(np.concatenate(labels)), plan=plan, plan_ms=plan_ms)
+    num_ends = sum(p.end == corpus.lengths[p.doc] for p in pieces)
+    return Batch(index=index, pieces=tuple(pieces), corpus=corpus, plan=plan, plan_ms=plan_ms,
+                 num_valid_tokens=sum(lengths) - int(num_ends))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
@@ -138,6 +184,8 @@ class RankBatch:
     """Index of the piece within the batch (the plan's document), not the corpus id."""
     num_valid_tokens_global: int
     """Valid labels over the whole batch: the loss denominator on every rank."""
+    layout: str = "attention"
+    """The plan layout these tokens are in."""
 
     @property
     def plan(self) -> Plan:
@@ -153,14 +201,15 @@ class RankBatch:
 
 
 def rank_view(batch: Batch, rank: int, layout: str = "attention") -> RankBatch:
-    """Gather `rank`'s tokens by global position: labels were made on the whole batch, so
-    they are right even where a document's next token lives on another rank."""
-    index = token_index(batch.plan, rank, layout)
-    labels = batch.labels[index]
-    return RankBatch(batch=batch, rank=rank, input_ids=batch.tokens[index], labels=labels,
+    """`rank`'s tokens, read from the corpus: only the ranges it holds, each with the one
+    token after it, so labels are right even where a document's next token lives on
+    another rank."""
+    ranges = doc_ranges(batch.plan, rank, layout)
+    input_ids, labels = batch.read(ranges)
+    return RankBatch(batch=batch, rank=rank, input_ids=input_ids, labels=labels,
                      loss_mask=labels != IGNORE_INDEX, position_ids=position_ids(batch.plan, rank, layout),
-                     token_index=index, doc_ids=doc_ids(batch.plan, rank, layout),
-                     num_valid_tokens_global=int((batch.labels != IGNORE_INDEX).sum()))
+                     token_index=token_index(batch.plan, rank, layout), doc_ids=doc_ids(batch.plan, rank, layout),
+                     num_valid_tokens_global=batch.num_valid_tokens, layout=layout)
 
 
 # ---- the loader ----------------------------------------------------------------------
@@ -170,8 +219,8 @@ class BalancedLoader:
     """Streams `corpus` into planned global batches and yields this rank's `RankBatch`.
 
     Every rank computes the same batches and plans (`plan_fn(lengths) -> Plan` must be
-    deterministic). While batch n is consumed, batch n+1 is read and planned in a
-    background thread. `state_dict()` counts only yielded batches, so resuming from it
+    deterministic); each rank reads from the corpus only the tokens it holds. While batch
+    n is consumed, batch n+1 is planned and read in a background thread. `state_dict()` counts only yielded batches, so resuming from it
     yields exactly the batches that would have followed, on any world size.
     """
 
@@ -201,9 +250,10 @@ class BalancedLoader:
                                     self.max_doc_tokens, self.max_epochs)
         if not pieces:
             return None
-        return pool.submit(build_batch, self.corpus, pieces, cursor.batch, self.plan_fn), after
+        return pool.submit(self._view, pieces, cursor.batch), after
 
-    def _view(self, batch: Batch) -> RankBatch:
+    def _view(self, pieces: list[Piece], index: int) -> RankBatch:
+        batch = build_batch(self.corpus, pieces, index, self.plan_fn)
         if batch.plan.num_ranks != self.world_size:
             raise ValueError(f"batch {batch.index}: the plan has {batch.plan.num_ranks} ranks, "
                              f"the loader {self.world_size}")
@@ -214,11 +264,11 @@ class BalancedLoader:
             pending = self._start(pool, self._cursor)
             while pending is not None:
                 future, after = pending
-                batch = future.result()
+                view = future.result()
                 if self.prefetch:
                     pending = self._start(pool, after)
                 self._cursor = after
-                yield self._view(batch)
+                yield view
                 if not self.prefetch:
                     pending = self._start(pool, after)
 

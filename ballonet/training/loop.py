@@ -30,6 +30,7 @@ import torch.distributed as dist
 import ballonet
 from ballonet import runtime
 from ballonet.errors import InputError
+from ballonet.integrations import hf_model
 from ballonet.training import checkpoint, metrics, parallel
 from ballonet.training.config import TrainConfig
 from ballonet.training.corpus import Corpus, load_corpus
@@ -78,7 +79,7 @@ def preflight(config: TrainConfig, world_size: int):
                          f"({world_size} ranks)")
     _check_paths(config)
     cluster = _cluster(config, world_size)
-    spec = ballonet.model(config.model)
+    spec = hf_model.model_spec(config.model) if hf_model.is_hf(config.model) else ballonet.model(config.model)
     dtype_bytes = parallel.DTYPES[config.dtype].itemsize
     metrics.check_budget(spec, cluster, config.global_tokens, world_size, dtype_bytes, config.recompute, config.shard)
     if config.tensorboard:
@@ -237,7 +238,8 @@ def _run(config: TrainConfig, group, use_cuda: bool):
     plan_fn = functools.partial(ballonet.plan_batch, cluster=cluster, model=spec, planner=config.planner)
     loader = BalancedLoader(corpus, global_tokens=config.global_tokens, plan_fn=plan_fn, rank=rank,
                             world_size=world_size, seed=config.seed, max_doc_tokens=config.max_doc_tokens)
-    model = build_model(config, spec, device)
+    model = (hf_model.build_model(config.model, config.seed, device, config.recompute) if hf_model.is_hf(config.model)
+             else build_model(config, spec, device))
     parallel.parallelize(model, parallel.device_mesh(world_size, config.shard, device), config.dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
 

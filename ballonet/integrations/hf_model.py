@@ -1,0 +1,116 @@
+"""`ballonet train --model hf:DIR`: a Hugging Face causal LM from a local folder, unmodified,
+trained on Ballonet's plans with the remap (`integrations.hf`).
+
+DIR holds a `config.json` and, optionally, weights (`model.safetensors`, or shards with
+their index): without weights, the model is initialised from `seed`, the same on every
+rank. Nothing is downloaded. The model keeps its class, state dict and blocks (so FSDP2
+shards `model.model.layers` block by block); it gains one method, `loss`, with the
+signature of `ballonet.training.model.Transformer.loss`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ballonet import runtime
+from ballonet.errors import InputError
+from ballonet.plan import Plan
+from ballonet.runtime.remapping import remap
+from ballonet.specs import ModelSpec
+from ballonet.training.loader import IGNORE_INDEX
+
+PREFIX = "hf:"
+CONFIG = "config.json"
+WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
+
+
+def is_hf(name: str) -> bool:
+    return name.startswith(PREFIX)
+
+
+def _folder(name: str) -> Path:
+    folder = Path(name[len(PREFIX):] if is_hf(name) else name)
+    if not folder.is_dir():
+        raise InputError(f"--model {name}: {folder} is not a folder (hf:DIR needs a Hugging Face model folder)")
+    if not (folder / CONFIG).is_file():
+        raise InputError(f"{folder}: no {CONFIG} in this folder (hf:DIR needs a Hugging Face model folder)")
+    return folder
+
+
+def _read_config(folder: Path) -> dict:
+    path = folder / CONFIG
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InputError(f"{path}: not a JSON model config ({getattr(e, 'msg', e)})") from None
+    if not isinstance(config, dict):
+        raise InputError(f"{path}: not a JSON model config (not an object)")
+    return config
+
+
+def model_spec(name: str) -> ModelSpec:
+    """The planner's and cost model's view of the model in `hf:DIR` (from config.json
+    alone; transformers is not imported). Its name is the config file's path."""
+    path = _folder(name) / CONFIG
+    config = _read_config(path.parent)
+    keys = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
+    missing = [k for k in keys if not isinstance(config.get(k), int)]
+    if missing:
+        raise InputError(f"{path}: no integer {', '.join(missing)} (a decoder-only causal LM config has them)")
+    return ModelSpec(name=str(path), num_layers=config["num_hidden_layers"], hidden=config["hidden_size"],
+                     num_heads=config["num_attention_heads"],
+                     num_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
+                     ffn_hidden=config["intermediate_size"], vocab_size=config["vocab_size"])
+
+
+class BallonetLoss:
+    """Mixed into a Hugging Face causal LM's class: the loss the training loop calls."""
+
+    def loss(self, input_ids: torch.Tensor, labels: torch.Tensor, plan: Plan, rank: int, group=None,
+             counter: runtime.ByteCounter | None = None) -> torch.Tensor:
+        """`Transformer.loss`: ids and labels [T_att] in the attention layout move (with
+        their positions) to the linear layout in one all-to-all; the model runs there,
+        its attention through the plan. Returns the sum of token cross-entropies."""
+        from ballonet.integrations import hf
+
+        with hf.plan_context(plan, rank, group, counter=counter) as step:
+            step.check(input_ids.device)
+            pos_T = runtime.position_ids(plan, rank, "attention").to(input_ids.device)
+            moved_T3 = remap(torch.stack([input_ids, labels, pos_T], 1), plan, rank, "attention", "linear", group,
+                             counter)
+            # The class's own forward, not self(...): FSDP2 runs its hooks around `loss`.
+            logits_TV = hf.linear_logits(super().forward, moved_T3[:, 0], moved_T3[:, 2])
+        return F.cross_entropy(logits_TV, moved_T3[:, 1], ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def build_model(name: str, seed: int, device: torch.device, recompute: str = "none") -> torch.nn.Module:
+    """The causal LM of `hf:DIR` with attn_implementation="ballonet", fp32, on `device`."""
+    if recompute != "none":  # recomputation runs outside plan_context: not wired for HF models yet
+        raise InputError(f"--recompute {recompute}: not available for --model hf:DIR yet (use none)")
+    folder = _folder(name)
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from ballonet.integrations import hf
+    except ImportError:
+        raise InputError("--model hf:DIR needs transformers: pip install 'ballonet[hf]'") from None
+    try:
+        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    except (ValueError, KeyError, OSError) as e:
+        raise InputError(f"{folder / CONFIG}: transformers cannot read it ({str(e).splitlines()[0][:200]})") from None
+    kw = {"attn_implementation": hf.ATTENTION, "dtype": torch.float32}
+    try:
+        if any((folder / w).is_file() for w in WEIGHTS):
+            model = AutoModelForCausalLM.from_pretrained(folder, config=config, local_files_only=True, **kw)
+        else:
+            torch.manual_seed(seed)  # every rank draws the same weights
+            model = AutoModelForCausalLM.from_config(config, **kw)
+    except (ValueError, KeyError, OSError) as e:
+        raise InputError(f"{folder}: cannot build a causal LM from it ({str(e).splitlines()[0][:200]})") from None
+    cls = type(model)
+    model.__class__ = type(f"Ballonet{cls.__name__}", (BallonetLoss, cls), {})
+    return model.to(device)

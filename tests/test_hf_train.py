@@ -1,0 +1,123 @@
+"""`ballonet train --model hf:DIR` on a prepared corpus: an unmodified Hugging Face Llama,
+trained with the remap on 2 and 4 gloo ranks, against the same run in one process.
+
+Reference: `train` in this process (one rank: no remap, no ring, no gradient exchange).
+Losses of 5 steps (each after the optimizer steps before it) must agree within 1e-4
+relative; where the loop returns the model (`train_model`), the parameters too. The
+corpus is tokenized at test time with a small BPE (`test_prepare.train_tokenizer`).
+"""
+
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+import torch  # noqa: E402
+from transformers import LlamaConfig  # noqa: E402
+
+from ballonet.cli import main  # noqa: E402
+from ballonet.training import loop  # noqa: E402
+from ballonet.training.config import TrainConfig  # noqa: E402
+from ballonet.training.prepare import PrepareConfig, prepare  # noqa: E402
+from tests.distributed import run_ranks  # noqa: E402
+from tests.test_prepare import train_tokenizer, write_sources  # noqa: E402
+
+RTOL = 1e-4
+PLANNERS = ("zeppelin", "te_cp", "packed_dp")
+STEPS = 5
+
+
+def llama_folder(path, vocab_size: int, weights: bool = False):
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=176,
+                         vocab_size=vocab_size, num_hidden_layers=2, tie_word_embeddings=False)
+    path.mkdir()
+    if weights:
+        from transformers import LlamaForCausalLM
+
+        torch.manual_seed(7)
+        LlamaForCausalLM(config).save_pretrained(path)
+    else:
+        config.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """(model folder, prepared corpus folder)."""
+    tmp = tmp_path_factory.mktemp("hf_train")
+    tokenizer = train_tokenizer(tmp)
+    source = write_sources(tmp)["jsonl"]
+    prepare(PrepareConfig(data=str(source), out=str(tmp / "corpus"), tokenizer=str(tokenizer), text_column="body"))
+    return llama_folder(tmp / "llama", vocab_size=640, weights=True), tmp / "corpus"
+
+
+def config(model, corpus, planner: str) -> TrainConfig:
+    return TrainConfig(model=f"hf:{model}", corpus=str(corpus), planner=planner, steps=STEPS, global_tokens=1536,
+                       max_doc_tokens=1024, lr=1e-3, log_every=100)
+
+
+def _run(config: TrainConfig) -> tuple[list[float], dict | None]:
+    """Losses, and the full parameters (numpy: tensors would cross processes as shared
+    memory that dies with the rank) where the loop returns its model."""
+    if not hasattr(loop, "train_model"):
+        return [r["loss"] for r in loop.train(config)], None
+    records, model = loop.train_model(config)
+    params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().numpy().copy()
+              for n, p in model.named_parameters()}
+    return [r["loss"] for r in records], params
+
+
+def _train_ranks(rank: int, world_size: int, configs: list[TrainConfig]) -> list:
+    return [_run(c) for c in configs]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_hf_model_trains_like_one_process(job, world_size):
+    model, corpus = job
+    configs = [config(model, corpus, p) for p in PLANNERS]
+    distributed = run_ranks(world_size, _train_ranks, configs, timeout=900)[0]
+    for planner, cfg, (losses, params) in zip(PLANNERS, configs, distributed):
+        ref_losses, ref_params = _run(cfg)
+        assert len(losses) == len(ref_losses) == STEPS
+        worst = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+        assert worst <= RTOL, f"{planner} on {world_size} ranks: losses {losses} vs one process {ref_losses}"
+        assert ref_losses[-1] < ref_losses[0], f"{planner}: the model did not learn: {ref_losses}"
+        if params is not None:
+            for name, ref in ref_params.items():
+                error = float(np.linalg.norm(params[name] - ref) / np.linalg.norm(ref))
+                assert error <= RTOL, f"{planner} on {world_size} ranks: {name} off by {error:.2e} relative"
+
+
+def run_train(capsys, *argv) -> tuple[int, str]:
+    code = main(["train", *map(str, argv), "--steps", "1", "--global-tokens", "256"])
+    return code, capsys.readouterr().err.strip()
+
+
+def test_hf_bad_input_is_one_line_exit_2(job, tmp_path, capsys):
+    _, corpus = job
+    (tmp_path / "empty").mkdir()
+    small = llama_folder(tmp_path / "small", vocab_size=300)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    cases = [(tmp_path / "empty", "empty: no config.json"), (tmp_path / "missing", "is not a folder"),
+             (broken, "broken/config.json: not a JSON model config"),
+             (small, "small/config.json' a vocabulary of 300")]
+    for folder, message in cases:
+        code, err = run_train(capsys, "--model", f"hf:{folder}", "--corpus", corpus)
+        assert code == 2 and message in err and "\n" not in err, (folder, err)
+    manifest = json.loads((corpus / "manifest.json").read_text())
+    assert manifest["vocab_size"] == 600  # the corpus's tokenizer is the larger one
+
+
+def test_hf_model_without_weights_trains_from_the_cli(job, tmp_path, capsys):
+    _, corpus = job
+    folder = llama_folder(tmp_path / "fresh", vocab_size=640)
+    code = main(["train", "--model", f"hf:{folder}", "--corpus", str(corpus), "--steps", "2",
+                 "--global-tokens", "512"])
+    assert code == 0, capsys.readouterr().err
+    assert capsys.readouterr().out.count("loss ") == 2
