@@ -19,6 +19,8 @@ import torch  # noqa: E402
 from transformers import LlamaConfig  # noqa: E402
 
 from ballonet.cli import main  # noqa: E402
+from ballonet.errors import InputError  # noqa: E402
+from ballonet.integrations import hf_model  # noqa: E402
 from ballonet.training import loop  # noqa: E402
 from ballonet.training.config import TrainConfig  # noqa: E402
 from ballonet.training.prepare import PrepareConfig, prepare  # noqa: E402
@@ -112,6 +114,8 @@ def test_hf_bad_input_is_one_line_exit_2(job, tmp_path, capsys):
         assert code == 2 and message in err and "\n" not in err, (folder, err)
     manifest = json.loads((corpus / "manifest.json").read_text())
     assert manifest["vocab_size"] == 600  # the corpus's tokenizer is the larger one
+    with pytest.raises(InputError, match="--recompute full: not available"):
+        hf_model.build_model(f"hf:{small}", 0, torch.device("cpu"), recompute="full")
 
 
 def test_hf_model_without_weights_trains_from_the_cli(job, tmp_path, capsys):
