@@ -81,7 +81,7 @@ class BallonetLoss:
             step.check(input_ids.device)
             pos_T = runtime.position_ids(plan, rank, "attention").to(input_ids.device)
             moved_T3 = remap(torch.stack([input_ids, labels, pos_T], 1), plan, rank, "attention", "linear", group,
-                             counter)
+                             counter, verify_plan=False)
             # The class's own forward, not self(...): FSDP2 runs its hooks around `loss`.
             logits_TV = hf.linear_logits(super().forward, moved_T3[:, 0], moved_T3[:, 2])
         return F.cross_entropy(logits_TV, moved_T3[:, 1], ignore_index=IGNORE_INDEX, reduction="sum")
