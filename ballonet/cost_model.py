@@ -283,7 +283,7 @@ def grad_allreduce_time(model: ModelSpec, cluster: ClusterSpec) -> float:
 def breakeven_chunk_tokens(model: ModelSpec, gpu: hardware.GPUType, bandwidth: float, nic: bool = False) -> int:
     """Chunk length c above which one ring step's compute (c queries against c keys)
     hides the transfer of c rows of K and V over a link of `bandwidth` bytes/s; about
-    c* = F * h_kv * bytes / (2 * h * BW) (DESIGN.md section 2) with F the calibrated FLOP/s.
+    c* = F * h_kv * bytes / (2 * h * BW) (docs/design.md, section 3) with F the calibrated FLOP/s.
     Tiny chunks are latency-bound on both sides, so the search runs down from long chunks
     to the last length that is not hidden."""
     def hidden(c: int) -> bool:

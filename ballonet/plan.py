@@ -12,9 +12,18 @@ token lives in each of two layouts:
   attention-local order to `dst`. A rank keeps the tokens it does not send, in order, and
   appends what it receives, ordered by (src, start).
 
-Inter-node ring hops may carry a `Route`: the hop's buffer is cut into len(proxies) row
-ranges (`chunk_bounds`), and part j travels src -> proxies[j][0] (intra-node) ->
-proxies[j][1] (across nodes, rail-aligned) -> dst (intra-node).
+The traffic of split documents is `Plan.ring_messages()` (`RingMessage`: phase, payload,
+document, step, source, destination, rows), the one walk of the ring schedule that the
+metrics, the routing planner, the simulator and the runtime's byte prediction share. A
+"ring" document runs g steps: at step s, ring position i computes with (and then passes
+on) the K/V block of position (i - s) mod g (`ring_schedule`). An "allgather" document
+sends every block to every other member before attention, and every block's dK/dV back to
+its owner after.
+
+Inter-node ring hops may carry a `Route`: each message of the hop (K/V or dK/dV rows) is
+cut into len(proxies) row ranges (`Route.part_bounds`, i.e. `chunk_bounds(rows, k)`), and
+part j travels src -> proxies[j][0] (intra-node) -> proxies[j][1] (across nodes,
+rail-aligned) -> dst (intra-node), each leg carrying the part's rows.
 
 Token counts here are model-free; the cost model turns them into bytes and seconds.
 """
@@ -24,9 +33,14 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
-from typing import Iterator
+
+from ballonet.ring_traffic import PAYLOADS, PHASES, RingMessage, forward_link_rows, ring_messages, ring_schedule
+
+__all__ = ["PAYLOADS", "PHASES", "RING_COMMS", "SPLIT_KINDS", "InvalidPlan", "Plan", "Ring",
+           "RingMessage", "Route", "Segment", "Transfer", "chunk_bounds", "ring_schedule"]
 
 SPLIT_KINDS = ("intra", "inter")
 RING_COMMS = ("ring", "allgather")
@@ -37,11 +51,8 @@ class InvalidPlan(Exception):
     `InputError`: the CLI reports it as a bug, not as bad input)."""
 
 
-@dataclass(frozen=True)
-class Segment:
-    doc: int
-    start: int
-    end: int
+class _TokenRange:
+    """Tokens [start, end) of something (fields of the dataclasses below)."""
 
     @property
     def num_tokens(self) -> int:
@@ -49,7 +60,16 @@ class Segment:
 
 
 @dataclass(frozen=True)
+class Segment(_TokenRange):
+    doc: int
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
 class Ring:
+    """A split document: its ranks in ring order and its zig-zag chunks."""
+
     doc: int
     kind: str
     """"intra" (one node) or "inter" (several nodes)."""
@@ -71,17 +91,22 @@ class Ring:
         """Tokens (K/V rows) held by ring position `position`."""
         return sum(s.num_tokens for s in self.chunks_of(position))
 
+    def messages(self) -> Iterator[RingMessage]:
+        """Every message of this document's attention (`ring_traffic.ring_messages`)."""
+        return ring_messages(self)
+
+    def forward_link_rows(self) -> list[tuple[int, int, int]]:
+        """(src, dst, rows): the forward K/V rows of `messages()` summed per link, in O(g)
+        (`ring_traffic.forward_link_rows`)."""
+        return forward_link_rows(self)
+
 
 @dataclass(frozen=True)
-class Transfer:
+class Transfer(_TokenRange):
     src: int
     dst: int
     start: int
     end: int
-
-    @property
-    def num_tokens(self) -> int:
-        return self.end - self.start
 
 
 @dataclass(frozen=True)
@@ -91,6 +116,11 @@ class Route:
     dst: int
     proxies: tuple[tuple[int, int], ...]
     """(proxy on the source node, proxy on the destination node) per part."""
+
+    def part_bounds(self, rows: int) -> tuple[int, ...]:
+        """Row bounds of the parts of a message of `rows` rows: part j is rows
+        [b[j], b[j + 1]) and travels by proxies[j]."""
+        return chunk_bounds(rows, len(self.proxies))
 
 
 def chunk_bounds(length: int, num_chunks: int) -> tuple[int, ...]:
@@ -115,6 +145,11 @@ class Plan:
     memory_bytes: tuple[float, ...] = ()
     """Predicted peak activation + state memory per rank (empty: not estimated)."""
     memory_cap: tuple[float, ...] = ()
+    attention_engine: bool = False
+    """Made for Zeppelin's attention engine: transfers start as soon as their data is there
+    and each rank runs ready work in queue order (inter-node, intra-node, local), so local
+    attention fills ring waits. False: the baselines' loop (fixed order; a ring step's
+    send issued after the previous step's compute). The simulator models it."""
     meta: dict = field(default_factory=dict, compare=False)
     """Free-form planner facts (thresholds used, options); part of the JSON."""
 
@@ -144,13 +179,25 @@ class Plan:
     def local_docs(self, rank: int) -> list[int]:
         return [s.doc for s in self.attention[rank] if s.doc not in self.ring_of_doc]
 
+    @cached_property
+    def attention_token_counts(self) -> tuple[int, ...]:
+        """Tokens each rank holds in the attention layout."""
+        return tuple(sum(s.num_tokens for s in segs) for segs in self.attention)
+
+    @cached_property
+    def linear_token_counts(self) -> tuple[int, ...]:
+        """Tokens each rank holds in the linear layout (after the remap)."""
+        out = list(self.attention_token_counts)
+        for t in self.remap:
+            out[t.src] -= t.num_tokens
+            out[t.dst] += t.num_tokens
+        return tuple(out)
+
     def attention_tokens(self, rank: int) -> int:
-        return sum(s.num_tokens for s in self.attention[rank])
+        return self.attention_token_counts[rank]
 
     def linear_tokens(self, rank: int) -> int:
-        sent = sum(t.num_tokens for t in self.remap if t.src == rank)
-        received = sum(t.num_tokens for t in self.remap if t.dst == rank)
-        return self.attention_tokens(rank) - sent + received
+        return self.linear_token_counts[rank]
 
     def linear_pieces(self, rank: int) -> list[tuple[int, int, int]]:
         """The linear layout of `rank` as (src rank, start, end) ranges of attention-local
@@ -167,30 +214,11 @@ class Plan:
         incoming = sorted((t.src, t.start, t.end) for t in self.remap if t.dst == rank)
         return pieces + incoming
 
-    def ring_steps(self, ring: Ring) -> Iterator[tuple[int, int, int, int]]:
-        """Forward K/V traffic of a split document as (step, src, dst, rows): at each of the
-        g-1 steps every ring position passes the block it holds to its successor."""
-        g = len(ring.ranks)
-        for step in range(g - 1):
-            for i in range(g):
-                rows = ring.block_tokens((i - step) % g)
-                if rows:
-                    yield step, ring.ranks[i], ring.ranks[(i + 1) % g], rows
-
-    def kv_rows_sent(self) -> Counter:
-        """Forward K/V rows per (src, dst) over every split document, direct (unrouted)."""
-        counts: Counter = Counter()
+    def ring_messages(self) -> Iterator[RingMessage]:
+        """Every ring message of one forward and one backward pass, ring by ring
+        (`Ring.messages`)."""
         for ring in self.rings:
-            g = len(ring.ranks)
-            if ring.comm == "allgather":
-                for i in range(g):
-                    for j in range(g):
-                        if i != j and ring.block_tokens(i):
-                            counts[ring.ranks[i], ring.ranks[j]] += ring.block_tokens(i)
-            else:
-                for _, src, dst, rows in self.ring_steps(ring):
-                    counts[src, dst] += rows
-        return counts
+            yield from ring.messages()
 
     def remap_tokens(self) -> Counter:
         counts: Counter = Counter()
@@ -311,6 +339,7 @@ class Plan:
                                proxies=tuple(tuple(p) for p in r["proxies"])) for r in d["routes"]),
             memory_bytes=tuple(d["memory_bytes"]),
             memory_cap=tuple(d["memory_cap"]),
+            attention_engine=d["attention_engine"],
             meta=d["meta"],
         )
 

@@ -5,7 +5,7 @@ A `Workload` is a distribution of document lengths in tokens, kept as a table of
 - a quantile table (`cdf` given): knot i is the length at cumulative probability
   `cdf[i]`; draws use the inverse CDF, interpolating log(length) linearly between
   knots, so heavy tails stay heavy. The presets are such tables, fitted by
-  `scripts/fit_workloads.py` from the real lists in `shared/data/workloads/`.
+  `scripts/fit_workloads.py` from the real lists in `data/workloads/`.
 - an empirical sample (`cdf` is None): the knots are the lengths of a file, and each
   draw picks one of them uniformly.
 
@@ -233,7 +233,7 @@ def _load_preset(name: str) -> Workload:
 
 
 PRESETS: dict[str, Workload] = {name: _load_preset(name) for name in PRESET_NAMES}
-"""wlbllm, prolong: quantile tables of the real lists in shared/data/workloads/; shortmix:
+"""wlbllm, prolong: quantile tables of the real lists in data/workloads/; shortmix:
 a synthetic short-heavy mix (ArXiv/GitHub-like), see `presets/shortmix.json`."""
 
 

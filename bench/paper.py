@@ -1,4 +1,4 @@
-"""Reproduce the Zeppelin paper's evaluation in simulation (DESIGN.md section 4).
+"""Reproduce the Zeppelin paper's evaluation in simulation (docs/design.md, section 9).
 
     OMP_NUM_THREADS=1 python bench/paper.py [--quick] [--steps K] [--out bench/results]
 
@@ -295,7 +295,7 @@ NOTES = [
     "simulator moves what the runtime moves (q/k/v out and o back in the remap, fp32 dK/dV), recomputes only "
     "when memory requires it, and lets gradient all-reduce share the NICs.",
     "shortmix is a synthetic stand-in for ArXiv/GitHub/ProLong64k; the paper's datasets are not available.",
-    "Speedups depend on the planners in ballonet/planner.py and baselines.py as they stand; constants were "
+    "Speedups depend on the planners in ballonet/planning/ (zeppelin.py, baselines.py) as they stand; constants were "
     "not tuned to hit targets.",
 ]
 

@@ -1,10 +1,10 @@
 """Regenerate the workload presets in ballonet/presets/ and bench/results/workloads_fit.md.
 
-    .venv/bin/python scripts/fit_workloads.py [--data ../shared/data]
+    .venv/bin/python scripts/fit_workloads.py [--data data]
 
 wlbllm and prolong: quantile tables of the real length lists in
-`shared/data/workloads/{wlbllm,prolong}.json` (from hao-ai-lab/distca, Apache-2.0; the
-lists themselves are not copied). The probability grid is uniform in the body and
+`data/workloads/{wlbllm,prolong}.json` (from hao-ai-lab/distca, Apache-2.0; see
+`data/README.md`). The probability grid is uniform in the body and
 geometric towards 1 in the tail, down to single documents: in prolong the 10 longest of
 78K documents hold 28% of the sum of L^2, so the tail must be resolved document by document.
 
@@ -26,9 +26,9 @@ from scipy.stats import norm
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCES = {
-    "wlbllm": "WLB-LLM-style pre-training mix, shared/data/workloads/wlbllm.json "
+    "wlbllm": "WLB-LLM-style pre-training mix, data/workloads/wlbllm.json "
               "(hao-ai-lab/distca, distca/simulator/data/dist_wlbllm.json, Apache-2.0)",
-    "prolong": "ProLong-style long-context mix, shared/data/workloads/prolong.json "
+    "prolong": "ProLong-style long-context mix, data/workloads/prolong.json "
                "(hao-ai-lab/distca, distca/simulator/data/dist_prolong.json, Apache-2.0)",
 }
 SHORTMIX = {"weights": [0.95, 0.05], "medians": [512, 12288], "sigmas": [1.2, 1.0], "min": 16, "max": 131072}
@@ -90,7 +90,7 @@ def write_preset(name: str, cdf: np.ndarray, knots: np.ndarray, source: str, **e
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", default=str(REPO.parent / "shared" / "data"))
+    parser.add_argument("--data", default=str(REPO / "data"), help="folder with workloads/ (default: the repo's data/)")
     parser.add_argument("--draws", type=int, default=1_000_000)
     args = parser.parse_args()
     (REPO / "ballonet" / "presets").mkdir(exist_ok=True)

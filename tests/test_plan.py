@@ -49,8 +49,12 @@ def test_small_plan_validates_and_counts():
     assert [plan.attention_tokens(r) for r in range(4)] == [3, 5, 4, 3]
     assert [plan.linear_tokens(r) for r in range(4)] == [4, 4, 4, 3]
     assert plan.local_docs(1) == [0] and plan.local_docs(0) == []
-    # One ring step each way: rank 0 passes its 3 rows to rank 2, rank 2 its 4 rows to rank 0.
-    assert dict(plan.kv_rows_sent()) == {(0, 2): 3, (2, 0): 4}
+    # One ring step each way: rank 0 passes its 3 rows to rank 2, rank 2 its 4 rows to rank 0;
+    # the backward passes them again, then returns the dK/dV of the block each one held.
+    sent = [(m.phase, m.payload, m.step, m.src, m.dst, m.rows) for m in plan.ring_messages()]
+    assert sent == [("forward", "kv", 0, 0, 2, 3), ("forward", "kv", 0, 2, 0, 4),
+                    ("backward", "kv", 0, 0, 2, 3), ("backward", "kv", 0, 2, 0, 4),
+                    ("backward", "grad", 1, 0, 2, 4), ("backward", "grad", 1, 2, 0, 3)]
     assert dict(plan.remap_tokens()) == {(1, 0): 1}
 
 
@@ -94,3 +98,23 @@ def test_json_round_trip_is_byte_identical():
     assert again == plan
     other = dataclasses.replace(plan, remap=())
     assert other.digest != plan.digest
+
+
+def test_rank_hardware_by_hand():
+    from ballonet import hardware
+    from ballonet.errors import InputError
+    from ballonet.specs import cluster, rank_hardware
+
+    # h800 nodes: 8 GPUs, one NIC each; h20 nodes: 8 GPUs, two per NIC. tp = 2: plan rank r
+    # is GPUs 2r and 2r + 1, four ranks per node.
+    hw = rank_hardware(cluster("h800+h20"), 2)
+    assert hw.num_ranks == 16 and hw.node == tuple(r // 4 for r in range(16))
+    assert hw.local_index == tuple(r % 4 for r in range(16))
+    assert hw.nic[:8] == tuple(range(0, 16, 2)) and hw.nic[8:] == (16, 17, 18, 19, 20, 21, 22, 23)
+    assert hw.nics[0] == (0, 1) and hw.nics[8] == (16,)
+    assert hw.group == (0,) * 8 + (1,) * 8
+    assert hw.gpu[0] == hardware.gpu("h800") and hw.gpu[15] == hardware.gpu("h20")
+    assert (hw.nic_bw[0], hw.nic_bw[15]) == (400e9 / 8, 200e9 / 8)  # 400 and 200 Gb/s NICs
+    assert hw.intra_bw[15] == hardware.gpu("h20").intra_link_bw
+    with pytest.raises(InputError, match="tp=3"):
+        rank_hardware(cluster("h800+h20"), 3)

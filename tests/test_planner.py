@@ -1,5 +1,7 @@
 """The partitioner, remap and routing planning, and every baseline, against hand-worked cases."""
 
+import collections
+
 import numpy as np
 import pytest
 
@@ -61,8 +63,8 @@ def test_classes_local_intra_inter_on_two_nodes():
     (cross,) = crossover_lengths(cluster, MODEL)
     # 2 * break-even chunk (NVLink) and 2 * 8 * break-even chunk (one 400 Gb/s NIC per GPU).
     gpu = hardware.gpu("h200")
-    assert cross["intra"] == 2 * breakeven_chunk_tokens(MODEL, gpu, gpu.intra_link_bw)
-    assert cross["inter"] == 2 * 8 * breakeven_chunk_tokens(MODEL, gpu, 400e9 / 8, nic=True)
+    assert cross.intra == 2 * breakeven_chunk_tokens(MODEL, gpu, gpu.intra_link_bw)
+    assert cross.inter == 2 * 8 * breakeven_chunk_tokens(MODEL, gpu, 400e9 / 8, nic=True)
     plan = plan_batch([300_000] + [2_000] * 60, cluster, MODEL)
     kinds = {r.doc: r.kind for r in plan.rings}
     assert kinds.pop(0) == "inter" and set(kinds.values()) <= {"intra"}  # short ones: whole, or split to level
@@ -208,7 +210,11 @@ def test_metric_bytes_match_the_plan_pair_by_pair(planner):
     cluster = specs.cluster("a800-4nic", num_nodes=2)
     lengths = [120_000, 9_000, 3_000, 700, 50]
     plan = plan_batch(lengths, cluster, MODEL, planner=planner, **({"cp_size": 16} if planner == "te_cp" else {}))
-    pairs = list(plan.kv_rows_sent().items())  # the contract's own (step by step) count
+    rows = collections.Counter()  # the contract's own (step by step) count
+    for msg in plan.ring_messages():
+        if msg.phase == "forward":
+            rows[msg.src, msg.dst] += msg.rows
+    pairs = list(rows.items())
     kv = sum(kv_bytes(MODEL, n) for _, n in pairs)
     cross = sum(kv_bytes(MODEL, n) for (a, b), n in pairs if plan.node_of_rank[a] != plan.node_of_rank[b])
     cross += sum(hidden_bytes(MODEL, n) for (a, b), n in plan.remap_tokens().items()
@@ -261,3 +267,12 @@ def test_water_level_tops_up_the_lowest_slots():
 def test_zeppelin_options_must_be_booleans():
     with pytest.raises(InputError, match="routing must be True or False"):
         plan_batch([1], h200(), MODEL, routing="no")
+
+
+def test_only_zeppelin_plans_are_made_for_the_attention_engine():
+    cluster = specs.cluster("a800-4nic", num_nodes=2)
+    lengths = [40_000, 9_000, 3_000, 700, 50]
+    for name in PLANNERS:
+        for options in ([{}, {"routing": False, "remap": False, "hierarchical": False}] if name == "zeppelin" else [{}]):
+            plan = plan_batch(lengths, cluster, MODEL, planner=name, **options)
+            assert plan.attention_engine == (name == "zeppelin"), (name, options)

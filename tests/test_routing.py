@@ -22,7 +22,7 @@ from test_remap import remap_plan
 import ballonet
 from ballonet.plan import Plan, Route
 from ballonet.runtime import ByteCounter, attention, token_index
-from ballonet.runtime.comm import grad_rows_returned, link_bytes, nic_bytes
+from ballonet.runtime.comm import link_bytes, nic_bytes
 from ballonet.runtime.routing import (
     hop_paths,
     predicted_bytes,
@@ -102,14 +102,26 @@ def test_predicted_bytes_by_hand():
          ("out", 0): 0, ("in", 1): 0, ("out", 2): 0, ("in", 3): 0})
 
 
-def test_unrouted_prediction_is_the_plans_row_counts():
-    # Without routes, every message goes straight: plan.kv_rows_sent forward, and the
-    # backward adds grad_rows_returned (both counted per pair, not per step).
+def test_unrouted_prediction_is_the_per_link_closed_form():
+    # Without routes, every message goes straight. Per link, summed over the steps: the
+    # forward is `Ring.forward_link_rows`; the backward passes the same K/V again and
+    # returns dK/dV: a "ring" hop out of position i carries every block but position i's,
+    # an "allgather" member j gets the gradient of its own block from every other member.
     for name, plan in {**hand_plans(4), "rails": rails_plan(), "tangled": tangled_plan()}.items():
         direct = predicted_bytes(dataclasses.replace(plan, routes=()), H_KV, D, torch.float32)
-        forward = Counter({pair: n * ROW for pair, n in plan.kv_rows_sent().items()})
-        assert direct.forward == forward, name
-        assert direct.backward == forward + Counter({pair: n * ROW for pair, n in grad_rows_returned(plan).items()}), name
+        forward, grad = Counter(), Counter()
+        for ring in plan.rings:
+            g, L = len(ring.ranks), plan.lengths[ring.doc]
+            for src, dst, rows in ring.forward_link_rows():
+                forward[src, dst] += rows * ROW
+            for i in range(g):
+                for j in range(g):
+                    if ring.comm == "allgather" and j != i:
+                        grad[ring.ranks[i], ring.ranks[j]] += ring.block_tokens(j) * ROW
+                if ring.comm == "ring":
+                    grad[ring.ranks[i], ring.ranks[(i + 1) % g]] += (L - ring.block_tokens(i)) * ROW
+        assert direct.forward == +forward, name
+        assert direct.backward == +(forward + grad), name
 
 
 def test_relays_by_hand():

@@ -215,9 +215,9 @@ def test_ring_steps_add_up_to_zigzag_flops_and_ring_traffic():
                        / EFF_F for r in plan.rings)
         assert seconds[i].sum() * PEAK == pytest.approx(weighted, rel=1e-9)
     sent = collections.Counter()
-    for ring in plan.rings:
-        for step, src, _, n in plan.ring_steps(ring):
-            sent[step, src] += n
+    for msg in plan.ring_messages():
+        if msg.phase == "forward":
+            sent[msg.step, msg.src] += msg.rows
     for (step, src), n in sent.items():
         assert rows[src, step] == n
 

@@ -16,6 +16,8 @@ from ballonet.errors import InfeasiblePlan
 from ballonet.plan import Plan, Ring, Segment
 from ballonet.planning.devices import Devices
 
+__all__ = ["Placement", "assemble", "with_memory", "zigzag_bounds"]
+
 
 @dataclass
 class Placement:
@@ -49,7 +51,7 @@ def zigzag_bounds(length: int, tokens: list[int]) -> tuple[int, ...]:
 
 
 def assemble(name: str, lengths: list[int], dev: Devices, placement: Placement, *, comm: str = "ring",
-             meta: dict | None = None) -> Plan:
+             attention_engine: bool = False, meta: dict | None = None) -> Plan:
     """The plan of `placement` (rings of `split` in ascending rank order, which groups them
     by node, so an inter-node ring crosses nodes only between node blocks)."""
     ring_specs = []  # (doc, ranks, bounds)
@@ -77,18 +79,14 @@ def assemble(name: str, lengths: list[int], dev: Devices, placement: Placement, 
         segs[r].extend((2, d, 0, lengths[d]) for d in docs)
     attention = tuple(tuple(Segment(d, a, e) for _, d, a, e in sorted(rank_segs)) for rank_segs in segs)
     return Plan(planner=name, lengths=tuple(lengths), node_of_rank=dev.node, nic_of_rank=dev.nic,
-                attention=attention, rings=tuple(rings), memory_cap=dev.memory_total, meta=dict(meta or {}))
-
-
-def attention_token_counts(plan: Plan) -> list[int]:
-    return [sum(s.end - s.start for s in segs) for segs in plan.attention]
+                attention=attention, rings=tuple(rings), memory_cap=dev.memory_total,
+                attention_engine=attention_engine, meta=dict(meta or {}))
 
 
 def with_memory(plan: Plan, dev: Devices) -> Plan:
     """`plan` with predicted memory per rank: state plus activations of the larger of its
     attention and linear token counts. Raises `InfeasiblePlan` if a rank is over its cap."""
-    att = attention_token_counts(plan)
-    lin = linear_token_counts(plan, att)
+    att, lin = plan.attention_token_counts, plan.linear_token_counts
     used = tuple(dev.static_bytes + dev.act_bytes_per_token * max(a, b) for a, b in zip(att, lin))
     for r, (a, b) in enumerate(zip(att, lin)):
         if max(a, b) > dev.token_cap[r]:
@@ -97,11 +95,3 @@ def with_memory(plan: Plan, dev: Devices) -> Plan:
             raise InfeasiblePlan(f"{plan.planner}: rank {r} would hold {max(a, b)} tokens{biggest}, over its "
                                  f"limit of {int(dev.token_cap[r])} tokens on a {dev.gpu[r].name} GPU")
     return dataclasses.replace(plan, memory_bytes=used)
-
-
-def linear_token_counts(plan: Plan, att: list[int]) -> list[int]:
-    out = list(att)
-    for t in plan.remap:
-        out[t.src] -= t.num_tokens
-        out[t.dst] += t.num_tokens
-    return out

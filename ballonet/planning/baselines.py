@@ -1,4 +1,4 @@
-"""The baselines of DESIGN.md section 3, each a function returning a Plan like `zeppelin`'s.
+"""The baselines (docs/design.md, section 10), each a function returning a Plan like `zeppelin`'s.
 
 Every baseline takes (lengths, cluster, model, **options) and returns a validated plan with
 predicted memory, or raises `InfeasiblePlan` naming the document and the limit its own

@@ -2,7 +2,7 @@
 how many tokens it may hold), and the input checks every planner runs first.
 
 A plan rank is one GPU, or with tensor parallelism (`model.tp`) a group of `tp`
-consecutive GPUs of one node holding the same tokens (see `simulation/fabric.py`).
+consecutive GPUs of one node holding the same tokens (`specs.rank_hardware`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ import numpy as np
 
 from ballonet import cost_model, hardware
 from ballonet.errors import InfeasiblePlan, InputError
-from ballonet.specs import ClusterSpec, ModelSpec
+from ballonet.specs import ClusterSpec, ModelSpec, rank_hardware
+
+__all__ = ["Devices", "check_feasible", "check_lengths", "devices"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,13 +60,8 @@ def devices(cluster: ClusterSpec, model: ModelSpec, assume_homogeneous: bool = F
     of the first GPU type (memory caps stay real, so the plan stays valid). Its arrays are
     read-only: the result is shared between calls."""
     tp = model.tp
-    for g in cluster.groups:
-        if g.gpus_per_node % tp:
-            raise InputError(f"tp={tp} does not divide the {g.gpus_per_node} GPUs per node of {g.gpu!r} nodes")
-    gpus = range(0, cluster.num_ranks, tp)
-    group_index = {id(g): i for i, g in enumerate(cluster.groups)}
-    group = tuple(group_index[id(cluster.group_of(x))] for x in gpus)
-    gpu = tuple(cluster.groups[i].gpu_type for i in group)
+    hw = rank_hardware(cluster, tp)  # where each rank sits and its hardware
+    gpu = hw.gpu
     num_dp = cluster.num_ranks // tp
     static = cost_model.static_bytes(model, num_dp)
     act = cost_model.activation_bytes_per_token(model)
@@ -80,11 +77,11 @@ def devices(cluster: ClusterSpec, model: ModelSpec, assume_homogeneous: bool = F
     token_cap = np.array(caps, dtype=np.int64)
     speed.flags.writeable = token_cap.flags.writeable = False
     return Devices(
-        node=tuple(cluster.node_of(x) for x in gpus),
-        nic=tuple(cluster.nic_of(x) for x in gpus),
-        local_index=tuple(cluster.local_index(x) // tp for x in gpus),
-        gpu=gpu,
-        group=group,
+        node=hw.node,
+        nic=hw.nic,
+        local_index=hw.local_index,
+        gpu=hw.gpu,
+        group=hw.group,
         speed=speed,
         token_cap=token_cap,
         static_bytes=static,

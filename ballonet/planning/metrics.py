@@ -18,12 +18,13 @@ import numpy as np
 
 from ballonet import cost_model
 from ballonet.plan import Plan, Ring
-from ballonet.planning.assembly import attention_token_counts, linear_token_counts
-from ballonet.specs import ClusterSpec, ModelSpec
+from ballonet.specs import ClusterSpec, ModelSpec, rank_hardware
+
+__all__ = ["plan_metrics", "rank_attention_seconds", "rank_bytes", "rank_classes"]
 
 
 def rank_attention_seconds(plan: Plan, cluster: ClusterSpec, model: ModelSpec) -> list[float]:
-    gpu = [cluster.gpu_of(r * model.tp) for r in range(plan.num_ranks)]
+    gpu = rank_hardware(cluster, model.tp).gpu
     out = [0.0] * plan.num_ranks
     for r in range(plan.num_ranks):
         for d in plan.local_docs(r):
@@ -36,21 +37,9 @@ def rank_attention_seconds(plan: Plan, cluster: ClusterSpec, model: ModelSpec) -
     return out
 
 
-def ring_rows(plan: Plan, ring: Ring) -> list[tuple[int, int, int]]:
-    """Forward K/V rows of one ring as (src, dst, rows), in O(g) for P2P rings: over the
-    g-1 steps the hop from position i to i+1 carries every block but the successor's.
-    An all-gather ring sends each block to every other member."""
-    g, L = len(ring.ranks), plan.lengths[ring.doc]
-    blocks = [ring.block_tokens(i) for i in range(g)]
-    if ring.comm == "allgather":
-        return [(ring.ranks[i], ring.ranks[j], blocks[i]) for i in range(g) for j in range(g) if i != j and blocks[i]]
-    return [(ring.ranks[i], ring.ranks[(i + 1) % g], L - blocks[(i + 1) % g]) for i in range(g)
-            if L - blocks[(i + 1) % g] > 0]
-
-
 def _traffic(plan: Plan, model: ModelSpec) -> dict:
-    """Bytes: K/V, remap, crossing nodes, busiest NIC direction, and per rank out/in.
-    All-gather rings are summed per node in O(g) rather than per pair."""
+    """Bytes: forward K/V (`Ring.forward_link_rows`), remap, crossing nodes, busiest NIC
+    direction, and per rank out/in."""
     R = plan.num_ranks
     out, inn = [0.0] * R, [0.0] * R
     nic: Counter = Counter()
@@ -73,14 +62,16 @@ def _traffic(plan: Plan, model: ModelSpec) -> dict:
         if ring.comm == "allgather":
             _allgather_traffic(plan, model, ring, out, inn, nic, total)
             continue
-        for src, dst, rows in ring_rows(plan, ring):
+        for src, dst, rows in ring.forward_link_rows():
             send(src, dst, cost_model.kv_bytes(model, rows), "kv", routes.get((ring.doc, src, dst)))
     for (src, dst), n in plan.remap_tokens().items():
         send(src, dst, cost_model.hidden_bytes(model, n), "remap")
     return {**total, "max_nic": max(nic.values(), default=0.0), "out": out, "in": inn}
 
 
-def _allgather_traffic(plan, model, ring, out, inn, nic, total) -> None:
+def _allgather_traffic(plan: Plan, model: ModelSpec, ring: Ring, out, inn, nic, total) -> None:
+    """`Ring.forward_link_rows` of an all-gather ring (each block to every other member),
+    summed per rank and per node in O(g) rather than per pair."""
     g = len(ring.ranks)
     b = [cost_model.kv_bytes(model, ring.block_tokens(i)) for i in range(g)]
     node = [plan.node_of_rank[r] for r in ring.ranks]
@@ -101,8 +92,8 @@ def _allgather_traffic(plan, model, ring, out, inn, nic, total) -> None:
 
 def plan_metrics(plan: Plan, cluster: ClusterSpec, model: ModelSpec) -> dict:
     seconds = rank_attention_seconds(plan, cluster, model)
-    speed = np.array([cluster.gpu_of(r * model.tp).peak_flops for r in range(plan.num_ranks)])
-    linear = np.array(linear_token_counts(plan, attention_token_counts(plan)), dtype=float)
+    speed = np.array([gpu.peak_flops for gpu in rank_hardware(cluster, model.tp).gpu])
+    linear = np.array(plan.linear_token_counts, dtype=float)
     traffic = _traffic(plan, model)
     mean_s = float(np.mean(seconds))
     per_speed = linear / (speed / speed.sum())

@@ -9,6 +9,8 @@ import numpy as np
 
 from ballonet.errors import InfeasiblePlan
 
+__all__ = ["NoRoom", "apportion", "lpt"]
+
 
 class NoRoom(Exception):
     """A greedy step found no slot with memory for document `doc`."""

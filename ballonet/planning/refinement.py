@@ -1,12 +1,15 @@
-"""Step 3 of the partitioner: level each split document over its members (planner.py).
+"""Step 3 of the partitioner: level each split document over its members (zeppelin.py).
 
-A split document can be cut anywhere (`placement.zigzag_bounds` gives a member exactly the
+A split document can be cut anywhere (`assembly.zigzag_bounds` gives a member exactly the
 tokens asked, at work proportional to them), so once the greedy steps have chosen which
 ranks share a document, its tokens are re-spread by water-filling until the members end
 level relative to their speed.
 """
 
 from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -15,7 +18,10 @@ from ballonet.errors import InfeasiblePlan
 from ballonet.planning.assembly import Placement
 from ballonet.planning.devices import Devices
 from ballonet.planning.packing import NoRoom, apportion
+from ballonet.planning.state import Batch, RankFill
 from ballonet.specs import ModelSpec
+
+__all__ = ["SWEEPS", "Levels", "Sweep", "refine", "split_work", "water_level"]
 
 
 def water_level(base: np.ndarray, speed: np.ndarray, unit: np.ndarray, cap: np.ndarray, total: float) -> np.ndarray:
@@ -51,62 +57,115 @@ def split_work(model: ModelSpec, length: int, num_members: float) -> float:
     return cost_model.attention_flops(model, length) / model.tp / hardware.attention_efficiency(block)
 
 
-def refine(lengths, work, dev: Devices, local, split_shares, model: ModelSpec) -> Placement:
+class Sweep(enum.Enum):
+    """What a sweep over the split documents does besides re-levelling each one."""
+    LEVEL = "level"
+    """Re-level only (and only documents whose members or efficiency changed)."""
+    DROP = "drop slivers"
+    """Members left with under a quarter of the mean block leave rings of 3 or more."""
+    GROW = "grow"
+    """While a document's members end over the mean level, a rank of their nodes joins."""
+
+
+SWEEPS = (Sweep.LEVEL, Sweep.DROP, Sweep.GROW, Sweep.LEVEL)
+
+
+@dataclass
+class Levels:
+    """Per rank work and tokens while split documents are re-spread, and per split
+    document its members, the tokens each holds and their work per token."""
+    dev: Devices
+    load: np.ndarray
+    """[R] work (peak-FLOP units)."""
+    tokens: np.ndarray
+    """[R] tokens held."""
+    node_ranks: list[np.ndarray]
+    mean_level: float
+    """Work over speed of a perfectly level cluster."""
+    members: dict[int, np.ndarray]
+    held: dict[int, np.ndarray]
+    unit: dict[int, np.ndarray]
+
+    def take(self, d: int) -> None:
+        """Remove document `d`'s current shares from its members."""
+        m = self.members[d]
+        self.load[m] -= self.unit[d] * self.held[d]
+        self.tokens[m] -= self.held[d]
+
+    def put(self, d: int) -> None:
+        m = self.members[d]
+        self.load[m] += self.unit[d] * self.held[d]
+        self.tokens[m] += self.held[d]
+
+    def level_of(self, m: np.ndarray) -> float:
+        return (self.load[m] / self.dev.speed[m]).max()
+
+    def room(self, m: np.ndarray) -> np.ndarray:
+        return np.maximum(self.dev.token_cap[m] - self.tokens[m], 0.0)
+
+
+def _start(batch: Batch, fill: RankFill, docs: list[int], local_tokens: np.ndarray) -> Levels:
+    """Levels with each split document's tokens in proportion to its members' work shares."""
+    dev, lengths, work_list = batch.dev, batch.lengths, batch.work_list
+    load = np.array([sum(work_list[d] for d in ds) for ds in fill.local], dtype=float)
+    st = Levels(dev=dev, load=load, tokens=local_tokens.astype(float), node_ranks=[np.array(rs) for rs in dev.nodes()],
+                mean_level=0.0, members={}, held={}, unit={})
+    for d in docs:
+        st.members[d] = np.array(sorted(fill.split_shares[d]))
+        w = np.array([fill.split_shares[d][r] for r in st.members[d]])
+        st.held[d] = w * lengths[d] / w.sum() if w.any() else w
+        st.unit[d] = np.full(len(w), split_work(batch.model, lengths[d], max(np.count_nonzero(w), 1)) / lengths[d])
+        st.put(d)
+    st.mean_level = st.load.sum() / dev.speed.sum()
+    return st
+
+
+def refine(batch: Batch, fill: RankFill) -> Placement:
     """Step 3: re-spread each split document's tokens over its members so that members end
     level relative to their speed. A member holding T of the L tokens does about T/L of
     the document's FLOPs at the kernel efficiency of a T-token block; the efficiency is
     taken from the previous sweep. While a document's members end over the mean level,
     the least busy rank of their nodes joins them; members left with under a quarter of
     the mean block are dropped (not worth a ring seat). Tokens stay under memory caps."""
+    dev, lengths, model = batch.dev, batch.lengths, batch.model
     R = dev.num_ranks
-    load = np.zeros(R)
-    work_list = work.tolist()
-    local_tokens = np.array([sum(lengths[d] for d in docs) for docs in local], dtype=np.int64)
-    for r, docs in enumerate(local):
-        load[r] = sum(work_list[d] for d in docs)
-    tokens = local_tokens.astype(float)
-    docs = sorted(split_shares, key=lambda d: (-work[d], d))
-    members = {d: np.array(sorted(split_shares[d])) for d in docs}
-    held, unit = {}, {}
-    for d in docs:
-        w = np.array([split_shares[d][r] for r in members[d]])
-        held[d] = w * lengths[d] / w.sum() if w.any() else w
-        unit[d] = np.full(len(w), split_work(model, lengths[d], max(np.count_nonzero(w), 1)) / lengths[d])
-        load[members[d]] += unit[d] * held[d]
-        tokens[members[d]] += held[d]
+    local_tokens = np.array([sum(lengths[d] for d in docs) for docs in fill.local], dtype=np.int64)
+    docs = sorted(fill.split_shares, key=lambda d: (-batch.work[d], d))
+    st = _start(batch, fill, docs, local_tokens)
     per_token = {d: cost_model.attention_flops(model, lengths[d]) / model.tp / lengths[d] for d in docs}
-    node_ranks = [np.array(rs) for rs in dev.nodes()]
-    mean_level = load.sum() / dev.speed.sum()
     stamp, done, clock = np.zeros(R, dtype=np.int64), dict.fromkeys(docs, 0), 0  # skip documents already level
-    for sweep in range(4):
+    for sweep in SWEEPS:
         for d in docs:
-            m = members[d]
-            new_unit = per_token[d] / hardware.attention_efficiency_array(held[d]) if held[d].any() else unit[d]
-            if (sweep != 1 or len(m) <= 2) and stamp[m].max() <= done[d] and np.allclose(new_unit, unit[d], rtol=1e-3) \
-                    and (sweep != 2 or ((load[m] / dev.speed[m]).max() <= 1.01 * mean_level)):
+            m, held = st.members[d], st.held[d]
+            new_unit = per_token[d] / hardware.attention_efficiency_array(held) if held.any() else st.unit[d]
+            dropping = sweep is Sweep.DROP and len(m) > 2
+            if not dropping and stamp[m].max() <= done[d] and np.allclose(new_unit, st.unit[d], rtol=1e-3) \
+                    and (sweep is not Sweep.GROW or st.level_of(m) <= 1.01 * st.mean_level):
                 continue
-            load[m] -= unit[d] * held[d]
-            tokens[m] -= held[d]
-            unit[d] = new_unit
-            if sweep == 1 and len(m) > 2:  # drop members with a sliver of the document
-                keep = held[d] >= 0.25 * held[d].mean()
+            st.take(d)
+            st.unit[d] = new_unit
+            if dropping:
+                keep = held >= 0.25 * held.mean()
                 if keep.sum() >= 2:
-                    m, held[d], unit[d] = m[keep], held[d][keep], unit[d][keep]
-            cap = np.maximum(dev.token_cap[m] - tokens[m], 0.0)
-            held[d] = water_level(load[m], dev.speed[m], unit[d], cap, lengths[d])
-            if sweep == 2:
-                m, held[d], unit[d] = _grow(m, held[d], unit[d], load, tokens, dev, node_ranks, mean_level, lengths[d])
-            members[d] = m
-            load[m] += unit[d] * held[d]
-            tokens[m] += held[d]
+                    st.members[d], st.held[d], st.unit[d] = m[keep], held[keep], st.unit[d][keep]
+            m = st.members[d]
+            st.held[d] = water_level(st.load[m], dev.speed[m], st.unit[d], st.room(m), lengths[d])
+            if sweep is Sweep.GROW:
+                _grow(st, d, lengths[d])
+            st.put(d)
             clock += 1
-            stamp[m], done[d] = clock, clock
-    placement = Placement(num_ranks=R, local=[list(ds) for ds in local])
-    room = dev.token_cap - local_tokens
+            stamp[st.members[d]], done[d] = clock, clock
+    return _placement(fill, st, docs, local_tokens, lengths)
+
+
+def _placement(fill: RankFill, st: Levels, docs: list[int], local_tokens: np.ndarray, lengths) -> Placement:
+    """Whole token counts for the members of each split document, under memory caps."""
+    placement = Placement(num_ranks=st.dev.num_ranks, local=[list(ds) for ds in fill.local])
+    room = st.dev.token_cap - local_tokens
     for d in docs:
-        m = members[d]
+        m = st.members[d]
         try:
-            counts = apportion(lengths[d], held[d], np.maximum(room[m], 0))
+            counts = apportion(lengths[d], st.held[d], np.maximum(room[m], 0))
         except InfeasiblePlan:
             raise NoRoom from None
         room[m] -= counts
@@ -114,21 +173,22 @@ def refine(lengths, work, dev: Devices, local, split_shares, model: ModelSpec) -
     return placement
 
 
-def _grow(m, held, unit, load, tokens, dev: Devices, node_ranks, mean_level: float, length: int):
-    """While a split document's members end over the mean level, the least busy rank of
-    their nodes (with memory to spare) joins; returns (members, tokens held, unit cost)."""
+def _grow(st: Levels, d: int, length: int) -> None:
+    """While document `d`'s members end over the mean level, the least busy rank of their
+    nodes (with memory to spare) joins (its shares not yet put back on its members)."""
+    m, held, unit, dev = st.members[d], st.held[d], st.unit[d], st.dev
     for _ in range(len(m)):
-        level = ((load[m] + unit * held) / dev.speed[m]).max()
-        if level <= 1.01 * mean_level:
+        level = ((st.load[m] + unit * held) / dev.speed[m]).max()
+        if level <= 1.01 * st.mean_level:
             break
-        pool = np.setdiff1d(np.concatenate([node_ranks[n] for n in sorted({dev.node[r] for r in m})]), m)
-        pool = pool[dev.token_cap[pool] > tokens[pool]]
+        pool = np.setdiff1d(np.concatenate([st.node_ranks[n] for n in sorted({dev.node[r] for r in m})]), m)
+        pool = pool[dev.token_cap[pool] > st.tokens[pool]]
         if len(pool) == 0:
             break
-        new = pool[np.argmin(load[pool] / dev.speed[pool])]
-        if load[new] / dev.speed[new] >= level:
+        new = pool[np.argmin(st.load[pool] / dev.speed[pool])]
+        if st.load[new] / dev.speed[new] >= level:
             break
         m = np.sort(np.append(m, new))
         unit = np.full(len(m), unit.mean())
-        held = water_level(load[m], dev.speed[m], unit, np.maximum(dev.token_cap[m] - tokens[m], 0.0), length)
-    return m, held, unit
+        held = water_level(st.load[m], dev.speed[m], unit, st.room(m), length)
+    st.members[d], st.held[d], st.unit[d] = m, held, unit

@@ -1,4 +1,4 @@
-"""Remap planning (DESIGN.md section 2): from the attention layout to a token-balanced one.
+"""Remap planning (docs/design.md, section 5): from the attention layout to a token-balanced one.
 
 Only surplus tokens move. Each rank with more tokens than its linear target sends the
 tail of its attention-local order; surplus is matched to deficit inside each node first,
@@ -11,6 +11,8 @@ import numpy as np
 
 from ballonet.plan import Transfer
 from ballonet.planning.packing import apportion
+
+__all__ = ["linear_targets", "plan_remap"]
 
 
 def linear_targets(num_tokens: int, speed: np.ndarray, token_cap: np.ndarray) -> np.ndarray:

@@ -1,6 +1,7 @@
-"""Routing planning (DESIGN.md section 2): spread each inter-node ring hop over idle NICs.
+"""Routing planning (docs/design.md, "Routing"): spread each inter-node ring hop over idle NICs.
 
-A hop of m bytes per ring step, cut over k rail-aligned proxy pairs, costs about
+A hop of m bytes per ring step (its real forward K/V blocks, `Ring.forward_link_rows`,
+averaged over the steps), cut over k rail-aligned proxy pairs, costs about
 2 * t_intra((k-1)/k * m) + t_nic(m / k + b_k) (dispatch, parallel NIC sends, combine)
 instead of t_nic(m + b_1) on the sender's own NIC, where b is the traffic the other
 inter-node hops of the same phase put on the busiest NIC used. Each side's intra-node
@@ -17,20 +18,25 @@ from collections import defaultdict
 
 from ballonet import cost_model
 from ballonet.plan import Plan, Route
-from ballonet.specs import ClusterSpec, ModelSpec
+from ballonet.specs import ClusterSpec, ModelSpec, rank_hardware
+
+__all__ = ["plan_routes"]
 
 
 def _hops(plan: Plan) -> list[tuple[float, int, int, int, int]]:
-    """(-rows per step, doc, position, src, dst) of every node-crossing hop of P2P rings."""
+    """(-K/V rows per step, doc, position, src, dst) of every node-crossing hop of P2P rings:
+    the hop's forward K/V rows (`Ring.forward_link_rows`, the sum of its `Ring.messages`)
+    averaged over its g - 1 steps."""
     out = []
     for ring in plan.rings:
         if ring.kind != "inter" or ring.comm != "ring":
             continue
-        g, L = len(ring.ranks), plan.lengths[ring.doc]
+        g = len(ring.ranks)
+        rows = {(src, dst): n for src, dst, n in ring.forward_link_rows()}
         for i in range(g):
             src, dst = ring.ranks[i], ring.ranks[(i + 1) % g]
             if plan.node_of_rank[src] != plan.node_of_rank[dst]:
-                out.append((-L / g, ring.doc, i, src, dst))
+                out.append((-rows.get((src, dst), 0) / (g - 1), ring.doc, i, src, dst))
     return sorted(out)
 
 
@@ -38,8 +44,7 @@ def plan_routes(plan: Plan, cluster: ClusterSpec, model: ModelSpec, local_index:
     nodes: dict[int, dict[int, int]] = defaultdict(dict)  # node -> local index -> rank
     for r, (n, j) in enumerate(zip(plan.node_of_rank, local_index)):
         nodes[n][j] = r
-    tp = model.tp
-    group = [cluster.group_of(r * tp) for r in range(plan.num_ranks)]
+    hw = rank_hardware(cluster, model.tp)
     hops = _hops(plan)
     load: dict[tuple[str, int], float] = defaultdict(float)  # ("out"|"in", nic) -> bytes per step
     for rows, _, _, src, dst in hops:
@@ -60,7 +65,8 @@ def plan_routes(plan: Plan, cluster: ClusterSpec, model: ModelSpec, local_index:
                 rails.append((max(load["out", key[0]], load["in", key[1]]), j, a, b))
         rails.sort()
         own = max(load["out", plan.nic_of_rank[src]], load["in", plan.nic_of_rank[dst]])
-        k = _best_width(m, own, [x[0] for x in rails], group[src], group[dst])
+        k = _best_width(m, own, [x[0] for x in rails], (hw.intra_bw[src], hw.intra_bw[dst]),
+                        min(hw.nic_bw[src], hw.nic_bw[dst]))
         chosen = [(a, b) for _, _, a, b in rails[:k]] if k > 1 else [(src, dst)]
         for a, b in chosen:
             load["out", plan.nic_of_rank[a]] += m / len(chosen)
@@ -70,15 +76,15 @@ def plan_routes(plan: Plan, cluster: ClusterSpec, model: ModelSpec, local_index:
     return tuple(sorted(routes, key=lambda r: (r.doc, r.src)))
 
 
-def _best_width(m: float, own: float, rail_load: list[float], src_group, dst_group) -> int:
+def _best_width(m: float, own: float, rail_load: list[float], intra_bw: tuple[float, float], nic_bw: float) -> int:
     """Proxy count with the least predicted time for a hop of m bytes (1: direct, on NICs
-    already carrying `own` bytes; k: the k least loaded rails, `rail_load` ascending)."""
-    nic_bw = min(src_group.nic_bw, dst_group.nic_bw)
+    already carrying `own` bytes; k: the k least loaded rails, `rail_load` ascending),
+    over the (source, destination) intra-node links `intra_bw` and NICs of `nic_bw`."""
 
     def time(k: int) -> float:
         if k == 1:
             return cost_model.p2p_time(m + own, nic_bw, nic=True)
         part = (k - 1) / k * m
-        return (cost_model.p2p_time(part, src_group.intra_bw) + cost_model.p2p_time(part, dst_group.intra_bw)
+        return (cost_model.p2p_time(part, intra_bw[0]) + cost_model.p2p_time(part, intra_bw[1])
                 + cost_model.p2p_time(m / k + rail_load[k - 1], nic_bw, nic=True))
     return min(range(1, max(len(rail_load), 1) + 1), key=lambda k: (time(k), k))

@@ -1,4 +1,4 @@
-"""The hierarchical sequence partitioner (DESIGN.md section 2) and `plan_batch`.
+"""The hierarchical sequence partitioner (docs/design.md, section 4).
 
 Every document gets a class, from the cost model and the batch:
 
@@ -28,10 +28,10 @@ Placement, with work in peak-FLOP units so a rank's time is work / its peak:
     L_intra is split with the least busy such rank (`_split_to_level`).
   Step 3 (refinement): each split document's tokens are re-spread over its members by
     water-filling so that members end level relative to their speed (a split document
-    can be cut anywhere: see `placement.zigzag_bounds`); members join or leave a ring
+    can be cut anywhere: see `assembly.zigzag_bounds`); members join or leave a ring
     when that evens the load (`refinement.py`).
   Step 4: remap targets (tokens in proportion to speed, under memory caps) and routes
-    for inter-node hops (`remap_plan.py`, `routing_plan.py`).
+    for inter-node hops (`remap.py`, `routing.py`).
 
 A batch the greedy steps cannot fit under memory caps falls back to cutting the batch in
 speed-proportional runs of tokens (valid, not balanced; `meta["fallback"]`). Without
@@ -48,29 +48,27 @@ from ballonet import cost_model
 from ballonet.cost_model import attention_work
 from ballonet.errors import InfeasiblePlan, InputError
 from ballonet.plan import Plan
-from ballonet.planning.assembly import (
-    Placement,
-    assemble,
-    attention_token_counts,
-    with_memory,
-)
+from ballonet.planning.assembly import Placement, assemble, with_memory
 from ballonet.planning.devices import Devices, check_feasible, check_lengths, devices
 from ballonet.planning.packing import NoRoom, apportion, lpt
 from ballonet.planning.refinement import refine, split_work
 from ballonet.planning.remap import linear_targets, plan_remap
 from ballonet.planning.routing import plan_routes
+from ballonet.planning.state import Batch, Crossover, RankFill
 from ballonet.specs import ClusterSpec, ModelSpec
 
+__all__ = ["crossover_lengths", "zeppelin"]
 
-def crossover_lengths(cluster: ClusterSpec, model: ModelSpec) -> list[dict]:
+
+def crossover_lengths(cluster: ClusterSpec, model: ModelSpec) -> list[Crossover]:
     """Per node group: the lengths above which a document's ring hides its transfers
-    inside a node ("intra") and across two nodes ("inter")."""
+    inside a node (`intra`) and across two nodes (`inter`)."""
     out = []
     for g in cluster.groups:
         ranks_per_node = g.gpus_per_node // model.tp
         c_intra = cost_model.breakeven_chunk_tokens(model, g.gpu_type, g.intra_bw)
         c_inter = cost_model.breakeven_chunk_tokens(model, g.gpu_type, g.nic_bw / g.gpus_per_nic, nic=True)
-        out.append({"intra": 2 * c_intra if ranks_per_node > 1 else None, "inter": 2 * ranks_per_node * c_inter})
+        out.append(Crossover(intra=2 * c_intra if ranks_per_node > 1 else None, inter=2 * ranks_per_node * c_inter))
     return out
 
 
@@ -96,13 +94,14 @@ def _fill(room: np.ndarray, token_room: np.ndarray, work: float, per_token: floa
     return shares
 
 
-def _classify(L: np.ndarray, work: np.ndarray, dev: Devices, nodes, thresholds, hierarchical: bool):
+def _classify(batch: Batch, nodes, hierarchical: bool):
     """(intra, inter) masks: split inside a node / across nodes (module docstring)."""
+    L, work, dev, crossovers = np.asarray(batch.lengths), batch.work, batch.dev, batch.crossovers
     speed = dev.speed
     rank_share = work.sum() * speed.max() / speed.sum()
     node_share = work.sum() * max(speed[rs].sum() for rs in nodes) / speed.sum()
-    l_intra = min((t["intra"] for t in thresholds if t["intra"]), default=None)
-    l_inter = min(t["inter"] for t in thresholds)
+    l_intra = min((t.intra for t in crossovers if t.intra), default=None)
+    l_inter = min(t.inter for t in crossovers)
     can_intra = (L >= l_intra) if l_intra else np.zeros(len(L), dtype=bool)
     intra = (L > dev.token_cap.max()) | ((work > rank_share) & can_intra)
     inter = np.zeros(len(L), dtype=bool)
@@ -122,11 +121,12 @@ def _charge(shares: dict[int, float], d: int, work, lengths, load, token_room, s
             out.setdefault(d, {})[int(slots[i]) if slots is not None else i] = w
 
 
-def _level1(lengths, work, dev: Devices, nodes, intra, inter, thresholds, model: ModelSpec):
+def _level1(batch: Batch, nodes, intra, inter):
     """Step 1: inter-node documents fill the nodes with most room; the rest go whole to
     nodes by LPT (documents to split inside a node only to nodes of 2 or more ranks);
     a document no node has memory for is spread across nodes. Returns (node load, docs
     per node, inter-node shares {doc: {node: work}})."""
+    lengths, work, dev = batch.lengths, batch.work, batch.dev
     node_speed = np.array([dev.speed[rs].sum() for rs in nodes])
     node_target = work.sum() * node_speed / node_speed.sum()
     node_load = np.zeros(len(nodes))
@@ -135,7 +135,7 @@ def _level1(lengths, work, dev: Devices, nodes, intra, inter, thresholds, model:
     for d in sorted(np.nonzero(inter)[0].tolist(), key=lambda d: (-work[d], d)):
         got = _fill(node_target - node_load, node_room, work[d], work[d] / lengths[d])
         _charge(got, d, work, lengths, node_load, node_room, out=shares)
-    per_node = _node_work(lengths, work, dev, nodes, thresholds, model)
+    per_node = _node_work(batch, nodes)
     node_docs: dict[int, list[int]] = {}
     multi = np.array([len(rs) > 1 for rs in nodes])
     spill: list[int] = []
@@ -152,36 +152,38 @@ def _level1(lengths, work, dev: Devices, nodes, intra, inter, thresholds, model:
     return node_load, node_docs, shares
 
 
-def _node_work(lengths, work, dev: Devices, nodes, thresholds, model: ModelSpec) -> np.ndarray:
+def _node_work(batch: Batch, nodes) -> np.ndarray:
     """[nodes, D] work of each document if it goes whole to each node: a document above
     a rank's fair share there (and above the node group's intra-node crossover) will be
     split over about work / share of its ranks, at their shorter blocks' efficiency. On a
     mixed cluster the same document is split more, so costs more, on slower nodes."""
+    lengths, work, dev = batch.lengths, batch.work, batch.dev
     out = np.tile(work, (len(nodes), 1))
     rows: dict[tuple, np.ndarray] = {}  # alike nodes (most of a cluster) share one row
     for n, rs in enumerate(nodes):
         fair = work.sum() * dev.speed[rs].max() / dev.speed.sum()
-        l_intra = thresholds[dev.group[rs[0]]]["intra"]
+        l_intra = batch.crossovers[dev.group[rs[0]]].intra
         if len(rs) < 2 or l_intra is None:
             continue
         key = (fair, l_intra, len(rs))
         if key not in rows:
             row = work.copy()
             for d in np.nonzero((work > fair) & (np.asarray(lengths) >= l_intra))[0]:
-                row[d] = max(work[d], split_work(model, lengths[d], min(np.ceil(work[d] / fair), len(rs))))
+                row[d] = max(work[d], split_work(batch.model, lengths[d], min(np.ceil(work[d] / fair), len(rs))))
             rows[key] = row
         out[n] = rows[key]
     return out
 
 
-def _level2(ranks: np.ndarray, node_work: float, docs: list[int], inter_water: list[tuple[float, int]],
-            lengths, work, work_list, dev: Devices, min_length, local, split_shares, token_room) -> None:
+def _level2(batch: Batch, fill: RankFill, ranks: np.ndarray, node_work: float, docs: list[int],
+            inter_water: list[tuple[float, int]], min_length: float | None) -> None:
     """Step 2, one node: documents to split here and the node's shares of inter-node
     documents fill the ranks with most room; local documents go by LPT; a document no
     rank has memory for is spread over the node; then `_split_to_level`."""
+    lengths, work, dev = batch.lengths, batch.work, batch.dev
     speed = dev.speed[ranks]
     target = node_work * speed / speed.sum()
-    room = token_room[ranks]
+    room = fill.token_room[ranks]
     load = np.zeros(len(ranks))
     most_tokens, fair = dev.token_cap[ranks].max(), target.max()
     splits = [d for d in docs if lengths[d] > most_tokens
@@ -189,20 +191,20 @@ def _level2(ranks: np.ndarray, node_work: float, docs: list[int], inter_water: l
     water = inter_water + [(float(work[d]), d) for d in splits]
     for w, d in sorted(water, key=lambda x: (-x[0], x[1])):
         got = _fill(target - load, room, w, work[d] / lengths[d])
-        _charge(got, d, work, lengths, load, room, ranks, split_shares)
+        _charge(got, d, work, lengths, load, room, ranks, fill.split_shares)
     split_set, spill = set(splits), []
-    placed = lpt([d for d in docs if d not in split_set], work_list, lengths, load, speed, room, spill)
+    placed = lpt([d for d in docs if d not in split_set], batch.work_list, lengths, load, speed, room, spill)
     for i, ds in placed.items():
-        local[int(ranks[i])] = ds
+        fill.local[int(ranks[i])] = ds
     for d in spill:
         got = _fill(target - load, room, float(work[d]), work[d] / lengths[d])
-        _charge(got, d, work, lengths, load, room, ranks, split_shares)
+        _charge(got, d, work, lengths, load, room, ranks, fill.split_shares)
     if min_length is not None:
-        _split_to_level(ranks, load, speed, local, split_shares, work, lengths, min_length)
-    token_room[ranks] = room
+        _split_to_level(batch, fill, ranks, load, speed, min_length)
+    fill.token_room[ranks] = room
 
 
-def _place(lengths, work, dev: Devices, thresholds, hierarchical: bool, model: ModelSpec) -> tuple[Placement, dict]:
+def _place(lengths, work, dev: Devices, crossovers, hierarchical: bool, model: ModelSpec) -> tuple[Placement, dict]:
     R, nodes = dev.num_ranks, dev.nodes()
     # A document above a rank's fair share will be split over about work / share ranks,
     # whose shorter blocks run at a lower kernel efficiency: count it at that efficiency.
@@ -211,32 +213,31 @@ def _place(lengths, work, dev: Devices, thresholds, hierarchical: bool, model: M
     for d in np.nonzero(work > fair)[0]:
         for _ in range(4):  # fixed point: more members, shorter blocks, more work
             work[d] = split_work(model, lengths[d], min(np.ceil(work[d] / fair), R))
-    intra, inter = _classify(np.asarray(lengths), work, dev, nodes, thresholds, hierarchical)
-    split_shares: dict[int, dict[int, float]] = {}  # doc -> rank -> work
-    local: list[list[int]] = [[] for _ in range(R)]
-    token_room = dev.token_cap.astype(float)
+    batch = Batch(lengths=lengths, work=work, work_list=work.tolist(), dev=dev, model=model, crossovers=crossovers)
+    intra, inter = _classify(batch, nodes, hierarchical)
+    fill = RankFill(local=[[] for _ in range(R)], split_shares={}, token_room=dev.token_cap.astype(float))
     if not hierarchical:  # every split document over all ranks, shares set by refinement
         solid = [d for d in range(len(lengths)) if not intra[d]]
-        for i, docs in lpt(solid, work.tolist(), lengths, np.zeros(R), dev.speed, token_room).items():
-            local[i] = docs
-        split_shares = {int(d): dict.fromkeys(range(R), 0.0) for d in np.nonzero(intra)[0]}
-        return refine(lengths, work, dev, local, split_shares, model), {}
-    node_load, node_docs, inter_shares = _level1(lengths, work, dev, nodes, intra, inter, thresholds, model)
-    work_list = work.tolist()
+        for i, docs in lpt(solid, batch.work_list, lengths, np.zeros(R), dev.speed, fill.token_room).items():
+            fill.local[i] = docs
+        fill.split_shares = {int(d): dict.fromkeys(range(R), 0.0) for d in np.nonzero(intra)[0]}
+        return refine(batch, fill), {}
+    node_load, node_docs, inter_shares = _level1(batch, nodes, intra, inter)
     for n, ranks in enumerate(nodes):
         water = [(w, d) for d, sh in inter_shares.items() if (w := sh.get(n, 0.0)) > 0]
-        _level2(np.array(ranks), node_load[n], node_docs.get(n, []), water, lengths, work, work_list, dev,
-                thresholds[dev.group[ranks[0]]]["intra"], local, split_shares, token_room)
-    return refine(lengths, work, dev, local, split_shares, model), {"inter_docs": len(inter_shares)}
+        _level2(batch, fill, np.array(ranks), node_load[n], node_docs.get(n, []), water,
+                crossovers[dev.group[ranks[0]]].intra)
+    return refine(batch, fill), {"inter_docs": len(inter_shares)}
 
 
-def _split_to_level(ranks, load, speed, local, split_shares, work, lengths, min_length: int,
+def _split_to_level(batch: Batch, fill: RankFill, ranks, load, speed, min_length: float,
                     tolerance: float = 0.02) -> None:
     """Refinement of level 2: while the busiest rank of a node is over the node's mean by
     more than `tolerance` and holds only whole documents, split its largest document that
     is above the intra-node crossover with the least busy rank that holds only whole
-    documents too (step 3 levels the two)."""
-    in_water = {r for shares in split_shares.values() for r in shares}
+    documents too (step 3 levels the two). `load` is the node's, per rank of `ranks`."""
+    lengths, work, local = batch.lengths, batch.work, fill.local
+    in_water = {r for shares in fill.split_shares.values() for r in shares}
     for _ in range(len(ranks)):
         rel = load / speed
         busy = [i for i in np.argsort(-rel, kind="stable") if int(ranks[i]) not in in_water
@@ -251,7 +252,7 @@ def _split_to_level(ranks, load, speed, local, split_shares, work, lengths, min_
         docs = [d for d in local[int(ranks[hi])] if lengths[d] >= min_length]
         d = max(docs, key=lambda d: (work[d], -d))
         local[int(ranks[hi])].remove(d)
-        split_shares[d] = {int(ranks[hi]): work[d] / 2, int(ranks[lo]): work[d] / 2}
+        fill.split_shares[d] = {int(ranks[hi]): work[d] / 2, int(ranks[lo]): work[d] / 2}
         in_water |= {int(ranks[hi]), int(ranks[lo])}
         load[hi] -= work[d] / 2
         load[lo] += work[d] / 2
@@ -290,10 +291,10 @@ def zeppelin(lengths, cluster: ClusterSpec, model: ModelSpec, *, routing: bool =
     lengths = check_lengths(lengths)
     dev = devices(cluster, model, assume_homogeneous)
     check_feasible(lengths, dev, model)
-    thresholds = crossover_lengths(cluster, model)
-    meta = {"options": options, "crossover_lengths": thresholds, "fallback": False}
+    crossovers = crossover_lengths(cluster, model)
+    meta = {"options": options, "crossover_lengths": [dataclasses.asdict(t) for t in crossovers], "fallback": False}
     try:
-        placement, facts = _place(lengths, attention_work(model, lengths), dev, thresholds, hierarchical, model)
+        placement, facts = _place(lengths, attention_work(model, lengths), dev, crossovers, hierarchical, model)
         meta.update(facts)
         return _finish(lengths, cluster, model, dev, placement, meta, routing, remap)
     except (NoRoom, InfeasiblePlan):
@@ -303,10 +304,10 @@ def zeppelin(lengths, cluster: ClusterSpec, model: ModelSpec, *, routing: bool =
 
 def _finish(lengths, cluster, model, dev: Devices, placement: Placement, meta, routing: bool, remap: bool) -> Plan:
     """Step 4 and checks: remap, routes, memory (raises `InfeasiblePlan`), validation."""
-    plan = assemble("zeppelin", lengths, dev, placement, meta=meta)
+    plan = assemble("zeppelin", lengths, dev, placement, attention_engine=True, meta=meta)
     if remap:
         targets = linear_targets(sum(lengths), dev.speed, dev.token_cap)
-        plan = dataclasses.replace(plan, remap=plan_remap(attention_token_counts(plan), targets, dev.node))
+        plan = dataclasses.replace(plan, remap=plan_remap(list(plan.attention_token_counts), targets, dev.node))
     if routing:
         plan = dataclasses.replace(plan, routes=plan_routes(plan, cluster, model, dev.local_index))
     return with_memory(plan, dev).validate()

@@ -4,7 +4,8 @@ Plan ranks are ranks of the process group the engine runs on (`group=None`: the 
 world group); `P2P` turns them into global ranks for torch.distributed. Every message is
 counted by its sender, per (src, dst) plan-rank pair and per phase (forward, backward);
 `link_bytes` and `nic_bytes` turn such pair counts into bytes per link class and per NIC.
-What the plan predicts, routes included, is in `runtime.routing`.
+What the plan predicts (`Plan.ring_messages`), routes included, is
+`runtime.routing.predicted_bytes`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import torch
 import torch.distributed as dist
 
 from ballonet.plan import Plan
+
+__all__ = ["GRAD_DTYPE", "P2P", "ByteCounter", "Message", "check_plan", "link_bytes", "nic_bytes", "wait"]
 
 Message = tuple[int, torch.Tensor, int]
 """(peer plan rank, contiguous tensor, tag)."""
@@ -94,28 +97,6 @@ def check_plan(plan: Plan, rank: int, group: dist.ProcessGroup | None, device: t
         holders.setdefault(tuple(t[:-1].tolist()), []).append(r)
     if len(holders) > 1:
         raise RuntimeError(f"ranks disagree on the plan: rank sets {sorted(holders.values())} hold different plans")
-
-
-# ---- predictions, from the plan alone --------------------------------------------------
-
-
-def grad_rows_returned(plan: Plan) -> Counter:
-    """Backward dK/dV rows per (src, dst). "ring": each rank keeps its own block's gradient;
-    the partial sum for the block it holds at step s >= 1 goes to its successor, so it
-    reaches the owner after the last step. "allgather": each rank sends the gradient of
-    every other member's block straight to that member."""
-    counts: Counter = Counter()
-    for ring in plan.rings:
-        g = len(ring.ranks)
-        for i, src in enumerate(ring.ranks):
-            if ring.comm == "allgather":
-                dsts = [(ring.ranks[j], ring.block_tokens(j)) for j in range(g) if j != i]
-            else:
-                dsts = [(ring.ranks[(i + 1) % g], ring.block_tokens((i - s) % g)) for s in range(1, g)]
-            for dst, rows in dsts:
-                if rows:
-                    counts[src, dst] += rows
-    return counts
 
 
 # ---- accounting -------------------------------------------------------------------------

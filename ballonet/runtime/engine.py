@@ -4,8 +4,8 @@ Shapes: T local rows (the concatenation of the rank's `plan.attention[rank]` seg
 order), H query heads, H_kv key/value heads, D head size. Causal within each document,
 nothing across documents.
 
-Queues run in the order inter-node rings, intra-node rings, local documents (DESIGN.md
-section 2, "Attention engine"): every split document is its own ring over its own ranks,
+Queues run in the order inter-node rings, intra-node rings, local documents
+(docs/design.md, section 8): every split document is its own ring over its own ranks,
 the rings are stepped round-robin, each posting its next transfer before computing, and
 the local documents (one varlen call) fill the wait. Partial results merge in fp32 with
 the log-sum-exp rule; the backward passes K/V again and returns dK/dV to their owners.

@@ -1,4 +1,4 @@
-"""Routing (DESIGN.md section 2, "Routing layer"): inter-node ring hops cut over proxy GPUs.
+"""Routing (docs/design.md, "Routing"): inter-node ring hops cut over proxy GPUs.
 
 A routed hop (`plan.Route`) cuts the buffer of each ring step, [2, rows, H_kv, D] (K and
 V, or fp32 dK and dV), into len(proxies) row ranges (`plan.chunk_bounds`); part j travels
@@ -25,14 +25,17 @@ followed; `comm.link_bytes` and `comm.nic_bytes` turn it into link-class and NIC
 
 from __future__ import annotations
 
-from collections import Counter
+import itertools
+from collections.abc import Generator
 from dataclasses import dataclass
-from typing import Generator, Iterator
 
 import torch
 
 from ballonet.plan import Plan, Ring, Route, chunk_bounds
 from ballonet.runtime.comm import GRAD_DTYPE, P2P, ByteCounter, Message, wait
+
+__all__ = ["MAX_PARTS", "MAX_RANKS", "MAX_RINGS", "Hop", "Relay", "RelayMeta", "hop_paths", "message_tag",
+           "predicted_bytes", "relay_meta", "relay_pass", "ring_hop", "routes_by_hop"]
 
 MAX_RANKS, MAX_PARTS, MAX_RINGS = 1024, 16, 2**14
 """Bounds of the tag encoding (tags are nonnegative int32)."""
@@ -135,6 +138,7 @@ class RelayMeta:
     tag: int
     """The ring's message tag base (as `RingMeta.tag`)."""
     block_rows: tuple[int, ...]
+    """K/V rows of each ring position's block."""
     relays: tuple[Relay, ...]
     """By (stage, hop position, part)."""
 
@@ -184,41 +188,19 @@ def relay_pass(p2p: P2P, meta: RelayMeta, like: torch.Tensor, backward: bool) ->
 # ---- predictions, from the plan alone --------------------------------------------------
 
 
-def hop_messages(plan: Plan) -> Iterator[tuple[str, int, int, int, int]]:
-    """(kind, doc, src, dst, rows) of every ring message of one forward ("kv") and one
-    backward ("kv" again, and "grad" for dK/dV), per step, before routing. "ring": at step
-    s position i passes the block of (i - s) mod g, K/V at s < g-1, dK/dV at s >= 1;
-    "allgather": every block to every other member, and its gradient back."""
-    for ring in plan.rings:
-        g, ranks, doc = len(ring.ranks), ring.ranks, ring.doc
-        for i in range(g):
-            if ring.comm == "allgather":
-                for j in range(g):
-                    if j != i:
-                        yield "kv", doc, ranks[i], ranks[j], ring.block_tokens(i)
-                        yield "grad", doc, ranks[i], ranks[j], ring.block_tokens(j)
-                continue
-            for s in range(g):
-                rows = ring.block_tokens((i - s) % g)
-                if s < g - 1:
-                    yield "kv", doc, ranks[i], ranks[(i + 1) % g], rows
-                if s >= 1:
-                    yield "grad", doc, ranks[i], ranks[(i + 1) % g], rows
-
-
 def predicted_bytes(plan: Plan, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> ByteCounter:
-    """Bytes per (src, dst) the engine sends for `plan`, routes followed, with K/V of
-    `dtype`: the forward passes K and V; the backward passes them again and returns fp32
-    dK/dV. A routed hop's part counts once on each leg of its path."""
-    row_bytes = {"kv": 2 * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size(),
-                 "grad": 2 * num_kv_heads * head_dim * torch.empty(0, dtype=GRAD_DTYPE).element_size()}
+    """Bytes per (src, dst) the engine sends for `plan` (`Plan.ring_messages`), routes
+    followed, with K/V of `dtype` and dK/dV in fp32 (`GRAD_DTYPE`). A routed hop's
+    message is cut by `Route.part_bounds`, each part counted once on each leg of its path."""
+    row_bytes = {payload: 2 * num_kv_heads * head_dim * torch.empty(0, dtype=t).element_size()
+                 for payload, t in (("kv", dtype), ("grad", GRAD_DTYPE))}
     routes = routes_by_hop(plan)
-    sent = {"kv": Counter(), "grad": Counter()}
-    for kind, doc, src, dst, rows in hop_messages(plan):
-        paths = hop_paths(src, dst, routes.get((doc, src, dst)))
-        b = chunk_bounds(rows, len(paths))
-        for j, path in enumerate(paths):
-            for a, c in zip(path, path[1:]):
-                if b[j + 1] > b[j]:
-                    sent[kind][a, c] += (b[j + 1] - b[j]) * row_bytes[kind]
-    return ByteCounter(forward=sent["kv"], backward=sent["kv"] + sent["grad"])
+    out = ByteCounter()
+    for msg in plan.ring_messages():
+        route = routes.get((msg.doc, msg.src, msg.dst))
+        bounds = route.part_bounds(msg.rows) if route else (0, msg.rows)
+        for j, path in enumerate(hop_paths(msg.src, msg.dst, route)):
+            for a, c in itertools.pairwise(path):
+                if bounds[j + 1] > bounds[j]:
+                    out.add(msg.phase, a, c, (bounds[j + 1] - bounds[j]) * row_bytes[msg.payload])
+    return out

@@ -10,7 +10,7 @@ An intra-node transfer holds the sender's egress and the receiver's ingress; an
 inter-node one holds the sending ranks' NIC egresses and the receiving ranks' NIC
 ingresses (GPU-to-NIC traffic goes over PCIe, not NVLink). A TP group sends its tp
 shards through its NICs in parallel. Seconds as `cost_model.p2p_time` (alpha-beta, the sender's GPU profile).
-A routed hop (DESIGN.md section 2) is cut into one part per proxy pair: dispatch over
+A routed hop (docs/design.md, section 6) is cut into one part per proxy pair: dispatch over
 NVLink to the source-side proxy, NIC transfer to the far proxy, combine over NVLink.
 """
 

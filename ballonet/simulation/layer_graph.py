@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ballonet import cost_model, hardware
-from ballonet.plan import Plan, chunk_bounds
+from ballonet.plan import Plan, chunk_bounds, ring_schedule
 from ballonet.simulation.fabric import Fabric
 from ballonet.simulation.timeline import Timeline
 from ballonet.specs import ModelSpec
@@ -40,7 +40,8 @@ def ring_groups(plan: Plan) -> list[tuple[tuple[int, ...], str, list]]:
 def ring_tables(plan: Plan, rings: list, model: ModelSpec, fabric: Fabric,
                 backward: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Attention seconds [i, s] of ring position i at step s (forward, or backward at its
-    own efficiency), and K/V rows [i, s] it sends at step s."""
+    own efficiency), and K/V rows [i, s] it holds at step s (`plan.ring_schedule`), summed
+    over the rings: what it sends at step s, as the rings' `Ring.messages` (vectorised here)."""
     ranks = rings[0].ranks
     seconds = np.zeros((len(ranks), len(ranks)))
     for gpu in {fabric.gpu[r] for r in ranks}:  # one table per GPU type of the ring
@@ -63,7 +64,7 @@ def _ring_table(plan: Plan, rings: list, model: ModelSpec, gpu, backward: bool) 
     diag = (weight[:, None] * lens * (lens + 1)).sum(axis=0)
     hd = model.num_heads * model.head_dim
     a = np.arange(g)
-    src = (a[:, None] - a[None, :]) % g  # [i, s]: position whose block i holds at step s
+    src = ring_schedule(g)  # [i, s]: position whose block i holds at step s
     flops = np.zeros((g, g))
     for q in (a[:, None], 2 * g - 1 - a[:, None]):
         for k in (src, 2 * g - 1 - src):

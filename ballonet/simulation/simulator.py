@@ -180,12 +180,12 @@ def _slowdown(p: LayerGraph, compute: list) -> list:
 def simulate(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, routing: bool = True, remap: bool = True,
              engine: bool | None = None, overlap_grad_allreduce: bool = True) -> SimResult:
     """Simulate one training iteration of `plan`. `routing=False` sends every hop directly,
-    `remap=False` runs the linear layers in the attention layout, `engine` (default: on for
-    Zeppelin plans only) selects the attention engine; see the module docstring."""
+    `remap=False` runs the linear layers in the attention layout, `engine` (default:
+    `plan.attention_engine`) selects the attention engine; see the module docstring."""
     fabric = Fabric(cluster, plan.num_ranks, model.tp)
     R = plan.num_ranks
     if engine is None:
-        engine = plan.planner.startswith("zeppelin")
+        engine = plan.attention_engine
     moves = plan.remap_tokens() if remap else Counter()
     att_tokens = [sum(s.num_tokens for s in segs) for segs in plan.attention]
     tokens = list(att_tokens)

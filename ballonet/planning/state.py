@@ -1,0 +1,51 @@
+"""The partitioner's state, as values: what its steps read (`Batch`) and fill (`RankFill`).
+
+`zeppelin.py` builds a `Batch` once per global batch and hands it, with the `RankFill`
+that level 2 fills node by node, to each step; `refinement.py` levels the result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ballonet.planning.devices import Devices
+from ballonet.specs import ModelSpec
+
+__all__ = ["Batch", "Crossover", "RankFill"]
+
+
+@dataclass(frozen=True)
+class Crossover:
+    """The lengths above which a document's ring hides its transfers, for one node group."""
+    intra: float | None
+    """Inside a node: 2 c*_nvlink (None on a node of one rank)."""
+    inter: float
+    """Across two whole nodes of n ranks: 2 n c*_nic."""
+
+
+@dataclass(frozen=True)
+class Batch:
+    """What every placement step reads: the documents, their work and the devices."""
+    lengths: list[int]
+    work: np.ndarray
+    """[D] attention work of each document, in peak-FLOP units (split documents counted at
+    the efficiency of their blocks)."""
+    work_list: list[float]
+    """`work` as a list (the greedy steps index it one document at a time)."""
+    dev: Devices
+    model: ModelSpec
+    crossovers: list[Crossover]
+    """Per node group (`Devices.group`)."""
+
+
+@dataclass
+class RankFill:
+    """What level 2 fills in, rank by rank (mutated node by node), for refinement."""
+    local: list[list[int]]
+    """Per rank, the documents it holds whole."""
+    split_shares: dict[int, dict[int, float]]
+    """Per split document, the work share of each member rank."""
+    token_room: np.ndarray
+    """[R] tokens each rank may still take under its memory cap."""

@@ -1,0 +1,92 @@
+"""The ring traffic of a split document: every K/V and dK/dV message, step by step.
+
+The one walk of ring traffic (`Plan.ring_messages`, `Ring.messages` call it): the metrics,
+the routing planner, the runtime's byte prediction and the simulator all use it, or its
+O(g) forms below (`forward_link_rows`, `ring_schedule`). Part of the contract layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from ballonet.plan import Ring
+
+__all__ = ["PAYLOADS", "PHASES", "RingMessage", "forward_link_rows", "ring_messages", "ring_schedule"]
+
+PHASES = ("forward", "backward")
+PAYLOADS = ("kv", "grad")
+
+
+@dataclass(frozen=True)
+class RingMessage:
+    """One message of a split document's attention (`Ring.messages`)."""
+    phase: str
+    """"forward" or "backward" (the pass that sends it)."""
+    payload: str
+    """"kv": K and V rows (in the dtype of K/V); "grad": dK and dV rows (fp32)."""
+    doc: int
+    step: int
+    """Ring step (0 for an "allgather" document)."""
+    src: int
+    dst: int
+    rows: int
+    """Rows of K (and as many of V); a routed hop cuts them by `Route.part_bounds`."""
+
+
+def _message(phase: str, payload: str, doc: int, step: int, src: int, dst: int, rows: int) -> Iterator[RingMessage]:
+    if rows:
+        yield RingMessage(phase=phase, payload=payload, doc=doc, step=step, src=src, dst=dst, rows=rows)
+
+
+def ring_schedule(g: int) -> np.ndarray:
+    """[g, g]: the ring position whose block position i holds at step s, (i - s) mod g."""
+    a = np.arange(g)
+    return (a[:, None] - a[None, :]) % g
+
+
+def ring_messages(ring: Ring) -> Iterator[RingMessage]:
+    """Every message of a split document's attention, forward then backward, per step;
+    empty ones left out. "ring": at step s position i holds the block of position
+    (i - s) mod g; it passes it to position i + 1 at steps s < g - 1 (forward, and
+    again in the backward, which recomputes with it), and in the backward passes the
+    partial dK/dV of the block it held at steps s >= 1 on the same hop, so each block's
+    gradient reaches its owner after the last step. "allgather": each block to every
+    other member (forward, and again in the backward), then the dK/dV of every other
+    member's block straight to that member."""
+    g, ranks = len(ring.ranks), ring.ranks
+    blocks = [ring.block_tokens(i) for i in range(g)]
+    for phase in PHASES:
+        if ring.comm == "allgather":
+            for i in range(g):
+                for j in range(g):
+                    if j != i:
+                        yield from _message(phase, "kv", ring.doc, 0, ranks[i], ranks[j], blocks[i])
+                        if phase == "backward":
+                            yield from _message(phase, "grad", ring.doc, 0, ranks[i], ranks[j], blocks[j])
+            continue
+        held = ring_schedule(g).tolist()
+        for step in range(g):
+            for i in range(g):
+                rows, dst = blocks[held[i][step]], ranks[(i + 1) % g]
+                if step < g - 1:
+                    yield from _message(phase, "kv", ring.doc, step, ranks[i], dst, rows)
+                if phase == "backward" and step >= 1:
+                    yield from _message(phase, "grad", ring.doc, step, ranks[i], dst, rows)
+
+
+def forward_link_rows(ring: Ring) -> list[tuple[int, int, int]]:
+    """(src, dst, rows): the forward K/V rows of `ring_messages` summed per link, in O(g)
+    for a "ring" (over its g - 1 steps the hop out of position i carries every block
+    but its successor's); an "allgather" sends each block to every other member."""
+    g, L = len(ring.ranks), ring.bounds[-1]
+    blocks = [ring.block_tokens(i) for i in range(g)]
+    if ring.comm == "allgather":
+        return [(ring.ranks[i], ring.ranks[j], blocks[i]) for i in range(g) for j in range(g)
+                if i != j and blocks[i]]
+    return [(ring.ranks[i], ring.ranks[(i + 1) % g], L - blocks[(i + 1) % g]) for i in range(g)
+            if L - blocks[(i + 1) % g] > 0]
