@@ -18,7 +18,9 @@ What is measured, on the device this process runs on:
 3. With world > 1 (torchrun): point-to-point between ranks 0 and 1 (half a round trip),
    all-to-all and all-reduce over the world, by message size; latency and bandwidth from a
    least-squares line t = a + bytes / bw. All ranks of one host: the NIC figures are these
-   same transfers (the profile says so).
+   same transfers (the profile says so). Then the overlap slowdown: a GEMM loop timed
+   alone and while the largest all-reduce runs beside it (compute seconds lost per second
+   of overlapping communication).
 
 Peak FLOP/s and nominal link bandwidths are the GPU type's (`hardware.GPUS`) and the
 cluster preset's NIC rate, so efficiencies are fractions of what the simulator assumes.
@@ -178,7 +180,39 @@ def measure_comm(s: Settings, device: torch.device, progress=None) -> dict:
             out[op].append({"bytes": n, "seconds": t / 2 if op == "p2p" else t})
         if progress:
             progress()
+    out["overlap"] = measure_overlap(s, device)
     return out
+
+
+def measure_overlap(s: Settings, device: torch.device) -> dict:
+    """Compute slowed by communication beside it: wall seconds of a GEMM loop alone, of
+    the largest all-reduce alone, and of the GEMM loop while that all-reduce runs."""
+    size = 4096 if device.type == "cuda" else 256
+    a = torch.randn(size, size, device=device)
+    buf = torch.zeros(max(s.message_bytes) // 4, device=device)
+
+    def gemms():
+        for _ in range(8):
+            a @ a
+
+    def overlapped():
+        work = dist.all_reduce(buf, async_op=True)
+        gemms()
+        _sync(device)
+        return work
+
+    dist.barrier()
+    alone = _median_s(gemms, device, s.repeats, wall=True)
+    dist.barrier()
+    comm = _median_s(lambda: dist.all_reduce(buf), device, s.repeats, wall=True)
+    times = []
+    for _ in range(s.repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        work = overlapped()
+        times.append(time.perf_counter() - start)
+        work.wait()
+    return {"compute_alone_s": alone, "comm_alone_s": comm, "compute_with_comm_s": statistics.median(times)}
 
 
 def _curve(tokens, effs) -> calibration.Curve:
@@ -214,12 +248,16 @@ def build_profile(s: Settings, attention: list[dict], linear: list[dict], comm: 
         coll["all_gather"] = coll["reduce_scatter"] = coll["all_reduce"]
         fields.update(p2p_latency_s=lat, p2p_efficiency=min(1.0, bw / gpu.intra_link_bw), nic_latency_s=lat,
                       nic_efficiency=min(1.0, bw / nic_bw), collective_latency_s=c_lat, collective_efficiency=coll)
+        o = comm["overlap"]
+        lost = max(0.0, o["compute_with_comm_s"] - o["compute_alone_s"])
+        fields["overlap_slowdown"] = lost / max(min(o["comm_alone_s"], o["compute_with_comm_s"]), 1e-12)
         notes += [f"all ranks on one host: NIC figures are the measured point-to-point ones "
                   f"({bw / 1e9:.2f} GB/s over the '{s.cluster}' preset's {nic_bw / 1e9:.2f} GB/s NIC)",
-                  "all_gather and reduce_scatter taken as all_reduce (not measured)"]
+                  "all_gather and reduce_scatter taken as all_reduce (not measured)",
+                  "overlap slowdown: GEMMs beside one all-reduce, compute seconds lost per second of overlap"]
     else:
-        notes.append("links not measured (one process): the built-in profile's figures")
-    notes.append("overlap slowdown not measured: the built-in profile's figure")
+        notes += ["links not measured (one process): the built-in profile's figures",
+                  "overlap slowdown not measured (one process): the built-in profile's figure"]
     return dataclasses.replace(
         base, **fields, gpu=s.gpu, source=f"ballonet calibrate on {socket.gethostname()} ({_device_name(device)})",
         assumptions=tuple(notes), machine=_machine(device), versions=_versions())

@@ -50,7 +50,7 @@ _COMM_ASSUMPTIONS = (
     "RDMA NICs reach 90% of line rate with 10 us a hop (typical RoCE/InfiniBand figures, not measured here)",
     "all_to_all bus efficiency taken equal to p2p (not in h100_nccl_perf.csv)",
     "compute slows by 0.1 s per second of concurrent communication (NCCL kernels share SMs and "
-    "memory bandwidth; a round figure, not measured)",
+    "memory bandwidth; a round figure, not measured: `ballonet calibrate` under torchrun measures it)",
 )
 
 HOPPER = Profile(

@@ -68,7 +68,7 @@ def test_calibrate_quick_writes_a_profile_the_other_commands_read(tmp_path, caps
     assert p.gpu == "cpu" and p.versions["torch"] == torch.__version__ and p.machine["world_size"] == 1
     assert p.attention_forward.tokens == (64, 128, 256, 512) and p.attention_backward.tokens == p.attention_forward.tokens
     assert p.attention_forward.efficiency != p.attention_backward.efficiency  # timed separately
-    assert any("one process" in a for a in p.assumptions)
+    assert any("one process" in a for a in p.assumptions) and p.overlap_slowdown == hardware.profile("cpu").overlap_slowdown
     assert fig.stat().st_size > 0
     args = ["--cluster", "cpu", "--model", "tiny"]
     assert main(["cost", *args, "--length", "512", "--json"]) == 0
@@ -100,6 +100,9 @@ def test_calibrate_on_two_gloo_ranks_measures_the_links():
     assert all(r["seconds"] > 0 for op in ("p2p", "all_to_all", "all_reduce") for r in raw["comm"][op])
     assert profile.p2p_efficiency != built_in.p2p_efficiency and profile.machine["world_size"] == 2
     assert profile.nic_latency_s == profile.p2p_latency_s
+    o = raw["comm"]["overlap"]
+    assert min(o.values()) > 0 and profile.overlap_slowdown == pytest.approx(
+        max(0.0, o["compute_with_comm_s"] - o["compute_alone_s"]) / min(o["comm_alone_s"], o["compute_with_comm_s"]))
     assert set(profile.collective_efficiency) == set(calibration.COLLECTIVES)
     calibration.from_dict(json.loads(profile.to_json()))  # valid
 
