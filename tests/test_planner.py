@@ -222,7 +222,7 @@ def test_apportion_by_largest_remainder_under_caps():
 
 @pytest.mark.parametrize("planner", ["zeppelin", "te_cp", "llama_cp", "hybrid_dp"])
 def test_metric_bytes_match_the_plan_pair_by_pair(planner):
-    from ballonet.cost_model import hidden_bytes, kv_bytes
+    from ballonet.cost_model import kv_bytes, remap_bytes
 
     cluster = specs.cluster("a800-4nic", num_nodes=2)
     lengths = [120_000, 9_000, 3_000, 700, 50]
@@ -234,8 +234,8 @@ def test_metric_bytes_match_the_plan_pair_by_pair(planner):
     pairs = list(rows.items())
     kv = sum(kv_bytes(MODEL, n) for _, n in pairs)
     cross = sum(kv_bytes(MODEL, n) for (a, b), n in pairs if plan.node_of_rank[a] != plan.node_of_rank[b])
-    cross += sum(hidden_bytes(MODEL, n) for (a, b), n in plan.remap_tokens().items()
-                 if plan.node_of_rank[a] != plan.node_of_rank[b])
+    cross += sum(remap_bytes(MODEL, n, True) + remap_bytes(MODEL, n, False) for (a, b), n in plan.remap_tokens().items()
+                 if plan.node_of_rank[a] != plan.node_of_rank[b])  # q/k/v one way, o the other
     m = plan_metrics(plan, cluster, MODEL)
     assert m["kv_bytes"] == pytest.approx(kv) and m["inter_node_bytes"] == pytest.approx(cross)
     if planner == "te_cp":  # every document over all 16 ranks: 15 steps of L rows in total

@@ -5,7 +5,8 @@
 * `attention_imbalance`: max / mean of those seconds;
 * `linear_imbalance`: max / mean of tokens after remap, each rank's tokens divided by its
   share of the cluster's speed (plain max / mean of tokens on a homogeneous cluster);
-* bytes: forward K/V of every ring plus the hidden states the remap moves; inter-node
+* bytes: forward K/V of every ring plus what the runtime's remap moves (`cost_model.
+  remap_bytes`: q, k and v toward the attention layout, o back); inter-node
   bytes are those that cross nodes; `max_nic_bytes` is the busiest NIC direction, with
   routed hops spread over their proxies' NICs.
 """
@@ -64,8 +65,9 @@ def _traffic(plan: Plan, model: ModelSpec) -> dict:
             continue
         for src, dst, rows in ring.forward_link_rows():
             send(src, dst, cost_model.kv_bytes(model, rows), "kv", routes.get((ring.doc, src, dst)))
-    for (src, dst), n in plan.remap_tokens().items():
-        send(src, dst, cost_model.hidden_bytes(model, n), "remap")
+    for (src, dst), n in plan.remap_tokens().items():  # tokens src -> dst, attention -> linear layout
+        send(dst, src, cost_model.remap_bytes(model, n, toward_attention=True), "remap")
+        send(src, dst, cost_model.remap_bytes(model, n, toward_attention=False), "remap")
     return {**total, "max_nic": max(nic.values(), default=0.0), "out": out, "in": inn}
 
 
@@ -112,7 +114,7 @@ def plan_metrics(plan: Plan, cluster: ClusterSpec, model: ModelSpec) -> dict:
 
 
 def rank_bytes(plan: Plan, model: ModelSpec) -> tuple[list[float], list[float]]:
-    """Per rank, (bytes sent, bytes received): forward K/V of rings plus remap hidden states."""
+    """Per rank, (bytes sent, bytes received): forward K/V of rings plus the remap (both ways)."""
     traffic = _traffic(plan, model)
     return traffic["out"], traffic["in"]
 
