@@ -24,7 +24,7 @@ class TrainConfig:
     corpus: str = "stdlib"
     """'stdlib', a JSONL file, a folder of text files, or a lengths file (synthetic tokens)."""
     planner: str = "zeppelin"
-    """Zeppelin or a baseline (`ballonet.PLANNERS`)."""
+    """zeppelin or a baseline (`ballonet.PLANNERS`)."""
     global_tokens: int = 8192
     """Tokens in every global batch, whatever the number of ranks."""
     max_doc_tokens: int | None = None
