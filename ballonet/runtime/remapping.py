@@ -124,14 +124,16 @@ def remap(x: torch.Tensor, plan: Plan, rank: int, src: str = "attention", dst: s
     integer tensors (metadata) too. `counter`, if given, records the bytes this rank sends
     per (rank, peer), forward and backward (`predicted_bytes` gives the plan's figures).
     A plan with one rank or no remap transfers needs no process group: `x` comes back as is.
-    Every rank must call with the same plan: checked first (one all_gather, a mismatch
-    raises RuntimeError on all), unless `verify_plan=False` (a caller that checked once).
+    Every rank must call with the same plan: checked first when a process group exists
+    (one all_gather, a mismatch raises RuntimeError on all), unless `verify_plan=False`
+    (a caller that checked once).
     """
     _check_layouts(src, dst)
     expected = plan.attention_tokens(rank) if src == "attention" else plan.linear_tokens(rank)
     if x.shape[0] != expected:
         raise ValueError(f"rank {rank} holds {expected} tokens in the {src} layout, got a tensor of {x.shape[0]}")
-    if verify_plan and plan.num_ranks > 1:  # before the early return: a rank without transfers must not skip it
+    # Before the early return: a rank without transfers must not skip the check its peers run.
+    if verify_plan and plan.num_ranks > 1 and dist.is_initialized():
         check_plan(plan, rank, group, x.device)
     if plan.num_ranks == 1 or not plan.remap:
         return x

@@ -25,7 +25,7 @@ class TrainConfig:
     """'stdlib', a folder of text files, a .jsonl file (text, input_ids or length per line), or a
     lengths file as `plan --lengths` reads it (.json, .npy, one length per line; synthetic tokens)."""
     planner: str = "zeppelin"
-    """Zeppelin or a baseline (`ballonet.PLANNERS`)."""
+    """zeppelin or a baseline (`ballonet.PLANNERS`)."""
     global_tokens: int = 8192
     """Tokens in every global batch, whatever the number of ranks."""
     max_doc_tokens: int | None = None
