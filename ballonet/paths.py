@@ -7,12 +7,15 @@
   checked when the command starts, not after minutes of work.
 - `write_atomic`: the file appears whole or not at all (a temporary file in the same
   folder, renamed into place; removed if writing fails).
+- `read_json_object`: a JSON file that must hold an object, or one line naming the file.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 from ballonet.errors import InputError
 
@@ -51,3 +54,14 @@ def write_atomic(path: str, write: Callable[[str], None]) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def read_json_object(path: Path, what: str) -> dict:
+    """The object in the JSON file `path`; InputError "{path}: not {what} (...)" otherwise."""
+    try:
+        value = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InputError(f"{path}: not {what} ({getattr(e, 'strerror', None) or getattr(e, 'msg', None) or e})") from None
+    if not isinstance(value, dict):
+        raise InputError(f"{path}: not {what} (not a JSON object)")
+    return value

@@ -10,7 +10,6 @@ signature of `ballonet.training.model.Transformer.loss`.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -18,6 +17,7 @@ import torch.nn.functional as F
 
 from ballonet import runtime
 from ballonet.errors import InputError
+from ballonet.paths import read_json_object
 from ballonet.plan import Plan
 from ballonet.runtime.remapping import remap
 from ballonet.specs import ModelSpec
@@ -42,14 +42,7 @@ def _folder(name: str) -> Path:
 
 
 def _read_config(folder: Path) -> dict:
-    path = folder / CONFIG
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise InputError(f"{path}: not a JSON model config ({getattr(e, 'msg', e)})") from None
-    if not isinstance(config, dict):
-        raise InputError(f"{path}: not a JSON model config (not an object)")
-    return config
+    return read_json_object(folder / CONFIG, "a JSON model config")
 
 
 def model_spec(name: str) -> ModelSpec:

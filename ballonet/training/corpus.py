@@ -11,7 +11,6 @@ the tokens asked for).
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sysconfig
 from collections.abc import Callable, Sequence
@@ -20,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from ballonet.errors import InputError
+from ballonet.paths import read_json_object
 from ballonet.workloads import JSONL_SUFFIXES, load_lengths, read_jsonl
 
 
@@ -210,11 +210,8 @@ class _PreparedNames(Sequence):
 
 def _read_manifest(root: Path) -> dict:
     path = root / MANIFEST
-    try:
-        manifest = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise InputError(f"{path}: unreadable ({getattr(e, 'strerror', None) or e})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != PREPARED_FORMAT:
+    manifest = read_json_object(path, "a prepared corpus manifest")
+    if manifest.get("format") != PREPARED_FORMAT:
         raise InputError(f"{path}: not a prepared corpus (format is not {PREPARED_FORMAT!r})")
     if manifest.get("version") != PREPARED_VERSION:
         raise InputError(f"{path}: version {manifest.get('version')!r}; this Ballonet reads {PREPARED_VERSION}")
