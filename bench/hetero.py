@@ -24,7 +24,7 @@ import statistics
 import sys
 import time
 
-from ballonet import plan_batch, specs, workloads
+from ballonet import InfeasiblePlan, plan_batch, specs, workloads
 from ballonet.simulation.simulator import simulate
 
 CLUSTERS = ["h800+h20", "a800+l40s"]
@@ -44,7 +44,13 @@ GOAL_TO_LOWER_BOUND = 1.15
 
 
 def _mean_runs(cluster, model, batches, planner: str, options: dict) -> dict:
-    res = [simulate(plan_batch(b, cluster, model, planner, **options), cluster, model) for b in batches]
+    """Mean figures over the batches; an infeasible planner's figures are NaN (its reason kept)."""
+    try:
+        res = [simulate(plan_batch(b, cluster, model, planner, **options), cluster, model) for b in batches]
+    except InfeasiblePlan as e:
+        nan = float("nan")
+        return {"feasible": False, "reason": str(e), "step_time_s": nan, "lower_bound_s": nan, "tokens_per_s": nan,
+                "mfu": nan, "steps": [], "slowest_compute_s": nan}
     step = statistics.mean(r.step_time_s for r in res)
     return {"step_time_s": step, "lower_bound_s": statistics.mean(r.lower_bound_s for r in res),
             "tokens_per_s": sum(r.num_tokens for r in res) / len(res) / step,
@@ -135,6 +141,11 @@ def markdown(runs: list[dict], command: str, header: str) -> str:
     for r in runs:
         cells = " | ".join(f"{r['results'][k]['tokens_per_s']:,.0f}" for k in RUNS)
         lines.append(f"| {r['cluster']} | {r['workload']} | {cells} | {r['training_alone']['tokens_per_s']:,.0f} |")
+    infeasible = [(r["cluster"], r["workload"], k, v["reason"]) for r in runs
+                  for k, v in {**r["results"], "training nodes alone": r["training_alone"]}.items()
+                  if v.get("feasible") is False]
+    if infeasible:
+        lines += ["", "## Infeasible (nan above)", ""] + [f"- {c} {w} {k}: {why}" for c, w, k, why in infeasible]
     return "\n".join(lines) + "\n"
 
 
