@@ -367,3 +367,16 @@ def test_an_unplannable_batch_names_the_step_and_the_corpus_document():
     piece = fourth[1]
     assert message == ("step 4: cannot plan the batch: packed_dp: document 1 (corpus document "
                        f"{corpus.names[piece.doc]}, tokens {piece.start}-{piece.end}) (900 tokens) fits no single GPU")
+
+
+def test_mfu_peak_follows_a_calibration_profile(tmp_path):
+    from ballonet import hardware
+    from ballonet.training import metrics
+
+    cluster = ballonet.cluster("cpu", num_nodes=1, gpus_per_node=2)
+    assert metrics.peak_flops(cluster) == 2 * hardware.gpu("cpu").peak_flops
+    profile = tmp_path / "h200.json"
+    profile.write_text(hardware.profile("h200").to_json())
+    assert metrics.peak_flops(cluster, str(profile)) == 2 * hardware.gpu("h200").peak_flops
+    with pytest.raises(ballonet.InputError, match="nothing.json"):
+        metrics.peak_flops(cluster, str(tmp_path / "nothing.json"))

@@ -16,6 +16,7 @@ once.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import functools
 import json
@@ -80,8 +81,9 @@ def preflight(config: TrainConfig, world_size: int):
     _check_paths(config)
     cluster = _cluster(config, world_size)
     spec = hf_model.model_spec(config.model) if hf_model.is_hf(config.model) else ballonet.model(config.model)
-    dtype_bytes = parallel.DTYPES[config.dtype].itemsize
-    metrics.check_budget(spec, cluster, config.global_tokens, world_size, dtype_bytes, config.recompute, config.shard)
+    # The planner and the cost model price what this run does: its dtype and recomputation.
+    spec = dataclasses.replace(spec, dtype_bytes=parallel.DTYPES[config.dtype].itemsize, recompute=config.recompute)
+    metrics.check_budget(spec, cluster, config.global_tokens, world_size, config.shard)
     if config.tensorboard:
         _tensorboard_writer(None)
     corpus = load_corpus(config.corpus, seed=config.seed)

@@ -62,30 +62,20 @@ def memory_high_water(device: torch.device) -> int:
 # ---- budgets ---------------------------------------------------------------------------
 
 
-def training_bytes_per_token(model: ModelSpec, dtype_bytes: int, recompute: str) -> float:
-    """A lower bound on activation bytes a rank holds per token of its share: the cost
-    model's (each layer's input, one layer's working set) scaled to the compute dtype,
-    plus the fp32 logits around the loss. Without recomputation a rank holds more."""
-    spec = model if model.dtype_bytes == dtype_bytes else _with_dtype(model, dtype_bytes)
-    held = cost_model.activation_bytes_per_token(spec)
-    if recompute == "none":
-        held += model.num_layers * 34 * model.hidden * dtype_bytes / 2 / model.tp
-    return held + LOGIT_COPIES * 4 * model.vocab_size
+def training_bytes_per_token(model: ModelSpec) -> float:
+    """Activation bytes a rank holds per token of its share: the cost model's, under the
+    spec's recomputation and dtype (`cost_model.activation_bytes_per_token`), plus the fp32
+    logits around the loss."""
+    return cost_model.activation_bytes_per_token(model, model.recompute) + LOGIT_COPIES * 4 * model.vocab_size
 
 
-def _with_dtype(model: ModelSpec, dtype_bytes: int) -> ModelSpec:
-    import dataclasses
-
-    return dataclasses.replace(model, dtype_bytes=dtype_bytes)
-
-
-def check_budget(model: ModelSpec, cluster: ClusterSpec, global_tokens: int, world_size: int,
-                 dtype_bytes: int, recompute: str, shard: str) -> None:
+def check_budget(model: ModelSpec, cluster: ClusterSpec, global_tokens: int, world_size: int, shard: str) -> None:
     """Refuse, before any batch is built, a global batch whose even share per rank cannot
-    fit the smallest device's memory (weights, gradients and Adam states included)."""
+    fit the smallest device's memory (fp32 weights, gradients and Adam states included,
+    sharded or not): a lower bound, as a plan's busiest rank holds more."""
     tokens_per_rank = math.ceil(global_tokens / world_size)
     weights = model.num_params * (4 + 4 + 8) / (world_size if shard == "full" else 1)
-    need = tokens_per_rank * training_bytes_per_token(model, dtype_bytes, recompute) + weights
+    need = tokens_per_rank * training_bytes_per_token(model) + weights
     have = min(hardware.gpu(g.gpu).memory_bytes for g in cluster.groups)
     if need > have:
         raise InputError(f"--global-tokens {global_tokens}: {tokens_per_rank} tokens per rank need at least "
