@@ -96,7 +96,7 @@ def _fsync_path(path: str) -> None:
         os.close(fd)
 
 
-def _write_durably(path: str, text: str) -> None:
+def write_durably(path: str, text: str) -> None:
     """Write, fsync, rename over `path`, fsync the folder: all or nothing."""
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
@@ -200,7 +200,7 @@ def save(folder: str, step: int, model, optimizer, loader_state: dict, rank: int
     if rank == 0:
         world = 1 if group is None else dist.get_world_size(group)
         meta = {"format": FORMAT, "step": step, "world_size": world, "loader": loader_state, "rng": rng}
-        _write_durably(os.path.join(tmp, META), json.dumps(meta))
+        write_durably(os.path.join(tmp, META), json.dumps(meta))
         previous = latest(folder)
         if os.path.exists(final):  # a run restarted without --resume reached this step again
             if previous == final:
@@ -208,7 +208,7 @@ def save(folder: str, step: int, model, optimizer, loader_state: dict, rank: int
             shutil.rmtree(final)
         os.replace(tmp, final)
         _fsync_path(folder)
-        _write_durably(os.path.join(folder, LATEST), name)
+        write_durably(os.path.join(folder, LATEST), name)
         for other in os.listdir(folder):
             if other.startswith("step-") and other != name:
                 shutil.rmtree(os.path.join(folder, other), ignore_errors=True)

@@ -146,12 +146,7 @@ def _trim_log(path: str, last_step: int) -> None:
             raise InputError(f"{path}:{i + 1}: not a JSON log line; cannot resume its log") from None
         if record.get("step", 0) <= last_step:
             kept.append(json.dumps(record) + "\n")
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.writelines(kept)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    checkpoint.write_durably(path, "".join(kept))
 
 
 def _tensorboard_writer(folder: str | None):
