@@ -1,0 +1,45 @@
+"""`ballonet` command line: thin argparse subcommands over library functions.
+
+Every command prints a human view by default and, where it has one, a JSON object with
+`--json`. Bad input (argparse's errors included) is one line on stderr and exit code 2;
+output paths are checked before any work and files are written whole or not at all.
+
+One module per subcommand (`cost`, `demo`, `train`, `simulate`, `plan`, `calibrate`,
+`prepare`), each with its `cmd_*` function and a `register(sub)` that adds its parser;
+`common` holds what they share (the one-line-error parser, argument groups, tables).
+Heavy libraries (torch, rich, matplotlib) are imported inside the commands, so `--help`
+stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ballonet.cli import calibrate, cost, demo, plan, prepare, simulate, train
+from ballonet.cli.common import Parser
+from ballonet.errors import InputError
+
+__all__ = ["build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="ballonet", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module in (demo, cost, train, simulate, plan, calibrate, prepare):
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return args.func(args)
+    except InputError as e:
+        from ballonet.training.launch import report_rank_error
+
+        line = f"ballonet {args.command}: error: {e}"
+        if not report_rank_error(line):
+            print(line, file=sys.stderr)
+        return 2

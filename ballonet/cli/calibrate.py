@@ -1,0 +1,29 @@
+"""`ballonet calibrate`: measure this machine's kernels and links into a calibration profile
+(the work is `ballonet.calibrate.command`)."""
+
+from __future__ import annotations
+
+from ballonet.cli.common import positive_int, subparser
+
+
+def register(sub) -> None:
+    p = subparser(sub, "calibrate", cmd_calibrate,
+                  help="measure this machine's kernels and links; write a calibration profile",
+                  description="Time attention (forward and backward), the linear layers and, under torchrun, "
+                              "point-to-point, all-to-all and all-reduce, with the runtime's own kernels and "
+                              "collectives; write the profile that --calibration FILE reads.")
+    p.add_argument("--out", help="write the profile (JSON) to this file")
+    p.add_argument("--json", action="store_true", help="print the profile and the raw measurements as JSON")
+    p.add_argument("--plot", help="plot measured points and fitted curves to this image file")
+    p.add_argument("--quick", action="store_true", help="a few seconds: short lengths, few sizes")
+    p.add_argument("--max-length", type=positive_int, default=None, help="longest document timed (tokens)")
+    p.add_argument("--gpu", default=None, help="GPU type the profile is for (default: detected; 'cpu' on a CPU)")
+    p.add_argument("--model", default=None, help="model whose layer shape the linear part is timed with "
+                                                 "(default: tiny on CPU, llama-7b on a GPU)")
+    p.add_argument("--cluster", default="cpu", help="cluster preset giving the nominal NIC rate")
+
+
+def cmd_calibrate(args) -> int:
+    from ballonet import calibrate
+
+    return calibrate.command(args)

@@ -1,0 +1,63 @@
+"""`ballonet cost`: what one document costs on one GPU (FLOPs, time, memory, ring break-even)."""
+
+from __future__ import annotations
+
+import json
+
+from ballonet import cost_model, specs
+from ballonet.cli.common import add_calibration_arg, positive_int, print_table, subparser
+from ballonet.errors import InputError
+
+
+def register(sub) -> None:
+    p = subparser(sub, "cost", cmd_cost, help="FLOPs, time, memory and ring break-even of one document",
+                  description="What one document of --length tokens costs on one GPU of the cluster.")
+    p.add_argument("--model", default="llama-7b", help=f"model preset ({', '.join(specs.MODELS)})")
+    p.add_argument("--cluster", default="h200-8nic", help=f"cluster preset ({', '.join(specs.CLUSTERS)}) or TOML file")
+    p.add_argument("--length", type=positive_int, required=True, help="document length in tokens")
+    p.add_argument("--tp", type=positive_int, default=None, help="tensor-parallel degree (default: the preset's)")
+    p.add_argument("--json", action="store_true", help="print a JSON object")
+    add_calibration_arg(p)
+
+
+def cmd_cost(args) -> int:
+    cluster = specs.cluster(args.cluster)
+    model = specs.model(args.model, **({"tp": args.tp} if args.tp else {}))
+    group = cluster.groups[0]
+    if group.gpus_per_node % model.tp:
+        raise InputError(f"--tp {model.tp} does not divide the {group.gpus_per_node} GPUs per node of {cluster.name!r}")
+    cost = cost_model.sequence_cost(model, group, args.length)
+    report = {
+        "model": model.name,
+        "cluster": cluster.name,
+        "gpu": group.gpu,
+        "length": args.length,
+        "attention_flops_fwd": cost.attention_flops_fwd,
+        "linear_flops_fwd": cost.linear_flops_fwd,
+        "attention_time_s": cost.attention_time_s,
+        "attention_backward_time_s": cost.attention_backward_time_s,
+        "linear_time_s": cost.linear_time_s,
+        "recompute": cost.recompute,
+        "step_time_s": cost.step_time_s,
+        "activation_bytes": cost.activation_bytes,
+        "breakeven_chunk_tokens": cost.breakeven_chunk_tokens,
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    att_share = cost.attention_time_s / (cost.attention_time_s + cost.linear_time_s)
+    rows = [
+        ["attention FLOPs (fwd, per layer)", f"{cost.attention_flops_fwd:.3e}"],
+        ["linear FLOPs (fwd, per layer)", f"{cost.linear_flops_fwd:.3e}"],
+        ["attention time (fwd, per layer)", f"{cost.attention_time_s * 1e3:.3f} ms"],
+        ["attention time (bwd, per layer)", f"{cost.attention_backward_time_s * 1e3:.3f} ms"],
+        ["linear time (fwd, per layer)", f"{cost.linear_time_s * 1e3:.3f} ms"],
+        ["attention share of layer time", f"{att_share:.1%}"],
+        ["fwd+bwd, all layers, one GPU", f"{cost.step_time_s:.3f} s"],
+        ["activation memory", f"{cost.activation_bytes / 2**30:.2f} GiB (recompute: {cost.recompute})"],
+        ["break-even ring chunk, NVLink/intra", f"{cost.breakeven_chunk_tokens['intra']} tokens"],
+        ["break-even ring chunk, NIC/inter", f"{cost.breakeven_chunk_tokens['inter']} tokens"],
+    ]
+    print_table(f"{model.name}, one {args.length}-token document on {group.gpu} ({cluster.name})",
+                ["quantity", "value"], rows)
+    return 0

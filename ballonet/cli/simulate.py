@@ -1,0 +1,128 @@
+"""`ballonet simulate`: compare planners on a simulated cluster (step time, speedup, MFU),
+with an optional bar chart (`--plot`) and Chrome traces (`--trace`)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from ballonet import specs, workloads
+from ballonet.cli.common import (
+    add_calibration_arg,
+    add_target_args,
+    add_zeppelin_options,
+    infeasible_footer,
+    positive_int,
+    print_table,
+    row_cells,
+    subparser,
+    zeppelin_options,
+)
+from ballonet.errors import InputError
+from ballonet.paths import check_output, write_atomic
+
+
+def register(sub) -> None:
+    p = subparser(sub, "simulate", cmd_simulate,
+                  help="compare planners on a simulated cluster: step time, speedup, MFU",
+                  description="Sample --steps batches of a workload, plan each with every planner, and "
+                              "simulate one training iteration per batch (ballonet.simulate).")
+    add_target_args(p)
+    p.add_argument("--workload", default="wlbllm",
+                   help=f"workload preset ({', '.join(workloads.PRESETS)}) or lengths file to sample from: "
+                        f"{workloads.LENGTHS_FILE_KINDS}")
+    p.add_argument("--tokens-per-gpu", type=positive_int, default=16384, help="global batch tokens per GPU")
+    p.add_argument("--max-length", type=positive_int, default=None, help="context window: documents are cut to it")
+    p.add_argument("--planners", default="all", help="'all' or a comma-separated list (e.g. zeppelin,te_cp)")
+    p.add_argument("--steps", type=positive_int, default=1, help="sampled batches to average over")
+    p.add_argument("--seed", type=int, default=0, help="seed of the batch sampler")
+    add_zeppelin_options(p)
+    p.add_argument("--no-engine", action="store_true",
+                   help="ablation: zeppelin's attention run in a fixed order, sends issued after compute")
+    p.add_argument("--plot", default=None, help="write a bar chart of step times (.png, .svg, .pdf, ...)")
+    p.add_argument("--trace", default=None,
+                   help="write a Chrome/Perfetto trace of the first batch (out.json; out.PLANNER.json for several; "
+                        "none for an infeasible planner)")
+    p.add_argument("--json", action="store_true", help="print a JSON object with `results`")
+    add_calibration_arg(p)
+
+
+def _plot_formats() -> tuple[str, ...]:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    return tuple("." + ext for ext in FigureCanvasAgg(Figure()).get_supported_filetypes())
+
+
+def _trace_paths(path: str, planners: list[str]) -> dict[str, str]:
+    """--trace out.json: out.json for one planner, out.PLANNER.json for several."""
+    if len(planners) == 1:
+        return {planners[0]: path}
+    root, ext = os.path.splitext(path)
+    return {name: f"{root}.{name}{ext}" for name in planners}
+
+
+def _plot_rows(rows, path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if r.feasible]
+    fig, ax = plt.subplots(figsize=(1.2 * len(rows) + 2, 4))
+    names = [r.planner for r in rows]
+    ax.bar(names, [r.step_time_s for r in rows], color="tab:blue", label="step time")
+    ax.scatter(names, [r.lower_bound_s for r in rows], color="black", marker="_", s=600, label="lower bound")
+    for i, r in enumerate(rows):
+        if r.speedup_vs_te_cp:
+            ax.annotate(f"{r.speedup_vs_te_cp:.2f}x", (i, r.step_time_s), ha="center", va="bottom")
+    ax.set_ylabel("seconds per step")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=120, format=os.path.splitext(path)[1][1:].lower()))
+    plt.close(fig)
+
+
+def cmd_simulate(args) -> int:
+    from rich.progress import Progress
+
+    from ballonet.simulation import comparison
+
+    cluster = specs.cluster(args.cluster, num_nodes=args.nodes)
+    model = specs.model(args.model, **({"tp": args.tp} if args.tp else {}))
+    planners = comparison.parse_planners(args.planners)
+    traces = _trace_paths(args.trace, planners) if args.trace else {}
+    for path in traces.values():
+        check_output(path, "--trace")
+    if args.plot:
+        check_output(args.plot, "--plot", _plot_formats())
+    popts = zeppelin_options(args)
+    sopts = {"engine": False} if args.no_engine else {}
+    total = comparison.num_simulations(planners, args.steps)
+    from rich.console import Console
+
+    with Progress(console=Console(stderr=True), transient=True, disable=total < 4) as bar:
+        task = bar.add_task("simulating", total=total)
+        rows = comparison.compare(cluster, model, args.workload, args.tokens_per_gpu, planners, steps=args.steps,
+                                  seed=args.seed, max_length=args.max_length, planner_options=popts,
+                                  sim_options=sopts, progress=lambda n: bar.advance(task, n))
+    if not any(r.feasible for r in rows):
+        raise InputError(f"no planner can run the batch: {rows[0].reason}")
+    for r in rows:
+        if r.planner in traces and r.feasible:
+            write_atomic(traces[r.planner], r.first.to_chrome_trace)
+    title = (f"{model.name} on {cluster.num_ranks} GPUs ({cluster.name}), {args.workload}, "
+             f"{args.tokens_per_gpu} tokens/GPU, {args.steps} batch(es)")
+    if args.plot:
+        _plot_rows(rows, args.plot, title)
+    if args.json:
+        print(json.dumps({"cluster": cluster.name, "num_gpus": cluster.num_ranks, "model": model.name,
+                          "workload": args.workload, "tokens_per_gpu": args.tokens_per_gpu, "steps": args.steps,
+                          "seed": args.seed, "results": [r.to_dict() for r in rows]}, indent=2))
+        return 0
+    table = [row_cells(r, ["step_time_s", "speedup_vs_te_cp", "mfu", "attention_imbalance", "exposed_comm_share",
+                           "ratio_to_lower_bound"]) for r in rows]
+    print_table(title, ["planner", "step s", "vs te_cp", "MFU", "attn imbalance", "exposed comm",
+                        "step / bound"], table, infeasible_footer(rows))
+    return 0
