@@ -380,3 +380,34 @@ def test_mfu_peak_follows_a_calibration_profile(tmp_path):
     assert metrics.peak_flops(cluster, str(profile)) == 2 * hardware.gpu("h200").peak_flops
     with pytest.raises(ballonet.InputError, match="nothing.json"):
         metrics.peak_flops(cluster, str(tmp_path / "nothing.json"))
+
+
+def test_non_tensor_checkpoint_items_load_weights_only(tmp_path):
+    """DCP's default planner reads non-tensor items with torch.load(weights_only=False);
+    ours must refuse a pickled object and still read plain values."""
+    import io
+    import pickle
+    from types import SimpleNamespace
+
+    from ballonet.training.checkpoint import SafeLoadPlanner
+
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    planner = SafeLoadPlanner()
+    planner.flatten_state_dict, planner.state_dict = False, {}
+    item = SimpleNamespace(dest_index=SimpleNamespace(fqn="optimizer.param_groups.0.lr"))
+    evil = io.BytesIO()
+    torch.save(Payload(), evil)
+    evil.seek(0)
+    with pytest.raises(pickle.UnpicklingError):
+        planner.load_bytes(item, evil)
+    assert not marker.exists()
+    plain = io.BytesIO()
+    torch.save({"lr": 0.25, "betas": (0.9, 0.95)}, plain)
+    plain.seek(0)
+    planner.load_bytes(item, plain)
+    assert planner.state_dict["optimizer.param_groups.0.lr"] == {"lr": 0.25, "betas": (0.9, 0.95)}
