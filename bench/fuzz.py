@@ -165,6 +165,11 @@ def _case(name, *argv, files=(), **kw) -> Case:
     return Case(name=name, argv=tuple(argv), files=tuple(files), **kw)
 
 
+def _toml_case(name: str, text) -> Case:
+    """`cost` with the cluster file c.toml holding `text`."""
+    return _case(name, "cost", "--length", "10", "--cluster", "c.toml", files=[("c.toml", text)])
+
+
 SWEEP: list[Case] = [
     # argparse
     _case("no subcommand"),
@@ -191,25 +196,16 @@ SWEEP: list[Case] = [
     # cluster TOML
     _case("cluster file missing", "cost", "--length", "10", "--cluster", "missing.toml"),
     _case("cluster file is a folder", "cost", "--length", "10", "--cluster", "c.toml", files=[("c.toml/", "")]),
-    _case("cluster TOML malformed", "cost", "--length", "10", "--cluster", "c.toml", files=[("c.toml", "[[node_groups]\n")]),
-    _case("cluster TOML binary", "cost", "--length", "10", "--cluster", "c.toml",
-          files=[("c.toml", bytes(range(256)) * 4)]),
-    _case("cluster TOML gpu = 5", "cost", "--length", "10", "--cluster", "c.toml",
-          files=[("c.toml", "[[node_groups]]\ngpu = 5\n")]),
-    _case("cluster TOML node_groups = [1, 2]", "cost", "--length", "10", "--cluster", "c.toml",
-          files=[("c.toml", "node_groups = [1, 2]\n")]),
-    _case('cluster TOML nic_gbps = "fast"', "cost", "--length", "10", "--cluster", "c.toml",
-          files=[("c.toml", TOML_OK + 'nic_gbps = "fast"\n')]),
-    _case("cluster TOML num_nodes = 2.5", "cost", "--length", "10", "--cluster", "c.toml",
-          files=[("c.toml", '[[node_groups]]\ngpu = "h200"\nnum_nodes = 2.5\n')]),
-    _case("cluster TOML unknown GPU", "cost", "--length", "10", "--cluster", "c.toml",
-          files=[("c.toml", '[[node_groups]]\ngpu = "z80"\n')]),
-    _case("cluster TOML unknown field", "cost", "--length", "10", "--cluster", "c.toml",
-          files=[("c.toml", TOML_OK + "colour = 1\n")]),
-    _case("cluster TOML name = [1]", "cost", "--length", "10", "--cluster", "c.toml",
-          files=[("c.toml", "name = [1]\n" + TOML_OK)]),
-    _case("cluster TOML intra_link_bw = true", "cost", "--length", "10", "--cluster", "c.toml",
-          files=[("c.toml", TOML_OK + "intra_link_bw = true\n")]),
+    _toml_case("cluster TOML malformed", "[[node_groups]\n"),
+    _toml_case("cluster TOML binary", bytes(range(256)) * 4),
+    _toml_case("cluster TOML gpu = 5", "[[node_groups]]\ngpu = 5\n"),
+    _toml_case("cluster TOML node_groups = [1, 2]", "node_groups = [1, 2]\n"),
+    _toml_case('cluster TOML nic_gbps = "fast"', TOML_OK + 'nic_gbps = "fast"\n'),
+    _toml_case("cluster TOML num_nodes = 2.5", '[[node_groups]]\ngpu = "h200"\nnum_nodes = 2.5\n'),
+    _toml_case("cluster TOML unknown GPU", '[[node_groups]]\ngpu = "z80"\n'),
+    _toml_case("cluster TOML unknown field", TOML_OK + "colour = 1\n"),
+    _toml_case("cluster TOML name = [1]", "name = [1]\n" + TOML_OK),
+    _toml_case("cluster TOML intra_link_bw = true", TOML_OK + "intra_link_bw = true\n"),
     # length files
     _case("lengths file missing", "plan", "--lengths", "missing.txt"),
     _case("lengths file empty", "plan", "--lengths", "l.txt", files=[("l.txt", "")]),
