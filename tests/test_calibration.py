@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+import ballonet
 from ballonet import calibration, cost_model, hardware
 from ballonet.cli import main
 from ballonet.errors import InputError
@@ -51,7 +52,7 @@ def test_use_prices_one_gpu_type_inside_the_block_only():
     d = _profile_dict()
     d["attention_forward"] = {"tokens": [1], "efficiency": [0.5]}
     fast = calibration.from_dict(d)
-    model = pytest.importorskip("ballonet").model("tiny")
+    model = ballonet.model("tiny")
     cpu = hardware.gpu("cpu")
     before = cost_model.attention_time(model, cpu, 1e9, 4096)
     with calibration.use(fast):
