@@ -50,11 +50,11 @@ def water_level(base: np.ndarray, speed: np.ndarray, unit: np.ndarray, cap: np.n
     return x
 
 
-def split_work(model: ModelSpec, length: int, num_members: float) -> float:
+def split_work(model: ModelSpec, length: int, num_members: float, gpu=None) -> float:
     """Work of a document split over `num_members` ranks: its FLOPs at the kernel
-    efficiency of blocks of length / num_members rows."""
+    efficiency of blocks of length / num_members rows (on `gpu`'s profile)."""
     block = max(length / max(num_members, 1.0), 1.0)
-    return cost_model.attention_flops(model, length) / model.tp / hardware.attention_efficiency(block)
+    return cost_model.attention_flops(model, length) / model.tp / hardware.attention_efficiency(block, gpu)
 
 
 class Sweep(enum.Enum):
@@ -114,7 +114,7 @@ def _start(batch: Batch, fill: RankFill, docs: list[int], local_tokens: np.ndarr
         st.members[d] = np.array(sorted(fill.split_shares[d]))
         w = np.array([fill.split_shares[d][r] for r in st.members[d]])
         st.held[d] = w * lengths[d] / w.sum() if w.any() else w
-        st.unit[d] = np.full(len(w), split_work(batch.model, lengths[d], max(np.count_nonzero(w), 1)) / lengths[d])
+        st.unit[d] = np.full(len(w), split_work(batch.model, lengths[d], max(np.count_nonzero(w), 1), batch.gpu) / lengths[d])
         st.put(d)
     st.mean_level = st.load.sum() / dev.speed.sum()
     return st
@@ -137,7 +137,7 @@ def refine(batch: Batch, fill: RankFill) -> Placement:
     for sweep in SWEEPS:
         for d in docs:
             m, held = st.members[d], st.held[d]
-            new_unit = per_token[d] / hardware.attention_efficiency_array(held) if held.any() else st.unit[d]
+            new_unit = per_token[d] / hardware.attention_efficiency_array(held, batch.gpu) if held.any() else st.unit[d]
             dropping = sweep is Sweep.DROP and len(m) > 2
             if not dropping and stamp[m].max() <= done[d] and np.allclose(new_unit, st.unit[d], rtol=1e-3) \
                     and (sweep is not Sweep.GROW or st.level_of(m) <= 1.01 * st.mean_level):

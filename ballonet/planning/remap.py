@@ -2,7 +2,9 @@
 
 Only surplus tokens move. Each rank with more tokens than its linear target sends the
 tail of its attention-local order; surplus is matched to deficit inside each node first,
-so only a node's net imbalance crosses the network.
+so only a node's net imbalance crosses the network. With `node_linear_targets` nodes keep
+their tokens and nothing crosses it: the partitioner has balanced nodes on attention plus
+linear work (`pricing.py`), so a token-balanced node is a balanced node.
 """
 
 from __future__ import annotations
@@ -12,13 +14,23 @@ import numpy as np
 from ballonet.plan import Transfer
 from ballonet.planning.packing import apportion
 
-__all__ = ["linear_targets", "plan_remap"]
+__all__ = ["linear_targets", "node_linear_targets", "plan_remap"]
 
 
 def linear_targets(num_tokens: int, speed: np.ndarray, token_cap: np.ndarray) -> np.ndarray:
     """[R] tokens per rank for the linear layers: in proportion to each rank's speed (equal
     on a homogeneous cluster), none above its memory cap."""
     return apportion(num_tokens, speed, token_cap)
+
+
+def node_linear_targets(attention_tokens, speed: np.ndarray, token_cap: np.ndarray, nodes) -> np.ndarray:
+    """[R] `linear_targets` inside each node of `nodes` (lists of ranks): a node's tokens
+    spread over its own ranks."""
+    counts = np.asarray(attention_tokens, dtype=np.int64)
+    targets = np.zeros(len(counts), dtype=np.int64)
+    for ranks in nodes:
+        targets[ranks] = linear_targets(int(counts[ranks].sum()), speed[ranks], token_cap[ranks])
+    return targets
 
 
 def plan_remap(attention_tokens: list[int], targets: np.ndarray, node_of_rank: tuple[int, ...]) -> tuple[Transfer, ...]:

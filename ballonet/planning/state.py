@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ballonet import hardware
 from ballonet.planning.devices import Devices
 from ballonet.specs import ModelSpec
 
@@ -36,6 +37,8 @@ class Batch:
     """`work` as a list (the greedy steps index it one document at a time)."""
     dev: Devices
     model: ModelSpec
+    gpu: hardware.GPUType
+    """The fastest rank's GPU type: `work` is at its kernel efficiencies."""
     crossovers: list[Crossover]
     """Per node group (`Devices.group`)."""
 

@@ -52,7 +52,8 @@ from ballonet.planning.assembly import Placement, assemble, with_memory
 from ballonet.planning.devices import Devices, check_feasible, check_lengths, devices
 from ballonet.planning.packing import NoRoom, apportion, lpt
 from ballonet.planning.refinement import refine, split_work
-from ballonet.planning.remap import linear_targets, plan_remap
+from ballonet.planning.pricing import linear_work_per_token, recompute_modes
+from ballonet.planning.remap import linear_targets, node_linear_targets, plan_remap
 from ballonet.planning.routing import plan_routes
 from ballonet.planning.state import Batch, Crossover, RankFill
 from ballonet.specs import ClusterSpec, ModelSpec
@@ -121,12 +122,13 @@ def _charge(shares: dict[int, float], d: int, work, lengths, load, token_room, s
             out.setdefault(d, {})[int(slots[i]) if slots is not None else i] = w
 
 
-def _level1(batch: Batch, nodes, intra, inter):
+def _level1(batch: Batch, nodes, intra, inter, per_token: float):
     """Step 1: inter-node documents fill the nodes with most room; the rest go whole to
     nodes by LPT (documents to split inside a node only to nodes of 2 or more ranks);
     a document no node has memory for is spread across nodes. Returns (node load, docs
     per node, inter-node shares {doc: {node: work}})."""
-    lengths, work, dev = batch.lengths, batch.work, batch.dev
+    lengths, att, dev = batch.lengths, batch.work, batch.dev
+    work = att + per_token * np.asarray(lengths, dtype=float)
     node_speed = np.array([dev.speed[rs].sum() for rs in nodes])
     node_target = work.sum() * node_speed / node_speed.sum()
     node_load = np.zeros(len(nodes))
@@ -135,7 +137,7 @@ def _level1(batch: Batch, nodes, intra, inter):
     for d in sorted(np.nonzero(inter)[0].tolist(), key=lambda d: (-work[d], d)):
         got = _fill(node_target - node_load, node_room, work[d], work[d] / lengths[d])
         _charge(got, d, work, lengths, node_load, node_room, out=shares)
-    per_node = _node_work(batch, nodes)
+    per_node = _node_work(batch, nodes) + per_token * np.asarray(lengths, dtype=float)
     node_docs: dict[int, list[int]] = {}
     multi = np.array([len(rs) > 1 for rs in nodes])
     spill: list[int] = []
@@ -149,7 +151,12 @@ def _level1(batch: Batch, nodes, intra, inter):
     for d in spill:
         got = _fill(node_target - node_load, node_room, work[d], work[d] / lengths[d])
         _charge(got, d, work, lengths, node_load, node_room, out=shares)
-    return node_load, node_docs, shares
+    att_shares = {d: {n: w * att[d] / work[d] for n, w in sh.items()} for d, sh in shares.items()}
+    node_att = np.array([sum(att[d] for d in node_docs.get(n, [])) for n in range(len(nodes))])
+    for sh in att_shares.values():
+        for n, w in sh.items():
+            node_att[n] += w
+    return node_att, node_docs, att_shares
 
 
 def _node_work(batch: Batch, nodes) -> np.ndarray:
@@ -169,7 +176,7 @@ def _node_work(batch: Batch, nodes) -> np.ndarray:
         if key not in rows:
             row = work.copy()
             for d in np.nonzero((work > fair) & (np.asarray(lengths) >= l_intra))[0]:
-                row[d] = max(work[d], split_work(batch.model, lengths[d], min(np.ceil(work[d] / fair), len(rs))))
+                row[d] = max(work[d], split_work(batch.model, lengths[d], min(np.ceil(work[d] / fair), len(rs)), batch.gpu))
             rows[key] = row
         out[n] = rows[key]
     return out
@@ -204,16 +211,20 @@ def _level2(batch: Batch, fill: RankFill, ranks: np.ndarray, node_work: float, d
     fill.token_room[ranks] = room
 
 
-def _place(lengths, work, dev: Devices, crossovers, hierarchical: bool, model: ModelSpec) -> tuple[Placement, dict]:
+def _place(lengths, dev: Devices, crossovers, hierarchical: bool, model: ModelSpec,
+           price_linear: bool) -> tuple[Placement, dict]:
     R, nodes = dev.num_ranks, dev.nodes()
+    gpu = dev.gpu[int(np.argmax(dev.speed))]
+    work = attention_work(model, lengths, gpu)
     # A document above a rank's fair share will be split over about work / share ranks,
     # whose shorter blocks run at a lower kernel efficiency: count it at that efficiency.
     # The share is the fastest rank's (it goes to the fastest ranks first).
     fair = work.sum() * dev.speed.max() / dev.speed.sum()
     for d in np.nonzero(work > fair)[0]:
         for _ in range(4):  # fixed point: more members, shorter blocks, more work
-            work[d] = split_work(model, lengths[d], min(np.ceil(work[d] / fair), R))
-    batch = Batch(lengths=lengths, work=work, work_list=work.tolist(), dev=dev, model=model, crossovers=crossovers)
+            work[d] = split_work(model, lengths[d], min(np.ceil(work[d] / fair), R), gpu)
+    batch = Batch(lengths=lengths, work=work, work_list=work.tolist(), dev=dev, model=model, gpu=gpu,
+                  crossovers=crossovers)
     intra, inter = _classify(batch, nodes, hierarchical)
     fill = RankFill(local=[[] for _ in range(R)], split_shares={}, token_room=dev.token_cap.astype(float))
     if not hierarchical:  # every split document over all ranks, shares set by refinement
@@ -222,7 +233,8 @@ def _place(lengths, work, dev: Devices, crossovers, hierarchical: bool, model: M
             fill.local[i] = docs
         fill.split_shares = {int(d): dict.fromkeys(range(R), 0.0) for d in np.nonzero(intra)[0]}
         return refine(batch, fill), {}
-    node_load, node_docs, inter_shares = _level1(batch, nodes, intra, inter)
+    per_token = linear_work_per_token(model, gpu, lengths, R) if price_linear else 0.0
+    node_load, node_docs, inter_shares = _level1(batch, nodes, intra, inter, per_token)
     for n, ranks in enumerate(nodes):
         water = [(w, d) for d, sh in inter_shares.items() if (w := sh.get(n, 0.0)) > 0]
         _level2(batch, fill, np.array(ranks), node_load[n], node_docs.get(n, []), water,
@@ -280,33 +292,55 @@ def _fallback(lengths: list[int], dev: Devices) -> Placement:
 
 
 def zeppelin(lengths, cluster: ClusterSpec, model: ModelSpec, *, routing: bool = True, remap: bool = True,
-             hierarchical: bool = True, assume_homogeneous: bool = False) -> Plan:
+             hierarchical: bool = True, assume_homogeneous: bool = False, price_linear: bool = True,
+             price_recompute: bool = True) -> Plan:
     """The Ballonet planner. `routing`, `remap`, `hierarchical` switch its layers off for
     ablations (without hierarchy a split document spans every rank); `assume_homogeneous`
-    plans as if every GPU were the first type (memory caps stay real)."""
-    options = {"routing": routing, "remap": remap, "hierarchical": hierarchical, "assume_homogeneous": assume_homogeneous}
+    plans as if every GPU were the first type (memory caps stay real). `price_linear`
+    balances nodes on attention plus linear work and remaps inside nodes only (off:
+    attention alone, remap across the cluster); `price_recompute` plans for the cheapest
+    recomputation the batch fits under (off: the model's, full when unset)."""
+    options = {"routing": routing, "remap": remap, "hierarchical": hierarchical, "assume_homogeneous": assume_homogeneous,
+               "price_linear": price_linear, "price_recompute": price_recompute}
     for key, value in options.items():
         if not isinstance(value, bool):
             raise InputError(f"zeppelin option {key} must be True or False, got {value!r}")
     lengths = check_lengths(lengths)
-    dev = devices(cluster, model, assume_homogeneous)
-    check_feasible(lengths, dev, model)
     crossovers = crossover_lengths(cluster, model)
-    meta = {"options": options, "crossover_lengths": [dataclasses.asdict(t) for t in crossovers], "fallback": False}
-    try:
-        placement, facts = _place(lengths, attention_work(model, lengths), dev, crossovers, hierarchical, model)
-        meta.update(facts)
-        return _finish(lengths, cluster, model, dev, placement, meta, routing, remap)
-    except (NoRoom, InfeasiblePlan):
-        meta["fallback"] = True
-        return _finish(lengths, cluster, model, dev, _fallback(lengths, dev), meta, routing, remap)
+    modes = recompute_modes(model) if price_recompute else (cost_model.recompute_mode(model),)
+    for i, mode in enumerate(modes):
+        last = i == len(modes) - 1
+        spec = dataclasses.replace(model, recompute=mode)
+        dev = devices(cluster, spec, assume_homogeneous)
+        try:
+            check_feasible(lengths, dev, spec)
+        except InfeasiblePlan:
+            if last:
+                raise
+            continue
+        meta = {"options": options, "crossover_lengths": [dataclasses.asdict(t) for t in crossovers],
+                "recompute": mode, "fallback": False}
+        try:
+            placement, facts = _place(lengths, dev, crossovers, hierarchical, spec, price_linear)
+            meta.update(facts)
+            return _finish(lengths, cluster, spec, dev, placement, meta, routing, remap, price_linear)
+        except (NoRoom, InfeasiblePlan):
+            if not last:
+                continue
+            meta["fallback"] = True
+            return _finish(lengths, cluster, spec, dev, _fallback(lengths, dev), meta, routing, remap, price_linear)
+    raise AssertionError("unreachable: the last mode returns or raises")
 
 
-def _finish(lengths, cluster, model, dev: Devices, placement: Placement, meta, routing: bool, remap: bool) -> Plan:
-    """Step 4 and checks: remap, routes, memory (raises `InfeasiblePlan`), validation."""
+def _finish(lengths, cluster, model, dev: Devices, placement: Placement, meta, routing: bool, remap: bool,
+            node_remap: bool) -> Plan:
+    """Step 4 and checks: remap (inside nodes, or across the cluster), routes, memory
+    (raises `InfeasiblePlan`), validation."""
     plan = assemble("zeppelin", lengths, dev, placement, attention_engine=True, meta=meta)
     if remap:
-        targets = linear_targets(sum(lengths), dev.speed, dev.token_cap)
+        counts = plan.attention_token_counts
+        targets = (node_linear_targets(counts, dev.speed, dev.token_cap, dev.nodes()) if node_remap
+                   else linear_targets(sum(lengths), dev.speed, dev.token_cap))
         plan = dataclasses.replace(plan, remap=plan_remap(list(plan.attention_token_counts), targets, dev.node))
     if routing:
         plan = dataclasses.replace(plan, routes=plan_routes(plan, cluster, model, dev.local_index))
