@@ -8,8 +8,11 @@ a batch that needs more recomputation pays a second forward. The partitioner the
   inside each node: a node that holds long documents (much attention, few tokens) takes
   fewer tokens instead of shipping q, k, v and o of the difference across the network
   every layer (`remap.node_linear_targets`);
-* plans for the cheapest recomputation under which the batch fits (`recompute_modes`):
-  memory caps per rank follow from the mode, so the partitioner balances within them.
+* plans for each recomputation the batch fits under, cheapest first (`recompute_modes`):
+  memory caps per rank follow from the mode, so the partitioner balances within them;
+  tighter caps can cost more balance than the recomputation they save, so the plans are
+  compared by their busiest rank's compute (`rank_compute_seconds`), and a costlier mode
+  is tried only while its average rank could still beat the best plan so far.
 """
 
 from __future__ import annotations
@@ -17,9 +20,11 @@ from __future__ import annotations
 import numpy as np
 
 from ballonet import cost_model, hardware
+from ballonet.plan import Plan
+from ballonet.planning.devices import Devices
 from ballonet.specs import ModelSpec
 
-__all__ = ["linear_work_per_token", "recompute_modes"]
+__all__ = ["linear_work_per_token", "rank_compute_seconds", "recompute_modes"]
 
 
 def recompute_modes(model: ModelSpec) -> tuple[str, ...]:
@@ -48,3 +53,36 @@ def linear_work_per_token(model: ModelSpec, gpu: hardware.GPUType, lengths, num_
     attention = 1 + cost_model.attention_time(model, gpu, flops, typical, backward=True) / forward
     attention += 1 if cost_model.recompute_attention(mode) else 0
     return linear / attention
+
+
+def rank_compute_seconds(plan: Plan, dev: Devices, model: ModelSpec, mode: str) -> np.ndarray:
+    """[R] seconds of a step's attention and linear kernels on each rank of `plan` (all
+    layers, forward, backward and the recomputation `mode` reruns; no launch floors, no
+    communication): what the partitioner compares its candidate plans by."""
+    R = plan.num_ranks
+    rank, length, flops, block = [], [], [], []
+    for r in range(R):
+        for d in plan.local_docs(r):
+            rank.append(r)
+            length.append(plan.lengths[d])
+    flops = list(cost_model.attention_flops(model, np.asarray(length, dtype=float)))
+    block = list(length)
+    for ring in plan.rings:
+        for i, r in enumerate(ring.ranks):
+            rank.append(r)
+            flops.append(cost_model.zigzag_rank_flops(model, ring.bounds, i))
+            block.append(ring.block_tokens(i))
+    rank_a, flops_a, block_a = np.asarray(rank, dtype=np.int64), np.asarray(flops, dtype=float), np.asarray(block, dtype=float)
+    redo = 1.0 if cost_model.recompute_attention(mode) else 0.0
+    out = np.zeros(R)
+    for gpu in set(dev.gpu):
+        on = np.array([dev.gpu[r] is gpu for r in rank_a], dtype=bool) if len(set(dev.gpu)) > 1 else slice(None)
+        fwd = cost_model.attention_seconds(model, gpu, flops_a[on], block_a[on])
+        bwd = cost_model.attention_seconds(model, gpu, flops_a[on], block_a[on], backward=True)
+        out += np.bincount(rank_a[on], weights=(1 + redo) * fwd + bwd, minlength=R)
+    rerun = cost_model.recompute_flops_per_token(model, mode)
+    for r, n in enumerate(plan.linear_token_counts):
+        g = dev.gpu[r]
+        out[r] += (1 + cost_model.LINEAR_BACKWARD_FACTOR) * cost_model.linear_time(model, g, n) + \
+            cost_model.linear_time(model, g, n, rerun)
+    return model.num_layers * out

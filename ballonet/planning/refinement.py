@@ -146,7 +146,7 @@ def refine(batch: Batch, fill: RankFill) -> Placement:
             st.unit[d] = new_unit
             if dropping:
                 keep = held >= 0.25 * held.mean()
-                if keep.sum() >= 2:
+                if keep.sum() >= 2 and st.room(m[keep]).sum() >= lengths[d]:
                     st.members[d], st.held[d], st.unit[d] = m[keep], held[keep], st.unit[d][keep]
             m = st.members[d]
             st.held[d] = water_level(st.load[m], dev.speed[m], st.unit[d], st.room(m), lengths[d])

@@ -52,7 +52,7 @@ from ballonet.planning.assembly import Placement, assemble, with_memory
 from ballonet.planning.devices import Devices, check_feasible, check_lengths, devices
 from ballonet.planning.packing import NoRoom, apportion, lpt
 from ballonet.planning.refinement import refine, split_work
-from ballonet.planning.pricing import linear_work_per_token, recompute_modes
+from ballonet.planning.pricing import linear_work_per_token, rank_compute_seconds, recompute_modes
 from ballonet.planning.remap import linear_targets, node_linear_targets, plan_remap
 from ballonet.planning.routing import plan_routes
 from ballonet.planning.state import Batch, Crossover, RankFill
@@ -308,31 +308,44 @@ def zeppelin(lengths, cluster: ClusterSpec, model: ModelSpec, *, routing: bool =
     lengths = check_lengths(lengths)
     crossovers = crossover_lengths(cluster, model)
     modes = recompute_modes(model) if price_recompute else (cost_model.recompute_mode(model),)
+    best, best_s, error = None, np.inf, None
     for i, mode in enumerate(modes):
-        last = i == len(modes) - 1
         spec = dataclasses.replace(model, recompute=mode)
-        dev = devices(cluster, spec, assume_homogeneous)
         try:
-            check_feasible(lengths, dev, spec)
-        except InfeasiblePlan:
-            if last:
-                raise
+            plan, dev = _plan(lengths, cluster, spec, crossovers, options, fallback=i == len(modes) - 1 and best is None)
+        except (NoRoom, InfeasiblePlan) as e:
+            error = e
             continue
-        meta = {"options": options, "crossover_lengths": [dataclasses.asdict(t) for t in crossovers],
-                "recompute": mode, "fallback": False}
-        try:
-            placement, facts = _place(lengths, dev, crossovers, hierarchical, spec, price_linear)
-            meta.update(facts)
-            return _finish(lengths, cluster, spec, dev, placement, meta, routing, remap, price_linear)
-        except (NoRoom, InfeasiblePlan):
-            if not last:
-                continue
-            meta["fallback"] = True
-            return _finish(lengths, cluster, spec, dev, _fallback(lengths, dev), meta, routing, remap, price_linear)
-    raise AssertionError("unreachable: the last mode returns or raises")
+        seconds = rank_compute_seconds(plan, dev, spec, mode)
+        if seconds.max() < best_s:
+            best, best_s = plan, seconds.max()
+        if i + 1 < len(modes) and rank_compute_seconds(plan, dev, spec, modes[i + 1]).mean() >= best_s:
+            break  # a costlier mode's average rank is already slower than the best plan's busiest
+    if best is None:
+        raise error
+    return best
 
 
-def _finish(lengths, cluster, model, dev: Devices, placement: Placement, meta, routing: bool, remap: bool,
+def _plan(lengths, cluster, model, crossovers, options, fallback: bool) -> tuple[Plan, Devices]:
+    """One plan under the memory caps of `model.recompute`; with `fallback`, a batch the
+    greedy steps cannot fit is cut in runs (`_fallback`) rather than refused."""
+    dev = devices(cluster, model, options["assume_homogeneous"])
+    check_feasible(lengths, dev, model)
+    meta = {"options": options, "crossover_lengths": [dataclasses.asdict(t) for t in crossovers],
+            "recompute": model.recompute, "fallback": False}
+    finish = dict(routing=options["routing"], remap=options["remap"], node_remap=options["price_linear"])
+    try:
+        placement, facts = _place(lengths, dev, crossovers, options["hierarchical"], model, options["price_linear"])
+        meta.update(facts)
+        return _finish(lengths, cluster, model, dev, placement, meta, **finish), dev
+    except (NoRoom, InfeasiblePlan):
+        if not fallback:
+            raise
+        meta["fallback"] = True
+        return _finish(lengths, cluster, model, dev, _fallback(lengths, dev), meta, **finish), dev
+
+
+def _finish(lengths, cluster, model, dev: Devices, placement: Placement, meta, *, routing: bool, remap: bool,
             node_remap: bool) -> Plan:
     """Step 4 and checks: remap (inside nodes, or across the cluster), routes, memory
     (raises `InfeasiblePlan`), validation."""
