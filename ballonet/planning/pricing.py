@@ -4,7 +4,7 @@ Attention work alone does not make a step: every token also runs the linear laye
 a batch that needs more recomputation pays a second forward. The partitioner therefore
 
 * balances nodes on attention work plus each document's linear work
-  (`linear_work_per_token`, in the units of `Batch.work`), so that the remap can stay
+  (`StepWeights.linear_per_token`, in the units of `Batch.work`), so that the remap can stay
   inside each node: a node that holds long documents (much attention, few tokens) takes
   fewer tokens instead of shipping q, k, v and o of the difference across the network
   every layer (`remap.node_linear_targets`);
@@ -17,6 +17,8 @@ a batch that needs more recomputation pays a second forward. The partitioner the
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from ballonet import cost_model, hardware
@@ -24,7 +26,8 @@ from ballonet.plan import Plan
 from ballonet.planning.devices import Devices
 from ballonet.specs import ModelSpec
 
-__all__ = ["linear_work_per_token", "rank_compute_seconds", "recompute_modes"]
+__all__ = ["StepWeights", "inter_node_pays", "rank_compute_seconds", "recompute_modes", "ring_exposed_seconds",
+           "step_weights"]
 
 
 def recompute_modes(model: ModelSpec) -> tuple[str, ...]:
@@ -32,16 +35,24 @@ def recompute_modes(model: ModelSpec) -> tuple[str, ...]:
     return (model.recompute,) if model.recompute else cost_model.RECOMPUTE_MODES
 
 
-def linear_work_per_token(model: ModelSpec, gpu: hardware.GPUType, lengths, num_ranks: int) -> float:
-    """One token's linear layers over a step (forward, backward and the recomputation of
-    `model.recompute`), in forward-attention work units on `gpu` (peak FLOP/s times
-    seconds, divided by the attention's own step factor), so that for a document of L
-    tokens `work + L * this` is in proportion to its share of the step's compute. The
-    factors are taken at the batch's mean tokens per rank and its token-weighted mean
-    document length."""
+@dataclass(frozen=True)
+class StepWeights:
+    """How the partitioner turns forward attention work (`Batch.work`, peak-FLOP units)
+    and tokens into a step's compute."""
+    linear_per_token: float
+    """One token's linear layers over a step, in forward-attention work units: for a
+    document of L tokens, `work + L * this` is in proportion to its share of the step."""
+    attention_step: float
+    """Step seconds of attention per forward second: forward, backward, and the forward
+    again under full recomputation."""
+
+
+def step_weights(model: ModelSpec, gpu: hardware.GPUType, lengths, num_ranks: int) -> StepWeights:
+    """`StepWeights` on `gpu` under `model.recompute`, at the batch's mean tokens per rank
+    (for the GEMMs' efficiency) and its token-weighted mean document length."""
     L = np.asarray(lengths, dtype=float)
     if not L.size:
-        return 0.0
+        return StepWeights(linear_per_token=0.0, attention_step=1.0)
     mode = cost_model.recompute_mode(model)
     tokens = L.sum() / max(num_ranks, 1)
     linear = cost_model.linear_time(model, gpu, tokens) * gpu.peak_flops / tokens
@@ -52,7 +63,36 @@ def linear_work_per_token(model: ModelSpec, gpu: hardware.GPUType, lengths, num_
     forward = cost_model.attention_time(model, gpu, flops, typical)
     attention = 1 + cost_model.attention_time(model, gpu, flops, typical, backward=True) / forward
     attention += 1 if cost_model.recompute_attention(mode) else 0
-    return linear / attention
+    return StepWeights(linear_per_token=linear / attention, attention_step=attention)
+
+
+def ring_exposed_seconds(model: ModelSpec, gpu: hardware.GPUType, length: int, members: int, bandwidth: float) -> float:
+    """Seconds a ring of `members` ranks over a document of `length` tokens leaves its
+    transfers exposed in a step (all layers), when each hop runs at `bandwidth` (the
+    slowest, crossing hop) and nothing else fills the wait: per ring step, the forward's
+    K/V transfer and the backward's K/V plus dK/dV (fp32) beyond that step's compute."""
+    block = max(length // members, 1)
+    flops = cost_model.block_flops(model, block, block)
+    fwd = cost_model.p2p_time(cost_model.kv_bytes(model, block), bandwidth, True, gpu) \
+        - cost_model.attention_time(model, gpu, flops, block)
+    bwd = cost_model.p2p_time(cost_model.kv_bytes(model, block) + cost_model.kv_grad_bytes(model, block), bandwidth,
+                              True, gpu) - cost_model.attention_time(model, gpu, flops, block, backward=True)
+    redo = 2 if cost_model.recompute_attention(cost_model.recompute_mode(model)) else 1
+    return model.num_layers * (members - 1) * (redo * max(fwd, 0.0) + max(bwd, 0.0))
+
+
+def inter_node_pays(model: ModelSpec, gpu: hardware.GPUType, length: int, step_work: float, node_share: float,
+                    ranks_per_node: int, num_nodes: int, bandwidth: float, node_speed: float,
+                    weights: StepWeights) -> bool:
+    """Whether a document whose step work (attention plus linear, `StepWeights` units) is
+    over a node's share runs faster split across as many nodes as its work needs than
+    kept in one node: the overload of that node (its ranks' extra step seconds) against
+    the exposed communication of the wider ring (`ring_exposed_seconds`)."""
+    overload = (step_work - node_share) / node_speed * weights.attention_step * model.num_layers
+    nodes = int(min(np.ceil(step_work / node_share), num_nodes))
+    if nodes < 2:
+        return False
+    return ring_exposed_seconds(model, gpu, length, nodes * ranks_per_node, bandwidth) < overload
 
 
 def rank_compute_seconds(plan: Plan, dev: Devices, model: ModelSpec, mode: str) -> np.ndarray:

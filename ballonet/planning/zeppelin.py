@@ -52,7 +52,7 @@ from ballonet.planning.assembly import Placement, assemble, with_memory
 from ballonet.planning.devices import Devices, check_feasible, check_lengths, devices
 from ballonet.planning.packing import NoRoom, apportion, lpt
 from ballonet.planning.refinement import refine, split_work
-from ballonet.planning.pricing import linear_work_per_token, rank_compute_seconds, recompute_modes
+from ballonet.planning.pricing import StepWeights, inter_node_pays, rank_compute_seconds, recompute_modes, step_weights
 from ballonet.planning.remap import linear_targets, node_linear_targets, plan_remap
 from ballonet.planning.routing import plan_routes
 from ballonet.planning.state import Batch, Crossover, RankFill
@@ -69,7 +69,8 @@ def crossover_lengths(cluster: ClusterSpec, model: ModelSpec) -> list[Crossover]
         ranks_per_node = g.gpus_per_node // model.tp
         c_intra = cost_model.breakeven_chunk_tokens(model, g.gpu_type, g.intra_bw)
         c_inter = cost_model.breakeven_chunk_tokens(model, g.gpu_type, g.nic_bw / g.gpus_per_nic, nic=True)
-        out.append(Crossover(intra=2 * c_intra if ranks_per_node > 1 else None, inter=2 * ranks_per_node * c_inter))
+        out.append(Crossover(intra=2 * c_intra if ranks_per_node > 1 else None, inter=2 * ranks_per_node * c_inter,
+                             crossing_bw=g.nic_bw))
     return out
 
 
@@ -95,12 +96,17 @@ def _fill(room: np.ndarray, token_room: np.ndarray, work: float, per_token: floa
     return shares
 
 
-def _classify(batch: Batch, nodes, hierarchical: bool):
-    """(intra, inter) masks: split inside a node / across nodes (module docstring)."""
+def _classify(batch: Batch, nodes, hierarchical: bool, per_token: float, weights: StepWeights):
+    """(intra, inter) masks: split inside a node / across nodes (module docstring). A
+    document whose attention plus linear work is over a node's share but that is shorter
+    than the inter-node crossover goes across nodes when the node's overload it saves is
+    more than the ring's exposed communication would cost (`pricing.inter_node_pays`)."""
     L, work, dev, crossovers = np.asarray(batch.lengths), batch.work, batch.dev, batch.crossovers
     speed = dev.speed
     rank_share = work.sum() * speed.max() / speed.sum()
-    node_share = work.sum() * max(speed[rs].sum() for rs in nodes) / speed.sum()
+    step = work + per_token * L
+    node_speed = max(speed[rs].sum() for rs in nodes)
+    node_share = step.sum() * node_speed / speed.sum()
     l_intra = min((t.intra for t in crossovers if t.intra), default=None)
     l_inter = min(t.inter for t in crossovers)
     can_intra = (L >= l_intra) if l_intra else np.zeros(len(L), dtype=bool)
@@ -108,7 +114,13 @@ def _classify(batch: Batch, nodes, hierarchical: bool):
     inter = np.zeros(len(L), dtype=bool)
     if hierarchical and len(nodes) > 1:
         node_tokens = max(dev.token_cap[rs].sum() for rs in nodes)
-        inter = (L > node_tokens) | ((work > node_share) & (L >= l_inter))
+        heavy = step > node_share
+        inter = (L > node_tokens) | (heavy & (L >= l_inter))
+        n = max(len(rs) for rs in nodes)
+        bw = min(t.crossing_bw for t in crossovers)
+        for d in np.nonzero(heavy & ~inter)[0]:
+            inter[d] = inter_node_pays(batch.model, batch.gpu, int(L[d]), step[d], node_share, n, len(nodes), bw,
+                                       node_speed, weights)
     return intra & ~inter, inter
 
 
@@ -225,7 +237,9 @@ def _place(lengths, dev: Devices, crossovers, hierarchical: bool, model: ModelSp
             work[d] = split_work(model, lengths[d], min(np.ceil(work[d] / fair), R), gpu)
     batch = Batch(lengths=lengths, work=work, work_list=work.tolist(), dev=dev, model=model, gpu=gpu,
                   crossovers=crossovers)
-    intra, inter = _classify(batch, nodes, hierarchical)
+    weights = step_weights(model, gpu, lengths, R)
+    per_token = weights.linear_per_token if price_linear else 0.0
+    intra, inter = _classify(batch, nodes, hierarchical, per_token, weights)
     fill = RankFill(local=[[] for _ in range(R)], split_shares={}, token_room=dev.token_cap.astype(float))
     if not hierarchical:  # every split document over all ranks, shares set by refinement
         solid = [d for d in range(len(lengths)) if not intra[d]]
@@ -233,7 +247,6 @@ def _place(lengths, dev: Devices, crossovers, hierarchical: bool, model: ModelSp
             fill.local[i] = docs
         fill.split_shares = {int(d): dict.fromkeys(range(R), 0.0) for d in np.nonzero(intra)[0]}
         return refine(batch, fill), {}
-    per_token = linear_work_per_token(model, gpu, lengths, R) if price_linear else 0.0
     node_load, node_docs, inter_shares = _level1(batch, nodes, intra, inter, per_token)
     for n, ranks in enumerate(nodes):
         water = [(w, d) for d, sh in inter_shares.items() if (w := sh.get(n, 0.0)) > 0]
