@@ -100,29 +100,29 @@ def rank_compute_seconds(plan: Plan, dev: Devices, model: ModelSpec, mode: str) 
     layers, forward, backward and the recomputation `mode` reruns; no launch floors, no
     communication): what the partitioner compares its candidate plans by."""
     R = plan.num_ranks
-    rank, length, flops, block = [], [], [], []
-    for r in range(R):
-        for d in plan.local_docs(r):
-            rank.append(r)
-            length.append(plan.lengths[d])
-    flops = list(cost_model.attention_flops(model, np.asarray(length, dtype=float)))
-    block = list(length)
+    in_ring = plan.ring_of_doc
+    local = [(r, d) for r, segs in enumerate(plan.attention) for d in {s.doc for s in segs} if d not in in_ring]
+    rank = [r for r, _ in local]
+    block = [plan.lengths[d] for _, d in local]
+    flops = cost_model.attention_flops(model, np.asarray(block, dtype=float)).tolist()
     for ring in plan.rings:
         for i, r in enumerate(ring.ranks):
             rank.append(r)
             flops.append(cost_model.zigzag_rank_flops(model, ring.bounds, i))
             block.append(ring.block_tokens(i))
-    rank_a, flops_a, block_a = np.asarray(rank, dtype=np.int64), np.asarray(flops, dtype=float), np.asarray(block, dtype=float)
+    rank_a, flops_a, block_a = np.asarray(rank, dtype=np.int64), np.asarray(flops), np.asarray(block, dtype=float)
+    tokens = np.asarray(plan.linear_token_counts, dtype=float)
     redo = 1.0 if cost_model.recompute_attention(mode) else 0.0
+    linear = (1 + cost_model.LINEAR_BACKWARD_FACTOR) * cost_model.linear_flops_per_token(model) \
+        + cost_model.recompute_flops_per_token(model, mode)
+    gpus = np.asarray([g.name for g in dev.gpu])
     out = np.zeros(R)
-    for gpu in set(dev.gpu):
-        on = np.array([dev.gpu[r] is gpu for r in rank_a], dtype=bool) if len(set(dev.gpu)) > 1 else slice(None)
+    for gpu in {g.name: g for g in dev.gpu}.values():
+        on = gpus[rank_a] == gpu.name
         fwd = cost_model.attention_seconds(model, gpu, flops_a[on], block_a[on])
         bwd = cost_model.attention_seconds(model, gpu, flops_a[on], block_a[on], backward=True)
         out += np.bincount(rank_a[on], weights=(1 + redo) * fwd + bwd, minlength=R)
-    rerun = cost_model.recompute_flops_per_token(model, mode)
-    for r, n in enumerate(plan.linear_token_counts):
-        g = dev.gpu[r]
-        out[r] += (1 + cost_model.LINEAR_BACKWARD_FACTOR) * cost_model.linear_time(model, g, n) + \
-            cost_model.linear_time(model, g, n, rerun)
+        mine = gpus == gpu.name
+        eff = hardware.profile(gpu).linear.at(np.maximum(tokens[mine], 1.0))
+        out[mine] += linear * tokens[mine] / model.tp / (gpu.peak_flops * eff)
     return model.num_layers * out

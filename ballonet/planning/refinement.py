@@ -85,6 +85,25 @@ class Levels:
     members: dict[int, np.ndarray]
     held: dict[int, np.ndarray]
     unit: dict[int, np.ndarray]
+    node_tokens: dict[int, dict[int, float]]
+    """Per document split across nodes, its tokens in each node: fixed by level 1, which
+    balanced nodes on attention plus linear work (levelling attention alone across nodes
+    would undo that)."""
+
+    def spread(self, d: int, m: np.ndarray, unit: np.ndarray, length: int) -> np.ndarray:
+        """Tokens of document `d` for members `m` making them level (`water_level`), node
+        by node for a document split across nodes while its nodes have room for their share."""
+        shares = self.node_tokens.get(d)
+        node = np.asarray(self.dev.node)[m]
+        room = self.room(m)
+        if shares and set(shares) == set(node.tolist()) and \
+                all(room[node == n].sum() >= t for n, t in shares.items()):
+            held = np.zeros(len(m))
+            for n, t in shares.items():
+                on = node == n
+                held[on] = water_level(self.load[m[on]], self.dev.speed[m[on]], unit[on], room[on], t)
+            return held
+        return water_level(self.load[m], self.dev.speed[m], unit, room, length)
 
     def take(self, d: int) -> None:
         """Remove document `d`'s current shares from its members."""
@@ -109,11 +128,15 @@ def _start(batch: Batch, fill: RankFill, docs: list[int], local_tokens: np.ndarr
     dev, lengths, work_list = batch.dev, batch.lengths, batch.work_list
     load = np.array([sum(work_list[d] for d in ds) for ds in fill.local], dtype=float)
     st = Levels(dev=dev, load=load, tokens=local_tokens.astype(float), node_ranks=[np.array(rs) for rs in dev.nodes()],
-                mean_level=0.0, members={}, held={}, unit={})
+                mean_level=0.0, members={}, held={}, unit={}, node_tokens={})
+    node = np.asarray(dev.node)
     for d in docs:
         st.members[d] = np.array(sorted(fill.split_shares[d]))
         w = np.array([fill.split_shares[d][r] for r in st.members[d]])
         st.held[d] = w * lengths[d] / w.sum() if w.any() else w
+        nodes = node[st.members[d]]
+        if len(set(nodes.tolist())) > 1:
+            st.node_tokens[d] = {int(n): float(st.held[d][nodes == n].sum()) for n in sorted(set(nodes.tolist()))}
         st.unit[d] = np.full(len(w), split_work(batch.model, lengths[d], max(np.count_nonzero(w), 1), batch.gpu) / lengths[d])
         st.put(d)
     st.mean_level = st.load.sum() / dev.speed.sum()
@@ -139,7 +162,7 @@ def refine(batch: Batch, fill: RankFill) -> Placement:
             m, held = st.members[d], st.held[d]
             new_unit = per_token[d] / hardware.attention_efficiency_array(held, batch.gpu) if held.any() else st.unit[d]
             dropping = sweep is Sweep.DROP and len(m) > 2
-            if not dropping and stamp[m].max() <= done[d] and np.allclose(new_unit, st.unit[d], rtol=1e-3) \
+            if not dropping and stamp[m].max() <= done[d] and (np.abs(new_unit - st.unit[d]) <= 1e-3 * np.abs(st.unit[d])).all() \
                     and (sweep is not Sweep.GROW or st.level_of(m) <= 1.01 * st.mean_level):
                 continue
             st.take(d)
@@ -149,7 +172,7 @@ def refine(batch: Batch, fill: RankFill) -> Placement:
                 if keep.sum() >= 2 and st.room(m[keep]).sum() >= lengths[d]:
                     st.members[d], st.held[d], st.unit[d] = m[keep], held[keep], st.unit[d][keep]
             m = st.members[d]
-            st.held[d] = water_level(st.load[m], dev.speed[m], st.unit[d], st.room(m), lengths[d])
+            st.held[d] = st.spread(d, m, st.unit[d], lengths[d])
             if sweep is Sweep.GROW:
                 _grow(st, d, lengths[d])
             st.put(d)
@@ -190,5 +213,5 @@ def _grow(st: Levels, d: int, length: int) -> None:
             break
         m = np.sort(np.append(m, new))
         unit = np.full(len(m), unit.mean())
-        held = water_level(st.load[m], dev.speed[m], unit, st.room(m), length)
+        held = st.spread(d, m, unit, length)
     st.members[d], st.held[d], st.unit[d] = m, held, unit

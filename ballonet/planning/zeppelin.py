@@ -252,7 +252,8 @@ def _place(lengths, dev: Devices, crossovers, hierarchical: bool, model: ModelSp
         water = [(w, d) for d, sh in inter_shares.items() if (w := sh.get(n, 0.0)) > 0]
         _level2(batch, fill, np.array(ranks), node_load[n], node_docs.get(n, []), water,
                 crossovers[dev.group[ranks[0]]].intra)
-    return refine(batch, fill), {"inter_docs": len(inter_shares)}
+    binding = bool((fill.token_room < 0.02 * dev.token_cap).any())
+    return refine(batch, fill), {"inter_docs": len(inter_shares), "caps_bind": binding}
 
 
 def _split_to_level(batch: Batch, fill: RankFill, ranks, load, speed, min_length: float,
@@ -331,12 +332,17 @@ def zeppelin(lengths, cluster: ClusterSpec, model: ModelSpec, *, routing: bool =
             continue
         seconds = rank_compute_seconds(plan, dev, spec, mode)
         if seconds.max() < best_s:
-            best, best_s = plan, seconds.max()
+            best, best_s = (plan, dev, spec), seconds.max()
+        if not plan.meta.get("caps_bind", True):
+            break  # looser caps would place the same way and recompute more
         if i + 1 < len(modes) and rank_compute_seconds(plan, dev, spec, modes[i + 1]).mean() >= best_s:
             break  # a costlier mode's average rank is already slower than the best plan's busiest
     if best is None:
         raise error
-    return best
+    plan, dev, spec = best
+    if routing:
+        plan = dataclasses.replace(plan, routes=plan_routes(plan, cluster, spec, dev.local_index))
+    return plan.validate()
 
 
 def _plan(lengths, cluster, model, crossovers, options, fallback: bool) -> tuple[Plan, Devices]:
@@ -346,28 +352,25 @@ def _plan(lengths, cluster, model, crossovers, options, fallback: bool) -> tuple
     check_feasible(lengths, dev, model)
     meta = {"options": options, "crossover_lengths": [dataclasses.asdict(t) for t in crossovers],
             "recompute": model.recompute, "fallback": False}
-    finish = dict(routing=options["routing"], remap=options["remap"], node_remap=options["price_linear"])
+    finish = dict(remap=options["remap"], node_remap=options["price_linear"])
     try:
         placement, facts = _place(lengths, dev, crossovers, options["hierarchical"], model, options["price_linear"])
         meta.update(facts)
-        return _finish(lengths, cluster, model, dev, placement, meta, **finish), dev
+        return _finish(lengths, dev, placement, meta, **finish), dev
     except (NoRoom, InfeasiblePlan):
         if not fallback:
             raise
         meta["fallback"] = True
-        return _finish(lengths, cluster, model, dev, _fallback(lengths, dev), meta, **finish), dev
+        return _finish(lengths, dev, _fallback(lengths, dev), meta, **finish), dev
 
 
-def _finish(lengths, cluster, model, dev: Devices, placement: Placement, meta, *, routing: bool, remap: bool,
-            node_remap: bool) -> Plan:
-    """Step 4 and checks: remap (inside nodes, or across the cluster), routes, memory
-    (raises `InfeasiblePlan`), validation."""
+def _finish(lengths, dev: Devices, placement: Placement, meta, *, remap: bool, node_remap: bool) -> Plan:
+    """Step 4 but routes: remap (inside nodes, or across the cluster) and memory (raises
+    `InfeasiblePlan`); the chosen plan gets its routes and is validated by `zeppelin`."""
     plan = assemble("zeppelin", lengths, dev, placement, attention_engine=True, meta=meta)
     if remap:
         counts = plan.attention_token_counts
         targets = (node_linear_targets(counts, dev.speed, dev.token_cap, dev.nodes()) if node_remap
                    else linear_targets(sum(lengths), dev.speed, dev.token_cap))
-        plan = dataclasses.replace(plan, remap=plan_remap(list(plan.attention_token_counts), targets, dev.node))
-    if routing:
-        plan = dataclasses.replace(plan, routes=plan_routes(plan, cluster, model, dev.local_index))
-    return with_memory(plan, dev).validate()
+        plan = dataclasses.replace(plan, remap=plan_remap(list(counts), targets, dev.node))
+    return with_memory(plan, dev)
