@@ -96,8 +96,7 @@ def test_memory_cap_of_the_small_gpu_is_respected(assume_homogeneous):
         assert plan.attention_tokens(r) <= cap and plan.linear_tokens(r) <= cap
         assert plan.memory_bytes[r] <= hardware.gpu("l40s").memory_bytes * 0.9
     assert sum(plan.linear_tokens(r) for r in range(32)) == sum(lengths)
-    if not assume_homogeneous:
-        assert all(plan.linear_tokens(r) >= cap - 1 for r in range(16, 32))
+    assert all(plan.node_of_rank[t.src] == plan.node_of_rank[t.dst] for t in plan.remap)
 
 
 def test_mixed_preset_balances_seconds_not_tokens():
@@ -105,14 +104,13 @@ def test_mixed_preset_balances_seconds_not_tokens():
     rng = np.random.default_rng(0)
     lengths = [int(x) for x in rng.integers(300, 8000, size=150)] + [60_000, 40_000]
     plan = plan_batch(lengths, cluster, model)
-    ratio = 989 / 148
-    lin = [plan.linear_tokens(r) for r in range(32)]
-    assert lin[0] / lin[16] == pytest.approx(ratio, rel=0.01)
     res = simulate(plan, cluster, model)
     flat = simulate(plan_batch(lengths, cluster, model, assume_homogeneous=True), cluster, model)
     assert res.step_time_s * 1.3 < flat.step_time_s
-    att = np.array(res.attention_s)
-    assert att.max() / att.mean() < 1.2  # seconds, not tokens, are level
+    compute = np.array(res.compute_s)
+    assert compute.max() / compute.mean() < 1.05  # seconds, not tokens, are level
+    lin = [plan.linear_tokens(r) for r in range(32)]
+    assert sum(lin[:16]) / sum(lin[16:]) > 3  # the H800 nodes (6.7x the peak) take most tokens
 
 
 def test_simulator_runs_each_device_at_its_speed_and_bound_is_speed_weighted(half_h100):
@@ -170,8 +168,10 @@ def test_cli_assume_homogeneous(capsys):
     import json
 
     ranks = json.loads(capsys.readouterr().out)["ranks"]
-    lin = [r["tokens_linear"] for r in ranks]
-    assert max(lin) - min(lin) <= 1
+    by_node = {}
+    for r in ranks:  # the remap stays inside nodes: each node's tokens even over its ranks
+        by_node.setdefault(r["node"], []).append(r["tokens_linear"])
+    assert len(by_node) > 1 and all(max(lin) - min(lin) <= 1 for lin in by_node.values())
     assert main(["plan", "--cluster", "h800+h20", "--tokens-per-gpu", "4096", "--planner", "te_cp",
                  "--assume-homogeneous"]) == 2
     assert "has no option 'assume_homogeneous'" in capsys.readouterr().err

@@ -99,7 +99,8 @@ def cmd_plan(args) -> int:
              r["tokens_linear"], f"{r['bytes_in'] / 2**20:.1f}", f"{r['bytes_out'] / 2**20:.1f}",
              "/".join(str(r["documents"][k]) for k in ("local", "intra", "inter"))] for r in report["ranks"]]
     m = report["metrics"]
-    footer = (f"attention imbalance (max/mean seconds) {m['attention_imbalance']:.3f}   "
+    footer = (f"compute imbalance (max/mean step seconds) {m['compute_imbalance']:.3f}   "
+              f"attention imbalance (max/mean seconds) {m['attention_imbalance']:.3f}   "
               f"linear imbalance (max/mean tokens after remap) {m['linear_imbalance']:.3f}\n"
               f"bytes per layer (forward): all {m['comm_bytes'] / 2**30:.2f} GiB, across nodes "
               f"{m['inter_node_bytes'] / 2**30:.2f} GiB, busiest NIC {m['max_nic_bytes'] / 2**30:.3f} GiB   "

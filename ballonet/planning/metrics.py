@@ -3,6 +3,8 @@
 * attention cost of a rank: seconds of its local documents (`attention_flops` at their
   length) plus its ring positions (`zigzag_rank_flops`, efficiency at its block length);
 * `attention_imbalance`: max / mean of those seconds;
+* `compute_imbalance`: max / mean of a step's attention plus linear seconds per rank
+  (`pricing.rank_compute_seconds`): what the partitioner balances;
 * `linear_imbalance`: max / mean of tokens after remap, each rank's tokens divided by its
   share of the cluster's speed (plain max / mean of tokens on a homogeneous cluster);
 * bytes: forward K/V of every ring plus what the runtime's remap moves (`cost_model.
@@ -13,15 +15,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import numpy as np
 
 from ballonet import cost_model
 from ballonet.plan import Plan, Ring
+from ballonet.planning.devices import devices
+from ballonet.planning.pricing import rank_compute_seconds
 from ballonet.specs import ClusterSpec, ModelSpec, rank_hardware
 
-__all__ = ["plan_metrics", "rank_attention_seconds", "rank_bytes", "rank_classes"]
+__all__ = ["plan_metrics", "rank_attention_seconds", "rank_bytes", "rank_classes", "rank_step_compute_seconds"]
 
 
 def rank_attention_seconds(plan: Plan, cluster: ClusterSpec, model: ModelSpec) -> list[float]:
@@ -92,8 +97,19 @@ def _allgather_traffic(plan: Plan, model: ModelSpec, ring: Ring, out, inn, nic, 
         nic["in", plan.nic_of_rank[r]] += everything - per_node[node[i]]
 
 
+def rank_step_compute_seconds(plan: Plan, cluster: ClusterSpec, model: ModelSpec) -> np.ndarray:
+    """[R] a step's attention and linear kernel seconds per rank (`pricing.rank_compute_seconds`)
+    under the recomputation the plan was made for, or the cheapest its tokens fit under."""
+    mode = plan.meta.get("recompute") or cost_model.cheapest_recompute(
+        model, plan.linear_token_counts, rank_hardware(cluster, model.tp).gpu, plan.num_ranks,
+        plan.attention_token_counts) or "full"
+    spec = dataclasses.replace(model, recompute=mode)
+    return rank_compute_seconds(plan, devices(cluster, spec), spec, mode)
+
+
 def plan_metrics(plan: Plan, cluster: ClusterSpec, model: ModelSpec) -> dict:
     seconds = rank_attention_seconds(plan, cluster, model)
+    step = rank_step_compute_seconds(plan, cluster, model)
     speed = np.array([gpu.peak_flops for gpu in rank_hardware(cluster, model.tp).gpu])
     linear = np.array(plan.linear_token_counts, dtype=float)
     traffic = _traffic(plan, model)
@@ -102,6 +118,7 @@ def plan_metrics(plan: Plan, cluster: ClusterSpec, model: ModelSpec) -> dict:
     return {
         "attention_imbalance": max(seconds) / mean_s if mean_s > 0 else 1.0,
         "linear_imbalance": float(per_speed.max() / linear.sum()) if linear.sum() > 0 else 1.0,
+        "compute_imbalance": float(step.max() / step.mean()) if step.mean() > 0 else 1.0,
         "attention_max_s": max(seconds),
         "comm_bytes": traffic["kv"] + traffic["remap"],
         "kv_bytes": traffic["kv"],
