@@ -118,7 +118,7 @@ def _classify(batch: Batch, nodes, hierarchical: bool, per_token: float, weights
         inter = (L > node_tokens) | (heavy & (L >= l_inter))
         n = max(len(rs) for rs in nodes)
         bw = min(t.crossing_bw for t in crossovers)
-        for d in np.nonzero(heavy & ~inter)[0]:
+        for d in np.nonzero(heavy & ~inter)[0] if per_token > 0 else ():  # priced with `price_linear` only
             inter[d] = inter_node_pays(batch.model, batch.gpu, int(L[d]), step[d], node_share, n, len(nodes), bw,
                                        node_speed, weights)
     return intra & ~inter, inter
