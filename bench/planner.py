@@ -18,6 +18,7 @@ Writes bench/results/planner.md and planner.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -26,11 +27,9 @@ import statistics
 import sys
 import time
 
-import dataclasses
-
 import numpy as np
 
-from ballonet import PLANNERS, plan_batch, simulate, specs, workloads
+from ballonet import PLANNERS, InfeasiblePlan, plan_batch, simulate, specs, workloads
 from ballonet.planning.devices import devices
 from ballonet.planning.metrics import plan_metrics
 
@@ -92,7 +91,7 @@ def full_memory() -> list[dict]:
     for name in PLANNERS:
         try:
             plan = plan_batch(lengths, cluster, model, planner=name)
-        except Exception as e:  # a baseline whose own scheme cannot hold the batch
+        except InfeasiblePlan as e:  # a baseline whose own scheme cannot hold the batch
             rows.append({"planner": name, "error": str(e)})
             continue
         m = plan_metrics(plan, cluster, model)

@@ -12,30 +12,37 @@ rows reaches the break-even chunk c* of the link (`cost_model.breakeven_chunk_to
 So the crossover lengths are L_intra = 2 c*_nvlink (two GPUs of a node) and
 L_inter = 2 n c*_nic (two whole nodes of n ranks, each crossing hop on one NIC). A
 document above a crossover is split only when the batch needs it: when its attention
-work exceeds one rank's fair share (intra) or one node's (inter), or when it does not fit
-a rank's (a node's) memory. Splitting more than needed only adds traffic.
+work exceeds one rank's fair share (intra), or its step share (attention plus linear
+work, `pricing.StepWeights`) exceeds one node's (inter); below L_inter it still goes
+across nodes when the overload it would leave on one node costs more than the wider
+ring's exposed transfers (`pricing.inter_node_pays`). A document that does not fit a
+rank's (a node's) memory is split regardless. Splitting more than needed only adds traffic.
 
 Placement, with work in peak-FLOP units so a rank's time is work / its peak:
-  Step 1 (level 1, nodes): each inter-node document fills the nodes with the most room
-    left, as few as cover it; then the other documents go whole to nodes, largest first,
-    to the node that would finish them first, within each node's memory (LPT; on a mixed
+  Step 1 (level 1, nodes): nodes are balanced on step shares, so the remap can stay
+    inside each node. Each inter-node document fills the nodes with the most room left,
+    as few as cover it; then the other documents go whole to nodes, largest first, to
+    the node that would finish them first, within each node's memory (LPT; on a mixed
     cluster a document that a slower node must split over more ranks costs more there,
     `_node_work`); one that no node can hold whole is spread across nodes.
-  Step 2 (level 2, inside each node): documents that must be split there, and the node's
-    shares of inter-node documents, fill the ranks with the most room; then local
-    documents go to ranks by LPT, within each rank's memory. If the busiest rank still
-    holds only whole documents and is over the node's mean, its largest document above
-    L_intra is split with the least busy such rank (`_split_to_level`).
+  Step 2 (level 2, inside each node, on attention work: the remap evens the tokens):
+    documents that must be split there, and the node's shares of inter-node documents,
+    fill the ranks with the most room; then local documents go to ranks by LPT, within
+    each rank's memory. If the busiest rank still holds only whole documents and is over
+    the node's mean, its largest document above L_intra is split with the least busy
+    such rank (`_split_to_level`).
   Step 3 (refinement): each split document's tokens are re-spread over its members by
     water-filling so that members end level relative to their speed (a split document
     can be cut anywhere: see `assembly.zigzag_bounds`); members join or leave a ring
     when that evens the load (`refinement.py`).
-  Step 4: remap targets (tokens in proportion to speed, under memory caps) and routes
-    for inter-node hops (`remap.py`, `routing.py`).
+  Step 4: remap targets (each node's tokens over its ranks, in proportion to speed,
+    under memory caps) and routes for inter-node hops (`remap.py`, `routing.py`).
 
-A batch the greedy steps cannot fit under memory caps falls back to cutting the batch in
-speed-proportional runs of tokens (valid, not balanced; `meta["fallback"]`). Without
-`hierarchical`, a document that must be split spans every rank (the ablation).
+The steps run once per recomputation mode the batch fits under, cheapest first, while a
+costlier mode could still win (`pricing.py`); the plan whose busiest rank computes least
+is kept. A batch the greedy steps cannot fit under memory caps falls back to cutting
+the batch in speed-proportional runs of tokens (valid, not balanced; `meta["fallback"]`).
+Without `hierarchical`, a document that must be split spans every rank (the ablation).
 """
 
 from __future__ import annotations
@@ -51,8 +58,8 @@ from ballonet.plan import Plan
 from ballonet.planning.assembly import Placement, assemble, with_memory
 from ballonet.planning.devices import Devices, check_feasible, check_lengths, devices
 from ballonet.planning.packing import NoRoom, apportion, lpt
-from ballonet.planning.refinement import refine, split_work
 from ballonet.planning.pricing import StepWeights, inter_node_pays, rank_compute_seconds, recompute_modes, step_weights
+from ballonet.planning.refinement import refine, split_work
 from ballonet.planning.remap import linear_targets, node_linear_targets, plan_remap
 from ballonet.planning.routing import plan_routes
 from ballonet.planning.state import Batch, Crossover, RankFill
@@ -352,7 +359,7 @@ def _plan(lengths, cluster, model, crossovers, options, fallback: bool) -> tuple
     check_feasible(lengths, dev, model)
     meta = {"options": options, "crossover_lengths": [dataclasses.asdict(t) for t in crossovers],
             "recompute": model.recompute, "fallback": False}
-    finish = dict(remap=options["remap"], node_remap=options["price_linear"])
+    finish = {"remap": options["remap"], "node_remap": options["price_linear"]}
     try:
         placement, facts = _place(lengths, dev, crossovers, options["hierarchical"], model, options["price_linear"])
         meta.update(facts)
