@@ -136,10 +136,8 @@ class Servers:
     """[D, nodes] tokens of each document held on each node."""
     mark: np.ndarray
     """[D] scratch (all False between calls): the documents of one rank."""
-
-    @property
-    def mean(self) -> float:
-        return float(self.load.sum()) / len(self.load)
+    mean: float
+    """Mean work per rank: moves keep it (a shard's work is its tokens times its unit)."""
 
 
 # ---- step 1: the home layout ------------------------------------------------------------
@@ -178,7 +176,8 @@ def _home(lengths: list[int], dev: Devices, costs: Costs) -> Servers:
                  load=np.bincount(rank[:S], work[:S], minlength=R),
                  held=np.bincount(rank[:S], tokens[:S], minlength=R).astype(np.int64),
                  shard_of=[{} for _ in range(D)], docs_of=[set() for _ in range(R)],
-                 on_node=np.zeros((D, dev.num_nodes), np.int64), mark=np.zeros(D, bool))
+                 on_node=np.zeros((D, dev.num_nodes), np.int64), mark=np.zeros(D, bool),
+                 mean=float(work[:S].sum()) / R)
     np.add.at(st.on_node, (doc[:S], costs.node[rank[:S]]), tokens[:S])
     for i, (d, r, _) in enumerate(shards):
         st.shard_of[d][r] = i
@@ -214,20 +213,25 @@ def _give(st: Servers, costs: Costs, d: int, r: int, tokens: int) -> None:
 # ---- step 2: the scheduler ------------------------------------------------------------------
 
 
-def _best_shard(st: Servers, costs: Costs, b: int, need: float, room: int, donors: np.ndarray):
-    """(shard, work to move) for recipient `b`, or None: among the shards on `donors` ([R]
-    mask), the one whose move costs the fewest link seconds per unit of work moved (at
-    most `need`, the donor's surplus and `room` tokens): the remap of the moved tokens over
-    the donor-recipient link, plus, when `b` becomes a new member of a split document, the
-    document's K/V: the rows held on b's node over NVLink, the rest over b's NIC."""
-    n = st.num
-    idx = np.flatnonzero(donors[st.rank[:n]] & (st.tokens[:n] > 0))
-    if room <= 0 or len(idx) == 0:
-        return None
-    rank, tokens, work, doc = st.rank[idx], st.tokens[idx], st.work[idx], st.doc[idx]
-    move = np.minimum(work, np.minimum(st.load[rank] - st.mean, need))
-    tau = np.minimum(np.ceil(move * tokens / work), np.minimum(tokens, room))
-    move = np.minimum(move, tau * work / tokens)
+def _best_shard(st: Servers, costs: Costs, b: int, need: float, room: int, cand: np.ndarray):
+    """(shard, work to move) for recipient `b`, or None, and the shards of `cand` still on
+    donors (ranks over the mean by more than `MIN_MOVE`). The pick is the shard whose move
+    costs the fewest link seconds per unit of work moved (at most `need`, the donor's
+    surplus and `room` tokens): the remap of the moved tokens over the donor-recipient
+    link, plus, when `b` becomes a new member of a split document, the document's K/V:
+    the rows held on b's node over NVLink, the rest over b's NIC."""
+    rank, tokens = st.rank[cand], st.tokens[cand]
+    surplus = st.load[rank] - st.mean
+    keep = (tokens > 0) & (surplus > MIN_MOVE * st.mean)
+    if not keep.all():
+        cand, rank, tokens, surplus = cand[keep], rank[keep], tokens[keep], surplus[keep]
+    if room <= 0 or len(cand) == 0:
+        return None, cand
+    doc = st.doc[cand]
+    unit = costs.unit[doc]
+    move = np.minimum(np.minimum(tokens * unit, surplus), need)
+    tau = np.minimum(np.ceil(move / unit), np.minimum(tokens, room))
+    move = np.minimum(move, tau * unit)
     mine = list(st.docs_of[b])
     st.mark[mine] = True
     new_member = (tau < tokens) & ~st.mark[doc]
@@ -236,10 +240,10 @@ def _best_shard(st: Servers, costs: Costs, b: int, need: float, room: int, donor
     link = np.where(costs.node[rank] == node_b, np.maximum(costs.intra_s[rank], costs.intra_s[b]),
                     np.maximum(costs.nic_s[rank], costs.nic_s[b]))
     near = st.on_node[doc, node_b]  # rows a new member on b's node gathers inside it; the rest cross nodes
-    kv_s = costs.kv_row * (near * costs.intra_s[b] + (costs.lengths[doc] - near) * costs.nic_s[b])
-    kv = np.where(new_member, kv_s, 0.0)
-    i = int(np.argmin((tau * costs.dispatch_per_token * link + kv) / np.maximum(move, 1e-300)))
-    return int(idx[i]), float(move[i])
+    kv = costs.kv_row * (near * costs.intra_s[b] + (costs.lengths[doc] - near) * costs.nic_s[b])
+    seconds = tau * (costs.dispatch_per_token * link) + np.where(new_member, kv, 0.0)
+    i = int(np.argmin(seconds / move))
+    return (int(cand[i]), float(move[i])), cand
 
 
 def _move(st: Servers, costs: Costs, s: int, b: int, amount: float, room: int) -> None:
@@ -258,14 +262,16 @@ def _room(st: Servers, dev: Devices, r: int) -> int:
 
 def _recipients(st: Servers, costs: Costs, dev: Devices, threshold: float) -> int:
     """Pass 1 (DistCA's): ranks under the mean by more than `threshold`, largest deficit
-    first, each take work from the ranks over the mean until within `threshold` of it."""
+    first, each take work from the ranks over the mean until within `threshold` of it.
+    Recipients never become donors, so the candidate shards only shrink."""
     moves = 0
+    cand = np.flatnonzero(st.load[st.rank[:st.num]] > st.mean)
     for b in sorted(range(dev.num_ranks), key=lambda r: (st.load[r], r)):
         for _ in range(MAX_MOVES):
             need = st.mean - st.load[b]
-            donors = st.load > st.mean * (1 + MIN_MOVE)
-            donors[b] = False
-            pick = _best_shard(st, costs, b, need, _room(st, dev, b), donors) if need > threshold else None
+            if need <= threshold:
+                break
+            pick, cand = _best_shard(st, costs, b, need, _room(st, dev, b), cand)
             if pick is None:
                 break
             _move(st, costs, pick[0], b, pick[1], _room(st, dev, b))
@@ -276,10 +282,8 @@ def _recipients(st: Servers, costs: Costs, dev: Devices, threshold: float) -> in
 def _donors(st: Servers, costs: Costs, dev: Devices, threshold: float) -> int:
     """Pass 2 (departure 6): each rank still over the mean by more than `threshold`,
     busiest first, levels with the least busy rank with room, again while it stays over."""
-    moves, R = 0, dev.num_ranks
-    for a in sorted(range(R), key=lambda r: (-st.load[r], r)):
-        only = np.zeros(R, bool)
-        only[a] = True
+    moves = 0
+    for a in sorted(range(dev.num_ranks), key=lambda r: (-st.load[r], r)):
         for _ in range(MAX_MOVES):
             if st.load[a] - st.mean <= threshold:
                 break
@@ -287,7 +291,8 @@ def _donors(st: Servers, costs: Costs, dev: Devices, threshold: float) -> int:
             free[a] = np.inf
             b = int(np.argmin(free))
             gap = st.load[a] - free[b]
-            pick = _best_shard(st, costs, b, gap / 2, _room(st, dev, b), only) if gap > threshold else None
+            mine = np.array([st.shard_of[d][a] for d in sorted(st.docs_of[a])], dtype=np.int64)
+            pick = _best_shard(st, costs, b, gap / 2, _room(st, dev, b), mine)[0] if gap > threshold else None
             if pick is None:
                 break
             _move(st, costs, pick[0], b, pick[1], _room(st, dev, b))
