@@ -28,25 +28,33 @@ their data is there and each rank runs its local attention meanwhile, the simula
 form of the ping-pong overlap.
 
 Departures, all known to us:
-1. Home layout: whole documents packed by tokens (LPT under memory caps; one that fits no
-   rank is cut over the ranks with most room), where DistCA cuts documents at rank
-   budgets in arrival order. A document is split only when balance moves part of it.
-2. Costs from our cost model: work is FLOPs at the kernel efficiency of a shard's tokens
-   (`cost_model.attention_flops`, the reference GPU's profile) where DistCA counts raw
-   FLOPs; the priority is seconds on the link the bytes take (NVLink inside a node, the
-   GPU's NIC share across nodes: `cost_model.p2p_time`) per unit of work, where DistCA
-   counts bytes.
-3. K/V: all-gathered whole among a document's members. A shard needs only its prefix, so
+1. Home layout: whole documents packed by tokens (LPT under memory caps, the longest on
+   different nodes; one that fits no rank is cut over the ranks with most room), where
+   DistCA cuts documents at rank budgets in arrival order. So a document is split only
+   when balance moves part of it.
+2. Work is our cost model's: a document's FLOPs at the kernel efficiency of its length
+   (`cost_model.attention_work`, the reference GPU), a shard its share by tokens (DistCA:
+   raw FLOPs; both assume, as DistCA's composability does, that a shard keeps the
+   kernel's efficiency). The cost model prices a shard at its own length
+   (`planning.metrics`) or at L / members (the simulator), so the measured imbalance
+   is a little above the scheduler's.
+3. The priority is seconds on the links the bytes take (NVLink inside a node, the GPU's
+   share of its NIC across nodes, `cost_model.p2p_time`) per unit of work, where DistCA
+   counts bytes; and recipients go node by node (nodes holding the most surplus first,
+   largest deficit first inside a node), where DistCA takes all recipients by deficit,
+   so a long document's shards fill whole nodes instead of a few ranks on every node.
+4. K/V: all-gathered whole among a document's members. A shard needs only its prefix, so
    this over-counts K/V by up to ~2x (the innermost pair needs about half); and the K/V of
    a moved shard travels twice (home to server by the remap, server to the other members
    by the all-gather) where DistCA sends each server its prefix once from the home.
-4. The remap moves only each rank's surplus tokens (fewer bytes than dispatching every
+   Backward: K/V gathered again and dK/dV returned in fp32, as the runtime does.
+5. The remap moves only each rank's surplus tokens (fewer bytes than dispatching every
    moved shard), as every remapping plan here does.
-5. No nano-batches: the overlap is the attention engine's, inside the attention phase;
+6. No nano-batches: the overlap is the attention engine's, inside the attention phase;
    the linear layers of one nano-batch do not hide the other's dispatch.
-6. After DistCA's recipient pass, a second pass moves work off ranks still over the mean
+7. After DistCA's recipient pass, a second pass moves work off ranks still over the mean
    by more than the tolerance (DistCA stops there) to the least busy ranks.
-7. Speed-blind on mixed clusters, like the other baselines: work and tokens are balanced
+8. Speed-blind on mixed clusters, like the other baselines: work and tokens are balanced
    as if every GPU were alike; memory caps are real.
 """
 
@@ -261,12 +269,15 @@ def _room(st: Servers, dev: Devices, r: int) -> int:
 
 
 def _recipients(st: Servers, costs: Costs, dev: Devices, threshold: float) -> int:
-    """Pass 1 (DistCA's): ranks under the mean by more than `threshold`, largest deficit
-    first, each take work from the ranks over the mean until within `threshold` of it.
+    """Pass 1 (DistCA's): ranks under the mean by more than `threshold` each take work
+    from the ranks over the mean until within `threshold` of it; node by node, nodes
+    holding the most surplus first, largest deficit first inside a node (departure 3).
     Recipients never become donors, so the candidate shards only shrink."""
     moves = 0
     cand = np.flatnonzero(st.load[st.rank[:st.num]] > st.mean)
-    for b in sorted(range(dev.num_ranks), key=lambda r: (st.load[r], r)):
+    surplus = np.bincount(costs.node, np.maximum(st.load - st.mean, 0.0), minlength=dev.num_nodes)
+    node_turn = np.argsort(np.lexsort((np.arange(dev.num_nodes), -surplus)))  # most surplus first
+    for b in sorted(range(dev.num_ranks), key=lambda r: (node_turn[costs.node[r]], st.load[r], r)):
         for _ in range(MAX_MOVES):
             need = st.mean - st.load[b]
             if need <= threshold:
@@ -280,7 +291,7 @@ def _recipients(st: Servers, costs: Costs, dev: Devices, threshold: float) -> in
 
 
 def _donors(st: Servers, costs: Costs, dev: Devices, threshold: float) -> int:
-    """Pass 2 (departure 6): each rank still over the mean by more than `threshold`,
+    """Pass 2 (departure 7): each rank still over the mean by more than `threshold`,
     busiest first, levels with the least busy rank with room, again while it stays over."""
     moves = 0
     for a in sorted(range(dev.num_ranks), key=lambda r: (-st.load[r], r)):
