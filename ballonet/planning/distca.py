@@ -151,10 +151,11 @@ class Servers:
 # ---- step 1: the home layout ------------------------------------------------------------
 
 
-def _home(lengths: list[int], dev: Devices, costs: Costs) -> Servers:
-    """Whole documents to ranks by tokens (LPT under memory caps, ties to the rank that
-    comes first when nodes take turns, so the longest documents go to different nodes);
-    a document that fits no rank is cut over the ranks with most room left."""
+def _home(lengths: list[int], dev: Devices) -> list[tuple[int, int, int]]:
+    """(document, rank, tokens) of the home layout: whole documents to ranks by tokens
+    (LPT under memory caps, ties to the rank that comes first when nodes take turns, so
+    the longest documents go to different nodes); a document that fits no rank is cut
+    over the ranks with most room left."""
     R, D = dev.num_ranks, len(lengths)
     turns = np.lexsort((np.asarray(dev.node), np.asarray(dev.local_index)))  # slot i is rank turns[i]
     room = dev.token_cap[turns].astype(float)
@@ -172,9 +173,13 @@ def _home(lengths: list[int], dev: Devices, costs: Costs) -> Servers:
                 left -= take
             if left == 0:
                 break
-    shards.sort()
-    S = len(shards)
-    capacity = S + 2 * MAX_MOVES * R
+    return sorted(shards)
+
+
+def _servers(shards: list[tuple[int, int, int]], dev: Devices, costs: Costs) -> Servers:
+    """The scheduler's state holding `shards`, with room for the shards moves create."""
+    R, D, S = dev.num_ranks, len(costs.lengths), len(shards)
+    capacity = S + 2 * MAX_MOVES * R  # each move makes at most one shard; each pass makes at most R * MAX_MOVES
     doc, rank, tokens = (np.zeros(capacity, np.int64) for _ in range(3))
     if shards:
         doc[:S], rank[:S], tokens[:S] = np.array(shards, dtype=np.int64).T
@@ -337,10 +342,11 @@ def distca(lengths, cluster: ClusterSpec, model: ModelSpec, *, tolerance: float 
     """Core attention disaggregation (DistCA; the module docstring says what it reproduces
     and where it departs). Configuration: `tolerance`, the share of the mean attention
     work a rank may stay under (or, in the second pass, over) it, DistCA's
-    `tolerance_factor` (default 0.1; its runs try 0.05 first, the default here); `comm`,
-    how a split document's members get its K/V: "allgather" (each member gathers it,
-    DistCA's dispatch) or "ring" (passed around the members, context parallelism's way:
-    the same bytes in total, fewer across nodes; not DistCA's)."""
+    `tolerance_factor` (default 0.1; its runs try 0.05 first, the default here; under
+    `MIN_MOVE` it acts as `MIN_MOVE`); `comm`, how a split document's members get its
+    K/V: "allgather" (each member gathers it, DistCA's dispatch) or "ring" (passed
+    around the members, context parallelism's way: the same bytes in total, fewer
+    across nodes; not DistCA's)."""
     if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 <= tolerance < 1:
         raise InputError(f"distca option tolerance must be a number in [0, 1), got {tolerance!r}")
     if comm not in RING_COMMS:
@@ -349,7 +355,7 @@ def distca(lengths, cluster: ClusterSpec, model: ModelSpec, *, tolerance: float 
     dev = devices(cluster, model)
     check_feasible(lengths, dev, model)
     costs = _costs(lengths, cluster, model, dev)
-    st = _home(lengths, dev, costs)
+    st = _servers(_home(lengths, dev), dev, costs)
     moves = _schedule(st, costs, dev, float(tolerance))
     placement = _placement(st, dev.num_ranks)
     meta = {"tolerance": float(tolerance), "comm": comm, "moves": moves, "split_docs": len(placement.split)}
