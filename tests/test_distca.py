@@ -113,6 +113,20 @@ def test_only_the_document_balance_needs_is_split_and_a_balanced_batch_stays_put
                for segs in plan.attention)
 
 
+def test_memory_caps_hold_on_a_batch_that_fills_98_percent_of_memory():
+    cluster, model = ballonet.cluster("h200-8nic", num_nodes=2), ballonet.model("llama-7b")
+    cap = devices(cluster, model).token_cap
+    rng = np.random.default_rng(0)
+    lengths = [200_000, 150_000, 90_000]  # each near or over one rank's cap
+    while sum(lengths) < 0.98 * cap.sum():
+        lengths.append(int(min(rng.lognormal(8, 1.5), 0.98 * cap.sum() - sum(lengths))) + 1)
+    plan = plan_batch(lengths, cluster, model, planner="distca")
+    assert max(plan.attention_token_counts) <= cap.max() and max(plan.linear_token_counts) <= cap.max()
+    assert all(u <= c for u, c in zip(plan.memory_bytes, plan.memory_cap))
+    with pytest.raises(InfeasiblePlan, match="the batch has .* tokens, over the"):
+        plan_batch(lengths + [int(0.03 * cap.sum())], cluster, model, planner="distca")
+
+
 def test_options_are_checked():
     cluster, model = ballonet.cluster("h200-8nic", num_nodes=1), ballonet.model("llama-7b")
     for bad in ({"tolerance": 1.5}, {"tolerance": True}, {"comm": "p2p"}):
