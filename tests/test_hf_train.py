@@ -3,10 +3,14 @@ trained with the remap on 2 and 4 gloo ranks, against the same run in one proces
 
 Reference: `train` in this process (one rank: no remap, no ring, no gradient exchange).
 Losses of 5 steps (each after the optimizer steps before it) and the parameters after them
-must agree within 1e-4 relative. The corpus is tokenized at test time with a small BPE (`test_prepare.train_tokenizer`).
+must agree within 1e-4 relative. With activation recomputation, 2 ranks must agree with
+their run without recomputation and with one process within 1e-5, and rerun what they
+recompute (counted). The corpus is tokenized at test time with a small BPE (`test_prepare.train_tokenizer`).
 """
 
+import dataclasses
 import json
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -27,13 +31,17 @@ from tests.distributed import run_ranks  # noqa: E402
 from tests.test_prepare import train_tokenizer, write_sources  # noqa: E402
 
 RTOL = 1e-4
+RECOMPUTE_RTOL = 1e-5
 PLANNERS = ("zeppelin", "te_cp", "packed_dp")
 STEPS = 5
 
 
+NUM_LAYERS = 2
+
+
 def llama_folder(path, vocab_size: int, weights: bool = False):
     config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=176,
-                         vocab_size=vocab_size, num_hidden_layers=2, tie_word_embeddings=False)
+                         vocab_size=vocab_size, num_hidden_layers=NUM_LAYERS, tie_word_embeddings=False)
     path.mkdir()
     if weights:
         from transformers import LlamaForCausalLM
@@ -60,13 +68,17 @@ def config(model, corpus, planner: str) -> TrainConfig:
                        max_doc_tokens=1024, lr=1e-3, log_every=100)
 
 
+def _parameters(model) -> dict:
+    """Full parameters as numpy (tensors would cross processes as shared memory that dies
+    with the rank)."""
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().numpy().copy()
+            for n, p in model.named_parameters()}
+
+
 def _run(config: TrainConfig) -> tuple[list[float], dict]:
-    """Losses, and the full parameters (numpy: tensors would cross processes as shared
-    memory that dies with the rank)."""
+    """Losses, and the full parameters."""
     records, model = loop.train_model(config)
-    params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().numpy().copy()
-              for n, p in model.named_parameters()}
-    return [r["loss"] for r in records], params
+    return [r["loss"] for r in records], _parameters(model)
 
 
 def _train_ranks(rank: int, world_size: int, configs: list[TrainConfig]) -> list:
@@ -90,6 +102,72 @@ def test_hf_model_trains_like_one_process(job, world_size):
             assert error <= RTOL, f"{planner} on {world_size} ranks: {name} off by {error:.2e} relative"
 
 
+def _relative_error(a: dict, b: dict) -> tuple[float, str]:
+    """The largest relative difference between two parameter dicts, and its name."""
+    return max((float(np.linalg.norm(a[n] - b[n]) / np.linalg.norm(b[n])), n) for n in b)
+
+
+def _counted_runs(rank: int, world_size: int, configs: list[TrainConfig]) -> list:
+    """Per config: (losses, parameters, bytes sent per step, calls) where calls counts the
+    forward calls of every layer's attention (its q projection) and MLP (its down
+    projection), by pre-hooks: the recomputation stops right after its last saved tensor,
+    before a forward hook of the module computing it would run."""
+    out = []
+    for cfg in configs:
+        calls = {"attention": 0, "mlp": 0}
+        with mock.patch.object(hf_model, "build_model", _counting(hf_model.build_model, calls)):
+            records, model = loop.train_model(cfg)
+        out.append(([r["loss"] for r in records], _parameters(model), [r["bytes_sent"] for r in records], calls))
+    return out
+
+
+def _counting(build, calls: dict):
+    """`build` whose model counts into `calls` (see `_counted_runs`)."""
+    def count(name):
+        return lambda *_: calls.update({name: calls[name] + 1})
+
+    def counted(*args, **kwargs):
+        model = build(*args, **kwargs)
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.register_forward_pre_hook(count("attention"))
+            layer.mlp.down_proj.register_forward_pre_hook(count("mlp"))
+        return model
+
+    return counted
+
+
+@pytest.mark.slow
+def test_hf_recompute_trains_like_no_recompute(job):
+    """--recompute selective and full on 2 ranks (zeppelin: remap and rings) against the
+    same run without recomputation and a one-process run: the recomputation runs in the
+    backward (selective reruns every MLP, full every layer, its remaps and rings too)."""
+    model, corpus = job
+    modes = ("none", "selective", "full")
+    configs = [dataclasses.replace(config(model, corpus, "zeppelin"), recompute=m) for m in modes]
+    runs = dict(zip(modes, run_ranks(2, _counted_runs, configs, timeout=900)[0]))
+    ref_losses, ref_params = _run(configs[0])
+    losses, params, sent, calls = runs["none"]
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) <= RECOMPUTE_RTOL, (losses, ref_losses)
+    assert _relative_error(params, ref_params)[0] <= RECOMPUTE_RTOL, _relative_error(params, ref_params)
+    assert min(sent) > 0, f"the plans move nothing: {sent}"
+    once = STEPS * NUM_LAYERS
+    assert calls == {"attention": once, "mlp": once}, calls
+    reruns = {"selective": {"attention": once, "mlp": 2 * once}, "full": {"attention": 2 * once, "mlp": 2 * once}}
+    for mode, expected in reruns.items():
+        mode_losses, mode_params, _, mode_calls = runs[mode]
+        assert mode_calls == expected, f"--recompute {mode}: calls {mode_calls}, expected {expected}"
+        worst = max(abs(a - b) / abs(b) for a, b in zip(mode_losses, losses))
+        assert worst <= RECOMPUTE_RTOL, f"--recompute {mode}: losses {mode_losses} vs {losses}"
+        error, name = _relative_error(mode_params, params)
+        assert error <= RECOMPUTE_RTOL, f"--recompute {mode}: {name} off by {error:.2e} relative"
+        worst = max(abs(a - b) / abs(b) for a, b in zip(mode_losses, ref_losses))
+        assert worst <= RECOMPUTE_RTOL, f"--recompute {mode}: losses {mode_losses} vs one process {ref_losses}"
+        assert _relative_error(mode_params, ref_params)[0] <= RECOMPUTE_RTOL, mode
+    # Full recomputation reruns the remaps and rings of the forward: more bytes, selective none.
+    assert runs["selective"][2] == sent, (runs["selective"][2], sent)
+    assert all(f > n for f, n in zip(runs["full"][2], sent)), (runs["full"][2], sent)
+
+
 def run_train(capsys, *argv) -> tuple[int, str]:
     code = main(["train", *map(str, argv), "--steps", "1", "--global-tokens", "256"])
     return code, capsys.readouterr().err.strip()
@@ -110,8 +188,11 @@ def test_hf_bad_input_is_one_line_exit_2(job, tmp_path, capsys):
         assert code == 2 and message in err and "\n" not in err, (folder, err)
     manifest = json.loads((corpus / "manifest.json").read_text())
     assert manifest["vocab_size"] == 600  # the corpus's tokenizer is the larger one
-    with pytest.raises(InputError, match="--recompute full: not available"):
-        hf_model.build_model(f"hf:{small}", 0, torch.device("cpu"), recompute="full")
+    model = hf_model.build_model(f"hf:{small}", 0, torch.device("cpu"))
+    for layer in model.model.layers:
+        del layer.mlp  # a family whose MLP has another name
+    with pytest.raises(InputError, match="^--recompute selective: LlamaDecoderLayer has no `mlp`"):
+        hf_model.enable_recompute(model, "selective")
 
 
 def test_hf_model_without_weights_trains_from_the_cli(job, tmp_path, capsys):

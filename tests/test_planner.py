@@ -320,10 +320,10 @@ def test_zeppelin_options_must_be_booleans():
         plan_batch([1], h200(), MODEL, routing="no")
 
 
-def test_only_zeppelin_plans_are_made_for_the_attention_engine():
+def test_only_zeppelin_and_distca_plans_are_made_for_the_attention_engine():
     cluster = specs.cluster("a800-4nic", num_nodes=2)
     lengths = [40_000, 9_000, 3_000, 700, 50]
     for name in PLANNERS:
         for options in ([{}, {"routing": False, "remap": False, "hierarchical": False}] if name == "zeppelin" else [{}]):
             plan = plan_batch(lengths, cluster, MODEL, planner=name, **options)
-            assert plan.attention_engine == (name == "zeppelin"), (name, options)
+            assert plan.attention_engine == (name in ("zeppelin", "distca")), (name, options)  # distca: ping-pong

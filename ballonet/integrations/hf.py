@@ -20,6 +20,9 @@ projections (and RoPE) and returns o right before the output projection: there
 engine (which keeps attention inside documents), and moves o back. This is where
 `ballonet.training.model` remaps too. transformers builds no attention mask for it.
 
+Layers recomputed in the backward (`torch.utils.checkpoint`) need the plan there too:
+checkpoint them with `context_fn=recompute_context` (`hf_model.enable_recompute` does).
+
 Before the first collective of a step, the ranks compare plan digests
 (`runtime.check_plan`): ranks holding different plans fail together instead of hanging.
 """
@@ -28,8 +31,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -78,12 +82,29 @@ def plan_context(plan: Plan, rank: int, group: dist.ProcessGroup | None = None, 
     group) inside the block. `kernel` and `counter` go to `runtime.attention`."""
     if not 0 <= rank < plan.num_ranks:
         raise ValueError(f"rank {rank} outside the plan's {plan.num_ranks} ranks")
-    step = _Step(plan, rank, group, kernel, counter)
+    with _entered(_Step(plan, rank, group, kernel, counter)) as step:
+        yield step
+
+
+@contextlib.contextmanager
+def _entered(step: _Step) -> Iterator[_Step]:
     token = _STEP.set(step)
     try:
         yield step
     finally:
         _STEP.reset(token)
+
+
+def recompute_context() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """`context_fn` for `torch.utils.checkpoint.checkpoint` (non-reentrant) around layers
+    of a "ballonet" model: the forward runs as it is; its recomputation in the backward
+    runs in the plan context of that forward, captured now (with its padding) and entered
+    again then. The backward runs after `plan_context` has exited, and on CUDA in
+    autograd's device threads, which do not see this thread's context variables."""
+    step = _STEP.get()
+    if step is None:  # the layer's attention raises its own error
+        return contextlib.nullcontext(), contextlib.nullcontext()
+    return contextlib.nullcontext(), _entered(dataclasses.replace(step))
 
 
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -1,7 +1,8 @@
 """Planning: document lengths and a cluster in, a validated `Plan` out.
 
 `zeppelin` is the hierarchical partitioner (`zeppelin.py`, `refinement.py`, `remap.py`,
-`routing.py`); `baselines.py` reproduces the systems it is compared with. Every planner
+`routing.py`); `baselines.py` reproduces the systems it is compared with, and `distca.py`
+the core attention disaggregation of DistCA. Every planner
 is a pure function (lengths, cluster, model, **options) -> Plan, listed in `PLANNERS`.
 """
 
@@ -12,12 +13,13 @@ import inspect
 from ballonet.errors import InputError
 from ballonet.plan import Plan
 from ballonet.planning.baselines import BASELINES
+from ballonet.planning.distca import distca
 from ballonet.planning.zeppelin import zeppelin
 from ballonet.specs import ClusterSpec, ModelSpec
 
 __all__ = ["PLANNERS", "plan_batch"]
 
-PLANNERS = {"zeppelin": zeppelin, **BASELINES}
+PLANNERS = {"zeppelin": zeppelin, **BASELINES, "distca": distca}
 """Every planner by name: a function (lengths, cluster, model, **options) -> Plan."""
 
 
