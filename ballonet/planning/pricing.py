@@ -66,17 +66,19 @@ def step_weights(model: ModelSpec, gpu: hardware.GPUType, lengths, num_ranks: in
     return StepWeights(linear_per_token=linear / attention, attention_step=attention)
 
 
-def ring_exposed_seconds(model: ModelSpec, gpu: hardware.GPUType, length: int, members: int, bandwidth: float) -> float:
+def ring_exposed_seconds(model: ModelSpec, gpu: hardware.GPUType, length: int, members: int, bandwidth: float,
+                         nic: bool = True) -> float:
     """Seconds a ring of `members` ranks over a document of `length` tokens leaves its
     transfers exposed in a step (all layers), when each hop runs at `bandwidth` (the
-    slowest, crossing hop) and nothing else fills the wait: per ring step, the forward's
-    K/V transfer and the backward's K/V plus dK/dV (fp32) beyond that step's compute."""
+    slowest hop: a NIC with `nic`, else NVLink or PCIe) and nothing else fills the wait:
+    per ring step, the forward's K/V transfer and the backward's K/V plus dK/dV (fp32)
+    beyond that step's compute."""
     block = max(length // members, 1)
     flops = cost_model.block_flops(model, block, block)
-    fwd = cost_model.p2p_time(cost_model.kv_bytes(model, block), bandwidth, True, gpu) \
+    fwd = cost_model.p2p_time(cost_model.kv_bytes(model, block), bandwidth, nic, gpu) \
         - cost_model.attention_time(model, gpu, flops, block)
     bwd = cost_model.p2p_time(cost_model.kv_bytes(model, block) + cost_model.kv_grad_bytes(model, block), bandwidth,
-                              True, gpu) - cost_model.attention_time(model, gpu, flops, block, backward=True)
+                              nic, gpu) - cost_model.attention_time(model, gpu, flops, block, backward=True)
     redo = 2 if cost_model.recompute_attention(cost_model.recompute_mode(model)) else 1
     return model.num_layers * (members - 1) * (redo * max(fwd, 0.0) + max(bwd, 0.0))
 

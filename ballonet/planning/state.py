@@ -24,6 +24,8 @@ class Crossover:
     """Inside a node: 2 c*_nvlink (None on a node of one rank)."""
     inter: float
     """Across two whole nodes of n ranks: 2 n c*_nic."""
+    intra_bw: float
+    """Bytes/s of a ring hop inside a node (NVLink, or PCIe on a PCIe-only node)."""
     crossing_bw: float
     """Bytes/s of a ring hop that crosses nodes: one NIC at line rate (routing over more
     NICs helps less than their sum once every rank of the node is sending; not counted)."""

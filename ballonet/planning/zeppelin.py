@@ -58,7 +58,8 @@ from ballonet.plan import Plan
 from ballonet.planning.assembly import Placement, assemble, with_memory
 from ballonet.planning.devices import Devices, check_feasible, check_lengths, devices
 from ballonet.planning.packing import NoRoom, apportion, lpt
-from ballonet.planning.pricing import StepWeights, inter_node_pays, rank_compute_seconds, recompute_modes, step_weights
+from ballonet.planning.pricing import (StepWeights, inter_node_pays, rank_compute_seconds, recompute_modes,
+                                      ring_exposed_seconds, step_weights)
 from ballonet.planning.refinement import refine, split_work
 from ballonet.planning.remap import linear_targets, node_linear_targets, plan_remap
 from ballonet.planning.routing import plan_routes
@@ -77,7 +78,7 @@ def crossover_lengths(cluster: ClusterSpec, model: ModelSpec) -> list[Crossover]
         c_intra = cost_model.breakeven_chunk_tokens(model, g.gpu_type, g.intra_bw)
         c_inter = cost_model.breakeven_chunk_tokens(model, g.gpu_type, g.nic_bw / g.gpus_per_nic, nic=True)
         out.append(Crossover(intra=2 * c_intra if ranks_per_node > 1 else None, inter=2 * ranks_per_node * c_inter,
-                             crossing_bw=g.nic_bw))
+                             intra_bw=g.intra_bw, crossing_bw=g.nic_bw))
     return out
 
 
@@ -141,7 +142,7 @@ def _charge(shares: dict[int, float], d: int, work, lengths, load, token_room, s
             out.setdefault(d, {})[int(slots[i]) if slots is not None else i] = w
 
 
-def _level1(batch: Batch, nodes, intra, inter, per_token: float):
+def _level1(batch: Batch, nodes, intra, inter, per_token: float, weights: StepWeights | None):
     """Step 1: inter-node documents fill the nodes with most room; the rest go whole to
     nodes by LPT (documents to split inside a node only to nodes of 2 or more ranks);
     a document no node has memory for is spread across nodes. Returns (node load, docs
@@ -156,7 +157,7 @@ def _level1(batch: Batch, nodes, intra, inter, per_token: float):
     for d in sorted(np.nonzero(inter)[0].tolist(), key=lambda d: (-work[d], d)):
         got = _fill(node_target - node_load, node_room, work[d], work[d] / lengths[d])
         _charge(got, d, work, lengths, node_load, node_room, out=shares)
-    per_node = _node_work(batch, nodes) + per_token * np.asarray(lengths, dtype=float)
+    per_node = _node_work(batch, nodes, weights) + per_token * np.asarray(lengths, dtype=float)
     node_docs: dict[int, list[int]] = {}
     multi = np.array([len(rs) > 1 for rs in nodes])
     spill: list[int] = []
@@ -178,24 +179,37 @@ def _level1(batch: Batch, nodes, intra, inter, per_token: float):
     return node_att, node_docs, att_shares
 
 
-def _node_work(batch: Batch, nodes) -> np.ndarray:
+def _node_work(batch: Batch, nodes, weights: StepWeights | None) -> np.ndarray:
     """[nodes, D] work of each document if it goes whole to each node: a document above
     a rank's fair share there (and above the node group's intra-node crossover) will be
-    split over about work / share of its ranks, at their shorter blocks' efficiency. On a
-    mixed cluster the same document is split more, so costs more, on slower nodes."""
+    split over about work / share of its ranks, at their shorter blocks' efficiency, and
+    (with `weights`) its ring's exposed transfers on the node's own links are added
+    (`pricing.ring_exposed_seconds`: nothing over NVLink, much over PCIe). With `weights`,
+    one that node cannot split (below its crossover, or a node of one rank) also counts
+    the wait it leaves the node's other ranks: (work - fair share) each. On a mixed
+    cluster the same document is split more, so costs more, on slower nodes."""
     lengths, work, dev = batch.lengths, batch.work, batch.dev
+    L = np.asarray(lengths)
     out = np.tile(work, (len(nodes), 1))
     rows: dict[tuple, np.ndarray] = {}  # alike nodes (most of a cluster) share one row
     for n, rs in enumerate(nodes):
         fair = work.sum() * dev.speed[rs].max() / dev.speed.sum()
-        l_intra = batch.crossovers[dev.group[rs[0]]].intra
-        if len(rs) < 2 or l_intra is None:
-            continue
-        key = (fair, l_intra, len(rs))
+        cross = batch.crossovers[dev.group[rs[0]]]
+        l_intra = cross.intra if len(rs) > 1 else None
+        key = (fair, l_intra, len(rs), cross.intra_bw, dev.gpu[rs[0]].name)
         if key not in rows:
             row = work.copy()
-            for d in np.nonzero((work > fair) & (np.asarray(lengths) >= l_intra))[0]:
-                row[d] = max(work[d], split_work(batch.model, lengths[d], min(np.ceil(work[d] / fair), len(rs)), batch.gpu))
+            heavy = work > fair
+            for d in np.nonzero(heavy & (L >= l_intra))[0] if l_intra is not None else ():
+                members = min(np.ceil(work[d] / fair), len(rs))
+                row[d] = max(work[d], split_work(batch.model, lengths[d], members, batch.gpu))
+                if weights is not None:
+                    exposed = ring_exposed_seconds(batch.model, dev.gpu[rs[0]], lengths[d], int(members),
+                                                   cross.intra_bw, nic=False)
+                    row[d] += exposed * dev.speed[rs].sum() / (weights.attention_step * batch.model.num_layers)
+            if weights is not None:
+                whole = heavy & ~(L >= l_intra) if l_intra is not None else heavy
+                row[whole] += (work[whole] - fair) * (len(rs) - 1)
             rows[key] = row
         out[n] = rows[key]
     return out
@@ -254,7 +268,8 @@ def _place(lengths, dev: Devices, crossovers, hierarchical: bool, model: ModelSp
             fill.local[i] = docs
         fill.split_shares = {int(d): dict.fromkeys(range(R), 0.0) for d in np.nonzero(intra)[0]}
         return refine(batch, fill), {}
-    node_load, node_docs, inter_shares = _level1(batch, nodes, intra, inter, per_token)
+    node_load, node_docs, inter_shares = _level1(batch, nodes, intra, inter, per_token,
+                                                 weights if price_linear else None)
     for n, ranks in enumerate(nodes):
         water = [(w, d) for d, sh in inter_shares.items() if (w := sh.get(n, 0.0)) > 0]
         _level2(batch, fill, np.array(ranks), node_load[n], node_docs.get(n, []), water,
