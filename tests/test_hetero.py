@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ballonet import cost_model, hardware, plan_batch, specs
+from ballonet import cost_model, hardware, plan_batch, specs, workloads
 from ballonet.cli import main
 from ballonet.errors import InfeasiblePlan
 from ballonet.plan import Plan, Segment
@@ -191,3 +191,17 @@ def test_routing_skips_pcie_dispatch_that_costs_more_than_it_saves():
     assert _best_width(m, 0.0, [0.0] * 8, (nvlink.intra_bw, nvlink.intra_bw), nvlink.nic_bw) == 8
     # a busy own NIC makes a detour worth it even over PCIe: (m + 2m) / 22.5e9 > m/20e9 + m/45e9
     assert _best_width(m, 2 * m, [0.0, 0.0], (pcie.intra_bw, pcie.intra_bw), pcie.nic_bw) == 2
+
+
+def test_pcie_nodes_keep_their_tokens_and_balance_attention_plus_linear():
+    cluster, model = specs.cluster("a800+l40s"), specs.model("llama-7b")
+    lengths = list(workloads.get("prolong").batches(16384 * cluster.num_ranks, 0, 1, 65536))[0]
+    plan = plan_batch(lengths, cluster, model)
+    pcie = {r for r in range(cluster.num_ranks) if cluster.gpu_of(r).intra_link == "pcie"}
+    assert pcie and not any(t.src in pcie or t.dst in pcie for t in plan.remap)
+    assert any(t.src not in pcie for t in plan.remap)  # NVLink nodes still even their tokens
+    res = simulate(plan, cluster, model)
+    compute = np.array(res.compute_s)
+    assert compute.max() / compute.mean() < 1.05
+    for name in ("te_cp", "hybrid_dp", "wlb_llm", "megatron_hcp"):
+        assert res.step_time_s <= simulate(plan_batch(lengths, cluster, model, planner=name), cluster, model).step_time_s

@@ -26,8 +26,8 @@ from ballonet.plan import Plan
 from ballonet.planning.devices import Devices
 from ballonet.specs import ModelSpec
 
-__all__ = ["StepWeights", "inter_node_pays", "rank_compute_seconds", "recompute_modes", "ring_exposed_seconds",
-           "step_weights"]
+__all__ = ["StepWeights", "inter_node_pays", "rank_compute_seconds", "recompute_modes", "remaps_inside",
+           "ring_exposed_seconds", "step_weights"]
 
 
 def recompute_modes(model: ModelSpec) -> tuple[str, ...]:
@@ -64,6 +64,14 @@ def step_weights(model: ModelSpec, gpu: hardware.GPUType, lengths, num_ranks: in
     attention = 1 + cost_model.attention_time(model, gpu, flops, typical, backward=True) / forward
     attention += 1 if cost_model.recompute_attention(mode) else 0
     return StepWeights(linear_per_token=linear / attention, attention_step=attention)
+
+
+def remaps_inside(gpu: hardware.GPUType) -> bool:
+    """Whether the remap evens tokens inside a node of `gpu`s: over NVLink moving a token's
+    q, k, v and o costs a small part of its linear work; over PCIe (`intra_link` "pcie")
+    the blocking all-to-all costs about as much as the work it evens out, so those nodes
+    keep their tokens and balance attention plus linear work per rank instead."""
+    return gpu.intra_link == "nvlink"
 
 
 def ring_exposed_seconds(model: ModelSpec, gpu: hardware.GPUType, length: int, members: int, bandwidth: float,

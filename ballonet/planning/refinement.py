@@ -127,6 +127,7 @@ def _start(batch: Batch, fill: RankFill, docs: list[int], local_tokens: np.ndarr
     """Levels with each split document's tokens in proportion to its members' work shares."""
     dev, lengths, work_list = batch.dev, batch.lengths, batch.work_list
     load = np.array([sum(work_list[d] for d in ds) for ds in fill.local], dtype=float)
+    load += batch.linear_on_rank * local_tokens  # ranks that keep their tokens: their linear work too
     st = Levels(dev=dev, load=load, tokens=local_tokens.astype(float), node_ranks=[np.array(rs) for rs in dev.nodes()],
                 mean_level=0.0, members={}, held={}, unit={}, node_tokens={})
     node = np.asarray(dev.node)
@@ -137,7 +138,8 @@ def _start(batch: Batch, fill: RankFill, docs: list[int], local_tokens: np.ndarr
         nodes = node[st.members[d]]
         if len(set(nodes.tolist())) > 1:
             st.node_tokens[d] = {int(n): float(st.held[d][nodes == n].sum()) for n in sorted(set(nodes.tolist()))}
-        st.unit[d] = np.full(len(w), split_work(batch.model, lengths[d], max(np.count_nonzero(w), 1), batch.gpu) / lengths[d])
+        st.unit[d] = np.full(len(w), split_work(batch.model, lengths[d], max(np.count_nonzero(w), 1), batch.gpu)
+                             / lengths[d]) + batch.linear_on_rank[st.members[d]]
         st.put(d)
     st.mean_level = st.load.sum() / dev.speed.sum()
     return st
@@ -160,7 +162,8 @@ def refine(batch: Batch, fill: RankFill) -> Placement:
     for sweep in SWEEPS:
         for d in docs:
             m, held = st.members[d], st.held[d]
-            new_unit = per_token[d] / hardware.attention_efficiency_array(held, batch.gpu) if held.any() else st.unit[d]
+            new_unit = (per_token[d] / hardware.attention_efficiency_array(held, batch.gpu)
+                        + batch.linear_on_rank[m]) if held.any() else st.unit[d]
             dropping = sweep is Sweep.DROP and len(m) > 2
             if not dropping and stamp[m].max() <= done[d] and (np.abs(new_unit - st.unit[d]) <= 1e-3 * np.abs(st.unit[d])).all() \
                     and (sweep is not Sweep.GROW or st.level_of(m) <= 1.01 * st.mean_level):

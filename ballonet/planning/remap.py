@@ -25,9 +25,9 @@ def linear_targets(num_tokens: int, speed: np.ndarray, token_cap: np.ndarray) ->
 
 def node_linear_targets(attention_tokens, speed: np.ndarray, token_cap: np.ndarray, nodes) -> np.ndarray:
     """[R] `linear_targets` inside each node of `nodes` (lists of ranks): a node's tokens
-    spread over its own ranks."""
+    spread over its own ranks; ranks of no node in `nodes` keep their tokens."""
     counts = np.asarray(attention_tokens, dtype=np.int64)
-    targets = np.zeros(len(counts), dtype=np.int64)
+    targets = counts.copy()
     for ranks in nodes:
         targets[ranks] = linear_targets(int(counts[ranks].sum()), speed[ranks], token_cap[ranks])
     return targets

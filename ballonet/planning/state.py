@@ -46,6 +46,9 @@ class Batch:
     """The fastest rank's GPU type: `work` is at its kernel efficiencies."""
     crossovers: list[Crossover]
     """Per node group (`Devices.group`)."""
+    linear_on_rank: np.ndarray
+    """[R] linear work per token a rank keeps (`StepWeights.linear_per_token` on ranks of
+    nodes the remap does not even out: PCIe-only nodes; else 0)."""
 
 
 @dataclass

@@ -59,7 +59,7 @@ from ballonet.planning.assembly import Placement, assemble, with_memory
 from ballonet.planning.devices import Devices, check_feasible, check_lengths, devices
 from ballonet.planning.packing import NoRoom, apportion, lpt
 from ballonet.planning.pricing import (StepWeights, inter_node_pays, rank_compute_seconds, recompute_modes,
-                                      ring_exposed_seconds, step_weights)
+                                      remaps_inside, ring_exposed_seconds, step_weights)
 from ballonet.planning.refinement import refine, split_work
 from ballonet.planning.remap import linear_targets, node_linear_targets, plan_remap
 from ballonet.planning.routing import plan_routes
@@ -219,7 +219,16 @@ def _level2(batch: Batch, fill: RankFill, ranks: np.ndarray, node_work: float, d
             inter_water: list[tuple[float, int]], min_length: float | None) -> None:
     """Step 2, one node: documents to split here and the node's shares of inter-node
     documents fill the ranks with most room; local documents go by LPT; a document no
-    rank has memory for is spread over the node; then `_split_to_level`."""
+    rank has memory for is spread over the node; then `_split_to_level`. On a node that
+    keeps its tokens (no remap inside it), work is attention plus linear work."""
+    per_token = float(batch.linear_on_rank[ranks[0]])
+    if per_token:
+        L = np.asarray(batch.lengths, dtype=float)
+        step = batch.work + per_token * L
+        node_work += sum(per_token * batch.lengths[d] for d in docs) + \
+            sum(w * per_token * L[d] / batch.work[d] for w, d in inter_water)
+        inter_water = [(w * step[d] / batch.work[d], d) for w, d in inter_water]
+        batch = dataclasses.replace(batch, work=step, work_list=step.tolist())
     lengths, work, dev = batch.lengths, batch.work, batch.dev
     speed = dev.speed[ranks]
     target = node_work * speed / speed.sum()
@@ -256,10 +265,11 @@ def _place(lengths, dev: Devices, crossovers, hierarchical: bool, model: ModelSp
     for d in np.nonzero(work > fair)[0]:
         for _ in range(4):  # fixed point: more members, shorter blocks, more work
             work[d] = split_work(model, lengths[d], min(np.ceil(work[d] / fair), R), gpu)
-    batch = Batch(lengths=lengths, work=work, work_list=work.tolist(), dev=dev, model=model, gpu=gpu,
-                  crossovers=crossovers)
     weights = step_weights(model, gpu, lengths, R)
     per_token = weights.linear_per_token if price_linear else 0.0
+    keeps = np.array([not remaps_inside(g) for g in dev.gpu]) if price_linear else np.zeros(R, dtype=bool)
+    batch = Batch(lengths=lengths, work=work, work_list=work.tolist(), dev=dev, model=model, gpu=gpu,
+                  crossovers=crossovers, linear_on_rank=np.where(keeps, per_token, 0.0))
     intra, inter = _classify(batch, nodes, hierarchical, per_token, weights)
     fill = RankFill(local=[[] for _ in range(R)], split_shares={}, token_room=dev.token_cap.astype(float))
     if not hierarchical:  # every split document over all ranks, shares set by refinement
@@ -392,7 +402,8 @@ def _finish(lengths, dev: Devices, placement: Placement, meta, *, remap: bool, n
     plan = assemble("zeppelin", lengths, dev, placement, attention_engine=True, meta=meta)
     if remap:
         counts = plan.attention_token_counts
-        targets = (node_linear_targets(counts, dev.speed, dev.token_cap, dev.nodes()) if node_remap
+        nodes = [rs for rs in dev.nodes() if remaps_inside(dev.gpu[rs[0]])]
+        targets = (node_linear_targets(counts, dev.speed, dev.token_cap, nodes) if node_remap
                    else linear_targets(sum(lengths), dev.speed, dev.token_cap))
         plan = dataclasses.replace(plan, remap=plan_remap(list(counts), targets, dev.node))
     return with_memory(plan, dev)
