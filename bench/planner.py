@@ -6,8 +6,7 @@ Quality: on wlbllm and prolong batches of 16K tokens per GPU, 32 to 256 GPUs (h2
 llama-7b), zeppelin should reach compute imbalance <= 1.05 (a step's attention plus linear
 seconds per rank: what it balances since nodes take tokens by attention plus linear work
 and remap inside themselves) and at least 4x fewer bytes than CP over the whole cluster on
-the same batch;
-attention and linear imbalance are reported beside it. On a batch that fills 98% of the
+the same batch; attention and linear imbalance are reported beside it. On a batch that fills 98% of the
 cluster's memory (a800-4nic, 4 nodes, llama-7b, real wlbllm lengths; issue 14) its
 attention imbalance should be at most 1.05.
 Speed: zeppelin's planning time (`plan_batch`, validation included) on one core (CPU
