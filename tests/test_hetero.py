@@ -195,11 +195,11 @@ def test_routing_skips_pcie_dispatch_that_costs_more_than_it_saves():
 
 def test_pcie_nodes_keep_their_tokens_and_balance_attention_plus_linear():
     cluster, model = specs.cluster("a800+l40s"), specs.model("llama-7b")
-    lengths = list(workloads.get("prolong").batches(16384 * cluster.num_ranks, 0, 1, 65536))[0]
+    lengths = list(workloads.get("wlbllm").batches(16384 * cluster.num_ranks, 0, 1, 65536))[0]
     plan = plan_batch(lengths, cluster, model)
     pcie = {r for r in range(cluster.num_ranks) if cluster.gpu_of(r).intra_link == "pcie"}
     assert pcie and not any(t.src in pcie or t.dst in pcie for t in plan.remap)
-    assert any(t.src not in pcie for t in plan.remap)  # NVLink nodes still even their tokens
+    assert any(t.src not in pcie for t in plan.remap)  # the NVLink nodes still even their tokens
     res = simulate(plan, cluster, model)
     compute = np.array(res.compute_s)
     assert compute.max() / compute.mean() < 1.05

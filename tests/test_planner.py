@@ -88,8 +88,9 @@ def test_remap_moves_only_surplus_inside_nodes_first():
 
 @pytest.mark.parametrize("price_linear", [True, False])
 def test_zeppelin_remap_reaches_equal_tokens_with_surplus_only(price_linear):
-    lengths = [100_000, 30_000] + [1_500] * 80
+    lengths = [100_000, 30_000] + [1_500] * 200
     plan = plan_batch(lengths, h200(num_nodes=2), MODEL, price_linear=price_linear)
+    assert not plan.meta["keep_tokens"]  # priced: remapping beats every rank keeping its tokens here
     att = [plan.attention_tokens(r) for r in range(16)]
     lin = [plan.linear_tokens(r) for r in range(16)]
     groups = (range(8), range(8, 16)) if price_linear else (range(16),)  # even inside nodes, or everywhere
@@ -155,6 +156,22 @@ def test_zeppelin_balances_compute_and_leads_every_baseline_on_a_real_workload(r
     # Each pricing term pays on this batch: without it the step is longer.
     for off in ({"price_linear": False}, {"price_recompute": False}):
         assert res.step_time_s < ballonet.simulate(plan_batch(lengths, cluster, MODEL, **off), cluster, MODEL).step_time_s
+
+
+def test_zeppelin_keeps_tokens_where_the_remap_does_not_pay():
+    # Two long documents over two nodes: balancing attention plus linear work per rank
+    # leaves a shorter step than remapping q, k, v and o inside the nodes.
+    cluster = h200(num_nodes=2)
+    lengths = [100_000, 30_000] + [1_500] * 80
+    kept = plan_batch(lengths, cluster, MODEL)
+    assert kept.meta["keep_tokens"] and kept.remap == ()
+    remapped = plan_batch([100_000, 30_000] + [1_500] * 200, cluster, MODEL)
+    assert not remapped.meta["keep_tokens"] and remapped.remap
+    compute = np.array(ballonet.simulate(kept, cluster, MODEL).compute_s)
+    assert compute.max() / compute.mean() < 1.1
+    for plan, batch in ((kept, lengths), (remapped, [100_000, 30_000] + [1_500] * 200)):
+        unpriced = plan_batch(batch, cluster, MODEL, price_linear=False)
+        assert ballonet.simulate(plan, cluster, MODEL).step_time_s < ballonet.simulate(unpriced, cluster, MODEL).step_time_s
 
 
 def test_zeppelin_plans_for_the_cheapest_recomputation_that_pays():

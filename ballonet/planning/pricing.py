@@ -8,6 +8,10 @@ a batch that needs more recomputation pays a second forward. The partitioner the
   inside each node: a node that holds long documents (much attention, few tokens) takes
   fewer tokens instead of shipping q, k, v and o of the difference across the network
   every layer (`remap.node_linear_targets`);
+* remaps inside NVLink nodes, or keeps every rank's tokens (balancing attention plus
+  linear work per rank), whichever leaves the shorter step once the remap's all-to-alls
+  are priced (`rank_remap_seconds`): moving a token's q, k, v and o can cost more than the
+  linear work it evens out;
 * plans for each recomputation the batch fits under, cheapest first (`recompute_modes`):
   memory caps per rank follow from the mode, so the partitioner balances within them;
   tighter caps can cost more balance than the recomputation they save, so the plans are
@@ -26,8 +30,8 @@ from ballonet.plan import Plan
 from ballonet.planning.devices import Devices
 from ballonet.specs import ModelSpec
 
-__all__ = ["StepWeights", "inter_node_pays", "rank_compute_seconds", "recompute_modes", "remaps_inside",
-           "ring_exposed_seconds", "step_weights"]
+__all__ = ["StepWeights", "inter_node_pays", "rank_compute_seconds", "rank_remap_seconds", "rank_step_seconds",
+           "rank_tp_seconds", "recompute_modes", "remaps_inside", "ring_exposed_seconds", "step_weights"]
 
 
 def recompute_modes(model: ModelSpec) -> tuple[str, ...]:
@@ -105,11 +109,9 @@ def inter_node_pays(model: ModelSpec, gpu: hardware.GPUType, length: int, step_w
     return ring_exposed_seconds(model, gpu, length, nodes * ranks_per_node, bandwidth) < overload
 
 
-def rank_compute_seconds(plan: Plan, dev: Devices, model: ModelSpec, mode: str) -> np.ndarray:
-    """[R] seconds of a step's attention and linear kernels on each rank of `plan` (all
-    layers, forward, backward and the recomputation `mode` reruns; no launch floors, no
-    communication): what the partitioner compares its candidate plans by."""
-    R = plan.num_ranks
+def _attention_items(plan: Plan, dev: Devices, model: ModelSpec, mode: str) -> tuple[np.ndarray, np.ndarray]:
+    """(rank, seconds) of every attention kernel of a step (all layers, forward, backward
+    and the recomputation `mode` reruns): each local document and each ring position."""
     in_ring = plan.ring_of_doc
     local = [(r, d) for r, segs in enumerate(plan.attention) for d in {s.doc for s in segs} if d not in in_ring]
     rank = [r for r, _ in local]
@@ -121,18 +123,75 @@ def rank_compute_seconds(plan: Plan, dev: Devices, model: ModelSpec, mode: str) 
             flops.append(cost_model.zigzag_rank_flops(model, ring.bounds, i))
             block.append(ring.block_tokens(i))
     rank_a, flops_a, block_a = np.asarray(rank, dtype=np.int64), np.asarray(flops), np.asarray(block, dtype=float)
-    tokens = np.asarray(plan.linear_token_counts, dtype=float)
     redo = 1.0 if cost_model.recompute_attention(mode) else 0.0
-    linear = (1 + cost_model.LINEAR_BACKWARD_FACTOR) * cost_model.linear_flops_per_token(model) \
-        + cost_model.recompute_flops_per_token(model, mode)
     gpus = np.asarray([g.name for g in dev.gpu])
-    out = np.zeros(R)
+    seconds = np.zeros(len(rank_a))
     for gpu in {g.name: g for g in dev.gpu}.values():
         on = gpus[rank_a] == gpu.name
         fwd = cost_model.attention_seconds(model, gpu, flops_a[on], block_a[on])
         bwd = cost_model.attention_seconds(model, gpu, flops_a[on], block_a[on], backward=True)
-        out += np.bincount(rank_a[on], weights=(1 + redo) * fwd + bwd, minlength=R)
+        seconds[on] = (1 + redo) * fwd + bwd
+    return rank_a, model.num_layers * seconds
+
+
+def rank_compute_seconds(plan: Plan, dev: Devices, model: ModelSpec, mode: str, split: bool = False):
+    """[R] seconds of a step's attention and linear kernels on each rank of `plan` (all
+    layers, forward, backward and the recomputation `mode` reruns; no launch floors, no
+    communication); with `split`, the pair ([R] attention, [R] linear)."""
+    R = plan.num_ranks
+    rank, seconds = _attention_items(plan, dev, model, mode)
+    attention = np.bincount(rank, weights=seconds, minlength=R)
+    tokens = np.asarray(plan.linear_token_counts, dtype=float)
+    linear_flops = (1 + cost_model.LINEAR_BACKWARD_FACTOR) * cost_model.linear_flops_per_token(model) \
+        + cost_model.recompute_flops_per_token(model, mode)
+    linear = np.zeros(R)
+    gpus = np.asarray([g.name for g in dev.gpu])
+    for gpu in {g.name: g for g in dev.gpu}.values():
         mine = gpus == gpu.name
         eff = hardware.profile(gpu).linear.at(np.maximum(tokens[mine], 1.0))
-        out[mine] += linear * tokens[mine] / model.tp / (gpu.peak_flops * eff)
-    return model.num_layers * out
+        linear[mine] = linear_flops * tokens[mine] / model.tp / (gpu.peak_flops * eff)
+    linear *= model.num_layers
+    return (attention, linear) if split else attention + linear
+
+
+def rank_step_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw: np.ndarray) -> np.ndarray:
+    """[R] a step's seconds per rank as the partitioner compares plans (under
+    `model.recompute`): a rank's linear layers start once its own attention and that of
+    every rank remapping tokens to it are done (the remap is a meeting point); then the
+    remap's all-to-alls (`rank_remap_seconds`) and, with tensor parallelism, the
+    sequence-parallel collectives over its tokens. Ring transfers, and the waits of ring
+    members whose shares differ, are not priced: the attention engine forwards K/V as it
+    arrives and fills waits with local documents (a term for the backward's dK/dV waits
+    was tried and mispredicted more choices than it fixed)."""
+    start, linear = rank_compute_seconds(plan, dev, model, model.recompute, split=True)
+    ready = start.copy()
+    for (src, dst) in plan.remap_tokens():
+        ready[dst] = max(ready[dst], start[src])
+        ready[src] = max(ready[src], start[dst])  # and the same meeting on the way back
+    return ready + linear + rank_remap_seconds(plan, model, link_bw) + rank_tp_seconds(plan, dev, model, link_bw)
+
+
+def rank_tp_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw: np.ndarray) -> np.ndarray:
+    """[R] a step's tensor-parallel collectives per rank (all layers, forward and backward):
+    two all-gathers and two reduce-scatters of its tokens' hidden states per pass."""
+    if model.tp == 1:
+        return np.zeros(plan.num_ranks)
+    out = np.zeros(plan.num_ranks)
+    for r, n in enumerate(plan.linear_token_counts):
+        nbytes = cost_model.hidden_bytes(model, n)
+        out[r] = 2 * sum(cost_model.collective_time(op, nbytes, model.tp, link_bw[r], dev.gpu[r])
+                         for op in ("all_gather", "reduce_scatter"))
+    return 2 * model.num_layers * out
+
+
+def rank_remap_seconds(plan: Plan, model: ModelSpec, link_bw: np.ndarray) -> np.ndarray:
+    """[R] seconds a step's remap all-to-alls take on each rank (all layers): q, k and v
+    toward the attention layout and o back, forward and backward, the larger of what a
+    rank sends and receives over its link of `link_bw[r]` bytes/s (the all-to-all is
+    blocking: no compute hides it)."""
+    out, inn = np.zeros(plan.num_ranks), np.zeros(plan.num_ranks)
+    per_token = cost_model.remap_bytes(model, 1, True) + cost_model.remap_bytes(model, 1, False)
+    for (src, dst), n in plan.remap_tokens().items():
+        out[src] += n * per_token
+        inn[dst] += n * per_token
+    return 2 * model.num_layers * np.maximum(out, inn) / link_bw

@@ -58,8 +58,16 @@ from ballonet.plan import Plan
 from ballonet.planning.assembly import Placement, assemble, with_memory
 from ballonet.planning.devices import Devices, check_feasible, check_lengths, devices
 from ballonet.planning.packing import NoRoom, apportion, lpt
-from ballonet.planning.pricing import (StepWeights, inter_node_pays, rank_compute_seconds, recompute_modes,
-                                      remaps_inside, ring_exposed_seconds, step_weights)
+from ballonet.planning.pricing import (
+    StepWeights,
+    inter_node_pays,
+    rank_compute_seconds,
+    rank_step_seconds,
+    recompute_modes,
+    remaps_inside,
+    ring_exposed_seconds,
+    step_weights,
+)
 from ballonet.planning.refinement import refine, split_work
 from ballonet.planning.remap import linear_targets, node_linear_targets, plan_remap
 from ballonet.planning.routing import plan_routes
@@ -254,7 +262,7 @@ def _level2(batch: Batch, fill: RankFill, ranks: np.ndarray, node_work: float, d
 
 
 def _place(lengths, dev: Devices, crossovers, hierarchical: bool, model: ModelSpec,
-           price_linear: bool) -> tuple[Placement, dict]:
+           price_linear: bool, keep_tokens: bool = False) -> tuple[Placement, dict]:
     R, nodes = dev.num_ranks, dev.nodes()
     gpu = dev.gpu[int(np.argmax(dev.speed))]
     work = attention_work(model, lengths, gpu)
@@ -267,7 +275,8 @@ def _place(lengths, dev: Devices, crossovers, hierarchical: bool, model: ModelSp
             work[d] = split_work(model, lengths[d], min(np.ceil(work[d] / fair), R), gpu)
     weights = step_weights(model, gpu, lengths, R)
     per_token = weights.linear_per_token if price_linear else 0.0
-    keeps = np.array([not remaps_inside(g) for g in dev.gpu]) if price_linear else np.zeros(R, dtype=bool)
+    keeps = np.array([keep_tokens or not remaps_inside(g) for g in dev.gpu]) if price_linear \
+        else np.zeros(R, dtype=bool)
     batch = Batch(lengths=lengths, work=work, work_list=work.tolist(), dev=dev, model=model, gpu=gpu,
                   crossovers=crossovers, linear_on_rank=np.where(keeps, per_token, 0.0))
     intra, inter = _classify(batch, nodes, hierarchical, per_token, weights)
@@ -362,9 +371,10 @@ def zeppelin(lengths, cluster: ClusterSpec, model: ModelSpec, *, routing: bool =
         except (NoRoom, InfeasiblePlan) as e:
             error = e
             continue
-        seconds = rank_compute_seconds(plan, dev, spec, mode)
-        if seconds.max() < best_s:
-            best, best_s = (plan, dev, spec), seconds.max()
+        for candidate in (plan, _kept(lengths, cluster, spec, crossovers, options, plan)):
+            seconds = None if candidate is None else _step_seconds(candidate, dev, spec, crossovers).max()
+            if seconds is not None and seconds < best_s:
+                best, best_s = (candidate, dev, spec), seconds
         if not plan.meta.get("caps_bind", True):
             break  # looser caps would place the same way and recompute more
         if i + 1 < len(modes) and rank_compute_seconds(plan, dev, spec, modes[i + 1]).mean() >= best_s:
@@ -377,6 +387,23 @@ def zeppelin(lengths, cluster: ClusterSpec, model: ModelSpec, *, routing: bool =
     return plan.validate()
 
 
+def _kept(lengths, cluster, model, crossovers, options, plan: Plan) -> Plan | None:
+    """The plan with every rank keeping its tokens (no remap, attention plus linear work
+    balanced per rank) under the same recomputation, when `plan` remaps and pricing may
+    prefer it; None when there is nothing to compare or the greedy steps cannot fit it."""
+    if not (options["price_linear"] and options["remap"] and plan.remap) or plan.meta["fallback"]:
+        return None
+    try:
+        return _plan(lengths, cluster, model, crossovers, {**options, "keep_tokens": True}, fallback=False)[0]
+    except (NoRoom, InfeasiblePlan):
+        return None
+
+
+def _step_seconds(plan: Plan, dev: Devices, model: ModelSpec, crossovers) -> np.ndarray:
+    """[R] what the partitioner compares its candidate plans by (`pricing.rank_step_seconds`)."""
+    return rank_step_seconds(plan, dev, model, np.array([crossovers[g].intra_bw for g in dev.group]))
+
+
 def _plan(lengths, cluster, model, crossovers, options, fallback: bool) -> tuple[Plan, Devices]:
     """One plan under the memory caps of `model.recompute`; with `fallback`, a batch the
     greedy steps cannot fit is cut in runs (`_fallback`) rather than refused."""
@@ -384,9 +411,12 @@ def _plan(lengths, cluster, model, crossovers, options, fallback: bool) -> tuple
     check_feasible(lengths, dev, model)
     meta = {"options": options, "crossover_lengths": [dataclasses.asdict(t) for t in crossovers],
             "recompute": model.recompute, "fallback": False}
-    finish = {"remap": options["remap"], "node_remap": options["price_linear"]}
+    keep = options.get("keep_tokens", False)
+    finish = {"remap": options["remap"] and not keep, "node_remap": options["price_linear"]}
+    meta["keep_tokens"] = keep
     try:
-        placement, facts = _place(lengths, dev, crossovers, options["hierarchical"], model, options["price_linear"])
+        placement, facts = _place(lengths, dev, crossovers, options["hierarchical"], model, options["price_linear"],
+                                  keep)
         meta.update(facts)
         return _finish(lengths, dev, placement, meta, **finish), dev
     except (NoRoom, InfeasiblePlan):
