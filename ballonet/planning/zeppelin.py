@@ -39,8 +39,9 @@ Placement, with work in peak-FLOP units so a rank's time is work / its peak:
     under memory caps) and routes for inter-node hops (`remap.py`, `routing.py`).
 
 The steps run once per recomputation mode the batch fits under, cheapest first, while a
-costlier mode could still win (`pricing.py`); the plan whose busiest rank computes least
-is kept. A batch the greedy steps cannot fit under memory caps falls back to cutting
+costlier mode could still win, and once more per mode with every rank keeping its tokens
+(no remap; ranks balanced on attention plus linear work); the plan whose busiest rank
+has the shortest estimated step is kept (`pricing.rank_step_seconds`). A batch the greedy steps cannot fit under memory caps falls back to cutting
 the batch in speed-proportional runs of tokens (valid, not balanced; `meta["fallback"]`).
 Without `hierarchical`, a document that must be split spans every rank (the ablation).
 """
