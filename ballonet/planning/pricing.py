@@ -3,20 +3,22 @@
 Attention work alone does not make a step: every token also runs the linear layers, and
 a batch that needs more recomputation pays a second forward. The partitioner therefore
 
-* balances nodes on attention work plus each document's linear work
-  (`StepWeights.linear_per_token`, in the units of `Batch.work`), so that the remap can stay
-  inside each node: a node that holds long documents (much attention, few tokens) takes
-  fewer tokens instead of shipping q, k, v and o of the difference across the network
-  every layer (`remap.node_linear_targets`);
+* balances nodes on attention work plus each document's linear work (`StepWeights`, in
+  the units of `Batch.work`), so that the remap can stay inside each node: a node that
+  holds long documents (much attention, few tokens) takes fewer tokens instead of
+  shipping q, k, v and o of the difference across the network every layer;
+* sends a document over a node's share across nodes when the overload it saves beats the
+  wider ring's exposed transfers (`inter_node_pays`, `ring_exposed_seconds`), and prices
+  a ring on a node's own links (nothing over NVLink, much over PCIe);
 * remaps inside NVLink nodes, or keeps every rank's tokens (balancing attention plus
-  linear work per rank), whichever leaves the shorter step once the remap's all-to-alls
-  are priced (`rank_remap_seconds`): moving a token's q, k, v and o can cost more than the
-  linear work it evens out;
+  linear work per rank; always on PCIe-only nodes, `remaps_inside`), whichever leaves
+  the shorter estimated step (`rank_step_seconds`): moving a token's q, k, v and o can
+  cost more than the linear work it evens out;
 * plans for each recomputation the batch fits under, cheapest first (`recompute_modes`):
   memory caps per rank follow from the mode, so the partitioner balances within them;
   tighter caps can cost more balance than the recomputation they save, so the plans are
-  compared by their busiest rank's compute (`rank_compute_seconds`), and a costlier mode
-  is tried only while its average rank could still beat the best plan so far.
+  compared by their estimated step, and a costlier mode is tried only while its
+  average rank could still beat the best plan so far.
 """
 
 from __future__ import annotations
