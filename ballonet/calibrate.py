@@ -8,13 +8,18 @@ What is measured, on the device this process runs on:
    picks), for each head shape, at lengths 64 .. `max_length` (doubling); a length L runs
    as a pack of max(1, pack_tokens // L) documents, as a rank's local documents run. Efficiency = FLOPs / (seconds * peak), FLOPs
    2*H*D*L*(L+1) forward and 2.5x that backward (`cost_model`).
-2. The model without its attention core (`training.model.Transformer` with at most 2
-   layers: embedding, norms, RoPE, the QKV/O/MLP GEMMs, LM head and loss) forward and
-   backward, by tokens per rank: efficiency = 3 * (linear + head) FLOPs / (seconds *
-   peak), the same for forward and backward (the backward's 2x FLOPs at the forward's
-   efficiency is what the cost model assumes), so the cost model's linear layers and LM
-   head together take the measured time.
+2. By tokens per rank, forward and backward of the model's GEMMs alone (each layer's
+   QKV/O/MLP weights and the LM head of `training.model.Transformer` with at most 2
+   layers): efficiency = 3 * GEMM FLOPs / (seconds * peak), the same for forward and
+   backward (the backward's 2x FLOPs at the forward's efficiency is what the cost model
+   assumes); and of the model without its attention core (embedding, norms, RoPE,
+   SwiGLU, residual adds, LM head and loss): its seconds beyond the GEMMs are its
+   elementwise work, priced as bytes (`cost_model.elementwise_bytes_per_token`, the
+   loss's `loss_bytes_per_token`, backward 2x) over an achieved bandwidth.
    On a CPU, seconds are the thread's CPU time (as the training loop measures compute).
+   Then the step's other costs: with world > 1, the same model wrapped by FSDP2 as the
+   training loop wraps it against the bare model (framework seconds per layer), and
+   AdamW's step over a rank's parameters (seconds per parameter).
 3. With world > 1 (torchrun): point-to-point between ranks 0 and 1 (half a round trip),
    all-to-all and all-reduce over the world, by message size; latency and bandwidth from a
    least-squares line t = a + bytes / bw. All ranks of one host: the NIC figures are these
@@ -124,29 +129,98 @@ def measure_attention(s: Settings, device: torch.device, dtype: torch.dtype, pro
     return rows
 
 
+def _gemms(model, T: int, device, dtype):
+    """fwd+bwd of every GEMM of `model` (each layer's QKV, O and MLP weights, the LM head)
+    on T tokens, with input gradients as in training: a closure for `_median_s`."""
+    spec = model.spec
+    inputs = {n: torch.randn(T, n, device=device, dtype=dtype, requires_grad=True)
+              for n in {spec.hidden, spec.num_heads * spec.head_dim, spec.ffn_hidden}}
+    calls = [(lin, inputs[lin.in_features]) for layer in model.layers
+             for lin in (layer.wq, layer.wk, layer.wv, layer.wo, layer.w1, layer.w3, layer.w2)]
+    calls.append((model.head, inputs[spec.hidden]))
+    grads = [torch.randn(T, lin.out_features, device=device, dtype=dtype) for lin, _ in calls]
+
+    def run():
+        torch.autograd.backward([lin(x) for lin, x in calls], grads)
+    return run
+
+
+def _model_step(model, ids, plan):
+    def run():
+        model.loss(ids, ids, plan, 0 if plan.num_ranks == 1 else dist.get_rank()).backward()
+    return run
+
+
 def measure_linear(s: Settings, device: torch.device, dtype: torch.dtype, progress=None) -> list[dict]:
-    """One row per token count: forward+backward seconds of the model without its attention
-    core (embedding, norms, RoPE, the QKV/O/MLP GEMMs, LM head and loss), at most 2 layers."""
+    """One row per token count: forward+backward seconds of the model's GEMMs alone (each
+    layer's QKV, O and MLP, the LM head) and of the model without its attention core
+    (embedding, norms, RoPE, SwiGLU, residual adds, LM head and loss), at most 2 layers.
+    GEMM efficiency = 3 * GEMM FLOPs / (seconds * peak); the rest of the model's seconds is
+    its elementwise work, as achieved bytes/s over 3x the forward bytes (`cost_model`)."""
     from ballonet.training.model import Transformer
 
-    spec = dataclasses.replace(specs.model(s.model), num_layers=min(2, specs.model(s.model).num_layers))
+    spec = _calibration_model(s)
     model = Transformer(spec, attention_fn=lambda q, k, v, *_: q).to(device=device, dtype=dtype)  # no attention core
     peak = hardware.gpu(s.gpu).peak_flops
+    flops_per_token = 3 * (spec.num_layers * cost_model.linear_flops_per_token(spec) + cost_model.head_flops_per_token(spec))
+    bytes_per_token = (1 + cost_model.ELEMENTWISE_BACKWARD_FACTOR) * (
+        spec.num_layers * cost_model.elementwise_bytes_per_token(spec) + cost_model.loss_bytes_per_token(spec))
     rows = []
     for T in s.linear_tokens:
         ids = torch.randint(0, spec.vocab_size, (T,), device=device)
-        one_rank = Plan(planner="calibrate", lengths=(T,), node_of_rank=(0,), nic_of_rank=(0,),
-                        attention=((Segment(0, 0, T),),))
-
-        def step():
-            model.loss(ids, ids, one_rank, 0).backward()
-
-        seconds = _median_s(step, device, s.repeats)
-        flops = 3 * (spec.num_layers * cost_model.linear_flops_per_token(spec) + cost_model.head_flops_per_token(spec)) * T
-        rows.append({"tokens": T, "seconds": seconds, "efficiency": flops / (seconds * peak)})
+        gemm = _median_s(_gemms(model, T, device, dtype), device, s.repeats)
+        whole = _median_s(_model_step(model, ids, _one_rank_plan(T)), device, s.repeats)
+        rest = max(whole - gemm, 0.01 * whole)  # two noisy timings: the rest is never taken below 1%
+        rows.append({"tokens": T, "gemm_s": gemm, "model_s": whole, "efficiency": flops_per_token * T / (gemm * peak),
+                     "elementwise_bytes_per_s": bytes_per_token * T / rest})
         if progress:
             progress()
     return rows
+
+
+def measure_step(s: Settings, device: torch.device, dtype: torch.dtype) -> dict:
+    """What a training step costs besides the model's kernels, on the world's ranks: the
+    model without its attention core wrapped by FSDP2 as the training loop wraps it
+    (`training.parallel`) against the bare model, on the same tokens (framework seconds
+    per layer), and AdamW's step over the parameters a rank holds (seconds per parameter).
+    One process (no torchrun): no FSDP2 figure, the optimizer on the whole model."""
+    from ballonet.training import parallel
+    from ballonet.training.model import Transformer
+
+    spec = _calibration_model(s)
+    bare = Transformer(spec, attention_fn=lambda q, k, v, *_: q).to(device=device, dtype=dtype)
+    T = s.linear_tokens[len(s.linear_tokens) // 2]
+    ids = torch.randint(0, spec.vocab_size, (T,), device=device)
+    out = {"tokens": T, "bare_s": _median_s(_model_step(bare, ids, _one_rank_plan(T)), device, s.repeats)}
+    model = bare
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        model = Transformer(spec, attention_fn=lambda q, k, v, *_: q).to(device=device, dtype=dtype)
+        parallel.parallelize(model, parallel.device_mesh(dist.get_world_size(), "full", device))
+        plan = _one_rank_plan(T)
+        step = _model_step(model, ids, plan)
+        out["fsdp_s"] = _median_s(step, device, s.repeats)
+        out["framework_s_per_layer"] = max(out["fsdp_s"] - out["bare_s"], 0.0) / spec.num_layers
+    else:
+        _model_step(model, ids, _one_rank_plan(T))()
+    optimizer = torch.optim.AdamW(model.parameters())
+    out["optimizer_s"] = _median_s(optimizer.step, device, s.repeats)
+    out["local_params"] = sum(_local(p).numel() for p in model.parameters())
+    out["optimizer_s_per_param"] = out["optimizer_s"] / out["local_params"]
+    return out
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+def _one_rank_plan(T: int) -> Plan:
+    return Plan(planner="calibrate", lengths=(T,), node_of_rank=(0,), nic_of_rank=(0,),
+                attention=((Segment(0, 0, T),),))
+
+
+def _calibration_model(s: Settings) -> specs.ModelSpec:
+    spec = specs.model(s.model)
+    return dataclasses.replace(spec, num_layers=min(2, spec.num_layers))
 
 
 def _fit(sizes, seconds) -> tuple[float, float]:
@@ -222,8 +296,9 @@ def _curve(tokens, effs) -> calibration.Curve:
 
 
 def build_profile(s: Settings, attention: list[dict], linear: list[dict], comm: dict | None,
-                  device: torch.device) -> calibration.Profile:
-    """The profile: attention curves averaged over shapes, the linear curve, link figures."""
+                  device: torch.device, step: dict | None = None) -> calibration.Profile:
+    """The profile: attention curves averaged over shapes, the GEMM and elementwise curves,
+    the framework and optimizer figures (`step`), link figures."""
     base = hardware.profile(s.gpu)
     by_len: dict = {}
     for r in attention:
@@ -236,6 +311,17 @@ def build_profile(s: Settings, attention: list[dict], linear: list[dict], comm: 
     fields = dict(attention_forward=_curve(lengths, fwd), attention_backward=_curve(lengths, bwd),
                   attention_launch_s=launch,
                   linear=_curve([r["tokens"] for r in linear], [r["efficiency"] for r in linear]))
+    rates = [r["elementwise_bytes_per_s"] for r in linear]
+    memory_bw = max(base.memory_bw, *rates)  # a measured rate above the nominal one becomes the reference
+    fields.update(memory_bw=memory_bw, elementwise=_curve([r["tokens"] for r in linear], [b / memory_bw for b in rates]))
+    if step:
+        fields["optimizer_s_per_param"] = step["optimizer_s_per_param"]
+        if "framework_s_per_layer" in step:
+            fields["framework_s_per_layer"] = step["framework_s_per_layer"]
+            notes.append("framework seconds per layer: the model without attention under FSDP2 on all ranks "
+                         "against the bare model, same tokens")
+        else:
+            notes.append("framework seconds per layer not measured (one process): the built-in profile's figure")
     gpu = hardware.gpu(s.gpu)
     if comm:
         world = dist.get_world_size()
@@ -303,9 +389,10 @@ def run(s: Settings, device: torch.device, progress_factory=None) -> tuple[calib
     advance = progress_factory(total) if progress_factory else None
     attention = measure_attention(s, device, dtype, advance)
     linear = measure_linear(s, device, dtype, advance)
+    step = measure_step(s, device, dtype)
     comm = measure_comm(s, device, advance) if multi else None
-    raw = {"attention": attention, "linear": linear, "comm": comm, "settings": dataclasses.asdict(s)}
-    return build_profile(s, attention, linear, comm, device), raw
+    raw = {"attention": attention, "linear": linear, "step": step, "comm": comm, "settings": dataclasses.asdict(s)}
+    return build_profile(s, attention, linear, comm, device, step), raw
 
 
 def init_distributed() -> torch.device:
