@@ -5,7 +5,8 @@ What is measured, on the device this process runs on:
 
 1. Causal varlen attention, forward and backward timed separately, through the runtime's
    engine (`runtime.attention` on a one-rank plan, with the kernel `runtime.kernels.select`
-   picks), for each head shape, at lengths 64 .. `max_length` (doubling); a length L runs
+   picks), for the calibrated model's head shape (the profile's curves) and `SHAPES`'s
+   others (kept for comparison), at lengths 64 .. `max_length` (doubling); a length L runs
    as a pack of max(1, pack_tokens // L) documents, as a rank's local documents run. Efficiency = FLOPs / (seconds * peak), FLOPs
    2*H*D*L*(L+1) forward and 2.5x that backward (`cost_model`).
 2. By tokens per rank, forward and backward of the model's GEMMs alone (each layer's
@@ -48,7 +49,16 @@ from ballonet import calibration, cost_model, hardware, runtime, specs
 from ballonet.plan import Plan, Segment
 
 SHAPES = {"cpu": ((4, 2, 16), (8, 8, 32)), "cuda": ((64, 4, 128), (32, 32, 128))}
-"""(query heads, KV heads, head dim) timed per device type."""
+"""(query heads, KV heads, head dim) timed per device type besides the model's own."""
+
+
+def attention_shapes(s: "Settings", device: torch.device) -> list[tuple[int, int, int]]:
+    """The shapes timed: the calibrated model's own first (its curve is the profile's: a
+    CPU kernel's efficiency differs by 20-50% between head shapes), then `SHAPES`'s others
+    (kept in the measurements, for comparison)."""
+    spec = specs.model(s.model)
+    own = (spec.num_heads, spec.num_kv_heads, spec.head_dim)
+    return [own] + [x for x in SHAPES["cuda" if device.type == "cuda" else "cpu"] if x != own]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -107,7 +117,8 @@ def measure_attention(s: Settings, device: torch.device, dtype: torch.dtype, pro
     bookkeeping and merges: what a rank's local documents cost in training)."""
     rows = []
     peak = hardware.gpu(s.gpu).peak_flops
-    for heads, kv_heads, dim in SHAPES["cuda" if device.type == "cuda" else "cpu"]:
+    own = attention_shapes(s, device)[0]
+    for heads, kv_heads, dim in attention_shapes(s, device):
         for L in _lengths(s.max_length):
             n = max(1, s.pack_tokens // L)
             plan = Plan(planner="calibrate", lengths=(L,) * n, node_of_rank=(0,), nic_of_rank=(0,),
@@ -121,7 +132,8 @@ def measure_attention(s: Settings, device: torch.device, dtype: torch.dtype, pro
             dout = torch.randn_like(out)
             bwd = _median_s(lambda: torch.autograd.backward(out, dout, retain_graph=True), device, s.repeats)
             flops = 2.0 * heads * dim * L * (L + 1) * n
-            rows.append({"heads": heads, "kv_heads": kv_heads, "head_dim": dim, "length": L, "num_docs": n,
+            rows.append({"heads": heads, "kv_heads": kv_heads, "head_dim": dim, "model_shape": (heads, kv_heads, dim) == own,
+                         "length": L, "num_docs": n,
                          "forward_s": fwd, "backward_s": bwd, "forward_efficiency": flops / (fwd * peak),
                          "backward_efficiency": 2.5 * flops / (bwd * peak)})
             if progress:
@@ -297,16 +309,18 @@ def _curve(tokens, effs) -> calibration.Curve:
 
 def build_profile(s: Settings, attention: list[dict], linear: list[dict], comm: dict | None,
                   device: torch.device, step: dict | None = None) -> calibration.Profile:
-    """The profile: attention curves averaged over shapes, the GEMM and elementwise curves,
+    """The profile: attention curves of the model's head shape, the GEMM and elementwise curves,
     the framework and optimizer figures (`step`), link figures."""
     base = hardware.profile(s.gpu)
     by_len: dict = {}
     for r in attention:
-        by_len.setdefault(r["length"], []).append(r)
+        if r["model_shape"]:
+            by_len.setdefault(r["length"], []).append(r)
     lengths = sorted(by_len)
     fwd = [statistics.mean(r["forward_efficiency"] for r in by_len[L]) for L in lengths]
     bwd = [statistics.mean(r["backward_efficiency"] for r in by_len[L]) for L in lengths]
-    launch = min(min(r["forward_s"] / r["num_docs"], r["backward_s"] / r["num_docs"]) for r in attention)
+    launch = min(min(r["forward_s"] / r["num_docs"], r["backward_s"] / r["num_docs"]) for r in attention
+                 if r["model_shape"])
     notes = [f"attention efficiency beyond {lengths[-1]} tokens taken equal to the last measured length"]
     fields = dict(attention_forward=_curve(lengths, fwd), attention_backward=_curve(lengths, bwd),
                   attention_launch_s=launch,
@@ -385,7 +399,7 @@ def run(s: Settings, device: torch.device, progress_factory=None) -> tuple[calib
     """Measure and return (profile, raw measurements). Collective under torchrun."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     multi = dist.is_initialized() and dist.get_world_size() > 1
-    total = len(SHAPES["cpu"]) * len(_lengths(s.max_length)) + len(s.linear_tokens) + (len(s.message_bytes) if multi else 0)
+    total = len(attention_shapes(s, device)) * len(_lengths(s.max_length)) + len(s.linear_tokens) + (len(s.message_bytes) if multi else 0)
     advance = progress_factory(total) if progress_factory else None
     attention = measure_attention(s, device, dtype, advance)
     linear = measure_linear(s, device, dtype, advance)
