@@ -87,12 +87,13 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median_s(fn, device: torch.device, repeats: int, wall: bool = False) -> float:
+def _median_s(fn, device: torch.device, repeats: int, wall: bool = False, warm: bool = True) -> float:
     """Median seconds of `fn` after a warm-up: on a CPU the calling thread's CPU time (what
     a rank's compute costs whatever else shares the cores, as the training loop measures
     it), on a GPU (or with `wall`) wall time after a synchronize."""
     clock = time.perf_counter if wall or device.type == "cuda" else time.thread_time
-    fn()
+    if warm:
+        fn()
     _sync(device)
     times = []
     for _ in range(repeats):
@@ -101,6 +102,18 @@ def _median_s(fn, device: torch.device, repeats: int, wall: bool = False) -> flo
         _sync(device)
         times.append(clock() - start)
     return statistics.median(times)
+
+
+def _paired_s(fn_a, fn_b, device: torch.device, repeats: int) -> tuple[float, float, float]:
+    """(median seconds of `fn_a`, of `fn_b`, median of their paired differences a - b),
+    the two timed alternately so that a change in the machine's speed (other jobs on a
+    shared host) falls on both alike; CPU time on a CPU, as `_median_s`."""
+    fn_a(), fn_b()
+    a, b = [], []
+    for _ in range(repeats):
+        a.append(_median_s(fn_a, device, 1, warm=False))
+        b.append(_median_s(fn_b, device, 1, warm=False))
+    return statistics.median(a), statistics.median(b), statistics.median(x - y for x, y in zip(a, b))
 
 
 def _lengths(max_length: int) -> list[int]:
@@ -132,8 +145,8 @@ def measure_attention(s: Settings, device: torch.device, dtype: torch.dtype, pro
             dout = torch.randn_like(out)
             bwd = _median_s(lambda: torch.autograd.backward(out, dout, retain_graph=True), device, s.repeats)
             flops = 2.0 * heads * dim * L * (L + 1) * n
-            rows.append({"heads": heads, "kv_heads": kv_heads, "head_dim": dim, "model_shape": (heads, kv_heads, dim) == own,
-                         "length": L, "num_docs": n,
+            rows.append({"heads": heads, "kv_heads": kv_heads, "head_dim": dim,
+                         "model_shape": (heads, kv_heads, dim) == own, "length": L, "num_docs": n,
                          "forward_s": fwd, "backward_s": bwd, "forward_efficiency": flops / (fwd * peak),
                          "backward_efficiency": 2.5 * flops / (bwd * peak)})
             if progress:
@@ -180,11 +193,11 @@ def measure_linear(s: Settings, device: torch.device, dtype: torch.dtype, progre
     rows = []
     for T in s.linear_tokens:
         ids = torch.randint(0, spec.vocab_size, (T,), device=device)
-        gemm = _median_s(_gemms(model, T, device, dtype), device, s.repeats)
-        whole = _median_s(_model_step(model, ids, _one_rank_plan(T)), device, s.repeats)
-        rest = max(whole - gemm, 0.01 * whole)  # two noisy timings: the rest is never taken below 1%
+        whole, gemm, rest = _paired_s(_model_step(model, ids, _one_rank_plan(T)), _gemms(model, T, device, dtype),
+                                      device, s.repeats)
+        rest = max(rest, 0.01 * whole)  # noisy timings: the rest is never taken below 1%
         rows.append({"tokens": T, "gemm_s": gemm, "model_s": whole, "efficiency": flops_per_token * T / (gemm * peak),
-                     "elementwise_bytes_per_s": bytes_per_token * T / rest})
+                     "elementwise_s": rest, "elementwise_bytes_per_s": bytes_per_token * T / rest})
         if progress:
             progress()
     return rows
@@ -203,17 +216,18 @@ def measure_step(s: Settings, device: torch.device, dtype: torch.dtype) -> dict:
     bare = Transformer(spec, attention_fn=lambda q, k, v, *_: q).to(device=device, dtype=dtype)
     T = s.linear_tokens[len(s.linear_tokens) // 2]
     ids = torch.randint(0, spec.vocab_size, (T,), device=device)
-    out = {"tokens": T, "bare_s": _median_s(_model_step(bare, ids, _one_rank_plan(T)), device, s.repeats)}
+    bare_step = _model_step(bare, ids, _one_rank_plan(T))
+    out = {"tokens": T}
     model = bare
     if dist.is_initialized() and dist.get_world_size() > 1:
         model = Transformer(spec, attention_fn=lambda q, k, v, *_: q).to(device=device, dtype=dtype)
         parallel.parallelize(model, parallel.device_mesh(dist.get_world_size(), "full", device))
-        plan = _one_rank_plan(T)
-        step = _model_step(model, ids, plan)
-        out["fsdp_s"] = _median_s(step, device, s.repeats)
-        out["framework_s_per_layer"] = max(out["fsdp_s"] - out["bare_s"], 0.0) / spec.num_layers
+        out["fsdp_s"], out["bare_s"], extra = _paired_s(_model_step(model, ids, _one_rank_plan(T)), bare_step,
+                                                        device, 2 * s.repeats)
+        out["fsdp_extra_s"] = extra
+        out["framework_s_per_layer"] = max(extra, 0.0) / spec.num_layers
     else:
-        _model_step(model, ids, _one_rank_plan(T))()
+        out["bare_s"] = _median_s(bare_step, device, s.repeats)
     optimizer = torch.optim.AdamW(model.parameters())
     out["optimizer_s"] = _median_s(optimizer.step, device, s.repeats)
     out["local_params"] = sum(_local(p).numel() for p in model.parameters())

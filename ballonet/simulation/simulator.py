@@ -5,9 +5,9 @@ What is simulated (`timeline.py` has the event model, `fabric.py` the links,
 
 * One transformer layer forward and one backward, each a task graph started at time 0 on
   every rank; every layer is alike, so a step is num_layers * (forward + backward), plus
-  the LM head and the exposed part of the gradient all-reduce, plus the optimizer step. Layers are synchronous
-  here (a rank never starts layer l+1 before the slowest rank finishes layer l): a small
-  pessimism where ranks are unbalanced.
+  the LM head, the exposed part of the gradient all-reduce and the optimizer step. Layers
+  are synchronous here (a rank never starts layer l+1 before the slowest rank finishes
+  layer l): a small pessimism where ranks are unbalanced.
 * Forward layer: attention (every split document's ring steps, every local document),
   then the remap all-to-all to the linear layout, the linear layers (QKV, O, MLP), the
   tensor-parallel collectives (tp > 1, sequence parallel: 2 all-gathers and 2
