@@ -93,6 +93,29 @@ def _order(results: dict, nproc: int, side: str, key: str = "step_s") -> list[st
     return sorted(mine, key=lambda p: (round(mine[p], 3), p))
 
 
+TIE = 0.02
+"""Predictions closer than this (relative) are a tie: the simulator does not order them."""
+
+
+def _pairs(results: dict, nproc: int, key: str) -> tuple[int, int, list[str]]:
+    """Pairs of planners predicted more than TIE apart: (how many the measurement orders
+    the same way, how many there are, the ones it orders the other way)."""
+    mine = {p: r[key] for (n, p), r in results.items() if n == nproc}
+    agree, total, wrong = 0, 0, []
+    names = sorted(mine)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            pa, pb = mine[a]["predicted"], mine[b]["predicted"]
+            if abs(pa - pb) <= TIE * min(pa, pb):
+                continue
+            total += 1
+            if (pa < pb) == (mine[a]["measured"] < mine[b]["measured"]):
+                agree += 1
+            else:
+                wrong.append(f"{a}/{b}")
+    return agree, total, wrong
+
+
 def step_key(nproc: int) -> str:
     """What judges the step: wall time when each rank has a core, else (more ranks than
     cores) the busiest rank's CPU time of the whole step, as issue 13 asks."""
@@ -137,8 +160,11 @@ def report(results: dict, args, profile_path: str, seconds: float, command: str)
         for n in sorted({n for n, _ in results}):
             k = step_key(n) if key == "step" else key
             pred, meas = _order(results, n, "predicted", k), _order(results, n, "measured", k)
+            agree, total, wrong = _pairs(results, n, k)
             lines.append(f"* {n} ranks ({k}): predicted {' < '.join(pred)}; measured {' < '.join(meas)}: "
-                         f"{'same order' if pred == meas else 'different order'}")
+                         f"{'same order' if pred == meas else 'different order'}; pairs predicted more than "
+                         f"{TIE:.0%} apart ordered alike: {agree} of {total}"
+                         + (f" (not: {', '.join(wrong)})" if wrong else ""))
     return "\n".join(lines) + "\n"
 
 
