@@ -123,20 +123,23 @@ def _like(base: Profile, gpu: str, family: str, pcie: bool = False) -> Profile:
 
 # An emulated "GPU" for CPU runs (gloo ranks, one thread each): measured on the development
 # VM (2 vCPUs, torch 2.13 CPU) by `ballonet calibrate` on 2 ranks, lengths up to 2048,
-# CPU time per thread (bench/results/cpu_profile.json, bench/fidelity.py). Fractions of
-# the nominal 1 TFLOP/s "peak" of hardware.GPUS["cpu"]; another machine: calibrate it.
+# CPU time per thread, the tiny model's head shape (bench/results/cpu_profile.json: the
+# profile of the 2026-12-01 04:00 bench/fidelity.py run). Fractions of the nominal
+# 1 TFLOP/s "peak" of hardware.GPUS["cpu"]; another machine: calibrate it. The link
+# figures are an earlier calibration's of the same VM (the file holds that run's own).
 _CPU_LENGTHS = (64, 128, 256, 512, 1024, 2048)
+_CPU_TOKENS = (64, 256, 1024, 4096, 16384)
 CPU = dataclasses.replace(
     HOPPER, gpu="cpu", source="ballonet calibrate on the development VM (bench/results/cpu_profile.json)",
-    attention_forward=Curve(tokens=_CPU_LENGTHS, efficiency=(0.00416, 0.00736, 0.01033, 0.01372, 0.0183, 0.02595)),
-    attention_backward=Curve(tokens=_CPU_LENGTHS, efficiency=(0.00425, 0.0072, 0.01148, 0.01316, 0.01904, 0.02149)),
-    attention_launch_s=1.4e-4,
-    linear=Curve(tokens=(64, 256, 1024, 4096, 16384), efficiency=(0.00462, 0.00892, 0.01679, 0.01699, 0.01947)),
+    attention_forward=Curve(tokens=_CPU_LENGTHS, efficiency=(0.002822, 0.004827, 0.007536, 0.008613, 0.01635, 0.02169)),
+    attention_backward=Curve(tokens=_CPU_LENGTHS, efficiency=(0.002682, 0.005291, 0.008141, 0.01086, 0.01581, 0.02047)),
+    attention_launch_s=0.000189,
+    linear=Curve(tokens=_CPU_TOKENS, efficiency=(0.01135, 0.02708, 0.03877, 0.03731, 0.03746)),
+    elementwise=Curve(tokens=_CPU_TOKENS, efficiency=(0.04827, 0.1773, 0.3618, 0.449, 0.3096)), memory_bw=10e9,
+    framework_s_per_layer=0.00816, optimizer_s_per_param=2.42e-07,
     p2p_latency_s=1.2e-3, p2p_efficiency=0.142, nic_latency_s=1.2e-3, nic_efficiency=1.0, collective_latency_s=2.2e-3,
     collective_efficiency={"all_gather": 0.05, "reduce_scatter": 0.05, "all_reduce": 0.05, "all_to_all": 0.034},
     overlap_slowdown=0.0,
-    elementwise=Curve(tokens=(64, 512), efficiency=(0.04, 0.17)), memory_bw=10e9,
-    framework_s_per_layer=9.3e-3, optimizer_s_per_param=3.3e-7,
     assumptions=("a CPU's speed depends on the machine and its load: calibrate it",
                  "memory bandwidth 10 GB/s nominal (a round figure the elementwise curve is a fraction of)",
                  "all ranks on one host: the NIC figures are the measured point-to-point ones",

@@ -184,7 +184,7 @@ def main() -> None:
         with open(args.out + ".json") as f:
             saved = json.load(f)
         results = {(int(k.split("/")[0]), k.split("/")[1]): r for k, r in saved["results"].items()}
-        vars(args).update(saved["args"])
+        vars(args).update({k: v for k, v in saved["args"].items() if k != "out"})
         text = report(results, args, saved["profile"], saved["seconds"], saved["command"])
         with open(args.out + ".md", "w") as f:
             f.write(text)
