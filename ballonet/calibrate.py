@@ -171,7 +171,8 @@ def build_profile(s: Settings, attention: list[dict], linear: list[dict], comm: 
                   linear=_curve([r["tokens"] for r in linear], [r["efficiency"] for r in linear]))
     rates = [r["elementwise_bytes_per_s"] for r in linear]
     memory_bw = max(base.memory_bw, *rates)  # a measured rate above the nominal one becomes the reference
-    fields.update(memory_bw=memory_bw, elementwise=_curve([r["tokens"] for r in linear], [b / memory_bw for b in rates]))
+    fields.update(memory_bw=memory_bw,
+                  elementwise=_curve([r["tokens"] for r in linear], [b / memory_bw for b in rates]))
     if step:
         fields["optimizer_s_per_param"] = step["optimizer_s_per_param"]
         if "framework_s_per_layer" in step:
@@ -243,7 +244,8 @@ def run(s: Settings, device: torch.device, progress_factory=None) -> tuple[calib
     """Measure and return (profile, raw measurements). Collective under torchrun."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     multi = dist.is_initialized() and dist.get_world_size() > 1
-    total = len(attention_shapes(s, device)) * len(lengths(s.max_length)) + len(s.linear_tokens) + (len(s.message_bytes) if multi else 0)
+    total = (len(attention_shapes(s, device)) * len(lengths(s.max_length)) + len(s.linear_tokens)
+             + (len(s.message_bytes) if multi else 0))
     advance = progress_factory(total) if progress_factory else None
     attention = measure_attention(s, device, dtype, advance)
     linear = measure_linear(s, device, dtype, advance)

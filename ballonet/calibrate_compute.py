@@ -139,7 +139,8 @@ def measure_linear(s: Settings, device: torch.device, dtype: torch.dtype, progre
     spec = _calibration_model(s)
     model = Transformer(spec, attention_fn=lambda q, k, v, *_: q).to(device=device, dtype=dtype)  # no attention core
     peak = hardware.gpu(s.gpu).peak_flops
-    flops_per_token = 3 * (spec.num_layers * cost_model.linear_flops_per_token(spec) + cost_model.head_flops_per_token(spec))
+    flops_per_token = 3 * (spec.num_layers * cost_model.linear_flops_per_token(spec)
+                           + cost_model.head_flops_per_token(spec))
     bytes_per_token = (1 + cost_model.ELEMENTWISE_BACKWARD_FACTOR) * (
         spec.num_layers * cost_model.elementwise_bytes_per_token(spec) + cost_model.loss_bytes_per_token(spec))
     rows = []

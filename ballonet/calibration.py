@@ -15,8 +15,8 @@ Built-in profiles, one per GPU type, are in `hardware.py` with their sources. A 
 file (JSON, `SCHEMA_VERSION`) is what `ballonet calibrate` writes; `load` reads one and
 refuses a wrong schema version, a missing field or a negative figure with one line naming
 the field (schema 1 files, from before the elementwise, framework and optimizer terms,
-are refused: run `ballonet calibrate` again); `use(profile)` prices every GPU of that type with it inside a `with` block (a
-context variable, so nothing global changes).
+are refused: run `ballonet calibrate` again); `use(profile)` prices every GPU of that
+type with it inside a `with` block (a context variable, so nothing global changes).
 """
 
 from __future__ import annotations

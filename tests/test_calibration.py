@@ -92,7 +92,8 @@ def test_calibrate_quick_writes_a_profile_the_other_commands_read(tmp_path, caps
     assert main(["calibrate", "--max-length", "8"]) == 2 and "--max-length" in capsys.readouterr().err
 
 
-TINY_ELEMENTWISE_BYTES = 3 * (2 * (4 * 64 + 2 * (64 + 32) + 3 * 176 + 6 * 64) * 4 + (2 * 64 * 4 + 256 * 8 + 2 * 256 * 4))
+TINY_ELEMENTWISE_BYTES = 3 * (2 * (4 * 64 + 2 * (64 + 32) + 3 * 176 + 6 * 64) * 4
+                              + (2 * 64 * 4 + 256 * 8 + 2 * 256 * 4))
 """The tiny model's elementwise bytes a token, forward and backward (3x forward), fp32, by
 hand: per layer (h=64, kv=32, ffn=176) 2 norms 4h, rotary 2(h+kv), silu*up 3 ffn, 2 adds 6h;
 the loss (V=256) final norm 2h, fp32 cast 2V, log-softmax 2V."""

@@ -247,7 +247,8 @@ def simulate(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, routing: boo
     # The optimizer steps after the last gradient bucket is reduced.
     step = layers + max(head) + grad_exposed + max(optimizer)
 
-    compute = [L * (fwd_compute[r] + bwd_compute[r]) + head[r] + optimizer[r] for r in range(R)]  # slowdown: exposed
+    compute = [L * (fwd_compute[r] + bwd_compute[r]) + head[r] + optimizer[r]  # slowdown: exposed
+               for r in range(R)]
     busy_end = [L * (fwd_end[r] + bwd_end[r] + slow[r]) + head[r] + optimizer[r] for r in range(R)]
     exposed = [busy_end[r] - compute[r] + grad_exposed for r in range(R)]
     idle = [step - compute[r] - exposed[r] for r in range(R)]
@@ -265,7 +266,8 @@ def simulate(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, routing: boo
         mfu=mfu, compute_s=tuple(compute), exposed_comm_s=tuple(exposed), idle_s=tuple(idle),
         attention_s=tuple(L * (fwd_att[r] + bwd_att[r]) for r in range(R)),
         layer_forward_s=fwd, layer_backward_s=bwd, head_s=max(head), grad_allreduce_s=grad,
-        grad_allreduce_exposed_s=grad_exposed, optimizer_s=max(optimizer), bytes_sent={"forward": graphs[0].sent, "backward": graphs[1].sent},
+        grad_allreduce_exposed_s=grad_exposed, optimizer_s=max(optimizer),
+        bytes_sent={"forward": graphs[0].sent, "backward": graphs[1].sent},
         timelines=(fwd_rec, bwd_rec))
 
 
