@@ -465,7 +465,7 @@ def batch_lower_bound(lengths, cluster: ClusterSpec, model: ModelSpec) -> float:
                                     + recompute_elementwise_bytes_per_token(model, mode))
     elt_bytes += loss_bytes_per_token(model) * (1 + ELEMENTWISE_BACKWARD_FACTOR)
     work = model.num_layers * (att_work + lin_flops * T / lin) + head_flops_per_token(model) * (1 + LINEAR_BACKWARD_FACTOR) * T / lin
-    work += elt_bytes * T * _best_elementwise_units(by_type, T)
+    work += elt_bytes * model.tp * T * _best_elementwise_units(by_type, T)  # bytes per GPU: all of a TP group
     gpus = [cluster.gpu_of(r) for r in range(cluster.num_ranks)]
     num_dp = cluster.num_ranks // model.tp
     work += sum(g.peak_flops * (framework_time(model, g) + optimizer_time(model, g, num_dp)) for g in gpus)
