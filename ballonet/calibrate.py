@@ -5,16 +5,22 @@ What is measured, on the device this process runs on:
 
 1. Causal varlen attention, forward and backward timed separately, through the runtime's
    engine (`runtime.attention` on a one-rank plan, with the kernel `runtime.kernels.select`
-   picks), for each head shape, at lengths 64 .. `max_length` (doubling); a length L runs
+   picks), for the calibrated model's head shape (the profile's curves) and `SHAPES`'s
+   others (kept for comparison), at lengths 64 .. `max_length` (doubling); a length L runs
    as a pack of max(1, pack_tokens // L) documents, as a rank's local documents run. Efficiency = FLOPs / (seconds * peak), FLOPs
    2*H*D*L*(L+1) forward and 2.5x that backward (`cost_model`).
-2. The model without its attention core (`training.model.Transformer` with at most 2
-   layers: embedding, norms, RoPE, the QKV/O/MLP GEMMs, LM head and loss) forward and
-   backward, by tokens per rank: efficiency = 3 * (linear + head) FLOPs / (seconds *
-   peak), the same for forward and backward (the backward's 2x FLOPs at the forward's
-   efficiency is what the cost model assumes), so the cost model's linear layers and LM
-   head together take the measured time.
+2. By tokens per rank, forward and backward of the model's GEMMs alone (each layer's
+   QKV/O/MLP weights and the LM head of `training.model.Transformer` with at most 2
+   layers): efficiency = 3 * GEMM FLOPs / (seconds * peak), the same for forward and
+   backward (the backward's 2x FLOPs at the forward's efficiency is what the cost model
+   assumes); and of the model without its attention core (embedding, norms, RoPE,
+   SwiGLU, residual adds, LM head and loss): its seconds beyond the GEMMs are its
+   elementwise work, priced as bytes (`cost_model.elementwise_bytes_per_token`, the
+   loss's `loss_bytes_per_token`, backward 2x) over an achieved bandwidth.
    On a CPU, seconds are the thread's CPU time (as the training loop measures compute).
+   Then the step's other costs: with world > 1, the same model wrapped by FSDP2 as the
+   training loop wraps it against the bare model (framework seconds per layer), and
+   AdamW's step over a rank's parameters (seconds per parameter).
 3. With world > 1 (torchrun): point-to-point between ranks 0 and 1 (half a round trip),
    all-to-all and all-reduce over the world, by message size; latency and bandwidth from a
    least-squares line t = a + bytes / bw. All ranks of one host: the NIC figures are these
@@ -22,7 +28,8 @@ What is measured, on the device this process runs on:
    alone and while the largest all-reduce runs beside it (compute seconds lost per second
    of overlapping communication).
 
-Peak FLOP/s and nominal link bandwidths are the GPU type's (`hardware.GPUS`) and the
+Items 1 and 2 are `calibrate_compute.py`; this module times the links, builds the profile
+and runs the command. Peak FLOP/s and nominal link bandwidths are the GPU type's (`hardware.GPUS`) and the
 cluster preset's NIC rate, so efficiencies are fractions of what the simulator assumes.
 """
 
@@ -39,11 +46,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ballonet import calibration, cost_model, hardware, runtime, specs
-from ballonet.plan import Plan, Segment
-
-SHAPES = {"cpu": ((4, 2, 16), (8, 8, 32)), "cuda": ((64, 4, 128), (32, 32, 128))}
-"""(query heads, KV heads, head dim) timed per device type."""
+from ballonet import calibration, hardware, specs
+from ballonet.calibrate_compute import (
+    attention_shapes,
+    lengths,
+    measure_attention,
+    measure_linear,
+    measure_step,
+    median_s,
+    sync,
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -65,88 +77,6 @@ def quick(settings: Settings) -> Settings:
     """A run of seconds (tests, smoke checks): short lengths, few sizes, 2 repeats."""
     return dataclasses.replace(settings, max_length=min(settings.max_length, 512), pack_tokens=1024,
                                linear_tokens=(64, 512), message_bytes=(2**10, 2**16, 2**20), repeats=2)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _median_s(fn, device: torch.device, repeats: int, wall: bool = False) -> float:
-    """Median seconds of `fn` after a warm-up: on a CPU the calling thread's CPU time (what
-    a rank's compute costs whatever else shares the cores, as the training loop measures
-    it), on a GPU (or with `wall`) wall time after a synchronize."""
-    clock = time.perf_counter if wall or device.type == "cuda" else time.thread_time
-    fn()
-    _sync(device)
-    times = []
-    for _ in range(repeats):
-        start = clock()
-        fn()
-        _sync(device)
-        times.append(clock() - start)
-    return statistics.median(times)
-
-
-def _lengths(max_length: int) -> list[int]:
-    out, L = [], 64
-    while L <= max_length:
-        out.append(L)
-        L *= 2
-    return out
-
-
-def measure_attention(s: Settings, device: torch.device, dtype: torch.dtype, progress=None) -> list[dict]:
-    """One row per (shape, length): forward and backward seconds of a pack of documents
-    through the runtime's attention engine on a one-rank plan (its kernel, index
-    bookkeeping and merges: what a rank's local documents cost in training)."""
-    rows = []
-    peak = hardware.gpu(s.gpu).peak_flops
-    for heads, kv_heads, dim in SHAPES["cuda" if device.type == "cuda" else "cpu"]:
-        for L in _lengths(s.max_length):
-            n = max(1, s.pack_tokens // L)
-            plan = Plan(planner="calibrate", lengths=(L,) * n, node_of_rank=(0,), nic_of_rank=(0,),
-                        attention=(tuple(Segment(d, 0, L) for d in range(n)),))
-            q = torch.randn(n * L, heads, dim, device=device, dtype=dtype, requires_grad=True)
-            k, v = (torch.randn(n * L, kv_heads, dim, device=device, dtype=dtype, requires_grad=True)
-                    for _ in range(2))
-            with torch.no_grad():
-                fwd = _median_s(lambda: runtime.attention(q, k, v, plan, 0, verify_plan=False), device, s.repeats)
-            out = runtime.attention(q, k, v, plan, 0, verify_plan=False)
-            dout = torch.randn_like(out)
-            bwd = _median_s(lambda: torch.autograd.backward(out, dout, retain_graph=True), device, s.repeats)
-            flops = 2.0 * heads * dim * L * (L + 1) * n
-            rows.append({"heads": heads, "kv_heads": kv_heads, "head_dim": dim, "length": L, "num_docs": n,
-                         "forward_s": fwd, "backward_s": bwd, "forward_efficiency": flops / (fwd * peak),
-                         "backward_efficiency": 2.5 * flops / (bwd * peak)})
-            if progress:
-                progress()
-    return rows
-
-
-def measure_linear(s: Settings, device: torch.device, dtype: torch.dtype, progress=None) -> list[dict]:
-    """One row per token count: forward+backward seconds of the model without its attention
-    core (embedding, norms, RoPE, the QKV/O/MLP GEMMs, LM head and loss), at most 2 layers."""
-    from ballonet.training.model import Transformer
-
-    spec = dataclasses.replace(specs.model(s.model), num_layers=min(2, specs.model(s.model).num_layers))
-    model = Transformer(spec, attention_fn=lambda q, k, v, *_: q).to(device=device, dtype=dtype)  # no attention core
-    peak = hardware.gpu(s.gpu).peak_flops
-    rows = []
-    for T in s.linear_tokens:
-        ids = torch.randint(0, spec.vocab_size, (T,), device=device)
-        one_rank = Plan(planner="calibrate", lengths=(T,), node_of_rank=(0,), nic_of_rank=(0,),
-                        attention=((Segment(0, 0, T),),))
-
-        def step():
-            model.loss(ids, ids, one_rank, 0).backward()
-
-        seconds = _median_s(step, device, s.repeats)
-        flops = 3 * (spec.num_layers * cost_model.linear_flops_per_token(spec) + cost_model.head_flops_per_token(spec)) * T
-        rows.append({"tokens": T, "seconds": seconds, "efficiency": flops / (seconds * peak)})
-        if progress:
-            progress()
-    return rows
 
 
 def _fit(sizes, seconds) -> tuple[float, float]:
@@ -176,7 +106,7 @@ def measure_comm(s: Settings, device: torch.device, progress=None) -> dict:
                  "all_reduce": lambda: dist.all_reduce(buf)}
         for op, fn in timed.items():
             dist.barrier()
-            t = _median_s(fn, device, s.repeats, wall=True)
+            t = median_s(fn, device, s.repeats, wall=True)
             out[op].append({"bytes": n, "seconds": t / 2 if op == "p2p" else t})
         if progress:
             progress()
@@ -198,13 +128,13 @@ def measure_overlap(s: Settings, device: torch.device) -> dict:
     def overlapped():
         work = dist.all_reduce(buf, async_op=True)
         gemms()
-        _sync(device)
+        sync(device)
         return work
 
     dist.barrier()
-    alone = _median_s(gemms, device, s.repeats, wall=True)
+    alone = median_s(gemms, device, s.repeats, wall=True)
     dist.barrier()
-    comm = _median_s(lambda: dist.all_reduce(buf), device, s.repeats, wall=True)
+    comm = median_s(lambda: dist.all_reduce(buf), device, s.repeats, wall=True)
     times = []
     for _ in range(s.repeats):
         dist.barrier()
@@ -222,20 +152,35 @@ def _curve(tokens, effs) -> calibration.Curve:
 
 
 def build_profile(s: Settings, attention: list[dict], linear: list[dict], comm: dict | None,
-                  device: torch.device) -> calibration.Profile:
-    """The profile: attention curves averaged over shapes, the linear curve, link figures."""
+                  device: torch.device, step: dict | None = None) -> calibration.Profile:
+    """The profile: attention curves of the model's head shape, the GEMM and elementwise curves,
+    the framework and optimizer figures (`step`), link figures."""
     base = hardware.profile(s.gpu)
     by_len: dict = {}
     for r in attention:
-        by_len.setdefault(r["length"], []).append(r)
+        if r["model_shape"]:
+            by_len.setdefault(r["length"], []).append(r)
     lengths = sorted(by_len)
     fwd = [statistics.mean(r["forward_efficiency"] for r in by_len[L]) for L in lengths]
     bwd = [statistics.mean(r["backward_efficiency"] for r in by_len[L]) for L in lengths]
-    launch = min(min(r["forward_s"] / r["num_docs"], r["backward_s"] / r["num_docs"]) for r in attention)
+    launch = min(min(r["forward_s"] / r["num_docs"], r["backward_s"] / r["num_docs"]) for r in attention
+                 if r["model_shape"])
     notes = [f"attention efficiency beyond {lengths[-1]} tokens taken equal to the last measured length"]
     fields = dict(attention_forward=_curve(lengths, fwd), attention_backward=_curve(lengths, bwd),
                   attention_launch_s=launch,
                   linear=_curve([r["tokens"] for r in linear], [r["efficiency"] for r in linear]))
+    rates = [r["elementwise_bytes_per_s"] for r in linear]
+    memory_bw = max(base.memory_bw, *rates)  # a measured rate above the nominal one becomes the reference
+    fields.update(memory_bw=memory_bw,
+                  elementwise=_curve([r["tokens"] for r in linear], [b / memory_bw for b in rates]))
+    if step:
+        fields["optimizer_s_per_param"] = step["optimizer_s_per_param"]
+        if "framework_s_per_layer" in step:
+            fields["framework_s_per_layer"] = step["framework_s_per_layer"]
+            notes.append("framework seconds per layer: the model without attention under FSDP2 on all ranks "
+                         "against the bare model, same tokens")
+        else:
+            notes.append("framework seconds per layer not measured (one process): the built-in profile's figure")
     gpu = hardware.gpu(s.gpu)
     if comm:
         world = dist.get_world_size()
@@ -299,13 +244,15 @@ def run(s: Settings, device: torch.device, progress_factory=None) -> tuple[calib
     """Measure and return (profile, raw measurements). Collective under torchrun."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     multi = dist.is_initialized() and dist.get_world_size() > 1
-    total = len(SHAPES["cpu"]) * len(_lengths(s.max_length)) + len(s.linear_tokens) + (len(s.message_bytes) if multi else 0)
+    total = (len(attention_shapes(s, device)) * len(lengths(s.max_length)) + len(s.linear_tokens)
+             + (len(s.message_bytes) if multi else 0))
     advance = progress_factory(total) if progress_factory else None
     attention = measure_attention(s, device, dtype, advance)
     linear = measure_linear(s, device, dtype, advance)
+    step = measure_step(s, device, dtype)
     comm = measure_comm(s, device, advance) if multi else None
-    raw = {"attention": attention, "linear": linear, "comm": comm, "settings": dataclasses.asdict(s)}
-    return build_profile(s, attention, linear, comm, device), raw
+    raw = {"attention": attention, "linear": linear, "step": step, "comm": comm, "settings": dataclasses.asdict(s)}
+    return build_profile(s, attention, linear, comm, device, step), raw
 
 
 def init_distributed() -> torch.device:

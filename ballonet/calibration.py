@@ -4,14 +4,19 @@ A `Profile` holds what the cost model cannot derive from a datasheet: the fracti
 peak FLOP/s an attention kernel reaches, forward and backward separately, against the
 tokens of the sequence (or chunk) it runs on; the same for the layer's GEMMs against the
 tokens of one call; the latency and the share of the nominal bandwidth reached by a
-point-to-point transfer inside a node and across nodes, and by each collective; and how
-much compute slows while communication runs beside it.
+point-to-point transfer inside a node and across nodes, and by each collective; how
+much compute slows while communication runs beside it; the share of the memory bandwidth
+the layer's elementwise work (norms, rotary, SwiGLU's product, residual adds, the loss's
+softmax) reaches; and what a training step costs besides the model's kernels: the
+framework's per-layer work on the compute thread (FSDP2's gathers and reduce hooks) and
+the optimizer step.
 
 Built-in profiles, one per GPU type, are in `hardware.py` with their sources. A profile
 file (JSON, `SCHEMA_VERSION`) is what `ballonet calibrate` writes; `load` reads one and
 refuses a wrong schema version, a missing field or a negative figure with one line naming
-the field; `use(profile)` prices every GPU of that type with it inside a `with` block (a
-context variable, so nothing global changes).
+the field (schema 1 files, from before the elementwise, framework and optimizer terms,
+are refused: run `ballonet calibrate` again); `use(profile)` prices every GPU of that
+type with it inside a `with` block (a context variable, so nothing global changes).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import numpy as np
 
 from ballonet.errors import InputError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 
 
@@ -67,7 +72,19 @@ class Profile:
     attention_launch_s: float
     """Floor of one attention kernel call, forward or backward."""
     linear: Curve
-    """bf16 GEMMs of a layer (QKV, O, MLP) against the tokens of one call."""
+    """bf16 GEMMs of a layer (QKV, O, MLP) and the LM head against the tokens of one call."""
+    elementwise: Curve
+    """Achieved over `memory_bw` by a layer's elementwise work and the loss, against the
+    tokens of one call; bytes counted by `cost_model.elementwise_bytes_per_token`, the
+    backward's as 2x the forward's."""
+    memory_bw: float
+    """Nominal memory bandwidth (bytes/s) `elementwise` is a fraction of: the datasheet's
+    for a GPU; for a measured profile, the best rate measured (its curve peaks at 1)."""
+    framework_s_per_layer: float
+    """Seconds per layer and step the compute thread spends in the training framework
+    outside the model's kernels (FSDP2's parameter gathers, copies and gradient hooks)."""
+    optimizer_s_per_param: float
+    """Seconds of the optimizer step (AdamW) per parameter a rank holds."""
     p2p_latency_s: float
     """One intra-node point-to-point transfer's fixed cost."""
     p2p_efficiency: float
@@ -95,8 +112,8 @@ class Profile:
 
 
 _SCALARS = ("attention_launch_s", "p2p_latency_s", "p2p_efficiency", "nic_latency_s", "nic_efficiency",
-            "collective_latency_s", "overlap_slowdown")
-_CURVES = ("attention_forward", "attention_backward", "linear")
+            "collective_latency_s", "overlap_slowdown", "memory_bw", "framework_s_per_layer", "optimizer_s_per_param")
+_CURVES = ("attention_forward", "attention_backward", "linear", "elementwise")
 
 
 def _number(where: str, value) -> float:
@@ -126,6 +143,8 @@ def from_dict(d: dict, where: str = "calibration") -> Profile:
     for name in _SCALARS:
         if name in kw:
             kw[name] = _number(f"{where}: field {name!r}", kw[name])
+    if kw["memory_bw"] <= 0:
+        raise InputError(f"{where}: field 'memory_bw' must be positive, got {kw['memory_bw']!r}")
     for name in _CURVES:
         c = kw[name]
         if not isinstance(c, dict) or set(c) != {"tokens", "efficiency"}:

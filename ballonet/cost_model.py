@@ -27,6 +27,11 @@ ATTENTION_BACKWARD_FACTOR = 2.5
 """Backward attention FLOPs / forward (FlashAttention recomputes P; 5 matmuls vs 2)."""
 LINEAR_BACKWARD_FACTOR = 2.0
 """Backward GEMM FLOPs / forward (input and weight gradients)."""
+ELEMENTWISE_BACKWARD_FACTOR = 2.0
+"""Backward elementwise bytes / forward (each op reads its saved input and the output's
+gradient and writes the input's: about twice the forward's traffic)."""
+LOSS_DTYPE_BYTES = 4
+"""The loss runs on fp32 logits (`training/model.py` upcasts them)."""
 MEMORY_RESERVE = 0.90
 """Share of a GPU's memory a plan may use; the rest is allocator and library slack."""
 GRAD_BYTES = 2
@@ -233,6 +238,55 @@ def linear_time(model: ModelSpec, gpu: hardware.GPUType, num_tokens: float, flop
     return per_token * num_tokens / model.tp / (gpu.peak_flops * hardware.linear_efficiency(num_tokens, gpu))
 
 
+def elementwise_bytes_per_token(model: ModelSpec) -> float:
+    """Bytes one layer's elementwise work reads and writes per token, forward, one pass per
+    op over its tensors (`training/model.py`): two RMSNorms (read and write h), rotary on q
+    and k (read and write h + kv_dim), silu(gate) * up (read 2 ffn, write ffn) and two
+    residual adds (read 2h, write h)."""
+    h, kv, f = model.hidden, model.kv_dim, model.ffn_hidden
+    return (2 * 2 * h + 2 * (h + kv) + 3 * f + 2 * 3 * h) * model.dtype_bytes / model.tp
+
+
+def loss_bytes_per_token(model: ModelSpec) -> float:
+    """Bytes of the LM head's elementwise work per token, forward: the final RMSNorm (read
+    and write h), the logits cast to fp32 (read V, write V fp32), log-softmax (read and
+    write V) and the target's pick (a negligible read)."""
+    V, fp32 = model.vocab_size, LOSS_DTYPE_BYTES
+    return (2 * model.hidden * model.dtype_bytes + V * (model.dtype_bytes + fp32) + 2 * V * fp32) / model.tp
+
+
+def recompute_elementwise_bytes_per_token(model: ModelSpec, mode: str | None = None) -> float:
+    """Elementwise bytes per token and layer run again in the backward by recomputation
+    `mode`: "selective" reruns the MLP's norm and silu(gate) * up, "full" the layer."""
+    mode = mode or recompute_mode(model)
+    mlp = (2 * model.hidden + 3 * model.ffn_hidden) * model.dtype_bytes / model.tp
+    return {"none": 0.0, "selective": mlp, "full": elementwise_bytes_per_token(model)}[mode]
+
+
+def elementwise_time(model: ModelSpec, gpu: hardware.GPUType, num_tokens: float,
+                     bytes_per_token: float | None = None) -> float:
+    """Seconds of one layer's forward elementwise work (or `bytes_per_token` of it) over
+    `num_tokens` tokens on one GPU: bytes over the profile's memory bandwidth times its
+    elementwise efficiency at that many tokens."""
+    if num_tokens <= 0:
+        return 0.0
+    per_token = elementwise_bytes_per_token(model) if bytes_per_token is None else bytes_per_token
+    p = hardware.profile(gpu)
+    return per_token * num_tokens / (p.memory_bw * float(p.elementwise.at(num_tokens)))
+
+
+def framework_time(model: ModelSpec, gpu: hardware.GPUType) -> float:
+    """Seconds a step costs one rank's compute thread in the training framework outside
+    the model's kernels (FSDP2's gathers, copies and gradient hooks): per layer, calibrated."""
+    return model.num_layers * hardware.profile(gpu).framework_s_per_layer
+
+
+def optimizer_time(model: ModelSpec, gpu: hardware.GPUType, num_dp_ranks: int) -> float:
+    """Seconds of one rank's optimizer step: its shard of the parameters (sharded over the
+    data-parallel ranks, as `static_bytes` holds them) at the profile's seconds per parameter."""
+    return model.num_params / model.tp / max(num_dp_ranks, 1) * hardware.profile(gpu).optimizer_s_per_param
+
+
 def p2p_time(num_bytes: float, bandwidth: float, nic: bool = False, gpu: hardware.GPUType | None = None) -> float:
     """One point-to-point transfer over a link of `bandwidth` bytes/s (nominal)."""
     if num_bytes <= 0:
@@ -313,8 +367,9 @@ class SequenceCost:
     attention_time_s: float
     attention_backward_time_s: float
     linear_time_s: float
+    elementwise_time_s: float
     step_time_s: float
-    """Forward plus backward of all layers, attention and linear, with recomputation, on one GPU."""
+    """Forward plus backward of all layers (attention, GEMMs, elementwise), with recomputation, on one GPU."""
     recompute: str
     activation_bytes: float
     breakeven_chunk_tokens: dict
@@ -328,9 +383,12 @@ def sequence_cost(model: ModelSpec, group: NodeGroup, length: int) -> SequenceCo
     att = attention_time(model, gpu, att_flops, length)
     att_bwd = attention_time(model, gpu, att_flops, length, backward=True)
     lin = linear_time(model, gpu, length)
+    elt = elementwise_time(model, gpu, length)
     redo = linear_time(model, gpu, length, recompute_flops_per_token(model, mode))
+    redo += elementwise_time(model, gpu, length, recompute_elementwise_bytes_per_token(model, mode))
     redo += att if recompute_attention(mode) else 0.0
-    step = model.num_layers * (att + att_bwd + lin * (1 + LINEAR_BACKWARD_FACTOR) + redo)
+    step = model.num_layers * (att + att_bwd + lin * (1 + LINEAR_BACKWARD_FACTOR)
+                               + elt * (1 + ELEMENTWISE_BACKWARD_FACTOR) + redo)
     return SequenceCost(
         length=length,
         attention_flops_fwd=att_flops,
@@ -338,6 +396,7 @@ def sequence_cost(model: ModelSpec, group: NodeGroup, length: int) -> SequenceCo
         attention_time_s=att,
         attention_backward_time_s=att_bwd,
         linear_time_s=lin,
+        elementwise_time_s=elt,
         step_time_s=step,
         recompute=mode,
         activation_bytes=activation_bytes_per_token(model, mode) * length,
@@ -373,17 +432,28 @@ def batch_recompute(lengths, cluster: ClusterSpec, model: ModelSpec) -> str:
     return modes[-1]
 
 
+def _best_elementwise_units(profiles_by_type, upto: float) -> float:
+    """Peak-FLOP units per byte of elementwise work on the GPU type that does it cheapest
+    relative to its peak: peak / (bandwidth * best efficiency at up to `upto` tokens)."""
+    return min(g.peak_flops / (p.memory_bw * float(_best(p.elementwise, upto)))
+               for g, p in profiles_by_type)
+
+
 def batch_lower_bound(lengths, cluster: ClusterSpec, model: ModelSpec) -> float:
-    """Seconds no plan of the batch can beat on `cluster`: every FLOP of the step (attention
-    forward and backward, linear layers, LM head, the recomputation the batch needs at
-    least) at the best efficiency any split or packing could give it, on all GPUs busy
-    together. Attention of a document of L tokens runs on chunks of at most L tokens,
-    GEMMs on at most the batch's tokens; the best GPU type sets each efficiency, and the
-    work is spread over the sum of the GPUs' peaks. The same for every planner."""
+    """Seconds no plan of the batch can beat on `cluster`: every FLOP and elementwise byte
+    of the step (attention forward and backward, GEMMs, LM head and loss, the
+    recomputation the batch needs at least) at the best efficiency any split or packing
+    could give it, on all GPUs busy together, plus what each rank pays whatever the plan
+    (the framework's per-layer work, its optimizer shard). Attention of a document of L
+    tokens runs on chunks of at most L tokens, GEMMs and elementwise work on at most the
+    batch's tokens; the GPU type best at each kind of work (relative to its peak) sets its
+    cost, and the work is spread over the sum of the GPUs' peaks. The same for every
+    planner."""
     L = np.asarray(lengths, dtype=float)
     T = float(L.sum())
     types = {g.gpu_type.name: g.gpu_type for g in cluster.groups}
-    profiles = [hardware.profile(t) for t in types.values()]
+    by_type = [(t, hardware.profile(t)) for t in types.values()]
+    profiles = [p for _, p in by_type]
     fwd = np.max([_best(p.attention_forward, L) for p in profiles], axis=0)
     bwd = np.max([_best(p.attention_backward, L) for p in profiles], axis=0)
     lin = max(float(_best(p.linear, T)) for p in profiles)
@@ -391,6 +461,13 @@ def batch_lower_bound(lengths, cluster: ClusterSpec, model: ModelSpec) -> float:
     att = attention_flops(model, L)
     att_work = np.sum(att / fwd + ATTENTION_BACKWARD_FACTOR * att / bwd + (att / fwd if recompute_attention(mode) else 0))
     lin_flops = (linear_flops_per_token(model) * (1 + LINEAR_BACKWARD_FACTOR) + recompute_flops_per_token(model, mode))
+    elt_bytes = model.num_layers * (elementwise_bytes_per_token(model) * (1 + ELEMENTWISE_BACKWARD_FACTOR)
+                                    + recompute_elementwise_bytes_per_token(model, mode))
+    elt_bytes += loss_bytes_per_token(model) * (1 + ELEMENTWISE_BACKWARD_FACTOR)
     work = model.num_layers * (att_work + lin_flops * T / lin) + head_flops_per_token(model) * (1 + LINEAR_BACKWARD_FACTOR) * T / lin
-    peak = sum(cluster.gpu_of(r).peak_flops for r in range(cluster.num_ranks))
+    work += elt_bytes * model.tp * T * _best_elementwise_units(by_type, T)  # bytes per GPU: all of a TP group
+    gpus = [cluster.gpu_of(r) for r in range(cluster.num_ranks)]
+    num_dp = cluster.num_ranks // model.tp
+    work += sum(g.peak_flops * (framework_time(model, g) + optimizer_time(model, g, num_dp)) for g in gpus)
+    peak = sum(g.peak_flops for g in gpus)
     return float(work / peak)

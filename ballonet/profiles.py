@@ -53,11 +53,40 @@ _COMM_ASSUMPTIONS = (
     "memory bandwidth; a round figure, not measured: `ballonet calibrate` under torchrun measures it)",
 )
 
+# Elementwise work (norms, rotary, SwiGLU's product, residual adds, the loss's softmax) is
+# bound by memory bandwidth: bytes (`cost_model.elementwise_bytes_per_token`) over the
+# datasheet HBM bandwidth (MEMORY_BW) times a fraction. No measurement of ours on a GPU
+# yet: we take 0.70 of nominal for calls of 8K tokens and more (what streaming kernels
+# typically reach on HBM), falling to launch-bound calls below 1K tokens (assumption;
+# `ballonet calibrate` on a GPU measures it).
+GPU_ELEMENTWISE = Curve(tokens=(16, 128, 1024, 8192), efficiency=(0.02, 0.15, 0.55, 0.70))
+MEMORY_BW = {"h100": 3.35e12, "h800": 3.35e12, "h200": 4.8e12, "h20": 4.0e12, "a100": 2.039e12,
+             "a800": 2.039e12, "l20": 864e9, "l40s": 864e9, "a10": 600e9}
+"""Nominal memory bandwidth (bytes/s) from NVIDIA's datasheets (SXM parts; A100/A800 80GB)."""
+# AdamW with fp32 master weights and states: per parameter it reads the parameter, its
+# gradient and two moments and writes three of them back (28 bytes); a fused multi-tensor
+# kernel at the elementwise curve's 0.70 of HBM (assumption).
+ADAM_BYTES_PER_PARAM = 28
+_STEP_ASSUMPTIONS = (
+    "elementwise work reaches 0.70 of nominal HBM bandwidth from 8K tokens a call, less below "
+    "(streaming kernels, not measured here)",
+    "the framework's per-layer host work (FSDP2 hooks) overlaps the GPU's kernels: 0 s",
+    "the optimizer step is AdamW at 28 bytes a parameter and 0.70 of nominal HBM bandwidth",
+)
+
+
+def _gpu_step_terms(gpu: str) -> dict:
+    bw = MEMORY_BW[gpu]
+    return dict(elementwise=GPU_ELEMENTWISE, memory_bw=bw, framework_s_per_layer=0.0,
+                optimizer_s_per_param=ADAM_BYTES_PER_PARAM / (0.70 * bw))
+
+
 HOPPER = Profile(
     gpu="h100", source="H200 run of bench/gpu_kernels.py (attention forward/backward); "
     "distca H100 files in data/calibration (GEMM, NCCL)",
     attention_forward=HOPPER_FORWARD, attention_backward=HOPPER_BACKWARD, attention_launch_s=11e-6,
-    linear=HOPPER_LINEAR, overlap_slowdown=0.1, assumptions=_COMM_ASSUMPTIONS, **_NVLINK, **_NIC)
+    linear=HOPPER_LINEAR, overlap_slowdown=0.1, assumptions=_COMM_ASSUMPTIONS + _STEP_ASSUMPTIONS,
+    **_gpu_step_terms("h100"), **_NVLINK, **_NIC)
 
 
 def _scaled(base: Curve, factor: float) -> Curve:
@@ -73,10 +102,10 @@ AMPERE = dataclasses.replace(
     "on the Hopper curve's shape; GEMM and NCCL as Hopper",
     attention_forward=_scaled(HOPPER_FORWARD, _AMPERE_FWD / max(HOPPER_FORWARD.efficiency)),
     attention_backward=_scaled(HOPPER_BACKWARD, _AMPERE_BWD / max(HOPPER_BACKWARD.efficiency)),
-    assumptions=_COMM_ASSUMPTIONS + (
+    assumptions=_COMM_ASSUMPTIONS + _STEP_ASSUMPTIONS + (
         "attention efficiency against length has the Hopper curve's shape, scaled to 0.70 forward / 0.60 "
         "backward at long lengths (FA2's A100 maxima, slightly lowered for causal)",
-        "GEMMs reach the same fraction of peak as on Hopper"))
+        "GEMMs reach the same fraction of peak as on Hopper"), **_gpu_step_terms("a100"))
 
 # Inference GPUs. H20: a Hopper die with few SMs enabled (148 TFLOP/s against 4 TB/s),
 # so kernels are more compute-bound than on H100: the Hopper fractions are a floor.
@@ -88,35 +117,45 @@ _PCIE_ASSUMPTION = "PCIe p2p and collectives reach the NVLink fractions of their
 
 def _like(base: Profile, gpu: str, family: str, pcie: bool = False) -> Profile:
     notes = base.assumptions + (_INFERENCE_ASSUMPTION.format(family),) + ((_PCIE_ASSUMPTION,) if pcie else ())
-    return dataclasses.replace(base, gpu=gpu, source=f"{family} profile ({base.source})", assumptions=notes)
+    return dataclasses.replace(base, gpu=gpu, source=f"{family} profile ({base.source})", assumptions=notes,
+                               **_gpu_step_terms(gpu))
 
 
 # An emulated "GPU" for CPU runs (gloo ranks, one thread each): measured on the development
 # VM (2 vCPUs, torch 2.13 CPU) by `ballonet calibrate` on 2 ranks, lengths up to 2048,
-# CPU time per thread (bench/results/cpu_profile.json, bench/fidelity.py). Fractions of
-# the nominal 1 TFLOP/s "peak" of hardware.GPUS["cpu"]; another machine: calibrate it.
+# CPU time per thread, the tiny model's head shape (bench/results/cpu_profile.json: the
+# profile of the 2026-12-01 04:00 bench/fidelity.py run). Fractions of the nominal
+# 1 TFLOP/s "peak" of hardware.GPUS["cpu"]; another machine: calibrate it. The link
+# figures are an earlier calibration's of the same VM (the file holds that run's own).
 _CPU_LENGTHS = (64, 128, 256, 512, 1024, 2048)
+_CPU_TOKENS = (64, 256, 1024, 4096, 16384)
 CPU = dataclasses.replace(
     HOPPER, gpu="cpu", source="ballonet calibrate on the development VM (bench/results/cpu_profile.json)",
-    attention_forward=Curve(tokens=_CPU_LENGTHS, efficiency=(0.00416, 0.00736, 0.01033, 0.01372, 0.0183, 0.02595)),
-    attention_backward=Curve(tokens=_CPU_LENGTHS, efficiency=(0.00425, 0.0072, 0.01148, 0.01316, 0.01904, 0.02149)),
-    attention_launch_s=1.4e-4,
-    linear=Curve(tokens=(64, 256, 1024, 4096, 16384), efficiency=(0.00462, 0.00892, 0.01679, 0.01699, 0.01947)),
+    attention_forward=Curve(tokens=_CPU_LENGTHS, efficiency=(0.002822, 0.004827, 0.007536, 0.008613, 0.01635, 0.02169)),
+    attention_backward=Curve(tokens=_CPU_LENGTHS, efficiency=(0.002682, 0.005291, 0.008141, 0.01086, 0.01581, 0.02047)),
+    attention_launch_s=0.000189,
+    linear=Curve(tokens=_CPU_TOKENS, efficiency=(0.01135, 0.02708, 0.03877, 0.03731, 0.03746)),
+    elementwise=Curve(tokens=_CPU_TOKENS, efficiency=(0.04827, 0.1773, 0.3618, 0.449, 0.3096)), memory_bw=10e9,
+    framework_s_per_layer=0.00816, optimizer_s_per_param=2.42e-07,
     p2p_latency_s=1.2e-3, p2p_efficiency=0.142, nic_latency_s=1.2e-3, nic_efficiency=1.0, collective_latency_s=2.2e-3,
     collective_efficiency={"all_gather": 0.05, "reduce_scatter": 0.05, "all_reduce": 0.05, "all_to_all": 0.034},
     overlap_slowdown=0.0,
     assumptions=("a CPU's speed depends on the machine and its load: calibrate it",
+                 "memory bandwidth 10 GB/s nominal (a round figure the elementwise curve is a fraction of)",
                  "all ranks on one host: the NIC figures are the measured point-to-point ones",
                  "all_gather and reduce_scatter taken as all_reduce (not measured)",
                  "overlap slowdown not measured (0)"))
 
 PROFILES: dict[str, Profile] = {
     "h100": HOPPER,
-    "h800": dataclasses.replace(HOPPER, gpu="h800", source=f"Hopper ({HOPPER.source}); H800 = H100 compute"),
-    "h200": dataclasses.replace(HOPPER, gpu="h200", source=f"Hopper, measured on this GPU ({HOPPER.source})"),
+    "h800": dataclasses.replace(HOPPER, gpu="h800", source=f"Hopper ({HOPPER.source}); H800 = H100 compute",
+                                **_gpu_step_terms("h800")),
+    "h200": dataclasses.replace(HOPPER, gpu="h200", source=f"Hopper, measured on this GPU ({HOPPER.source})",
+                                **_gpu_step_terms("h200")),
     "h20": _like(HOPPER, "h20", "Hopper"),
     "a100": AMPERE,
-    "a800": dataclasses.replace(AMPERE, gpu="a800", source=f"Ampere ({AMPERE.source}); A800 = A100 compute"),
+    "a800": dataclasses.replace(AMPERE, gpu="a800", source=f"Ampere ({AMPERE.source}); A800 = A100 compute",
+                                **_gpu_step_terms("a800")),
     "l20": _like(AMPERE, "l20", "Ampere", pcie=True),
     "l40s": _like(AMPERE, "l40s", "Ampere", pcie=True),
     "a10": _like(AMPERE, "a10", "Ampere", pcie=True),

@@ -27,7 +27,13 @@ def test_built_in_profile_round_trips_through_json():
 
 
 @pytest.mark.parametrize("change, field", [
-    (lambda d: d.update(schema=2), "'schema'"),
+    (lambda d: d.update(schema=1), "'schema' must be 2, got 1"),  # before the elementwise and step terms
+    (lambda d: d.update(schema=3), "'schema'"),
+    (lambda d: d.pop("elementwise"), "'elementwise' is missing"),
+    (lambda d: d.pop("optimizer_s_per_param"), "'optimizer_s_per_param' is missing"),
+    (lambda d: d.update(framework_s_per_layer=-0.01), "'framework_s_per_layer' must not be negative"),
+    (lambda d: d.update(memory_bw=0), "'memory_bw' must be positive"),
+    (lambda d: d["elementwise"]["efficiency"].__setitem__(0, 1.5), "'elementwise'"),
     (lambda d: d.pop("linear"), "'linear' is missing"),
     (lambda d: d.pop("collective_efficiency"), "'collective_efficiency' is missing"),
     (lambda d: d.update(attention_launch_s=-1e-6), "'attention_launch_s' must not be negative"),
@@ -86,6 +92,39 @@ def test_calibrate_quick_writes_a_profile_the_other_commands_read(tmp_path, caps
     assert main(["calibrate", "--max-length", "8"]) == 2 and "--max-length" in capsys.readouterr().err
 
 
+TINY_ELEMENTWISE_BYTES = 3 * (2 * (4 * 64 + 2 * (64 + 32) + 3 * 176 + 6 * 64) * 4
+                              + (2 * 64 * 4 + 256 * 8 + 2 * 256 * 4))
+"""The tiny model's elementwise bytes a token, forward and backward (3x forward), fp32, by
+hand: per layer (h=64, kv=32, ffn=176) 2 norms 4h, rotary 2(h+kv), silu*up 3 ffn, 2 adds 6h;
+the loss (V=256) final norm 2h, fp32 cast 2V, log-softmax 2V."""
+
+
+def test_calibrate_prices_gemms_elementwise_work_and_the_optimizer_from_its_timings():
+    from ballonet import calibrate
+
+    s = calibrate.quick(calibrate.Settings(gpu="cpu", model="tiny"))
+    profile, raw = calibrate.run(s, torch.device("cpu"))
+    peak = hardware.gpu("cpu").peak_flops
+    gemm_flops = 3 * (2 * 2 * (64 * 128 + 64 * 64 + 3 * 64 * 176) + 2 * 256 * 64)  # 2 layers + head, a token
+    rates = []
+    for row, eff in zip(raw["linear"], profile.linear.efficiency):
+        assert eff == pytest.approx(gemm_flops * row["tokens"] / (row["gemm_s"] * peak))
+        assert row["elementwise_s"] >= 0.01 * row["model_s"] > 0  # the model's seconds beyond its GEMMs
+        rates.append(TINY_ELEMENTWISE_BYTES * row["tokens"] / row["elementwise_s"])
+    assert profile.memory_bw == max(hardware.profile("cpu").memory_bw, *rates)
+    assert [e * profile.memory_bw for e in profile.elementwise.efficiency] == pytest.approx(rates)
+    own = [r for r in raw["attention"] if r["model_shape"]]
+    assert {(r["heads"], r["kv_heads"], r["head_dim"]) for r in own} == {(4, 2, 16)}  # the tiny model's heads
+    assert len(raw["attention"]) > len(own)  # other shapes are timed, not priced
+    assert list(profile.attention_forward.efficiency) == pytest.approx([r["forward_efficiency"] for r in own])
+    assert list(profile.attention_backward.efficiency) == pytest.approx([r["backward_efficiency"] for r in own])
+    step = raw["step"]
+    assert step["local_params"] == ballonet.model("tiny").num_params  # one process holds them all
+    assert profile.optimizer_s_per_param == pytest.approx(step["optimizer_s"] / step["local_params"])
+    assert profile.framework_s_per_layer == hardware.profile("cpu").framework_s_per_layer  # no FSDP2 alone
+    assert "fsdp_s" not in step and any("framework" in a and "one process" in a for a in profile.assumptions)
+
+
 def _calibrate_on_ranks(rank: int, world: int):
     from ballonet import calibrate
 
@@ -105,6 +144,11 @@ def test_calibrate_on_two_gloo_ranks_measures_the_links():
     assert min(o.values()) > 0 and profile.overlap_slowdown == pytest.approx(
         max(0.0, o["compute_with_comm_s"] - o["compute_alone_s"]) / min(o["comm_alone_s"], o["compute_with_comm_s"]))
     assert set(profile.collective_efficiency) == set(calibration.COLLECTIVES)
+    step = raw["step"]
+    assert min(step["fsdp_s"], step["bare_s"]) > 0
+    assert profile.framework_s_per_layer == pytest.approx(max(step["fsdp_extra_s"], 0) / 2)  # 2 layers
+    assert step["local_params"] < ballonet.model("tiny").num_params  # FSDP2 shards them over the 2 ranks
+    assert profile.optimizer_s_per_param == pytest.approx(step["optimizer_s"] / step["local_params"])
     calibration.from_dict(json.loads(profile.to_json()))  # valid
 
 

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ballonet import cost_model, hardware, plan_batch, specs, workloads
+from ballonet import calibration, cost_model, hardware, plan_batch, specs, workloads
 from ballonet.cli import main
 from ballonet.errors import InfeasiblePlan
 from ballonet.plan import Plan, Segment
@@ -24,10 +24,16 @@ H100 = hardware.gpu("h100")
 
 @pytest.fixture
 def half_h100(monkeypatch):
-    """A GPU exactly half as fast as an H100, otherwise alike."""
+    """A GPU exactly half as fast as an H100, otherwise alike: half the FLOP/s and half the
+    memory bandwidth, twice the framework and optimizer seconds."""
     slow = dataclasses.replace(H100, name="h100-half", peak_flops=H100.peak_flops / 2)
     monkeypatch.setitem(hardware.GPUS, "h100-half", slow)
-    return slow
+    p = hardware.profile("h100")
+    half = dataclasses.replace(p, gpu="h100-half", memory_bw=p.memory_bw / 2,
+                               framework_s_per_layer=2 * p.framework_s_per_layer,
+                               optimizer_s_per_param=2 * p.optimizer_s_per_param)
+    with calibration.use(half):
+        yield slow
 
 
 def two_gpus(gpus_per_node=1):

@@ -103,7 +103,19 @@ def test_lower_bound_by_hand_on_one_gpu():
     mode = cost_model.batch_recompute([L], c, m)
     assert mode == "none"  # 2K tokens of llama-3b fit an H100 without recomputation
     work = 26 * (att / best_f + 2.5 * att / best_b + 3 * lin / best_l) + 3 * head / best_l
-    assert cost_model.batch_lower_bound([L], c, m) == pytest.approx(work / 989e12, rel=1e-9)
+    # Elementwise bytes a token, forward (bf16): per layer 2 norms (2*2h), rotary on q and k
+    # (2*(h+kv)), silu*up (3f), 2 residual adds (2*3h); the loss: final norm (2h), the
+    # fp32 cast (V bf16 + V fp32) and log-softmax (2V fp32). Backward 2x. The best
+    # elementwise efficiency up to 2048 tokens is the curve between its 1024 and 8192 knots.
+    h, f, V = 3200, 8640, 32000
+    layer_bytes = (4 * h + 2 * (h + h) + 3 * f + 6 * h) * 2
+    loss_bytes = 2 * h * 2 + V * (2 + 4) + 2 * V * 4
+    knots = dict(zip(p.elementwise.tokens, p.elementwise.efficiency))
+    best_e = knots[1024] + (knots[8192] - knots[1024]) * (11 - 10) / (13 - 10)
+    elementwise = 3 * (26 * layer_bytes + loss_bytes) * L / (p.memory_bw * best_e)
+    optimizer = m.num_params * p.optimizer_s_per_param + 26 * p.framework_s_per_layer  # one rank holds all
+    expected = work / 989e12 + elementwise + optimizer
+    assert cost_model.batch_lower_bound([L], c, m) == pytest.approx(expected, rel=1e-9)
 
 
 def test_te_cp_is_sized_to_the_context_as_a_megatron_user_sizes_it():
@@ -116,3 +128,38 @@ def test_te_cp_is_sized_to_the_context_as_a_megatron_user_sizes_it():
     assert {len(r.ranks) for r in whole.rings} == {16}
     short = plan_batch([3000] * 40, c, m, "te_cp")  # every document fits a rank's share: no CP
     assert short.meta["cp_size"] == 1 and not short.rings
+
+
+def test_elementwise_framework_and_optimizer_terms_move_the_step_by_what_the_profile_says():
+    # One rank, one document: the simulated compute with the profile's step terms, less the
+    # same with them switched off, is the profile's figures times counts written out here.
+    import dataclasses
+    import math
+
+    from ballonet import calibration
+    from ballonet.calibration import Curve
+    from ballonet.plan import Plan, Segment
+
+    c, m, T = ballonet.cluster("cpu", num_nodes=1, gpus_per_node=1), ballonet.model("tiny"), 3000
+    plan = Plan(planner="t", lengths=(T,), node_of_rank=(0,), nic_of_rank=(0,), attention=((Segment(0, 0, T),),))
+    base = hardware.profile("cpu")
+    on = dataclasses.replace(base, elementwise=Curve(tokens=(1,), efficiency=(0.25,)), memory_bw=8e9,
+                             framework_s_per_layer=0.004, optimizer_s_per_param=2e-7)
+    off = dataclasses.replace(on, memory_bw=math.inf, framework_s_per_layer=0.0, optimizer_s_per_param=0.0)
+    results = {}
+    for name, profile in (("on", on), ("off", off)):
+        with calibration.use(profile):
+            results[name] = simulate(plan, c, m)
+    assert results["on"].recompute == results["off"].recompute == "none"
+    h, kv, f, V = 64, 32, 176, 256  # fp32: 4 bytes an element
+    layer_bytes = (2 * 2 * h + 2 * (h + kv) + 3 * f + 2 * 3 * h) * 4
+    loss_bytes = 2 * h * 4 + V * (4 + 4) + 2 * V * 4
+    elementwise = 3 * (2 * layer_bytes + loss_bytes) * T / (8e9 * 0.25)  # 2 layers, backward 2x
+    framework = 2 * 0.004
+    optimizer = m.num_params * 2e-7
+    moved = elementwise + framework + optimizer
+    assert results["on"].compute_s[0] - results["off"].compute_s[0] == pytest.approx(moved, rel=1e-9)
+    assert results["on"].step_time_s - results["off"].step_time_s == pytest.approx(moved, rel=1e-9)
+    assert results["on"].optimizer_s == pytest.approx(optimizer, rel=1e-9)
+    for r in results.values():
+        assert r.step_time_s >= r.lower_bound_s * (1 - 1e-12)

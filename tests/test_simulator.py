@@ -1,7 +1,8 @@
 """The simulator against hand-built plans whose step time is known in closed form.
 
 Every test runs with a flat calibration profile installed for the H100 (constant
-efficiencies, no launch floor, no overlap slowdown), so expected values are written out
+efficiencies, no launch floor, no overlap slowdown, no elementwise, framework or
+optimizer seconds), so expected values are written out
 from a handful of figures (peak FLOP/s, efficiencies, link bandwidths, latencies), never
 taken from the simulator or the cost model's time functions.
 """
@@ -9,6 +10,7 @@ taken from the simulator or the cost model's time functions.
 import collections
 import dataclasses
 import json
+import math
 import random
 
 import pytest
@@ -59,7 +61,8 @@ EFF_F, EFF_B, EFF_LIN = 0.4, 0.3, 0.6
 FLAT = dataclasses.replace(
     hardware.profile("h100"), attention_forward=Curve(tokens=(1,), efficiency=(EFF_F,)),
     attention_backward=Curve(tokens=(1,), efficiency=(EFF_B,)), attention_launch_s=0.0,
-    linear=Curve(tokens=(1,), efficiency=(EFF_LIN,)), overlap_slowdown=0.0)
+    linear=Curve(tokens=(1,), efficiency=(EFF_LIN,)), overlap_slowdown=0.0,
+    memory_bw=math.inf, framework_s_per_layer=0.0, optimizer_s_per_param=0.0)  # GEMMs and attention only
 BWD = 2.5 * EFF_F / EFF_B
 """Backward attention seconds over forward seconds under FLAT."""
 

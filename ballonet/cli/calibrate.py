@@ -18,7 +18,7 @@ def register(sub) -> None:
     p.add_argument("--quick", action="store_true", help="a few seconds: short lengths, few sizes")
     p.add_argument("--max-length", type=positive_int, default=None, help="longest document timed (tokens)")
     p.add_argument("--gpu", default=None, help="GPU type the profile is for (default: detected; 'cpu' on a CPU)")
-    p.add_argument("--model", default=None, help="model whose layer shape the linear part is timed with "
+    p.add_argument("--model", default=None, help="model whose head shape and layers are timed "
                                                  "(default: tiny on CPU, llama-7b on a GPU)")
     p.add_argument("--cluster", default="cpu", help="cluster preset giving the nominal NIC rate")
 

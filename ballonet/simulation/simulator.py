@@ -5,9 +5,9 @@ What is simulated (`timeline.py` has the event model, `fabric.py` the links,
 
 * One transformer layer forward and one backward, each a task graph started at time 0 on
   every rank; every layer is alike, so a step is num_layers * (forward + backward), plus
-  the LM head and the exposed part of the gradient all-reduce. Layers are synchronous
-  here (a rank never starts layer l+1 before the slowest rank finishes layer l): a small
-  pessimism where ranks are unbalanced.
+  the LM head, the exposed part of the gradient all-reduce and the optimizer step. Layers
+  are synchronous here (a rank never starts layer l+1 before the slowest rank finishes
+  layer l): a small pessimism where ranks are unbalanced.
 * Forward layer: attention (every split document's ring steps, every local document),
   then the remap all-to-all to the linear layout, the linear layers (QKV, O, MLP), the
   tensor-parallel collectives (tp > 1, sequence parallel: 2 all-gathers and 2
@@ -36,7 +36,12 @@ What is simulated (`timeline.py` has the event model, `fabric.py` the links,
 * Compute that overlaps communication on the same GPU slows by the profile's
   `overlap_slowdown` times the rank's transfer seconds (an assumption on GPUs).
 
-Per rank: compute (attention + linear + head), exposed communication (time its stream
+Linear work is the layer's GEMMs, its elementwise work (norms, rotary, SwiGLU's product,
+residual adds: bytes over the profile's memory bandwidth) and the training framework's
+per-layer work on the compute thread (`Profile.framework_s_per_layer`); the head adds the
+loss's elementwise work.
+
+Per rank: compute (attention + linear + head + optimizer), exposed communication (time its stream
 waits before its own last piece of a layer arrives, plus TP collectives and the exposed
 all-reduce) and idle (waiting for the slowest rank). `lower_bound_s` is a bound on the
 batch, the same for every plan (`cost_model.batch_lower_bound`); `compute_bound_s` is
@@ -70,7 +75,8 @@ class SimResult:
     """The activation recomputation the step runs with (the cheapest that fits, or the model's)."""
     mfu: float
     compute_s: tuple[float, ...]
-    """Per plan rank, per step: attention, linear and head compute."""
+    """Per plan rank, per step: attention, linear (GEMMs, elementwise, the framework's
+    per-layer work), head and loss, and the optimizer step."""
     exposed_comm_s: tuple[float, ...]
     idle_s: tuple[float, ...]
     attention_s: tuple[float, ...]
@@ -79,6 +85,8 @@ class SimResult:
     head_s: float
     grad_allreduce_s: float
     grad_allreduce_exposed_s: float
+    optimizer_s: float = 0.0
+    """The slowest rank's optimizer step (part of its `compute_s`)."""
     bytes_sent: dict = field(default_factory=dict, repr=False, compare=False)
     """Bytes of one layer, "forward" and "backward": Counter of (class, src, dst), class
     "kv", "grad" (dK/dV), "remap" or "allreduce"."""
@@ -102,7 +110,7 @@ class SimResult:
     def to_dict(self) -> dict:
         keys = ("planner", "num_gpus", "num_tokens", "step_time_s", "lower_bound_s", "compute_bound_s", "recompute",
                 "mfu", "layer_forward_s",
-                "layer_backward_s", "head_s", "grad_allreduce_s", "grad_allreduce_exposed_s")
+                "layer_backward_s", "head_s", "grad_allreduce_s", "grad_allreduce_exposed_s", "optimizer_s")
         d = {k: getattr(self, k) for k in keys}
         d.update(tokens_per_s=self.tokens_per_s, attention_imbalance=self.attention_imbalance,
                  exposed_comm_share=self.exposed_comm_share,
@@ -159,11 +167,28 @@ def _run_pass(p: LayerGraph) -> tuple[float, list, list, list, tuple]:
 
 
 def _linear_seconds(model: ModelSpec, gpu, tokens: int, mode: str) -> tuple[float, float]:
-    """(forward, backward) seconds of a rank's linear layers; the backward reruns what
-    recomputation `mode` drops."""
-    fwd = cost_model.linear_time(model, gpu, tokens)
-    redo = cost_model.linear_time(model, gpu, tokens, cost_model.recompute_flops_per_token(model, mode))
-    return fwd, fwd * cost_model.LINEAR_BACKWARD_FACTOR + redo
+    """(forward, backward) seconds of a rank's linear layers in one layer: GEMMs, the
+    elementwise work around them and the framework's per-layer work (half in each pass);
+    the backward reruns what recomputation `mode` drops."""
+    gemm = cost_model.linear_time(model, gpu, tokens)
+    elt = cost_model.elementwise_time(model, gpu, tokens)
+    redo = (cost_model.linear_time(model, gpu, tokens, cost_model.recompute_flops_per_token(model, mode))
+            + cost_model.elementwise_time(model, gpu, tokens,
+                                          cost_model.recompute_elementwise_bytes_per_token(model, mode)))
+    framework = hardware.profile(gpu).framework_s_per_layer / 2
+    fwd = gemm + elt + framework
+    bwd = gemm * cost_model.LINEAR_BACKWARD_FACTOR + elt * cost_model.ELEMENTWISE_BACKWARD_FACTOR + redo + framework
+    return fwd, bwd
+
+
+def _head_seconds(model: ModelSpec, gpu, tokens: int) -> float:
+    """Forward and backward of the LM head's GEMM and the loss's elementwise work."""
+    if not tokens:
+        return 0.0
+    flops = cost_model.head_flops_per_token(model) * (1 + cost_model.LINEAR_BACKWARD_FACTOR) / model.tp
+    gemm = flops * tokens / (gpu.peak_flops * hardware.linear_efficiency(tokens, gpu))
+    loss = cost_model.elementwise_time(model, gpu, tokens, cost_model.loss_bytes_per_token(model))
+    return gemm + loss * (1 + cost_model.ELEMENTWISE_BACKWARD_FACTOR)
 
 
 def _slowdown(p: LayerGraph, compute: list) -> list:
@@ -213,17 +238,18 @@ def simulate(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, routing: boo
     bwd, bwd_compute, bwd_end, bwd_att, bwd_rec = _run_pass(graphs[1])
     slow = [a + b for a, b in zip(_slowdown(graphs[0], fwd_compute), _slowdown(graphs[1], bwd_compute))]
 
-    head_flops = cost_model.head_flops_per_token(model) * (1 + cost_model.LINEAR_BACKWARD_FACTOR) / model.tp
-    head = [head_flops * n / (fabric.gpu[r].peak_flops * hardware.linear_efficiency(n, fabric.gpu[r])) if n else 0.0
-            for r, n in enumerate(tokens)]
+    head = [_head_seconds(model, fabric.gpu[r], n) for r, n in enumerate(tokens)]
+    optimizer = [cost_model.optimizer_time(model, fabric.gpu[r], R) for r in range(R)]
     grad = cost_model.grad_allreduce_time(model, cluster)
     grad_exposed = grad / L if overlap_grad_allreduce else grad  # the last layer's bucket
     layers = max(L * (fwd_end[r] + bwd_end[r] + slow[r]) for r in range(R))
     layers = max(layers, L * (fwd + bwd))
-    step = layers + max(head) + grad_exposed
+    # The optimizer steps after the last gradient bucket is reduced.
+    step = layers + max(head) + grad_exposed + max(optimizer)
 
-    compute = [L * (fwd_compute[r] + bwd_compute[r]) + head[r] for r in range(R)]  # slowdown: exposed
-    busy_end = [L * (fwd_end[r] + bwd_end[r] + slow[r]) + head[r] for r in range(R)]
+    compute = [L * (fwd_compute[r] + bwd_compute[r]) + head[r] + optimizer[r]  # slowdown: exposed
+               for r in range(R)]
+    busy_end = [L * (fwd_end[r] + bwd_end[r] + slow[r]) + head[r] + optimizer[r] for r in range(R)]
     exposed = [busy_end[r] - compute[r] + grad_exposed for r in range(R)]
     idle = [step - compute[r] - exposed[r] for r in range(R)]
     peaks = [fabric.gpu[r].peak_flops for r in range(R)]
@@ -240,7 +266,8 @@ def simulate(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, routing: boo
         mfu=mfu, compute_s=tuple(compute), exposed_comm_s=tuple(exposed), idle_s=tuple(idle),
         attention_s=tuple(L * (fwd_att[r] + bwd_att[r]) for r in range(R)),
         layer_forward_s=fwd, layer_backward_s=bwd, head_s=max(head), grad_allreduce_s=grad,
-        grad_allreduce_exposed_s=grad_exposed, bytes_sent={"forward": graphs[0].sent, "backward": graphs[1].sent},
+        grad_allreduce_exposed_s=grad_exposed, optimizer_s=max(optimizer),
+        bytes_sent={"forward": graphs[0].sent, "backward": graphs[1].sent},
         timelines=(fwd_rec, bwd_rec))
 
 

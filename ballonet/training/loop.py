@@ -292,9 +292,11 @@ def _step(model, optimizer, batch, rank: int, group, device, spec, peak: float, 
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     wall = time.perf_counter() - wall
-    exposed = max(wall - (time.thread_time() - cpu), 0.0)
+    step_cpu = time.thread_time() - cpu
+    exposed = max(wall - step_cpu, 0.0)
     values = [loss_sum.item(), compute, float(sum(counter.total().values())), exposed,
-              float(metrics.memory_high_water(device)), float(parallel.local_parameter_bytes(model, optimizer))]
+              float(metrics.memory_high_water(device)), float(parallel.local_parameter_bytes(model, optimizer)),
+              step_cpu]
     sums, maxes = _reduce(values, group, device)
     world_size = dist.get_world_size(group)
     num_tokens = sum(p.end - p.start for p in batch.pieces)
@@ -306,6 +308,7 @@ def _step(model, optimizer, batch, rank: int, group, device, spec, peak: float, 
         "plan_ms": batch.plan_ms,
         "compute_s_max": maxes[1],
         "compute_s_mean": sums[1] / world_size,
+        "cpu_s_max": maxes[6],
         "bytes_sent": int(sums[2]),
         "ledger": [list(p) for p in batch.pieces],
         "mfu": metrics.step_flops(spec, batch.plan.lengths) / (wall * peak),

@@ -1,0 +1,162 @@
+"""Where a training step's compute goes on this CPU, measured piece by piece against the
+profile's price of each piece (the question behind bench/fidelity.py's errors).
+
+    python bench/fidelity_breakdown.py --profile bench/results/fidelity_profile.json [--planner packed_dp]
+
+On 2 gloo ranks, one batch planned as bench/fidelity.py plans it, each rank times (CPU
+time of its thread, median of 5, after a warm-up):
+
+* attention: the runtime engine on the rank's own documents (a one-rank plan), forward
+  and backward, times the model's layers;
+* the model without its attention core on the rank's tokens (GEMMs, elementwise, head, loss);
+* the whole model (`training.model.Transformer`) on the real plan: bare, then wrapped by
+  FSDP2 as the training loop wraps it; the difference is the framework's work;
+* a torch.profiler table of the FSDP2 step on rank 0 (ops by self CPU time).
+
+and the profile's price of the same pieces (`cost_model`, as the simulator adds them).
+Writes bench/results/fidelity_breakdown.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import ballonet
+from ballonet import calibration, cost_model, hardware, runtime
+from ballonet.plan import Plan, Segment
+from ballonet.planning import plan_batch
+from ballonet.simulation import simulate
+from tests.distributed import run_ranks
+
+LENGTHS = [2048, 1024, 700, 512, 300, 200, 150, 100, 64, 1000, 1200, 412, 300, 100, 78]
+"""8188 tokens: long and short documents, about fidelity.py's 8192 a step."""
+
+
+def _median_s(fn, n: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(n):
+        dist.barrier()
+        start = time.thread_time()
+        fn()
+        times.append(time.thread_time() - start)
+    return statistics.median(times)
+
+
+def _one_rank(lengths) -> Plan:
+    return Plan(planner="local", lengths=tuple(lengths), node_of_rank=(0,), nic_of_rank=(0,),
+                attention=(tuple(Segment(d, 0, n) for d, n in enumerate(lengths)),))
+
+
+def _measure(rank: int, plan: Plan, spec, with_table: bool) -> dict:
+    from ballonet.training import parallel
+    from ballonet.training.model import Transformer
+
+    local = [s.num_tokens for s in plan.attention[rank]]
+    T = sum(local)
+    ids = torch.randint(0, spec.vocab_size, (T,))
+    H, K, D = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    q = torch.randn(T, H, D, requires_grad=True)
+    k, v = (torch.randn(T, K, D, requires_grad=True) for _ in range(2))
+    out = {}
+    with torch.no_grad():
+        fwd = _median_s(lambda: runtime.attention(q, k, v, _one_rank(local), 0, verify_plan=False))
+    o = runtime.attention(q, k, v, _one_rank(local), 0, verify_plan=False)
+    do = torch.randn_like(o)
+    bwd = _median_s(lambda: torch.autograd.backward(o, do, retain_graph=True))
+    out["attention"] = spec.num_layers * (fwd + bwd)
+    no_core = Transformer(spec, attention_fn=lambda q, k, v, *_: q)
+    out["model without attention"] = _median_s(lambda: no_core.loss(ids, ids, _one_rank([T]), 0).backward())
+    bare = Transformer(spec)
+    out["bare model, real plan"] = _median_s(lambda: bare.loss(ids, ids, plan, rank).backward())
+    fsdp = Transformer(spec)
+    parallel.parallelize(fsdp, parallel.device_mesh(dist.get_world_size(), "full", torch.device("cpu")))
+    out["FSDP2 model, real plan"] = _median_s(lambda: fsdp.loss(ids, ids, plan, rank).backward())
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:  # on every rank: FSDP2's collectives need all
+        fsdp.loss(ids, ids, plan, rank).backward()
+    if with_table:
+        out["table"] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20)
+    return out
+
+
+def _price(rank: int, plan: Plan, spec, cluster) -> dict:
+    gpu = hardware.gpu("cpu")
+    local = [s.num_tokens for s in plan.attention[rank]]
+    T = sum(local)
+    flops = cost_model.attention_flops(spec, np.array(local))
+    att = sum(cost_model.attention_time(spec, gpu, f, n) + cost_model.attention_time(spec, gpu, f, n, backward=True)
+              for f, n in zip(flops, local))
+    head = cost_model.head_flops_per_token(spec) * 3 * T / (gpu.peak_flops * hardware.linear_efficiency(T, gpu))
+    loss = 3 * cost_model.elementwise_time(spec, gpu, T, cost_model.loss_bytes_per_token(spec))
+    layers = spec.num_layers * 3 * (cost_model.linear_time(spec, gpu, T) + cost_model.elementwise_time(spec, gpu, T))
+    res = simulate(plan, cluster, spec)
+    return {"attention": spec.num_layers * att, "model without attention": layers + head + loss,
+            "framework": cost_model.framework_time(spec, gpu),
+            "simulated compute (no optimizer)": res.compute_s[rank] - res.optimizer_s}
+
+
+def rank_fn(rank: int, world: int, planner: str, profile_path: str) -> dict:
+    torch.manual_seed(rank)
+    spec = ballonet.model("tiny")
+    cluster = ballonet.cluster("cpu", num_nodes=1, gpus_per_node=world)
+    plan = plan_batch(LENGTHS, cluster, spec, planner)
+    measured = _measure(rank, plan, spec, with_table=rank == 0)
+    with calibration.use(calibration.load(profile_path)):
+        priced = _price(rank, plan, spec, cluster)
+    return {"measured": measured, "priced": priced}
+
+
+def report(results: list[dict], args, command: str) -> str:
+    lines = ["# Where a step's compute goes (CPU, tiny model, 2 gloo ranks)", "",
+             f"Command: `{command}`. Profile: `{os.path.relpath(args.profile, ROOT)}`. Planner {args.planner}, "
+             f"one batch of {sum(LENGTHS)} tokens ({len(LENGTHS)} documents). CPU seconds of each rank's thread, "
+             f"median of 5. Load average at the start: {args.load:.1f}.", "",
+             "| rank | piece | measured (s) | priced (s) | priced / measured |", "| --- | --- | --- | --- | --- |"]
+    for rank, r in enumerate(results):
+        m, p = r["measured"], r["priced"]
+        rows = [("attention (engine, fwd+bwd, all layers)", m["attention"], p["attention"]),
+                ("model without attention (GEMMs, elementwise, head, loss)", m["model without attention"],
+                 p["model without attention"]),
+                ("framework: FSDP2 model - bare model", m["FSDP2 model, real plan"] - m["bare model, real plan"],
+                 p["framework"]),
+                ("sum of the three pieces", m["attention"] + m["model without attention"]
+                 + m["FSDP2 model, real plan"] - m["bare model, real plan"],
+                 p["attention"] + p["model without attention"] + p["framework"]),
+                ("FSDP2 model on the real plan (the loop's compute)", m["FSDP2 model, real plan"],
+                 p["simulated compute (no optimizer)"])]
+        for name, meas, priced in rows:
+            lines.append(f"| {rank} | {name} | {meas:.4f} | {priced:.4f} | {priced / meas:.2f} |")
+    lines += ["", "Rank 0's FSDP2 step under torch.profiler (ops by self CPU time; the profiler adds its own "
+              "overhead):", "", "```", results[0]["measured"]["table"].rstrip(), "```"]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--profile", default=os.path.join(ROOT, "bench", "results", "fidelity_profile.json"))
+    p.add_argument("--planner", default="packed_dp")
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "fidelity_breakdown.md"))
+    args = p.parse_args()
+    args.load = os.getloadavg()[0]
+    results = run_ranks(2, rank_fn, args.planner, args.profile)
+    text = report(results, args, "OMP_NUM_THREADS=1 python bench/fidelity_breakdown.py " + " ".join(sys.argv[1:]))
+    with open(args.out, "w") as f:
+        f.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
