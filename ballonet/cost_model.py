@@ -275,6 +275,19 @@ def elementwise_time(model: ModelSpec, gpu: hardware.GPUType, num_tokens: float,
     return per_token * num_tokens / (p.memory_bw * float(p.elementwise.at(num_tokens)))
 
 
+def linear_layer_seconds(model: ModelSpec, gpu: hardware.GPUType, tokens: float, mode: str,
+                         framework: bool = True) -> tuple[float, float]:
+    """(forward, backward) seconds of a rank's linear layers in one layer over `tokens`
+    tokens: GEMMs, the elementwise work around them and (with `framework`) the framework's
+    per-layer work (half in each pass); the backward reruns what recomputation `mode` drops."""
+    gemm = linear_time(model, gpu, tokens)
+    elt = elementwise_time(model, gpu, tokens)
+    redo = (linear_time(model, gpu, tokens, recompute_flops_per_token(model, mode))
+            + elementwise_time(model, gpu, tokens, recompute_elementwise_bytes_per_token(model, mode)))
+    half = hardware.profile(gpu).framework_s_per_layer / 2 if framework else 0.0
+    return gemm + elt + half, gemm * LINEAR_BACKWARD_FACTOR + elt * ELEMENTWISE_BACKWARD_FACTOR + redo + half
+
+
 def framework_time(model: ModelSpec, gpu: hardware.GPUType) -> float:
     """Seconds a step costs one rank's compute thread in the training framework outside
     the model's kernels (FSDP2's gathers, copies and gradient hooks): per layer, calibrated."""

@@ -32,7 +32,7 @@ from ballonet.plan import Plan
 from ballonet.planning.devices import Devices
 from ballonet.specs import ModelSpec
 
-__all__ = ["StepWeights", "inter_node_pays", "rank_compute_seconds", "rank_remap_seconds", "rank_step_seconds",
+__all__ = ["StepWeights", "inter_node_pays", "linear_work_per_token", "rank_compute_seconds", "rank_remap_seconds", "rank_step_seconds",
            "rank_tp_seconds", "recompute_modes", "remaps_inside", "ring_exposed_seconds", "step_weights"]
 
 
@@ -60,16 +60,24 @@ def step_weights(model: ModelSpec, gpu: hardware.GPUType, lengths, num_ranks: in
     if not L.size:
         return StepWeights(linear_per_token=0.0, attention_step=1.0)
     mode = cost_model.recompute_mode(model)
-    tokens = L.sum() / max(num_ranks, 1)
-    linear = cost_model.linear_time(model, gpu, tokens) * gpu.peak_flops / tokens
-    linear *= (1 + cost_model.LINEAR_BACKWARD_FACTOR
-               + cost_model.recompute_flops_per_token(model, mode) / cost_model.linear_flops_per_token(model))
     typical = float((L * L).sum() / L.sum())
     flops = cost_model.attention_flops(model, typical)
     forward = cost_model.attention_time(model, gpu, flops, typical)
     attention = 1 + cost_model.attention_time(model, gpu, flops, typical, backward=True) / forward
     attention += 1 if cost_model.recompute_attention(mode) else 0
-    return StepWeights(linear_per_token=linear / attention, attention_step=attention)
+    tokens = L.sum() / max(num_ranks, 1)
+    return StepWeights(linear_per_token=linear_work_per_token(model, gpu, tokens, attention), attention_step=attention)
+
+
+def linear_work_per_token(model: ModelSpec, gpu: hardware.GPUType, tokens: float, attention_step: float) -> float:
+    """One token's linear layers over a step on `gpu` (GEMMs and elementwise work, forward,
+    backward and the recomputation of `model.recompute`, at `tokens` tokens a call), in
+    forward-attention work units: seconds times the GPU's peak over `attention_step`."""
+    if tokens <= 0:
+        return 0.0
+    seconds = sum(cost_model.linear_layer_seconds(model, gpu, tokens, cost_model.recompute_mode(model),
+                                                  framework=False))
+    return seconds * gpu.peak_flops / tokens / attention_step
 
 
 def remaps_inside(gpu: hardware.GPUType) -> bool:
@@ -143,15 +151,13 @@ def rank_compute_seconds(plan: Plan, dev: Devices, model: ModelSpec, mode: str, 
     R = plan.num_ranks
     rank, seconds = _attention_items(plan, dev, model, mode)
     attention = np.bincount(rank, weights=seconds, minlength=R)
-    tokens = np.asarray(plan.linear_token_counts, dtype=float)
-    linear_flops = (1 + cost_model.LINEAR_BACKWARD_FACTOR) * cost_model.linear_flops_per_token(model) \
-        + cost_model.recompute_flops_per_token(model, mode)
+    seconds: dict[tuple[str, int], float] = {}  # ranks of a node often hold equal token counts
     linear = np.zeros(R)
-    gpus = np.asarray([g.name for g in dev.gpu])
-    for gpu in {g.name: g for g in dev.gpu}.values():
-        mine = gpus == gpu.name
-        eff = hardware.profile(gpu).linear.at(np.maximum(tokens[mine], 1.0))
-        linear[mine] = linear_flops * tokens[mine] / model.tp / (gpu.peak_flops * eff)
+    for r, n in enumerate(plan.linear_token_counts):
+        key = (dev.gpu[r].name, n)
+        if key not in seconds:
+            seconds[key] = sum(cost_model.linear_layer_seconds(model, dev.gpu[r], n, mode, framework=False))
+        linear[r] = seconds[key]
     linear *= model.num_layers
     return (attention, linear) if split else attention + linear
 

@@ -62,6 +62,7 @@ from ballonet.planning.packing import NoRoom, apportion, lpt
 from ballonet.planning.pricing import (
     StepWeights,
     inter_node_pays,
+    linear_work_per_token,
     rank_compute_seconds,
     rank_step_seconds,
     recompute_modes,
@@ -151,7 +152,8 @@ def _charge(shares: dict[int, float], d: int, work, lengths, load, token_room, s
             out.setdefault(d, {})[int(slots[i]) if slots is not None else i] = w
 
 
-def _level1(batch: Batch, nodes, intra, inter, per_token: float, weights: StepWeights | None):
+def _level1(batch: Batch, nodes, intra, inter, per_token: float, weights: StepWeights | None,
+            rank_token: np.ndarray):
     """Step 1: inter-node documents fill the nodes with most room; the rest go whole to
     nodes by LPT (documents to split inside a node only to nodes of 2 or more ranks);
     a document no node has memory for is spread across nodes. Returns (node load, docs
@@ -166,7 +168,8 @@ def _level1(batch: Batch, nodes, intra, inter, per_token: float, weights: StepWe
     for d in sorted(np.nonzero(inter)[0].tolist(), key=lambda d: (-work[d], d)):
         got = _fill(node_target - node_load, node_room, work[d], work[d] / lengths[d])
         _charge(got, d, work, lengths, node_load, node_room, out=shares)
-    per_node = _node_work(batch, nodes, weights) + per_token * np.asarray(lengths, dtype=float)
+    node_token = np.array([rank_token[rs[0]] for rs in nodes])  # a node's own GPUs' linear work per token
+    per_node = _node_work(batch, nodes, weights) + node_token[:, None] * np.asarray(lengths, dtype=float)
     node_docs: dict[int, list[int]] = {}
     multi = np.array([len(rs) > 1 for rs in nodes])
     spill: list[int] = []
@@ -276,10 +279,12 @@ def _place(lengths, dev: Devices, crossovers, hierarchical: bool, model: ModelSp
             work[d] = split_work(model, lengths[d], min(np.ceil(work[d] / fair), R), gpu)
     weights = step_weights(model, gpu, lengths, R)
     per_token = weights.linear_per_token if price_linear else 0.0
-    keeps = np.array([keep_tokens or not remaps_inside(g) for g in dev.gpu]) if price_linear \
-        else np.zeros(R, dtype=bool)
+    tokens = sum(lengths) / R
+    by_type = {g.name: linear_work_per_token(model, g, tokens, weights.attention_step) for g in set(dev.gpu)}
+    rank_token = np.array([by_type[g.name] for g in dev.gpu]) if price_linear else np.zeros(R)
+    keeps = np.array([keep_tokens or not remaps_inside(g) for g in dev.gpu])
     batch = Batch(lengths=lengths, work=work, work_list=work.tolist(), dev=dev, model=model, gpu=gpu,
-                  crossovers=crossovers, linear_on_rank=np.where(keeps, per_token, 0.0))
+                  crossovers=crossovers, linear_on_rank=np.where(keeps, rank_token, 0.0))
     intra, inter = _classify(batch, nodes, hierarchical, per_token, weights)
     fill = RankFill(local=[[] for _ in range(R)], split_shares={}, token_room=dev.token_cap.astype(float))
     if not hierarchical:  # every split document over all ranks, shares set by refinement
@@ -289,7 +294,7 @@ def _place(lengths, dev: Devices, crossovers, hierarchical: bool, model: ModelSp
         fill.split_shares = {int(d): dict.fromkeys(range(R), 0.0) for d in np.nonzero(intra)[0]}
         return refine(batch, fill), {}
     node_load, node_docs, inter_shares = _level1(batch, nodes, intra, inter, per_token,
-                                                 weights if price_linear else None)
+                                                 weights if price_linear else None, rank_token)
     for n, ranks in enumerate(nodes):
         water = [(w, d) for d, sh in inter_shares.items() if (w := sh.get(n, 0.0)) > 0]
         _level2(batch, fill, np.array(ranks), node_load[n], node_docs.get(n, []), water,

@@ -166,21 +166,6 @@ def _run_pass(p: LayerGraph) -> tuple[float, list, list, list, tuple]:
     return max(end, default=0.0), compute, end, attention, (name, p.tl, start, finish, p.fabric)
 
 
-def _linear_seconds(model: ModelSpec, gpu, tokens: int, mode: str) -> tuple[float, float]:
-    """(forward, backward) seconds of a rank's linear layers in one layer: GEMMs, the
-    elementwise work around them and the framework's per-layer work (half in each pass);
-    the backward reruns what recomputation `mode` drops."""
-    gemm = cost_model.linear_time(model, gpu, tokens)
-    elt = cost_model.elementwise_time(model, gpu, tokens)
-    redo = (cost_model.linear_time(model, gpu, tokens, cost_model.recompute_flops_per_token(model, mode))
-            + cost_model.elementwise_time(model, gpu, tokens,
-                                          cost_model.recompute_elementwise_bytes_per_token(model, mode)))
-    framework = hardware.profile(gpu).framework_s_per_layer / 2
-    fwd = gemm + elt + framework
-    bwd = gemm * cost_model.LINEAR_BACKWARD_FACTOR + elt * cost_model.ELEMENTWISE_BACKWARD_FACTOR + redo + framework
-    return fwd, bwd
-
-
 def _head_seconds(model: ModelSpec, gpu, tokens: int) -> float:
     """Forward and backward of the LM head's GEMM and the loss's elementwise work."""
     if not tokens:
@@ -218,7 +203,7 @@ def simulate(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, routing: boo
         tokens[src] -= n
         tokens[dst] += n
     mode = cost_model.cheapest_recompute(model, tokens, fabric.gpu, R, att_tokens) or "full"
-    linear_s = [_linear_seconds(model, fabric.gpu[r], tokens[r], mode) for r in range(R)]
+    linear_s = [cost_model.linear_layer_seconds(model, fabric.gpu[r], tokens[r], mode) for r in range(R)]
     tp_s = [0.0] * R
     if model.tp > 1:
         for r in range(R):
