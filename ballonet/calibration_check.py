@@ -3,8 +3,9 @@
     python -m ballonet.calibration_check PROFILE.json
 
 Prints a Markdown table: per token count, the measured efficiency over the built-in one
-for attention forward, attention backward and the linear layers (1.00 = the built-in
-profile predicts this machine exactly), and the largest deviation of each part.
+for attention forward, attention backward, the linear layers and the elementwise work
+(1.00 = the built-in profile predicts this machine exactly), the largest deviation of
+each part, and the scalar terms (memory bandwidth, framework and optimizer seconds).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ def compare(measured: calibration.Profile) -> tuple[list[str], dict[str, float]]
     lines = [f"# {measured.source} vs the built-in '{measured.gpu}' profile", "",
              "| part | tokens | measured | built-in | ratio |", "| --- | --- | --- | --- | --- |"]
     worst = {}
-    for part in ("attention_forward", "attention_backward", "linear"):
+    for part in ("attention_forward", "attention_backward", "linear", "elementwise"):
         mine, theirs = getattr(measured, part), getattr(built_in, part)
         ratios = []
         for t, e in zip(mine.tokens, mine.efficiency):
@@ -32,6 +33,9 @@ def compare(measured: calibration.Profile) -> tuple[list[str], dict[str, float]]
         worst[part] = float(np.max(np.abs(np.log(ratios))))
     lines += ["", "Largest deviation (max |ln ratio|, as a factor): "
               + ", ".join(f"{k} x{np.exp(v):.2f}" for k, v in worst.items())]
+    lines += ["", "| term | measured | built-in |", "| --- | --- | --- |"]
+    lines += [f"| {k} | {getattr(measured, k):.4g} | {getattr(built_in, k):.4g} |"
+              for k in ("memory_bw", "framework_s_per_layer", "optimizer_s_per_param")]
     return lines, worst
 
 

@@ -156,11 +156,15 @@ def test_calibration_check_compares_with_the_built_in_profile(tmp_path, capsys):
     from ballonet import calibration_check
 
     lines, worst = calibration_check.compare(hardware.profile("h200"))
-    assert worst == {"attention_forward": 0.0, "attention_backward": 0.0, "linear": 0.0}
+    assert worst == {"attention_forward": 0.0, "attention_backward": 0.0, "linear": 0.0, "elementwise": 0.0}
     path = tmp_path / "p.json"
     d = json.loads(hardware.profile("h200").to_json())
     d["linear"]["efficiency"] = [e / 2 for e in d["linear"]["efficiency"]]
+    d["elementwise"]["efficiency"] = [e / 4 for e in d["elementwise"]["efficiency"]]
+    d["optimizer_s_per_param"] = 3e-9
     path.write_text(json.dumps(d))
     assert calibration_check.main([str(path)]) == 0
-    assert "linear x2.00" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "linear x2.00" in out and "elementwise x4.00" in out
+    assert "| optimizer_s_per_param | 3e-09 |" in out
     assert calibration_check.main([str(tmp_path / "missing.json")]) == 2
