@@ -119,12 +119,14 @@ def markdown(runs: list[dict], command: str, header: str) -> str:
               "apart) it is met by a wide margin.",
               "- Lower bound: the bound hides all communication. The slowest GPU's compute alone is "
               + ", ".join(f"{r['compute_to_lower_bound']:.2f}x" for r in runs)
-              + " of the bound; the rest of the gap is exposed communication and waiting: the remap all-to-all "
-              "before and after the linear layers (blocking, over PCIe at 25 GB/s inside L40S nodes and over the "
-              "inference nodes' few NICs: 4x200 Gb/s for 8 H20, 2x200 Gb/s for 8 L40S) and ring hops that short "
-              "chunks cannot hide. The same planner is 1.11x-1.33x off this bound on homogeneous clusters "
-              "(`bench/results/paper.md`; LLaMA-7B on 4 nodes of clusters A, B, C: 1.11x-1.25x), so 1.15x on mixed clusters, "
-              "whose inference nodes have far less network per GPU than the training nodes, was not reached.",
+              + " of the bound: work is placed by peak FLOP/s at the fastest GPU type's kernel efficiencies, "
+              "and the types' efficiencies (and memory bandwidth against peak) differ. The rest of the gap is "
+              "exposed communication and waiting: the gradient all-reduce, whose intra-node part runs over PCIe "
+              "at 25 GB/s on L40S nodes, the inference nodes' few NICs (4x200 Gb/s for 8 H20, 2x200 Gb/s for 8 "
+              "L40S) and ring hops that short chunks cannot hide (L40S nodes keep their tokens: no remap over "
+              "PCIe). The same planner is off this bound on homogeneous clusters too (`bench/results/paper.md`, "
+              "column step/bound), so 1.15x on mixed clusters, whose inference nodes have far less network per GPU "
+              "than the training nodes, was not reached.",
               "- Loaned GPUs' gain: an H20 has 15% of an H800's peak, so the 16 H20s could add at most 15% "
               "to the step rate; a few percent of imbalance or exposed communication on the 32-GPU job "
               "takes a large part of that."]
