@@ -358,9 +358,11 @@ def zeppelin(lengths, cluster: ClusterSpec, model: ModelSpec, *, routing: bool =
     """The Ballonet planner. `routing`, `remap`, `hierarchical` switch its layers off for
     ablations (without hierarchy a split document spans every rank); `assume_homogeneous`
     plans as if every GPU were the first type (memory caps stay real). `price_linear`
-    balances nodes on attention plus linear work and remaps inside nodes only (off:
-    attention alone, remap across the cluster); `price_recompute` plans for the cheapest
-    recomputation the batch fits under (off: the model's, full when unset)."""
+    balances nodes on attention plus linear work, remaps inside nodes only, and keeps
+    every rank's tokens instead where that prices shorter (off: attention alone, remap
+    across the cluster); `price_recompute` plans for each recomputation the batch fits
+    under and keeps the best (off: the model's, full when unset). The plan's meta says
+    what was chosen (`recompute`, `keep_tokens`)."""
     options = {"routing": routing, "remap": remap, "hierarchical": hierarchical, "assume_homogeneous": assume_homogeneous,
                "price_linear": price_linear, "price_recompute": price_recompute}
     for key, value in options.items():
@@ -415,11 +417,11 @@ def _plan(lengths, cluster, model, crossovers, options, fallback: bool) -> tuple
     greedy steps cannot fit is cut in runs (`_fallback`) rather than refused."""
     dev = devices(cluster, model, options["assume_homogeneous"])
     check_feasible(lengths, dev, model)
-    meta = {"options": options, "crossover_lengths": [dataclasses.asdict(t) for t in crossovers],
-            "recompute": model.recompute, "fallback": False}
     keep = options.get("keep_tokens", False)
+    meta = {"options": {k: v for k, v in options.items() if k != "keep_tokens"},
+            "crossover_lengths": [dataclasses.asdict(t) for t in crossovers],
+            "recompute": model.recompute, "keep_tokens": keep, "fallback": False}
     finish = {"remap": options["remap"] and not keep, "node_remap": options["price_linear"]}
-    meta["keep_tokens"] = keep
     try:
         placement, facts = _place(lengths, dev, crossovers, options["hierarchical"], model, options["price_linear"],
                                   keep)
