@@ -327,10 +327,10 @@ def targets(data: dict) -> list[tuple[str, bool, str, str]]:
 def _why_best(g: list[dict]) -> str:
     """Where zeppelin's lead over the best baseline is smallest, and which baseline it is."""
     close = sorted(g, key=over_best)[:4]
-    return ("the lead is smallest where one document's work alone is about a node's share and wlb_llm's "
-            "per-rank packing of whole documents balances as well (tensor-parallel models on cluster A: 2 or 4 "
-            "ranks a node): " + "; ".join(f"{c['cluster']} {c['model']} {c['workload']} {over_best(c):.2f}x vs "
-                                          f"{best_baseline(c)}" for c in close))
+    return ("the lead is smallest on " + "; ".join(
+        f"{c['cluster']} {c['model']} (tp {c['tp']}) {c['workload']} {over_best(c):.2f}x vs {best_baseline(c)}"
+        for c in close) + ": large tensor-parallel models, whose steps are dominated by linear work and "
+        "tensor-parallel collectives that no partitioning changes")
 
 
 def _table(configs: list[dict], key: str) -> list[str]:

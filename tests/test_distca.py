@@ -14,7 +14,7 @@ import pytest
 import torch
 from distributed import run_ranks
 from test_attention import _check_plan
-from test_llama import SPEC, _assert_grads_close, batch, reference
+from test_llama import SPEC, _assert_grads_close, batch, rank_outputs, reference
 from test_sim_truth import _runtime_bytes
 
 import ballonet
@@ -177,15 +177,7 @@ def _on_ranks(rank: int, world: int, plans: dict) -> tuple[list, list]:
     rows, model_out = [], []
     for name, plan in plans.items():
         rows += _check_plan(f"distca {name}", plan, rank, world)
-        model = Transformer(SPEC, seed=3).to(torch.float32)
-        tokens, labels = batch(plan.lengths)
-        ti = runtime.token_index(plan, rank)
-        loss = model.loss(tokens[ti], labels[ti], plan, rank)
-        loss.backward()
-        with torch.no_grad():
-            logits = model(tokens[ti], plan, rank)
-        model_out.append((loss.detach().numpy(), {n: p.grad.numpy() for n, p in model.named_parameters()},
-                          logits.numpy()))
+        model_out.append(rank_outputs(Transformer(SPEC, seed=3).to(torch.float32), plan, rank))
     return rows, model_out
 
 

@@ -190,16 +190,20 @@ def _model_rank(rank: int, world_size: int) -> list:
     for _, make_plan, attention, dtype in SCENARIOS:
         plan = make_plan()
         model = Transformer(SPEC, seed=3, attention_fn=gathered_attention if attention == "gathered" else None)
-        model = model.to(dtype)
-        tokens, labels = batch(plan.lengths)
-        ti = runtime.token_index(plan, rank)
-        loss = model.loss(tokens[ti], labels[ti], plan, rank)
-        loss.backward()
-        with torch.no_grad():
-            logits = model(tokens[ti], plan, rank)
-        # numpy, not tensors: a tensor crosses the result queue as shared memory that dies with the rank.
-        out.append((loss.detach().numpy(), {n: p.grad.numpy() for n, p in model.named_parameters()}, logits.numpy()))
+        out.append(rank_outputs(model.to(dtype), plan, rank))
     return out
+
+
+def rank_outputs(model: Transformer, plan, rank: int) -> tuple:
+    """This rank's loss, parameter gradients and logits on its tokens of `plan`'s batch.
+    numpy, not tensors: a tensor crosses the result queue as shared memory that dies with the rank."""
+    tokens, labels = batch(plan.lengths)
+    ti = runtime.token_index(plan, rank)
+    loss = model.loss(tokens[ti], labels[ti], plan, rank)
+    loss.backward()
+    with torch.no_grad():
+        logits = model(tokens[ti], plan, rank)
+    return loss.detach().numpy(), {n: p.grad.numpy() for n, p in model.named_parameters()}, logits.numpy()
 
 
 @pytest.mark.slow

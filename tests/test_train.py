@@ -383,7 +383,7 @@ def test_mfu_peak_follows_a_calibration_profile(tmp_path):
 
 
 def test_non_tensor_checkpoint_items_load_weights_only(tmp_path):
-    """DCP's default planner reads non-tensor items with torch.load(weights_only=False);
+    """DCP's default planner unpickles non-tensor items without the weights-only guard;
     ours must refuse a pickled object and still read plain values."""
     import io
     import pickle
