@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass, field
 
@@ -55,7 +56,15 @@ class Curve:
     def at(self, tokens) -> np.ndarray:
         """The efficiency at each of `tokens` (array-like; any shape)."""
         x = np.log2(np.maximum(np.asarray(tokens, dtype=float), 1.0))
-        return np.interp(x, np.log2(self.tokens), self.efficiency)
+        return np.interp(x, self._log_tokens, self._efficiency)
+
+    @functools.cached_property
+    def _log_tokens(self) -> np.ndarray:
+        return np.log2(self.tokens)
+
+    @functools.cached_property
+    def _efficiency(self) -> np.ndarray:
+        return np.asarray(self.efficiency)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -85,16 +85,20 @@ def head_flops_per_token(model: ModelSpec) -> float:
     return 2.0 * model.vocab_size * model.hidden
 
 
+def zigzag_flops(model: ModelSpec, bounds: tuple[int, ...]) -> np.ndarray:
+    """[g] forward attention FLOPs of each ring position i of a zig-zag split document
+    (2g chunks cut at `bounds`): its query chunks i and 2g-1-i against every earlier key
+    token of the document."""
+    b = np.asarray(bounds, dtype=float)
+    q = np.diff(b)
+    chunk = 4.0 * model.num_heads * model.head_dim * q * b[:-1] + attention_flops(model, q)  # [2g]
+    g = len(q) // 2
+    return chunk[:g] + chunk[::-1][:g]
+
+
 def zigzag_rank_flops(model: ModelSpec, bounds: tuple[int, ...], position: int) -> float:
-    """Forward attention FLOPs of ring position `position` of a zig-zag split document:
-    its two query chunks against every earlier key token of the document."""
-    g = (len(bounds) - 1) // 2
-    total = 0.0
-    for c in (position, 2 * g - 1 - position):
-        q = bounds[c + 1] - bounds[c]
-        if q:
-            total += block_flops(model, q, bounds[c]) + block_flops(model, q, q, causal=True)
-    return total
+    """`zigzag_flops` of ring position `position`."""
+    return float(zigzag_flops(model, bounds)[position])
 
 
 # ---- bytes -----------------------------------------------------------------------------
@@ -231,11 +235,18 @@ def attention_time(model: ModelSpec, gpu: hardware.GPUType, flops: float, length
 
 def linear_time(model: ModelSpec, gpu: hardware.GPUType, num_tokens: float, flops_per_token: float | None = None) -> float:
     """Seconds of one layer's forward GEMMs (or `flops_per_token` of them) over
-    `num_tokens` tokens on one GPU."""
-    if num_tokens <= 0:
-        return 0.0
+    `num_tokens` tokens on one GPU (an array of token counts gives an array)."""
     per_token = linear_flops_per_token(model) if flops_per_token is None else flops_per_token
-    return per_token * num_tokens / model.tp / (gpu.peak_flops * hardware.linear_efficiency(num_tokens, gpu))
+    return _per_call(per_token * np.asarray(num_tokens, dtype=float) / model.tp / gpu.peak_flops,
+                     hardware.profile(gpu).linear, num_tokens)
+
+
+def _per_call(ideal: np.ndarray, curve, num_tokens):
+    """`ideal` seconds over `curve`'s efficiency at `num_tokens` (0 for no tokens): a float
+    for a number, an array for an array."""
+    n = np.asarray(num_tokens, dtype=float)
+    out = np.where(n > 0, ideal / curve.at(n), 0.0)
+    return float(out) if out.ndim == 0 else out
 
 
 def elementwise_bytes_per_token(model: ModelSpec) -> float:
@@ -267,19 +278,18 @@ def elementwise_time(model: ModelSpec, gpu: hardware.GPUType, num_tokens: float,
                      bytes_per_token: float | None = None) -> float:
     """Seconds of one layer's forward elementwise work (or `bytes_per_token` of it) over
     `num_tokens` tokens on one GPU: bytes over the profile's memory bandwidth times its
-    elementwise efficiency at that many tokens."""
-    if num_tokens <= 0:
-        return 0.0
+    elementwise efficiency at that many tokens (an array of token counts gives an array)."""
     per_token = elementwise_bytes_per_token(model) if bytes_per_token is None else bytes_per_token
     p = hardware.profile(gpu)
-    return per_token * num_tokens / (p.memory_bw * float(p.elementwise.at(num_tokens)))
+    return _per_call(per_token * np.asarray(num_tokens, dtype=float) / p.memory_bw, p.elementwise, num_tokens)
 
 
 def linear_layer_seconds(model: ModelSpec, gpu: hardware.GPUType, tokens: float, mode: str,
                          framework: bool = True) -> tuple[float, float]:
     """(forward, backward) seconds of a rank's linear layers in one layer over `tokens`
     tokens: GEMMs, the elementwise work around them and (with `framework`) the framework's
-    per-layer work (half in each pass); the backward reruns what recomputation `mode` drops."""
+    per-layer work (half in each pass); the backward reruns what recomputation `mode` drops.
+    An array of token counts gives a pair of arrays."""
     gemm = linear_time(model, gpu, tokens)
     elt = elementwise_time(model, gpu, tokens)
     redo = (linear_time(model, gpu, tokens, recompute_flops_per_token(model, mode))

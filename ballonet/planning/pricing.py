@@ -128,10 +128,10 @@ def _attention_items(plan: Plan, dev: Devices, model: ModelSpec, mode: str) -> t
     block = [plan.lengths[d] for _, d in local]
     flops = cost_model.attention_flops(model, np.asarray(block, dtype=float)).tolist()
     for ring in plan.rings:
-        for i, r in enumerate(ring.ranks):
-            rank.append(r)
-            flops.append(cost_model.zigzag_rank_flops(model, ring.bounds, i))
-            block.append(ring.block_tokens(i))
+        g, q = len(ring.ranks), np.diff(ring.bounds)
+        rank += ring.ranks
+        flops += cost_model.zigzag_flops(model, ring.bounds).tolist()
+        block += (q[:g] + q[::-1][:g]).tolist()  # its chunks i and 2g-1-i (`Ring.block_tokens`)
     rank_a, flops_a, block_a = np.asarray(rank, dtype=np.int64), np.asarray(flops), np.asarray(block, dtype=float)
     redo = 1.0 if cost_model.recompute_attention(mode) else 0.0
     gpus = np.asarray([g.name for g in dev.gpu])
@@ -151,13 +151,11 @@ def rank_compute_seconds(plan: Plan, dev: Devices, model: ModelSpec, mode: str, 
     R = plan.num_ranks
     rank, seconds = _attention_items(plan, dev, model, mode)
     attention = np.bincount(rank, weights=seconds, minlength=R)
-    seconds: dict[tuple[str, int], float] = {}  # ranks of a node often hold equal token counts
+    tokens, names = np.asarray(plan.linear_token_counts, dtype=float), np.array([g.name for g in dev.gpu])
     linear = np.zeros(R)
-    for r, n in enumerate(plan.linear_token_counts):
-        key = (dev.gpu[r].name, n)
-        if key not in seconds:
-            seconds[key] = sum(cost_model.linear_layer_seconds(model, dev.gpu[r], n, mode, framework=False))
-        linear[r] = seconds[key]
+    for gpu in {g.name: g for g in dev.gpu}.values():
+        on = names == gpu.name
+        linear[on] = sum(cost_model.linear_layer_seconds(model, gpu, tokens[on], mode, framework=False))
     linear *= model.num_layers
     return (attention, linear) if split else attention + linear
 

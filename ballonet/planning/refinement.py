@@ -26,28 +26,31 @@ __all__ = ["SWEEPS", "Levels", "Sweep", "refine", "split_work", "water_level"]
 
 def water_level(base: np.ndarray, speed: np.ndarray, unit: np.ndarray, cap: np.ndarray, total: float) -> np.ndarray:
     """Amounts x (sum `total`, 0 <= x <= cap) making (base + unit * x) / speed as level as
-    possible: the lowest slots are topped up to a common level; slots that hit their cap
-    are fixed there and the level is solved again for the rest."""
-    x = np.zeros(len(base))
-    free = cap > 0
-    left = total
-    while left > 0 and free.any():
-        idx = np.nonzero(free)[0]
-        ratio = base[idx] / speed[idx]
-        order = np.argsort(ratio, kind="stable")
-        su, bu = (speed[idx] / unit[idx])[order], (base[idx] / unit[idx])[order]
-        level = (left + np.cumsum(bu)) / np.cumsum(su)
-        j = int(np.argmax(level <= np.append(ratio[order][1:], np.inf)))  # first j: level below slot j+1
-        fill = np.maximum(level[j] * speed[idx] - base[idx], 0.0) / unit[idx]
-        over = fill > cap[idx]
-        if not over.any():
-            x[idx] = fill
+    possible: x_i = clip((level * speed_i - base_i) / unit_i, 0, cap_i) at the one level
+    where they sum to `total` (every slot at its cap when the caps hold less)."""
+    b, s, u, c = base.tolist(), speed.tolist(), unit.tolist(), cap.tolist()
+    slots = [i for i in range(len(b)) if c[i] > 0]
+    if total <= 0 or not slots:
+        return np.zeros(len(b))
+    if sum(c[i] for i in slots) <= total:
+        return np.where(cap > 0, cap, 0.0)
+    # The filled amount grows piecewise linearly with the level: slot i adds s_i / u_i per
+    # unit of level between b_i / s_i (its start) and (b_i + u_i c_i) / s_i (its cap).
+    events = []
+    for i in slots:
+        rate = s[i] / u[i]
+        events += [(b[i] / s[i], rate), ((b[i] + u[i] * c[i]) / s[i], -rate)]
+    events.sort(key=lambda e: e[0])
+    filled, rate, at = 0.0, 0.0, events[0][0]
+    for point, change in events:
+        more = filled + rate * (point - at)
+        if more >= total and rate > 0:
             break
-        hit = idx[over]
-        x[hit] = cap[hit]
-        left -= cap[hit].sum()
-        free[hit] = False
-    return x
+        filled, at, rate = more, point, rate + change
+    else:  # the caps hold `total` only up to rounding
+        return np.where(cap > 0, cap, 0.0)
+    level = at + (total - filled) / rate
+    return np.clip((level * speed - base) / unit, 0.0, np.where(cap > 0, cap, 0.0))
 
 
 def split_work(model: ModelSpec, length: int, num_members: float, gpu=None) -> float:
@@ -79,6 +82,8 @@ class Levels:
     """[R] work (peak-FLOP units)."""
     tokens: np.ndarray
     """[R] tokens held."""
+    node: np.ndarray
+    """[R] node of each rank."""
     node_ranks: list[np.ndarray]
     mean_level: float
     """Work over speed of a perfectly level cluster."""
@@ -94,7 +99,7 @@ class Levels:
         """Tokens of document `d` for members `m` making them level (`water_level`), node
         by node for a document split across nodes while its nodes have room for their share."""
         shares = self.node_tokens.get(d)
-        node = np.asarray(self.dev.node)[m]
+        node = self.node[m]
         room = self.room(m)
         if shares and set(shares) == set(node.tolist()) and \
                 all(room[node == n].sum() >= t for n, t in shares.items()):
@@ -128,9 +133,9 @@ def _start(batch: Batch, fill: RankFill, docs: list[int], local_tokens: np.ndarr
     dev, lengths, work_list = batch.dev, batch.lengths, batch.work_list
     load = np.array([sum(work_list[d] for d in ds) for ds in fill.local], dtype=float)
     load += batch.linear_on_rank * local_tokens  # ranks that keep their tokens: their linear work too
-    st = Levels(dev=dev, load=load, tokens=local_tokens.astype(float), node_ranks=[np.array(rs) for rs in dev.nodes()],
-                mean_level=0.0, members={}, held={}, unit={}, node_tokens={})
     node = np.asarray(dev.node)
+    st = Levels(dev=dev, load=load, tokens=local_tokens.astype(float), node=node, node_ranks=[np.array(rs) for rs in dev.nodes()],
+                mean_level=0.0, members={}, held={}, unit={}, node_tokens={})
     for d in docs:
         st.members[d] = np.array(sorted(fill.split_shares[d]))
         w = np.array([fill.split_shares[d][r] for r in st.members[d]])

@@ -35,6 +35,8 @@ class Crossover:
 class Batch:
     """What every placement step reads: the documents, their work and the devices."""
     lengths: list[int]
+    length_array: np.ndarray
+    """[D] `lengths` as floats (the vector steps read it)."""
     work: np.ndarray
     """[D] attention work of each document, in peak-FLOP units (split documents counted at
     the efficiency of their blocks)."""

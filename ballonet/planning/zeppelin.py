@@ -119,7 +119,7 @@ def _classify(batch: Batch, nodes, hierarchical: bool, per_token: float, weights
     document whose attention plus linear work is over a node's share but that is shorter
     than the inter-node crossover goes across nodes when the node's overload it saves is
     more than the ring's exposed communication would cost (`pricing.inter_node_pays`)."""
-    L, work, dev, crossovers = np.asarray(batch.lengths), batch.work, batch.dev, batch.crossovers
+    L, work, dev, crossovers = batch.length_array, batch.work, batch.dev, batch.crossovers
     speed = dev.speed
     rank_share = work.sum() * speed.max() / speed.sum()
     step = work + per_token * L
@@ -159,7 +159,7 @@ def _level1(batch: Batch, nodes, intra, inter, per_token: float, weights: StepWe
     a document no node has memory for is spread across nodes. Returns (node load, docs
     per node, inter-node shares {doc: {node: work}})."""
     lengths, att, dev = batch.lengths, batch.work, batch.dev
-    work = att + per_token * np.asarray(lengths, dtype=float)
+    work = att + per_token * batch.length_array
     node_speed = np.array([dev.speed[rs].sum() for rs in nodes])
     node_target = work.sum() * node_speed / node_speed.sum()
     node_load = np.zeros(len(nodes))
@@ -169,7 +169,7 @@ def _level1(batch: Batch, nodes, intra, inter, per_token: float, weights: StepWe
         got = _fill(node_target - node_load, node_room, work[d], work[d] / lengths[d])
         _charge(got, d, work, lengths, node_load, node_room, out=shares)
     node_token = np.array([rank_token[rs[0]] for rs in nodes])  # a node's own GPUs' linear work per token
-    per_node = _node_work(batch, nodes, weights) + node_token[:, None] * np.asarray(lengths, dtype=float)
+    per_node = _node_work(batch, nodes, weights) + node_token[:, None] * batch.length_array
     node_docs: dict[int, list[int]] = {}
     multi = np.array([len(rs) > 1 for rs in nodes])
     spill: list[int] = []
@@ -201,7 +201,7 @@ def _node_work(batch: Batch, nodes, weights: StepWeights | None) -> np.ndarray:
     the wait it leaves the node's other ranks: (work - fair share) each. On a mixed
     cluster the same document is split more, so costs more, on slower nodes."""
     lengths, work, dev = batch.lengths, batch.work, batch.dev
-    L = np.asarray(lengths)
+    L = batch.length_array
     out = np.tile(work, (len(nodes), 1))
     rows: dict[tuple, np.ndarray] = {}  # alike nodes (most of a cluster) share one row
     for n, rs in enumerate(nodes):
@@ -228,19 +228,23 @@ def _node_work(batch: Batch, nodes, weights: StepWeights | None) -> np.ndarray:
 
 
 def _level2(batch: Batch, fill: RankFill, ranks: np.ndarray, node_work: float, docs: list[int],
-            inter_water: list[tuple[float, int]], min_length: float | None) -> None:
+            inter_water: list[tuple[float, int]], min_length: float | None, stepped: dict[float, Batch]) -> None:
     """Step 2, one node: documents to split here and the node's shares of inter-node
     documents fill the ranks with most room; local documents go by LPT; a document no
     rank has memory for is spread over the node; then `_split_to_level`. On a node that
-    keeps its tokens (no remap inside it), work is attention plus linear work."""
+    keeps its tokens (no remap inside it), work is attention plus linear work (`stepped`:
+    per linear work per token, the batch with it added, shared by alike nodes)."""
     per_token = float(batch.linear_on_rank[ranks[0]])
     if per_token:
-        L = np.asarray(batch.lengths, dtype=float)
-        step = batch.work + per_token * L
+        L = batch.length_array
+        if per_token not in stepped:
+            step = batch.work + per_token * L
+            stepped[per_token] = dataclasses.replace(batch, work=step, work_list=step.tolist())
+        step = stepped[per_token].work
         node_work += sum(per_token * batch.lengths[d] for d in docs) + \
             sum(w * per_token * L[d] / batch.work[d] for w, d in inter_water)
         inter_water = [(w * step[d] / batch.work[d], d) for w, d in inter_water]
-        batch = dataclasses.replace(batch, work=step, work_list=step.tolist())
+        batch = stepped[per_token]
     lengths, work, dev = batch.lengths, batch.work, batch.dev
     speed = dev.speed[ranks]
     target = node_work * speed / speed.sum()
@@ -283,7 +287,7 @@ def _place(lengths, dev: Devices, crossovers, hierarchical: bool, model: ModelSp
     by_type = {g.name: linear_work_per_token(model, g, tokens, weights.attention_step) for g in set(dev.gpu)}
     rank_token = np.array([by_type[g.name] for g in dev.gpu]) if price_linear else np.zeros(R)
     keeps = np.array([keep_tokens or not remaps_inside(g) for g in dev.gpu])
-    batch = Batch(lengths=lengths, work=work, work_list=work.tolist(), dev=dev, model=model, gpu=gpu,
+    batch = Batch(lengths=lengths, length_array=np.asarray(lengths, dtype=float), work=work, work_list=work.tolist(), dev=dev, model=model, gpu=gpu,
                   crossovers=crossovers, linear_on_rank=np.where(keeps, rank_token, 0.0))
     intra, inter = _classify(batch, nodes, hierarchical, per_token, weights)
     fill = RankFill(local=[[] for _ in range(R)], split_shares={}, token_room=dev.token_cap.astype(float))
@@ -295,10 +299,11 @@ def _place(lengths, dev: Devices, crossovers, hierarchical: bool, model: ModelSp
         return refine(batch, fill), {}
     node_load, node_docs, inter_shares = _level1(batch, nodes, intra, inter, per_token,
                                                  weights if price_linear else None, rank_token)
+    stepped: dict[float, Batch] = {}
     for n, ranks in enumerate(nodes):
         water = [(w, d) for d, sh in inter_shares.items() if (w := sh.get(n, 0.0)) > 0]
         _level2(batch, fill, np.array(ranks), node_load[n], node_docs.get(n, []), water,
-                crossovers[dev.group[ranks[0]]].intra)
+                crossovers[dev.group[ranks[0]]].intra, stepped)
     binding = bool((fill.token_room < 0.02 * dev.token_cap).any())
     return refine(batch, fill), {"inter_docs": len(inter_shares), "caps_bind": binding}
 
