@@ -266,14 +266,17 @@ class LayerGraph:
 
     def allreduce_bucket(self) -> list:
         """The previous layer's gradient bucket, from the start of this backward: its
-        intra-node part on each rank's NVLink ports, its cross-node part on the NICs in
-        pieces, so ring and remap transfers queue between them (NICs are shared)."""
+        intra-node part on each rank's NVLink ports, then its cross-node part on the NICs,
+        each in pieces, so ring and remap transfers queue between them (the links are
+        shared: NCCL runs the bucket's collectives beside them, not before them)."""
         intra_s, nic_bytes = self.grad_bucket
         ends = []
         R = self.plan.num_ranks
         for r in range(R):
-            links = (r, R + r)
-            t = self.tl.add(intra_s, links=links, label=("send", r, "grad all-reduce")) if intra_s > 0 else None
+            links, t = (r, R + r), None
+            for _ in range(NUM_BUCKET_PIECES if intra_s > 0 else 0):
+                t = self.tl.add(intra_s / NUM_BUCKET_PIECES, links=links, after=[t],
+                                label=("send", r, "grad all-reduce"))
             peer = self.fabric.nic_peer(r)
             for _ in range(NUM_BUCKET_PIECES if nic_bytes > 0 and peer is not None else 0):
                 t = self.transfer(r, peer, nic_bytes / NUM_BUCKET_PIECES, [t], "grad all-reduce", "allreduce")
