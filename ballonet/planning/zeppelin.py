@@ -367,7 +367,8 @@ def zeppelin(lengths, cluster: ClusterSpec, model: ModelSpec, *, routing: bool =
     every rank's tokens instead where that prices shorter (off: attention alone, remap
     across the cluster); `price_recompute` plans for each recomputation the batch fits
     under and keeps the best (off: the model's, full when unset). The plan's meta says
-    what was chosen (`recompute`, `keep_tokens`)."""
+    what was chosen (`recompute`, `keep_tokens`) and among which plans (`candidates`: the
+    recomputation, keep_tokens and estimated step seconds of each)."""
     options = {"routing": routing, "remap": remap, "hierarchical": hierarchical, "assume_homogeneous": assume_homogeneous,
                "price_linear": price_linear, "price_recompute": price_recompute}
     for key, value in options.items():
@@ -376,7 +377,7 @@ def zeppelin(lengths, cluster: ClusterSpec, model: ModelSpec, *, routing: bool =
     lengths = check_lengths(lengths)
     crossovers = crossover_lengths(cluster, model)
     modes = recompute_modes(model) if price_recompute else (cost_model.recompute_mode(model),)
-    best, best_s, error = None, np.inf, None
+    best, best_s, error, compared = None, np.inf, None, []
     for i, mode in enumerate(modes):
         spec = dataclasses.replace(model, recompute=mode)
         try:
@@ -385,8 +386,11 @@ def zeppelin(lengths, cluster: ClusterSpec, model: ModelSpec, *, routing: bool =
             error = e
             continue
         for candidate in (plan, _kept(lengths, cluster, spec, crossovers, options, plan)):
-            seconds = None if candidate is None else _step_seconds(candidate, dev, spec, crossovers).max()
-            if seconds is not None and seconds < best_s:
+            if candidate is None:
+                continue
+            seconds = float(_step_seconds(candidate, dev, spec, crossovers).max())
+            compared.append({"recompute": mode, "keep_tokens": candidate.meta["keep_tokens"], "estimated_step_s": seconds})
+            if seconds < best_s:
                 best, best_s = (candidate, dev, spec), seconds
         if not plan.meta.get("caps_bind", True):
             break  # looser caps would place the same way and recompute more
@@ -395,6 +399,7 @@ def zeppelin(lengths, cluster: ClusterSpec, model: ModelSpec, *, routing: bool =
     if best is None:
         raise error
     plan, dev, spec = best
+    plan = dataclasses.replace(plan, meta={**plan.meta, "candidates": compared})
     if routing:
         plan = dataclasses.replace(plan, routes=plan_routes(plan, cluster, spec, dev.local_index))
     return plan.validate()
