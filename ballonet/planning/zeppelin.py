@@ -39,16 +39,19 @@ Placement, with work in peak-FLOP units so a rank's time is work / its peak:
     under memory caps) and routes for inter-node hops (`remap.py`, `routing.py`).
 
 The steps run once per recomputation mode the batch fits under, cheapest first, while a
-costlier mode could still win, and once more per mode with every rank keeping its tokens
-(no remap; ranks balanced on attention plus linear work); the plan whose busiest rank
-has the shortest estimated step is kept (`pricing.rank_step_seconds`). A batch the greedy steps cannot fit under memory caps falls back to cutting
-the batch in speed-proportional runs of tokens (valid, not balanced; `meta["fallback"]`).
+costlier mode could still win, and steps 2-4 once more per mode with every rank keeping
+its tokens (no remap; ranks balanced on attention plus linear work; level 1 is the same);
+the plan whose busiest rank has the shortest estimated step is kept
+(`pricing.rank_step_seconds`). A batch the greedy steps cannot fit under memory caps
+falls back to cutting the batch in speed-proportional runs of tokens (valid, not
+balanced; `meta["fallback"]`).
 Without `hierarchical`, a document that must be split spans every rank (the ablation).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -269,8 +272,19 @@ def _level2(batch: Batch, fill: RankFill, ranks: np.ndarray, node_work: float, d
     fill.token_room[ranks] = room
 
 
-def _place(lengths, dev: Devices, crossovers, hierarchical: bool, model: ModelSpec,
-           price_linear: bool, keep_tokens: bool = False) -> tuple[Placement, dict]:
+@dataclass(frozen=True)
+class _Nodes:
+    """Steps 0-1 of a batch under one recomputation's memory caps: what the remap and the
+    keep-tokens plans share (neither reads `Batch.linear_on_rank`)."""
+    batch: Batch
+    rank_token: np.ndarray
+    """[R] linear work per token of each rank's GPU type (0 without `price_linear`)."""
+    intra: np.ndarray
+    level1: tuple | None
+    """`_level1`'s (node load, docs per node, inter-node shares); None without hierarchy."""
+
+
+def _nodes(lengths, dev: Devices, crossovers, hierarchical: bool, model: ModelSpec, price_linear: bool) -> _Nodes:
     R, nodes = dev.num_ranks, dev.nodes()
     gpu = dev.gpu[int(np.argmax(dev.speed))]
     work = attention_work(model, lengths, gpu)
@@ -286,24 +300,34 @@ def _place(lengths, dev: Devices, crossovers, hierarchical: bool, model: ModelSp
     tokens = sum(lengths) / R
     by_type = {g.name: linear_work_per_token(model, g, tokens, weights.attention_step) for g in set(dev.gpu)}
     rank_token = np.array([by_type[g.name] for g in dev.gpu]) if price_linear else np.zeros(R)
-    keeps = np.array([keep_tokens or not remaps_inside(g) for g in dev.gpu])
-    batch = Batch(lengths=lengths, length_array=np.asarray(lengths, dtype=float), work=work, work_list=work.tolist(), dev=dev, model=model, gpu=gpu,
-                  crossovers=crossovers, linear_on_rank=np.where(keeps, rank_token, 0.0))
+    batch = Batch(lengths=lengths, length_array=np.asarray(lengths, dtype=float), work=work,
+                  work_list=work.tolist(), dev=dev, model=model, gpu=gpu, crossovers=crossovers,
+                  linear_on_rank=np.zeros(R))
     intra, inter = _classify(batch, nodes, hierarchical, per_token, weights)
+    level1 = _level1(batch, nodes, intra, inter, per_token, weights if price_linear else None,
+                     rank_token) if hierarchical else None
+    return _Nodes(batch=batch, rank_token=rank_token, intra=intra, level1=level1)
+
+
+def _place(shared: _Nodes, keep_tokens: bool) -> tuple[Placement, dict]:
+    """Steps 2-3 on `shared`: every rank keeping its tokens, or remapping inside NVLink nodes."""
+    dev = shared.batch.dev
+    R, nodes, lengths, intra = dev.num_ranks, dev.nodes(), shared.batch.lengths, shared.intra
+    keeps = np.array([keep_tokens or not remaps_inside(g) for g in dev.gpu])
+    batch = dataclasses.replace(shared.batch, linear_on_rank=np.where(keeps, shared.rank_token, 0.0))
     fill = RankFill(local=[[] for _ in range(R)], split_shares={}, token_room=dev.token_cap.astype(float))
-    if not hierarchical:  # every split document over all ranks, shares set by refinement
+    if shared.level1 is None:  # every split document over all ranks, shares set by refinement
         solid = [d for d in range(len(lengths)) if not intra[d]]
         for i, docs in lpt(solid, batch.work_list, lengths, np.zeros(R), dev.speed, fill.token_room).items():
             fill.local[i] = docs
         fill.split_shares = {int(d): dict.fromkeys(range(R), 0.0) for d in np.nonzero(intra)[0]}
         return refine(batch, fill), {}
-    node_load, node_docs, inter_shares = _level1(batch, nodes, intra, inter, per_token,
-                                                 weights if price_linear else None, rank_token)
+    node_load, node_docs, inter_shares = shared.level1
     stepped: dict[float, Batch] = {}
     for n, ranks in enumerate(nodes):
         water = [(w, d) for d, sh in inter_shares.items() if (w := sh.get(n, 0.0)) > 0]
         _level2(batch, fill, np.array(ranks), node_load[n], node_docs.get(n, []), water,
-                crossovers[dev.group[ranks[0]]].intra, stepped)
+                batch.crossovers[dev.group[ranks[0]]].intra, stepped)
     binding = bool((fill.token_room < 0.02 * dev.token_cap).any())
     return refine(batch, fill), {"inter_docs": len(inter_shares), "caps_bind": binding}
 
@@ -381,17 +405,17 @@ def zeppelin(lengths, cluster: ClusterSpec, model: ModelSpec, *, routing: bool =
     for i, mode in enumerate(modes):
         spec = dataclasses.replace(model, recompute=mode)
         try:
-            plan, dev = _plan(lengths, cluster, spec, crossovers, options, fallback=i == len(modes) - 1 and best is None)
+            plans, dev = _candidates(lengths, cluster, spec, crossovers, options,
+                                     fallback=i == len(modes) - 1 and best is None)
         except (NoRoom, InfeasiblePlan) as e:
             error = e
             continue
-        for candidate in (plan, _kept(lengths, cluster, spec, crossovers, options, plan)):
-            if candidate is None:
-                continue
+        for candidate in plans:
             seconds = float(_step_seconds(candidate, dev, spec, crossovers).max())
             compared.append({"recompute": mode, "keep_tokens": candidate.meta["keep_tokens"], "estimated_step_s": seconds})
             if seconds < best_s:
                 best, best_s = (candidate, dev, spec), seconds
+        plan = plans[0]
         if not plan.meta.get("caps_bind", True):
             break  # looser caps would place the same way and recompute more
         if i + 1 < len(modes) and rank_compute_seconds(plan, dev, spec, modes[i + 1]).mean() >= best_s:
@@ -405,43 +429,39 @@ def zeppelin(lengths, cluster: ClusterSpec, model: ModelSpec, *, routing: bool =
     return plan.validate()
 
 
-def _kept(lengths, cluster, model, crossovers, options, plan: Plan) -> Plan | None:
-    """The plan with every rank keeping its tokens (no remap, attention plus linear work
-    balanced per rank) under the same recomputation, when `plan` remaps and pricing may
-    prefer it; None when there is nothing to compare or the greedy steps cannot fit it."""
-    if not (options["price_linear"] and options["remap"] and plan.remap) or plan.meta["fallback"]:
-        return None
-    try:
-        return _plan(lengths, cluster, model, crossovers, {**options, "keep_tokens": True}, fallback=False)[0]
-    except (NoRoom, InfeasiblePlan):
-        return None
-
-
 def _step_seconds(plan: Plan, dev: Devices, model: ModelSpec, crossovers) -> np.ndarray:
     """[R] what the partitioner compares its candidate plans by (`pricing.rank_step_seconds`)."""
     return rank_step_seconds(plan, dev, model, np.array([crossovers[g].intra_bw for g in dev.group]))
 
 
-def _plan(lengths, cluster, model, crossovers, options, fallback: bool) -> tuple[Plan, Devices]:
-    """One plan under the memory caps of `model.recompute`; with `fallback`, a batch the
-    greedy steps cannot fit is cut in runs (`_fallback`) rather than refused."""
+def _candidates(lengths, cluster, model, crossovers, options, fallback: bool) -> tuple[list[Plan], Devices]:
+    """The plans of one recomputation, under the memory caps of `model.recompute`, from one
+    level 1: remapping tokens inside nodes, then, when it remaps and pricing may prefer
+    it, every rank keeping its tokens (attention plus linear work balanced per rank; left
+    out when the greedy steps cannot fit it). With `fallback`, a batch the greedy steps
+    cannot fit is cut in runs (`_fallback`) rather than refused."""
     dev = devices(cluster, model, options["assume_homogeneous"])
     check_feasible(lengths, dev, model)
-    keep = options.get("keep_tokens", False)
-    meta = {"options": {k: v for k, v in options.items() if k != "keep_tokens"},
-            "crossover_lengths": [dataclasses.asdict(t) for t in crossovers],
-            "recompute": model.recompute, "keep_tokens": keep, "fallback": False}
-    finish = {"remap": options["remap"] and not keep, "node_remap": options["price_linear"]}
+    meta = {"options": options, "crossover_lengths": [dataclasses.asdict(t) for t in crossovers],
+            "recompute": model.recompute, "keep_tokens": False, "fallback": False}
+
+    def build(placement: Placement, facts: dict, keep: bool) -> Plan:
+        return _finish(lengths, dev, placement, {**meta, **facts, "keep_tokens": keep},
+                       remap=options["remap"] and not keep, node_remap=options["price_linear"])
+
     try:
-        placement, facts = _place(lengths, dev, crossovers, options["hierarchical"], model, options["price_linear"],
-                                  keep)
-        meta.update(facts)
-        return _finish(lengths, dev, placement, meta, **finish), dev
+        shared = _nodes(lengths, dev, crossovers, options["hierarchical"], model, options["price_linear"])
+        plans = [build(*_place(shared, keep_tokens=False), keep=False)]
     except (NoRoom, InfeasiblePlan):
         if not fallback:
             raise
-        meta["fallback"] = True
-        return _finish(lengths, dev, _fallback(lengths, dev), meta, **finish), dev
+        return [build(_fallback(lengths, dev), {"fallback": True}, keep=False)], dev
+    if options["price_linear"] and options["remap"] and plans[0].remap:
+        try:
+            plans.append(build(*_place(shared, keep_tokens=True), keep=True))
+        except (NoRoom, InfeasiblePlan):
+            pass
+    return plans, dev
 
 
 def _finish(lengths, dev: Devices, placement: Placement, meta, *, remap: bool, node_remap: bool) -> Plan:
