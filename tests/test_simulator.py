@@ -209,6 +209,21 @@ def test_remap_moves_what_the_model_moves():
     assert simulate(plan, C, MODEL, remap=False).layer_forward_s == pytest.approx(att0 + lin(8000), rel=1e-9)
 
 
+def test_gradient_bucket_lets_the_remap_through():
+    # The previous layer's gradient bucket runs during this backward on the same NVLink
+    # ports as the remap, in pieces: the remap at the start of the backward waits for a
+    # piece, not for the bucket's whole intra-node all-reduce.
+    C = cluster(gpus=2, nics=2, intra=10 * GB)
+    base = make_plan(C, local={0: [4000, 4000]})
+    plan = dataclasses.replace(base, remap=(Transfer(src=0, dst=1, start=4000, end=8000),)).validate()
+    _, tl, start, finish, _ = simulate(plan, C, MODEL).timelines[1]
+    sends = [t for t in range(tl.num_tasks) if tl.label[t][0] == "send"]
+    bucket = [t for t in sends if tl.label[t][2] == "grad all-reduce"]
+    remap = [t for t in sends if tl.label[t][2] == "remap"]
+    assert remap and bucket
+    assert max(finish[t] for t in remap) < max(finish[t] for t in bucket)
+
+
 def test_ring_steps_add_up_to_zigzag_flops_and_ring_traffic():
     C = cluster(gpus=8, nics=8)
     plan = make_plan(C, split=[(10007, tuple(range(8))), (333, tuple(range(8)))])
