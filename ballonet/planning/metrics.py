@@ -1,7 +1,7 @@
 """Balance and traffic figures of a plan, from the cost model (per layer, forward).
 
 * attention cost of a rank: seconds of its local documents (`attention_flops` at their
-  length) plus its ring positions (`zigzag_rank_flops`, efficiency at its block length);
+  length) plus its ring positions (`zigzag_flops`, efficiency at its block length);
 * `attention_imbalance`: max / mean of those seconds;
 * `compute_imbalance`: max / mean of a step's attention plus linear seconds per rank
   (`pricing.rank_compute_seconds`): what the partitioner balances;
@@ -37,8 +37,7 @@ def rank_attention_seconds(plan: Plan, cluster: ClusterSpec, model: ModelSpec) -
             L = plan.lengths[d]
             out[r] += cost_model.attention_time(model, gpu[r], cost_model.attention_flops(model, L), L)
     for ring in plan.rings:
-        for i, r in enumerate(ring.ranks):
-            flops = cost_model.zigzag_rank_flops(model, ring.bounds, i)
+        for i, (r, flops) in enumerate(zip(ring.ranks, cost_model.zigzag_flops(model, ring.bounds).tolist())):
             out[r] += cost_model.attention_time(model, gpu[r], flops, ring.block_tokens(i))
     return out
 
