@@ -462,7 +462,7 @@ def _best_elementwise_units(profiles_by_type, upto: float) -> float:
                for g, p in profiles_by_type)
 
 
-def batch_lower_bound(lengths, cluster: ClusterSpec, model: ModelSpec) -> float:
+def batch_lower_bound(lengths, cluster: ClusterSpec, model: ModelSpec, communication: bool = True) -> float:
     """Seconds no plan of the batch can beat on `cluster`: every FLOP and elementwise byte
     of the step (attention forward and backward, GEMMs, LM head and loss, the
     recomputation the batch needs at least) at the best efficiency any split or packing
@@ -470,8 +470,12 @@ def batch_lower_bound(lengths, cluster: ClusterSpec, model: ModelSpec) -> float:
     (the framework's per-layer work, its optimizer shard). Attention of a document of L
     tokens runs on chunks of at most L tokens, GEMMs and elementwise work on at most the
     batch's tokens; the GPU type best at each kind of work (relative to its peak) sets its
-    cost, and the work is spread over the sum of the GPUs' peaks. The same for every
-    planner."""
+    cost, and the work is spread over the sum of the GPUs' peaks. Two collectives no plan
+    escapes are added (`communication`; off: the compute alone): every token's
+    tensor-parallel all-gathers and reduce-scatters at their bandwidth on the cheapest
+    group, which the simulator runs on the compute stream, and the last layer's gradient
+    bucket, which nothing is left to hide (`grad_allreduce_time` / layers). The same for
+    every planner."""
     L = np.asarray(lengths, dtype=float)
     T = float(L.sum())
     types = {g.gpu_type.name: g.gpu_type for g in cluster.groups}
@@ -493,4 +497,26 @@ def batch_lower_bound(lengths, cluster: ClusterSpec, model: ModelSpec) -> float:
     num_dp = cluster.num_ranks // model.tp
     work += sum(g.peak_flops * (framework_time(model, g) + optimizer_time(model, g, num_dp)) for g in gpus)
     peak = sum(g.peak_flops for g in gpus)
-    return float(work / peak)
+    if not communication:
+        return float(work / peak)
+    work += _best_tp_units(cluster, model) * T
+    return float(work / peak) + grad_allreduce_time(model, cluster) / model.num_layers
+
+
+def tp_seconds_per_token(model: ModelSpec, group: NodeGroup) -> float:
+    """Seconds of tensor-parallel collectives per token on each GPU of a TP group, per
+    pass of all layers (two all-gathers and two reduce-scatters of its hidden states a
+    layer, sequence parallelism), latency aside: what `collective_time` charges a byte."""
+    if model.tp <= 1:
+        return 0.0
+    p = hardware.profile(group.gpu_type)
+    per_token = hidden_bytes(model, 1) * (model.tp - 1) / model.tp / group.intra_bw
+    return model.num_layers * 2 * sum(per_token / p.collective_efficiency[op] for op in ("all_gather", "reduce_scatter"))
+
+
+def _best_tp_units(cluster: ClusterSpec, model: ModelSpec) -> float:
+    """Peak-FLOP-seconds of tensor-parallel collectives a token costs at least, forward and
+    backward, on the group where they cost least: every token crosses its TP group's
+    collectives whatever the plan, and they run on the compute stream (the simulator's
+    "tp" tasks), so all of a TP group's GPUs wait for them."""
+    return min(2 * model.tp * g.gpu_type.peak_flops * tp_seconds_per_token(model, g) for g in cluster.groups)

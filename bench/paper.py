@@ -269,9 +269,10 @@ def targets(data: dict) -> list[tuple[str, bool, str, str]]:
                 f"{w['compute_mean_s']:.2f} s), exposed communication {w['exposed_mean_s']:.2f} s and idle "
                 f"{w['idle_mean_s']:.2f} s on the mean rank; recomputation {w['recompute']} where the bound "
                 f"assumes {w['batch_recompute']}. The bound counts every FLOP at its best efficiency on all "
-                "GPUs at once and no communication: the step adds the recomputation the plan's memory needs, "
-                "kernels on blocks shorter than whole documents, tensor-parallel collectives and the remap and "
-                "ring transfers compute does not hide."))
+                "GPUs at once and, of communication, only every token's tensor-parallel collectives and the "
+                "last gradient bucket: the step adds the recomputation the plan's memory needs, kernels on "
+                "blocks shorter than whole documents, ranks waiting on a ring's slowest member, and the remap "
+                "and ring transfers compute does not hide."))
     by_cluster = {cl: _mean(speedup(c) for c in g if c["cluster"] == cl) for cl in CLUSTERS}
     te_by_cluster = {cl: _mean(c["results"]["te_cp"]["exposed_comm_share"] for c in g if c["cluster"] == cl)
                      for cl in CLUSTERS}

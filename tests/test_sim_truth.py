@@ -26,11 +26,14 @@ CONFIGS = [
     ("cpu", 2, "tiny", [700, 90, 2300, 40, 1200, 600, 310, 3900, 25, 800]),
     ("h800-8nic", 2, "llama3-8b", [40000, 3000, 800, 12000, 500, 2500, 7000, 300, 1500, 20000] * 3),
     ("a800-4nic", 2, "llama-7b", [30000, 1000, 200, 9000, 4000, 600, 16000, 2200, 120, 5000] * 2),
+    # tensor parallelism on a mixed cluster: the bound's TP collectives on the cheaper group
+    ("h800+h20", None, "llama-13b:2", [50000, 3000, 900, 14000, 600, 2500, 8000, 300, 1800, 26000] * 3),
 ]
 
 
 def _planned(cluster_name, nodes, model_name, lengths):
-    c, m = ballonet.cluster(cluster_name, num_nodes=nodes), ballonet.model(model_name)
+    name, _, tp = model_name.partition(":")
+    c, m = ballonet.cluster(cluster_name, num_nodes=nodes), ballonet.model(name, tp=int(tp or 1))
     for name in PLANNERS:
         try:
             yield name, c, m, plan_batch(lengths, c, m, name)
@@ -43,12 +46,13 @@ def _dtype(model) -> torch.dtype:
 
 
 def _runtime_bytes(plan, model) -> dict[str, Counter]:
-    """Per phase, Counter of (class, src, dst) the runtime sends in one layer."""
-    ring = routing.predicted_bytes(plan, model.num_kv_heads, model.head_dim, _dtype(model))
+    """Per phase, Counter of (class, src, dst) the runtime sends in one layer, from one
+    GPU of each tensor-parallel group (its 1/tp of the heads)."""
+    ring = routing.predicted_bytes(plan, model.num_kv_heads // model.tp, model.head_dim, _dtype(model))
     grad_only = ring.backward - ring.forward  # backward = K/V again + fp32 dK/dV
     elem = model.dtype_bytes
-    qkv = remapping.predicted_bytes(plan, (model.hidden + 2 * model.kv_dim) * elem, src="linear")
-    o = remapping.predicted_bytes(plan, model.hidden * elem, src="attention")
+    qkv = remapping.predicted_bytes(plan, (model.hidden + 2 * model.kv_dim) * elem // model.tp, src="linear")
+    o = remapping.predicted_bytes(plan, model.hidden * elem // model.tp, src="attention")
     out = {}
     for phase in ("forward", "backward"):
         c = Counter()
@@ -84,7 +88,8 @@ def test_no_planner_beats_the_batch_lower_bound(config):
         bounds.add(res.lower_bound_s)
         steps[name] = res.step_time_s
         assert res.step_time_s >= res.lower_bound_s > 0, name
-        assert res.compute_bound_s >= res.lower_bound_s * (1 - 1e-12), name
+        assert res.compute_bound_s >= cost_model.batch_lower_bound(plan.lengths, c, m, communication=False) * (1 - 1e-12), name
+        assert res.lower_bound_s >= cost_model.batch_lower_bound(plan.lengths, c, m, communication=False)
     assert len(bounds) == 1 and len(steps) >= 5
 
 
@@ -116,6 +121,27 @@ def test_lower_bound_by_hand_on_one_gpu():
     optimizer = m.num_params * p.optimizer_s_per_param + 26 * p.framework_s_per_layer  # one rank holds all
     expected = work / 989e12 + elementwise + optimizer
     assert cost_model.batch_lower_bound([L], c, m) == pytest.approx(expected, rel=1e-9)
+
+
+def test_lower_bound_adds_the_collectives_no_plan_escapes():
+    # Two GPUs, one TP group: every token crosses 2 all-gathers and 2 reduce-scatters of
+    # its hidden states a layer and pass (half of them leave each GPU); the last layer's
+    # gradient bucket (reduce-scatter and all-gather over the node) is never hidden.
+    c = ClusterSpec(name="two", groups=(NodeGroup(gpu="h100", num_nodes=1, gpus_per_node=2, nics_per_node=1),))
+    m = ballonet.model("llama-3b", tp=2)
+    lengths = [2048, 1000]
+    p, bw = hardware.profile("h100"), c.groups[0].intra_bw
+    half_a_token = 3200 * 2 / 2 / bw
+    tp = 26 * 2 * (half_a_token / p.collective_efficiency["all_gather"]
+                   + half_a_token / p.collective_efficiency["reduce_scatter"])
+    grad = cost_model.grad_bytes(m)
+    bucket = sum(p.collective_latency_s + grad / 2 / (bw * p.collective_efficiency[op])
+                 for op in ("reduce_scatter", "all_gather")) / 26
+    compute = cost_model.batch_lower_bound(lengths, c, m, communication=False)
+    assert cost_model.batch_lower_bound(lengths, c, m) == pytest.approx(compute + 2 * tp * 3048 + bucket, rel=1e-9)
+    one = ClusterSpec(name="one", groups=(NodeGroup(gpu="h100", num_nodes=1, gpus_per_node=1, nics_per_node=1),))
+    m1 = ballonet.model("llama-3b")
+    assert cost_model.batch_lower_bound(lengths, one, m1) == cost_model.batch_lower_bound(lengths, one, m1, False)
 
 
 def test_te_cp_is_sized_to_the_context_as_a_megatron_user_sizes_it():
