@@ -21,11 +21,13 @@ type with it inside a `with` block (a context variable, so nothing global change
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import contextvars
 import dataclasses
 import functools
 import json
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -57,6 +59,21 @@ class Curve:
         """The efficiency at each of `tokens` (array-like; any shape)."""
         x = np.log2(np.maximum(np.asarray(tokens, dtype=float), 1.0))
         return np.interp(x, self._log_tokens, self._efficiency)
+
+    def at_one(self, tokens: float) -> float:
+        """`at` for one token count, in plain Python (the partitioner calls it in loops)."""
+        xs, ys = self._log_list
+        x = math.log2(max(tokens, 1.0))
+        if x <= xs[0]:
+            return ys[0]
+        if x >= xs[-1]:
+            return ys[-1]
+        j = bisect.bisect_right(xs, x) - 1
+        return (ys[j + 1] - ys[j]) / (xs[j + 1] - xs[j]) * (x - xs[j]) + ys[j]
+
+    @functools.cached_property
+    def _log_list(self) -> tuple[list, list]:
+        return self._log_tokens.tolist(), list(self.efficiency)
 
     @functools.cached_property
     def _log_tokens(self) -> np.ndarray:

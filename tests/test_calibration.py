@@ -168,3 +168,11 @@ def test_calibration_check_compares_with_the_built_in_profile(tmp_path, capsys):
     assert "linear x2.00" in out and "elementwise x4.00" in out
     assert "| optimizer_s_per_param | 3e-09 |" in out
     assert calibration_check.main([str(tmp_path / "missing.json")]) == 2
+
+
+def test_curve_at_one_agrees_with_the_vector_form():
+    curve = hardware.profile("h800").attention_forward
+    xs = [0.0, 0.5, 1.0, 63.0, 64.0, 100.0, 4096.0, 5000.5, 131072.0, 1e7]
+    vector = curve.at(xs)
+    for x, v in zip(xs, vector):
+        assert curve.at_one(x) == pytest.approx(float(v), rel=1e-12, abs=1e-15), x

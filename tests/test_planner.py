@@ -344,3 +344,29 @@ def test_only_zeppelin_and_distca_plans_are_made_for_the_attention_engine():
         for options in ([{}, {"routing": False, "remap": False, "hierarchical": False}] if name == "zeppelin" else [{}]):
             plan = plan_batch(lengths, cluster, MODEL, planner=name, **options)
             assert plan.attention_engine == (name in ("zeppelin", "distca")), (name, options)  # distca: ping-pong
+
+
+def test_lpt_under_tight_caps_matches_the_plain_rule():
+    # Each document, largest first, to the least loaded slot with room for it (ties to
+    # the lower slot); none with room: spilled. Checked against that rule written plainly.
+    from ballonet.planning.packing import lpt
+    rng = np.random.default_rng(3)
+    for trial in range(40):
+        slots, D = int(rng.integers(2, 9)), int(rng.integers(5, 60))
+        lengths = [int(x) for x in rng.integers(1, 400, D)]
+        work = np.array([L * (1 + L / 200) for L in lengths])
+        room = rng.integers(100, 1500, slots).astype(float)
+        load, spill = np.zeros(slots), []
+        got = lpt(list(range(D)), work, lengths, load, np.ones(slots), room.copy(), spill)
+        ref_load, ref_room, ref, ref_spill = [0.0] * slots, room.tolist(), {}, []
+        for d in sorted(range(D), key=lambda d: (-work[d], d)):
+            fits = [i for i in range(slots) if ref_room[i] >= lengths[d]]
+            if not fits:
+                ref_spill.append(d)
+                continue
+            i = min(fits, key=lambda i: (ref_load[i], i))
+            ref.setdefault(i, []).append(d)
+            ref_load[i] += work[d]
+            ref_room[i] -= lengths[d]
+        assert got == ref and spill == ref_spill, trial
+        assert load.tolist() == pytest.approx(ref_load)

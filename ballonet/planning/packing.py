@@ -41,26 +41,29 @@ def lpt(docs: list[int], work, lengths: list[int], load: np.ndarray, speed: np.n
     loads, rooms = load.tolist(), token_room.tolist()
     heap = [(loads[i], i) for i in range(len(loads))]  # equal speeds: least loaded finishes first
     heapq.heapify(heap)
+    # Slots without room for the last document wait in `parked` (most room first) until a
+    # shorter one comes: under tight caps most slots are full for the long documents, and
+    # popping them past every document would cost O(slots) each.
+    parked: list[tuple[float, float, int]] = []
     out: dict[int, list[int]] = {}
     for d in order:
         L, w = lengths[d], float(work[d])
-        skipped = []
+        while parked and -parked[0][0] >= L:
+            _, li, i = heapq.heappop(parked)
+            heapq.heappush(heap, (li, i))
         while heap and rooms[heap[0][1]] < L:
-            skipped.append(heapq.heappop(heap))
+            li, i = heapq.heappop(heap)
+            heapq.heappush(parked, (-rooms[i], li, i))
         if not heap:
             if spill is None:
                 raise NoRoom(d)
             spill.append(d)
-            heap = skipped
-            heapq.heapify(heap)
             continue
         i = heap[0][1]
         out.setdefault(i, []).append(d)
         loads[i] += w
         rooms[i] -= L
         heapq.heapreplace(heap, (loads[i], i))
-        for item in skipped:
-            heapq.heappush(heap, item)
     load[:] = loads
     token_room[:] = rooms
     return out

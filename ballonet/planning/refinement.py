@@ -24,16 +24,22 @@ from ballonet.specs import ModelSpec
 __all__ = ["SWEEPS", "Levels", "Sweep", "refine", "split_work", "water_level"]
 
 
-def water_level(base: np.ndarray, speed: np.ndarray, unit: np.ndarray, cap: np.ndarray, total: float) -> np.ndarray:
+def water_level(base, speed, unit, cap, total: float) -> np.ndarray:
     """Amounts x (sum `total`, 0 <= x <= cap) making (base + unit * x) / speed as level as
     possible: x_i = clip((level * speed_i - base_i) / unit_i, 0, cap_i) at the one level
     where they sum to `total` (every slot at its cap when the caps hold less)."""
-    b, s, u, c = base.tolist(), speed.tolist(), unit.tolist(), cap.tolist()
+    return np.array(_water_level(*(np.asarray(v, dtype=float).tolist() for v in (base, speed, unit, cap)), total))
+
+
+def _water_level(b: list, s: list, u: list, c: list, total: float) -> list:
+    """`water_level` on lists (refinement calls it on rings of a few ranks, where numpy's
+    per-call cost is most of the work)."""
     slots = [i for i in range(len(b)) if c[i] > 0]
     if total <= 0 or not slots:
-        return np.zeros(len(b))
+        return [0.0] * len(b)
+    capped = [x if x > 0 else 0.0 for x in c]
     if sum(c[i] for i in slots) <= total:
-        return np.where(cap > 0, cap, 0.0)
+        return capped
     # The filled amount grows piecewise linearly with the level: slot i adds s_i / u_i per
     # unit of level between b_i / s_i (its start) and (b_i + u_i c_i) / s_i (its cap).
     events = []
@@ -48,9 +54,9 @@ def water_level(base: np.ndarray, speed: np.ndarray, unit: np.ndarray, cap: np.n
             break
         filled, at, rate = more, point, rate + change
     else:  # the caps hold `total` only up to rounding
-        return np.where(cap > 0, cap, 0.0)
+        return capped
     level = at + (total - filled) / rate
-    return np.clip((level * speed - base) / unit, 0.0, np.where(cap > 0, cap, 0.0))
+    return [min(max((level * si - bi) / ui, 0.0), ci) for bi, si, ui, ci in zip(b, s, u, capped)]
 
 
 def split_work(model: ModelSpec, length: int, num_members: float, gpu=None) -> float:
@@ -81,56 +87,66 @@ batches of another seed too)."""
 @dataclass
 class Levels:
     """Per rank work and tokens while split documents are re-spread, and per split
-    document its members, the tokens each holds and their work per token."""
-    dev: Devices
-    load: np.ndarray
+    document its members, the tokens each holds and their work per token. Plain lists:
+    rings have a few members, and refinement visits each hundreds of times."""
+    load: list[float]
     """[R] work (peak-FLOP units)."""
-    tokens: np.ndarray
+    tokens: list[float]
     """[R] tokens held."""
-    node: np.ndarray
+    speed: list[float]
+    cap: list[float]
+    """[R] token caps."""
+    node: list[int]
     """[R] node of each rank."""
-    node_ranks: list[np.ndarray]
+    node_ranks: list[list[int]]
     mean_level: float
     """Work over speed of a perfectly level cluster."""
-    members: dict[int, np.ndarray]
-    held: dict[int, np.ndarray]
-    unit: dict[int, np.ndarray]
+    members: dict[int, list[int]]
+    held: dict[int, list[float]]
+    unit: dict[int, list[float]]
     node_tokens: dict[int, dict[int, float]]
     """Per document split across nodes, its tokens in each node: fixed by level 1, which
     balanced nodes on attention plus linear work (levelling attention alone across nodes
     would undo that)."""
 
-    def spread(self, d: int, m: np.ndarray, unit: np.ndarray, length: int) -> np.ndarray:
+    def spread(self, d: int, m: list[int], unit: list[float], length: int) -> list[float]:
         """Tokens of document `d` for members `m` making them level (`water_level`), node
         by node for a document split across nodes while its nodes have room for their share."""
         shares = self.node_tokens.get(d)
-        node = self.node[m]
         room = self.room(m)
-        if shares and set(shares) == set(node.tolist()) and \
-                all(room[node == n].sum() >= t for n, t in shares.items()):
-            held = np.zeros(len(m))
-            for n, t in shares.items():
-                on = node == n
-                held[on] = water_level(self.load[m[on]], self.dev.speed[m[on]], unit[on], room[on], t)
-            return held
-        return water_level(self.load[m], self.dev.speed[m], unit, room, length)
+        load, speed = self.load, self.speed
+        if shares:
+            node = [self.node[r] for r in m]
+            by_node = {n: [i for i, x in enumerate(node) if x == n] for n in shares}
+            if set(shares) == set(node) and all(sum(room[i] for i in by_node[n]) >= t for n, t in shares.items()):
+                held = [0.0] * len(m)
+                for n, t in shares.items():
+                    on = by_node[n]
+                    part = _water_level([load[m[i]] for i in on], [speed[m[i]] for i in on], [unit[i] for i in on],
+                                        [room[i] for i in on], t)
+                    for i, x in zip(on, part):
+                        held[i] = x
+                return held
+        return _water_level([load[r] for r in m], [speed[r] for r in m], unit, room, length)
 
     def take(self, d: int) -> None:
         """Remove document `d`'s current shares from its members."""
-        m = self.members[d]
-        self.load[m] -= self.unit[d] * self.held[d]
-        self.tokens[m] -= self.held[d]
+        load, tokens = self.load, self.tokens
+        for r, u, h in zip(self.members[d], self.unit[d], self.held[d]):
+            load[r] -= u * h
+            tokens[r] -= h
 
     def put(self, d: int) -> None:
-        m = self.members[d]
-        self.load[m] += self.unit[d] * self.held[d]
-        self.tokens[m] += self.held[d]
+        load, tokens = self.load, self.tokens
+        for r, u, h in zip(self.members[d], self.unit[d], self.held[d]):
+            load[r] += u * h
+            tokens[r] += h
 
-    def level_of(self, m: np.ndarray) -> float:
-        return (self.load[m] / self.dev.speed[m]).max()
+    def level_of(self, m: list[int]) -> float:
+        return max(self.load[r] / self.speed[r] for r in m)
 
-    def room(self, m: np.ndarray) -> np.ndarray:
-        return np.maximum(self.dev.token_cap[m] - self.tokens[m], 0.0)
+    def room(self, m: list[int]) -> list[float]:
+        return [max(self.cap[r] - self.tokens[r], 0.0) for r in m]
 
 
 def _start(batch: Batch, fill: RankFill, docs: list[int], local_tokens: np.ndarray) -> Levels:
@@ -138,20 +154,28 @@ def _start(batch: Batch, fill: RankFill, docs: list[int], local_tokens: np.ndarr
     dev, lengths, work_list = batch.dev, batch.lengths, batch.work_list
     load = np.array([sum(work_list[d] for d in ds) for ds in fill.local], dtype=float)
     load += batch.linear_on_rank * local_tokens  # ranks that keep their tokens: their linear work too
-    node = np.asarray(dev.node)
-    st = Levels(dev=dev, load=load, tokens=local_tokens.astype(float), node=node, node_ranks=[np.array(rs) for rs in dev.nodes()],
+    node = [int(n) for n in dev.node]
+    st = Levels(load=[], tokens=local_tokens.astype(float).tolist(), speed=dev.speed.astype(float).tolist(),
+                cap=dev.token_cap.astype(float).tolist(), node=node,
+                node_ranks=[[int(r) for r in rs] for rs in dev.nodes()],
                 mean_level=0.0, members={}, held={}, unit={}, node_tokens={})
+    linear = batch.linear_on_rank.tolist()
     for d in docs:
-        st.members[d] = np.array(sorted(fill.split_shares[d]))
-        w = np.array([fill.split_shares[d][r] for r in st.members[d]])
-        st.held[d] = w * lengths[d] / w.sum() if w.any() else w
-        nodes = node[st.members[d]]
-        if len(set(nodes.tolist())) > 1:
-            st.node_tokens[d] = {int(n): float(st.held[d][nodes == n].sum()) for n in sorted(set(nodes.tolist()))}
-        st.unit[d] = np.full(len(w), split_work(batch.model, lengths[d], max(np.count_nonzero(w), 1), batch.gpu)
-                             / lengths[d]) + batch.linear_on_rank[st.members[d]]
-        st.put(d)
-    st.mean_level = st.load.sum() / dev.speed.sum()
+        m = sorted(fill.split_shares[d])
+        w = [fill.split_shares[d][r] for r in m]
+        total = float(np.sum(w))
+        held = [x * lengths[d] / total for x in w] if any(w) else list(w)
+        st.members[d], st.held[d] = m, held
+        nodes = sorted({node[r] for r in m})
+        if len(nodes) > 1:
+            st.node_tokens[d] = {n: float(np.sum([h for r, h in zip(m, held) if node[r] == n])) for n in nodes}
+        per_token = split_work(batch.model, lengths[d], max(sum(1 for x in w if x), 1), batch.gpu) / lengths[d]
+        st.unit[d] = [per_token + linear[r] for r in m]
+        for r, u, h in zip(m, st.unit[d], held):
+            load[r] += u * h
+            st.tokens[r] += h
+    st.load = load.tolist()
+    st.mean_level = load.sum() / dev.speed.sum()
     return st
 
 
@@ -167,41 +191,50 @@ def refine(batch: Batch, fill: RankFill) -> Placement:
     local_tokens = np.array([sum(lengths[d] for d in docs) for docs in fill.local], dtype=np.int64)
     docs = sorted(fill.split_shares, key=lambda d: (-batch.work[d], d))
     st = _start(batch, fill, docs, local_tokens)
-    per_token = {d: cost_model.attention_flops(model, lengths[d]) / model.tp / lengths[d] for d in docs}
-    stamp, done, clock = np.zeros(R, dtype=np.int64), dict.fromkeys(docs, 0), 0  # skip documents already level
+    efficiency = hardware.profile(batch.gpu).attention_forward.at_one
+    linear = batch.linear_on_rank.tolist()
+    per_token = {d: float(cost_model.attention_flops(model, lengths[d])) / model.tp / lengths[d] for d in docs}
+    stamp, done, clock = [0] * R, dict.fromkeys(docs, 0), 0  # skip documents already level
     for sweep in SWEEPS:
         for d in docs:
-            m, held = st.members[d], st.held[d]
-            new_unit = (per_token[d] / hardware.attention_efficiency_array(held, batch.gpu)
-                        + batch.linear_on_rank[m]) if held.any() else st.unit[d]
+            m, held, unit = st.members[d], st.held[d], st.unit[d]
+            new_unit = ([per_token[d] / efficiency(h) + linear[r] for r, h in zip(m, held)]
+                        if any(held) else unit)
             dropping = sweep is Sweep.DROP and len(m) > 2
-            if not dropping and stamp[m].max() <= done[d] and (np.abs(new_unit - st.unit[d]) <= 1e-3 * np.abs(st.unit[d])).all() \
+            if not dropping and max(stamp[r] for r in m) <= done[d] \
+                    and all(abs(a - b) <= 1e-3 * abs(b) for a, b in zip(new_unit, unit)) \
                     and (sweep is not Sweep.GROW or st.level_of(m) <= 1.01 * st.mean_level):
                 continue
             st.take(d)
             st.unit[d] = new_unit
             if dropping:
-                keep = held >= 0.25 * held.mean()
-                if keep.sum() >= 2 and st.room(m[keep]).sum() >= lengths[d]:
-                    st.members[d], st.held[d], st.unit[d] = m[keep], held[keep], st.unit[d][keep]
+                floor = 0.25 * sum(held) / len(held)
+                keep = [i for i, h in enumerate(held) if h >= floor]
+                if len(keep) >= 2 and sum(st.room([m[i] for i in keep])) >= lengths[d]:
+                    st.members[d] = [m[i] for i in keep]
+                    st.held[d] = [held[i] for i in keep]
+                    st.unit[d] = [new_unit[i] for i in keep]
             m = st.members[d]
             st.held[d] = st.spread(d, m, st.unit[d], lengths[d])
             if sweep is Sweep.GROW:
                 _grow(st, d, lengths[d])
             st.put(d)
             clock += 1
-            stamp[st.members[d]], done[d] = clock, clock
-    return _placement(fill, st, docs, local_tokens, lengths)
+            for r in st.members[d]:
+                stamp[r] = clock
+            done[d] = clock
+    return _placement(fill, st, docs, local_tokens, lengths, dev)
 
 
-def _placement(fill: RankFill, st: Levels, docs: list[int], local_tokens: np.ndarray, lengths) -> Placement:
+def _placement(fill: RankFill, st: Levels, docs: list[int], local_tokens: np.ndarray, lengths,
+               dev: Devices) -> Placement:
     """Whole token counts for the members of each split document, under memory caps."""
-    placement = Placement(num_ranks=st.dev.num_ranks, local=[list(ds) for ds in fill.local])
-    room = st.dev.token_cap - local_tokens
+    placement = Placement(num_ranks=dev.num_ranks, local=[list(ds) for ds in fill.local])
+    room = dev.token_cap - local_tokens
     for d in docs:
-        m = st.members[d]
+        m = np.array(st.members[d])
         try:
-            counts = apportion(lengths[d], st.held[d], np.maximum(room[m], 0))
+            counts = apportion(lengths[d], np.array(st.held[d]), np.maximum(room[m], 0))
         except InfeasiblePlan:
             raise NoRoom from None
         room[m] -= counts
@@ -212,19 +245,21 @@ def _placement(fill: RankFill, st: Levels, docs: list[int], local_tokens: np.nda
 def _grow(st: Levels, d: int, length: int) -> None:
     """While document `d`'s members end over the mean level, the least busy rank of their
     nodes (with memory to spare) joins (its shares not yet put back on its members)."""
-    m, held, unit, dev = st.members[d], st.held[d], st.unit[d], st.dev
+    m, held, unit = st.members[d], st.held[d], st.unit[d]
+    load, speed = st.load, st.speed
     for _ in range(len(m)):
-        level = ((st.load[m] + unit * held) / dev.speed[m]).max()
+        level = max((load[r] + u * h) / speed[r] for r, u, h in zip(m, unit, held))
         if level <= 1.01 * st.mean_level:
             break
-        pool = np.setdiff1d(np.concatenate([st.node_ranks[n] for n in sorted({dev.node[r] for r in m})]), m)
-        pool = pool[dev.token_cap[pool] > st.tokens[pool]]
-        if len(pool) == 0:
+        inside = set(m)
+        pool = sorted(r for n in sorted({st.node[r] for r in m}) for r in st.node_ranks[n]
+                      if r not in inside and st.cap[r] > st.tokens[r])
+        if not pool:
             break
-        new = pool[np.argmin(st.load[pool] / dev.speed[pool])]
-        if st.load[new] / dev.speed[new] >= level:
+        new = min(pool, key=lambda r: load[r] / speed[r])
+        if load[new] / speed[new] >= level:
             break
-        m = np.sort(np.append(m, new))
-        unit = np.full(len(m), unit.mean())
+        m = sorted(m + [new])
+        unit = [sum(unit) / len(unit)] * len(m)
         held = st.spread(d, m, unit, length)
     st.members[d], st.held[d], st.unit[d] = m, held, unit

@@ -268,7 +268,9 @@ def _level2(batch: Batch, fill: RankFill, ranks: np.ndarray, node_work: float, d
         got = _fill(target - load, room, float(work[d]), work[d] / lengths[d])
         _charge(got, d, work, lengths, load, room, ranks, fill.split_shares)
     if min_length is not None:
-        _split_to_level(batch, fill, ranks, load, speed, min_length)
+        charged = [d for _, d in water] + spill  # the split documents on this node's ranks
+        in_water = {r for d in charged for r in fill.split_shares.get(d, ())}
+        _split_to_level(batch, fill, ranks, load, speed, min_length, in_water)
     fill.token_room[ranks] = room
 
 
@@ -332,14 +334,14 @@ def _place(shared: _Nodes, keep_tokens: bool) -> tuple[Placement, dict]:
     return refine(batch, fill), {"inter_docs": len(inter_shares), "caps_bind": binding}
 
 
-def _split_to_level(batch: Batch, fill: RankFill, ranks, load, speed, min_length: float,
+def _split_to_level(batch: Batch, fill: RankFill, ranks, load, speed, min_length: float, in_water: set[int],
                     tolerance: float = 0.02) -> None:
     """Refinement of level 2: while the busiest rank of a node is over the node's mean by
     more than `tolerance` and holds only whole documents, split its largest document that
     is above the intra-node crossover with the least busy rank that holds only whole
-    documents too (step 3 levels the two). `load` is the node's, per rank of `ranks`."""
+    documents too (step 3 levels the two). `load` is the node's, per rank of `ranks`;
+    `in_water`, the ranks that hold shares of split documents (updated)."""
     lengths, work, local = batch.lengths, batch.work, fill.local
-    in_water = {r for shares in fill.split_shares.values() for r in shares}
     for _ in range(len(ranks)):
         rel = load / speed
         busy = [i for i in np.argsort(-rel, kind="stable") if int(ranks[i]) not in in_water
