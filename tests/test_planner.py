@@ -6,14 +6,14 @@ import numpy as np
 import pytest
 
 import ballonet
-from ballonet import PLANNERS, hardware, plan_batch, specs
+from ballonet import PLANNERS, hardware, plan_batch, specs, workloads
 from ballonet.cost_model import breakeven_chunk_tokens
 from ballonet.errors import InfeasiblePlan, InputError
 from ballonet.plan import Segment, Transfer
 from ballonet.planning.assembly import Placement, assemble, zigzag_bounds
 from ballonet.planning.devices import devices
 from ballonet.planning.metrics import plan_metrics
-from ballonet.planning.packing import apportion
+from ballonet.planning.packing import NoRoom, apportion
 from ballonet.planning.remap import plan_remap
 from ballonet.planning.zeppelin import crossover_lengths
 from ballonet.specs import ClusterSpec, NodeGroup
@@ -370,3 +370,25 @@ def test_lpt_under_tight_caps_matches_the_plain_rule():
             ref_room[i] -= lengths[d]
         assert got == ref and spill == ref_spill, trial
         assert load.tolist() == pytest.approx(ref_load)
+
+
+def test_rounding_shares_to_tokens_moves_a_token_along_rings_instead_of_failing():
+    from ballonet.planning.refinement import _make_room
+    # Ranks 0 and 1 are full; document 7 (ranks 0, 1) and document 8 (ranks 1, 2) chain
+    # rank 0 to rank 2, which has room: one token of each moves one rank along.
+    split = {7: {0: 5, 1: 5}, 8: {1: 4, 2: 4}}
+    room = np.array([0, 0, 3])
+    _make_room(split, room, [0], 1)
+    assert split == {7: {0: 4, 1: 6}, 8: {1: 3, 2: 5}}
+    assert room.tolist() == [1, 0, 2]
+    with pytest.raises(NoRoom):  # no chain reaches a rank with room
+        _make_room({7: {0: 5, 1: 5}}, np.array([0, 0, 3]), [0], 1)
+
+
+def test_a_recomputation_mode_is_not_lost_to_rounding():
+    # 1024 GPUs of wlbllm under no recomputation: the real-valued shares fit, and once
+    # one member was left a token short after rounding, which refused the whole mode.
+    cluster, model = ballonet.cluster("h200-8nic", num_nodes=128), ballonet.model("llama-7b")
+    lengths = workloads.get("wlbllm").sample_batch(16384 * 1024, 0)
+    plan = plan_batch(lengths, cluster, model)
+    assert "none" in {c["recompute"] for c in plan.meta["candidates"]}

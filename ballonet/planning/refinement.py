@@ -228,11 +228,17 @@ def refine(batch: Batch, fill: RankFill) -> Placement:
 
 def _placement(fill: RankFill, st: Levels, docs: list[int], local_tokens: np.ndarray, lengths,
                dev: Devices) -> Placement:
-    """Whole token counts for the members of each split document, under memory caps."""
+    """Whole token counts for the members of each split document, under memory caps. The
+    shares fit as real numbers; when the rounding of earlier documents leaves a document's
+    members a few tokens short, those tokens move along rings to ranks with room
+    (`_make_room`) rather than failing the plan."""
     placement = Placement(num_ranks=dev.num_ranks, local=[list(ds) for ds in fill.local])
     room = dev.token_cap - local_tokens
     for d in docs:
         m = np.array(st.members[d])
+        short = lengths[d] - int(np.maximum(room[m], 0).sum())
+        if short > 0:
+            _make_room(placement.split, room, st.members[d], short)
         try:
             counts = apportion(lengths[d], np.array(st.held[d]), np.maximum(room[m], 0))
         except InfeasiblePlan:
@@ -240,6 +246,46 @@ def _placement(fill: RankFill, st: Levels, docs: list[int], local_tokens: np.nda
         room[m] -= counts
         placement.split[d] = {int(r): int(c) for r, c in zip(m, counts) if c > 0}
     return placement
+
+
+def _make_room(split: dict[int, dict[int, int]], room: np.ndarray, ranks: list[int], tokens: int) -> None:
+    """Free `tokens` tokens on `ranks`, one at a time: find a chain of placed split
+    documents, each holding a token on a rank it can move to the next of its members,
+    that ends on a rank with room (breadth first, so chains stay short), and shift one
+    token along it. Raises `NoRoom` when no chain exists."""
+    for _ in range(tokens):
+        came_from = {r: None for r in ranks}
+        frontier, end = list(ranks), None
+        while frontier and end is None:
+            nxt = []
+            for r in frontier:
+                for e, shares in split.items():
+                    if shares.get(r, 0) <= 0:
+                        continue
+                    for r2 in shares:
+                        if r2 not in came_from:
+                            came_from[r2] = (r, e)
+                            if room[r2] > 0:
+                                end = r2
+                                break
+                            nxt.append(r2)
+                    if end is not None:
+                        break
+                if end is not None:
+                    break
+            frontier = nxt
+        if end is None:
+            raise NoRoom
+        r2 = end
+        while came_from[r2] is not None:  # document e moves one token from r to r2
+            r, e = came_from[r2]
+            split[e][r] -= 1
+            split[e][r2] += 1
+            if not split[e][r]:
+                del split[e][r]
+            room[r] += 1
+            room[r2] -= 1
+            r2 = r
 
 
 def _grow(st: Levels, d: int, length: int) -> None:
