@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import ballonet
-from ballonet import PLANNERS, hardware, plan_batch, specs, workloads
+from ballonet import PLANNERS, cost_model, hardware, plan_batch, specs, workloads
 from ballonet.cost_model import breakeven_chunk_tokens
 from ballonet.errors import InfeasiblePlan, InputError
 from ballonet.plan import Segment, Transfer
@@ -392,3 +392,22 @@ def test_a_recomputation_mode_is_not_lost_to_rounding():
     lengths = workloads.get("wlbllm").sample_batch(16384 * 1024, 0)
     plan = plan_batch(lengths, cluster, model)
     assert "none" in {c["recompute"] for c in plan.meta["candidates"]}
+
+
+def test_refinement_cuts_a_ring_of_one_block_among_slivers_to_two_members():
+    # Ranks 0-2 are busy with whole documents, rank 3 is free: levelling document 0 over
+    # all four leaves rank 3 nearly all of it and slivers elsewhere, which the ring would
+    # pass its large block through hop by hop. It keeps its two largest holders.
+    from ballonet.planning.refinement import refine
+    from ballonet.planning.state import Batch, RankFill
+    cluster = ClusterSpec(name="one", groups=(NodeGroup(gpu="h100", num_nodes=1, gpus_per_node=4, nics_per_node=4),))
+    dev = devices(cluster, MODEL)
+    lengths = [16000, 14000, 14000, 14000]
+    work = cost_model.attention_work(MODEL, lengths, dev.gpu[0])
+    batch = Batch(lengths=lengths, length_array=np.array(lengths, float), work=work, work_list=work.tolist(), dev=dev,
+                  model=MODEL, gpu=dev.gpu[0], crossovers=crossover_lengths(cluster, MODEL), linear_on_rank=np.zeros(4))
+    fill = RankFill(local=[[1], [2], [3], []], split_shares={0: dict.fromkeys(range(4), work[0] / 4)},
+                    token_room=dev.token_cap.astype(float))
+    placement = refine(batch, fill)
+    shares = placement.split[0]
+    assert len(shares) == 2 and 3 in shares and sum(shares.values()) == 16000, shares
