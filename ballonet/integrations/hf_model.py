@@ -3,7 +3,8 @@ trained on Ballonet's plans with the remap (`integrations.hf`).
 
 DIR holds a `config.json` and, optionally, weights (`model.safetensors`, or shards with
 their index): without weights, the model is initialised from `seed`, the same on every
-rank. Nothing is downloaded. The model keeps its class, state dict and blocks (so FSDP2
+rank. Pickled weights (`pytorch_model.bin`) are refused, never unpickled. Nothing is
+downloaded. The model keeps its class, state dict and blocks (so FSDP2
 shards `model.model.layers` block by block); it gains one method, `loss`, with the
 signature of `ballonet.training.model.Transformer.loss`.
 
@@ -39,6 +40,8 @@ from ballonet.training.parallel import transformer_blocks
 PREFIX = "hf:"
 CONFIG = "config.json"
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
+PICKLED = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+"""Pickled weights, never loaded (unpickling a file from elsewhere can run code)."""
 RECOMPUTE = ("none", "selective", "full")
 
 
@@ -143,9 +146,15 @@ def build_model(name: str, seed: int, device: torch.device, recompute: str = "no
     except (ValueError, KeyError, OSError) as e:
         raise InputError(f"{folder / CONFIG}: transformers cannot read it ({str(e).splitlines()[0][:200]})") from None
     kw = {"attn_implementation": hf.ATTENTION, "dtype": torch.float32}
+    has_weights = any((folder / w).is_file() for w in WEIGHTS)
+    pickled = [w for w in PICKLED if (folder / w).is_file()]
+    if pickled and not has_weights:
+        raise InputError(f"{folder / pickled[0]}: pickled weights are not loaded (unpickling can run code); "
+                         "save them as model.safetensors (save_pretrained(..., safe_serialization=True))")
     try:
-        if any((folder / w).is_file() for w in WEIGHTS):
-            model = AutoModelForCausalLM.from_pretrained(folder, config=config, local_files_only=True, **kw)
+        if has_weights:
+            model = AutoModelForCausalLM.from_pretrained(folder, config=config, local_files_only=True,
+                                                         use_safetensors=True, **kw)  # never a pickled .bin
         else:
             torch.manual_seed(seed)  # every rank draws the same weights
             model = AutoModelForCausalLM.from_config(config, **kw)
