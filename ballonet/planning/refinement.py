@@ -215,7 +215,7 @@ def refine(batch: Batch, fill: RankFill) -> Placement:
                 keep = [i for i, h in enumerate(held) if h >= floor]
                 if len(keep) < 2:  # one large block among slivers: a ring of its two largest
                     keep = sorted(sorted(range(len(held)), key=lambda i: -held[i])[:2])
-                if len(keep) >= 2 and sum(st.room([m[i] for i in keep])) >= lengths[d]:
+                if sum(st.room([m[i] for i in keep])) >= lengths[d]:
                     st.members[d] = [m[i] for i in keep]
                     st.held[d] = [held[i] for i in keep]
                     st.unit[d] = [new_unit[i] for i in keep]
