@@ -1,5 +1,6 @@
-"""Greedy packing shared by every planner: LPT over slots of equal or unequal speed, and
-apportioning an integer total in proportion to weights under caps."""
+"""Greedy packing shared by every planner: LPT over slots of equal or unequal speed,
+spreading a splittable document's work over as few slots as hold it, and apportioning an
+integer total in proportion to weights under caps."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import numpy as np
 
 from ballonet.errors import InfeasiblePlan
 
-__all__ = ["NoRoom", "apportion", "lpt"]
+__all__ = ["NoRoom", "apportion", "charge", "lpt", "spread"]
 
 
 class NoRoom(Exception):
@@ -86,6 +87,48 @@ def _lpt_uniform(order, work, lengths, load, speed, token_room, spill) -> dict[i
         load[i] += w[i] if per_slot else w
         token_room[i] -= lengths[d]
     return out
+
+
+def spread(room: np.ndarray, token_room: np.ndarray, work: float, per_token: float,
+          max_slots: int | None = None) -> dict[int, float]:
+    """Spread `work` (of a document costing `per_token` per token) over as few slots as
+    possible, most room first: {slot: work share}; at most `max_slots` while their memory
+    holds it. Slots are bounded by their token room; what no room takes goes to the slots
+    with most free tokens (those already taken first), as few as hold it: a document
+    spilled under full caps would otherwise ring over every slot."""
+    cap = np.minimum(np.maximum(room, 0.0), token_room * per_token)
+    order = np.lexsort((np.arange(len(room)), -cap))
+    shares, left = {}, work
+    for i in order:
+        if left <= 0 or cap[i] <= 0 or len(shares) == max_slots:
+            break
+        take = min(cap[i], left)
+        shares[int(i)] = take
+        left -= take
+    if left > 1e-9 * work:
+        free = token_room * per_token - np.array([shares.get(i, 0.0) for i in range(len(room))])
+        if free.sum() < left * (1 - 1e-9):
+            raise NoRoom
+        taken = np.array([i not in shares for i in range(len(room))])
+        for i in np.lexsort((np.arange(len(free)), -free, taken)):
+            if left <= 1e-9 * work:
+                break
+            if free[i] <= 0:
+                continue
+            take = min(free[i], left)
+            shares[int(i)] = shares.get(int(i), 0.0) + take
+            left -= take
+    return shares
+
+
+def charge(shares: dict[int, float], d: int, work, lengths, load, token_room, out: dict | None = None) -> None:
+    """Add a document's work shares {slot: work} to `load` and take their tokens from
+    `token_room`; record them as `out[d]`."""
+    for i, w in shares.items():
+        load[i] += w
+        token_room[i] -= w * lengths[d] / work[d]
+        if out is not None:
+            out.setdefault(d, {})[i] = w
 
 
 def apportion(total: int, weights: np.ndarray, caps: np.ndarray | None = None) -> np.ndarray:

@@ -73,9 +73,13 @@ class Sweep(enum.Enum):
     DROP = "drop slivers"
     """Members left with under a quarter of the mean block leave rings of 3 or more: the
     ring's large blocks pass through a sliver hop by hop, and its short steps hide none of
-    their transfers. A ring with one such block among slivers keeps its two largest
-    holders (on the main grid of `bench/paper.py` this took 8% off the step of cluster B,
-    llama-3b, shortmix, batch 0, and lengthened none)."""
+    their transfers. A sliver stays when its rank is at its memory cap and its block still
+    hides a transfer inside the node (`Levels.breakeven`): no other work could take its
+    seat, and dropping it would leave the others above it (a batch that nearly fills
+    memory: on `bench/planner.py`'s 98% batch, attention imbalance 1.064 -> 1.044). A
+    ring with one such block among slivers keeps its two largest holders (on the main
+    grid of `bench/paper.py` this took 8% off the step of cluster B, llama-3b, shortmix,
+    batch 0, and lengthened none)."""
     GROW = "grow"
     """While a document's members end over the mean level, a rank of their nodes joins."""
 
@@ -110,6 +114,9 @@ class Levels:
     """Per document split across nodes, its tokens in each node: fixed by level 1, which
     balanced nodes on attention plus linear work (levelling attention alone across nodes
     would undo that)."""
+    breakeven: list[float]
+    """[R] tokens of a ring block whose step hides its transfer inside the rank's node
+    (half the node group's intra-node crossover; inf on a node of one rank)."""
 
     def spread(self, d: int, m: list[int], unit: list[float], length: int) -> list[float]:
         """Tokens of document `d` for members `m` making them level (`water_level`), node
@@ -160,7 +167,8 @@ def _start(batch: Batch, fill: RankFill, docs: list[int], local_tokens: np.ndarr
     st = Levels(load=[], tokens=local_tokens.astype(float).tolist(), speed=dev.speed.astype(float).tolist(),
                 cap=dev.token_cap.astype(float).tolist(), node=node,
                 node_ranks=[[int(r) for r in rs] for rs in dev.nodes()],
-                mean_level=0.0, members={}, held={}, unit={}, node_tokens={})
+                mean_level=0.0, members={}, held={}, unit={}, node_tokens={},
+                breakeven=[(batch.crossovers[g].intra or np.inf) / 2 for g in dev.group])
     linear = batch.linear_on_rank.tolist()
     for d in docs:
         m = sorted(fill.split_shares[d])
@@ -212,7 +220,9 @@ def refine(batch: Batch, fill: RankFill) -> Placement:
             st.unit[d] = new_unit
             if dropping:
                 floor = 0.25 * sum(held) / len(held)
-                keep = [i for i, h in enumerate(held) if h >= floor]
+                room = st.room(m)
+                keep = [i for i, h in enumerate(held) if h >= floor
+                        or (room[i] - h < floor and h >= st.breakeven[m[i]])]
                 if len(keep) < 2:  # one large block among slivers: a ring of its two largest
                     keep = sorted(sorted(range(len(held)), key=lambda i: -held[i])[:2])
                 if sum(st.room([m[i] for i in keep])) >= lengths[d]:

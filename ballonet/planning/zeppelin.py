@@ -25,12 +25,14 @@ Placement, with work in peak-FLOP units so a rank's time is work / its peak:
     the node that would finish them first, within each node's memory (LPT; on a mixed
     cluster a document that a slower node must split over more ranks costs more there,
     `_node_work`); one that no node can hold whole is spread across nodes.
-  Step 2 (level 2, inside each node, on attention work: the remap evens the tokens):
-    documents that must be split there, and the node's shares of inter-node documents,
-    fill the ranks with the most room; then local documents go to ranks by LPT, within
-    each rank's memory. If the busiest rank still holds only whole documents and is over
-    the node's mean, its largest document above L_intra is split with the least busy
-    such rank (`_split_to_level`).
+  Step 2 (level 2, inside each node, on attention work: the remap evens the tokens;
+    `node_placement.py`): documents that must be split there, and the node's shares of
+    inter-node documents, fill the ranks with the most room; then local documents go to
+    ranks by LPT, within each rank's memory. Under caps that nearly bind, where every
+    rank ends with about its cap of tokens, the node is filled once more on each
+    document's work beyond the light documents' mean per token, and the more level fill
+    is kept. If the busiest rank still holds only whole documents and is over the node's
+    mean, its largest document above L_intra is split with the least busy such rank.
   Step 3 (refinement): each split document's tokens are re-spread over its members by
     water-filling so that members end level relative to their speed (a split document
     can be cut anywhere: see `assembly.zigzag_bounds`); members join or leave a ring
@@ -61,7 +63,8 @@ from ballonet.errors import InfeasiblePlan, InputError
 from ballonet.plan import Plan
 from ballonet.planning.assembly import Placement, assemble, with_memory
 from ballonet.planning.devices import Devices, check_feasible, check_lengths, devices
-from ballonet.planning.packing import NoRoom, apportion, lpt
+from ballonet.planning.node_placement import level2
+from ballonet.planning.packing import NoRoom, apportion, charge, lpt, spread
 from ballonet.planning.pricing import (
     StepWeights,
     inter_node_pays,
@@ -95,28 +98,6 @@ def crossover_lengths(cluster: ClusterSpec, model: ModelSpec) -> list[Crossover]
     return out
 
 
-def _fill(room: np.ndarray, token_room: np.ndarray, work: float, per_token: float) -> dict[int, float]:
-    """Spread `work` (of a document costing `per_token` per token) over as few slots as
-    possible, most room first: {slot: work share}. Slots are bounded by their token room;
-    what no room takes is spread by free tokens."""
-    cap = np.minimum(np.maximum(room, 0.0), token_room * per_token)
-    order = np.lexsort((np.arange(len(room)), -cap))
-    shares, left = {}, work
-    for i in order:
-        if left <= 0 or cap[i] <= 0:
-            break
-        take = min(cap[i], left)
-        shares[int(i)] = take
-        left -= take
-    if left > 1e-9 * work:  # rooms are full: spread the rest by free tokens
-        free = token_room * per_token - np.array([shares.get(i, 0.0) for i in range(len(room))])
-        if free.sum() < left * (1 - 1e-9):
-            raise NoRoom
-        for i in np.nonzero(free > 0)[0]:
-            shares[int(i)] = shares.get(int(i), 0.0) + left * free[i] / free.sum()
-    return shares
-
-
 def _classify(batch: Batch, nodes, hierarchical: bool, per_token: float, weights: StepWeights):
     """(intra, inter) masks: split inside a node / across nodes (module docstring). A
     document whose attention plus linear work is over a node's share but that is shorter
@@ -145,16 +126,6 @@ def _classify(batch: Batch, nodes, hierarchical: bool, per_token: float, weights
     return intra & ~inter, inter
 
 
-def _charge(shares: dict[int, float], d: int, work, lengths, load, token_room, slots=None, out=None) -> None:
-    """Add a document's work shares {slot: work} to `load` and their tokens to `token_room`
-    (slot i is rank slots[i] in `out[d]`)."""
-    for i, w in shares.items():
-        load[i] += w
-        token_room[i] -= w * lengths[d] / work[d]
-        if out is not None:
-            out.setdefault(d, {})[int(slots[i]) if slots is not None else i] = w
-
-
 def _level1(batch: Batch, nodes, intra, inter, per_token: float, weights: StepWeights | None,
             rank_token: np.ndarray):
     """Step 1: inter-node documents fill the nodes with most room; the rest go whole to
@@ -169,8 +140,8 @@ def _level1(batch: Batch, nodes, intra, inter, per_token: float, weights: StepWe
     node_room = np.array([dev.token_cap[rs].sum() for rs in nodes], dtype=float)
     shares: dict[int, dict[int, float]] = {}
     for d in sorted(np.nonzero(inter)[0].tolist(), key=lambda d: (-work[d], d)):
-        got = _fill(node_target - node_load, node_room, work[d], work[d] / lengths[d])
-        _charge(got, d, work, lengths, node_load, node_room, out=shares)
+        got = spread(node_target - node_load, node_room, work[d], work[d] / lengths[d])
+        charge(got, d, work, lengths, node_load, node_room, out=shares)
     node_token = np.array([rank_token[rs[0]] for rs in nodes])  # a node's own GPUs' linear work per token
     per_node = _node_work(batch, nodes, weights) + node_token[:, None] * batch.length_array
     node_docs: dict[int, list[int]] = {}
@@ -184,8 +155,8 @@ def _level1(batch: Batch, nodes, intra, inter, per_token: float, weights: StepWe
             node_docs.setdefault(int(idx[i]), []).extend(ds)
         node_load[idx], node_room[idx] = sub_load, sub_room
     for d in spill:
-        got = _fill(node_target - node_load, node_room, work[d], work[d] / lengths[d])
-        _charge(got, d, work, lengths, node_load, node_room, out=shares)
+        got = spread(node_target - node_load, node_room, work[d], work[d] / lengths[d])
+        charge(got, d, work, lengths, node_load, node_room, out=shares)
     att_shares = {d: {n: w * att[d] / work[d] for n, w in sh.items()} for d, sh in shares.items()}
     node_att = np.array([sum(att[d] for d in node_docs.get(n, [])) for n in range(len(nodes))])
     for sh in att_shares.values():
@@ -228,50 +199,6 @@ def _node_work(batch: Batch, nodes, weights: StepWeights | None) -> np.ndarray:
             rows[key] = row
         out[n] = rows[key]
     return out
-
-
-def _level2(batch: Batch, fill: RankFill, ranks: np.ndarray, node_work: float, docs: list[int],
-            inter_water: list[tuple[float, int]], min_length: float | None, stepped: dict[float, Batch]) -> None:
-    """Step 2, one node: documents to split here and the node's shares of inter-node
-    documents fill the ranks with most room; local documents go by LPT; a document no
-    rank has memory for is spread over the node; then `_split_to_level`. On a node that
-    keeps its tokens (no remap inside it), work is attention plus linear work (`stepped`:
-    per linear work per token, the batch with it added, shared by alike nodes)."""
-    per_token = float(batch.linear_on_rank[ranks[0]])
-    if per_token:
-        L = batch.length_array
-        if per_token not in stepped:
-            step = batch.work + per_token * L
-            stepped[per_token] = dataclasses.replace(batch, work=step, work_list=step.tolist())
-        step = stepped[per_token].work
-        node_work += sum(per_token * batch.lengths[d] for d in docs) + \
-            sum(w * per_token * L[d] / batch.work[d] for w, d in inter_water)
-        inter_water = [(w * step[d] / batch.work[d], d) for w, d in inter_water]
-        batch = stepped[per_token]
-    lengths, work, dev = batch.lengths, batch.work, batch.dev
-    speed = dev.speed[ranks]
-    target = node_work * speed / speed.sum()
-    room = fill.token_room[ranks]
-    load = np.zeros(len(ranks))
-    most_tokens, fair = dev.token_cap[ranks].max(), target.max()
-    splits = [d for d in docs if lengths[d] > most_tokens
-              or (min_length is not None and lengths[d] >= min_length and work[d] > fair)]
-    water = inter_water + [(float(work[d]), d) for d in splits]
-    for w, d in sorted(water, key=lambda x: (-x[0], x[1])):
-        got = _fill(target - load, room, w, work[d] / lengths[d])
-        _charge(got, d, work, lengths, load, room, ranks, fill.split_shares)
-    split_set, spill = set(splits), []
-    placed = lpt([d for d in docs if d not in split_set], batch.work_list, lengths, load, speed, room, spill)
-    for i, ds in placed.items():
-        fill.local[int(ranks[i])] = ds
-    for d in spill:
-        got = _fill(target - load, room, float(work[d]), work[d] / lengths[d])
-        _charge(got, d, work, lengths, load, room, ranks, fill.split_shares)
-    if min_length is not None:
-        charged = [d for _, d in water] + spill  # the split documents on this node's ranks
-        in_water = {r for d in charged for r in fill.split_shares.get(d, ())}
-        _split_to_level(batch, fill, ranks, load, speed, min_length, in_water)
-    fill.token_room[ranks] = room
 
 
 @dataclass(frozen=True)
@@ -328,38 +255,10 @@ def _place(shared: _Nodes, keep_tokens: bool) -> tuple[Placement, dict]:
     stepped: dict[float, Batch] = {}
     for n, ranks in enumerate(nodes):
         water = [(w, d) for d, sh in inter_shares.items() if (w := sh.get(n, 0.0)) > 0]
-        _level2(batch, fill, np.array(ranks), node_load[n], node_docs.get(n, []), water,
+        level2(batch, fill, np.array(ranks), node_load[n], node_docs.get(n, []), water,
                 batch.crossovers[dev.group[ranks[0]]].intra, stepped)
     binding = bool((fill.token_room < 0.02 * dev.token_cap).any())
     return refine(batch, fill), {"inter_docs": len(inter_shares), "caps_bind": binding}
-
-
-def _split_to_level(batch: Batch, fill: RankFill, ranks, load, speed, min_length: float, in_water: set[int],
-                    tolerance: float = 0.02) -> None:
-    """Refinement of level 2: while the busiest rank of a node is over the node's mean by
-    more than `tolerance` and holds only whole documents, split its largest document that
-    is above the intra-node crossover with the least busy rank that holds only whole
-    documents too (step 3 levels the two). `load` is the node's, per rank of `ranks`;
-    `in_water`, the ranks that hold shares of split documents (updated)."""
-    lengths, work, local = batch.lengths, batch.work, fill.local
-    for _ in range(len(ranks)):
-        rel = load / speed
-        busy = [i for i in np.argsort(-rel, kind="stable") if int(ranks[i]) not in in_water
-                and rel[i] > (1 + tolerance) * load.sum() / speed.sum()
-                and any(lengths[d] >= min_length for d in local[int(ranks[i])])]
-        if not busy:
-            return
-        idle = [i for i in np.argsort(rel, kind="stable") if int(ranks[i]) not in in_water and i != busy[0]]
-        if not idle:
-            return
-        hi, lo = int(busy[0]), int(idle[0])
-        docs = [d for d in local[int(ranks[hi])] if lengths[d] >= min_length]
-        d = max(docs, key=lambda d: (work[d], -d))
-        local[int(ranks[hi])].remove(d)
-        fill.split_shares[d] = {int(ranks[hi]): work[d] / 2, int(ranks[lo]): work[d] / 2}
-        in_water |= {int(ranks[hi]), int(ranks[lo])}
-        load[hi] -= work[d] / 2
-        load[lo] += work[d] / 2
 
 
 def _fallback(lengths: list[int], dev: Devices) -> Placement:
