@@ -85,3 +85,39 @@ def test_a_full_node_mixes_long_and_short_documents_on_every_rank():
     assert m["attention_imbalance"] <= 1.05, m
     holders = {r for ring in plan.rings if plan.lengths[ring.doc] >= 40_000 for r in ring.ranks}
     assert len(holders) == 8
+
+
+def test_inter_node_span_weighs_the_busiest_nodes_overload_against_the_wider_rings_transfers():
+    from ballonet.planning.pricing import inter_node_span, ring_exposed_seconds, step_weights
+    gpu = specs.cluster("h200-8nic").groups[0].gpu_type
+    weights = step_weights(MODEL, gpu, [65536] * 8, 64)
+    length, speed = 65536, gpu.peak_flops * 8
+    per_second = speed / (weights.attention_step * MODEL.num_layers)  # step work of one second on a node
+    share = 10 * per_second  # a node's share: ten seconds of step
+    args = dict(model=MODEL, gpu=gpu, length=length, node_share=share, ranks_per_node=8, num_nodes=8,
+                node_speed=speed, weights=weights)
+    # Free transfers: as many nodes as its work needs (2.2 shares: 3 nodes, none over).
+    assert inter_node_span(step_work=2.2 * share, bandwidth=1e30, **args) == 3
+    # Transfers dearer than any overload: it stays in one node.
+    assert inter_node_span(step_work=2.2 * share, bandwidth=1e3, **args) == 1
+    # Between: a ring over 3 nodes exposes more than one over 2; with each of two nodes over
+    # its share by half that difference, two nodes cost least (one node: 10 s over).
+    bw = 50e9
+    two, three = (ring_exposed_seconds(MODEL, gpu, length, k * 8, bw) for k in (2, 3))
+    assert 0 < two < three < 10
+    over = (three - two) / 2 * per_second
+    assert inter_node_span(step_work=2 * (share + over), bandwidth=bw, **args) == 2
+
+
+def test_a_document_of_about_two_node_shares_spans_two_nodes():
+    # 128 H200s, a prolong batch: its 75K document is 2.2 node shares. Kept in one node
+    # (the wider ring over 3 nodes priced dearer than the overload) it left that node at
+    # twice the others' step; over 2 nodes each is 10% over.
+    cluster, model = specs.cluster("h200-8nic", num_nodes=16), specs.model("llama-7b", recompute="none")
+    lengths = workloads.get("prolong").sample_batch(16384 * 128, 0)
+    plan = plan_batch(lengths, cluster, model)
+    longest = max(range(len(lengths)), key=lambda d: lengths[d])
+    ring = next(r for r in plan.rings if r.doc == longest)
+    assert len({r // 8 for r in ring.ranks}) == 2
+    compute = np.array(ballonet.simulate(plan, cluster, model).compute_s)
+    assert compute.max() / compute.mean() < 1.15

@@ -8,7 +8,7 @@ a batch that needs more recomputation pays a second forward. The partitioner the
   holds long documents (much attention, few tokens) takes fewer tokens instead of
   shipping q, k, v and o of the difference across the network every layer;
 * sends a document over a node's share across nodes when the overload it saves beats the
-  wider ring's exposed transfers (`inter_node_pays`, `ring_exposed_seconds`), and prices
+  wider ring's exposed transfers, over as many nodes as pays best (`inter_node_span`, `ring_exposed_seconds`), and prices
   a ring on a node's own links (nothing over NVLink, much over PCIe);
 * remaps inside NVLink nodes, or keeps every rank's tokens (balancing attention plus
   linear work per rank; always on PCIe-only nodes, `remaps_inside`), whichever leaves
@@ -32,7 +32,7 @@ from ballonet.plan import Plan
 from ballonet.planning.devices import Devices
 from ballonet.specs import ModelSpec
 
-__all__ = ["StepWeights", "inter_node_pays", "linear_work_per_token", "rank_compute_seconds", "rank_remap_seconds", "rank_step_seconds",
+__all__ = ["StepWeights", "inter_node_span", "linear_work_per_token", "rank_compute_seconds", "rank_remap_seconds", "rank_step_seconds",
            "rank_tp_seconds", "recompute_modes", "remaps_inside", "ring_exposed_seconds", "step_weights"]
 
 
@@ -105,18 +105,23 @@ def ring_exposed_seconds(model: ModelSpec, gpu: hardware.GPUType, length: int, m
     return model.num_layers * (members - 1) * (redo * max(fwd, 0.0) + max(bwd, 0.0))
 
 
-def inter_node_pays(model: ModelSpec, gpu: hardware.GPUType, length: int, step_work: float, node_share: float,
+def inter_node_span(model: ModelSpec, gpu: hardware.GPUType, length: int, step_work: float, node_share: float,
                     ranks_per_node: int, num_nodes: int, bandwidth: float, node_speed: float,
-                    weights: StepWeights) -> bool:
-    """Whether a document whose step work (attention plus linear, `StepWeights` units) is
-    over a node's share runs faster split across as many nodes as its work needs than
-    kept in one node: the overload of that node (its ranks' extra step seconds) against
-    the exposed communication of the wider ring (`ring_exposed_seconds`)."""
-    overload = (step_work - node_share) / node_speed * weights.attention_step * model.num_layers
-    nodes = int(min(np.ceil(step_work / node_share), num_nodes))
-    if nodes < 2:
-        return False
-    return ring_exposed_seconds(model, gpu, length, nodes * ranks_per_node, bandwidth) < overload
+                    weights: StepWeights) -> int:
+    """How many nodes a document whose step work (attention plus linear, `StepWeights`
+    units) is over a node's share runs fastest on: 1 (kept in one node) or k >= 2 (a ring
+    over k whole nodes), whichever leaves the least of the busiest node's overload (its
+    ranks' extra step seconds) plus the ring's exposed communication
+    (`ring_exposed_seconds`). Fewer nodes than the work needs can win: a wider ring has
+    shorter blocks and more hops to hide."""
+    seconds_per_work = weights.attention_step * model.num_layers / node_speed
+    most = int(min(np.ceil(step_work / node_share), num_nodes))
+
+    def cost(k: int) -> float:
+        overload = max(step_work / k - node_share, 0.0) * seconds_per_work
+        return overload + (ring_exposed_seconds(model, gpu, length, k * ranks_per_node, bandwidth) if k > 1 else 0.0)
+
+    return min(range(1, max(most, 1) + 1), key=lambda k: (cost(k), k))
 
 
 def _attention_items(plan: Plan, dev: Devices, model: ModelSpec, mode: str) -> tuple[np.ndarray, np.ndarray]:

@@ -15,7 +15,7 @@ document above a crossover is split only when the batch needs it: when its atten
 work exceeds one rank's fair share (intra), or its step share (attention plus linear
 work, `pricing.StepWeights`) exceeds one node's (inter); below L_inter it still goes
 across nodes when the overload it would leave on one node costs more than the wider
-ring's exposed transfers (`pricing.inter_node_pays`). A document that does not fit a
+ring's exposed transfers (`pricing.inter_node_span`). A document that does not fit a
 rank's (a node's) memory is split regardless. Splitting more than needed only adds traffic.
 
 Placement, with work in peak-FLOP units so a rank's time is work / its peak:
@@ -67,7 +67,7 @@ from ballonet.planning.node_placement import level2
 from ballonet.planning.packing import NoRoom, apportion, charge, lpt, spread
 from ballonet.planning.pricing import (
     StepWeights,
-    inter_node_pays,
+    inter_node_span,
     linear_work_per_token,
     rank_compute_seconds,
     rank_step_seconds,
@@ -76,7 +76,7 @@ from ballonet.planning.pricing import (
     ring_exposed_seconds,
     step_weights,
 )
-from ballonet.planning.refinement import refine, split_work
+from ballonet.planning.refinement import refine, split_work, water_level
 from ballonet.planning.remap import linear_targets, node_linear_targets, plan_remap
 from ballonet.planning.routing import plan_routes
 from ballonet.planning.state import Batch, Crossover, RankFill
@@ -99,10 +99,12 @@ def crossover_lengths(cluster: ClusterSpec, model: ModelSpec) -> list[Crossover]
 
 
 def _classify(batch: Batch, nodes, hierarchical: bool, per_token: float, weights: StepWeights):
-    """(intra, inter) masks: split inside a node / across nodes (module docstring). A
-    document whose attention plus linear work is over a node's share but that is shorter
-    than the inter-node crossover goes across nodes when the node's overload it saves is
-    more than the ring's exposed communication would cost (`pricing.inter_node_pays`)."""
+    """(intra, inter, span): masks of the documents split inside a node / across nodes
+    (module docstring), and the number of nodes of each inter-node document that pricing
+    sent there. A document whose attention plus linear work is over a node's share but
+    that is shorter than the inter-node crossover goes across nodes when the node's
+    overload it saves is more than the ring's exposed communication would cost, over as
+    many nodes as leave the least of the two (`pricing.inter_node_span`)."""
     L, work, dev, crossovers = batch.length_array, batch.work, batch.dev, batch.crossovers
     speed = dev.speed
     rank_share = work.sum() * speed.max() / speed.sum()
@@ -113,7 +115,7 @@ def _classify(batch: Batch, nodes, hierarchical: bool, per_token: float, weights
     l_inter = min(t.inter for t in crossovers)
     can_intra = (L >= l_intra) if l_intra else np.zeros(len(L), dtype=bool)
     intra = (L > dev.token_cap.max()) | ((work > rank_share) & can_intra)
-    inter = np.zeros(len(L), dtype=bool)
+    inter, span = np.zeros(len(L), dtype=bool), {}
     if hierarchical and len(nodes) > 1:
         node_tokens = max(dev.token_cap[rs].sum() for rs in nodes)
         heavy = step > node_share
@@ -121,17 +123,20 @@ def _classify(batch: Batch, nodes, hierarchical: bool, per_token: float, weights
         n = max(len(rs) for rs in nodes)
         bw = min(t.crossing_bw for t in crossovers)
         for d in np.nonzero(heavy & ~inter)[0] if per_token > 0 else ():  # priced with `price_linear` only
-            inter[d] = inter_node_pays(batch.model, batch.gpu, int(L[d]), step[d], node_share, n, len(nodes), bw,
-                                       node_speed, weights)
-    return intra & ~inter, inter
+            k = inter_node_span(batch.model, batch.gpu, int(L[d]), step[d], node_share, n, len(nodes), bw,
+                                node_speed, weights)
+            if k > 1:
+                inter[d], span[int(d)] = True, k
+    return intra & ~inter, inter, span
 
 
-def _level1(batch: Batch, nodes, intra, inter, per_token: float, weights: StepWeights | None,
-            rank_token: np.ndarray):
-    """Step 1: inter-node documents fill the nodes with most room; the rest go whole to
-    nodes by LPT (documents to split inside a node only to nodes of 2 or more ranks);
-    a document no node has memory for is spread across nodes. Returns (node load, docs
-    per node, inter-node shares {doc: {node: work}})."""
+def _level1(batch: Batch, nodes, intra, inter, span: dict[int, int], per_token: float,
+            weights: StepWeights | None, rank_token: np.ndarray):
+    """Step 1: inter-node documents fill the nodes with most room (one priced to `span[d]`
+    nodes goes to that many, leaving them level); the rest go whole to nodes by LPT
+    (documents to split inside a node only to nodes of 2 or more ranks); a document no
+    node has memory for is spread across nodes. Returns (node load, docs per node,
+    inter-node shares {doc: {node: work}})."""
     lengths, att, dev = batch.lengths, batch.work, batch.dev
     work = att + per_token * batch.length_array
     node_speed = np.array([dev.speed[rs].sum() for rs in nodes])
@@ -140,7 +145,10 @@ def _level1(batch: Batch, nodes, intra, inter, per_token: float, weights: StepWe
     node_room = np.array([dev.token_cap[rs].sum() for rs in nodes], dtype=float)
     shares: dict[int, dict[int, float]] = {}
     for d in sorted(np.nonzero(inter)[0].tolist(), key=lambda d: (-work[d], d)):
-        got = spread(node_target - node_load, node_room, work[d], work[d] / lengths[d])
+        got = _span_nodes(node_target - node_load, node_load, node_speed, node_room, work[d], work[d] / lengths[d],
+                          span[d]) if d in span else None
+        if got is None:
+            got = spread(node_target - node_load, node_room, work[d], work[d] / lengths[d])
         charge(got, d, work, lengths, node_load, node_room, out=shares)
     node_token = np.array([rank_token[rs[0]] for rs in nodes])  # a node's own GPUs' linear work per token
     per_node = _node_work(batch, nodes, weights) + node_token[:, None] * batch.length_array
@@ -163,6 +171,16 @@ def _level1(batch: Batch, nodes, intra, inter, per_token: float, weights: StepWe
         for n, w in sh.items():
             node_att[n] += w
     return node_att, node_docs, att_shares
+
+
+def _span_nodes(room, load, speed, token_room, work: float, per_token: float, k: int) -> dict[int, float] | None:
+    """`work` over the `k` nodes with most room, leaving them level relative to speed
+    ({node: work}), or None when their memory cannot hold it."""
+    chosen = np.argsort(-room, kind="stable")[:k]
+    got = water_level(load[chosen], speed[chosen], np.ones(k), token_room[chosen] * per_token, work)
+    if got.sum() < work * (1 - 1e-9):
+        return None
+    return {int(n): float(x) for n, x in zip(chosen, got) if x > 0}
 
 
 def _node_work(batch: Batch, nodes, weights: StepWeights | None) -> np.ndarray:
@@ -211,6 +229,16 @@ class _Nodes:
     intra: np.ndarray
     level1: tuple | None
     """`_level1`'s (node load, docs per node, inter-node shares); None without hierarchy."""
+    node_seconds: float
+    """The busiest node's step compute as level 1 left it (its attention and linear work
+    over its ranks' speed; no communication, no tensor parallelism): about what its
+    busiest rank's will be once level 2 evens the node out (0 without hierarchy)."""
+
+
+NODE_PRUNE_MARGIN = 0.05
+"""A recomputation mode is not planned when its level 1 already leaves a node this much
+slower than the best plan so far (level 1's estimate is within about 3% of its plans'
+estimated step on the main grid of `bench/paper.py` and on `bench/planner.py`)."""
 
 
 def _nodes(lengths, dev: Devices, crossovers, hierarchical: bool, model: ModelSpec, price_linear: bool) -> _Nodes:
@@ -232,10 +260,23 @@ def _nodes(lengths, dev: Devices, crossovers, hierarchical: bool, model: ModelSp
     batch = Batch(lengths=lengths, length_array=np.asarray(lengths, dtype=float), work=work,
                   work_list=work.tolist(), dev=dev, model=model, gpu=gpu, crossovers=crossovers,
                   linear_on_rank=np.zeros(R))
-    intra, inter = _classify(batch, nodes, hierarchical, per_token, weights)
-    level1 = _level1(batch, nodes, intra, inter, per_token, weights if price_linear else None,
+    intra, inter, span = _classify(batch, nodes, hierarchical, per_token, weights)
+    level1 = _level1(batch, nodes, intra, inter, span, per_token, weights if price_linear else None,
                      rank_token) if hierarchical else None
-    return _Nodes(batch=batch, rank_token=rank_token, intra=intra, level1=level1)
+    return _Nodes(batch=batch, rank_token=rank_token, intra=intra, level1=level1,
+                  node_seconds=_node_seconds(batch, nodes, level1, rank_token, weights) if level1 else 0.0)
+
+
+def _node_seconds(batch: Batch, nodes, level1: tuple, rank_token: np.ndarray, weights: StepWeights) -> float:
+    """`_Nodes.node_seconds` from level 1's node loads and the tokens each node holds."""
+    node_att, node_docs, shares = level1
+    lengths, work, speed = batch.lengths, batch.work, batch.dev.speed
+    tokens = np.array([float(sum(lengths[d] for d in node_docs.get(n, []))) for n in range(len(nodes))])
+    for d, sh in shares.items():
+        for n, w in sh.items():
+            tokens[n] += w * lengths[d] / work[d]
+    per_node = [(node_att[n] + rank_token[rs[0]] * tokens[n]) / speed[rs].sum() for n, rs in enumerate(nodes)]
+    return max(per_node) * weights.attention_step * batch.model.num_layers
 
 
 def _place(shared: _Nodes, keep_tokens: bool) -> tuple[Placement, dict]:
@@ -307,18 +348,18 @@ def zeppelin(lengths, cluster: ClusterSpec, model: ModelSpec, *, routing: bool =
         spec = dataclasses.replace(model, recompute=mode)
         try:
             plans, dev = _candidates(lengths, cluster, spec, crossovers, options,
-                                     fallback=i == len(modes) - 1 and best is None)
+                                     fallback=i == len(modes) - 1 and best is None, beat=best_s)
         except (NoRoom, InfeasiblePlan) as e:
             error = e
             continue
+        if not plans:
+            break  # its level 1 already leaves a node slower than the best plan (costlier modes too)
         for candidate in plans:
             seconds = float(_step_seconds(candidate, dev, spec, crossovers).max())
             compared.append({"recompute": mode, "keep_tokens": candidate.meta["keep_tokens"], "estimated_step_s": seconds})
             if seconds < best_s:
                 best, best_s = (candidate, dev, spec), seconds
         plan = plans[0]
-        if not plan.meta.get("caps_bind", True):
-            break  # looser caps would place the same way and recompute more
         if i + 1 < len(modes) and rank_compute_seconds(plan, dev, spec, modes[i + 1]).mean() >= best_s:
             break  # a costlier mode's average rank is already slower than the best plan's busiest
     if best is None:
@@ -335,11 +376,13 @@ def _step_seconds(plan: Plan, dev: Devices, model: ModelSpec, crossovers) -> np.
     return rank_step_seconds(plan, dev, model, np.array([crossovers[g].intra_bw for g in dev.group]))
 
 
-def _candidates(lengths, cluster, model, crossovers, options, fallback: bool) -> tuple[list[Plan], Devices]:
+def _candidates(lengths, cluster, model, crossovers, options, fallback: bool,
+                beat: float = np.inf) -> tuple[list[Plan], Devices]:
     """The plans of one recomputation, under the memory caps of `model.recompute`, from one
     level 1: remapping tokens inside nodes, then, when it remaps and pricing may prefer
     it, every rank keeping its tokens (attention plus linear work balanced per rank; left
-    out when the greedy steps cannot fit it). With `fallback`, a batch the greedy steps
+    out when the greedy steps cannot fit it); none when level 1 leaves a node slower than
+    `beat` seconds by `NODE_PRUNE_MARGIN`. With `fallback`, a batch the greedy steps
     cannot fit is cut in runs (`_fallback`) rather than refused."""
     dev = devices(cluster, model, options["assume_homogeneous"])
     check_feasible(lengths, dev, model)
@@ -352,6 +395,8 @@ def _candidates(lengths, cluster, model, crossovers, options, fallback: bool) ->
 
     try:
         shared = _nodes(lengths, dev, crossovers, options["hierarchical"], model, options["price_linear"])
+        if shared.node_seconds > (1 + NODE_PRUNE_MARGIN) * beat:
+            return [], dev
         plans = [build(*_place(shared, keep_tokens=False), keep=False)]
     except (NoRoom, InfeasiblePlan):
         if not fallback:
