@@ -175,9 +175,11 @@ def test_cli_assume_homogeneous(capsys):
 
     ranks = json.loads(capsys.readouterr().out)["ranks"]
     by_node = {}
-    for r in ranks:  # the remap stays inside nodes: each node's tokens even over its ranks
-        by_node.setdefault(r["node"], []).append(r["tokens_linear"])
-    assert len(by_node) > 1 and all(max(lin) - min(lin) <= 1 for lin in by_node.values())
+    for r in ranks:  # planned as one GPU type: the remap (if it pays) stays inside nodes
+        attention, linear = by_node.setdefault(r["node"], ([], []))
+        attention.append(r["tokens_attention"])
+        linear.append(r["tokens_linear"])
+    assert len(by_node) > 1 and all(sum(a) == sum(lin) for a, lin in by_node.values())
     assert main(["plan", "--cluster", "h800+h20", "--tokens-per-gpu", "4096", "--planner", "te_cp",
                  "--assume-homogeneous"]) == 2
     assert "has no option 'assume_homogeneous'" in capsys.readouterr().err
@@ -201,11 +203,17 @@ def test_routing_skips_pcie_dispatch_that_costs_more_than_it_saves():
 
 def test_pcie_nodes_keep_their_tokens_and_balance_attention_plus_linear():
     cluster, model = specs.cluster("a800+l40s"), specs.model("llama-7b")
+    pcie = {r for r in range(cluster.num_ranks) if cluster.gpu_of(r).intra_link == "pcie"}
+    # A batch where the remap pays on the NVLink nodes: they even their tokens, the PCIe
+    # nodes keep theirs.
+    lengths = list(workloads.get("prolong").batches(8192 * cluster.num_ranks, 0, 1, 65536))[0]
+    plan = plan_batch(lengths, cluster, model)
+    assert pcie and plan.remap and not any(t.src in pcie or t.dst in pcie for t in plan.remap)
+    # One where every rank keeping its tokens prices shorter: attention plus linear work
+    # balanced per rank, PCIe nodes included.
     lengths = list(workloads.get("wlbllm").batches(16384 * cluster.num_ranks, 0, 1, 65536))[0]
     plan = plan_batch(lengths, cluster, model)
-    pcie = {r for r in range(cluster.num_ranks) if cluster.gpu_of(r).intra_link == "pcie"}
-    assert pcie and not any(t.src in pcie or t.dst in pcie for t in plan.remap)
-    assert any(t.src not in pcie for t in plan.remap)  # the NVLink nodes still even their tokens
+    assert not any(t.src in pcie or t.dst in pcie for t in plan.remap)
     res = simulate(plan, cluster, model)
     compute = np.array(res.compute_s)
     assert compute.max() / compute.mean() < 1.05

@@ -165,7 +165,8 @@ def rank_compute_seconds(plan: Plan, dev: Devices, model: ModelSpec, mode: str, 
     return (attention, linear) if split else attention + linear
 
 
-def rank_step_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw: np.ndarray) -> np.ndarray:
+def rank_step_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw: np.ndarray,
+                      compute: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
     """[R] a step's seconds per rank as the partitioner compares plans (under
     `model.recompute`): a rank's linear layers start once its own attention and that of
     every rank remapping tokens to it are done (the remap is a meeting point); then the
@@ -173,8 +174,9 @@ def rank_step_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw: np.nd
     sequence-parallel collectives over its tokens. Ring transfers, and the waits of ring
     members whose shares differ, are not priced: the attention engine forwards K/V as it
     arrives and fills waits with local documents (a term for the backward's dK/dV waits
-    was tried and mispredicted more choices than it fixed)."""
-    start, linear = rank_compute_seconds(plan, dev, model, model.recompute, split=True)
+    was tried and mispredicted more choices than it fixed). `compute`: the plan's
+    `rank_compute_seconds(..., split=True)` under `model.recompute`, when already known."""
+    start, linear = compute or rank_compute_seconds(plan, dev, model, model.recompute, split=True)
     ready = start.copy()
     for (src, dst) in plan.remap_tokens():
         ready[dst] = max(ready[dst], start[src])

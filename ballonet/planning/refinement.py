@@ -63,7 +63,7 @@ def split_work(model: ModelSpec, length: int, num_members: float, gpu=None) -> f
     """Work of a document split over `num_members` ranks: its FLOPs at the kernel
     efficiency of blocks of length / num_members rows (on `gpu`'s profile)."""
     block = max(length / max(num_members, 1.0), 1.0)
-    return cost_model.attention_flops(model, length) / model.tp / hardware.attention_efficiency(block, gpu)
+    return cost_model.attention_flops(model, length) / model.tp / hardware.profile(gpu).attention_forward.at_one(block)
 
 
 class Sweep(enum.Enum):

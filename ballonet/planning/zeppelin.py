@@ -41,10 +41,11 @@ Placement, with work in peak-FLOP units so a rank's time is work / its peak:
     under memory caps) and routes for inter-node hops (`remap.py`, `routing.py`).
 
 The steps run once per recomputation mode the batch fits under, cheapest first, while a
-costlier mode could still win, and steps 2-4 once more per mode with every rank keeping
-its tokens (no remap; ranks balanced on attention plus linear work; level 1 is the same);
-the plan whose busiest rank has the shortest estimated step is kept
-(`pricing.rank_step_seconds`). A batch the greedy steps cannot fit under memory caps
+costlier mode could still win (its mean rank, and its level 1's busiest node, are not
+already slower than the best plan), steps 2-4 first with every rank keeping its tokens
+(no remap; ranks balanced on attention plus linear work) and then with the remap, from
+the same level 1, unless the first is already as level as its nodes allow; the plan
+whose busiest rank has the shortest estimated step is kept (`pricing.rank_step_seconds`). A batch the greedy steps cannot fit under memory caps
 falls back to cutting the batch in speed-proportional runs of tokens (valid, not
 balanced; `meta["fallback"]`).
 Without `hierarchical`, a document that must be split spans every rank (the ablation).
@@ -235,6 +236,11 @@ class _Nodes:
     busiest rank's will be once level 2 evens the node out (0 without hierarchy)."""
 
 
+KEEP_MARGIN = 0.01
+"""The remap plan is not made when the keep-tokens plan's busiest rank is within this of
+its busiest node's mean compute (on the main grid and the planner bench, seeds 0 and 7,
+the remap plan was estimated faster in none of the 48 of 166 cases so skipped)."""
+
 NODE_PRUNE_MARGIN = 0.05
 """A recomputation mode is not planned when its level 1 already leaves a node this much
 slower than the best plan so far (level 1's estimate is within about 3% of its plans'
@@ -354,12 +360,11 @@ def zeppelin(lengths, cluster: ClusterSpec, model: ModelSpec, *, routing: bool =
             continue
         if not plans:
             break  # its level 1 already leaves a node slower than the best plan (costlier modes too)
-        for candidate in plans:
-            seconds = float(_step_seconds(candidate, dev, spec, crossovers).max())
+        for candidate, seconds in plans:
             compared.append({"recompute": mode, "keep_tokens": candidate.meta["keep_tokens"], "estimated_step_s": seconds})
             if seconds < best_s:
                 best, best_s = (candidate, dev, spec), seconds
-        plan = plans[0]
+        plan = plans[0][0]
         if i + 1 < len(modes) and rank_compute_seconds(plan, dev, spec, modes[i + 1]).mean() >= best_s:
             break  # a costlier mode's average rank is already slower than the best plan's busiest
     if best is None:
@@ -371,42 +376,55 @@ def zeppelin(lengths, cluster: ClusterSpec, model: ModelSpec, *, routing: bool =
     return plan.validate()
 
 
-def _step_seconds(plan: Plan, dev: Devices, model: ModelSpec, crossovers) -> np.ndarray:
+def _step_seconds(plan: Plan, dev: Devices, model: ModelSpec, crossovers, compute=None) -> np.ndarray:
     """[R] what the partitioner compares its candidate plans by (`pricing.rank_step_seconds`)."""
-    return rank_step_seconds(plan, dev, model, np.array([crossovers[g].intra_bw for g in dev.group]))
+    return rank_step_seconds(plan, dev, model, np.array([crossovers[g].intra_bw for g in dev.group]), compute)
 
 
 def _candidates(lengths, cluster, model, crossovers, options, fallback: bool,
-                beat: float = np.inf) -> tuple[list[Plan], Devices]:
-    """The plans of one recomputation, under the memory caps of `model.recompute`, from one
-    level 1: remapping tokens inside nodes, then, when it remaps and pricing may prefer
-    it, every rank keeping its tokens (attention plus linear work balanced per rank; left
-    out when the greedy steps cannot fit it); none when level 1 leaves a node slower than
-    `beat` seconds by `NODE_PRUNE_MARGIN`. With `fallback`, a batch the greedy steps
-    cannot fit is cut in runs (`_fallback`) rather than refused."""
+                beat: float = np.inf) -> tuple[list[tuple[Plan, float]], Devices]:
+    """The plans of one recomputation with their estimated step seconds, under the memory
+    caps of `model.recompute`, from one level 1: every rank keeping its tokens (attention
+    plus linear work balanced per rank; when pricing may prefer it), then remapping tokens
+    inside nodes, unless the keep-tokens plan's busiest rank is already within
+    `KEEP_MARGIN` of its busiest node's mean compute (no plan of the same nodes goes below
+    that mean, and the remap only adds traffic); none when level 1 leaves a node slower
+    than `beat` seconds by `NODE_PRUNE_MARGIN`. A plan the greedy steps cannot fit is left
+    out; with `fallback`, a batch they fit no way is cut in runs (`_fallback`) rather than
+    refused."""
     dev = devices(cluster, model, options["assume_homogeneous"])
     check_feasible(lengths, dev, model)
     meta = {"options": options, "crossover_lengths": [dataclasses.asdict(t) for t in crossovers],
             "recompute": model.recompute, "keep_tokens": False, "fallback": False}
 
-    def build(placement: Placement, facts: dict, keep: bool) -> Plan:
-        return _finish(lengths, dev, placement, {**meta, **facts, "keep_tokens": keep},
+    def build(placement: Placement, facts: dict, keep: bool) -> tuple[Plan, float, float]:
+        """(plan, its estimated step, its busiest node's mean compute seconds)."""
+        plan = _finish(lengths, dev, placement, {**meta, **facts, "keep_tokens": keep},
                        remap=options["remap"] and not keep, node_remap=options["price_linear"])
+        attention, linear = rank_compute_seconds(plan, dev, model, model.recompute, split=True)
+        node = max((attention[rs] + linear[rs]).mean() for rs in dev.nodes())
+        return plan, float(_step_seconds(plan, dev, model, crossovers, (attention, linear)).max()), node
 
+    plans = []
     try:
         shared = _nodes(lengths, dev, crossovers, options["hierarchical"], model, options["price_linear"])
         if shared.node_seconds > (1 + NODE_PRUNE_MARGIN) * beat:
             return [], dev
-        plans = [build(*_place(shared, keep_tokens=False), keep=False)]
+        if options["price_linear"] and options["remap"]:
+            try:
+                kept, seconds, node = build(*_place(shared, keep_tokens=True), keep=True)
+                plans = [(kept, seconds)]
+                if seconds <= (1 + KEEP_MARGIN) * node:
+                    return plans, dev
+            except (NoRoom, InfeasiblePlan):
+                pass
+        plans.append(build(*_place(shared, keep_tokens=False), keep=False)[:2])
     except (NoRoom, InfeasiblePlan):
+        if plans:
+            return plans, dev
         if not fallback:
             raise
-        return [build(_fallback(lengths, dev), {"fallback": True}, keep=False)], dev
-    if options["price_linear"] and options["remap"] and plans[0].remap:
-        try:
-            plans.append(build(*_place(shared, keep_tokens=True), keep=True))
-        except (NoRoom, InfeasiblePlan):
-            pass
+        return [build(_fallback(lengths, dev), {"fallback": True}, keep=False)[:2]], dev
     return plans, dev
 
 
