@@ -8,6 +8,8 @@ profile file measured by `ballonet calibrate` and installed with `calibration.us
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 
 import numpy as np
@@ -68,12 +70,17 @@ REFERENCE_GPU = "h100"
 def profile(gpu: GPUType | str | None = None) -> calibration.Profile:
     """The profile pricing `gpu`: one installed by `calibration.use`, else the built-in; a
     GPU type without a profile of its own is priced like the reference GPU."""
-    from ballonet.profiles import (
-        PROFILES,  # the built-ins are data about GPUS: imported late
-    )
-
     name = REFERENCE_GPU if gpu is None else gpu if isinstance(gpu, str) else gpu.name
-    return calibration.override(name) or PROFILES.get(name) or PROFILES[REFERENCE_GPU]
+    builtin = _builtin_profiles()
+    return calibration.override(name) or builtin.get(name) or builtin[REFERENCE_GPU]
+
+
+@functools.cache
+def _builtin_profiles() -> dict:
+    """`ballonet.profiles.PROFILES`, imported on first use: the built-ins are data about
+    GPUS (the partitioner asks for a profile thousands of times per plan)."""
+    from ballonet.profiles import PROFILES
+    return PROFILES
 
 
 def attention_efficiency_array(lengths, gpu: GPUType | str | None = None, backward: bool = False) -> np.ndarray:

@@ -71,7 +71,8 @@ class Sweep(enum.Enum):
     LEVEL = "level"
     """Re-level only (and only documents whose members or efficiency changed)."""
     DROP = "drop slivers"
-    """Members left with under a quarter of the mean block leave rings of 3 or more: the
+    """Members left with under a quarter of the mean block leave rings of 3 or more (a
+    ring with none is only re-levelled, like `LEVEL`): the
     ring's large blocks pass through a sliver hop by hop, and its short steps hide none of
     their transfers. A sliver stays when its rank is at its memory cap and its block still
     hides a transfer inside the node (`Levels.breakeven`): no other work could take its
@@ -206,16 +207,21 @@ def refine(batch: Batch, fill: RankFill) -> Placement:
     linear = batch.linear_on_rank.tolist()
     per_token = {d: float(cost_model.attention_flops(model, lengths[d])) / model.tp / lengths[d] for d in docs}
     stamp, done, clock = [0] * R, dict.fromkeys(docs, 0), 0  # skip documents already level
+    settled: set[int] = set()  # units checked against their shares since they last moved
     for sweep in SWEEPS:
         for d in docs:
             m, held, unit = st.members[d], st.held[d], st.unit[d]
+            dropping = sweep is Sweep.DROP and len(m) > 2 and min(held) < 0.25 * sum(held) / len(held)
+            still = not dropping and max(stamp[r] for r in m) <= done[d] \
+                and (sweep is not Sweep.GROW or st.level_of(m) <= 1.01 * st.mean_level)
+            if still and d in settled:
+                continue
             new_unit = ([per_token[d] / efficiency(h) + linear[r] for r, h in zip(m, held)]
                         if any(held) else unit)
-            dropping = sweep is Sweep.DROP and len(m) > 2
-            if not dropping and max(stamp[r] for r in m) <= done[d] \
-                    and all(abs(a - b) <= 1e-3 * abs(b) for a, b in zip(new_unit, unit)) \
-                    and (sweep is not Sweep.GROW or st.level_of(m) <= 1.01 * st.mean_level):
+            if still and all(abs(a - b) <= 1e-3 * abs(b) for a, b in zip(new_unit, unit)):
+                settled.add(d)
                 continue
+            settled.discard(d)
             st.take(d)
             st.unit[d] = new_unit
             if dropping:
