@@ -272,7 +272,14 @@ def targets(data: dict) -> list[tuple[str, bool, str, str]]:
                 "GPUs at once and, of communication, only every token's tensor-parallel collectives and the "
                 "last gradient bucket: the step adds the recomputation the plan's memory needs, kernels on "
                 "blocks shorter than whole documents, ranks waiting on a ring's slowest member, and the remap "
-                "and ring transfers compute does not hide."))
+                "and ring transfers compute does not hide. Over 1.15x: " + ", ".join(
+                    f"{c['cluster']} {c['model']} {c['workload']} {c['results']['zeppelin']['ratio_to_lower_bound']:.3f}x"
+                    for c in far) + ". In the wlbllm and shortmix ones, documents of 44-64K tokens carry more "
+                "than a node's share of the step, and a ring across nodes (its crossing hops on one NIC each) "
+                "exposes more than the overload it would save (`pricing.inter_node_span`), so they stay in one "
+                "node or the plan recomputes for looser caps; on prolong (documents up to 29K) the smallest "
+                "model on the fastest GPUs leaves a few percent each of compute imbalance and exposed "
+                "communication."))
     by_cluster = {cl: _mean(speedup(c) for c in g if c["cluster"] == cl) for cl in CLUSTERS}
     te_by_cluster = {cl: _mean(c["results"]["te_cp"]["exposed_comm_share"] for c in g if c["cluster"] == cl)
                      for cl in CLUSTERS}

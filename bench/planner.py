@@ -12,7 +12,9 @@ attention imbalance should be at most 1.05.
 Speed: zeppelin's planning time (`plan_batch`, validation included) on one core (CPU
 time, median of 7 runs): <= 20 ms for 128 GPUs, <= 200 ms for 1024 GPUs; and how it grows with GPUs
 and with documents. Figures come from `ballonet.planning.metrics` (forward, per layer).
-Writes bench/results/planner.md and planner.json.
+With `--against REV`, the planning time of git revision REV is measured too, side by side
+(alternating fresh processes), and the ratio reported: on a shared machine it is steadier
+than either figure. Writes bench/results/planner.md and planner.json.
 """
 
 from __future__ import annotations
@@ -123,6 +125,56 @@ def speed(gpu_counts: list[int]) -> tuple[list[dict], list[dict]]:
     return by_gpus, by_docs
 
 
+_TIMER = """
+import json, statistics, sys, time
+from ballonet import plan_batch, specs, workloads
+out = {}
+for gpus in (128, 1024):
+    model, cluster = specs.model("llama-7b"), specs.cluster("h200-8nic", num_nodes=gpus // 8)
+    lengths = workloads.get("wlbllm").sample_batch(16384 * gpus, 0)
+    plan_batch(lengths, cluster, model)
+    cpu = []
+    for _ in range(7):
+        t = time.process_time()
+        plan_batch(lengths, cluster, model)
+        cpu.append(time.process_time() - t)
+    out[gpus] = statistics.median(cpu) * 1e3
+print(json.dumps(out))
+"""
+"""Zeppelin's planning time at 128 and 1024 GPUs (CPU ms, median of 7), in a fresh process."""
+
+
+def side_by_side(rev: str, rounds: int = 5) -> dict:
+    """Planning time of this tree and of git revision `rev` (a worktree), alternating in
+    `rounds` fresh processes each: per size, both medians and the median and least of the
+    per-round ratios (rev / this tree). A shared machine's speed drifts between runs; the
+    ratio of runs side by side does not drift with it."""
+    import subprocess
+    import tempfile
+    root = os.path.dirname(HERE)
+    with tempfile.TemporaryDirectory() as tmp:
+        other = os.path.join(tmp, "rev")
+        subprocess.run(["git", "-C", root, "worktree", "add", "--detach", "-q", other, rev], check=True)
+        try:
+            runs = {"this": [], "rev": []}
+            for _ in range(rounds):
+                for name, tree in (("rev", other), ("this", root)):
+                    env = {**os.environ, "PYTHONPATH": tree, "OMP_NUM_THREADS": "1"}
+                    done = subprocess.run([sys.executable, "-c", _TIMER], cwd=tree, env=env, check=True,
+                                          capture_output=True, text=True)
+                    runs[name].append({int(k): v for k, v in json.loads(done.stdout).items()})
+        finally:
+            subprocess.run(["git", "-C", root, "worktree", "remove", "--force", other], check=False)
+    out = {"rev": rev, "rounds": rounds}
+    for gpus in (128, 1024):
+        ratios = [r[gpus] / t[gpus] for r, t in zip(runs["rev"], runs["this"])]
+        out[gpus] = {"this_ms": statistics.median(t[gpus] for t in runs["this"]),
+                     "rev_ms": statistics.median(r[gpus] for r in runs["rev"]),
+                     "ratio": statistics.median(ratios), "least_ratio": min(ratios)}
+        print(f"side by side {gpus}: {out[gpus]}", file=sys.stderr)
+    return out
+
+
 def _candidates(by_gpus: list[dict], gpus: int):
     return next((r.get("candidates", "?") for r in by_gpus if r["gpus"] == gpus), "?")
 
@@ -131,7 +183,7 @@ def _fmt(x: float) -> str:
     return f"{x:.3f}"
 
 
-def write(rows, by_gpus, by_docs, full, command: str, seconds: float) -> None:
+def write(rows, by_gpus, by_docs, full, command: str, seconds: float, against: dict | None = None) -> None:
     zep = [r for r in rows if r["planner"] == "zeppelin"]
     lines = ["# Planner quality and speed", "",
              f"Command: `{command}` ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
@@ -201,6 +253,13 @@ def write(rows, by_gpus, by_docs, full, command: str, seconds: float) -> None:
               "| workload | tokens per GPU | documents | wall ms | CPU ms |", "| --- | --- | --- | --- | --- |"]
     lines += [f"| {r['workload']} | {r['tokens_per_gpu']} | {r['documents']} | {r['plan_ms']:.1f} | "
               f"{r['plan_cpu_ms']:.1f} |" for r in by_docs]
+    if against:
+        lines += ["", f"## Side by side with revision {against['rev']} (CPU ms, {against['rounds']} alternating "
+                  "fresh processes each, median of 7 plans per process)", "",
+                  "| GPUs | this tree | revision | speedup, median of rounds | least speedup |",
+                  "| --- | --- | --- | --- | --- |"]
+        lines += [f"| {g} | {against[g]['this_ms']:.1f} | {against[g]['rev_ms']:.1f} | {against[g]['ratio']:.2f}x | "
+                  f"{against[g]['least_ratio']:.2f}x |" for g in (128, 1024)]
     lines += ["", "The machine is shared with other jobs (2 cores): wall times are inflated by them; CPU time "
               "(`time.process_time`) is the one-core figure the targets refer to. Medians of 7 runs. The plan-ms "
               "column of the planner table is one wall-clock run.", ""]
@@ -210,7 +269,7 @@ def write(rows, by_gpus, by_docs, full, command: str, seconds: float) -> None:
         f.write("\n".join(lines))
     with open(os.path.join(out, "planner.json"), "w") as f:
         json.dump({"command": command, "quality": rows, "full_memory": full, "speed_by_gpus": by_gpus,
-                   "speed_by_documents": by_docs}, f, indent=1)
+                   "speed_by_documents": by_docs, "side_by_side": against}, f, indent=1)
 
 
 def main() -> None:
@@ -218,6 +277,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="32 and 64 GPUs only, speed up to 128 GPUs")
     parser.add_argument("--speed-only", action="store_true",
                         help="re-measure planning time only, keeping the quality rows of results/planner.json")
+    parser.add_argument("--against", metavar="REV",
+                        help="also time the planner of git revision REV side by side with this tree")
     args = parser.parse_args()
     start = time.time()
     gpus = [32, 64] if args.quick else [32, 64, 128, 256]
@@ -228,9 +289,11 @@ def main() -> None:
         rows = quality(gpus)
     full = full_memory()
     by_gpus, by_docs = speed([32, 128] if args.quick else [32, 64, 128, 256, 512, 1024])
+    against = side_by_side(args.against) if args.against else None
     command = ("OMP_NUM_THREADS=1 python bench/planner.py" + (" --quick" if args.quick else "")
+               + (f" --against {args.against}" if args.against else "")
                + (" --speed-only (quality rows from the previous full run)" if args.speed_only else ""))
-    write(rows, by_gpus, by_docs, full, command, time.time() - start)
+    write(rows, by_gpus, by_docs, full, command, time.time() - start, against)
 
 
 if __name__ == "__main__":
