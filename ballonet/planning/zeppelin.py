@@ -304,8 +304,7 @@ def _place(shared: _Nodes, keep_tokens: bool) -> tuple[Placement, dict]:
         water = [(w, d) for d, sh in inter_shares.items() if (w := sh.get(n, 0.0)) > 0]
         level2(batch, fill, np.array(ranks), node_load[n], node_docs.get(n, []), water,
                 batch.crossovers[dev.group[ranks[0]]].intra, stepped)
-    binding = bool((fill.token_room < 0.02 * dev.token_cap).any())
-    return refine(batch, fill), {"inter_docs": len(inter_shares), "caps_bind": binding}
+    return refine(batch, fill), {"inter_docs": len(inter_shares)}
 
 
 def _fallback(lengths: list[int], dev: Devices) -> Placement:
