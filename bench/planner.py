@@ -154,7 +154,13 @@ def side_by_side(rev: str, rounds: int = 5) -> dict:
     root = os.path.dirname(HERE)
     with tempfile.TemporaryDirectory() as tmp:
         other = os.path.join(tmp, "rev")
-        subprocess.run(["git", "-C", root, "worktree", "add", "--detach", "-q", other, rev], check=True)
+        made = subprocess.run(["git", "-C", root, "worktree", "add", "--detach", "-q", other, rev],
+                              capture_output=True, text=True)
+        if made.returncode:
+            print(f"bench/planner.py: --against {rev}: not a revision of this repository "
+                  f"({made.stderr.strip().splitlines()[-1] if made.stderr.strip() else 'git worktree add failed'})",
+                  file=sys.stderr)
+            raise SystemExit(2)
         try:
             runs = {"this": [], "rev": []}
             for _ in range(rounds):
@@ -282,6 +288,12 @@ def main() -> None:
     parser.add_argument("--against", metavar="REV",
                         help="also time the planner of git revision REV side by side with this tree")
     args = parser.parse_args()
+    if args.against:  # before the long run, not after it
+        import subprocess
+        known = subprocess.run(["git", "-C", os.path.dirname(HERE), "rev-parse", "--verify", "-q",
+                                f"{args.against}^{{commit}}"], capture_output=True)
+        if known.returncode:
+            parser.error(f"--against {args.against}: not a revision of this repository")
     start = time.time()
     gpus = [32, 64] if args.quick else [32, 64, 128, 256]
     if args.speed_only:
