@@ -49,11 +49,11 @@ def level2(batch: Batch, fill: RankFill, ranks: np.ndarray, node_work: float, do
     water = inter_water + [(float(work[d]), d) for d in splits]
     split_set = set(splits)
     whole = [d for d in docs if d not in split_set]
-    mean = sum(work[d] for d in whole) / max(sum(lengths[d] for d in whole), 1)
-    light = [d for d in whole if work[d] <= mean * lengths[d]]
-    dense = sum(work[d] for d in light) / max(sum(lengths[d] for d in light), 1)  # the light ones' mean
-    fills = [node_fill(batch, target, fill.token_room[ranks], speed, water, whole, 0.0)]
-    if water and dense > 0 and (fills[0].room < 0.02 * dev.token_cap[ranks]).any():
+    fills = [node_fill(batch, target, fill.token_room[ranks], speed, water, whole)]
+    if water and whole and (fills[0].room < 0.02 * dev.token_cap[ranks]).any():
+        mean = sum(work[d] for d in whole) / sum(lengths[d] for d in whole)
+        light = [d for d in whole if work[d] <= mean * lengths[d]]
+        dense = sum(work[d] for d in light) / sum(lengths[d] for d in light)  # the light ones' mean
         fills.append(node_fill(batch, target, fill.token_room[ranks], speed, water, whole, dense, mean,
                                min_length))
     best = min(fills, key=lambda f: float((f.load / speed).max()))

@@ -8,8 +8,9 @@ a batch that needs more recomputation pays a second forward. The partitioner the
   holds long documents (much attention, few tokens) takes fewer tokens instead of
   shipping q, k, v and o of the difference across the network every layer;
 * sends a document over a node's share across nodes when the overload it saves beats the
-  wider ring's exposed transfers, over as many nodes as pays best (`inter_node_span`, `ring_exposed_seconds`), and prices
-  a ring on a node's own links (nothing over NVLink, much over PCIe);
+  wider ring's exposed transfers, over as many nodes as pays best (`inter_node_span`,
+  `ring_exposed_seconds`), and prices a ring on a node's own links (nothing over NVLink,
+  much over PCIe);
 * remaps inside NVLink nodes, or keeps every rank's tokens (balancing attention plus
   linear work per rank; always on PCIe-only nodes, `remaps_inside`), whichever leaves
   the shorter estimated step (`rank_step_seconds`): moving a token's q, k, v and o can

@@ -72,9 +72,8 @@ class Sweep(enum.Enum):
     """Re-level only (and only documents whose members or efficiency changed)."""
     DROP = "drop slivers"
     """Members left with under a quarter of the mean block leave rings of 3 or more (a
-    ring with none is only re-levelled, like `LEVEL`): the
-    ring's large blocks pass through a sliver hop by hop, and its short steps hide none of
-    their transfers. A sliver stays when its rank is at its memory cap and its block still
+    ring with none is only re-levelled, like `LEVEL`): the ring's large blocks pass
+    through a sliver hop by hop, and its short steps hide none of their transfers. A sliver stays when its rank is at its memory cap and its block still
     hides a transfer inside the node (`Levels.breakeven`): no other work could take its
     seat, and dropping it would leave the others above it (a batch that nearly fills
     memory: on `bench/planner.py`'s 98% batch, attention imbalance 1.064 -> 1.044). A

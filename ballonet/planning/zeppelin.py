@@ -45,9 +45,9 @@ costlier mode could still win (its mean rank, and its level 1's busiest node, ar
 already slower than the best plan), steps 2-4 first with every rank keeping its tokens
 (no remap; ranks balanced on attention plus linear work) and then with the remap, from
 the same level 1, unless the first is already as level as its nodes allow; the plan
-whose busiest rank has the shortest estimated step is kept (`pricing.rank_step_seconds`). A batch the greedy steps cannot fit under memory caps
-falls back to cutting the batch in speed-proportional runs of tokens (valid, not
-balanced; `meta["fallback"]`).
+whose busiest rank has the shortest estimated step is kept (`pricing.rank_step_seconds`).
+A batch the greedy steps cannot fit under memory caps falls back to cutting the batch in
+speed-proportional runs of tokens (valid, not balanced; `meta["fallback"]`).
 Without `hierarchical`, a document that must be split spans every rank (the ablation).
 """
 
@@ -360,7 +360,8 @@ def zeppelin(lengths, cluster: ClusterSpec, model: ModelSpec, *, routing: bool =
         if not plans:
             break  # its level 1 already leaves a node slower than the best plan (costlier modes too)
         for candidate, seconds in plans:
-            compared.append({"recompute": mode, "keep_tokens": candidate.meta["keep_tokens"], "estimated_step_s": seconds})
+            compared.append({"recompute": mode, "keep_tokens": candidate.meta["keep_tokens"],
+                             "estimated_step_s": seconds})
             if seconds < best_s:
                 best, best_s = (candidate, dev, spec), seconds
         plan = plans[0][0]
