@@ -52,10 +52,11 @@ def level2(batch: Batch, fill: RankFill, ranks: np.ndarray, node_work: float, do
     fills = [node_fill(batch, target, fill.token_room[ranks], speed, water, whole)]
     if water and whole and (fills[0].room < 0.02 * dev.token_cap[ranks]).any():
         mean = sum(work[d] for d in whole) / sum(lengths[d] for d in whole)
-        light = [d for d in whole if work[d] <= mean * lengths[d]]
-        dense = sum(work[d] for d in light) / sum(lengths[d] for d in light)  # the light ones' mean
-        fills.append(node_fill(batch, target, fill.token_room[ranks], speed, water, whole, dense, mean,
-                               min_length))
+        light = [d for d in whole if work[d] <= mean * lengths[d]]  # none when rounding puts all above
+        if light:
+            dense = sum(work[d] for d in light) / sum(lengths[d] for d in light)  # the light ones' mean
+            fills.append(node_fill(batch, target, fill.token_room[ranks], speed, water, whole, dense, mean,
+                                   min_length))
     best = min(fills, key=lambda f: float((f.load / speed).max()))
     for i, ds in best.local.items():
         fill.local[int(ranks[i])] = ds
