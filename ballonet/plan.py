@@ -6,7 +6,8 @@ token lives in each of two layouts:
 * the **attention layout**: per rank, an ordered list of `Segment`s (token ranges of one
   document). A whole document on one rank is a *local* document. A *split* document has a
   `Ring`: its ordered group of ranks and its 2g zig-zag chunk bounds; the rank at ring
-  position i holds chunks i and 2g-1-i, in that order (empty chunks are left out).
+  position i holds chunks i and 2g-1-i, in that order (empty chunks are left out). An
+  inter-node "double" ring is node-major: `Ring.groups` groups of n ranks, one per node.
 * the **linear layout** (token-balanced), reached from the attention layout by the remap
   `Transfer`s: rank `src` sends the tokens at positions [start, end) of its
   attention-local order to `dst`. A rank keeps the tokens it does not send, in order, and
@@ -18,7 +19,8 @@ metrics, the routing planner, the simulator and the runtime's byte prediction sh
 "ring" document runs g steps: at step s, ring position i computes with (and then passes
 on) the K/V block of position (i - s) mod g (`ring_schedule`). An "allgather" document
 sends every block to every other member before attention, and every block's dK/dV back to
-its owner after.
+its owner after. A "double" document runs an inner ring inside each node and passes each
+block once per round to the same position of the next node (`ring_traffic`).
 
 Inter-node ring hops may carry a `Route`: each message of the hop (K/V or dK/dV rows) is
 cut into len(proxies) row ranges (`Route.part_bounds`, i.e. `chunk_bounds(rows, k)`), and
@@ -37,13 +39,21 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 
-from ballonet.ring_traffic import PAYLOADS, PHASES, RingMessage, forward_link_rows, ring_messages, ring_schedule
+from ballonet.ring_traffic import (
+    PAYLOADS,
+    PHASES,
+    RingMessage,
+    double_schedule,
+    forward_link_rows,
+    ring_messages,
+    ring_schedule,
+)
 
 __all__ = ["PAYLOADS", "PHASES", "RING_COMMS", "SPLIT_KINDS", "InvalidPlan", "Plan", "Ring",
-           "RingMessage", "Route", "Segment", "Transfer", "chunk_bounds", "ring_schedule"]
+           "RingMessage", "Route", "Segment", "Transfer", "chunk_bounds", "double_schedule", "ring_schedule"]
 
 SPLIT_KINDS = ("intra", "inter")
-RING_COMMS = ("ring", "allgather")
+RING_COMMS = ("ring", "allgather", "double")
 
 
 class InvalidPlan(Exception):
@@ -78,7 +88,21 @@ class Ring:
     bounds: tuple[int, ...]
     """2g + 1 increasing chunk boundaries over the document, from 0 to its length."""
     comm: str = "ring"
-    """"ring" (P2P K/V passing) or "allgather" (Llama-3 style: K/V all-gathered)."""
+    """"ring" (P2P K/V passing), "allgather" (Llama-3 style: K/V all-gathered) or "double"
+    (a ring inside each node and one across nodes between rail peers, `ring_traffic`)."""
+    groups: int = 1
+    """"double": the number of node groups k; ranks are node-major, group a is ranks
+    [a*n, (a+1)*n) (n = g // k), all on one node, each group on its own node. 1 otherwise."""
+
+    @property
+    def group_size(self) -> int:
+        """Ranks per node group (g for a ring of one group)."""
+        return len(self.ranks) // self.groups
+
+    def schedule(self):
+        """[g, g]: the ring position whose block position i holds at step s
+        (`ring_traffic.ring_schedule`, `double_schedule` for "double")."""
+        return double_schedule(self.groups, self.group_size) if self.comm == "double" else ring_schedule(len(self.ranks))
 
     def chunks_of(self, position: int) -> tuple[Segment, ...]:
         """The non-empty chunks held by ring position `position`: i and 2g-1-i."""
@@ -277,6 +301,16 @@ class Plan:
                f"ring of document {ring.doc}: bounds {ring.bounds}")
         nodes = {self.node_of_rank[r] for r in ring.ranks}
         _check((ring.kind == "inter") == (len(nodes) > 1), f"ring of document {ring.doc}: kind {ring.kind} spans {len(nodes)} nodes")
+        if ring.comm == "double":
+            k = ring.groups
+            _check(isinstance(k, int) and k >= 2 and g % k == 0,
+                   f"ring of document {ring.doc}: {g} ranks in {k} groups")
+            n = g // k
+            group_nodes = [{self.node_of_rank[r] for r in ring.ranks[a * n:(a + 1) * n]} for a in range(k)]
+            _check(all(len(x) == 1 for x in group_nodes) and len(set.union(*group_nodes)) == k,
+                   f"ring of document {ring.doc}: its {k} groups are not one node each")
+        else:
+            _check(ring.groups == 1, f"ring of document {ring.doc}: groups {ring.groups} with comm {ring.comm}")
         for i, rank in enumerate(ring.ranks):
             held = tuple(held_by.get((rank, ring.doc), ()))
             if held != ring.chunks_of(i):
@@ -301,7 +335,8 @@ class Plan:
 
     def _validate_route(self, route: Route) -> None:
         ring = self.ring_of_doc.get(route.doc)
-        _check(ring is not None and ring.kind == "inter", f"route for document {route.doc}, which has no inter-node ring")
+        _check(ring is not None and ring.kind == "inter" and ring.comm == "ring",
+               f"route for document {route.doc}, which has no inter-node ring of comm \"ring\"")
         g = len(ring.ranks)
         hops = {(ring.ranks[i], ring.ranks[(i + 1) % g]) for i in range(g)}
         _check((route.src, route.dst) in hops, f"route {route.src}->{route.dst} is not a hop of document {route.doc}")
@@ -333,7 +368,7 @@ class Plan:
             nic_of_rank=tuple(d["nic_of_rank"]),
             attention=tuple(tuple(Segment(*s) for s in segs) for segs in d["attention"]),
             rings=tuple(Ring(doc=r["doc"], kind=r["kind"], ranks=tuple(r["ranks"]), bounds=tuple(r["bounds"]),
-                             comm=r["comm"]) for r in d["rings"]),
+                             comm=r["comm"], groups=r.get("groups", 1)) for r in d["rings"]),
             remap=tuple(Transfer(*t) for t in d["remap"]),
             routes=tuple(Route(doc=r["doc"], src=r["src"], dst=r["dst"],
                                proxies=tuple(tuple(p) for p in r["proxies"])) for r in d["routes"]),

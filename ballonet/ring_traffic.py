@@ -16,7 +16,8 @@ import numpy as np
 if TYPE_CHECKING:
     from ballonet.plan import Ring
 
-__all__ = ["PAYLOADS", "PHASES", "RingMessage", "forward_link_rows", "ring_messages", "ring_schedule"]
+__all__ = ["PAYLOADS", "PHASES", "RingMessage", "double_schedule", "forward_link_rows", "ring_messages",
+           "ring_schedule"]
 
 PHASES = ("forward", "backward")
 PAYLOADS = ("kv", "grad")
@@ -49,6 +50,36 @@ def ring_schedule(g: int) -> np.ndarray:
     return (a[:, None] - a[None, :]) % g
 
 
+def double_schedule(k: int, n: int) -> np.ndarray:
+    """[g, g] (g = k n) for a "double" ring of k node groups of n ranks: at step s = j n + t
+    (round j, inner step t) position i = a n + p holds the block of position
+    ((a - j) mod k) n + (p - t) mod n: each round runs an inner ring over one node's
+    blocks, and round j + 1 starts on the blocks of the previous node group."""
+    i, s = np.arange(k * n)[:, None], np.arange(k * n)[None, :]
+    a, p, j, t = i // n, i % n, s // n, s % n
+    return ((a - j) % k) * n + (p - t) % n
+
+
+def _double_messages(ring: Ring, phase: str, blocks: list[int]) -> Iterator[RingMessage]:
+    """A "double" ring's messages of one pass (`ring_messages`)."""
+    k, n, ranks, doc = ring.groups, ring.group_size, ring.ranks, ring.doc
+    held = double_schedule(k, n).tolist()
+    for step in range(k * n):
+        j, t = divmod(step, n)
+        for i in range(k * n):
+            a, p = divmod(i, n)
+            rows, inner = blocks[held[i][step]], ranks[a * n + (p + 1) % n]
+            if t < n - 1:
+                yield from _message(phase, "kv", doc, step, ranks[i], inner, rows)
+            if t == 0 and j < k - 1:  # the round's first block, to the same position of the next node
+                yield from _message(phase, "kv", doc, step, ranks[i], ranks[(a + 1) % k * n + p], rows)
+            if phase == "backward" and t >= 1:
+                yield from _message(phase, "grad", doc, step, ranks[i], inner, rows)
+            if phase == "backward" and t == n - 1 and j >= 1:  # the node's sum for a block, to its owner
+                owner = (a - j) % k * n + p
+                yield from _message(phase, "grad", doc, step, ranks[i], ranks[owner], blocks[owner])
+
+
 def ring_messages(ring: Ring) -> Iterator[RingMessage]:
     """Every message of a split document's attention, forward then backward, per step;
     empty ones left out. "ring": at step s position i holds the block of position
@@ -57,10 +88,19 @@ def ring_messages(ring: Ring) -> Iterator[RingMessage]:
     partial dK/dV of the block it held at steps s >= 1 on the same hop, so each block's
     gradient reaches its owner after the last step. "allgather": each block to every
     other member (forward, and again in the backward), then the dK/dV of every other
-    member's block straight to that member."""
+    member's block straight to that member. "double" (`double_schedule`): in each round a
+    ring inside each node group, as "ring" with n for g (K/V at inner steps t < n - 1,
+    dK/dV at t >= 1, so after the round each position holds its node's sum for the
+    round's first block); at the round's first step each position also sends that block
+    to the same position of the next group (rail peers, once per round, with the round's
+    n steps to hide it), and in the backward, after each round j >= 1, the node's sum for
+    that block straight to its owner j groups back."""
     g, ranks = len(ring.ranks), ring.ranks
     blocks = [ring.block_tokens(i) for i in range(g)]
     for phase in PHASES:
+        if ring.comm == "double":
+            yield from _double_messages(ring, phase, blocks)
+            continue
         if ring.comm == "allgather":
             for i in range(g):
                 for j in range(g):
@@ -82,9 +122,15 @@ def ring_messages(ring: Ring) -> Iterator[RingMessage]:
 def forward_link_rows(ring: Ring) -> list[tuple[int, int, int]]:
     """(src, dst, rows): the forward K/V rows of `ring_messages` summed per link, in O(g)
     for a "ring" (over its g - 1 steps the hop out of position i carries every block
-    but its successor's); an "allgather" sends each block to every other member."""
+    but its successor's); an "allgather" sends each block to every other member; a
+    "double" sums its forward messages (O(g^2), as few rings are)."""
     g, L = len(ring.ranks), ring.bounds[-1]
     blocks = [ring.block_tokens(i) for i in range(g)]
+    if ring.comm == "double":
+        links: dict[tuple[int, int], int] = {}
+        for m in _double_messages(ring, "forward", blocks):
+            links[m.src, m.dst] = links.get((m.src, m.dst), 0) + m.rows
+        return [(src, dst, rows) for (src, dst), rows in links.items()]
     if ring.comm == "allgather":
         return [(ring.ranks[i], ring.ranks[j], blocks[i]) for i in range(g) for j in range(g)
                 if i != j and blocks[i]]

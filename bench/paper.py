@@ -39,6 +39,8 @@ MIXED = ["h800+h20", "a800+l40s"]
 CLUSTERS = {"A": "a800-4nic", "B": "h800-8nic", "C": "h200-8nic"}
 MODELS = [("llama-3b", 1), ("llama-7b", 1), ("llama-13b", 2), ("llama-30b", 4)]
 WORKLOADS = ["wlbllm", "prolong", "shortmix"]
+BOUND_TARGET = 1.15
+"""The issue's target: zeppelin's step within this of the batch lower bound."""
 SHORT = 4096
 """A document is short below this many tokens (for the short-share trend)."""
 
@@ -134,6 +136,8 @@ PRICING = {  # ablation of what the partitioner prices: name -> zeppelin options
     "+ linear work (nodes balanced on attention + linear, remap inside nodes, inter-node when it pays)":
         {"price_recompute": False},
     "+ recomputation (plans for each mode that fits, keeps the best)": {},
+    "+ double rings (opt-in `double=True`: an inter-node ring runs in each node with rounds between rail "
+    "peers, priced as such, every document over a node's share priced)": {"double": True},
 }
 
 
@@ -142,17 +146,19 @@ def pricing_ablation(grid_data: list[dict], steps: int) -> list[dict]:
     its mean step against the configuration's best baseline (same batches)."""
     rows = []
     for name, options in PRICING.items():
-        ratios = []
+        ratios, bounds = [], []
         for cfg in grid_data:
             c = specs.cluster(CLUSTERS.get(cfg["cluster"], cfg["cluster"]), num_nodes=cfg["gpus"] // 8)
             m = specs.model(cfg["model"], tp=cfg["tp"])
             batches = workloads.get(cfg["workload"]).batches(cfg["tokens_per_gpu"] * c.num_ranks, 0, steps,
                                                               cfg["max_length"])
-            step = statistics.mean(simulate(plan_batch(b, c, m, "zeppelin", **options), c, m).step_time_s
-                                   for b in batches)
+            res = [simulate(plan_batch(b, c, m, "zeppelin", **options), c, m) for b in batches]
+            step = statistics.mean(r.step_time_s for r in res)
             ratios.append(cfg["results"][best_baseline(cfg)]["step_time_s"] / step)
+            bounds.append(step / statistics.mean(r.lower_bound_s for r in res))
         rows.append({"pricing": name, "options": options, "mean_over_best": _mean(ratios), "min_over_best": min(ratios),
-                     "wins": sum(x >= 1 for x in ratios), "configurations": len(ratios)})
+                     "wins": sum(x >= 1 for x in ratios), "configurations": len(ratios),
+                     "within_bound": sum(x <= BOUND_TARGET for x in bounds), "worst_to_bound": max(bounds)})
     return rows
 
 
@@ -259,7 +265,8 @@ def targets(data: dict) -> list[tuple[str, bool, str, str]]:
     out.append(("mean over the main grid of (best baseline's step / zeppelin's step) at least 1.2x", mean_best >= 1.2,
                 f"{mean_best:.2f}x", f"short by {1.2 / mean_best:.2f}x: " + _why_best(g)))
     bound = [c["results"]["zeppelin"]["ratio_to_lower_bound"] for c in g]
-    far = [c for c in g if c["results"]["zeppelin"]["ratio_to_lower_bound"] > 1.15]
+    far = [c for c in g if c["results"]["zeppelin"]["ratio_to_lower_bound"] > BOUND_TARGET]
+    dbl = next((r for r in data["pricing"] if r["options"].get("double")), None)
     w = data["worst"]
     out.append(("zeppelin's step within 1.15x of the batch lower bound on every main-grid configuration", not far,
                 f"{len(g) - len(far)} of {len(g)} within; worst {max(bound):.2f}x ({w['cluster']} {w['model']} "
@@ -279,7 +286,13 @@ def targets(data: dict) -> list[tuple[str, bool, str, str]]:
                 "exposes more than the overload it would save (`pricing.inter_node_span`), so they stay in one "
                 "node or the plan recomputes for looser caps; on prolong (documents up to 29K) the smallest "
                 "model on the fastest GPUs leaves a few percent each of compute imbalance and exposed "
-                "communication."))
+                "communication." + (
+                    f" With double rings across nodes (opt-in `double=True`, last row of the pricing ablation): "
+                    f"{dbl['within_bound']} of {dbl['configurations']} within, worst {dbl['worst_to_bound']:.2f}x, "
+                    f"mean over the best baseline {dbl['mean_over_best']:.2f}x; not the default because planning "
+                    "then builds a second level 1 (single rings) to compare, about twice the planning time of "
+                    "`bench/planner.py`, and its estimate leaves the last round's dK/dV return over a NIC "
+                    "exposed." if dbl else "")))
     by_cluster = {cl: _mean(speedup(c) for c in g if c["cluster"] == cl) for cl in CLUSTERS}
     te_by_cluster = {cl: _mean(c["results"]["te_cp"]["exposed_comm_share"] for c in g if c["cluster"] == cl)
                      for cl in CLUSTERS}
@@ -406,9 +419,11 @@ def report(data: dict) -> str:
     lines += ["", "Step times (s):", ""] + _steps(data["mixed"], "cluster")
     lines += ["", "## What each pricing term buys (main grid, same batches)", "",
               "| partitioner prices | mean best baseline / zeppelin | min | configurations where zeppelin "
-              "is at or below the best baseline |", "| --- | --- | --- | --- |"]
+              f"is at or below the best baseline | within {BOUND_TARGET}x of the lower bound (worst) |",
+              "| --- | --- | --- | --- | --- |"]
     lines += [f"| {r['pricing']} | {r['mean_over_best']:.2f}x | {r['min_over_best']:.2f}x | {r['wins']} of "
-              f"{r['configurations']} |" for r in data["pricing"]]
+              f"{r['configurations']} | {r['within_bound']} of {r['configurations']} ({r['worst_to_bound']:.2f}x) |"
+              for r in data["pricing"]]
     ab = data["ablation"]
     lines += ["", f"## Ablation: LLaMA-3B, cluster A, {ab['gpus']} GPUs, {ab['workload']}", "",
               "| configuration | speedup over te_cp |", "| --- | --- |"]

@@ -18,6 +18,7 @@ from distributed import run_ranks
 
 import ballonet
 from ballonet.plan import Plan, Ring, Segment, chunk_bounds
+from ballonet.planning.assembly import zigzag_bounds
 from ballonet.runtime import ByteCounter, attention, token_index
 from ballonet.runtime.ring import ring_meta
 from ballonet.runtime.routing import predicted_bytes
@@ -28,10 +29,12 @@ PLANNERS = ("zeppelin", "te_cp", "llama_cp", "hybrid_dp")
 PLANNER_LENGTHS = [300, 180, 37, 1, 5, 64, 9, 120, 2]
 
 
-def make_plan(lengths, placement, node_of_rank, comms=None, seed=None) -> Plan:
+def make_plan(lengths, placement, node_of_rank, comms=None, seed=None, groups=None, tokens=None) -> Plan:
     """placement[d]: a rank (document d whole there) or a tuple of ranks (its ring, in
-    order); comms[d]: that ring's comm. With `seed`, each rank's units (a local document,
-    or the chunk pair of a ring) are shuffled."""
+    order); comms[d]: that ring's comm; groups[d]: that ring is "double" over so many node
+    groups; tokens[d]: its tokens per position (`zigzag_bounds`; default: even chunks).
+    With `seed`, each rank's units (a local document, or the chunk pair of a ring) are
+    shuffled."""
     units = [[] for _ in node_of_rank]
     rings = []
     for d, (length, where) in enumerate(zip(lengths, placement)):
@@ -39,8 +42,10 @@ def make_plan(lengths, placement, node_of_rank, comms=None, seed=None) -> Plan:
             units[where].append((Segment(d, 0, length),))
             continue
         nodes = {node_of_rank[r] for r in where}
-        ring = Ring(doc=d, kind="inter" if len(nodes) > 1 else "intra", ranks=tuple(where),
-                    bounds=chunk_bounds(length, 2 * len(where)), comm=(comms or {}).get(d, "ring"))
+        k = (groups or {}).get(d, 1)
+        bounds = zigzag_bounds(length, tokens[d]) if d in (tokens or {}) else chunk_bounds(length, 2 * len(where))
+        ring = Ring(doc=d, kind="inter" if len(nodes) > 1 else "intra", ranks=tuple(where), bounds=bounds,
+                    comm="double" if k > 1 else (comms or {}).get(d, "ring"), groups=k)
         rings.append(ring)
         for i, r in enumerate(where):
             units[r].append(ring.chunks_of(i))

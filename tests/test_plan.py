@@ -118,3 +118,80 @@ def test_rank_hardware_by_hand():
     assert hw.intra_bw[15] == hardware.gpu("h20").intra_link_bw
     with pytest.raises(InputError, match="tp=3"):
         rank_hardware(cluster("h800+h20"), 3)
+
+
+# ---- "double" rings: a ring inside each node, rounds across nodes ---------------------------
+
+
+def double_plan(**ring_changes) -> Plan:
+    """One 8-token document over 2 nodes x 2 ranks as a "double" ring (blocks of 2 rows)."""
+    ring = Ring(doc=0, kind="inter", ranks=(0, 1, 2, 3), bounds=chunk_bounds(8, 8), comm="double", groups=2)
+    ring = dataclasses.replace(ring, **ring_changes)
+    attention = [() for _ in range(4)]
+    for i, r in enumerate(ring.ranks):
+        attention[r] = ring.chunks_of(i)
+    return Plan(planner="hand", lengths=(8,), node_of_rank=(0, 0, 1, 1), nic_of_rank=(0, 1, 2, 3),
+                attention=tuple(attention), rings=(ring,))
+
+
+def test_double_schedule_and_messages_by_hand():
+    ring = double_plan().validate().rings[0]
+    # Round 0 (steps 0-1) on the node's own blocks, round 1 (steps 2-3) on the other node's.
+    assert ring.schedule().tolist() == [[0, 1, 2, 3], [1, 0, 3, 2], [2, 3, 0, 1], [3, 2, 1, 0]]
+    got = sorted((m.phase, m.payload, m.step, m.src, m.dst, m.rows) for m in ring.messages())
+    kv = [(0, 0, 1), (0, 1, 0), (0, 2, 3), (0, 3, 2),  # inner ring, round 0
+          (0, 0, 2), (0, 1, 3), (0, 2, 0), (0, 3, 1),  # round 0's first blocks to the next node
+          (2, 0, 1), (2, 1, 0), (2, 2, 3), (2, 3, 2)]  # inner ring, round 1
+    grad = [(1, 0, 1), (1, 1, 0), (1, 2, 3), (1, 3, 2), (3, 0, 1), (3, 1, 0), (3, 2, 3), (3, 3, 2),
+            (3, 0, 2), (3, 1, 3), (3, 2, 0), (3, 3, 1)]  # after round 1: each node's sum to the block's owner
+    want = [(phase, "kv", s, a, b, 2) for phase in ("backward", "forward") for s, a, b in kv]
+    want += [("backward", "grad", s, a, b, 2) for s, a, b in grad]
+    assert got == sorted(want)
+
+
+@pytest.mark.parametrize("k, n", [(2, 2), (3, 2), (2, 3), (3, 1), (4, 3)])
+def test_double_messages_deliver_every_block_and_gradient(k, n):
+    """Replay the walk: every block a position holds at a step reached it by a K/V message
+    of an earlier step, and every position's gradient sums every position's contribution."""
+    g = k * n
+    ranks = tuple(range(g))
+    ring = Ring(doc=0, kind="inter", ranks=ranks, bounds=tuple(range(2 * g + 1)), comm="double", groups=k)
+    held = ring.schedule()
+    assert all(sorted(row) == list(range(g)) for row in held)  # each position sees every block once
+    has = [{i} for i in range(g)]
+    msgs = [m for m in ring.messages() if m.phase == "forward"]
+    for step in range(g):
+        for i in range(g):
+            assert held[i][step] in has[i], (i, step)
+        for m in msgs:
+            if m.step == step:
+                # a position sends only what it holds now or got earlier, to a rank that gets it next
+                assert held[m.src][step] in has[m.src]
+                has[m.dst].add(held[m.src][step])
+    # Gradients: sets of contributing positions travel with the messages: inside a node the
+    # partial sum of the block the sender holds, across nodes a node's sum home to its owner.
+    partial: dict[tuple[int, int], set] = {}  # (position, block) -> positions summed in
+    for step in range(g):
+        for i in range(g):
+            partial.setdefault((i, held[i][step]), set()).add(i)
+        grads = [m for m in ring.messages() if m.payload == "grad" and m.step == step]
+        for m in sorted(grads, key=lambda m: m.src // n != m.dst // n):  # inner ones first
+            block = held[m.src][step] if m.src // n == m.dst // n else m.dst
+            assert m.rows == 2  # every block: chunks of one token each
+            partial.setdefault((m.dst, block), set()).update(partial.pop((m.src, block)))
+    for i in range(g):
+        assert partial[i, i] == set(range(g)), (i, partial[i, i])
+
+
+def test_double_rings_are_checked_and_round_trip():
+    plan = double_plan().validate()
+    assert Plan.from_json(plan.to_json()) == plan
+    with pytest.raises(InvalidPlan, match="not one node each"):
+        double_plan(ranks=(0, 2, 1, 3)).validate()
+    with pytest.raises(InvalidPlan, match="4 ranks in 3 groups"):
+        double_plan(groups=3).validate()
+    with pytest.raises(InvalidPlan, match="groups 2 with comm ring"):
+        double_plan(comm="ring").validate()
+    routed = dataclasses.replace(plan, routes=(Route(doc=0, src=1, dst=2, proxies=((1, 3),)),))
+    with pytest.raises(InvalidPlan, match="no inter-node ring of comm"):
+        routed.validate()

@@ -37,9 +37,9 @@ def test_every_planner_returns_a_valid_plan_or_infeasible(cluster, model, length
     model = specs.model(model)
     dev = devices(cluster, model)
     fits = (dev.token_cap >= 0).all() and sum(lengths) <= dev.token_cap.sum()
-    for name in PLANNERS:
+    for name, options in [(n, {}) for n in PLANNERS] + [("zeppelin", {"double": True})]:
         try:
-            plan = plan_batch(lengths, cluster, model, planner=name)
+            plan = plan_batch(lengths, cluster, model, planner=name, **options)
         except InfeasiblePlan as e:
             assert "document" in str(e) or "batch" in str(e) or "state" in str(e)
             assert name != "zeppelin" or not fits, str(e)

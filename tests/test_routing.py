@@ -20,7 +20,7 @@ from test_llama import SPEC, batch
 from test_remap import remap_plan
 
 import ballonet
-from ballonet.plan import Plan, Route
+from ballonet.plan import InvalidPlan, Plan, Route
 from ballonet.runtime import ByteCounter, attention, token_index
 from ballonet.runtime.comm import link_bytes, nic_bytes
 from ballonet.runtime.routing import (
@@ -133,10 +133,14 @@ def test_relays_by_hand():
     assert relay_meta(plan, index, 1, routes) is None and relay_meta(plan, index, 3, routes) is None
 
 
-def test_routes_on_all_gather_rings_are_refused():
-    plan = make_plan([8], [(0, 2)], (0, 0, 1, 1), comms={0: "allgather"})
-    with pytest.raises(ValueError, match="only P2P rings"):
-        routes_by_hop(routed(plan, (0, 0, 2, ((1, 3),))))
+def test_routes_on_all_gather_and_double_rings_are_refused():
+    for plan in (make_plan([8], [(0, 2)], (0, 0, 1, 1), comms={0: "allgather"}),
+                 make_plan([8], [(0, 2)], (0, 0, 1, 1), groups={0: 2})):
+        plan = dataclasses.replace(plan, routes=(Route(doc=0, src=0, dst=2, proxies=((1, 3),)),))
+        with pytest.raises(InvalidPlan, match='comm "ring"'):
+            plan.validate()
+        with pytest.raises(ValueError, match="only P2P rings"):  # the engine's own check
+            routes_by_hop(plan)
 
 
 def nic_spread(nic: Counter) -> float:

@@ -10,6 +10,7 @@ and predicted memory per rank.
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from dataclasses import dataclass, field
 
 from ballonet.errors import InfeasiblePlan
@@ -51,9 +52,11 @@ def zigzag_bounds(length: int, tokens: list[int]) -> tuple[int, ...]:
 
 
 def assemble(name: str, lengths: list[int], dev: Devices, placement: Placement, *, comm: str = "ring",
-             attention_engine: bool = False, meta: dict | None = None) -> Plan:
+             double: bool = False, attention_engine: bool = False, meta: dict | None = None) -> Plan:
     """The plan of `placement` (rings of `split` in ascending rank order, which groups them
-    by node, so an inter-node ring crosses nodes only between node blocks)."""
+    by node, so an inter-node ring crosses nodes only between node blocks). With `double`,
+    an inter-node ring of `split` with as many members on each of its nodes runs as a
+    "double" ring (a ring inside each node, rounds across nodes between rail peers)."""
     ring_specs = []  # (doc, ranks, bounds)
     for doc in sorted(placement.split):
         members = sorted(r for r, t in placement.split[doc].items() if t > 0)
@@ -66,9 +69,14 @@ def assemble(name: str, lengths: list[int], dev: Devices, placement: Placement, 
     ring_specs += [(doc, tuple(ranks), tuple(bounds)) for doc, (ranks, bounds) in placement.rings.items()]
     segs: list[list[tuple[int, int, int, int]]] = [[] for _ in range(dev.num_ranks)]  # (queue, doc, start, end)
     rings = []
+    fixed = set(placement.rings)
     for doc, ranks, b in sorted(ring_specs):
-        kind = "inter" if len({dev.node[r] for r in ranks}) > 1 else "intra"
-        rings.append(Ring(doc=doc, kind=kind, ranks=ranks, bounds=b, comm=comm))
+        per_node = Counter(dev.node[r] for r in ranks)
+        kind = "inter" if len(per_node) > 1 else "intra"
+        if double and kind == "inter" and doc not in fixed and len(set(per_node.values())) == 1:
+            rings.append(Ring(doc=doc, kind=kind, ranks=ranks, bounds=b, comm="double", groups=len(per_node)))
+        else:
+            rings.append(Ring(doc=doc, kind=kind, ranks=ranks, bounds=b, comm=comm))
         queue, g = (0 if kind == "inter" else 1), len(ranks)
         for i, r in enumerate(ranks):  # chunks i and 2g-1-i (Ring.chunks_of), empty ones left out
             if b[i + 1] > b[i]:

@@ -33,7 +33,7 @@ from ballonet.plan import Plan
 from ballonet.planning.devices import Devices
 from ballonet.specs import ModelSpec
 
-__all__ = ["StepWeights", "inter_node_span", "linear_work_per_token", "rank_compute_seconds", "rank_remap_seconds", "rank_step_seconds",
+__all__ = ["StepWeights", "double_exposed_seconds", "inter_node_span", "linear_work_per_token", "rank_compute_seconds", "rank_remap_seconds", "rank_step_seconds",
            "rank_tp_seconds", "recompute_modes", "remaps_inside", "ring_exposed_seconds", "step_weights"]
 
 
@@ -106,21 +106,55 @@ def ring_exposed_seconds(model: ModelSpec, gpu: hardware.GPUType, length: int, m
     return model.num_layers * (members - 1) * (redo * max(fwd, 0.0) + max(bwd, 0.0))
 
 
+def double_exposed_seconds(model: ModelSpec, gpu: hardware.GPUType, length: int, groups: int, group_size: int,
+                           intra_bw: float, nic_bw: float) -> float:
+    """Seconds a "double" ring (`ring_traffic.double_schedule`: `groups` nodes of
+    `group_size` ranks) over a document of `length` tokens leaves its transfers exposed in
+    a step (all layers), nothing else filling the wait: per inner step the K/V (backward:
+    plus dK/dV) over NVLink beyond that step's compute, as `ring_exposed_seconds`; per
+    round one block over a NIC beyond the round's compute; in the backward each node's sum
+    of a round's block home over a NIC, hidden by the next round's compute but the last."""
+    k, n = groups, group_size
+    block = max(length // (k * n), 1)
+    flops = cost_model.block_flops(model, block, block)
+    fwd_c = cost_model.attention_time(model, gpu, flops, block)
+    bwd_c = cost_model.attention_time(model, gpu, flops, block, backward=True)
+    kv, grad = cost_model.kv_bytes(model, block), cost_model.kv_grad_bytes(model, block)
+    inner_f = max(cost_model.p2p_time(kv, intra_bw, False, gpu) - fwd_c, 0.0) if n > 1 else 0.0
+    inner_b = max(cost_model.p2p_time(kv + grad, intra_bw, False, gpu) - bwd_c, 0.0) if n > 1 else 0.0
+    out_f = max(cost_model.p2p_time(kv, nic_bw, True, gpu) - n * fwd_c, 0.0)
+    out_b = max(cost_model.p2p_time(kv, nic_bw, True, gpu) - n * bwd_c, 0.0)
+    home = cost_model.p2p_time(grad, nic_bw, True, gpu)
+    redo = 2 if cost_model.recompute_attention(cost_model.recompute_mode(model)) else 1
+    forward = k * (n - 1) * inner_f + (k - 1) * out_f
+    backward = k * (n - 1) * inner_b + (k - 1) * out_b + (k - 2) * max(home - n * bwd_c, 0.0) + home
+    return model.num_layers * (redo * forward + backward)
+
+
 def inter_node_span(model: ModelSpec, gpu: hardware.GPUType, length: int, step_work: float, node_share: float,
                     ranks_per_node: int, num_nodes: int, bandwidth: float, node_speed: float,
-                    weights: StepWeights) -> int:
+                    weights: StepWeights, min_tokens: float = 0.0, fill_per_token: float = 0.0,
+                    intra_bw: float | None = None) -> int:
     """How many nodes a document whose step work (attention plus linear, `StepWeights`
     units) is over a node's share runs fastest on: 1 (kept in one node) or k >= 2 (a ring
     over k whole nodes), whichever leaves the least of the busiest node's overload (its
     ranks' extra step seconds) plus the ring's exposed communication
-    (`ring_exposed_seconds`). Fewer nodes than the work needs can win: a wider ring has
-    shorter blocks and more hops to hide."""
+    (`ring_exposed_seconds`, or with `intra_bw` a "double" ring's,
+    `double_exposed_seconds`). Fewer nodes than the work needs can win: a wider ring has
+    shorter blocks and more hops to hide. Under memory caps that bind, a node holds at
+    least `min_tokens` tokens: the node of a share of L / k tokens also carries the rest
+    at `fill_per_token` work each."""
     seconds_per_work = weights.attention_step * model.num_layers / node_speed
-    most = int(min(np.ceil(step_work / node_share), num_nodes))
+    most = int(min(np.ceil((step_work + min_tokens * fill_per_token) / node_share), num_nodes))
 
     def cost(k: int) -> float:
-        overload = max(step_work / k - node_share, 0.0) * seconds_per_work
-        return overload + (ring_exposed_seconds(model, gpu, length, k * ranks_per_node, bandwidth) if k > 1 else 0.0)
+        fill = max(min_tokens - length / k, 0.0) * fill_per_token
+        overload = max(step_work / k + fill - node_share, 0.0) * seconds_per_work
+        if k == 1:
+            return overload
+        if intra_bw is not None:
+            return overload + double_exposed_seconds(model, gpu, length, k, ranks_per_node, intra_bw, bandwidth)
+        return overload + ring_exposed_seconds(model, gpu, length, k * ranks_per_node, bandwidth)
 
     return min(range(1, max(most, 1) + 1), key=lambda k: (cost(k), k))
 
@@ -167,7 +201,8 @@ def rank_compute_seconds(plan: Plan, dev: Devices, model: ModelSpec, mode: str, 
 
 
 def rank_step_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw: np.ndarray,
-                      compute: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+                      compute: tuple[np.ndarray, np.ndarray] | None = None,
+                      nic_bw: np.ndarray | None = None) -> np.ndarray:
     """[R] a step's seconds per rank as the partitioner compares plans (under
     `model.recompute`): a rank's linear layers start once its own attention and that of
     every rank remapping tokens to it are done (the remap is a meeting point); then the
@@ -175,9 +210,17 @@ def rank_step_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw: np.nd
     sequence-parallel collectives over its tokens. Ring transfers, and the waits of ring
     members whose shares differ, are not priced: the attention engine forwards K/V as it
     arrives and fills waits with local documents (a term for the backward's dK/dV waits
-    was tried and mispredicted more choices than it fixed). `compute`: the plan's
-    `rank_compute_seconds(..., split=True)` under `model.recompute`, when already known."""
+    was tried and mispredicted more choices than it fixed), but for "double" rings across
+    nodes, whose members wait for NIC transfers local work rarely fills: with `nic_bw` ([R]
+    a rank's NIC share) each member adds its ring's `double_exposed_seconds`. `compute`:
+    the plan's `rank_compute_seconds(..., split=True)` under `model.recompute`, when known."""
     start, linear = compute or rank_compute_seconds(plan, dev, model, model.recompute, split=True)
+    start = start.copy()
+    for ring in plan.rings if nic_bw is not None else ():
+        if ring.comm == "double":
+            r = ring.ranks[0]
+            start[list(ring.ranks)] += double_exposed_seconds(model, dev.gpu[r], plan.lengths[ring.doc], ring.groups,
+                                                              ring.group_size, link_bw[r], nic_bw[r])
     ready = start.copy()
     for (src, dst) in plan.remap_tokens():
         ready[dst] = max(ready[dst], start[src])

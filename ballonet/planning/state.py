@@ -29,6 +29,9 @@ class Crossover:
     crossing_bw: float
     """Bytes/s of a ring hop that crosses nodes: one NIC at line rate (routing over more
     NICs helps less than their sum once every rank of the node is sending; not counted)."""
+    rank_nic_bw: float = 0.0
+    """Bytes/s of one rank's NIC share when every rank of the node sends at once (a
+    "double" ring's rounds): line rate over the GPUs a NIC serves."""
 
 
 @dataclass(frozen=True)

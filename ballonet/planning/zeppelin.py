@@ -95,17 +95,20 @@ def crossover_lengths(cluster: ClusterSpec, model: ModelSpec) -> list[Crossover]
         c_intra = cost_model.breakeven_chunk_tokens(model, g.gpu_type, g.intra_bw)
         c_inter = cost_model.breakeven_chunk_tokens(model, g.gpu_type, g.nic_bw / g.gpus_per_nic, nic=True)
         out.append(Crossover(intra=2 * c_intra if ranks_per_node > 1 else None, inter=2 * ranks_per_node * c_inter,
-                             intra_bw=g.intra_bw, crossing_bw=g.nic_bw))
+                             intra_bw=g.intra_bw, crossing_bw=g.nic_bw,
+                             rank_nic_bw=g.nic_bw / g.gpus_per_nic))
     return out
 
 
-def _classify(batch: Batch, nodes, hierarchical: bool, per_token: float, weights: StepWeights):
+def _classify(batch: Batch, nodes, hierarchical: bool, per_token: float, weights: StepWeights,
+              priced: bool = True, double: bool = True):
     """(intra, inter, span): masks of the documents split inside a node / across nodes
     (module docstring), and the number of nodes of each inter-node document that pricing
     sent there. A document whose attention plus linear work is over a node's share but
     that is shorter than the inter-node crossover goes across nodes when the node's
     overload it saves is more than the ring's exposed communication would cost, over as
-    many nodes as leave the least of the two (`pricing.inter_node_span`)."""
+    many nodes as leave the least of the two (`pricing.inter_node_span`; without `priced`,
+    in one node)."""
     L, work, dev, crossovers = batch.length_array, batch.work, batch.dev, batch.crossovers
     speed = dev.speed
     rank_share = work.sum() * speed.max() / speed.sum()
@@ -119,13 +122,19 @@ def _classify(batch: Batch, nodes, hierarchical: bool, per_token: float, weights
     inter, span = np.zeros(len(L), dtype=bool), {}
     if hierarchical and len(nodes) > 1:
         node_tokens = max(dev.token_cap[rs].sum() for rs in nodes)
-        heavy = step > node_share
+        # With `double`: under memory caps that bind, a node holds at least the tokens the
+        # other nodes cannot, so a document's node also carries that many tokens' linear
+        # work; and every document over a node's share is priced, above the crossover too.
+        least = max(float(L.sum()) - (dev.token_cap.sum() - node_tokens), 0.0) if double else 0.0
+        heavy = step + np.maximum(least - L, 0.0) * per_token > node_share
         inter = (L > node_tokens) | (heavy & (L >= l_inter))
         n = max(len(rs) for rs in nodes)
-        bw = min(t.crossing_bw for t in crossovers)
-        for d in np.nonzero(heavy & ~inter)[0] if per_token > 0 else ():  # priced with `price_linear` only
-            k = inter_node_span(batch.model, batch.gpu, int(L[d]), step[d], node_share, n, len(nodes), bw,
-                                node_speed, weights)
+        rank_nic = min(t.rank_nic_bw if double else t.crossing_bw for t in crossovers)
+        to_price = heavy & ~(L > node_tokens) if double else heavy & ~inter
+        for d in np.nonzero(to_price)[0] if per_token > 0 and priced else ():  # with `price_linear`
+            k = inter_node_span(batch.model, batch.gpu, int(L[d]), step[d], node_share, n, len(nodes), rank_nic,
+                                node_speed, weights, min_tokens=least, fill_per_token=per_token,
+                                intra_bw=min(t.intra_bw for t in crossovers) if double else None)
             if k > 1:
                 inter[d], span[int(d)] = True, k
     return intra & ~inter, inter, span
@@ -234,6 +243,8 @@ class _Nodes:
     """The busiest node's step compute as level 1 left it (its attention and linear work
     over its ranks' speed; no communication, no tensor parallelism): about what its
     busiest rank's will be once level 2 evens the node out (0 without hierarchy)."""
+    spans: int = 0
+    """Documents below the inter-node crossover that pricing sent over several nodes."""
 
 
 KEEP_MARGIN = 0.01
@@ -247,8 +258,9 @@ slower than the best plan so far (level 1's estimate is within about 3% of its p
 estimated step on the main grid of `bench/paper.py` and on `bench/planner.py`)."""
 
 
-def _nodes(lengths, dev: Devices, crossovers, hierarchical: bool, model: ModelSpec, price_linear: bool) -> _Nodes:
+def _nodes(lengths, dev: Devices, crossovers, options: dict, model: ModelSpec, span: bool = True) -> _Nodes:
     R, nodes = dev.num_ranks, dev.nodes()
+    hierarchical, price_linear = options["hierarchical"], options["price_linear"]
     gpu = dev.gpu[int(np.argmax(dev.speed))]
     work = attention_work(model, lengths, gpu)
     # A document above a rank's fair share will be split over about work / share ranks,
@@ -266,11 +278,13 @@ def _nodes(lengths, dev: Devices, crossovers, hierarchical: bool, model: ModelSp
     batch = Batch(lengths=lengths, length_array=np.asarray(lengths, dtype=float), work=work,
                   work_list=work.tolist(), dev=dev, model=model, gpu=gpu, crossovers=crossovers,
                   linear_on_rank=np.zeros(R))
-    intra, inter, span = _classify(batch, nodes, hierarchical, per_token, weights)
-    level1 = _level1(batch, nodes, intra, inter, span, per_token, weights if price_linear else None,
+    intra, inter, spans = _classify(batch, nodes, hierarchical, per_token, weights, priced=span,
+                                    double=options["double"])
+    level1 = _level1(batch, nodes, intra, inter, spans, per_token, weights if price_linear else None,
                      rank_token) if hierarchical else None
     return _Nodes(batch=batch, rank_token=rank_token, intra=intra, level1=level1,
-                  node_seconds=_node_seconds(batch, nodes, level1, rank_token, weights) if level1 else 0.0)
+                  node_seconds=_node_seconds(batch, nodes, level1, rank_token, weights) if level1 else 0.0,
+                  spans=len(spans))
 
 
 def _node_seconds(batch: Batch, nodes, level1: tuple, rank_token: np.ndarray, weights: StepWeights) -> float:
@@ -330,18 +344,21 @@ def _fallback(lengths: list[int], dev: Devices) -> Placement:
 
 def zeppelin(lengths, cluster: ClusterSpec, model: ModelSpec, *, routing: bool = True, remap: bool = True,
              hierarchical: bool = True, assume_homogeneous: bool = False, price_linear: bool = True,
-             price_recompute: bool = True) -> Plan:
+             price_recompute: bool = True, double: bool = False) -> Plan:
     """The Ballonet planner. `routing`, `remap`, `hierarchical` switch its layers off for
     ablations (without hierarchy a split document spans every rank); `assume_homogeneous`
     plans as if every GPU were the first type (memory caps stay real). `price_linear`
     balances nodes on attention plus linear work, remaps inside nodes only, and keeps
     every rank's tokens instead where that prices shorter (off: attention alone, remap
     across the cluster); `price_recompute` plans for each recomputation the batch fits
-    under and keeps the best (off: the model's, full when unset). The plan's meta says
+    under and keeps the best (off: the model's, full when unset); `double` runs an
+    inter-node ring with as many members on each of its nodes as a "double" ring (a ring
+    in each node, rounds between rail peers; off: one ring through the nodes, its crossing
+    hops routed) and prices it so (`pricing.double_exposed_seconds`). The plan's meta says
     what was chosen (`recompute`, `keep_tokens`) and among which plans (`candidates`: the
     recomputation, keep_tokens and estimated step seconds of each)."""
     options = {"routing": routing, "remap": remap, "hierarchical": hierarchical, "assume_homogeneous": assume_homogeneous,
-               "price_linear": price_linear, "price_recompute": price_recompute}
+               "price_linear": price_linear, "price_recompute": price_recompute, "double": double}
     for key, value in options.items():
         if not isinstance(value, bool):
             raise InputError(f"zeppelin option {key} must be True or False, got {value!r}")
@@ -378,7 +395,8 @@ def zeppelin(lengths, cluster: ClusterSpec, model: ModelSpec, *, routing: bool =
 
 def _step_seconds(plan: Plan, dev: Devices, model: ModelSpec, crossovers, compute=None) -> np.ndarray:
     """[R] what the partitioner compares its candidate plans by (`pricing.rank_step_seconds`)."""
-    return rank_step_seconds(plan, dev, model, np.array([crossovers[g].intra_bw for g in dev.group]), compute)
+    return rank_step_seconds(plan, dev, model, np.array([crossovers[g].intra_bw for g in dev.group]), compute,
+                             np.array([crossovers[g].rank_nic_bw for g in dev.group]))
 
 
 def _candidates(lengths, cluster, model, crossovers, options, fallback: bool,
@@ -397,28 +415,43 @@ def _candidates(lengths, cluster, model, crossovers, options, fallback: bool,
     meta = {"options": options, "crossover_lengths": [dataclasses.asdict(t) for t in crossovers],
             "recompute": model.recompute, "keep_tokens": False, "fallback": False}
 
-    def build(placement: Placement, facts: dict, keep: bool) -> tuple[Plan, float, float]:
+    def build(placement: Placement, facts: dict, keep: bool, double: bool = options["double"]) -> tuple[Plan, float, float]:
         """(plan, its estimated step, its busiest node's mean compute seconds)."""
         plan = _finish(lengths, dev, placement, {**meta, **facts, "keep_tokens": keep},
-                       remap=options["remap"] and not keep, node_remap=options["price_linear"])
+                       remap=options["remap"] and not keep, node_remap=options["price_linear"],
+                       double=double)
         attention, linear = rank_compute_seconds(plan, dev, model, model.recompute, split=True)
         node = max((attention[rs] + linear[rs]).mean() for rs in dev.nodes())
         return plan, float(_step_seconds(plan, dev, model, crossovers, (attention, linear)).max()), node
 
-    plans = []
-    try:
-        shared = _nodes(lengths, dev, crossovers, options["hierarchical"], model, options["price_linear"])
-        if shared.node_seconds > (1 + NODE_PRUNE_MARGIN) * beat:
-            return [], dev
+    def from_nodes(shared: _Nodes, double: bool = options["double"]) -> list[tuple[Plan, float]]:
+        out = []
         if options["price_linear"] and options["remap"]:
             try:
-                kept, seconds, node = build(*_place(shared, keep_tokens=True), keep=True)
-                plans = [(kept, seconds)]
+                kept, seconds, node = build(*_place(shared, keep_tokens=True), keep=True, double=double)
+                out = [(kept, seconds)]
                 if seconds <= (1 + KEEP_MARGIN) * node:
-                    return plans, dev
+                    return out
             except (NoRoom, InfeasiblePlan):
                 pass
-        plans.append(build(*_place(shared, keep_tokens=False), keep=False)[:2])
+        try:
+            out.append(build(*_place(shared, keep_tokens=False), keep=False, double=double)[:2])
+        except (NoRoom, InfeasiblePlan):
+            if not out:
+                raise
+        return out
+
+    plans: list[tuple[Plan, float]] = []
+    try:
+        shared = _nodes(lengths, dev, crossovers, options, model)
+        if shared.node_seconds > (1 + NODE_PRUNE_MARGIN) * beat:
+            return [], dev
+        plans = from_nodes(shared)
+        if any(p.ring_of_doc and any(r.comm == "double" for r in p.rings) for p, _ in plans):
+            # Priced for "double" rings across nodes: the plan of single rings through them too.
+            single = _nodes(lengths, dev, crossovers, {**options, "double": False}, model)
+            if single.node_seconds <= (1 + NODE_PRUNE_MARGIN) * min([beat] + [s for _, s in plans]):
+                plans += from_nodes(single, double=False)
     except (NoRoom, InfeasiblePlan):
         if plans:
             return plans, dev
@@ -428,10 +461,11 @@ def _candidates(lengths, cluster, model, crossovers, options, fallback: bool,
     return plans, dev
 
 
-def _finish(lengths, dev: Devices, placement: Placement, meta, *, remap: bool, node_remap: bool) -> Plan:
+def _finish(lengths, dev: Devices, placement: Placement, meta, *, remap: bool, node_remap: bool,
+            double: bool) -> Plan:
     """Step 4 but routes: remap (inside nodes, or across the cluster) and memory (raises
     `InfeasiblePlan`); the chosen plan gets its routes and is validated by `zeppelin`."""
-    plan = assemble("zeppelin", lengths, dev, placement, attention_engine=True, meta=meta)
+    plan = assemble("zeppelin", lengths, dev, placement, double=double, attention_engine=True, meta=meta)
     if remap:
         counts = plan.attention_token_counts
         nodes = [rs for rs in dev.nodes() if remaps_inside(dev.gpu[rs[0]])]

@@ -3,13 +3,21 @@ the forward and the backward run.
 
 A rank at ring position p holds the block of p: its zig-zag chunks p and 2g-1-p
 (`Ring.chunks_of`), K and V stacked as kv [2, rows, H_kv, D]. At step s it holds the
-block of position (p - s) mod g. Which of its query chunks see which key chunks follows
-from document offsets: a key chunk that ends before a query chunk starts is seen whole,
-the rank's own block (step 0) is causal, a later chunk is not seen. The own block is
-causal as one square sequence because a rank's chunks are in document order.
+block of position `Ring.schedule()`[p, s] ((p - s) mod g for "ring"). Which of its query
+chunks see which key chunks follows from document offsets: a key chunk that ends before a
+query chunk starts is seen whole, the rank's own block (step 0) is causal, a later chunk
+is not seen. The own block is causal as one square sequence because a rank's chunks are
+in document order.
 
 A hop between ring positions may be routed over proxies (`routing.Hop`): the ring loop
 posts its first and last legs; the proxies forward the rest in `routing.relay_pass`.
+
+A "double" ring (k node groups of n ranks, node-major) runs k rounds of n steps: in each
+round an inner ring over n ranks inside each node, as "ring" does; at a round's first step
+each rank also sends the block it holds to the same position of the next group, which
+computes with it at the next round's first step, so it has the whole round to arrive. In
+the backward the inner ring sums each round's first block over the node, and that sum
+goes straight to the block's owner. Its hops are direct (only "ring" hops are routed).
 
 Overlap: each step posts the next block's transfer before computing on the current one.
 On NCCL the transfers run on the process group's own CUDA streams: `post` returns at
@@ -50,6 +58,8 @@ class RingMeta:
     comm: str
     ranks: tuple[int, ...]
     position: int
+    held: tuple[int, ...]
+    """The ring position whose block this rank holds at each step (`Ring.schedule`)."""
     rows: torch.Tensor
     """[n] local rows (attention layout) of this rank's block, chunk p then 2g-1-p."""
     block_rows: tuple[int, ...]
@@ -61,6 +71,8 @@ class RingMeta:
     out_hop: Hop | None = None
     """"ring" comm: the hop to the next position, and from the previous one (g > 1)."""
     in_hop: Hop | None = None
+    groups: int = 1
+    """"double" comm: the number of node groups (`Ring.groups`)."""
 
 
 def _chunk_offsets(chunks) -> list[int]:
@@ -125,10 +137,11 @@ def ring_meta(plan: Plan, rank: int, device, routes: dict | None = None) -> list
         rows = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
         hops = (ring_hop(ring, p, routes or {}), ring_hop(ring, (p - 1) % g, routes or {})) \
             if ring.comm == "ring" and g > 1 else (None, None)
-        out.append(RingMeta(doc=ring.doc, comm=ring.comm, ranks=ring.ranks, position=p, rows=rows.to(device),
-                            block_rows=tuple(ring.block_tokens(i) for i in range(g)),
-                            calls=tuple(_step_call(ring, p, (p - s) % g, device) for s in range(g)),
-                            tag=2 * index, out_hop=hops[0], in_hop=hops[1]))
+        held = tuple(int(j) for j in ring.schedule()[p])
+        out.append(RingMeta(doc=ring.doc, comm=ring.comm, ranks=ring.ranks, position=p, held=held,
+                            rows=rows.to(device), block_rows=tuple(ring.block_tokens(i) for i in range(g)),
+                            calls=tuple(_step_call(ring, p, j, device) for j in held),
+                            tag=2 * index, out_hop=hops[0], in_hop=hops[1], groups=ring.groups))
     return out
 
 
@@ -143,17 +156,20 @@ def _like(x: torch.Tensor, rows: int) -> torch.Tensor:
 
 def ring_pass(p2p: P2P, meta: RingMeta, kv: torch.Tensor, compute: Compute) -> Generator[None, None, torch.Tensor | None]:
     """Call compute(step, kv_held) on the block held at each step, passing `kv` (this
-    rank's block) around the ring or all-gathering it; yield while transfers are in flight.
+    rank's block) around the ring, all-gathering it or passing it around a "double" ring;
+    yield while transfers are in flight.
 
     When compute returns the fp32 dK/dV of the block held (the backward), those return to
     the block's owner; then the generator returns this rank's own block gradient."""
     if meta.comm == "allgather":
         return (yield from _gathered(p2p, meta, kv, compute))
-    g, p, out_hop, in_hop = len(meta.ranks), meta.position, meta.out_hop, meta.in_hop
+    if meta.comm == "double":
+        return (yield from _double(p2p, meta, kv, compute))
+    g, out_hop, in_hop = len(meta.ranks), meta.out_hop, meta.in_hop
     own, incoming = None, None
     for step in range(g):
         if step < g - 1:
-            kv_next = _like(kv, meta.block_rows[(p - step - 1) % g])
+            kv_next = _like(kv, meta.block_rows[meta.held[step + 1]])
             kv_works = p2p.post(out_hop.sends(kv, meta.tag), in_hop.recvs(kv_next, meta.tag))
         grad = compute(step, kv)
         if grad is not None and step == 0:
@@ -163,7 +179,7 @@ def ring_pass(p2p: P2P, meta: RingMeta, kv: torch.Tensor, compute: Compute) -> G
             if incoming is not None:
                 wait(incoming[1])
                 grad += incoming[0]
-            buf = _like(grad, meta.block_rows[(p - step - 1) % g])
+            buf = _like(grad, meta.block_rows[meta.held[(step + 1) % g]])
             incoming = (buf, p2p.post(out_hop.sends(grad, meta.tag + 1), in_hop.recvs(buf, meta.tag + 1)))
         yield
         if step < g - 1:
@@ -196,3 +212,71 @@ def _gathered(p2p: P2P, meta: RingMeta, kv: torch.Tensor, compute: Compute):
     yield
     wait(works)
     return own + sum(incoming) if incoming else own
+
+
+def _double(p2p: P2P, meta: RingMeta, kv: torch.Tensor, compute: Compute):
+    """ring_pass for comm="double": k rounds of n steps, each an inner ring inside every
+    node group; a round's first block also goes to the same position of the next group.
+    In the backward the inner ring sums each round's first block over the node, and the
+    sum goes straight to the block's owner (the rank keeps its own, from round 0)."""
+    k, g = meta.groups, len(meta.ranks)
+    n = g // k
+    a, p = divmod(meta.position, n)
+
+    def peer(group: int, position: int) -> int:
+        return meta.ranks[group % k * n + position % n]
+
+    kv_tag, grad_tag = message_tag(meta.tag, 0), message_tag(meta.tag + 1, 0)
+    own, first, incoming, returns = None, None, None, []
+
+    def finish(j: int, total: torch.Tensor) -> None:
+        """Round j's node sum for its first block, the block of group a - j."""
+        nonlocal own
+        if j == 0:
+            own = total
+            return
+        buf = torch.empty_like(own)
+        returns.append((buf, p2p.post([(peer(a - j, p), total, grad_tag)], [(peer(a + j, p), buf, grad_tag)])))
+
+    for step in range(g):
+        j, t = divmod(step, n)
+        if t < n - 1:
+            kv_next = _like(kv, meta.block_rows[meta.held[step + 1]])
+            inner = p2p.post([(peer(a, p + 1), kv, kv_tag)], [(peer(a, p - 1), kv_next, kv_tag)])
+        if t == 0 and j < k - 1:  # after the inner post: on NCCL the group's batches share one stream
+            kv_round = _like(kv, meta.block_rows[meta.held[step + n]])
+            outer = p2p.post([(peer(a + 1, p), kv, kv_tag)], [(peer(a - 1, p), kv_round, kv_tag)])
+        grad = compute(step, kv)
+        if grad is not None and t == 0:
+            if incoming is not None:  # the predecessor's partial sum of the previous round's first block
+                wait(incoming[1])
+                first += incoming[0]
+                incoming = None
+                finish(j - 1, first)
+            first = grad
+            if n == 1:
+                finish(j, first)
+        elif grad is not None:
+            if incoming is not None:
+                wait(incoming[1])
+                grad += incoming[0]
+            buf = _like(grad, meta.block_rows[meta.held[j * n + (t + 1) % n]])
+            incoming = (buf, p2p.post([(peer(a, p + 1), grad, grad_tag)], [(peer(a, p - 1), buf, grad_tag)]))
+        yield
+        if t < n - 1:
+            wait(inner)
+            kv = kv_next
+        elif j < k - 1:
+            wait(outer)
+            kv = kv_round
+    if first is None:
+        return None
+    if incoming is not None:
+        wait(incoming[1])
+        first += incoming[0]
+        finish(k - 1, first)
+        yield
+    for buf, works in returns:
+        wait(works)
+        own += buf
+    return own

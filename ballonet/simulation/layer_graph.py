@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ballonet import cost_model, hardware
-from ballonet.plan import Plan, chunk_bounds, ring_schedule
+from ballonet.plan import Plan, chunk_bounds
 from ballonet.simulation.fabric import Fabric
 from ballonet.simulation.timeline import Timeline
 from ballonet.specs import ModelSpec
@@ -29,10 +29,10 @@ PRIORITY = {"inter": 0, "intra": 1, "local": 2, "linear": 3, "tp": 4}
 
 
 def ring_groups(plan: Plan) -> list[tuple[tuple[int, ...], str, list]]:
-    """Split documents grouped by (ring ranks, comm); inter-node groups first."""
+    """Split documents grouped by (ring ranks, comm, node groups); inter-node groups first."""
     groups: dict = defaultdict(list)
     for ring in plan.rings:
-        groups[ring.ranks, ring.comm, ring.kind].append(ring)
+        groups[ring.ranks, ring.comm, ring.kind, ring.groups].append(ring)
     keys = sorted(groups, key=lambda k: (PRIORITY[k[2]], min(r.doc for r in groups[k])))
     return [(k[0], k[1], groups[k]) for k in keys]
 
@@ -40,7 +40,7 @@ def ring_groups(plan: Plan) -> list[tuple[tuple[int, ...], str, list]]:
 def ring_tables(plan: Plan, rings: list, model: ModelSpec, fabric: Fabric,
                 backward: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Attention seconds [i, s] of ring position i at step s (forward, or backward at its
-    own efficiency), and K/V rows [i, s] it holds at step s (`plan.ring_schedule`), summed
+    own efficiency), and K/V rows [i, s] it holds at step s (`Ring.schedule`), summed
     over the rings: what it sends at step s, as the rings' `Ring.messages` (vectorised here)."""
     ranks = rings[0].ranks
     seconds = np.zeros((len(ranks), len(ranks)))
@@ -64,7 +64,7 @@ def _ring_table(plan: Plan, rings: list, model: ModelSpec, gpu, backward: bool) 
     diag = (weight[:, None] * lens * (lens + 1)).sum(axis=0)
     hd = model.num_heads * model.head_dim
     a = np.arange(g)
-    src = ring_schedule(g)  # [i, s]: position whose block i holds at step s
+    src = rings[0].schedule()  # [i, s]: position whose block i holds at step s
     flops = np.zeros((g, g))
     for q in (a[:, None], 2 * g - 1 - a[:, None]):
         for k in (src, 2 * g - 1 - src):
@@ -146,14 +146,17 @@ class LayerGraph:
             seconds, rows = ring_tables(self.plan, rings, self.model, self.fabric, self.backward)
             if self.backward and self.recompute == "full":
                 seconds = seconds + ring_tables(self.plan, rings, self.model, self.fabric)[0]
-            if comm != "ring":  # one kernel over the gathered K/V
+            if comm == "allgather":  # one kernel over the gathered K/V
                 seconds = seconds.sum(axis=1, keepdims=True)
             floor = np.array([[hardware.profile(self.fabric.gpu[r]).attention_launch_s] for r in ranks])
             seconds = np.where(seconds > 0, np.maximum(seconds, floor), 0.0).tolist()
-            ring = (self.ring_backward if self.backward else self.ring_forward) if comm == "ring" else \
-                (self.gather_backward if self.backward else self.gather_forward)
-            done = ring(ranks, rings[0].kind, seconds, rows.tolist(), begin,
-                        f"doc {rings[0].doc}" + "+" * (len(rings) > 1))
+            name = f"doc {rings[0].doc}" + "+" * (len(rings) > 1)
+            if comm == "double":
+                done = self.double(ranks, rings[0].groups, seconds, rows.tolist(), begin, name)
+            else:
+                ring = (self.ring_backward if self.backward else self.ring_forward) if comm == "ring" else \
+                    (self.gather_backward if self.backward else self.gather_forward)
+                done = ring(ranks, rings[0].kind, seconds, rows.tolist(), begin, name)
             for i, r in enumerate(ranks):
                 ends[r].append(done[i])
         for r in range(self.plan.num_ranks):
@@ -213,6 +216,49 @@ class LayerGraph:
                     next_dkv[j] = self.send(hops[i], rows[i][s], [c, dkv[i]], (name, "dkv", s), "grad")
             kv, dkv = next_kv, next_dkv
         return [self.tl.join(d + [dkv[i]]) for i, d in enumerate(done)]
+
+    def double(self, ranks, k: int, seconds, rows, begin, name) -> list:
+        """A "double" ring (`ring_traffic.double_schedule`), forward or backward, with the
+        attention engine: per round an inner ring in each node group; each round's first
+        block goes on to the same position of the next group as soon as it is there; in
+        the backward, dK/dV partials follow the inner ring and each node's sum for a round's
+        first block goes straight home after the round."""
+        g = len(ranks)
+        n = g // k
+        inner = [(i // n) * n + (i % n + 1) % n for i in range(g)]
+        arrive = {(i, 0): begin[r] for i, r in enumerate(ranks)}  # (position, step) -> its block is there
+        done = [[] for _ in ranks]
+        dkv: dict[int, int | None] = {}  # position -> its predecessor's partial of the step's block
+        round_first = [None] * g  # the compute of the round's first step
+        for s in range(g):
+            j, t = divmod(s, n)
+            incoming: dict[int, int | None] = {}
+            for i, r in enumerate(ranks):
+                here = arrive[i, s]
+                c = self.compute(r, seconds[i][s], "inter", s, [here], (name, "step", s))
+                done[i].append(c)
+                if t == 0:
+                    round_first[i] = c
+                if t < n - 1:
+                    arrive[inner[i], s + 1] = self.send((r, ranks[inner[i]]), rows[i][s], [here], (name, "kv", s))
+                if t == 0 and j < k - 1:
+                    nxt = ((i // n + 1) % k) * n + i % n
+                    arrive[nxt, s + n] = self.send((r, ranks[nxt]), rows[i][s], [here], (name, "kv out", s))
+                if self.backward and t >= 1:
+                    incoming[inner[i]] = self.send((r, ranks[inner[i]]), rows[i][s], [c, dkv.get(i)],
+                                                   (name, "dkv", s), "grad")
+            dkv = incoming
+            if self.backward and t == n - 1:
+                for i, r in enumerate(ranks):
+                    total = self.tl.join([round_first[i], dkv.get(i)])  # the node's sum of the round's first block
+                    if j == 0:
+                        done[i].append(total)
+                    else:
+                        owner = ((i // n - j) % k) * n + i % n
+                        done[owner].append(self.send((r, ranks[owner]), rows[i][j * n], [total],
+                                                     (name, "dkv home", s), "grad"))
+                dkv = {}
+        return [self.tl.join(d) for d in done]
 
     def gather(self, ranks, rows, begin, name) -> list:
         """K/V of every member sent straight to every other member (as the runtime does);

@@ -1,0 +1,75 @@
+"""The engine on "double" rings (an inner ring inside each node, rounds across nodes): the
+held blocks follow `Ring.schedule`, and on 4 gloo ranks (2 nodes x 2) and 6 (3 nodes x 2)
+each rank's output and q, k, v gradients equal the single-process reference and the bytes
+sent per (src, dst) equal `routing.predicted_bytes`, beside "ring", "allgather", routed
+and local documents.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from distributed import run_ranks
+from test_attention import _check_plan, make_plan
+
+from ballonet.plan import Plan, Route
+from ballonet.runtime.ring import ring_meta
+from ballonet.runtime.routing import relay_meta, routes_by_hop
+
+NODES4, NODES6 = (0, 0, 1, 1), (0, 0, 1, 1, 2, 2)
+
+
+def plans4() -> dict[str, Plan]:
+    lengths = [37, 13, 5, 20, 9, 7, 3, 11, 6]
+    placement = [(0, 1, 2, 3), (0, 2), (2, 3, 0, 1), (0, 1, 2, 3), (2, 3), 1, 3, (3, 1), (1, 2)]
+    mixed = make_plan(lengths, placement, NODES4, comms={8: "allgather"}, seed=3,
+                      groups={0: 2, 1: 2, 2: 2, 7: 2}, tokens={0: [11, 7, 12, 7], 1: [8, 5], 2: [2, 0, 3, 0]})
+    routes = (Route(doc=3, src=1, dst=2, proxies=((0, 2), (1, 3))), Route(doc=3, src=3, dst=0, proxies=((2, 0), (3, 1))))
+    return {
+        "alone": make_plan([64], [(0, 1, 2, 3)], NODES4, groups={0: 2}, tokens={0: [20, 12, 18, 14]}),
+        "mixed": mixed,
+        "mixed routed": dataclasses.replace(mixed, routes=routes).validate(),
+    }
+
+
+def plans6() -> dict[str, Plan]:
+    lengths = [45, 12, 10, 8, 15, 6, 4]
+    placement = [(0, 1, 2, 3, 4, 5), (4, 0, 2), (2, 3, 4, 5), (5, 1), (1, 3, 5), 0, 4]
+    return {"three nodes": make_plan(lengths, placement, NODES6, seed=5, groups={0: 3, 1: 3, 2: 2, 3: 2},
+                                     tokens={0: [9, 6, 8, 7, 10, 5], 1: [5, 3, 4]})}
+
+
+def test_held_blocks_follow_the_schedule():
+    plan = plans4()["mixed"]
+    assert [r.comm for r in plan.rings] == ["double", "double", "double", "ring", "ring", "double", "allgather"]
+    by_hand = {0: [0, 1, 2, 3], 1: [1, 0, 3, 2], 2: [2, 3, 0, 1], 3: [3, 2, 1, 0]}  # k = 2, n = 2
+    for rank in range(4):
+        metas = {m.doc: m for m in ring_meta(plan, rank, "cpu", routes_by_hop(plan))}
+        assert list(metas[0].held) == by_hand[rank] and metas[0].groups == 2
+        assert metas[0].out_hop is None and metas[0].in_hop is None
+        ring = metas[3]
+        assert list(ring.held) == [(ring.position - s) % 4 for s in range(4)] and ring.groups == 1
+        for m in metas.values():
+            assert m.held == tuple(plan.ring_of_doc[m.doc].schedule()[m.position].tolist())
+    for index, ring in enumerate(plan.rings):
+        if ring.comm == "double":
+            assert all(relay_meta(plan, index, r, routes_by_hop(plan)) is None for r in range(4))
+
+
+def _check_all(rank: int, world: int, plans: dict[str, Plan]) -> list:
+    rows = []
+    for name, plan in plans.items():
+        rows += _check_plan(name, plan, rank, world)
+    return rows
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [4, 6])
+def test_double_rings_match_reference_and_predicted_bytes(world):
+    plans = plans4() if world == 4 else plans6()
+    results = run_ranks(world, _check_all, plans)
+    bad = [f"rank {r}: {check}: {err:.3g} > {tol:.3g}" for r, rows in enumerate(results)
+           for check, err, tol in rows if not err <= tol]
+    assert not bad, "\n".join(bad)
+    assert all(len(rows) == 14 * len(plans) for rows in results)  # 12 values, 2 byte counts per plan
