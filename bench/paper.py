@@ -290,9 +290,9 @@ def targets(data: dict) -> list[tuple[str, bool, str, str]]:
                     f" With double rings across nodes (opt-in `double=True`, last row of the pricing ablation): "
                     f"{dbl['within_bound']} of {dbl['configurations']} within, worst {dbl['worst_to_bound']:.2f}x, "
                     f"mean over the best baseline {dbl['mean_over_best']:.2f}x; not the default because planning "
-                    "then builds a second level 1 (single rings) to compare, about twice the planning time of "
-                    "`bench/planner.py`, and its estimate leaves the last round's dK/dV return over a NIC "
-                    "exposed." if dbl else "")))
+                    "then builds a second level 1 (single rings) to compare (about twice the planning time "
+                    "on the batches of `bench/planner.py`), and the double ring leaves the last round's dK/dV "
+                    "sum crossing a NIC after the compute (docs/design.md, section 4)." if dbl else "")))
     by_cluster = {cl: _mean(speedup(c) for c in g if c["cluster"] == cl) for cl in CLUSTERS}
     te_by_cluster = {cl: _mean(c["results"]["te_cp"]["exposed_comm_share"] for c in g if c["cluster"] == cl)
                      for cl in CLUSTERS}
