@@ -46,6 +46,8 @@ already slower than the best plan), steps 2-4 first with every rank keeping its 
 (no remap; ranks balanced on attention plus linear work) and then with the remap, from
 the same level 1, unless the first is already as level as its nodes allow; the plan
 whose busiest rank has the shortest estimated step is kept (`pricing.rank_step_seconds`).
+With `double`, inter-node rings with as many members on each node run as "double" rings
+and are priced so; a candidate holding one is compared with the plan of single rings.
 A batch the greedy steps cannot fit under memory caps falls back to cutting the batch in
 speed-proportional runs of tokens (valid, not balanced; `meta["fallback"]`).
 Without `hierarchical`, a document that must be split spans every rank (the ablation).
@@ -100,15 +102,15 @@ def crossover_lengths(cluster: ClusterSpec, model: ModelSpec) -> list[Crossover]
     return out
 
 
-def _classify(batch: Batch, nodes, hierarchical: bool, per_token: float, weights: StepWeights,
-              priced: bool = True, double: bool = True):
+def _classify(batch: Batch, nodes, hierarchical: bool, per_token: float, weights: StepWeights, double: bool):
     """(intra, inter, span): masks of the documents split inside a node / across nodes
     (module docstring), and the number of nodes of each inter-node document that pricing
     sent there. A document whose attention plus linear work is over a node's share but
     that is shorter than the inter-node crossover goes across nodes when the node's
     overload it saves is more than the ring's exposed communication would cost, over as
-    many nodes as leave the least of the two (`pricing.inter_node_span`; without `priced`,
-    in one node)."""
+    many nodes as leave the least of the two (`pricing.inter_node_span`; with `double`,
+    priced as a "double" ring, for every document over a node's share, counting the tokens
+    its node must hold under binding caps)."""
     L, work, dev, crossovers = batch.length_array, batch.work, batch.dev, batch.crossovers
     speed = dev.speed
     rank_share = work.sum() * speed.max() / speed.sum()
@@ -131,7 +133,7 @@ def _classify(batch: Batch, nodes, hierarchical: bool, per_token: float, weights
         n = max(len(rs) for rs in nodes)
         rank_nic = min(t.rank_nic_bw if double else t.crossing_bw for t in crossovers)
         to_price = heavy & ~(L > node_tokens) if double else heavy & ~inter
-        for d in np.nonzero(to_price)[0] if per_token > 0 and priced else ():  # with `price_linear`
+        for d in np.nonzero(to_price)[0] if per_token > 0 else ():  # priced with `price_linear` only
             k = inter_node_span(batch.model, batch.gpu, int(L[d]), step[d], node_share, n, len(nodes), rank_nic,
                                 node_speed, weights, min_tokens=least, fill_per_token=per_token,
                                 intra_bw=min(t.intra_bw for t in crossovers) if double else None)
@@ -243,8 +245,6 @@ class _Nodes:
     """The busiest node's step compute as level 1 left it (its attention and linear work
     over its ranks' speed; no communication, no tensor parallelism): about what its
     busiest rank's will be once level 2 evens the node out (0 without hierarchy)."""
-    spans: int = 0
-    """Documents below the inter-node crossover that pricing sent over several nodes."""
 
 
 KEEP_MARGIN = 0.01
@@ -258,7 +258,7 @@ slower than the best plan so far (level 1's estimate is within about 3% of its p
 estimated step on the main grid of `bench/paper.py` and on `bench/planner.py`)."""
 
 
-def _nodes(lengths, dev: Devices, crossovers, options: dict, model: ModelSpec, span: bool = True) -> _Nodes:
+def _nodes(lengths, dev: Devices, crossovers, options: dict, model: ModelSpec) -> _Nodes:
     R, nodes = dev.num_ranks, dev.nodes()
     hierarchical, price_linear = options["hierarchical"], options["price_linear"]
     gpu = dev.gpu[int(np.argmax(dev.speed))]
@@ -278,13 +278,11 @@ def _nodes(lengths, dev: Devices, crossovers, options: dict, model: ModelSpec, s
     batch = Batch(lengths=lengths, length_array=np.asarray(lengths, dtype=float), work=work,
                   work_list=work.tolist(), dev=dev, model=model, gpu=gpu, crossovers=crossovers,
                   linear_on_rank=np.zeros(R))
-    intra, inter, spans = _classify(batch, nodes, hierarchical, per_token, weights, priced=span,
-                                    double=options["double"])
-    level1 = _level1(batch, nodes, intra, inter, spans, per_token, weights if price_linear else None,
+    intra, inter, span = _classify(batch, nodes, hierarchical, per_token, weights, options["double"])
+    level1 = _level1(batch, nodes, intra, inter, span, per_token, weights if price_linear else None,
                      rank_token) if hierarchical else None
     return _Nodes(batch=batch, rank_token=rank_token, intra=intra, level1=level1,
-                  node_seconds=_node_seconds(batch, nodes, level1, rank_token, weights) if level1 else 0.0,
-                  spans=len(spans))
+                  node_seconds=_node_seconds(batch, nodes, level1, rank_token, weights) if level1 else 0.0)
 
 
 def _node_seconds(batch: Batch, nodes, level1: tuple, rank_token: np.ndarray, weights: StepWeights) -> float:
@@ -447,7 +445,7 @@ def _candidates(lengths, cluster, model, crossovers, options, fallback: bool,
         if shared.node_seconds > (1 + NODE_PRUNE_MARGIN) * beat:
             return [], dev
         plans = from_nodes(shared)
-        if any(p.ring_of_doc and any(r.comm == "double" for r in p.rings) for p, _ in plans):
+        if any(r.comm == "double" for p, _ in plans for r in p.rings):
             # Priced for "double" rings across nodes: the plan of single rings through them too.
             single = _nodes(lengths, dev, crossovers, {**options, "double": False}, model)
             if single.node_seconds <= (1 + NODE_PRUNE_MARGIN) * min([beat] + [s for _, s in plans]):
