@@ -5,9 +5,10 @@
 Planner fuzz (issue 16): `--cases` random clusters (1 to 3 node groups of any GPU type,
 1 to 8 GPUs and NICs per node), every model preset with tp 1, 2 or 4, and batches of
 64 to 32K tokens per GPU made of 1 to 256 documents of 1 to 1M tokens (log-uniform up to
-a longest length, itself log-uniform); every planner plans every batch. A call may
-end in a valid plan or in `InfeasiblePlan` / `InputError`; anything else (an invalid
-plan, another exception, a call longer than `--timeout` seconds) is a failure.
+a longest length, itself log-uniform); every planner plans every batch, and zeppelin
+once more with double rings (`VARIANTS`). A call may end in a valid plan or in
+`InfeasiblePlan` / `InputError`; anything else (an invalid plan, another exception, a
+call longer than `--timeout` seconds) is a failure.
 
 Bad-input sweep: each case of `SWEEP` runs `python -m ballonet ...` in a fresh folder
 and records the exit code, the stderr lines, and any file left behind. Every case
@@ -76,6 +77,11 @@ def random_case(rng: np.random.Generator):
     return lengths[:num_docs].tolist(), cluster, model
 
 
+VARIANTS = {**{name: (name, {}) for name in PLANNERS}, "zeppelin double": ("zeppelin", {"double": True})}
+"""What each call plans with (name: (planner, options)): every planner, and zeppelin with
+its opt-in double rings."""
+
+
 class _Timeout(Exception):
     pass
 
@@ -84,13 +90,13 @@ def _alarm(signum, frame):
     raise _Timeout
 
 
-def check_call(lengths, cluster, model, planner: str, timeout_s: float) -> str:
+def check_call(lengths, cluster, model, planner: str, timeout_s: float, options: dict | None = None) -> str:
     """"ok", "infeasible" or "input_error"; anything else is a failure ("invalid: ...",
     "crash: ...", "hang")."""
     old = signal.signal(signal.SIGALRM, _alarm)
     signal.setitimer(signal.ITIMER_REAL, timeout_s)
     try:
-        plan_batch(lengths, cluster, model, planner=planner).validate()
+        plan_batch(lengths, cluster, model, planner=planner, **(options or {})).validate()
         return "ok"
     except _Timeout:
         return "hang"
@@ -106,7 +112,8 @@ def check_call(lengths, cluster, model, planner: str, timeout_s: float) -> str:
 def _fuzz_case(seed: int, case: int, timeout_s: float) -> tuple[int, dict[str, str], tuple]:
     """Case `case` of the fuzz (its own generator, so cases split over processes)."""
     lengths, cluster, model = random_case(np.random.default_rng([seed, case]))
-    outcomes = {name: check_call(lengths, cluster, model, name, timeout_s) for name in PLANNERS}
+    outcomes = {name: check_call(lengths, cluster, model, planner, timeout_s, options)
+                for name, (planner, options) in VARIANTS.items()}
     return case, outcomes, (lengths, cluster, model)
 
 
@@ -115,7 +122,7 @@ def fuzz_planners(num_cases: int, seed: int = 0, timeout_s: float = 30.0, jobs: 
     import functools
     import multiprocessing
 
-    counts = {name: Counter() for name in PLANNERS}
+    counts = {name: Counter() for name in VARIANTS}
     failures = []
     run = functools.partial(_fuzz_case, seed, timeout_s=timeout_s)
     with multiprocessing.get_context("fork").Pool(jobs) if jobs > 1 else contextlib.nullcontext() as pool:
@@ -326,7 +333,7 @@ def _stamp(command: str, seconds: float) -> str:
 
 def _planner_section(result: dict) -> list[str]:
     kinds = ("ok", "infeasible", "input_error", "invalid", "crash", "hang")
-    out = [f"## Planner fuzz: {result['cases']} random cases x {len(result['counts'])} planners (seed {result['seed']})",
+    out = [f"## Planner fuzz: {result['cases']} random cases x {len(result['counts'])} planner configurations (seed {result['seed']})",
            "", result["stamp"], "",
            "Random clusters (1-3 node groups, every GPU type, 1-8 GPUs and NICs per node), every model preset "
            "(`MODEL_WEIGHTS`) with tp 1/2/4, batches of 64 to 32K tokens per GPU in 1-256 documents of 1 to 1M tokens. A call must "
