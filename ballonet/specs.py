@@ -32,12 +32,15 @@ class NodeGroup:
     """Line rate of one NIC in Gb/s."""
     intra_link_bw: float | None = None
     """Override of the GPU type's intra-node bandwidth, bytes/s one direction."""
+    memory_gb: float | None = None
+    """Override of the GPU type's memory in GB (1e9 bytes): a variant of the type (an
+    A100 of 40 GB, an H100 NVL of 94 GB), or memory held back for other work."""
 
     def __post_init__(self):
         if not isinstance(self.gpu, str):
             raise InputError(f"node group: gpu must be a GPU type name (a string), got {self.gpu!r}")
         hardware.gpu(self.gpu)
-        for name in ("nic_gbps", "intra_link_bw"):
+        for name in ("nic_gbps", "intra_link_bw", "memory_gb"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
                 raise InputError(f"node group {self.gpu!r}: {name} must be a number, got {value!r}")
@@ -53,10 +56,15 @@ class NodeGroup:
             raise InputError(f"node group {self.gpu!r}: nic_gbps must be positive, got {self.nic_gbps!r}")
         if self.intra_link_bw is not None and not self.intra_link_bw > 0:
             raise InputError(f"node group {self.gpu!r}: intra_link_bw must be positive")
+        if self.memory_gb is not None and not self.memory_gb > 0:
+            raise InputError(f"node group {self.gpu!r}: memory_gb must be positive, got {self.memory_gb!r}")
 
-    @property
+    @cached_property
     def gpu_type(self) -> hardware.GPUType:
-        return hardware.gpu(self.gpu)
+        gpu = hardware.gpu(self.gpu)
+        if self.memory_gb is None:
+            return gpu
+        return dataclasses.replace(gpu, memory_bytes=self.memory_gb * hardware.GB)
 
     @property
     def intra_bw(self) -> float:
@@ -108,7 +116,7 @@ class ClusterSpec:
 
     @property
     def homogeneous(self) -> bool:
-        return len({(g.gpu, g.gpus_per_node, g.nics_per_node, g.nic_gbps) for g in self.groups}) == 1
+        return len({(g.gpu, g.gpus_per_node, g.nics_per_node, g.nic_gbps, g.memory_gb) for g in self.groups}) == 1
 
     def group_of(self, rank: int) -> NodeGroup:
         return self.groups[self._rank_table[rank][0]]
@@ -263,7 +271,7 @@ def _load_toml(path: str) -> dict:
 def cluster_from_toml(path: str) -> ClusterSpec:
     """A cluster file: `name = "..."` and one `[[node_groups]]` table per group, with the
     fields of `NodeGroup` (gpu, num_nodes, gpus_per_node, nics_per_node, nic_gbps,
-    intra_link_bw)."""
+    intra_link_bw, memory_gb)."""
     data = _load_toml(path)
     groups = data.get("node_groups")
     if not isinstance(groups, list) or not groups:

@@ -79,6 +79,8 @@ def test_malformed_toml_names_the_field(tmp_path, text, message):
     ("node_groups = [1, 2]\n", "node_groups[0]: expected a table ([[node_groups]]), got 1"),
     ('[[node_groups]]\ngpu = "h200"\nnic_gbps = "fast"\n', "node_groups[0]: node group 'h200': nic_gbps must be a number"),
     ('[[node_groups]]\ngpu = "h200"\nintra_link_bw = true\n', "intra_link_bw must be a number, got True"),
+    ('[[node_groups]]\ngpu = "a100"\nmemory_gb = "40"\n', "memory_gb must be a number, got '40'"),
+    ('[[node_groups]]\ngpu = "a100"\nmemory_gb = 0\n', "memory_gb must be positive, got 0"),
     ('name = [1]\n[[node_groups]]\ngpu = "h200"\n', "field 'name' must be a string, got [1]"),
     (b"\x80\x81\xfe" * 50, "not a TOML cluster file (not UTF-8 text)"),
 ])
@@ -88,6 +90,36 @@ def test_toml_of_the_wrong_type_is_one_line_naming_file_and_field(tmp_path, text
     with pytest.raises(InputError) as err:
         ballonet.cluster(str(path))
     assert str(err.value).startswith(f"{path}: ") and message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_memory_override_sets_the_gpu_memory_and_the_token_caps(tmp_path):
+    """memory_gb replaces the GPU type's memory for its group only: on a cluster of A100s
+    of 64 and 80 GB the 64 GB ranks hold 16 GB less of activations, and a batch that fits
+    80 GB A100s is refused on 64 GB ones."""
+    from ballonet import cost_model, plan_batch
+    from ballonet.errors import InfeasiblePlan
+    from ballonet.planning.devices import devices
+
+    path = tmp_path / "c.toml"
+    path.write_text('[[node_groups]]\ngpu = "a100"\ngpus_per_node = 2\nmemory_gb = 64\n'
+                    '[[node_groups]]\ngpu = "a100"\ngpus_per_node = 2\n')
+    mixed = ballonet.cluster(str(path))
+    assert [g.gpu_type.memory_bytes for g in mixed.groups] == [64e9, 80e9]
+    assert [mixed.gpu_of(r).memory_bytes for r in range(4)] == [64e9, 64e9, 80e9, 80e9]
+    assert not mixed.homogeneous
+    assert ballonet.specs.ClusterSpec.from_dict(mixed.to_dict()) == mixed
+    model = ballonet.model("llama-7b")
+    dev = devices(mixed, model)
+    fewer = 16e9 * cost_model.MEMORY_RESERVE / dev.act_bytes_per_token
+    assert dev.token_cap[0] == dev.token_cap[1] and dev.token_cap[2] == dev.token_cap[3]
+    assert abs((dev.token_cap[2] - dev.token_cap[0]) - fewer) <= 1
+
+    def a100s(**memory):
+        return ballonet.cluster("a800-4nic", num_nodes=1, gpus_per_node=2, nics_per_node=1, **memory)
+    lengths = [int(0.9 * devices(a100s(), model).token_cap[0])] * 2
+    assert plan_batch(lengths, a100s(), model).validate()
+    with pytest.raises(InfeasiblePlan):
+        plan_batch(lengths, a100s(memory_gb=64), model)
 
 
 @pytest.mark.parametrize("model, tp", [("llama-7b", 64), ("llama-7b", 3), ("tiny", 4), ("llama3-8b", 16)])

@@ -76,7 +76,7 @@ def check_budget(model: ModelSpec, cluster: ClusterSpec, global_tokens: int, wor
     tokens_per_rank = math.ceil(global_tokens / world_size)
     weights = model.num_params * (4 + 4 + 8) / (world_size if shard == "full" else 1)
     need = tokens_per_rank * training_bytes_per_token(model) + weights
-    have = min(hardware.gpu(g.gpu).memory_bytes for g in cluster.groups)
+    have = min(g.gpu_type.memory_bytes for g in cluster.groups)
     if need > have:
         raise InputError(f"--global-tokens {global_tokens}: {tokens_per_rank} tokens per rank need at least "
                          f"{need / 2**30:.1f} GiB on each of {world_size} ranks, over the {have / 2**30:.1f} GiB "
