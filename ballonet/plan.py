@@ -38,6 +38,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 from ballonet.ring_traffic import (
     PAYLOADS,
@@ -48,6 +49,9 @@ from ballonet.ring_traffic import (
     ring_messages,
     ring_schedule,
 )
+
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = ["PAYLOADS", "PHASES", "RING_COMMS", "SPLIT_KINDS", "InvalidPlan", "Plan", "Ring",
            "RingMessage", "Route", "Segment", "Transfer", "chunk_bounds", "double_schedule", "ring_schedule"]
@@ -99,7 +103,7 @@ class Ring:
         """Ranks per node group (g for a ring of one group)."""
         return len(self.ranks) // self.groups
 
-    def schedule(self):
+    def schedule(self) -> np.ndarray:
         """[g, g]: the ring position whose block position i holds at step s
         (`ring_traffic.ring_schedule`, `double_schedule` for "double")."""
         return double_schedule(self.groups, self.group_size) if self.comm == "double" else ring_schedule(len(self.ranks))

@@ -77,7 +77,8 @@ def _double_messages(ring: Ring, phase: str, blocks: list[int]) -> Iterator[Ring
                 yield from _message(phase, "grad", doc, step, ranks[i], inner, rows)
             if phase == "backward" and t == n - 1 and j >= 1:  # the node's sum for a block, to its owner
                 owner = (a - j) % k * n + p
-                yield from _message(phase, "grad", doc, step, ranks[i], ranks[owner], blocks[owner])
+                sent = step + 1 if n > 1 and j < k - 1 else step  # (the runtime's: after the next round's first compute)
+                yield from _message(phase, "grad", doc, sent, ranks[i], ranks[owner], blocks[owner])
 
 
 def ring_messages(ring: Ring) -> Iterator[RingMessage]:
@@ -94,7 +95,8 @@ def ring_messages(ring: Ring) -> Iterator[RingMessage]:
     round's first block); at the round's first step each position also sends that block
     to the same position of the next group (rail peers, once per round, with the round's
     n steps to hide it), and in the backward, after each round j >= 1, the node's sum for
-    that block straight to its owner j groups back."""
+    that block straight to its owner j groups back (at the next round's first step, where
+    the runtime posts it, or at the last step)."""
     g, ranks = len(ring.ranks), ring.ranks
     blocks = [ring.block_tokens(i) for i in range(g)]
     for phase in PHASES:

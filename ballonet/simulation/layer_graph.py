@@ -222,7 +222,9 @@ class LayerGraph:
         attention engine: per round an inner ring in each node group; each round's first
         block goes on to the same position of the next group as soon as it is there; in
         the backward, dK/dV partials follow the inner ring and each node's sum for a round's
-        first block goes straight home after the round."""
+        first block goes straight home, once the next round's first step is queued (where the
+        runtime posts it, so that waiting for the sum never holds that step's compute back)
+        or after the last round."""
         g = len(ranks)
         n = g // k
         inner = [(i // n) * n + (i % n + 1) % n for i in range(g)]
@@ -230,6 +232,8 @@ class LayerGraph:
         done = [[] for _ in ranks]
         dkv: dict[int, int | None] = {}  # position -> its predecessor's partial of the step's block
         round_first = [None] * g  # the compute of the round's first step
+        home: dict[int, tuple] = {}  # position -> (its node's sum of the last round's first block, owner)
+        last = [None] * g  # each position's latest compute
         for s in range(g):
             j, t = divmod(s, n)
             incoming: dict[int, int | None] = {}
@@ -237,6 +241,7 @@ class LayerGraph:
                 here = arrive[i, s]
                 c = self.compute(r, seconds[i][s], "inter", s, [here], (name, "step", s))
                 done[i].append(c)
+                last[i] = c
                 if t == 0:
                     round_first[i] = c
                 if t < n - 1:
@@ -244,17 +249,23 @@ class LayerGraph:
                 if t == 0 and j < k - 1:
                     nxt = ((i // n + 1) % k) * n + i % n
                     arrive[nxt, s + n] = self.send((r, ranks[nxt]), rows[i][s], [here], (name, "kv out", s))
+                if i in home:  # as the runtime: posted once the next round's first step is queued
+                    total, owner = home.pop(i)
+                    done[owner].append(self.send((r, ranks[owner]), rows[i][(j - 1) * n], [total, c],
+                                                 (name, "dkv home", s), "grad"))
                 if self.backward and t >= 1:
                     incoming[inner[i]] = self.send((r, ranks[inner[i]]), rows[i][s], [c, dkv.get(i)],
                                                    (name, "dkv", s), "grad")
             dkv = incoming
             if self.backward and t == n - 1:
                 for i, r in enumerate(ranks):
-                    total = self.tl.join([round_first[i], dkv.get(i)])  # the node's sum of the round's first block
+                    total = self.tl.join([round_first[i], dkv.get(i), last[i]])  # the node's sum of the round's first block
+                    owner = ((i // n - j) % k) * n + i % n
                     if j == 0:
                         done[i].append(total)
+                    elif n > 1 and j < k - 1:
+                        home[i] = (total, owner)
                     else:
-                        owner = ((i // n - j) % k) * n + i % n
                         done[owner].append(self.send((r, ranks[owner]), rows[i][j * n], [total],
                                                      (name, "dkv home", s), "grad"))
                 dkv = {}
