@@ -16,6 +16,7 @@ Bytes moved are what the runtime sends (`training/model.py`, `runtime/routing.py
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -141,6 +142,16 @@ def recompute_mode(model: ModelSpec) -> str:
     return model.recompute or "full"
 
 
+def recompute_layer_count(model: ModelSpec, mode: str | None = None, layers: int | None = None) -> int:
+    """Layers that recompute under `mode` (default the model's own, with its
+    `recompute_layers`): `layers` when given, else every layer; none under "none"."""
+    if mode is None:
+        mode, layers = recompute_mode(model), model.recompute_layers if layers is None else layers
+    if mode == "none":
+        return 0
+    return model.num_layers if layers is None else layers
+
+
 def layer_activation_elements(model: ModelSpec) -> tuple[float, float]:
     """Elements one token saves for the backward of one layer without recomputation, as
     (on the linear layout, on the attention layout) (`training/model.py`): the attention
@@ -151,12 +162,15 @@ def layer_activation_elements(model: ModelSpec) -> tuple[float, float]:
     return (3 * h) + (2 * h + 4 * f), 2 * h + 2 * kv
 
 
-def activation_bytes(model: ModelSpec, linear_tokens: float, attention_tokens: float, mode: str | None = None) -> float:
+def activation_bytes(model: ModelSpec, linear_tokens: float, attention_tokens: float, mode: str | None = None,
+                     layers: int | None = None) -> float:
     """Activation bytes a rank holds at the peak of the backward, all layers, with
     `linear_tokens` on the linear layout and `attention_tokens` on the attention layout,
-    by recomputation `mode` (default the model's): "none" keeps every layer's tensors;
-    "selective" recomputes the MLP's intermediates (keeps its input); "full" keeps each
-    layer's input plus one layer's tensors while it is recomputed."""
+    by recomputation `mode` (default the model's) on `layers` of them
+    (`recompute_layer_count`): "none" keeps every layer's tensors; "selective" recomputes
+    the MLP's intermediates (keeps its input); "full" keeps each layer's input plus one
+    layer's tensors while it is recomputed."""
+    k = recompute_layer_count(model, mode, layers)
     mode = mode or recompute_mode(model)
     h, f, n = model.hidden, model.ffn_hidden, model.num_layers
     lin, att = layer_activation_elements(model)
@@ -164,22 +178,51 @@ def activation_bytes(model: ModelSpec, linear_tokens: float, attention_tokens: f
     if mode == "full":
         elements = n * h * linear_tokens + one_layer
     elif mode == "selective":
-        elements = n * (one_layer - (h + 4 * f) * linear_tokens)
+        kept = one_layer - (h + 4 * f) * linear_tokens
+        elements = n * kept if k == n else k * kept + (n - k) * one_layer
     else:
         elements = n * one_layer
     return elements * model.dtype_bytes / model.tp
 
 
-def activation_bytes_per_token(model: ModelSpec, mode: str | None = None) -> float:
+def activation_bytes_per_token(model: ModelSpec, mode: str | None = None, layers: int | None = None) -> float:
     """`activation_bytes` of a token held on both layouts (what a planner reserves per token)."""
-    return activation_bytes(model, 1, 1, mode)
+    return activation_bytes(model, 1, 1, mode, layers)
 
 
-def recompute_flops_per_token(model: ModelSpec, mode: str | None = None) -> float:
-    """Linear FLOPs per token and layer run again in the backward by recomputation `mode`
-    (full recomputation also reruns the attention forward: `recompute_attention`)."""
-    mode = mode or recompute_mode(model)
-    return {"none": 0.0, "selective": mlp_flops_per_token(model), "full": linear_flops_per_token(model)}[mode]
+def _layer_mean(model: ModelSpec, per_layer: float, mode: str | None, layers: int | None) -> float:
+    """`per_layer` of a recomputing layer as a mean over all layers (`recompute_layer_count`)."""
+    k = recompute_layer_count(model, mode, layers)
+    return per_layer if k == model.num_layers else per_layer * k / model.num_layers
+
+
+def recompute_flops_per_token(model: ModelSpec, mode: str | None = None, layers: int | None = None) -> float:
+    """Linear FLOPs per token and layer (a mean over layers when only `layers` of them
+    recompute) run again in the backward by recomputation `mode` (full recomputation also
+    reruns the attention forward: `recompute_attention`)."""
+    per_layer = {"none": 0.0, "selective": mlp_flops_per_token(model), "full": linear_flops_per_token(model)}
+    return _layer_mean(model, per_layer[mode or recompute_mode(model)], mode, layers)
+
+
+def selective_layers_needed(model: ModelSpec, tokens_per_rank, gpus, num_dp_ranks: int,
+                            attention_tokens=None) -> int | None:
+    """The fewest layers (the first ones) that must recompute selectively for every rank
+    to hold its tokens (`cheapest_recompute`'s arguments): 0 when none need to, None when
+    not even every layer is enough."""
+    att = tokens_per_rank if attention_tokens is None else attention_tokens
+    n, most = model.num_layers, 0
+    for lin, a, g in zip(tokens_per_rank, att, gpus):
+        cap = memory_cap(model, g, num_dp_ranks)
+        keep, drop = activation_bytes(model, lin, a, "none"), activation_bytes(model, lin, a, "selective")
+        if keep <= cap:
+            continue
+        if drop > cap:
+            return None
+        k = min(n, max(1, math.ceil(n * (keep - cap) / (keep - drop))))
+        while k < n and activation_bytes(model, lin, a, "selective", k) > cap:  # rounding
+            k += 1
+        most = max(most, k)
+    return most
 
 
 def recompute_attention(mode: str) -> bool:
@@ -205,10 +248,24 @@ def cheapest_recompute(model: ModelSpec, tokens_per_rank, gpus, num_dp_ranks: in
     att = tokens_per_rank if attention_tokens is None else attention_tokens
     modes = (model.recompute,) if model.recompute else RECOMPUTE_MODES
     for mode in modes:
-        if all(activation_bytes(model, n, a, mode) <= memory_cap(model, g, num_dp_ranks)
+        if all(activation_bytes(model, n, a, mode, model.recompute_layers if model.recompute else None)
+               <= memory_cap(model, g, num_dp_ranks)
                for n, a, g in zip(tokens_per_rank, att, gpus)):
             return mode
     return None
+
+
+def cheapest_recomputation(model: ModelSpec, tokens_per_rank, gpus, num_dp_ranks: int,
+                           attention_tokens=None) -> tuple[str, int] | None:
+    """(mode, layers that recompute): `cheapest_recompute`, and under "selective" as few
+    layers as every rank's memory needs (`selective_layers_needed`) unless the model
+    fixes them (`ModelSpec.recompute_layers`) or its mode. None if nothing fits."""
+    mode = cheapest_recompute(model, tokens_per_rank, gpus, num_dp_ranks, attention_tokens)
+    if mode is None:
+        return None
+    if mode != "selective" or model.recompute:
+        return mode, recompute_layer_count(model, mode, model.recompute_layers if model.recompute else None)
+    return mode, selective_layers_needed(model, tokens_per_rank, gpus, num_dp_ranks, attention_tokens)
 
 
 # ---- seconds ---------------------------------------------------------------------------
@@ -266,12 +323,14 @@ def loss_bytes_per_token(model: ModelSpec) -> float:
     return (2 * model.hidden * model.dtype_bytes + V * (model.dtype_bytes + fp32) + 2 * V * fp32) / model.tp
 
 
-def recompute_elementwise_bytes_per_token(model: ModelSpec, mode: str | None = None) -> float:
-    """Elementwise bytes per token and layer run again in the backward by recomputation
-    `mode`: "selective" reruns the MLP's norm and silu(gate) * up, "full" the layer."""
-    mode = mode or recompute_mode(model)
+def recompute_elementwise_bytes_per_token(model: ModelSpec, mode: str | None = None,
+                                          layers: int | None = None) -> float:
+    """Elementwise bytes per token and layer (a mean over layers when only `layers` of
+    them recompute) run again in the backward by recomputation `mode`: "selective" reruns
+    the MLP's norm and silu(gate) * up, "full" the layer."""
     mlp = (2 * model.hidden + 3 * model.ffn_hidden) * model.dtype_bytes / model.tp
-    return {"none": 0.0, "selective": mlp, "full": elementwise_bytes_per_token(model)}[mode]
+    per_layer = {"none": 0.0, "selective": mlp, "full": elementwise_bytes_per_token(model)}
+    return _layer_mean(model, per_layer[mode or recompute_mode(model)], mode, layers)
 
 
 def elementwise_time(model: ModelSpec, gpu: hardware.GPUType, num_tokens: float,
@@ -285,15 +344,16 @@ def elementwise_time(model: ModelSpec, gpu: hardware.GPUType, num_tokens: float,
 
 
 def linear_layer_seconds(model: ModelSpec, gpu: hardware.GPUType, tokens: float, mode: str,
-                         framework: bool = True) -> tuple[float, float]:
+                         framework: bool = True, layers: int | None = None) -> tuple[float, float]:
     """(forward, backward) seconds of a rank's linear layers in one layer over `tokens`
     tokens: GEMMs, the elementwise work around them and (with `framework`) the framework's
-    per-layer work (half in each pass); the backward reruns what recomputation `mode` drops.
-    An array of token counts gives a pair of arrays."""
+    per-layer work (half in each pass); the backward reruns what recomputation `mode` drops
+    (a mean over layers when only `layers` of them recompute). An array of token counts
+    gives a pair of arrays."""
     gemm = linear_time(model, gpu, tokens)
     elt = elementwise_time(model, gpu, tokens)
-    redo = (linear_time(model, gpu, tokens, recompute_flops_per_token(model, mode))
-            + elementwise_time(model, gpu, tokens, recompute_elementwise_bytes_per_token(model, mode)))
+    redo = (linear_time(model, gpu, tokens, recompute_flops_per_token(model, mode, layers))
+            + elementwise_time(model, gpu, tokens, recompute_elementwise_bytes_per_token(model, mode, layers)))
     half = hardware.profile(gpu).framework_s_per_layer / 2 if framework else 0.0
     return gemm + elt + half, gemm * LINEAR_BACKWARD_FACTOR + elt * ELEMENTWISE_BACKWARD_FACTOR + redo + half
 
@@ -445,14 +505,29 @@ def _best(curve, upto) -> np.ndarray:
 def batch_recompute(lengths, cluster: ClusterSpec, model: ModelSpec) -> str:
     """The cheapest recomputation under which the cluster could hold the batch at all
     (total token capacity): no plan of the batch recomputes less."""
+    return batch_recomputation(lengths, cluster, model)[0]
+
+
+def batch_recomputation(lengths, cluster: ClusterSpec, model: ModelSpec) -> tuple[str, int]:
+    """(`batch_recompute`, the fewest layers that must recompute under it for the cluster's
+    total capacity to hold the batch, or the model's `recompute_layers`)."""
     gpus = [cluster.gpu_of(r) for r in range(0, cluster.num_ranks, model.tp)]
     num_dp = cluster.num_ranks // model.tp
+    capacity = sum(max(0.0, memory_cap(model, g, num_dp)) for g in gpus)
+    tokens = float(sum(lengths))
     modes = (model.recompute,) if model.recompute else RECOMPUTE_MODES
+    fixed = model.recompute_layers if model.recompute else None
     for mode in modes:
-        per_token = activation_bytes_per_token(model, mode)
-        if sum(max(0.0, memory_cap(model, g, num_dp)) for g in gpus) / per_token >= sum(lengths):
-            return mode
-    return modes[-1]
+        if capacity / activation_bytes_per_token(model, mode, fixed) >= tokens:
+            break
+    if mode != "selective" or model.recompute:
+        return mode, recompute_layer_count(model, mode, fixed)
+    n = model.num_layers
+    keep, drop = activation_bytes_per_token(model, "none"), activation_bytes_per_token(model, "selective")
+    k = min(n, max(1, math.ceil(n * (tokens * keep - capacity) / (tokens * (keep - drop)))))
+    while k < n and capacity / activation_bytes_per_token(model, "selective", k) < tokens:  # rounding
+        k += 1
+    return mode, k
 
 
 def _best_elementwise_units(profiles_by_type, upto: float) -> float:
@@ -484,12 +559,13 @@ def batch_lower_bound(lengths, cluster: ClusterSpec, model: ModelSpec, communica
     fwd = np.max([_best(p.attention_forward, L) for p in profiles], axis=0)
     bwd = np.max([_best(p.attention_backward, L) for p in profiles], axis=0)
     lin = max(float(_best(p.linear, T)) for p in profiles)
-    mode = batch_recompute(lengths, cluster, model)
+    mode, layers = batch_recomputation(lengths, cluster, model)
     att = attention_flops(model, L)
     att_work = np.sum(att / fwd + ATTENTION_BACKWARD_FACTOR * att / bwd + (att / fwd if recompute_attention(mode) else 0))
-    lin_flops = (linear_flops_per_token(model) * (1 + LINEAR_BACKWARD_FACTOR) + recompute_flops_per_token(model, mode))
+    lin_flops = (linear_flops_per_token(model) * (1 + LINEAR_BACKWARD_FACTOR)
+                 + recompute_flops_per_token(model, mode, layers))
     elt_bytes = model.num_layers * (elementwise_bytes_per_token(model) * (1 + ELEMENTWISE_BACKWARD_FACTOR)
-                                    + recompute_elementwise_bytes_per_token(model, mode))
+                                    + recompute_elementwise_bytes_per_token(model, mode, layers))
     elt_bytes += loss_bytes_per_token(model) * (1 + ELEMENTWISE_BACKWARD_FACTOR)
     work = model.num_layers * (att_work + lin_flops * T / lin) + head_flops_per_token(model) * (1 + LINEAR_BACKWARD_FACTOR) * T / lin
     work += elt_bytes * model.tp * T * _best_elementwise_units(by_type, T)  # bytes per GPU: all of a TP group

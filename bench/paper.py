@@ -382,9 +382,9 @@ def _why_memory(data: dict) -> str:
     return (f" On GPUs with {MEMORY_HEADROOM}x the memory (same batches, section 'Over the bound target'), "
             f"{len(freed)} of these {len(rows)} come within {BOUND_TARGET}x (" + ", ".join(
                 f"{r['cluster']} {r['model']} {r['workload']} {r['more_memory_ratio']:.3f}x" for r in freed)
-            + "): there the batch nearly fills memory, so the plan recomputes where the bound does not, or keeps "
-            "caps that bind; recomputing only some layers (Megatron's `--recompute-num-layers`) would price "
-            "between the two, and is not modelled.")
+            + "): there the batch nearly fills memory, so the plan recomputes more than the bound assumes (it "
+            "recomputes selectively on as few of the first layers as its tokens need, the bound on as few as the "
+            "cluster's total memory needs), or keeps caps that bind.")
 
 
 def _why_best(g: list[dict]) -> str:

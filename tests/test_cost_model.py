@@ -187,3 +187,60 @@ def test_shared_nic_slows_the_gradient_allreduce():
     assert cm.grad_allreduce_time(LLAMA7B, shared) > cm.grad_allreduce_time(LLAMA7B, one_nic_each)
     single_node = ballonet.cluster("h800-8nic", num_nodes=1)
     assert cm.grad_allreduce_time(LLAMA7B, single_node) < cm.grad_allreduce_time(LLAMA7B, one_nic_each)
+
+
+# ---- selective recomputation of the first layers only ------------------------------------
+
+
+def test_selective_on_some_layers_prices_between_none_and_every_layer():
+    """k of L layers recomputing hold k/L of the way from "none" to "selective" in memory
+    and rerun k/L of the MLP's FLOPs and bytes, the ends exactly the whole-model modes."""
+    m, L = LLAMA7B, LLAMA7B.num_layers
+    keep, drop = cm.activation_bytes(m, 1000, 900, "none"), cm.activation_bytes(m, 1000, 900, "selective")
+    assert cm.activation_bytes(m, 1000, 900, "selective", L) == drop
+    for k in (1, 5, L - 1):
+        assert cm.activation_bytes(m, 1000, 900, "selective", k) == pytest.approx(keep - k / L * (keep - drop), rel=1e-12)
+        assert cm.recompute_flops_per_token(m, "selective", k) == pytest.approx(k / L * cm.mlp_flops_per_token(m))
+        assert 0 < cm.recompute_elementwise_bytes_per_token(m, "selective", k) \
+            < cm.recompute_elementwise_bytes_per_token(m, "selective")
+    spec = ballonet.model("llama-7b", recompute="selective", recompute_layers=5)
+    assert cm.recompute_layer_count(spec) == 5 and cm.recompute_layer_count(spec, "selective") == L
+    assert cm.activation_bytes_per_token(spec) == cm.activation_bytes_per_token(m, "selective", 5)
+    assert cm.recompute_layer_count(m, "none") == 0 and cm.recompute_layer_count(m, "full") == L
+
+
+def test_the_fewest_selective_layers_that_fit_are_chosen():
+    """`selective_layers_needed` is the least k under which every rank fits: k - 1 does not."""
+    gpus = [hardware.gpu("h100")] * 2
+    cap = cm.memory_cap(LLAMA7B, gpus[0], 2)
+    per_none = cm.activation_bytes(LLAMA7B, 1, 1, "none")
+    fits_none = int(cap / per_none)
+    assert cm.selective_layers_needed(LLAMA7B, [fits_none, 10], gpus, 2) == 0
+    assert cm.cheapest_recomputation(LLAMA7B, [fits_none, 10], gpus, 2) == ("none", 0)
+    tokens = [int(fits_none * 1.2), 10]
+    k = cm.selective_layers_needed(LLAMA7B, tokens, gpus, 2)
+    assert 1 <= k < LLAMA7B.num_layers
+    assert cm.activation_bytes(LLAMA7B, tokens[0], tokens[0], "selective", k) <= cap
+    assert cm.activation_bytes(LLAMA7B, tokens[0], tokens[0], "selective", k - 1) > cap
+    assert cm.cheapest_recomputation(LLAMA7B, tokens, gpus, 2) == ("selective", k)
+    fixed = ballonet.model("llama-7b", recompute="selective")
+    assert cm.cheapest_recomputation(fixed, tokens, gpus, 2) == ("selective", LLAMA7B.num_layers)
+    too_many = int(cap / cm.activation_bytes(LLAMA7B, 1, 1, "selective")) + 10
+    assert cm.selective_layers_needed(LLAMA7B, [too_many], gpus[:1], 2) is None
+
+
+def test_the_batch_bound_assumes_the_fewest_layers_the_cluster_needs():
+    """Under total capacity for `none` the bound recomputes nothing; a bit over it, a few
+    selective layers (not all of them), and the bound lies between the two."""
+    cluster = ballonet.cluster("h800-8nic", num_nodes=1)
+    gpus = [cluster.gpu_of(r) for r in range(cluster.num_ranks)]
+    capacity = sum(cm.memory_cap(LLAMA7B, g, cluster.num_ranks) for g in gpus)
+    fits = int(capacity / cm.activation_bytes_per_token(LLAMA7B, "none"))
+    assert cm.batch_recomputation([fits // 8] * 8, cluster, LLAMA7B) == ("none", 0)
+    over = [int(fits * 1.1) // 8] * 8
+    mode, k = cm.batch_recomputation(over, cluster, LLAMA7B)
+    assert mode == "selective" and 1 <= k < LLAMA7B.num_layers
+    assert capacity / cm.activation_bytes_per_token(LLAMA7B, "selective", k) >= sum(over)
+    assert capacity / cm.activation_bytes_per_token(LLAMA7B, "selective", k - 1) < sum(over)
+    every = ballonet.model("llama-7b", recompute="selective")
+    assert cm.batch_lower_bound(over, cluster, LLAMA7B) < cm.batch_lower_bound(over, cluster, every)

@@ -200,6 +200,19 @@ def test_hf_bad_input_is_one_line_exit_2(job, tmp_path, capsys):
         hf_model.enable_recompute(model, "selective")
 
 
+def test_hf_selective_recompute_of_the_first_layers(job):
+    """`--recompute-layers 1` of 2: the first layer's MLP alone is checkpointed, and reruns
+    once per step in a one-process run."""
+    model, corpus = job
+    built = hf_model.build_model(f"hf:{model}", 0, torch.device("cpu"))
+    layers = built.model.layers
+    assert hf_model.recomputed_modules(built, "selective", layers=1) == [layers[0].mlp]
+    assert hf_model.recomputed_modules(built, "selective") == [layer.mlp for layer in layers]
+    cfg = dataclasses.replace(config(model, corpus, "zeppelin"), steps=1, recompute="selective", recompute_layers=1)
+    calls = _counted_runs(0, 1, [cfg])[0][3]
+    assert calls == {"attention": NUM_LAYERS, "mlp": NUM_LAYERS + 1}, calls
+
+
 def test_hf_model_without_weights_trains_from_the_cli(job, tmp_path, capsys):
     _, corpus = job
     folder = llama_folder(tmp_path / "fresh", vocab_size=640)

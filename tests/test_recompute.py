@@ -2,17 +2,29 @@
 held for the backward (selective < none, full < selective), measured with autograd's
 saved-tensor hooks on one process."""
 
+import dataclasses
+
 import torch
 from test_remap import one_rank_plan
+from torch.utils.checkpoint import checkpoint
 
 import ballonet
+from ballonet.training import model as model_module
 from ballonet.training.model import IGNORE_INDEX, Transformer
 
 SPEC = ballonet.model("tiny")
 
 
-def _run(mode: str, plan, ids, labels):
-    model = Transformer(SPEC, seed=1, recompute=mode)
+def _batch():
+    lengths = (300, 200, 12)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, SPEC.vocab_size, (sum(lengths),), generator=gen)
+    labels = ids.roll(-1).clone()
+    labels[[299, 499, 511]] = IGNORE_INDEX
+    return one_rank_plan(lengths), ids, labels
+
+
+def _run(model: Transformer, plan, ids, labels):
     saved = []
 
     def pack(t):
@@ -26,18 +38,40 @@ def _run(mode: str, plan, ids, labels):
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, held
 
 
+def _assert_same_results(run, reference):
+    (loss, grads, _), (ref_loss, ref_grads, _) = run, reference
+    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-6, atol=1e-7)
+
+
 def test_recompute_keeps_results_and_holds_less():
-    lengths = (300, 200, 12)
-    plan = one_rank_plan(lengths)
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, SPEC.vocab_size, (sum(lengths),), generator=gen)
-    labels = ids.roll(-1).clone()
-    labels[[299, 499, 511]] = IGNORE_INDEX
-    runs = {mode: _run(mode, plan, ids, labels) for mode in ("none", "selective", "full")}
-    loss, grads, held = runs["none"]
+    batch = _batch()
+    runs = {mode: _run(Transformer(SPEC, seed=1, recompute=mode), *batch) for mode in ("none", "selective", "full")}
     for mode in ("selective", "full"):
-        other_loss, other_grads, _ = runs[mode]
-        torch.testing.assert_close(other_loss, loss, rtol=0, atol=0)
-        for name, g in grads.items():
-            torch.testing.assert_close(other_grads[name], g, rtol=1e-6, atol=1e-7)
-    assert runs["full"][2] < runs["selective"][2] < held, {m: r[2] for m, r in runs.items()}
+        _assert_same_results(runs[mode], runs["none"])
+    assert runs["full"][2] < runs["selective"][2] < runs["none"][2], {m: r[2] for m, r in runs.items()}
+
+
+def test_selective_recompute_of_the_first_layers_only(monkeypatch):
+    """recompute_layers=1 of the tiny model's 2: only the first block's MLP runs under the
+    checkpoint; the same loss and gradients, and bytes held between none and every layer."""
+    assert SPEC.num_layers == 2
+    batch = _batch()
+    spec = dataclasses.replace(SPEC, recompute="selective", recompute_layers=1)
+    model = Transformer(spec, seed=1, recompute="selective")
+    checkpointed = []
+
+    def spy(fn, *args, **kwargs):
+        checkpointed.append(fn.__self__)
+        return checkpoint(fn, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(model_module, "checkpoint", spy)
+        run = _run(model, *batch)
+    assert [b.recompute for b in model.layers] == ["selective", "none"]
+    assert checkpointed == [model.layers[0]], checkpointed
+    none = _run(Transformer(SPEC, seed=1), *batch)
+    every = _run(Transformer(SPEC, seed=1, recompute="selective"), *batch)
+    _assert_same_results(run, none)
+    assert every[2] < run[2] < none[2], (every[2], run[2], none[2])

@@ -312,3 +312,29 @@ def test_cli_simulate_json_and_errors(capsys, tmp_path):
     assert "unknown planner 'nope'" in capsys.readouterr().err
     assert main(["simulate", "--cluster", "a800-4nic", "--nodes", "1", "--model", "llama-13b", "--tp", "3"]) == 2
     capsys.readouterr()
+
+
+def test_selective_recompute_of_some_layers_is_the_layer_mix_of_both():
+    """With 1 of 2 layers recomputing the MLP, a layer's backward is the mean of one that
+    recomputes and one that does not, measured against simulating each whole model; with
+    the mode left to the cost model, a rank over its `none` cap recomputes as few layers as
+    it needs (here: both share one cap, so 1 layer when 1 is enough)."""
+    c = cluster(gpus=2, nics=2)
+    plan = make_plan(c, local={0: [4096, 2048], 1: [3000]})
+    sims = {k: simulate(plan, c, dataclasses.replace(MODEL, recompute="selective", recompute_layers=k))
+            for k in (1, 2)}
+    none = simulate(plan, c, dataclasses.replace(MODEL, recompute="none"))
+    assert (none.recompute, none.recompute_layers, sims[1].recompute_layers) == ("none", 0, 1)
+    assert sims[1].layer_backward_s == pytest.approx((sims[2].layer_backward_s + none.layer_backward_s) / 2,
+                                                     rel=1e-12)
+    assert none.step_time_s < sims[1].step_time_s < sims[2].step_time_s
+    assert sims[1].compute_s[0] == pytest.approx((sims[2].compute_s[0] + none.compute_s[0]) / 2, rel=1e-12)
+    # Memory just over what `none` holds for rank 0's tokens, under what one selective layer frees.
+    per_none = cost_model.activation_bytes(MODEL, 6144, 6144, "none")
+    one = cost_model.activation_bytes(MODEL, 6144, 6144, "selective", 1)
+    static = cost_model.static_bytes(MODEL, 2)
+    memory_gb = (static + (per_none + one) / 2) / cost_model.MEMORY_RESERVE / 1e9
+    tight = specs.ClusterSpec(name="t", groups=(dataclasses.replace(c.groups[0], memory_gb=memory_gb),))
+    auto = simulate(plan, tight, MODEL)
+    assert (auto.recompute, auto.recompute_layers) == ("selective", 1)
+    assert auto.step_time_s == pytest.approx(sims[1].step_time_s, rel=1e-12)

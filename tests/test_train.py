@@ -147,6 +147,12 @@ def test_bf16_trains_close_to_fp32_with_fp32_master_weights():
     assert records[-1]["loss"] < records[0]["loss"]
 
 
+def test_recompute_layers_reach_the_model():
+    records, model = train_model(TrainConfig(**BASE, steps=1, recompute="selective", recompute_layers=1))
+    assert [block.recompute for block in model.layers] == ["selective", "none"]
+    assert abs(records[0]["loss"] - _reference_run(1, **BASE)[0][0]) <= 1e-4 * records[0]["loss"]
+
+
 # ---- checkpoints -----------------------------------------------------------------------
 
 
@@ -266,6 +272,9 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
         (["train", "--corpus", str(not_jsonl)], "notes.jsonl:2"),
         (["train", "--nproc", "4", "--global-tokens", "3"], "smaller than one token per rank"),
         (["train", "--seed", "-1"], "--seed"),
+        (["train", "--recompute", "selective", "--recompute-layers", "0"], "--recompute-layers must be positive"),
+        (["train", "--recompute-layers", "2"], "--recompute-layers needs --recompute selective"),
+        (["train", "--recompute", "selective", "--recompute-layers", "3"], "recompute_layers=3 needs selective"),
         (["train", "--json-log", str(empty)], "is a folder"),
         (["train", "--checkpoint-dir", str(ckpt), "--resume", "--steps", "3"], str(step2)),
     ]
@@ -295,6 +304,8 @@ def test_bad_configs_are_refused_with_one_line_before_any_work(tmp_path):
         (dict(max_doc_tokens=0), "--max-doc-tokens"),
         (dict(weight_decay=-1.0), "--weight-decay"),
         (dict(seed=-1), "--seed"),
+        (dict(recompute_layers=1), "--recompute-layers needs --recompute selective"),
+        (dict(recompute="selective", recompute_layers=3), "at most its 2 layers"),
         (dict(max_restarts=-1), "--max-restarts"),
         (dict(timeout_minutes=0), "--timeout-minutes"),
         (dict(shard="half"), "--shard"),

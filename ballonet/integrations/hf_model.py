@@ -97,29 +97,30 @@ class BallonetLoss:
         return F.cross_entropy(logits_TV, moved_T3[:, 1], ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def recomputed_modules(model: nn.Module, recompute: str) -> list[nn.Module]:
+def recomputed_modules(model: nn.Module, recompute: str, layers: int | None = None) -> list[nn.Module]:
     """The modules `recompute` reruns in the backward: none, every decoder layer ("full")
-    or every decoder layer's `mlp` ("selective")."""
+    or every decoder layer's `mlp` ("selective"; of the first `layers` layers if given)."""
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
     if recompute == "none":
         return []
-    layers = list(transformer_blocks(model))
+    blocks = list(transformer_blocks(model))
     if recompute == "full":
-        return layers
-    if not all(isinstance(getattr(layer, "mlp", None), nn.Module) for layer in layers):
-        raise InputError(f"--recompute selective: {type(layers[0]).__name__} has no `mlp` module to recompute "
+        return blocks
+    blocks = blocks[:layers]
+    if not all(isinstance(getattr(block, "mlp", None), nn.Module) for block in blocks):
+        raise InputError(f"--recompute selective: {type(blocks[0]).__name__} has no `mlp` module to recompute "
                          "(use full or none)")
-    return [layer.mlp for layer in layers]
+    return [block.mlp for block in blocks]
 
 
-def enable_recompute(model: nn.Module, recompute: str) -> None:
+def enable_recompute(model: nn.Module, recompute: str, layers: int | None = None) -> None:
     """Checkpoint the `recomputed_modules` of `model` in place: each one's `forward` runs
     under `torch.utils.checkpoint` (non-reentrant), its class, parameter names and hooks
     unchanged. Module hooks, FSDP2's among them, stay outside the checkpoint (as with
     torchtitan's checkpoint wrapper): the recomputation runs on the weights FSDP2 gathered
     for the layer's backward."""
-    for module in recomputed_modules(model, recompute):
+    for module in recomputed_modules(model, recompute, layers):
         module.forward = functools.partial(_checkpointed, module.forward)
 
 
@@ -131,9 +132,11 @@ def _checkpointed(forward, *args, **kwargs):
     return checkpoint(forward, *args, use_reentrant=False, context_fn=hf.recompute_context, **kwargs)
 
 
-def build_model(name: str, seed: int, device: torch.device, recompute: str = "none") -> torch.nn.Module:
+def build_model(name: str, seed: int, device: torch.device, recompute: str = "none",
+                recompute_layers: int | None = None) -> torch.nn.Module:
     """The causal LM of `hf:DIR` with attn_implementation="ballonet", fp32, on `device`,
-    with activation recomputation `recompute` (`enable_recompute`)."""
+    with activation recomputation `recompute` (`enable_recompute`; "selective" on the first
+    `recompute_layers` layers if given)."""
     folder = _folder(name)
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -162,5 +165,5 @@ def build_model(name: str, seed: int, device: torch.device, recompute: str = "no
         raise InputError(f"{folder}: cannot build a causal LM from it ({str(e).splitlines()[0][:200]})") from None
     cls = type(model)
     model.__class__ = type(f"Ballonet{cls.__name__}", (BallonetLoss, cls), {})
-    enable_recompute(model, recompute)
+    enable_recompute(model, recompute, recompute_layers)
     return model.to(device)

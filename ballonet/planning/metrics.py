@@ -99,11 +99,13 @@ def _allgather_traffic(plan: Plan, model: ModelSpec, ring: Ring, out, inn, nic, 
 def rank_step_compute_seconds(plan: Plan, cluster: ClusterSpec, model: ModelSpec) -> np.ndarray:
     """[R] a step's attention and linear kernel seconds per rank (`pricing.rank_compute_seconds`)
     under the recomputation the plan was made for, or the cheapest its tokens fit under."""
-    mode = plan.meta.get("recompute") or cost_model.cheapest_recompute(
-        model, plan.linear_token_counts, rank_hardware(cluster, model.tp).gpu, plan.num_ranks,
-        plan.attention_token_counts) or "full"
+    mode, layers = plan.meta.get("recompute"), plan.meta.get("recompute_layers")
+    if not mode:
+        mode, layers = cost_model.cheapest_recomputation(
+            model, plan.linear_token_counts, rank_hardware(cluster, model.tp).gpu, plan.num_ranks,
+            plan.attention_token_counts) or ("full", None)
     spec = dataclasses.replace(model, recompute=mode)
-    return rank_compute_seconds(plan, devices(cluster, spec), spec, mode)
+    return rank_compute_seconds(plan, devices(cluster, spec), spec, mode, layers=layers)
 
 
 def plan_metrics(plan: Plan, cluster: ClusterSpec, model: ModelSpec) -> dict:

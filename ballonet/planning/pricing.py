@@ -184,10 +184,12 @@ def _attention_items(plan: Plan, dev: Devices, model: ModelSpec, mode: str) -> t
     return rank_a, model.num_layers * seconds
 
 
-def rank_compute_seconds(plan: Plan, dev: Devices, model: ModelSpec, mode: str, split: bool = False):
+def rank_compute_seconds(plan: Plan, dev: Devices, model: ModelSpec, mode: str, split: bool = False,
+                         layers: int | None = None):
     """[R] seconds of a step's attention and linear kernels on each rank of `plan` (all
-    layers, forward, backward and the recomputation `mode` reruns; no launch floors, no
-    communication); with `split`, the pair ([R] attention, [R] linear)."""
+    layers, forward, backward and the recomputation `mode` reruns on `layers` of them,
+    default all; no launch floors, no communication); with `split`, the pair ([R]
+    attention, [R] linear)."""
     R = plan.num_ranks
     rank, seconds = _attention_items(plan, dev, model, mode)
     attention = np.bincount(rank, weights=seconds, minlength=R)
@@ -195,7 +197,7 @@ def rank_compute_seconds(plan: Plan, dev: Devices, model: ModelSpec, mode: str, 
     linear = np.zeros(R)
     for gpu in {g.name: g for g in dev.gpu}.values():
         on = names == gpu.name
-        linear[on] = sum(cost_model.linear_layer_seconds(model, gpu, tokens[on], mode, framework=False))
+        linear[on] = sum(cost_model.linear_layer_seconds(model, gpu, tokens[on], mode, framework=False, layers=layers))
     linear *= model.num_layers
     return (attention, linear) if split else attention + linear
 

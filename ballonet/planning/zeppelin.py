@@ -46,6 +46,9 @@ already slower than the best plan), steps 2-4 first with every rank keeping its 
 (no remap; ranks balanced on attention plus linear work) and then with the remap, from
 the same level 1, unless the first is already as level as its nodes allow; the plan
 whose busiest rank has the shortest estimated step is kept (`pricing.rank_step_seconds`).
+When the recomputation is left to the partitioner, a selective plan recomputes on as few
+of the first layers as its tokens need (`cost_model.selective_layers_needed`) and is
+estimated so; it is made as selective recomputation on every layer prices it.
 With `double`, inter-node rings with as many members on each node run as "double" rings
 and are priced so; a candidate holding one is compared with the plan of single rings.
 A batch the greedy steps cannot fit under memory caps falls back to cutting the batch in
@@ -353,8 +356,9 @@ def zeppelin(lengths, cluster: ClusterSpec, model: ModelSpec, *, routing: bool =
     inter-node ring with as many members on each of its nodes as a "double" ring (a ring
     in each node, rounds between rail peers; off: one ring through the nodes, its crossing
     hops routed) and prices it so (`pricing.double_exposed_seconds`). The plan's meta says
-    what was chosen (`recompute`, `keep_tokens`) and among which plans (`candidates`: the
-    recomputation, keep_tokens and estimated step seconds of each)."""
+    what was chosen (`recompute`, `recompute_layers`, `keep_tokens`) and among which plans
+    (`candidates`: the recomputation, its layers, keep_tokens and estimated step seconds of
+    each)."""
     options = {"routing": routing, "remap": remap, "hierarchical": hierarchical, "assume_homogeneous": assume_homogeneous,
                "price_linear": price_linear, "price_recompute": price_recompute, "double": double}
     for key, value in options.items():
@@ -363,25 +367,27 @@ def zeppelin(lengths, cluster: ClusterSpec, model: ModelSpec, *, routing: bool =
     lengths = check_lengths(lengths)
     crossovers = crossover_lengths(cluster, model)
     modes = recompute_modes(model) if price_recompute else (cost_model.recompute_mode(model),)
+    trim = price_recompute and model.recompute is None  # selective on as few layers as a plan needs
     best, best_s, error, compared = None, np.inf, None, []
     for i, mode in enumerate(modes):
         spec = dataclasses.replace(model, recompute=mode)
         try:
             plans, dev = _candidates(lengths, cluster, spec, crossovers, options,
-                                     fallback=i == len(modes) - 1 and best is None, beat=best_s)
+                                     fallback=i == len(modes) - 1 and best is None, beat=best_s,
+                                     trim=trim and mode == "selective")
         except (NoRoom, InfeasiblePlan) as e:
             error = e
             continue
         if not plans:
             break  # its level 1 already leaves a node slower than the best plan (costlier modes too)
         for candidate, seconds in plans:
-            compared.append({"recompute": mode, "keep_tokens": candidate.meta["keep_tokens"],
-                             "estimated_step_s": seconds})
+            compared.append({"recompute": candidate.meta["recompute"], "keep_tokens": candidate.meta["keep_tokens"],
+                             "recompute_layers": candidate.meta["recompute_layers"], "estimated_step_s": seconds})
             if seconds < best_s:
                 best, best_s = (candidate, dev, spec), seconds
         plan = plans[0][0]
         if i + 1 < len(modes) and rank_compute_seconds(plan, dev, spec, modes[i + 1]).mean() >= best_s:
-            break  # a costlier mode's average rank is already slower than the best plan's busiest
+            break  # a costlier mode's average rank (on every layer) is already slower than the best plan's busiest
     if best is None:
         raise error
     plan, dev, spec = best
@@ -397,8 +403,8 @@ def _step_seconds(plan: Plan, dev: Devices, model: ModelSpec, crossovers, comput
                              np.array([crossovers[g].rank_nic_bw for g in dev.group]))
 
 
-def _candidates(lengths, cluster, model, crossovers, options, fallback: bool,
-                beat: float = np.inf) -> tuple[list[tuple[Plan, float]], Devices]:
+def _candidates(lengths, cluster, model, crossovers, options, fallback: bool, beat: float = np.inf,
+                trim: bool = False) -> tuple[list[tuple[Plan, float]], Devices]:
     """The plans of one recomputation with their estimated step seconds, under the memory
     caps of `model.recompute`, from one level 1: every rank keeping its tokens (attention
     plus linear work balanced per rank; when pricing may prefer it), then remapping tokens
@@ -407,20 +413,31 @@ def _candidates(lengths, cluster, model, crossovers, options, fallback: bool,
     that mean, and the remap only adds traffic); none when level 1 leaves a node slower
     than `beat` seconds by `NODE_PRUNE_MARGIN`. A plan the greedy steps cannot fit is left
     out; with `fallback`, a batch they fit no way is cut in runs (`_fallback`) rather than
-    refused."""
+    refused. With `trim` (selective recomputation), each plan recomputes on the fewest
+    layers its tokens need (`cost_model.selective_layers_needed`), its estimate priced so."""
     dev = devices(cluster, model, options["assume_homogeneous"])
     check_feasible(lengths, dev, model)
     meta = {"options": options, "crossover_lengths": [dataclasses.asdict(t) for t in crossovers],
-            "recompute": model.recompute, "keep_tokens": False, "fallback": False}
+            "recompute": model.recompute, "recompute_layers": cost_model.recompute_layer_count(model),
+            "keep_tokens": False, "fallback": False}
 
     def build(placement: Placement, facts: dict, keep: bool, double: bool = options["double"]) -> tuple[Plan, float, float]:
         """(plan, its estimated step, its busiest node's mean compute seconds)."""
         plan = _finish(lengths, dev, placement, {**meta, **facts, "keep_tokens": keep},
                        remap=options["remap"] and not keep, node_remap=options["price_linear"],
                        double=double)
-        attention, linear = rank_compute_seconds(plan, dev, model, model.recompute, split=True)
+        priced, layers = model, None
+        if trim:
+            lin, att = plan.linear_token_counts, plan.attention_token_counts
+            layers = cost_model.selective_layers_needed(model, lin, dev.gpu, dev.num_ranks, att)
+            priced = dataclasses.replace(model, recompute_layers=layers) if layers else \
+                dataclasses.replace(model, recompute="none")
+            used = tuple(dev.static_bytes + cost_model.activation_bytes(priced, a, b) for a, b in zip(lin, att))
+            plan = dataclasses.replace(plan, memory_bytes=used, meta={
+                **plan.meta, "recompute": priced.recompute, "recompute_layers": layers})
+        attention, linear = rank_compute_seconds(plan, dev, priced, priced.recompute, split=True, layers=layers)
         node = max((attention[rs] + linear[rs]).mean() for rs in dev.nodes())
-        return plan, float(_step_seconds(plan, dev, model, crossovers, (attention, linear)).max()), node
+        return plan, float(_step_seconds(plan, dev, priced, crossovers, (attention, linear)).max()), node
 
     def from_nodes(shared: _Nodes, double: bool = options["double"]) -> list[tuple[Plan, float]]:
         out = []

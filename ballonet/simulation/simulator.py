@@ -30,9 +30,11 @@ What is simulated (`timeline.py` has the event model, `fabric.py` the links,
   of layer l-1 on the same NVLink ports and NICs as its ring and remap transfers (cut
   into pieces, so they interleave); the last layer's bucket is exposed.
 * Recomputation (`ModelSpec.recompute`, default the cheapest under which every rank's
-  tokens fit, `cost_model.cheapest_recompute`): the backward reruns the MLP GEMMs
-  ("selective") or the whole layer forward, attention included ("full"; the rerun's
-  K/V transfers are taken as shared with the backward's).
+  tokens fit, `cost_model.cheapest_recomputation`): the backward reruns the MLP GEMMs
+  ("selective", on as few of the first layers as memory needs, or the model's
+  `recompute_layers`; the others' backward is simulated apart) or the whole layer
+  forward, attention included ("full"; the rerun's K/V transfers are taken as shared
+  with the backward's).
 * Compute that overlaps communication on the same GPU slows by the profile's
   `overlap_slowdown` times the rank's transfer seconds (an assumption on GPUs).
 
@@ -73,6 +75,8 @@ class SimResult:
     """This plan's own compute spread evenly over the GPUs by peak, communication hidden."""
     recompute: str
     """The activation recomputation the step runs with (the cheapest that fits, or the model's)."""
+    recompute_layers: int = 0
+    """How many layers (the first ones) recompute (0 without recomputation)."""
     mfu: float
     compute_s: tuple[float, ...]
     """Per plan rank, per step: attention, linear (GEMMs, elementwise, the framework's
@@ -109,7 +113,7 @@ class SimResult:
 
     def to_dict(self) -> dict:
         keys = ("planner", "num_gpus", "num_tokens", "step_time_s", "lower_bound_s", "compute_bound_s", "recompute",
-                "mfu", "layer_forward_s",
+                "recompute_layers", "mfu", "layer_forward_s",
                 "layer_backward_s", "head_s", "grad_allreduce_s", "grad_allreduce_exposed_s", "optimizer_s")
         d = {k: getattr(self, k) for k in keys}
         d.update(tokens_per_s=self.tokens_per_s, attention_imbalance=self.attention_imbalance,
@@ -202,7 +206,7 @@ def simulate(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, routing: boo
     for (src, dst), n in moves.items():
         tokens[src] -= n
         tokens[dst] += n
-    mode = cost_model.cheapest_recompute(model, tokens, fabric.gpu, R, att_tokens) or "full"
+    mode, k = cost_model.cheapest_recomputation(model, tokens, fabric.gpu, R, att_tokens) or ("full", model.num_layers)
     linear_s = [cost_model.linear_layer_seconds(model, fabric.gpu[r], tokens[r], mode) for r in range(R)]
     tp_s = [0.0] * R
     if model.tp > 1:
@@ -222,6 +226,19 @@ def simulate(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, routing: boo
     fwd, fwd_compute, fwd_end, fwd_att, fwd_rec = _run_pass(graphs[0])
     bwd, bwd_compute, bwd_end, bwd_att, bwd_rec = _run_pass(graphs[1])
     slow = [a + b for a, b in zip(_slowdown(graphs[0], fwd_compute), _slowdown(graphs[1], bwd_compute))]
+    if 0 < k < L:  # the other L - k layers keep everything: their backward reruns nothing
+        keep = LayerGraph(backward=True, grad_bucket=bucket, **{
+            **common, "recompute": "none",
+            "linear_s": [cost_model.linear_layer_seconds(model, fabric.gpu[r], tokens[r], "none") for r in range(R)]})
+        k_bwd, k_compute, k_end, k_att, _ = _run_pass(keep)
+        k_slow = _slowdown(keep, k_compute)
+
+        def mean(a, b):  # per layer, over the k layers that recompute and the L - k that do not
+            return [(k * x + (L - k) * y) / L for x, y in zip(a, b)]
+        slow = [f + b for f, b in zip(_slowdown(graphs[0], fwd_compute),
+                                      mean(_slowdown(graphs[1], bwd_compute), k_slow))]
+        bwd, bwd_compute, bwd_end, bwd_att = (mean([bwd], [k_bwd])[0], mean(bwd_compute, k_compute),
+                                              mean(bwd_end, k_end), mean(bwd_att, k_att))
 
     head = [_head_seconds(model, fabric.gpu[r], n) for r, n in enumerate(tokens)]
     optimizer = [cost_model.optimizer_time(model, fabric.gpu[r], R) for r in range(R)]
@@ -247,7 +264,7 @@ def simulate(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, routing: boo
     return SimResult(
         planner=plan.planner, num_gpus=R * model.tp, num_tokens=T, step_time_s=step,
         lower_bound_s=cost_model.batch_lower_bound(plan.lengths, cluster, model),
-        compute_bound_s=sum(c * p for c, p in zip(compute, peaks)) / sum(peaks), recompute=mode,
+        compute_bound_s=sum(c * p for c, p in zip(compute, peaks)) / sum(peaks), recompute=mode, recompute_layers=k,
         mfu=mfu, compute_s=tuple(compute), exposed_comm_s=tuple(exposed), idle_s=tuple(idle),
         attention_s=tuple(L * (fwd_att[r] + bwd_att[r]) for r in range(R)),
         layer_forward_s=fwd, layer_backward_s=bwd, head_s=max(head), grad_allreduce_s=grad,

@@ -48,6 +48,8 @@ class TrainConfig:
     """Compute dtype (bf16: bf16 compute, fp32 master weights and gradient reduction)."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recomputation: none, selective (the MLP) or full (each block), as the cost model prices them."""
+    recompute_layers: int | None = None
+    """With --recompute selective: how many layers (the first ones) recompute their MLP; unset: every layer."""
     timeout_minutes: float = 5.0
     """Process-group timeout: a dead or disagreeing peer fails every rank after this long."""
     calibration: str | None = None
@@ -73,7 +75,8 @@ class TrainConfig:
     """Ranks per node; with --nproc, defaults to nproc / nodes."""
 
     def __post_init__(self):
-        for name in ("global_tokens", "steps", "nodes", "log_every", "max_doc_tokens", "nproc", "gpus_per_node"):
+        for name in ("global_tokens", "steps", "nodes", "log_every", "max_doc_tokens", "nproc", "gpus_per_node",
+                     "recompute_layers"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise InputError(f"{_flag(name)} must be positive, got {value}")
@@ -83,6 +86,8 @@ class TrainConfig:
         for name, choices in _choices().items():
             if getattr(self, name) not in choices:
                 raise InputError(f"{_flag(name)} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
+        if self.recompute_layers is not None and self.recompute != "selective":
+            raise InputError("--recompute-layers needs --recompute selective")
         if self.checkpoint_every and not self.checkpoint_dir:
             raise InputError("--checkpoint-every needs --checkpoint-dir")
         if self.resume and not self.checkpoint_dir:

@@ -82,7 +82,8 @@ def preflight(config: TrainConfig, world_size: int):
     cluster = _cluster(config, world_size)
     spec = hf_model.model_spec(config.model) if hf_model.is_hf(config.model) else ballonet.model(config.model)
     # The planner and the cost model price what this run does: its dtype and recomputation.
-    spec = dataclasses.replace(spec, dtype_bytes=parallel.DTYPES[config.dtype].itemsize, recompute=config.recompute)
+    spec = dataclasses.replace(spec, dtype_bytes=parallel.DTYPES[config.dtype].itemsize, recompute=config.recompute,
+                               recompute_layers=config.recompute_layers)
     metrics.check_budget(spec, cluster, config.global_tokens, world_size, config.shard)
     if config.tensorboard:
         _tensorboard_writer(None)
@@ -235,8 +236,8 @@ def _run(config: TrainConfig, group, use_cuda: bool):
     plan_fn = functools.partial(ballonet.plan_batch, cluster=cluster, model=spec, planner=config.planner)
     loader = BalancedLoader(corpus, global_tokens=config.global_tokens, plan_fn=plan_fn, rank=rank,
                             world_size=world_size, seed=config.seed, max_doc_tokens=config.max_doc_tokens)
-    model = (hf_model.build_model(config.model, config.seed, device, config.recompute) if hf_model.is_hf(config.model)
-             else build_model(config, spec, device))
+    model = (hf_model.build_model(config.model, config.seed, device, config.recompute, config.recompute_layers)
+             if hf_model.is_hf(config.model) else build_model(config, spec, device))
     parallel.parallelize(model, parallel.device_mesh(world_size, config.shard, device), config.dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
 

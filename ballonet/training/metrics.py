@@ -66,7 +66,7 @@ def training_bytes_per_token(model: ModelSpec) -> float:
     """Activation bytes a rank holds per token of its share: the cost model's, under the
     spec's recomputation and dtype (`cost_model.activation_bytes_per_token`), plus the fp32
     logits around the loss."""
-    return cost_model.activation_bytes_per_token(model, model.recompute) + LOGIT_COPIES * 4 * model.vocab_size
+    return cost_model.activation_bytes_per_token(model) + LOGIT_COPIES * 4 * model.vocab_size
 
 
 def check_budget(model: ModelSpec, cluster: ClusterSpec, global_tokens: int, world_size: int, shard: str) -> None:

@@ -127,7 +127,8 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     """Built from a `ModelSpec`; weights drawn from `seed` alone, so every rank builds the
     same model. `attention_fn` replaces the runtime engine (`runtime.attention`), e.g. with
-    a single-process reference in tests; `recompute` as in `Recompute`.
+    a single-process reference in tests; `recompute` as in `Recompute` ("selective": on
+    the first `spec.recompute_layers` layers, every layer when None).
 
     The plan is checked (every rank of the group runs the same plan, as its own rank:
     `runtime.check_plan`) once per call, before the first exchange."""
@@ -142,7 +143,9 @@ class Transformer(nn.Module):
         self.spec = spec
         self.attention_fn = attention_fn
         self.embed = nn.Embedding(spec.vocab_size, spec.hidden)
-        self.layers = nn.ModuleList(Block(spec, recompute) for _ in range(spec.num_layers))
+        selective = spec.num_layers if spec.recompute_layers is None else spec.recompute_layers
+        self.layers = nn.ModuleList(Block(spec, "none" if recompute == "selective" and i >= selective else recompute)
+                                    for i in range(spec.num_layers))
         self.norm = nn.RMSNorm(spec.hidden, eps=NORM_EPS)
         self.head = nn.Linear(spec.hidden, spec.vocab_size, bias=False)
         self.reset_parameters(seed)
