@@ -36,25 +36,25 @@ def level2(batch: Batch, fill: RankFill, ranks: np.ndarray, node_work: float, do
             step = batch.work + per_token * L
             stepped[per_token] = dataclasses.replace(batch, work=step, work_list=step.tolist())
         step = stepped[per_token].work
-        node_work += sum(per_token * batch.lengths[d] for d in docs) + \
+        node_work += sum([per_token * batch.lengths[d] for d in docs]) + \
             sum(w * per_token * L[d] / batch.work[d] for w, d in inter_water)
         inter_water = [(w * step[d] / batch.work[d], d) for w, d in inter_water]
         batch = stepped[per_token]
-    lengths, work, dev = batch.lengths, batch.work, batch.dev
+    lengths, work, dev = batch.lengths, batch.work_list, batch.dev
     speed = dev.speed[ranks]
     target = node_work * speed / speed.sum()
-    most_tokens, fair = dev.token_cap[ranks].max(), target.max()
+    most_tokens, fair = int(dev.token_cap[ranks].max()), float(target.max())
     splits = [d for d in docs if lengths[d] > most_tokens
               or (min_length is not None and lengths[d] >= min_length and work[d] > fair)]
-    water = inter_water + [(float(work[d]), d) for d in splits]
+    water = inter_water + [(work[d], d) for d in splits]
     split_set = set(splits)
     whole = [d for d in docs if d not in split_set]
     fills = [node_fill(batch, target, fill.token_room[ranks], speed, water, whole)]
     if water and whole and (fills[0].room < 0.02 * dev.token_cap[ranks]).any():
-        mean = sum(work[d] for d in whole) / sum(lengths[d] for d in whole)
+        mean = sum([work[d] for d in whole]) / sum([lengths[d] for d in whole])
         light = [d for d in whole if work[d] <= mean * lengths[d]]  # none when rounding puts all above
         if light:
-            dense = sum(work[d] for d in light) / sum(lengths[d] for d in light)  # the light ones' mean
+            dense = sum([work[d] for d in light]) / sum([lengths[d] for d in light])  # the light ones' mean
             fills.append(node_fill(batch, target, fill.token_room[ranks], speed, water, whole, dense, mean,
                                    min_length))
     best = min(fills, key=lambda f: float((f.load / speed).max()))
@@ -143,15 +143,15 @@ def split_to_level(batch: Batch, fill: RankFill, ranks, load, speed, min_length:
     lengths, work, local = batch.lengths, batch.work, fill.local
     for _ in range(len(ranks)):
         rel = load / speed
-        busy = [i for i in np.argsort(-rel, kind="stable") if int(ranks[i]) not in in_water
-                and rel[i] > (1 + tolerance) * load.sum() / speed.sum()
-                and any(lengths[d] >= min_length for d in local[int(ranks[i])])]
-        if not busy:
+        limit = float((1 + tolerance) * load.sum() / speed.sum())
+        hi = next((i for i in np.argsort(-rel, kind="stable").tolist() if int(ranks[i]) not in in_water
+                   and rel[i] > limit and any(lengths[d] >= min_length for d in local[int(ranks[i])])), None)
+        if hi is None:
             return
-        idle = [i for i in np.argsort(rel, kind="stable") if int(ranks[i]) not in in_water and i != busy[0]]
-        if not idle:
+        lo = next((i for i in np.argsort(rel, kind="stable").tolist() if int(ranks[i]) not in in_water and i != hi),
+                  None)
+        if lo is None:
             return
-        hi, lo = int(busy[0]), int(idle[0])
         docs = [d for d in local[int(ranks[hi])] if lengths[d] >= min_length]
         d = max(docs, key=lambda d: (work[d], -d))
         local[int(ranks[hi])].remove(d)

@@ -4,7 +4,7 @@ integer total in proportion to weights under caps."""
 
 from __future__ import annotations
 
-import heapq
+from heapq import heapify, heappop, heappush, heapreplace
 
 import numpy as np
 
@@ -36,12 +36,12 @@ def lpt(docs: list[int], work, lengths: list[int], load: np.ndarray, speed: np.n
         least = np.min(work, axis=0)
         order = sorted(docs, key=lambda d: (-least[d], d))
         return _lpt_uniform(order, work, lengths, load, speed, token_room, spill)
-    order = sorted(docs, key=lambda d: (-work[d], d))
+    order = sorted(sorted(docs), key=work.__getitem__, reverse=True)  # ties in document order
     if len(set(speed.tolist())) > 1:
         return _lpt_uniform(order, work, lengths, load, speed, token_room, spill)
     loads, rooms = load.tolist(), token_room.tolist()
-    heap = [(loads[i], i) for i in range(len(loads))]  # equal speeds: least loaded finishes first
-    heapq.heapify(heap)
+    heap = list(zip(loads, range(len(loads))))  # equal speeds: least loaded finishes first
+    heapify(heap)
     # Slots without room for the last document wait in `parked` (most room first) until a
     # shorter one comes: under tight caps most slots are full for the long documents, and
     # popping them past every document would cost O(slots) each.
@@ -50,11 +50,11 @@ def lpt(docs: list[int], work, lengths: list[int], load: np.ndarray, speed: np.n
     for d in order:
         L, w = lengths[d], float(work[d])
         while parked and -parked[0][0] >= L:
-            _, li, i = heapq.heappop(parked)
-            heapq.heappush(heap, (li, i))
+            _, li, i = heappop(parked)
+            heappush(heap, (li, i))
         while heap and rooms[heap[0][1]] < L:
-            li, i = heapq.heappop(heap)
-            heapq.heappush(parked, (-rooms[i], li, i))
+            li, i = heappop(heap)
+            heappush(parked, (-rooms[i], li, i))
         if not heap:
             if spill is None:
                 raise NoRoom(d)
@@ -64,7 +64,7 @@ def lpt(docs: list[int], work, lengths: list[int], load: np.ndarray, speed: np.n
         out.setdefault(i, []).append(d)
         loads[i] += w
         rooms[i] -= L
-        heapq.heapreplace(heap, (loads[i], i))
+        heapreplace(heap, (loads[i], i))
     load[:] = loads
     token_room[:] = rooms
     return out
@@ -97,26 +97,26 @@ def spread(room: np.ndarray, token_room: np.ndarray, work: float, per_token: flo
     with most free tokens (those already taken first), as few as hold it: a document
     spilled under full caps would otherwise ring over every slot."""
     cap = np.minimum(np.maximum(room, 0.0), token_room * per_token)
-    order = np.lexsort((np.arange(len(room)), -cap))
     shares, left = {}, work
-    for i in order:
-        if left <= 0 or cap[i] <= 0 or len(shares) == max_slots:
+    caps = cap.tolist()
+    for i in np.argsort(-cap, kind="stable").tolist():
+        if left <= 0 or caps[i] <= 0 or len(shares) == max_slots:
             break
-        take = min(cap[i], left)
-        shares[int(i)] = take
+        take = min(caps[i], left)
+        shares[i] = take
         left -= take
     if left > 1e-9 * work:
         free = token_room * per_token - np.array([shares.get(i, 0.0) for i in range(len(room))])
         if free.sum() < left * (1 - 1e-9):
             raise NoRoom
-        taken = np.array([i not in shares for i in range(len(room))])
-        for i in np.lexsort((np.arange(len(free)), -free, taken)):
+        free = free.tolist()
+        for i in sorted(range(len(free)), key=lambda i: (i not in shares, -free[i])):
             if left <= 1e-9 * work:
                 break
             if free[i] <= 0:
                 continue
             take = min(free[i], left)
-            shares[int(i)] = shares.get(int(i), 0.0) + take
+            shares[i] = shares.get(i, 0.0) + take
             left -= take
     return shares
 

@@ -9,6 +9,9 @@ level relative to their speed.
 from __future__ import annotations
 
 import enum
+import functools
+import math
+from operator import itemgetter
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,19 +37,20 @@ def water_level(base, speed, unit, cap, total: float) -> np.ndarray:
 def _water_level(b: list, s: list, u: list, c: list, total: float) -> list:
     """`water_level` on lists (refinement calls it on rings of a few ranks, where numpy's
     per-call cost is most of the work)."""
-    slots = [i for i in range(len(b)) if c[i] > 0]
-    if total <= 0 or not slots:
-        return [0.0] * len(b)
     capped = [x if x > 0 else 0.0 for x in c]
-    if sum(c[i] for i in slots) <= total:
+    if total <= 0 or not any(capped):
+        return [0.0] * len(b)
+    if sum(capped) <= total:
         return capped
     # The filled amount grows piecewise linearly with the level: slot i adds s_i / u_i per
     # unit of level between b_i / s_i (its start) and (b_i + u_i c_i) / s_i (its cap).
     events = []
-    for i in slots:
-        rate = s[i] / u[i]
-        events += [(b[i] / s[i], rate), ((b[i] + u[i] * c[i]) / s[i], -rate)]
-    events.sort(key=lambda e: e[0])
+    for bi, si, ui, ci in zip(b, s, u, c):
+        if ci > 0:
+            rate = si / ui
+            events.append((bi / si, rate))
+            events.append(((bi + ui * ci) / si, -rate))
+    events.sort(key=itemgetter(0))
     filled, rate, at = 0.0, 0.0, events[0][0]
     for point, change in events:
         more = filled + rate * (point - at)
@@ -56,7 +60,11 @@ def _water_level(b: list, s: list, u: list, c: list, total: float) -> list:
     else:  # the caps hold `total` only up to rounding
         return capped
     level = at + (total - filled) / rate
-    return [min(max((level * si - bi) / ui, 0.0), ci) for bi, si, ui, ci in zip(b, s, u, capped)]
+    clipped = []
+    for bi, si, ui, ci in zip(b, s, u, capped):
+        x = (level * si - bi) / ui
+        clipped.append(ci if ci < x else 0.0 if x < 0.0 else x)  # min(max(x, 0.0), ci) without the calls
+    return clipped
 
 
 def split_work(model: ModelSpec, length: int, num_members: float, gpu=None) -> float:
@@ -155,38 +163,55 @@ class Levels:
         return max(self.load[r] / self.speed[r] for r in m)
 
     def room(self, m: list[int]) -> list[float]:
-        return [max(self.cap[r] - self.tokens[r], 0.0) for r in m]
+        cap, tokens = self.cap, self.tokens
+        return [0.0 if (x := cap[r] - tokens[r]) < 0.0 else x for r in m]
 
 
-def _start(batch: Batch, fill: RankFill, docs: list[int], local_tokens: np.ndarray) -> Levels:
-    """Levels with each split document's tokens in proportion to its members' work shares."""
+def _sum(xs: list[float]) -> float:
+    """`np.sum(xs)`: numpy adds fewer than 8 floats in order, pairwise beyond (and `sum`
+    compensates from Python 3.12 on)."""
+    if len(xs) >= 8:
+        return float(np.sum(xs))
+    total = 0.0
+    for x in xs:
+        total += x
+    return float(total)
+
+
+def _start(batch: Batch, fill: RankFill, docs: list[int], local_tokens: np.ndarray, attention: dict[int, float],
+           efficiency) -> Levels:
+    """Levels with each split document's tokens in proportion to its members' work shares
+    (`attention`: per split document, its FLOPs per GPU of its tensor-parallel group;
+    `efficiency`: the kernel efficiency at a block length, as `split_work`)."""
     dev, lengths, work_list = batch.dev, batch.lengths, batch.work_list
-    load = np.array([sum(work_list[d] for d in ds) for ds in fill.local], dtype=float)
+    load = np.array([sum([work_list[d] for d in ds]) for ds in fill.local], dtype=float)
     load += batch.linear_on_rank * local_tokens  # ranks that keep their tokens: their linear work too
-    node = [int(n) for n in dev.node]
-    st = Levels(load=[], tokens=local_tokens.astype(float).tolist(), speed=dev.speed.astype(float).tolist(),
-                cap=dev.token_cap.astype(float).tolist(), node=node,
-                node_ranks=[[int(r) for r in rs] for rs in dev.nodes()],
-                mean_level=0.0, members={}, held={}, unit={}, node_tokens={},
-                breakeven=[(batch.crossovers[g].intra or np.inf) / 2 for g in dev.group])
+    load = load.tolist()
+    node = list(dev.node)
+    tokens = local_tokens.astype(float).tolist()
+    members, all_held, units, node_tokens = {}, {}, {}, {}
     linear = batch.linear_on_rank.tolist()
     for d in docs:
-        m = sorted(fill.split_shares[d])
-        w = [fill.split_shares[d][r] for r in m]
-        total = float(np.sum(w))
-        held = [x * lengths[d] / total for x in w] if any(w) else list(w)
-        st.members[d], st.held[d] = m, held
+        shares = fill.split_shares[d]
+        m = sorted(shares)
+        w = [shares[r] for r in m]
+        length = lengths[d]
+        total = _sum(w)
+        held = [x * length / total for x in w] if any(w) else list(w)
+        members[d], all_held[d] = m, held
         nodes = sorted({node[r] for r in m})
         if len(nodes) > 1:
-            st.node_tokens[d] = {n: float(np.sum([h for r, h in zip(m, held) if node[r] == n])) for n in nodes}
-        per_token = split_work(batch.model, lengths[d], max(sum(1 for x in w if x), 1), batch.gpu) / lengths[d]
-        st.unit[d] = [per_token + linear[r] for r in m]
-        for r, u, h in zip(m, st.unit[d], held):
+            node_tokens[d] = {n: _sum([h for r, h in zip(m, held) if node[r] == n]) for n in nodes}
+        block = max(length / max(sum(1 for x in w if x), 1), 1.0)
+        per_token = attention[d] / efficiency(block) / length
+        units[d] = unit = [per_token + linear[r] for r in m]
+        for r, u, h in zip(m, unit, held):
             load[r] += u * h
-            st.tokens[r] += h
-    st.load = load.tolist()
-    st.mean_level = load.sum() / dev.speed.sum()
-    return st
+            tokens[r] += h
+    return Levels(load=load, tokens=tokens, speed=dev.speed.astype(float).tolist(),
+                  cap=dev.token_cap.astype(float).tolist(), node=node, node_ranks=dev.nodes(),
+                  mean_level=float(np.sum(load) / dev.speed.sum()), members=members, held=all_held, unit=units,
+                  node_tokens=node_tokens, breakeven=[(batch.crossovers[g].intra or np.inf) / 2 for g in dev.group])
 
 
 def refine(batch: Batch, fill: RankFill) -> Placement:
@@ -199,19 +224,22 @@ def refine(batch: Batch, fill: RankFill) -> Placement:
     under memory caps."""
     dev, lengths, model = batch.dev, batch.lengths, batch.model
     R = dev.num_ranks
-    local_tokens = np.array([sum(lengths[d] for d in docs) for docs in fill.local], dtype=np.int64)
-    docs = sorted(fill.split_shares, key=lambda d: (-batch.work[d], d))
-    st = _start(batch, fill, docs, local_tokens)
-    efficiency = hardware.profile(batch.gpu).attention_forward.at_one
+    local_tokens = np.array([sum([lengths[d] for d in docs]) for docs in fill.local], dtype=np.int64)
+    work = batch.work_list
+    docs = sorted(fill.split_shares, key=lambda d: (-work[d], d))
+    flops = cost_model.attention_flops(model, [lengths[d] for d in docs]).tolist()
+    attention = {d: f / model.tp for d, f in zip(docs, flops)}
+    efficiency = functools.cache(hardware.profile(batch.gpu).attention_forward.at_one)  # blocks recur across sweeps
+    st = _start(batch, fill, docs, local_tokens, attention, efficiency)
     linear = batch.linear_on_rank.tolist()
-    per_token = {d: float(cost_model.attention_flops(model, lengths[d])) / model.tp / lengths[d] for d in docs}
+    per_token = {d: attention[d] / lengths[d] for d in docs}
     stamp, done, clock = [0] * R, dict.fromkeys(docs, 0), 0  # skip documents already level
     settled: set[int] = set()  # units checked against their shares since they last moved
     for sweep in SWEEPS:
         for d in docs:
             m, held, unit = st.members[d], st.held[d], st.unit[d]
             dropping = sweep is Sweep.DROP and len(m) > 2 and min(held) < 0.25 * sum(held) / len(held)
-            still = not dropping and max(stamp[r] for r in m) <= done[d] \
+            still = not dropping and max([stamp[r] for r in m]) <= done[d] \
                 and (sweep is not Sweep.GROW or st.level_of(m) <= 1.01 * st.mean_level)
             if still and d in settled:
                 continue
@@ -253,22 +281,59 @@ def _placement(fill: RankFill, st: Levels, docs: list[int], local_tokens: np.nda
     members a few tokens short, those tokens move along rings to ranks with room
     (`_make_room`) rather than failing the plan."""
     placement = Placement(num_ranks=dev.num_ranks, local=[list(ds) for ds in fill.local])
-    room = dev.token_cap - local_tokens
+    room = (dev.token_cap - local_tokens).tolist()
     for d in docs:
-        m = np.array(st.members[d])
-        short = lengths[d] - int(np.maximum(room[m], 0).sum())
+        m = st.members[d]
+        short = lengths[d] - sum(max(room[r], 0) for r in m)
         if short > 0:
-            _make_room(placement.split, room, st.members[d], short)
+            _make_room(placement.split, room, m, short)
+        caps = [max(room[r], 0) for r in m]
         try:
-            counts = apportion(lengths[d], np.array(st.held[d]), np.maximum(room[m], 0))
+            if len(m) < 8:  # fast path for small rings
+                counts = _apportion_few(lengths[d], st.held[d], caps)
+            else:
+                counts = apportion(lengths[d], np.array(st.held[d]), np.array(caps)).tolist()
         except InfeasiblePlan:
             raise NoRoom from None
-        room[m] -= counts
-        placement.split[d] = {int(r): int(c) for r, c in zip(m, counts) if c > 0}
+        for r, c in zip(m, counts):
+            room[r] -= c
+        placement.split[d] = {r: c for r, c in zip(m, counts) if c > 0}
     return placement
 
 
-def _make_room(split: dict[int, dict[int, int]], room: np.ndarray, ranks: list[int], tokens: int) -> None:
+def _apportion_few(total: int, weights: list[float], caps: list[int]) -> list[int]:
+    """`apportion` on lists of fewer than 8 weights (`_sum` adds them as numpy does)."""
+    n = len(weights)
+    out = [0] * n
+    free = [True] * n
+    left = total
+    while left > 0 and any(free):
+        w = [x if f else 0.0 for x, f in zip(weights, free)]
+        if _sum(w) <= 0:
+            w = [float(f) for f in free]
+        w_sum = _sum(w)
+        ideal = [left * x / w_sum for x in w]
+        over = [f and x >= float(c - o) for f, x, c, o in zip(free, ideal, caps, out)]
+        if any(over):
+            for i in range(n):
+                if over[i]:
+                    left -= caps[i] - out[i]
+                    out[i] = caps[i]
+                    free[i] = False
+            continue
+        base = [math.floor(x) for x in ideal]
+        rest = left - sum(base)
+        frac = [x - b if f else -1.0 for x, b, f in zip(ideal, base, free)]
+        for i in sorted(range(n), key=lambda i: -frac[i])[:rest]:
+            base[i] += 1
+        out = [o + b for o, b in zip(out, base)]
+        left = 0
+    if left > 0:
+        raise InfeasiblePlan(f"{total} tokens do not fit under the memory caps")
+    return out
+
+
+def _make_room(split: dict[int, dict[int, int]], room: list[int], ranks: list[int], tokens: int) -> None:
     """Free `tokens` tokens on `ranks`, one at a time: find a chain of placed split
     documents, each holding a token on a rank it can move to the next of its members,
     that ends on a rank with room (breadth first, so chains stay short), and shift one
