@@ -456,19 +456,22 @@ class SequenceCost:
     recompute: str
     activation_bytes: float
     breakeven_chunk_tokens: dict
+    recompute_layers: int = 0
+    """How many layers (the first ones) recompute under `recompute`."""
 
 
 def sequence_cost(model: ModelSpec, group: NodeGroup, length: int) -> SequenceCost:
     """One document alone on one GPU of `group`, with the cheapest recomputation that holds it."""
     gpu = group.gpu_type
-    mode = cheapest_recompute(model, [length], [gpu], group.num_nodes * group.gpus_per_node // model.tp) or "full"
+    mode, layers = cheapest_recomputation(model, [length], [gpu], group.num_nodes * group.gpus_per_node // model.tp) \
+        or ("full", model.num_layers)
     att_flops = attention_flops(model, length)
     att = attention_time(model, gpu, att_flops, length)
     att_bwd = attention_time(model, gpu, att_flops, length, backward=True)
     lin = linear_time(model, gpu, length)
     elt = elementwise_time(model, gpu, length)
-    redo = linear_time(model, gpu, length, recompute_flops_per_token(model, mode))
-    redo += elementwise_time(model, gpu, length, recompute_elementwise_bytes_per_token(model, mode))
+    redo = linear_time(model, gpu, length, recompute_flops_per_token(model, mode, layers))
+    redo += elementwise_time(model, gpu, length, recompute_elementwise_bytes_per_token(model, mode, layers))
     redo += att if recompute_attention(mode) else 0.0
     step = model.num_layers * (att + att_bwd + lin * (1 + LINEAR_BACKWARD_FACTOR)
                                + elt * (1 + ELEMENTWISE_BACKWARD_FACTOR) + redo)
@@ -482,7 +485,8 @@ def sequence_cost(model: ModelSpec, group: NodeGroup, length: int) -> SequenceCo
         elementwise_time_s=elt,
         step_time_s=step,
         recompute=mode,
-        activation_bytes=activation_bytes_per_token(model, mode) * length,
+        recompute_layers=layers,
+        activation_bytes=activation_bytes_per_token(model, mode, layers) * length,
         breakeven_chunk_tokens={
             "intra": breakeven_chunk_tokens(model, gpu, group.intra_bw),
             "inter": breakeven_chunk_tokens(model, gpu, group.nic_bw / group.gpus_per_nic, nic=True),

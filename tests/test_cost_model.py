@@ -244,3 +244,16 @@ def test_the_batch_bound_assumes_the_fewest_layers_the_cluster_needs():
     assert capacity / cm.activation_bytes_per_token(LLAMA7B, "selective", k - 1) < sum(over)
     every = ballonet.model("llama-7b", recompute="selective")
     assert cm.batch_lower_bound(over, cluster, LLAMA7B) < cm.batch_lower_bound(over, cluster, every)
+
+
+def test_one_document_costs_the_fewest_selective_layers_that_hold_it():
+    """`ballonet cost`'s figures (`sequence_cost`): a document just over what one GPU holds
+    without recomputation recomputes a few layers' MLP, and its activations then fit."""
+    group = ballonet.cluster("a800-4nic", num_nodes=1).groups[0]
+    cap = cm.memory_cap(LLAMA7B, group.gpu_type, group.gpus_per_node)
+    length = int(cap / cm.activation_bytes_per_token(LLAMA7B, "none") * 1.05)
+    cost = cm.sequence_cost(LLAMA7B, group, length)
+    assert cost.recompute == "selective" and 1 <= cost.recompute_layers < LLAMA7B.num_layers
+    assert cost.activation_bytes <= cap < cm.activation_bytes_per_token(LLAMA7B, "none") * length
+    every = cm.sequence_cost(ballonet.model("llama-7b", recompute="selective"), group, length)
+    assert every.recompute_layers == LLAMA7B.num_layers and cost.step_time_s < every.step_time_s

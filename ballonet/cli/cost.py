@@ -38,6 +38,7 @@ def cmd_cost(args) -> int:
         "attention_backward_time_s": cost.attention_backward_time_s,
         "linear_time_s": cost.linear_time_s,
         "recompute": cost.recompute,
+        "recompute_layers": cost.recompute_layers,
         "step_time_s": cost.step_time_s,
         "activation_bytes": cost.activation_bytes,
         "breakeven_chunk_tokens": cost.breakeven_chunk_tokens,
@@ -54,7 +55,8 @@ def cmd_cost(args) -> int:
         ["linear time (fwd, per layer)", f"{cost.linear_time_s * 1e3:.3f} ms"],
         ["attention share of layer time", f"{att_share:.1%}"],
         ["fwd+bwd, all layers, one GPU", f"{cost.step_time_s:.3f} s"],
-        ["activation memory", f"{cost.activation_bytes / 2**30:.2f} GiB (recompute: {cost.recompute})"],
+        ["activation memory", f"{cost.activation_bytes / 2**30:.2f} GiB (recompute: {cost.recompute}"
+                                f"{f', {cost.recompute_layers} of {model.num_layers} layers' if cost.recompute == 'selective' else ''})"],
         ["break-even ring chunk, NVLink/intra", f"{cost.breakeven_chunk_tokens['intra']} tokens"],
         ["break-even ring chunk, NIC/inter", f"{cost.breakeven_chunk_tokens['inter']} tokens"],
     ]
