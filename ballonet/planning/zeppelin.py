@@ -430,6 +430,8 @@ def _candidates(lengths, cluster, model, crossovers, options, fallback: bool, be
         if trim:
             lin, att = plan.linear_token_counts, plan.attention_token_counts
             layers = cost_model.selective_layers_needed(model, lin, dev.gpu, dev.num_ranks, att)
+            if layers is None:  # (the caps hold every layer's selective activations; rounding aside)
+                layers = model.num_layers
             priced = dataclasses.replace(model, recompute_layers=layers) if layers else \
                 dataclasses.replace(model, recompute="none")
             used = tuple(dev.static_bytes + cost_model.activation_bytes(priced, a, b) for a, b in zip(lin, att))
