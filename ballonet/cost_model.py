@@ -210,7 +210,7 @@ def selective_layers_needed(model: ModelSpec, tokens_per_rank, gpus, num_dp_rank
     to hold its tokens (`cheapest_recompute`'s arguments): 0 when none need to, None when
     not even every layer is enough."""
     att = tokens_per_rank if attention_tokens is None else attention_tokens
-    n, most = model.num_layers, 0
+    most = 0
     for lin, a, g in zip(tokens_per_rank, att, gpus):
         cap = memory_cap(model, g, num_dp_ranks)
         keep, drop = activation_bytes(model, lin, a, "none"), activation_bytes(model, lin, a, "selective")
@@ -218,11 +218,19 @@ def selective_layers_needed(model: ModelSpec, tokens_per_rank, gpus, num_dp_rank
             continue
         if drop > cap:
             return None
-        k = min(n, max(1, math.ceil(n * (keep - cap) / (keep - drop))))
-        while k < n and activation_bytes(model, lin, a, "selective", k) > cap:  # rounding
-            k += 1
-        most = max(most, k)
+        most = max(most, _fewest_layers(model, keep - cap, keep - drop,
+                                        lambda k: activation_bytes(model, lin, a, "selective", k) <= cap))
     return most
+
+
+def _fewest_layers(model: ModelSpec, excess: float, saved: float, fits) -> int:
+    """The fewest layers (1 to all) whose selective recomputation frees `excess` bytes,
+    when every layer's frees `saved`; `fits(k)` checks the count against float rounding."""
+    n = model.num_layers
+    k = min(n, max(1, math.ceil(n * excess / saved)))
+    while k < n and not fits(k):
+        k += 1
+    return k
 
 
 def recompute_attention(mode: str) -> bool:
@@ -526,12 +534,9 @@ def batch_recomputation(lengths, cluster: ClusterSpec, model: ModelSpec) -> tupl
             break
     if mode != "selective" or model.recompute:
         return mode, recompute_layer_count(model, mode, fixed)
-    n = model.num_layers
     keep, drop = activation_bytes_per_token(model, "none"), activation_bytes_per_token(model, "selective")
-    k = min(n, max(1, math.ceil(n * (tokens * keep - capacity) / (tokens * (keep - drop)))))
-    while k < n and capacity / activation_bytes_per_token(model, "selective", k) < tokens:  # rounding
-        k += 1
-    return mode, k
+    return mode, _fewest_layers(model, tokens * keep - capacity, tokens * (keep - drop),
+                                lambda k: capacity / activation_bytes_per_token(model, "selective", k) >= tokens)
 
 
 def _best_elementwise_units(profiles_by_type, upto: float) -> float:

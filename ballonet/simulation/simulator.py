@@ -225,20 +225,19 @@ def simulate(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, routing: boo
     graphs = (LayerGraph(backward=False, **common), LayerGraph(backward=True, grad_bucket=bucket, **common))
     fwd, fwd_compute, fwd_end, fwd_att, fwd_rec = _run_pass(graphs[0])
     bwd, bwd_compute, bwd_end, bwd_att, bwd_rec = _run_pass(graphs[1])
-    slow = [a + b for a, b in zip(_slowdown(graphs[0], fwd_compute), _slowdown(graphs[1], bwd_compute))]
+    bwd_slow = _slowdown(graphs[1], bwd_compute)
     if 0 < k < L:  # the other L - k layers keep everything: their backward reruns nothing
         keep = LayerGraph(backward=True, grad_bucket=bucket, **{
             **common, "recompute": "none",
             "linear_s": [cost_model.linear_layer_seconds(model, fabric.gpu[r], tokens[r], "none") for r in range(R)]})
         k_bwd, k_compute, k_end, k_att, _ = _run_pass(keep)
-        k_slow = _slowdown(keep, k_compute)
 
         def mean(a, b):  # per layer, over the k layers that recompute and the L - k that do not
             return [(k * x + (L - k) * y) / L for x, y in zip(a, b)]
-        slow = [f + b for f, b in zip(_slowdown(graphs[0], fwd_compute),
-                                      mean(_slowdown(graphs[1], bwd_compute), k_slow))]
-        bwd, bwd_compute, bwd_end, bwd_att = (mean([bwd], [k_bwd])[0], mean(bwd_compute, k_compute),
-                                              mean(bwd_end, k_end), mean(bwd_att, k_att))
+        bwd, bwd_compute, bwd_end, bwd_att, bwd_slow = (
+            mean([bwd], [k_bwd])[0], mean(bwd_compute, k_compute), mean(bwd_end, k_end), mean(bwd_att, k_att),
+            mean(bwd_slow, _slowdown(keep, k_compute)))
+    slow = [a + b for a, b in zip(_slowdown(graphs[0], fwd_compute), bwd_slow)]
 
     head = [_head_seconds(model, fabric.gpu[r], n) for r, n in enumerate(tokens)]
     optimizer = [cost_model.optimizer_time(model, fabric.gpu[r], R) for r in range(R)]
