@@ -274,7 +274,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
         (["train", "--seed", "-1"], "--seed"),
         (["train", "--recompute", "selective", "--recompute-layers", "0"], "--recompute-layers must be positive"),
         (["train", "--recompute-layers", "2"], "--recompute-layers needs --recompute selective"),
-        (["train", "--recompute", "selective", "--recompute-layers", "3"], "recompute_layers=3 needs selective"),
+        (["train", "--recompute", "selective", "--recompute-layers", "3"], "--recompute-layers 3: model 'tiny' has 2 layers"),
         (["train", "--json-log", str(empty)], "is a folder"),
         (["train", "--checkpoint-dir", str(ckpt), "--resume", "--steps", "3"], str(step2)),
     ]
@@ -305,7 +305,7 @@ def test_bad_configs_are_refused_with_one_line_before_any_work(tmp_path):
         (dict(weight_decay=-1.0), "--weight-decay"),
         (dict(seed=-1), "--seed"),
         (dict(recompute_layers=1), "--recompute-layers needs --recompute selective"),
-        (dict(recompute="selective", recompute_layers=3), "at most its 2 layers"),
+        (dict(recompute="selective", recompute_layers=3), "--recompute-layers 3: model 'tiny' has 2 layers"),
         (dict(max_restarts=-1), "--max-restarts"),
         (dict(timeout_minutes=0), "--timeout-minutes"),
         (dict(shard="half"), "--shard"),

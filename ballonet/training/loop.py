@@ -81,6 +81,9 @@ def preflight(config: TrainConfig, world_size: int):
     _check_paths(config)
     cluster = _cluster(config, world_size)
     spec = hf_model.model_spec(config.model) if hf_model.is_hf(config.model) else ballonet.model(config.model)
+    if config.recompute_layers is not None and config.recompute_layers > spec.num_layers:
+        raise InputError(f"--recompute-layers {config.recompute_layers}: model {spec.name!r} has "
+                         f"{spec.num_layers} layers")
     # The planner and the cost model price what this run does: its dtype and recomputation.
     spec = dataclasses.replace(spec, dtype_bytes=parallel.DTYPES[config.dtype].itemsize, recompute=config.recompute,
                                recompute_layers=config.recompute_layers)
