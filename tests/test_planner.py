@@ -452,3 +452,39 @@ def test_zeppelin_recomputes_the_fewest_layers_its_plan_needs():
     assert all(used <= cap for used, cap in zip(plan.memory_bytes, plan.memory_cap))
     every = ballonet.simulate(plan, cluster, dataclasses.replace(model, recompute="selective"))
     assert res.step_time_s < every.step_time_s
+
+
+def test_caps_that_bind_where_the_step_is_set_get_a_selective_plan_too():
+    # 32 H800s, llama-3b, prolong's second batch: the best plan without recomputation has
+    # ranks at their memory caps in the node of its busiest rank, so selective
+    # recomputation on a few layers is planned too although on every layer its mean rank
+    # is slower; it wins the estimate and the simulated step.
+    cluster, model = specs.cluster("h800-8nic", num_nodes=4), specs.model("llama-3b")
+    lengths = list(workloads.get("prolong").batches(16384 * 32, 0, 2, 65536))[1]
+    plan = plan_batch(lengths, cluster, model)
+    assert {c["recompute"] for c in plan.meta["candidates"]} == {"none", "selective"}
+    assert plan.meta["recompute"] == "selective" and 1 <= plan.meta["recompute_layers"] <= 4
+    none = plan_batch(lengths, cluster, dataclasses.replace(model, recompute="none"))
+    step = ballonet.simulate(plan, cluster, model).step_time_s
+    assert step < 0.98 * ballonet.simulate(none, cluster, model).step_time_s
+    assert all(used <= cap for used, cap in zip(plan.memory_bytes, plan.memory_cap))
+    # Where no cap binds (1024 GPUs' wlbllm batch in bench/planner.py, here 64), the
+    # costlier mode stays pruned.
+    cluster = specs.cluster("h200-8nic", num_nodes=8)
+    plan = plan_batch(workloads.get("wlbllm").sample_batch(4096 * 64, 0), cluster, specs.model("llama-7b"))
+    assert [c["recompute"] for c in plan.meta["candidates"]] == ["none"]
+
+
+def test_a_models_own_recompute_layers_price_the_estimate():
+    # Caps loose either way: the same placement, estimated cheaper with 1 selective layer
+    # than with every layer, as the simulator runs it.
+    cluster, model = specs.cluster("h800-8nic", num_nodes=1), specs.model("llama-3b")
+    lengths = [4096] * 8 + [1024] * 32
+    one = dataclasses.replace(model, recompute="selective", recompute_layers=1)
+    every = dataclasses.replace(model, recompute="selective")
+    a, b = plan_batch(lengths, cluster, one), plan_batch(lengths, cluster, every)
+    assert a.attention == b.attention
+    est = [p.meta["candidates"][0]["estimated_step_s"] for p in (a, b)]
+    sim = [ballonet.simulate(p, cluster, m).step_time_s for p, m in ((a, one), (b, every))]
+    assert est[0] < est[1] and sim[0] < sim[1]
+    assert est[1] - est[0] > 0.5 * (sim[1] - sim[0])

@@ -77,7 +77,7 @@ def linear_work_per_token(model: ModelSpec, gpu: hardware.GPUType, tokens: float
     if tokens <= 0:
         return 0.0
     seconds = sum(cost_model.linear_layer_seconds(model, gpu, tokens, cost_model.recompute_mode(model),
-                                                  framework=False))
+                                                  framework=False, layers=cost_model.recompute_layer_count(model)))
     return seconds * gpu.peak_flops / tokens / attention_step
 
 

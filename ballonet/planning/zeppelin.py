@@ -48,7 +48,9 @@ the same level 1, unless the first is already as level as its nodes allow; the p
 whose busiest rank has the shortest estimated step is kept (`pricing.rank_step_seconds`).
 When the recomputation is left to the partitioner, a selective plan recomputes on as few
 of the first layers as its tokens need (`cost_model.selective_layers_needed`) and is
-estimated so; it is made as selective recomputation on every layer prices it.
+estimated so; it is made as selective recomputation on every layer prices it, and is
+made whatever that price when the best plan so far has a rank at its memory cap in the
+node that sets its step (`_caps_bind`): there a few layers' looser caps may pay.
 With `double`, inter-node rings with as many members on each node run as "double" rings
 and are priced so; a candidate holding one is compared with the plan of single rings.
 A batch the greedy steps cannot fit under memory caps falls back to cutting the batch in
@@ -255,6 +257,9 @@ KEEP_MARGIN = 0.01
 its busiest node's mean compute (on the main grid and the planner bench, seeds 0 and 7,
 the remap plan was estimated faster in none of the 48 of 166 cases so skipped)."""
 
+CAP_SLACK = 0.02
+"""A rank within this share of its memory is at its cap (`_caps_bind`)."""
+
 NODE_PRUNE_MARGIN = 0.05
 """A recomputation mode is not planned when its level 1 already leaves a node this much
 slower than the best plan so far (level 1's estimate is within about 3% of its plans'
@@ -369,25 +374,30 @@ def zeppelin(lengths, cluster: ClusterSpec, model: ModelSpec, *, routing: bool =
     modes = recompute_modes(model) if price_recompute else (cost_model.recompute_mode(model),)
     trim = price_recompute and model.recompute is None  # selective on as few layers as a plan needs
     best, best_s, error, compared = None, np.inf, None, []
+    looser = False  # the next mode is planned for its looser caps, whatever its cost on every layer
     for i, mode in enumerate(modes):
         spec = dataclasses.replace(model, recompute=mode)
         try:
             plans, dev = _candidates(lengths, cluster, spec, crossovers, options,
-                                     fallback=i == len(modes) - 1 and best is None, beat=best_s,
-                                     trim=trim and mode == "selective")
+                                     fallback=i == len(modes) - 1 and best is None,
+                                     beat=np.inf if looser else best_s, trim=trim and mode == "selective")
         except (NoRoom, InfeasiblePlan) as e:
             error = e
             continue
         if not plans:
             break  # its level 1 already leaves a node slower than the best plan (costlier modes too)
-        for candidate, seconds in plans:
+        for candidate, seconds, binds in plans:
             compared.append({"recompute": candidate.meta["recompute"], "keep_tokens": candidate.meta["keep_tokens"],
                              "recompute_layers": candidate.meta["recompute_layers"], "estimated_step_s": seconds})
             if seconds < best_s:
-                best, best_s = (candidate, dev, spec), seconds
+                best, best_s, best_binds = (candidate, dev, spec), seconds, binds
         plan = plans[0][0]
-        if i + 1 < len(modes) and rank_compute_seconds(plan, dev, spec, modes[i + 1]).mean() >= best_s:
-            break  # a costlier mode's average rank (on every layer) is already slower than the best plan's busiest
+        if i + 1 < len(modes):
+            # Selective recomputation on as few layers as a plan needs costs little more than
+            # none: where caps bind in the node that sets the step, its looser caps may pay.
+            looser = trim and modes[i + 1] == "selective" and best_binds
+            if not looser and rank_compute_seconds(plan, dev, spec, modes[i + 1]).mean() >= best_s:
+                break  # a costlier mode's average rank (on every layer) is already slower than the best plan's busiest
     if best is None:
         raise error
     plan, dev, spec = best
@@ -404,8 +414,9 @@ def _step_seconds(plan: Plan, dev: Devices, model: ModelSpec, crossovers, comput
 
 
 def _candidates(lengths, cluster, model, crossovers, options, fallback: bool, beat: float = np.inf,
-                trim: bool = False) -> tuple[list[tuple[Plan, float]], Devices]:
-    """The plans of one recomputation with their estimated step seconds, under the memory
+                trim: bool = False) -> tuple[list[tuple[Plan, float, bool]], Devices]:
+    """The plans of one recomputation with their estimated step seconds (and whether caps
+    bind where that step is set, `_caps_bind`), under the memory
     caps of `model.recompute`, from one level 1: every rank keeping its tokens (attention
     plus linear work balanced per rank; when pricing may prefer it), then remapping tokens
     inside nodes, unless the keep-tokens plan's busiest rank is already within
@@ -421,12 +432,12 @@ def _candidates(lengths, cluster, model, crossovers, options, fallback: bool, be
             "recompute": model.recompute, "recompute_layers": cost_model.recompute_layer_count(model),
             "keep_tokens": False, "fallback": False}
 
-    def build(placement: Placement, facts: dict, keep: bool, double: bool = options["double"]) -> tuple[Plan, float, float]:
-        """(plan, its estimated step, its busiest node's mean compute seconds)."""
+    def build(placement: Placement, facts: dict, keep: bool, double: bool = options["double"]) -> tuple:
+        """(plan, its estimated step, `_caps_bind`, its busiest node's mean compute seconds)."""
         plan = _finish(lengths, dev, placement, {**meta, **facts, "keep_tokens": keep},
                        remap=options["remap"] and not keep, node_remap=options["price_linear"],
                        double=double)
-        priced, layers = model, None
+        priced, layers = model, cost_model.recompute_layer_count(model)  # the model's own, or every layer
         if trim:
             lin, att = plan.linear_token_counts, plan.attention_token_counts
             layers = cost_model.selective_layers_needed(model, lin, dev.gpu, dev.num_ranks, att)
@@ -439,43 +450,51 @@ def _candidates(lengths, cluster, model, crossovers, options, fallback: bool, be
                 **plan.meta, "recompute": priced.recompute, "recompute_layers": layers})
         attention, linear = rank_compute_seconds(plan, dev, priced, priced.recompute, split=True, layers=layers)
         node = max((attention[rs] + linear[rs]).mean() for rs in dev.nodes())
-        return plan, float(_step_seconds(plan, dev, priced, crossovers, (attention, linear)).max()), node
+        seconds = _step_seconds(plan, dev, priced, crossovers, (attention, linear))
+        return plan, float(seconds.max()), _caps_bind(plan, dev, seconds), node
 
-    def from_nodes(shared: _Nodes, double: bool = options["double"]) -> list[tuple[Plan, float]]:
+    def from_nodes(shared: _Nodes, double: bool = options["double"]) -> list[tuple[Plan, float, bool]]:
         out = []
         if options["price_linear"] and options["remap"]:
             try:
-                kept, seconds, node = build(*_place(shared, keep_tokens=True), keep=True, double=double)
-                out = [(kept, seconds)]
+                kept, seconds, binds, node = build(*_place(shared, keep_tokens=True), keep=True, double=double)
+                out = [(kept, seconds, binds)]
                 if seconds <= (1 + KEEP_MARGIN) * node:
                     return out
             except (NoRoom, InfeasiblePlan):
                 pass
         try:
-            out.append(build(*_place(shared, keep_tokens=False), keep=False, double=double)[:2])
+            out.append(build(*_place(shared, keep_tokens=False), keep=False, double=double)[:3])
         except (NoRoom, InfeasiblePlan):
             if not out:
                 raise
         return out
 
-    plans: list[tuple[Plan, float]] = []
+    plans: list[tuple[Plan, float, bool]] = []
     try:
         shared = _nodes(lengths, dev, crossovers, options, model)
         if shared.node_seconds > (1 + NODE_PRUNE_MARGIN) * beat:
             return [], dev
         plans = from_nodes(shared)
-        if any(r.comm == "double" for p, _ in plans for r in p.rings):
+        if any(r.comm == "double" for p, *_ in plans for r in p.rings):
             # Priced for "double" rings across nodes: the plan of single rings through them too.
             single = _nodes(lengths, dev, crossovers, {**options, "double": False}, model)
-            if single.node_seconds <= (1 + NODE_PRUNE_MARGIN) * min([beat] + [s for _, s in plans]):
+            if single.node_seconds <= (1 + NODE_PRUNE_MARGIN) * min([beat] + [s for _, s, _ in plans]):
                 plans += from_nodes(single, double=False)
     except (NoRoom, InfeasiblePlan):
         if plans:
             return plans, dev
         if not fallback:
             raise
-        return [build(_fallback(lengths, dev), {"fallback": True}, keep=False)[:2]], dev
+        return [build(_fallback(lengths, dev), {"fallback": True}, keep=False)[:3]], dev
     return plans, dev
+
+
+def _caps_bind(plan: Plan, dev: Devices, seconds: np.ndarray) -> bool:
+    """Whether a rank of the node whose rank sets the estimated step (`seconds`, [R]) is
+    at its memory cap: only then can looser caps (a costlier recomputation) shorten it."""
+    ranks = dev.nodes()[dev.node[int(np.argmax(seconds))]]
+    return any(plan.memory_bytes[r] >= (1 - CAP_SLACK) * dev.memory_total[r] for r in ranks)
 
 
 def _finish(lengths, dev: Devices, placement: Placement, meta, *, remap: bool, node_remap: bool,
