@@ -311,11 +311,15 @@ def targets(data: dict) -> list[tuple[str, bool, str, str]]:
                 "and ring transfers compute does not hide. Over 1.15x: " + ", ".join(
                     f"{c['cluster']} {c['model']} {c['workload']} {c['results']['zeppelin']['ratio_to_lower_bound']:.3f}x"
                     for c in far) + ". In the wlbllm and shortmix ones, documents of 44-64K tokens carry more "
-                "than a node's share of the step, and a ring across nodes (its crossing hops on one NIC each) "
-                "exposes more than the overload it would save (`pricing.inter_node_span`), so they stay in one "
-                "node or the plan recomputes for looser caps; on prolong (documents up to 29K) the smallest "
-                "model on the fastest GPUs leaves a few percent each of compute imbalance and exposed "
-                "communication." + _why_memory(data) + (
+                "than a node's share of the step while the other nodes fill their memory caps, so the ranks "
+                "holding such a document must hold other tokens too; a ring across nodes would even the "
+                "compute, but its blocks (4K tokens over 16 ranks for 64K) are too short for their attention "
+                "to hide the K/V of these 32-KV-head models, even over NVLink, and the crossing hops add to "
+                "it: it exposes as much as it saves or more (`pricing.inter_node_span`), so they stay in one node or "
+                "the plan recomputes for looser caps" + (
+                    "; on prolong (documents up to 29K) the smallest model on the fastest GPUs leaves a few "
+                    "percent each of compute imbalance and exposed communication"
+                    if any(c["workload"] == "prolong" for c in far) else "") + "." + _why_memory(data) + (
                     f" With double rings across nodes (opt-in `double=True`, last row of the pricing ablation): "
                     f"{dbl['within_bound']} of {dbl['configurations']} within, worst {dbl['worst_to_bound']:.2f}x, "
                     f"mean over the best baseline {dbl['mean_over_best']:.2f}x; not the default because planning "
