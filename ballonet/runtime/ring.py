@@ -23,8 +23,10 @@ Overlap: each step posts the next block's transfer before computing on the curre
 On NCCL the transfers run on the process group's own CUDA streams: `post` returns at
 once, and `wait` only makes the compute stream wait for them (the host runs on), so a
 transfer overlaps the kernels queued while it is in flight, and buffers are kept alive
-by the group until their transfer ends. On gloo (CPU) `wait` blocks the host; results
-are the same either way.
+by the group until their transfer ends. A transfer also starts only after the kernels
+queued before its `post` (the group's stream waits for the current one), which the
+simulator's engine does not charge (docs/design.md, section 8). On gloo (CPU) `wait`
+blocks the host; results are the same either way.
 """
 
 from __future__ import annotations
