@@ -373,7 +373,7 @@ def zeppelin(lengths, cluster: ClusterSpec, model: ModelSpec, *, routing: bool =
     crossovers = crossover_lengths(cluster, model)
     modes = recompute_modes(model) if price_recompute else (cost_model.recompute_mode(model),)
     trim = price_recompute and model.recompute is None  # selective on as few layers as a plan needs
-    best, best_s, error, compared = None, np.inf, None, []
+    best, best_s, best_binds, error, compared = None, np.inf, False, None, []
     looser = False  # the next mode is planned for its looser caps, whatever its cost on every layer
     for i, mode in enumerate(modes):
         spec = dataclasses.replace(model, recompute=mode)
