@@ -11,6 +11,7 @@ from ballonet import PLANNERS, cost_model, hardware, plan_batch, specs, workload
 from ballonet.cost_model import breakeven_chunk_tokens
 from ballonet.errors import InfeasiblePlan, InputError
 from ballonet.plan import Segment, Transfer
+from ballonet.planning import pricing
 from ballonet.planning.assembly import Placement, assemble, zigzag_bounds
 from ballonet.planning.devices import devices
 from ballonet.planning.metrics import plan_metrics
@@ -90,7 +91,9 @@ def test_remap_moves_only_surplus_inside_nodes_first():
 @pytest.mark.parametrize("price_linear", [True, False])
 def test_zeppelin_remap_reaches_equal_tokens_with_surplus_only(price_linear):
     lengths = [100_000, 30_000] + [1_500] * 250
-    plan = plan_batch(lengths, h200(num_nodes=2), MODEL, price_linear=price_linear)
+    # Without routing (a crossing hop on one NIC) both long documents stay inside a node;
+    # routed, the 100K one goes across the two nodes and every rank keeps its tokens.
+    plan = plan_batch(lengths, h200(num_nodes=2), MODEL, price_linear=price_linear, routing=False)
     assert not plan.meta["keep_tokens"]  # priced: remapping beats every rank keeping its tokens here
     att = [plan.attention_tokens(r) for r in range(16)]
     lin = [plan.linear_tokens(r) for r in range(16)]
@@ -169,14 +172,16 @@ def test_zeppelin_keeps_tokens_where_the_remap_does_not_pay():
     lengths = [120_000, 30_000] + [1_500] * 60
     kept = plan_batch(lengths, cluster, MODEL)
     assert kept.meta["keep_tokens"] and kept.remap == ()
-    # With more short documents, remapping inside the nodes pays.
+    # With more short documents and both long ones inside their nodes (no routing: a
+    # crossing hop on one NIC; routed, the 100K one crosses and every rank keeps its
+    # tokens), remapping inside the nodes pays.
     more = [100_000, 30_000] + [1_500] * 250
-    remapped = plan_batch(more, cluster, MODEL)
+    remapped = plan_batch(more, cluster, MODEL, routing=False)
     assert not remapped.meta["keep_tokens"] and remapped.remap
     compute = np.array(ballonet.simulate(kept, cluster, MODEL).compute_s)
     assert compute.max() / compute.mean() < 1.1
-    for plan, batch in ((kept, lengths), (remapped, more)):
-        unpriced = plan_batch(batch, cluster, MODEL, price_linear=False)
+    for plan, batch, options in ((kept, lengths, {}), (remapped, more, {"routing": False})):
+        unpriced = plan_batch(batch, cluster, MODEL, price_linear=False, **options)
         assert ballonet.simulate(plan, cluster, MODEL).step_time_s < ballonet.simulate(unpriced, cluster, MODEL).step_time_s
 
 
@@ -488,3 +493,23 @@ def test_a_models_own_recompute_layers_price_the_estimate():
     sim = [ballonet.simulate(p, cluster, m).step_time_s for p, m in ((a, one), (b, every))]
     assert est[0] < est[1] and sim[0] < sim[1]
     assert est[1] - est[0] > 0.5 * (sim[1] - sim[0])
+
+
+def test_crossing_hops_are_priced_routed_over_the_nodes_rails():
+    # Two H200 nodes: a crossing hop routed over the node's 8 rails costs a NIC transfer
+    # of an eighth of it plus 14 dispatch and combine messages over NVLink, so
+    # the 100K document goes across the nodes, where priced over one NIC it stays in one.
+    cluster = h200(num_nodes=2)
+    (cross,) = crossover_lengths(cluster, MODEL)
+    assert cross.rails == 8
+    gpu = hardware.gpu("h200")
+    m = cost_model.kv_bytes(MODEL, 4096)
+    direct = cost_model.p2p_time(m, cross.crossing_bw, True, gpu)
+    assert pricing.crossing_seconds(m, cross.crossing_bw, cross.intra_bw, 1, gpu) == direct
+    assert pricing.crossing_seconds(m, cross.crossing_bw, cross.intra_bw, 8, gpu) < 0.7 * direct
+    lengths = [100_000, 30_000] + [1_500] * 250
+    routed, one_nic = plan_batch(lengths, cluster, MODEL), plan_batch(lengths, cluster, MODEL, routing=False)
+    assert routed.ring_of_doc[0].kind == "inter" and routed.routes
+    assert one_nic.ring_of_doc[0].kind == "intra"
+    step = ballonet.simulate(routed, cluster, MODEL).step_time_s
+    assert step < 0.95 * ballonet.simulate(one_nic, cluster, MODEL).step_time_s

@@ -9,8 +9,9 @@ a batch that needs more recomputation pays a second forward. The partitioner the
   shipping q, k, v and o of the difference across the network every layer;
 * sends a document over a node's share across nodes when the overload it saves beats the
   wider ring's exposed transfers, over as many nodes as pays best (`inter_node_span`,
-  `ring_exposed_seconds`), and prices a ring on a node's own links (nothing over NVLink,
-  much over PCIe);
+  `ring_exposed_seconds`, its crossing hops routed over the nodes' rails as the routing
+  layer sends them, `crossing_seconds`; estimates add them, `crossing_exposed_seconds`),
+  and prices a ring on a node's own links (nothing over NVLink, much over PCIe);
 * remaps inside NVLink nodes, or keeps every rank's tokens (balancing attention plus
   linear work per rank; always on PCIe-only nodes, `remaps_inside`), whichever leaves
   the shorter estimated step (`rank_step_seconds`): moving a token's q, k, v and o can
@@ -33,8 +34,10 @@ from ballonet.plan import Plan
 from ballonet.planning.devices import Devices
 from ballonet.specs import ModelSpec
 
-__all__ = ["StepWeights", "double_exposed_seconds", "inter_node_span", "linear_work_per_token", "rank_compute_seconds", "rank_remap_seconds", "rank_step_seconds",
-           "rank_tp_seconds", "recompute_modes", "remaps_inside", "ring_exposed_seconds", "step_weights"]
+__all__ = ["StepWeights", "crossing_exposed_seconds", "crossing_seconds", "double_exposed_seconds",
+           "inter_node_span", "linear_work_per_token", "rank_compute_seconds", "rank_remap_seconds",
+           "rank_step_seconds", "rank_tp_seconds", "recompute_modes", "remaps_inside", "ring_exposed_seconds",
+           "step_weights"]
 
 
 def recompute_modes(model: ModelSpec) -> tuple[str, ...]:
@@ -89,19 +92,38 @@ def remaps_inside(gpu: hardware.GPUType) -> bool:
     return gpu.intra_link == "nvlink"
 
 
+def crossing_seconds(nbytes: float, nic_bw: float, intra_bw: float, rails: int, gpu: hardware.GPUType) -> float:
+    """One node-crossing ring hop of `nbytes`, routed as `planning.routing` routes it: over
+    the k of `rails` idle rail-aligned proxy pairs that cost least, or direct (k = 1). Its
+    k - 1 dispatch messages of m/k leave the source one after another over `intra_bw`, as
+    the k - 1 combine messages reach the destination, each paying a message's latency
+    (as the simulator sends them); the NIC legs of m/k run in parallel at `nic_bw`."""
+    best = cost_model.p2p_time(nbytes, nic_bw, True, gpu)
+    for k in range(2, rails + 1):
+        part = nbytes / k
+        best = min(best, 2 * (k - 1) * cost_model.p2p_time(part, intra_bw, False, gpu)
+                   + cost_model.p2p_time(part, nic_bw, True, gpu))
+    return best
+
+
 def ring_exposed_seconds(model: ModelSpec, gpu: hardware.GPUType, length: int, members: int, bandwidth: float,
-                         nic: bool = True) -> float:
+                         nic: bool = True, routed: tuple[float, int] | None = None) -> float:
     """Seconds a ring of `members` ranks over a document of `length` tokens leaves its
     transfers exposed in a step (all layers), when each hop runs at `bandwidth` (the
-    slowest hop: a NIC with `nic`, else NVLink or PCIe) and nothing else fills the wait:
-    per ring step, the forward's K/V transfer and the backward's K/V plus dK/dV (fp32)
-    beyond that step's compute."""
+    slowest hop: a NIC with `nic`, else NVLink or PCIe; with `routed` = (intra-node
+    bandwidth, rails), a NIC hop routed over idle rails, `crossing_seconds`) and nothing
+    else fills the wait: per ring step, the forward's K/V transfer and the backward's K/V
+    plus dK/dV (fp32) beyond that step's compute."""
     block = max(length // members, 1)
     flops = cost_model.block_flops(model, block, block)
-    fwd = cost_model.p2p_time(cost_model.kv_bytes(model, block), bandwidth, nic, gpu) \
-        - cost_model.attention_time(model, gpu, flops, block)
-    bwd = cost_model.p2p_time(cost_model.kv_bytes(model, block) + cost_model.kv_grad_bytes(model, block), bandwidth,
-                              nic, gpu) - cost_model.attention_time(model, gpu, flops, block, backward=True)
+
+    def hop(nbytes: float) -> float:
+        if nic and routed is not None:
+            return crossing_seconds(nbytes, bandwidth, routed[0], routed[1], gpu)
+        return cost_model.p2p_time(nbytes, bandwidth, nic, gpu)
+    fwd = hop(cost_model.kv_bytes(model, block)) - cost_model.attention_time(model, gpu, flops, block)
+    bwd = hop(cost_model.kv_bytes(model, block) + cost_model.kv_grad_bytes(model, block)) \
+        - cost_model.attention_time(model, gpu, flops, block, backward=True)
     redo = 2 if cost_model.recompute_attention(cost_model.recompute_mode(model)) else 1
     return model.num_layers * (members - 1) * (redo * max(fwd, 0.0) + max(bwd, 0.0))
 
@@ -134,7 +156,7 @@ def double_exposed_seconds(model: ModelSpec, gpu: hardware.GPUType, length: int,
 def inter_node_span(model: ModelSpec, gpu: hardware.GPUType, length: int, step_work: float, node_share: float,
                     ranks_per_node: int, num_nodes: int, bandwidth: float, node_speed: float,
                     weights: StepWeights, min_tokens: float = 0.0, fill_per_token: float = 0.0,
-                    intra_bw: float | None = None) -> int:
+                    intra_bw: float | None = None, routed: tuple[float, int] | None = None) -> int:
     """How many nodes a document whose step work (attention plus linear, `StepWeights`
     units) is over a node's share runs fastest on: 1 (kept in one node) or k >= 2 (a ring
     over k whole nodes), whichever leaves the least of the busiest node's overload (its
@@ -154,7 +176,7 @@ def inter_node_span(model: ModelSpec, gpu: hardware.GPUType, length: int, step_w
             return overload
         if intra_bw is not None:
             return overload + double_exposed_seconds(model, gpu, length, k, ranks_per_node, intra_bw, bandwidth)
-        return overload + ring_exposed_seconds(model, gpu, length, k * ranks_per_node, bandwidth)
+        return overload + ring_exposed_seconds(model, gpu, length, k * ranks_per_node, bandwidth, routed=routed)
 
     return min(range(1, max(most, 1) + 1), key=lambda k: (cost(k), k))
 
@@ -214,20 +236,36 @@ def rank_step_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw: np.nd
     arrives and fills waits with local documents (a term for the backward's dK/dV waits
     was tried and mispredicted more choices than it fixed), but for "double" rings across
     nodes, whose members wait for NIC transfers local work rarely fills: with `nic_bw` ([R]
-    a rank's NIC share) each member adds its ring's `double_exposed_seconds`. `compute`:
+    a rank's NIC share) each member adds its ring's `double_exposed_seconds` (single rings
+    across nodes: `crossing_exposed_seconds`, which the partitioner adds to `compute`). `compute`:
     the plan's `rank_compute_seconds(..., split=True)` under `model.recompute`, when known."""
     start, linear = compute or rank_compute_seconds(plan, dev, model, model.recompute, split=True)
     start = start.copy()
     for ring in plan.rings if nic_bw is not None else ():
+        r = ring.ranks[0]
         if ring.comm == "double":
-            r = ring.ranks[0]
             start[list(ring.ranks)] += double_exposed_seconds(model, dev.gpu[r], plan.lengths[ring.doc], ring.groups,
                                                               ring.group_size, link_bw[r], nic_bw[r])
+
     ready = start.copy()
     for (src, dst) in plan.remap_tokens():
         ready[dst] = max(ready[dst], start[src])
         ready[src] = max(ready[src], start[dst])  # and the same meeting on the way back
     return ready + linear + rank_remap_seconds(plan, model, link_bw) + rank_tp_seconds(plan, dev, model, link_bw)
+
+
+def crossing_exposed_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw: np.ndarray, nic_bw: np.ndarray,
+                             rails: np.ndarray) -> np.ndarray:
+    """[R] what each member of a single ring across nodes leaves exposed in a step (its
+    ring's `ring_exposed_seconds`, crossing hops at `nic_bw` routed over `rails`, 1:
+    direct), as level 1 priced it (`inter_node_span`)."""
+    out = np.zeros(plan.num_ranks)
+    for ring in plan.rings:
+        if ring.comm == "ring" and ring.kind == "inter":
+            r = ring.ranks[0]
+            out[list(ring.ranks)] += ring_exposed_seconds(model, dev.gpu[r], plan.lengths[ring.doc], len(ring.ranks),
+                                                          nic_bw[r], routed=(link_bw[r], int(rails[r])))
+    return out
 
 
 def rank_tp_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw: np.ndarray) -> np.ndarray:

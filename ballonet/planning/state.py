@@ -27,11 +27,14 @@ class Crossover:
     intra_bw: float
     """Bytes/s of a ring hop inside a node (NVLink, or PCIe on a PCIe-only node)."""
     crossing_bw: float
-    """Bytes/s of a ring hop that crosses nodes: one NIC at line rate (routing over more
-    NICs helps less than their sum once every rank of the node is sending; not counted)."""
+    """Bytes/s of one NIC at line rate, for a ring hop that crosses nodes (routed over
+    `rails` of them, `pricing.crossing_seconds`)."""
     rank_nic_bw: float = 0.0
     """Bytes/s of one rank's NIC share when every rank of the node sends at once (a
     "double" ring's rounds): line rate over the GPUs a NIC serves."""
+    rails: int = 1
+    """Distinct NICs a node's ranks reach: the most proxy pairs a routed crossing hop
+    spreads over (`pricing.crossing_seconds`)."""
 
 
 @dataclass(frozen=True)

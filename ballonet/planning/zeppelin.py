@@ -13,10 +13,14 @@ So the crossover lengths are L_intra = 2 c*_nvlink (two GPUs of a node) and
 L_inter = 2 n c*_nic (two whole nodes of n ranks, each crossing hop on one NIC). A
 document above a crossover is split only when the batch needs it: when its attention
 work exceeds one rank's fair share (intra), or its step share (attention plus linear
-work, `pricing.StepWeights`) exceeds one node's (inter); below L_inter it still goes
-across nodes when the overload it would leave on one node costs more than the wider
-ring's exposed transfers (`pricing.inter_node_span`). A document that does not fit a
-rank's (a node's) memory is split regardless. Splitting more than needed only adds traffic.
+work, `pricing.StepWeights`) exceeds one node's (inter). Such a document goes across
+nodes, over as many as pay best, only when the overload it would leave on one node costs
+more than the wider ring's exposed transfers, its crossing hops routed over the nodes'
+rails as the routing layer sends them (`pricing.inter_node_span`, `crossing_seconds`;
+above L_inter too: a ring over many nodes has blocks too short to hide even its NVLink
+hops); candidate plans' estimates add those exposed transfers to each member
+(`crossing_exposed_seconds`). A document that does not fit a rank's (a node's) memory is
+split regardless. Splitting more than needed only adds traffic.
 
 Placement, with work in peak-FLOP units so a rank's time is work / its peak:
   Step 1 (level 1, nodes): nodes are balanced on step shares, so the remap can stay
@@ -75,6 +79,7 @@ from ballonet.planning.node_placement import level2
 from ballonet.planning.packing import NoRoom, apportion, charge, lpt, spread
 from ballonet.planning.pricing import (
     StepWeights,
+    crossing_exposed_seconds,
     inter_node_span,
     linear_work_per_token,
     rank_compute_seconds,
@@ -103,11 +108,13 @@ def crossover_lengths(cluster: ClusterSpec, model: ModelSpec) -> list[Crossover]
         c_inter = cost_model.breakeven_chunk_tokens(model, g.gpu_type, g.nic_bw / g.gpus_per_nic, nic=True)
         out.append(Crossover(intra=2 * c_intra if ranks_per_node > 1 else None, inter=2 * ranks_per_node * c_inter,
                              intra_bw=g.intra_bw, crossing_bw=g.nic_bw,
-                             rank_nic_bw=g.nic_bw / g.gpus_per_nic))
+                             rank_nic_bw=g.nic_bw / g.gpus_per_nic,
+                             rails=max(1, min(g.gpus_per_node // g.gpus_per_nic, ranks_per_node))))
     return out
 
 
-def _classify(batch: Batch, nodes, hierarchical: bool, per_token: float, weights: StepWeights, double: bool):
+def _classify(batch: Batch, nodes, hierarchical: bool, per_token: float, weights: StepWeights, double: bool,
+              routing: bool = True):
     """(intra, inter, span): masks of the documents split inside a node / across nodes
     (module docstring), and the number of nodes of each inter-node document that pricing
     sent there. A document whose attention plus linear work is over a node's share but
@@ -137,13 +144,16 @@ def _classify(batch: Batch, nodes, hierarchical: bool, per_token: float, weights
         inter = (L > node_tokens) | (heavy & (L >= l_inter))
         n = max(len(rs) for rs in nodes)
         rank_nic = min(t.rank_nic_bw if double else t.crossing_bw for t in crossovers)
-        to_price = heavy & ~(L > node_tokens) if double else heavy & ~inter
+        to_price = heavy & ~(L > node_tokens)
         for d in np.nonzero(to_price)[0] if per_token > 0 else ():  # priced with `price_linear` only
             k = inter_node_span(batch.model, batch.gpu, int(L[d]), step[d], node_share, n, len(nodes), rank_nic,
                                 node_speed, weights, min_tokens=least, fill_per_token=per_token,
-                                intra_bw=min(t.intra_bw for t in crossovers) if double else None)
+                                intra_bw=min(t.intra_bw for t in crossovers) if double else None,
+                                routed=(min(t.intra_bw for t in crossovers), min(t.rails for t in crossovers))
+                                if routing and not double else None)
+            inter[d] = k > 1
             if k > 1:
-                inter[d], span[int(d)] = True, k
+                span[int(d)] = k
     return intra & ~inter, inter, span
 
 
@@ -286,7 +296,8 @@ def _nodes(lengths, dev: Devices, crossovers, options: dict, model: ModelSpec) -
     batch = Batch(lengths=lengths, length_array=np.asarray(lengths, dtype=float), work=work,
                   work_list=work.tolist(), dev=dev, model=model, gpu=gpu, crossovers=crossovers,
                   linear_on_rank=np.zeros(R))
-    intra, inter, span = _classify(batch, nodes, hierarchical, per_token, weights, options["double"])
+    intra, inter, span = _classify(batch, nodes, hierarchical, per_token, weights, options["double"],
+                                   options["routing"])
     level1 = _level1(batch, nodes, intra, inter, span, per_token, weights if price_linear else None,
                      rank_token) if hierarchical else None
     return _Nodes(batch=batch, rank_token=rank_token, intra=intra, level1=level1,
@@ -407,10 +418,23 @@ def zeppelin(lengths, cluster: ClusterSpec, model: ModelSpec, *, routing: bool =
     return plan.validate()
 
 
-def _step_seconds(plan: Plan, dev: Devices, model: ModelSpec, crossovers, compute=None) -> np.ndarray:
-    """[R] what the partitioner compares its candidate plans by (`pricing.rank_step_seconds`)."""
-    return rank_step_seconds(plan, dev, model, np.array([crossovers[g].intra_bw for g in dev.group]), compute,
-                             np.array([crossovers[g].rank_nic_bw for g in dev.group]))
+def _crossing_exposed(plan: Plan, dev: Devices, model: ModelSpec, crossovers, routing: bool) -> np.ndarray:
+    """[R] what single rings across nodes expose (`pricing.crossing_exposed_seconds`; their
+    crossing hops routed over the node's rails with `routing`)."""
+    return crossing_exposed_seconds(plan, dev, model, np.array([crossovers[g].intra_bw for g in dev.group]),
+                                    np.array([crossovers[g].crossing_bw for g in dev.group]),
+                                    np.array([crossovers[g].rails if routing else 1 for g in dev.group]))
+
+
+def _step_seconds(plan: Plan, dev: Devices, model: ModelSpec, crossovers, compute,
+                  routing: bool) -> tuple[np.ndarray, np.ndarray]:
+    """[R] what the partitioner compares its candidate plans by (`pricing.rank_step_seconds`),
+    and [R] the part of it single rings across nodes expose (`_crossing_exposed`)."""
+    exposed = _crossing_exposed(plan, dev, model, crossovers, routing)
+    start, linear = compute
+    seconds = rank_step_seconds(plan, dev, model, np.array([crossovers[g].intra_bw for g in dev.group]),
+                                (start + exposed, linear), np.array([crossovers[g].rank_nic_bw for g in dev.group]))
+    return seconds, exposed
 
 
 def _candidates(lengths, cluster, model, crossovers, options, fallback: bool, beat: float = np.inf,
@@ -449,8 +473,10 @@ def _candidates(lengths, cluster, model, crossovers, options, fallback: bool, be
             plan = dataclasses.replace(plan, memory_bytes=used, meta={
                 **plan.meta, "recompute": priced.recompute, "recompute_layers": layers})
         attention, linear = rank_compute_seconds(plan, dev, priced, priced.recompute, split=True, layers=layers)
-        node = max((attention[rs] + linear[rs]).mean() for rs in dev.nodes())
-        seconds = _step_seconds(plan, dev, priced, crossovers, (attention, linear))
+        seconds, exposed = _step_seconds(plan, dev, priced, crossovers, (attention, linear), options["routing"])
+        # The busiest node's mean compute, plus what its rings across nodes expose (no
+        # remap of the same nodes takes that off): `KEEP_MARGIN`'s floor.
+        node = max((attention[rs] + linear[rs] + exposed[rs]).mean() for rs in dev.nodes())
         return plan, float(seconds.max()), _caps_bind(plan, dev, seconds), node
 
     def from_nodes(shared: _Nodes, double: bool = options["double"]) -> list[tuple[Plan, float, bool]]:
