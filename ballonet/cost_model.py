@@ -210,9 +210,13 @@ def selective_layers_needed(model: ModelSpec, tokens_per_rank, gpus, num_dp_rank
     to hold its tokens (`cheapest_recompute`'s arguments): 0 when none need to, None when
     not even every layer is enough."""
     att = tokens_per_rank if attention_tokens is None else attention_tokens
+    by_type = {g: memory_cap(model, g, num_dp_ranks) for g in set(gpus)}  # (a memory_gb override is its own type)
+    caps = np.array([by_type[g] for g in gpus])
+    over = np.nonzero(activation_bytes(model, np.asarray(tokens_per_rank, dtype=float), np.asarray(att, dtype=float),
+                                       "none") > caps)[0]  # ranks that do not hold their tokens as they are
     most = 0
-    for lin, a, g in zip(tokens_per_rank, att, gpus):
-        cap = memory_cap(model, g, num_dp_ranks)
+    for r in over.tolist():
+        lin, a, cap = tokens_per_rank[r], att[r], float(caps[r])
         keep, drop = activation_bytes(model, lin, a, "none"), activation_bytes(model, lin, a, "selective")
         if keep <= cap:
             continue

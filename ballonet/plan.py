@@ -210,7 +210,7 @@ class Plan:
     @cached_property
     def attention_token_counts(self) -> tuple[int, ...]:
         """Tokens each rank holds in the attention layout."""
-        return tuple(sum(s.num_tokens for s in segs) for segs in self.attention)
+        return tuple(sum([s.end - s.start for s in segs]) for segs in self.attention)
 
     @cached_property
     def linear_token_counts(self) -> tuple[int, ...]:
