@@ -117,12 +117,13 @@ def _classify(batch: Batch, nodes, hierarchical: bool, per_token: float, weights
               routing: bool = True):
     """(intra, inter, span): masks of the documents split inside a node / across nodes
     (module docstring), and the number of nodes of each inter-node document that pricing
-    sent there. A document whose attention plus linear work is over a node's share but
-    that is shorter than the inter-node crossover goes across nodes when the node's
-    overload it saves is more than the ring's exposed communication would cost, over as
-    many nodes as leave the least of the two (`pricing.inter_node_span`; with `double`,
-    priced as a "double" ring, for every document over a node's share, counting the tokens
-    its node must hold under binding caps)."""
+    sent there. A document whose attention plus linear work is over a node's share (and
+    that one node's memory holds) goes across nodes when the node's overload it saves is
+    more than the ring's exposed communication would cost, over as many nodes as leave the
+    least of the two (`pricing.inter_node_span`: crossing hops routed over the nodes' rails
+    with `routing`; with `double`, priced as a "double" ring, counting the tokens its node
+    must hold under binding caps). Without `price_linear` (no step weights) the crossover
+    rule alone sends it: across nodes from the inter-node crossover up."""
     L, work, dev, crossovers = batch.length_array, batch.work, batch.dev, batch.crossovers
     speed = dev.speed
     rank_share = work.sum() * speed.max() / speed.sum()
