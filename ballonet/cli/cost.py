@@ -47,6 +47,7 @@ def cmd_cost(args) -> int:
         print(json.dumps(report, indent=2))
         return 0
     att_share = cost.attention_time_s / (cost.attention_time_s + cost.linear_time_s)
+    layers = f", {cost.recompute_layers} of {model.num_layers} layers" if cost.recompute == "selective" else ""
     rows = [
         ["attention FLOPs (fwd, per layer)", f"{cost.attention_flops_fwd:.3e}"],
         ["linear FLOPs (fwd, per layer)", f"{cost.linear_flops_fwd:.3e}"],
@@ -55,8 +56,7 @@ def cmd_cost(args) -> int:
         ["linear time (fwd, per layer)", f"{cost.linear_time_s * 1e3:.3f} ms"],
         ["attention share of layer time", f"{att_share:.1%}"],
         ["fwd+bwd, all layers, one GPU", f"{cost.step_time_s:.3f} s"],
-        ["activation memory", f"{cost.activation_bytes / 2**30:.2f} GiB (recompute: {cost.recompute}"
-                                f"{f', {cost.recompute_layers} of {model.num_layers} layers' if cost.recompute == 'selective' else ''})"],
+        ["activation memory", f"{cost.activation_bytes / 2**30:.2f} GiB (recompute: {cost.recompute}{layers})"],
         ["break-even ring chunk, NVLink/intra", f"{cost.breakeven_chunk_tokens['intra']} tokens"],
         ["break-even ring chunk, NIC/inter", f"{cost.breakeven_chunk_tokens['inter']} tokens"],
     ]

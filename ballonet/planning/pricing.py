@@ -234,19 +234,19 @@ def rank_step_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw: np.nd
     sequence-parallel collectives over its tokens. Ring transfers, and the waits of ring
     members whose shares differ, are not priced: the attention engine forwards K/V as it
     arrives and fills waits with local documents (a term for the backward's dK/dV waits
-    was tried and mispredicted more choices than it fixed), but for "double" rings across
-    nodes, whose members wait for NIC transfers local work rarely fills: with `nic_bw` ([R]
-    a rank's NIC share) each member adds its ring's `double_exposed_seconds` (single rings
-    across nodes: `crossing_exposed_seconds`, which the partitioner adds to `compute`). `compute`:
-    the plan's `rank_compute_seconds(..., split=True)` under `model.recompute`, when known."""
+    was tried and mispredicted more choices than it fixed), but for rings across nodes,
+    whose members wait for NIC transfers local work rarely fills: with `nic_bw` ([R] a
+    rank's NIC share) each member of a "double" ring adds its `double_exposed_seconds`
+    (of a single ring, `crossing_exposed_seconds`, which the partitioner adds to
+    `compute`). `compute`: the plan's `rank_compute_seconds(..., split=True)` under
+    `model.recompute`, when known."""
     start, linear = compute or rank_compute_seconds(plan, dev, model, model.recompute, split=True)
     start = start.copy()
     for ring in plan.rings if nic_bw is not None else ():
-        r = ring.ranks[0]
         if ring.comm == "double":
+            r = ring.ranks[0]
             start[list(ring.ranks)] += double_exposed_seconds(model, dev.gpu[r], plan.lengths[ring.doc], ring.groups,
                                                               ring.group_size, link_bw[r], nic_bw[r])
-
     ready = start.copy()
     for (src, dst) in plan.remap_tokens():
         ready[dst] = max(ready[dst], start[src])
