@@ -204,17 +204,17 @@ def recompute_flops_per_token(model: ModelSpec, mode: str | None = None, layers:
     return _layer_mean(model, per_layer[mode or recompute_mode(model)], mode, layers)
 
 
-def selective_layers_needed(model: ModelSpec, tokens_per_rank, gpus, num_dp_ranks: int,
-                            attention_tokens=None) -> int | None:
-    """The fewest layers (the first ones) that must recompute selectively for every rank
-    to hold its tokens (`cheapest_recompute`'s arguments): 0 when none need to, None when
-    not even every layer is enough."""
+def selective_layers_per_rank(model: ModelSpec, tokens_per_rank, gpus, num_dp_ranks: int,
+                              attention_tokens=None) -> list[int] | None:
+    """[R] the fewest layers (the first ones) each rank must recompute selectively to hold
+    its own tokens (`cheapest_recompute`'s arguments): 0 where none need to; None when
+    not even every layer is enough on some rank."""
     att = tokens_per_rank if attention_tokens is None else attention_tokens
     by_type = {g: memory_cap(model, g, num_dp_ranks) for g in set(gpus)}  # (a memory_gb override is its own type)
     caps = np.array([by_type[g] for g in gpus])
     over = np.nonzero(activation_bytes(model, np.asarray(tokens_per_rank, dtype=float), np.asarray(att, dtype=float),
                                        "none") > caps)[0]  # ranks that do not hold their tokens as they are
-    most = 0
+    layers = [0] * len(caps)
     for r in over.tolist():
         lin, a, cap = tokens_per_rank[r], att[r], float(caps[r])
         keep, drop = activation_bytes(model, lin, a, "none"), activation_bytes(model, lin, a, "selective")
@@ -222,9 +222,18 @@ def selective_layers_needed(model: ModelSpec, tokens_per_rank, gpus, num_dp_rank
             continue
         if drop > cap:
             return None
-        most = max(most, _fewest_layers(model, keep - cap, keep - drop,
-                                        lambda k: activation_bytes(model, lin, a, "selective", k) <= cap))
-    return most
+        layers[r] = _fewest_layers(model, keep - cap, keep - drop,
+                                   lambda k: activation_bytes(model, lin, a, "selective", k) <= cap)
+    return layers
+
+
+def selective_layers_needed(model: ModelSpec, tokens_per_rank, gpus, num_dp_ranks: int,
+                            attention_tokens=None) -> int | None:
+    """The fewest layers (the first ones) that must recompute selectively for every rank
+    to hold its tokens: the most of `selective_layers_per_rank` (0 when none need to, None
+    when not even every layer is enough)."""
+    layers = selective_layers_per_rank(model, tokens_per_rank, gpus, num_dp_ranks, attention_tokens)
+    return None if layers is None else max(layers, default=0)
 
 
 def _fewest_layers(model: ModelSpec, excess: float, saved: float, fits) -> int:
@@ -272,12 +281,25 @@ def cheapest_recomputation(model: ModelSpec, tokens_per_rank, gpus, num_dp_ranks
     """(mode, layers that recompute): `cheapest_recompute`, and under "selective" as few
     layers as every rank's memory needs (`selective_layers_needed`) unless the model
     fixes them (`ModelSpec.recompute_layers`) or its mode. None if nothing fits."""
+    found = recomputation_per_rank(model, tokens_per_rank, gpus, num_dp_ranks, attention_tokens)
+    return None if found is None else (found[0], max(found[1], default=0))
+
+
+def recomputation_per_rank(model: ModelSpec, tokens_per_rank, gpus, num_dp_ranks: int,
+                           attention_tokens=None) -> tuple[str, tuple[int, ...]] | None:
+    """(mode, [R] layers each rank recomputes): `cheapest_recompute`, and under "selective"
+    each rank on as few of the first layers as its own tokens need
+    (`selective_layers_per_rank`) unless the model fixes them or its mode. Ranks may
+    differ there: a selective layer reruns only its own MLP, no collective
+    (`training/model.py`); full recomputation reruns the layer's remap and ring, so every
+    rank does it or none. None if nothing fits."""
     mode = cheapest_recompute(model, tokens_per_rank, gpus, num_dp_ranks, attention_tokens)
     if mode is None:
         return None
     if mode != "selective" or model.recompute:
-        return mode, recompute_layer_count(model, mode, model.recompute_layers if model.recompute else None)
-    return mode, selective_layers_needed(model, tokens_per_rank, gpus, num_dp_ranks, attention_tokens)
+        k = recompute_layer_count(model, mode, model.recompute_layers if model.recompute else None)
+        return mode, (k,) * len(tokens_per_rank)
+    return mode, tuple(selective_layers_per_rank(model, tokens_per_rank, gpus, num_dp_ranks, attention_tokens))
 
 
 # ---- seconds ---------------------------------------------------------------------------
@@ -524,9 +546,12 @@ def batch_recompute(lengths, cluster: ClusterSpec, model: ModelSpec) -> str:
     return batch_recomputation(lengths, cluster, model)[0]
 
 
-def batch_recomputation(lengths, cluster: ClusterSpec, model: ModelSpec) -> tuple[str, int]:
-    """(`batch_recompute`, the fewest layers that must recompute under it for the cluster's
-    total capacity to hold the batch, or the model's `recompute_layers`)."""
+def batch_recomputation(lengths, cluster: ClusterSpec, model: ModelSpec) -> tuple[str, float]:
+    """(`batch_recompute`, the layers that must recompute under it for the cluster's total
+    capacity to hold the batch, or the model's `recompute_layers`). Selective layers left
+    to the plan are a mean over the batch's tokens, not a whole number: ranks recompute on
+    as few layers as their own tokens need (`recomputation_per_rank`), so the least any
+    plan recomputes is the total shortfall over what a layer's recomputation frees."""
     gpus = [cluster.gpu_of(r) for r in range(0, cluster.num_ranks, model.tp)]
     num_dp = cluster.num_ranks // model.tp
     capacity = sum(max(0.0, memory_cap(model, g, num_dp)) for g in gpus)
@@ -539,8 +564,7 @@ def batch_recomputation(lengths, cluster: ClusterSpec, model: ModelSpec) -> tupl
     if mode != "selective" or model.recompute:
         return mode, recompute_layer_count(model, mode, fixed)
     keep, drop = activation_bytes_per_token(model, "none"), activation_bytes_per_token(model, "selective")
-    return mode, _fewest_layers(model, tokens * keep - capacity, tokens * (keep - drop),
-                                lambda k: capacity / activation_bytes_per_token(model, "selective", k) >= tokens)
+    return mode, model.num_layers * min(1.0, (tokens * keep - capacity) / (tokens * (keep - drop)))
 
 
 def _best_elementwise_units(profiles_by_type, upto: float) -> float:

@@ -1,5 +1,6 @@
 import csv
 import json
+import math
 import pathlib
 
 import pytest
@@ -231,7 +232,8 @@ def test_the_fewest_selective_layers_that_fit_are_chosen():
 
 def test_the_batch_bound_assumes_the_fewest_layers_the_cluster_needs():
     """Under total capacity for `none` the bound recomputes nothing; a bit over it, a few
-    selective layers (not all of them), and the bound lies between the two."""
+    selective layers (not all of them) as a mean over the tokens, not rounded up (ranks
+    recompute on as few layers as their own tokens need), and the bound lies between."""
     cluster = ballonet.cluster("h800-8nic", num_nodes=1)
     gpus = [cluster.gpu_of(r) for r in range(cluster.num_ranks)]
     capacity = sum(cm.memory_cap(LLAMA7B, g, cluster.num_ranks) for g in gpus)
@@ -239,11 +241,12 @@ def test_the_batch_bound_assumes_the_fewest_layers_the_cluster_needs():
     assert cm.batch_recomputation([fits // 8] * 8, cluster, LLAMA7B) == ("none", 0)
     over = [int(fits * 1.1) // 8] * 8
     mode, k = cm.batch_recomputation(over, cluster, LLAMA7B)
-    assert mode == "selective" and 1 <= k < LLAMA7B.num_layers
-    assert capacity / cm.activation_bytes_per_token(LLAMA7B, "selective", k) >= sum(over)
-    assert capacity / cm.activation_bytes_per_token(LLAMA7B, "selective", k - 1) < sum(over)
+    assert mode == "selective" and 0 < k < LLAMA7B.num_layers and k != int(k)
+    assert capacity / cm.activation_bytes_per_token(LLAMA7B, "selective", k) == pytest.approx(sum(over), rel=1e-12)
     every = ballonet.model("llama-7b", recompute="selective")
-    assert cm.batch_lower_bound(over, cluster, LLAMA7B) < cm.batch_lower_bound(over, cluster, every)
+    rounded = ballonet.model("llama-7b", recompute="selective", recompute_layers=math.ceil(k))
+    assert cm.batch_lower_bound(over, cluster, LLAMA7B) < cm.batch_lower_bound(over, cluster, rounded) \
+        < cm.batch_lower_bound(over, cluster, every)
 
 
 def test_one_document_costs_the_fewest_selective_layers_that_hold_it():

@@ -318,7 +318,8 @@ def test_selective_recompute_of_some_layers_is_the_layer_mix_of_both():
     """With 1 of 2 layers recomputing the MLP, a layer's backward is the mean of one that
     recomputes and one that does not, measured against simulating each whole model; with
     the mode left to the cost model, a rank over its `none` cap recomputes as few layers as
-    it needs (here: both share one cap, so 1 layer when 1 is enough)."""
+    it needs (here: both share one cap, so 1 layer when 1 is enough) and a rank under it
+    none: each rank as its own tokens need (`cost_model.recomputation_per_rank`)."""
     c = cluster(gpus=2, nics=2)
     plan = make_plan(c, local={0: [4096, 2048], 1: [3000]})
     sims = {k: simulate(plan, c, dataclasses.replace(MODEL, recompute="selective", recompute_layers=k))
@@ -336,5 +337,8 @@ def test_selective_recompute_of_some_layers_is_the_layer_mix_of_both():
     memory_gb = (static + (per_none + one) / 2) / cost_model.MEMORY_RESERVE / 1e9
     tight = specs.ClusterSpec(name="t", groups=(dataclasses.replace(c.groups[0], memory_gb=memory_gb),))
     auto = simulate(plan, tight, MODEL)
-    assert (auto.recompute, auto.recompute_layers) == ("selective", 1)
+    assert (auto.recompute, auto.recompute_layers, auto.recompute_layers_per_rank) == ("selective", 1, (1, 0))
     assert auto.step_time_s == pytest.approx(sims[1].step_time_s, rel=1e-12)
+    assert auto.compute_s[0] == pytest.approx(sims[1].compute_s[0], rel=1e-12)
+    assert auto.compute_s[1] == pytest.approx(none.compute_s[1], rel=1e-12)
+    assert none.compute_s[1] < sims[1].compute_s[1]

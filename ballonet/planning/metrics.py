@@ -98,12 +98,14 @@ def _allgather_traffic(plan: Plan, model: ModelSpec, ring: Ring, out, inn, nic, 
 
 def rank_step_compute_seconds(plan: Plan, cluster: ClusterSpec, model: ModelSpec) -> np.ndarray:
     """[R] a step's attention and linear kernel seconds per rank (`pricing.rank_compute_seconds`)
-    under the recomputation the plan was made for, or the cheapest its tokens fit under."""
+    under the recomputation the plan was made for, or the cheapest its tokens fit under
+    (`cost_model.recomputation_per_rank`)."""
     mode, layers = plan.meta.get("recompute"), plan.meta.get("recompute_layers")
+    tokens = (plan.linear_token_counts, rank_hardware(cluster, model.tp).gpu, plan.num_ranks, plan.attention_token_counts)
     if not mode:
-        mode, layers = cost_model.cheapest_recomputation(
-            model, plan.linear_token_counts, rank_hardware(cluster, model.tp).gpu, plan.num_ranks,
-            plan.attention_token_counts) or ("full", None)
+        mode, layers = cost_model.recomputation_per_rank(model, *tokens) or ("full", None)
+    elif mode == "selective" and model.recompute is None:  # each rank on as few layers as its tokens need
+        layers = cost_model.selective_layers_per_rank(model, *tokens) or layers
     spec = dataclasses.replace(model, recompute=mode)
     return rank_compute_seconds(plan, devices(cluster, spec), spec, mode, layers=layers)
 

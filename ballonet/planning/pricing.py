@@ -207,19 +207,27 @@ def _attention_items(plan: Plan, dev: Devices, model: ModelSpec, mode: str) -> t
 
 
 def rank_compute_seconds(plan: Plan, dev: Devices, model: ModelSpec, mode: str, split: bool = False,
-                         layers: int | None = None):
+                         layers=None):
     """[R] seconds of a step's attention and linear kernels on each rank of `plan` (all
-    layers, forward, backward and the recomputation `mode` reruns on `layers` of them,
-    default all; no launch floors, no communication); with `split`, the pair ([R]
-    attention, [R] linear)."""
+    layers, forward, backward and the recomputation `mode` reruns on `layers` of them:
+    default all, or [R] a count per rank; no launch floors, no communication); with
+    `split`, the pair ([R] attention, [R] linear)."""
     R = plan.num_ranks
     rank, seconds = _attention_items(plan, dev, model, mode)
     attention = np.bincount(rank, weights=seconds, minlength=R)
     tokens, names = np.asarray(plan.linear_token_counts, dtype=float), np.array([g.name for g in dev.gpu])
+    per_rank = layers is not None and np.ndim(layers) == 1
     linear = np.zeros(R)
     for gpu in {g.name: g for g in dev.gpu}.values():
         on = names == gpu.name
-        linear[on] = sum(cost_model.linear_layer_seconds(model, gpu, tokens[on], mode, framework=False, layers=layers))
+        if per_rank:  # rank r's first layers[r] layers recompute, the others keep everything
+            share = np.asarray(layers, dtype=float)[on] / model.num_layers
+            redo = sum(cost_model.linear_layer_seconds(model, gpu, tokens[on], mode, framework=False))
+            keep = sum(cost_model.linear_layer_seconds(model, gpu, tokens[on], "none", framework=False))
+            linear[on] = share * redo + (1 - share) * keep
+        else:
+            linear[on] = sum(cost_model.linear_layer_seconds(model, gpu, tokens[on], mode, framework=False,
+                                                             layers=layers))
     linear *= model.num_layers
     return (attention, linear) if split else attention + linear
 

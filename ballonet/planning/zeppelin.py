@@ -465,14 +465,16 @@ def _candidates(lengths, cluster, model, crossovers, options, fallback: bool, be
         priced, layers = model, cost_model.recompute_layer_count(model)  # the model's own, or every layer
         if trim:
             lin, att = plan.linear_token_counts, plan.attention_token_counts
-            layers = cost_model.selective_layers_needed(model, lin, dev.gpu, dev.num_ranks, att)
+            layers = cost_model.selective_layers_per_rank(model, lin, dev.gpu, dev.num_ranks, att)
             if layers is None:  # (the caps hold every layer's selective activations; rounding aside)
-                layers = model.num_layers
-            priced = dataclasses.replace(model, recompute_layers=layers) if layers else \
+                layers = [model.num_layers] * dev.num_ranks
+            most = max(layers, default=0)
+            priced = dataclasses.replace(model, recompute_layers=most) if most else \
                 dataclasses.replace(model, recompute="none")
-            used = tuple(dev.static_bytes + cost_model.activation_bytes(priced, a, b) for a, b in zip(lin, att))
+            used = tuple(dev.static_bytes + cost_model.activation_bytes(model, a, b, "selective", k)
+                         for a, b, k in zip(lin, att, layers))
             plan = dataclasses.replace(plan, memory_bytes=used, meta={
-                **plan.meta, "recompute": priced.recompute, "recompute_layers": layers})
+                **plan.meta, "recompute": priced.recompute, "recompute_layers": most})
         attention, linear = rank_compute_seconds(plan, dev, priced, priced.recompute, split=True, layers=layers)
         seconds, exposed = _step_seconds(plan, dev, priced, crossovers, (attention, linear), options["routing"])
         # The busiest node's mean compute, plus what its rings across nodes expose (no

@@ -76,7 +76,10 @@ class SimResult:
     recompute: str
     """The activation recomputation the step runs with (the cheapest that fits, or the model's)."""
     recompute_layers: int = 0
-    """How many layers (the first ones) recompute (0 without recomputation)."""
+    """How many layers (the first ones) recompute on the rank that recomputes most (0
+    without recomputation)."""
+    recompute_layers_per_rank: tuple[int, ...] = ()
+    """Per plan rank, how many layers (the first ones) it recomputes."""
     mfu: float
     compute_s: tuple[float, ...]
     """Per plan rank, per step: attention, linear (GEMMs, elementwise, the framework's
@@ -206,7 +209,8 @@ def simulate(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, routing: boo
     for (src, dst), n in moves.items():
         tokens[src] -= n
         tokens[dst] += n
-    mode, k = cost_model.cheapest_recomputation(model, tokens, fabric.gpu, R, att_tokens) or ("full", model.num_layers)
+    mode, per_rank = cost_model.recomputation_per_rank(model, tokens, fabric.gpu, R, att_tokens) \
+        or ("full", (model.num_layers,) * R)
     linear_s = [cost_model.linear_layer_seconds(model, fabric.gpu[r], tokens[r], mode) for r in range(R)]
     tp_s = [0.0] * R
     if model.tp > 1:
@@ -226,17 +230,28 @@ def simulate(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, routing: boo
     fwd, fwd_compute, fwd_end, fwd_att, fwd_rec = _run_pass(graphs[0])
     bwd, bwd_compute, bwd_end, bwd_att, bwd_rec = _run_pass(graphs[1])
     bwd_slow = _slowdown(graphs[1], bwd_compute)
-    if 0 < k < L:  # the other L - k layers keep everything: their backward reruns nothing
-        keep = LayerGraph(backward=True, grad_bucket=bucket, **{
-            **common, "recompute": "none",
-            "linear_s": [cost_model.linear_layer_seconds(model, fabric.gpu[r], tokens[r], "none") for r in range(R)]})
-        k_bwd, k_compute, k_end, k_att, _ = _run_pass(keep)
+    kept = [cost_model.linear_layer_seconds(model, fabric.gpu[r], tokens[r], "none") for r in range(R)]
+    # Layer l's backward reruns the MLP on the ranks recomputing more than l layers (every
+    # rank the same under "full"): one graph per run of layers alike, weighted by its length.
+    cuts = sorted({0, L, *per_rank})
+    runs = [(hi - lo, [linear_s[r] if per_rank[r] > lo else kept[r] for r in range(R)])
+            for lo, hi in zip(cuts, cuts[1:])]
+    if len(runs) > 1 or runs[0][1] != linear_s:
+        parts = []
+        for n, lin in runs:
+            if lin == linear_s:
+                parts.append((n, bwd, bwd_compute, bwd_end, bwd_att, bwd_slow))
+                continue
+            g = LayerGraph(backward=True, grad_bucket=bucket, **{**common, "linear_s": lin,
+                                                                   "recompute": mode if lin != kept else "none"})
+            b, b_compute, b_end, b_att, _ = _run_pass(g)
+            parts.append((n, b, b_compute, b_end, b_att, _slowdown(g, b_compute)))
 
-        def mean(a, b):  # per layer, over the k layers that recompute and the L - k that do not
-            return [(k * x + (L - k) * y) / L for x, y in zip(a, b)]
-        bwd, bwd_compute, bwd_end, bwd_att, bwd_slow = (
-            mean([bwd], [k_bwd])[0], mean(bwd_compute, k_compute), mean(bwd_end, k_end), mean(bwd_att, k_att),
-            mean(bwd_slow, _slowdown(keep, k_compute)))
+        def mean(i):  # per layer, over the runs of layers
+            if i == 1:
+                return sum(p[0] * p[1] for p in parts) / L
+            return [sum(p[0] * p[i][r] for p in parts) / L for r in range(R)]
+        bwd, bwd_compute, bwd_end, bwd_att, bwd_slow = (mean(i) for i in range(1, 6))
     slow = [a + b for a, b in zip(_slowdown(graphs[0], fwd_compute), bwd_slow)]
 
     head = [_head_seconds(model, fabric.gpu[r], n) for r, n in enumerate(tokens)]
@@ -263,7 +278,8 @@ def simulate(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, routing: boo
     return SimResult(
         planner=plan.planner, num_gpus=R * model.tp, num_tokens=T, step_time_s=step,
         lower_bound_s=cost_model.batch_lower_bound(plan.lengths, cluster, model),
-        compute_bound_s=sum(c * p for c, p in zip(compute, peaks)) / sum(peaks), recompute=mode, recompute_layers=k,
+        compute_bound_s=sum(c * p for c, p in zip(compute, peaks)) / sum(peaks), recompute=mode,
+        recompute_layers=max(per_rank, default=0), recompute_layers_per_rank=per_rank,
         mfu=mfu, compute_s=tuple(compute), exposed_comm_s=tuple(exposed), idle_s=tuple(idle),
         attention_s=tuple(L * (fwd_att[r] + bwd_att[r]) for r in range(R)),
         layer_forward_s=fwd, layer_backward_s=bwd, head_s=max(head), grad_allreduce_s=grad,

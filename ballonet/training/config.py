@@ -46,8 +46,9 @@ class TrainConfig:
     """FSDP2 parameter sharding over the ranks: full (ZeRO-3 style) or none (replicated)."""
     dtype: Literal["fp32", "bf16"] = "fp32"
     """Compute dtype (bf16: bf16 compute, fp32 master weights and gradient reduction)."""
-    recompute: Literal["none", "selective", "full"] = "none"
-    """Activation recomputation: none, selective (the MLP) or full (each block), as the cost model prices them."""
+    recompute: Literal["none", "selective", "full", "auto"] = "none"
+    """Activation recomputation: none, selective (the MLP) or full (each block), as the cost model prices them;
+    auto: each step the cheapest its plan fits under, selective on as few layers as each rank's own tokens need."""
     recompute_layers: int | None = None
     """With --recompute selective: how many layers (the first ones) recompute their MLP; unset: every layer."""
     timeout_minutes: float = 5.0

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 import ballonet
-from ballonet import runtime
+from ballonet import cost_model, runtime
 from ballonet.errors import InputError
 from ballonet.integrations import hf_model
 from ballonet.training import checkpoint, metrics, parallel
@@ -81,11 +81,16 @@ def preflight(config: TrainConfig, world_size: int):
     _check_paths(config)
     cluster = _cluster(config, world_size)
     spec = hf_model.model_spec(config.model) if hf_model.is_hf(config.model) else ballonet.model(config.model)
+    if config.recompute == "auto" and hf_model.is_hf(config.model):
+        raise InputError(f"--recompute auto: model {config.model!r} is a Hugging Face model, whose recomputation is "
+                         "fixed when it is built (--recompute none, selective or full)")
     if config.recompute_layers is not None and config.recompute_layers > spec.num_layers:
         raise InputError(f"--recompute-layers {config.recompute_layers}: model {spec.name!r} has "
                          f"{spec.num_layers} layers")
-    # The planner and the cost model price what this run does: its dtype and recomputation.
-    spec = dataclasses.replace(spec, dtype_bytes=parallel.DTYPES[config.dtype].itemsize, recompute=config.recompute,
+    # The planner and the cost model price what this run does: its dtype and recomputation
+    # (auto: None, the cheapest each plan fits under).
+    spec = dataclasses.replace(spec, dtype_bytes=parallel.DTYPES[config.dtype].itemsize,
+                               recompute=None if config.recompute == "auto" else config.recompute,
                                recompute_layers=config.recompute_layers)
     metrics.check_budget(spec, cluster, config.global_tokens, world_size, config.shard)
     if config.tensorboard:
@@ -272,7 +277,10 @@ def _run(config: TrainConfig, group, use_cuda: bool):
             raise _unplannable(e, step + 1, loader, corpus, config) from None
         step += 1
         _maybe_fault(step, rank)
+        recompute = _auto_recompute(model, batch.plan, spec, cluster, rank) if spec.recompute is None else None
         record = _step(model, optimizer, batch, rank, group, device, spec, peak, step)
+        if recompute is not None:
+            record["recompute"], record["recompute_layers_max"] = recompute
         records.append(record)
         if rank == 0:
             _log(config, record, writer)
@@ -281,6 +289,21 @@ def _run(config: TrainConfig, group, use_cuda: bool):
     if writer is not None:
         writer.close()
     return records, model
+
+
+def _auto_recompute(model, plan, spec, cluster, rank: int) -> tuple[str, int]:
+    """--recompute auto: set this step's recomputation on this rank's blocks, the cheapest
+    the plan's tokens fit under in the cost model's memory (`cost_model.recomputation_per_rank`,
+    what the planner and the simulator price: selective on as few of the first layers as
+    this rank's own tokens need). Every rank derives it from the same plan, so a "full"
+    step (whose exchanges rerun in the backward) is full on all of them. -> (mode, the
+    most layers any rank recomputes)."""
+    gpus = [cluster.gpu_of(r) for r in range(plan.num_ranks)]
+    mode, layers = cost_model.recomputation_per_rank(spec, plan.linear_token_counts, gpus, plan.num_ranks,
+                                                     plan.attention_token_counts) \
+        or ("full", (spec.num_layers,) * plan.num_ranks)
+    model.set_recompute(mode, layers[rank])
+    return mode, max(layers)
 
 
 def _step(model, optimizer, batch, rank: int, group, device, spec, peak: float, step: int) -> dict:

@@ -138,17 +138,25 @@ class Transformer(nn.Module):
         super().__init__()
         if spec.tp != 1:
             raise ValueError(f"model {spec.name!r}: tensor parallelism (tp={spec.tp}) is not implemented")
-        if recompute not in typing.get_args(Recompute):
-            raise ValueError(f"recompute must be one of {typing.get_args(Recompute)}, got {recompute!r}")
         self.spec = spec
         self.attention_fn = attention_fn
         self.embed = nn.Embedding(spec.vocab_size, spec.hidden)
-        selective = spec.num_layers if spec.recompute_layers is None else spec.recompute_layers
-        self.layers = nn.ModuleList(Block(spec, "none" if recompute == "selective" and i >= selective else recompute)
-                                    for i in range(spec.num_layers))
+        self.layers = nn.ModuleList(Block(spec) for _ in range(spec.num_layers))
+        self.set_recompute(recompute, spec.recompute_layers)
         self.norm = nn.RMSNorm(spec.hidden, eps=NORM_EPS)
         self.head = nn.Linear(spec.hidden, spec.vocab_size, bias=False)
         self.reset_parameters(seed)
+
+    def set_recompute(self, recompute: Recompute, layers: int | None = None) -> None:
+        """Recompute as `recompute` from the next forward on ("selective": on the first
+        `layers` blocks, every block when None). Ranks may differ in their selective
+        layers: a selective block reruns only its own MLP, no collective; "full" reruns a
+        block's remap and attention exchanges, so every rank must choose it alike."""
+        if recompute not in typing.get_args(Recompute):
+            raise ValueError(f"recompute must be one of {typing.get_args(Recompute)}, got {recompute!r}")
+        selective = len(self.layers) if layers is None else layers
+        for i, block in enumerate(self.layers):
+            block.recompute = "none" if recompute == "selective" and i >= selective else recompute
 
     @torch.no_grad()
     def reset_parameters(self, seed: int) -> None:
@@ -206,4 +214,5 @@ def _check_plan_first(plan: Plan, rank: int, group, device) -> None:
 def build_model(config: TrainConfig, spec: ModelSpec, device: torch.device) -> Transformer:
     """The model a training run trains: the loop's one place to build it (weights from
     `config.seed`, the same on every rank), before sharding."""
-    return Transformer(spec, seed=config.seed, recompute=config.recompute).to(device)
+    recompute = "none" if config.recompute == "auto" else config.recompute  # auto: set each step (`loop._step`)
+    return Transformer(spec, seed=config.seed, recompute=recompute).to(device)
