@@ -39,8 +39,10 @@ GRAD_BYTES = 2
 """Bytes per gradient element in the data-parallel all-reduce (bf16)."""
 KV_GRAD_BYTES = 4
 """Bytes per dK/dV element sent back around a ring: fp32 partial sums (`runtime.comm.GRAD_DTYPE`)."""
-RECOMPUTE_MODES = ("none", "selective", "full")
+RECOMPUTE_MODES = ("none", "selective", "linear", "full")
 """Activation recomputation, cheapest first: `ModelSpec.recompute`, None = the cheapest that fits."""
+BELOW = {"selective": "none", "linear": "selective"}
+"""What the other layers do when only the first ones recompute under a mode."""
 
 
 # ---- FLOPs ---------------------------------------------------------------------------
@@ -167,21 +169,21 @@ def activation_bytes(model: ModelSpec, linear_tokens: float, attention_tokens: f
     """Activation bytes a rank holds at the peak of the backward, all layers, with
     `linear_tokens` on the linear layout and `attention_tokens` on the attention layout,
     by recomputation `mode` (default the model's) on `layers` of them
-    (`recompute_layer_count`): "none" keeps every layer's tensors; "selective" recomputes
-    the MLP's intermediates (keeps its input); "full" keeps each layer's input plus one
-    layer's tensors while it is recomputed."""
+    (`recompute_layer_count`; the others one mode below, `BELOW`): "none" keeps every
+    layer's tensors; "selective" recomputes the MLP's intermediates (keeps its input);
+    "linear" keeps the layer's input, the attention output back on the linear layout and
+    q, k, v and the attention output on the attention layout; "full" keeps each layer's
+    input plus one layer's tensors while it is recomputed."""
     k = recompute_layer_count(model, mode, layers)
     mode = mode or recompute_mode(model)
     h, f, n = model.hidden, model.ffn_hidden, model.num_layers
     lin, att = layer_activation_elements(model)
     one_layer = lin * linear_tokens + att * attention_tokens
     if mode == "full":
-        elements = n * h * linear_tokens + one_layer
-    elif mode == "selective":
-        kept = one_layer - (h + 4 * f) * linear_tokens
-        elements = n * kept if k == n else k * kept + (n - k) * one_layer
-    else:
-        elements = n * one_layer
+        return (n * h * linear_tokens + one_layer) * model.dtype_bytes / model.tp
+    kept = {"none": one_layer, "selective": one_layer - (h + 4 * f) * linear_tokens,
+            "linear": 2 * h * linear_tokens + att * attention_tokens}
+    elements = n * kept[mode] if k == n or mode not in BELOW else k * kept[mode] + (n - k) * kept[BELOW[mode]]
     return elements * model.dtype_bytes / model.tp
 
 
@@ -190,50 +192,60 @@ def activation_bytes_per_token(model: ModelSpec, mode: str | None = None, layers
     return activation_bytes(model, 1, 1, mode, layers)
 
 
-def _layer_mean(model: ModelSpec, per_layer: float, mode: str | None, layers: int | None) -> float:
-    """`per_layer` of a recomputing layer as a mean over all layers (`recompute_layer_count`)."""
+def _layer_mean(model: ModelSpec, per_layer: dict, mode: str | None, layers: int | None) -> float:
+    """`per_layer[mode]` as a mean over all layers when only `layers` of them recompute
+    under `mode` (`recompute_layer_count`), the others one mode below (`BELOW`)."""
     k = recompute_layer_count(model, mode, layers)
-    return per_layer if k == model.num_layers else per_layer * k / model.num_layers
+    mode, n = mode or recompute_mode(model), model.num_layers
+    if k == n or mode not in BELOW:
+        return per_layer[mode]
+    return (k * per_layer[mode] + (n - k) * per_layer[BELOW[mode]]) / n
 
 
 def recompute_flops_per_token(model: ModelSpec, mode: str | None = None, layers: int | None = None) -> float:
     """Linear FLOPs per token and layer (a mean over layers when only `layers` of them
     recompute) run again in the backward by recomputation `mode` (full recomputation also
     reruns the attention forward: `recompute_attention`)."""
-    per_layer = {"none": 0.0, "selective": mlp_flops_per_token(model), "full": linear_flops_per_token(model)}
-    return _layer_mean(model, per_layer[mode or recompute_mode(model)], mode, layers)
+    per_layer = {"none": 0.0, "selective": mlp_flops_per_token(model), "linear": linear_flops_per_token(model),
+                 "full": linear_flops_per_token(model)}
+    return _layer_mean(model, per_layer, mode, layers)
 
 
-def selective_layers_per_rank(model: ModelSpec, tokens_per_rank, gpus, num_dp_ranks: int,
-                              attention_tokens=None) -> list[int] | None:
-    """[R] the fewest layers (the first ones) each rank must recompute selectively to hold
-    its own tokens (`cheapest_recompute`'s arguments): 0 where none need to; None when
-    not even every layer is enough on some rank."""
+def recompute_per_rank(model: ModelSpec, tokens_per_rank, gpus, num_dp_ranks: int, attention_tokens=None,
+                       mode: str = "linear") -> list[tuple[str, int]] | None:
+    """[R] (mode, layers) of the least each rank must recompute to hold its own tokens
+    (`cheapest_recompute`'s arguments), of the modes up to `mode` that ranks may choose
+    apart ("none", "selective", "linear": `BELOW`): the cheapest under which it holds
+    them, on as few of the first layers as it needs, the others one mode below.
+    ("none", 0) where nothing needs to; None when not even `mode` on every layer is
+    enough on some rank."""
     att = tokens_per_rank if attention_tokens is None else attention_tokens
     by_type = {g: memory_cap(model, g, num_dp_ranks) for g in set(gpus)}  # (a memory_gb override is its own type)
     caps = np.array([by_type[g] for g in gpus])
     over = np.nonzero(activation_bytes(model, np.asarray(tokens_per_rank, dtype=float), np.asarray(att, dtype=float),
                                        "none") > caps)[0]  # ranks that do not hold their tokens as they are
-    layers = [0] * len(caps)
+    ladder = [m for m in BELOW if RECOMPUTE_MODES.index(m) <= RECOMPUTE_MODES.index(mode)]
+    out = [("none", 0)] * len(caps)
     for r in over.tolist():
         lin, a, cap = tokens_per_rank[r], att[r], float(caps[r])
-        keep, drop = activation_bytes(model, lin, a, "none"), activation_bytes(model, lin, a, "selective")
-        if keep <= cap:
-            continue
-        if drop > cap:
+        for m in ladder:
+            keep, drop = activation_bytes(model, lin, a, BELOW[m]), activation_bytes(model, lin, a, m)
+            if drop <= cap:
+                out[r] = (m, _fewest_layers(model, keep - cap, keep - drop,
+                                            lambda k: activation_bytes(model, lin, a, m, k) <= cap))
+                break
+        else:
             return None
-        layers[r] = _fewest_layers(model, keep - cap, keep - drop,
-                                   lambda k: activation_bytes(model, lin, a, "selective", k) <= cap)
-    return layers
+    return out
 
 
 def selective_layers_needed(model: ModelSpec, tokens_per_rank, gpus, num_dp_ranks: int,
                             attention_tokens=None) -> int | None:
     """The fewest layers (the first ones) that must recompute selectively for every rank
-    to hold its tokens: the most of `selective_layers_per_rank` (0 when none need to, None
-    when not even every layer is enough)."""
-    layers = selective_layers_per_rank(model, tokens_per_rank, gpus, num_dp_ranks, attention_tokens)
-    return None if layers is None else max(layers, default=0)
+    to hold its tokens: the most of `recompute_per_rank` under "selective" (0 when none
+    need to, None when not even every layer is enough)."""
+    found = recompute_per_rank(model, tokens_per_rank, gpus, num_dp_ranks, attention_tokens, "selective")
+    return None if found is None else max((k for _, k in found), default=0)
 
 
 def _fewest_layers(model: ModelSpec, excess: float, saved: float, fits) -> int:
@@ -278,28 +290,32 @@ def cheapest_recompute(model: ModelSpec, tokens_per_rank, gpus, num_dp_ranks: in
 
 def cheapest_recomputation(model: ModelSpec, tokens_per_rank, gpus, num_dp_ranks: int,
                            attention_tokens=None) -> tuple[str, int] | None:
-    """(mode, layers that recompute): `cheapest_recompute`, and under "selective" as few
-    layers as every rank's memory needs (`selective_layers_needed`) unless the model
-    fixes them (`ModelSpec.recompute_layers`) or its mode. None if nothing fits."""
+    """(mode, layers that recompute under it on the rank that recomputes most):
+    `recomputation_per_rank`. None if nothing fits."""
     found = recomputation_per_rank(model, tokens_per_rank, gpus, num_dp_ranks, attention_tokens)
-    return None if found is None else (found[0], max(found[1], default=0))
+    return None if found is None else (found[0], most_layers(*found))
+
+
+def most_layers(mode: str, per_rank) -> int:
+    """The most layers any rank recomputes under `mode` itself (`recomputation_per_rank`)."""
+    return max((k for m, k in per_rank if m == mode), default=0)
 
 
 def recomputation_per_rank(model: ModelSpec, tokens_per_rank, gpus, num_dp_ranks: int,
-                           attention_tokens=None) -> tuple[str, tuple[int, ...]] | None:
-    """(mode, [R] layers each rank recomputes): `cheapest_recompute`, and under "selective"
-    each rank on as few of the first layers as its own tokens need
-    (`selective_layers_per_rank`) unless the model fixes them or its mode. Ranks may
-    differ there: a selective layer reruns only its own MLP, no collective
-    (`training/model.py`); full recomputation reruns the layer's remap and ring, so every
-    rank does it or none. None if nothing fits."""
+                           attention_tokens=None) -> tuple[str, tuple[tuple[str, int], ...]] | None:
+    """(mode, [R] (mode, layers) of each rank): the cheapest mode under which every rank
+    holds its tokens on every layer (`cheapest_recompute`) and, unless the model fixes
+    its recomputation, what each rank then needs of it (`recompute_per_rank`): ranks may
+    differ there, as a selective or linear layer reruns only its own local work, no
+    collective (`training/model.py`); full recomputation reruns the layer's remap and
+    ring, so every rank does it or none. None if nothing fits."""
     mode = cheapest_recompute(model, tokens_per_rank, gpus, num_dp_ranks, attention_tokens)
     if mode is None:
         return None
-    if mode != "selective" or model.recompute:
+    if mode not in BELOW or model.recompute:
         k = recompute_layer_count(model, mode, model.recompute_layers if model.recompute else None)
-        return mode, (k,) * len(tokens_per_rank)
-    return mode, tuple(selective_layers_per_rank(model, tokens_per_rank, gpus, num_dp_ranks, attention_tokens))
+        return mode, ((mode, k),) * len(tokens_per_rank)
+    return mode, tuple(recompute_per_rank(model, tokens_per_rank, gpus, num_dp_ranks, attention_tokens, mode))
 
 
 # ---- seconds ---------------------------------------------------------------------------
@@ -361,10 +377,11 @@ def recompute_elementwise_bytes_per_token(model: ModelSpec, mode: str | None = N
                                           layers: int | None = None) -> float:
     """Elementwise bytes per token and layer (a mean over layers when only `layers` of
     them recompute) run again in the backward by recomputation `mode`: "selective" reruns
-    the MLP's norm and silu(gate) * up, "full" the layer."""
+    the MLP's norm and silu(gate) * up, "linear" and "full" the layer's."""
     mlp = (2 * model.hidden + 3 * model.ffn_hidden) * model.dtype_bytes / model.tp
-    per_layer = {"none": 0.0, "selective": mlp, "full": elementwise_bytes_per_token(model)}
-    return _layer_mean(model, per_layer[mode or recompute_mode(model)], mode, layers)
+    every = elementwise_bytes_per_token(model)
+    per_layer = {"none": 0.0, "selective": mlp, "linear": every, "full": every}
+    return _layer_mean(model, per_layer, mode, layers)
 
 
 def elementwise_time(model: ModelSpec, gpu: hardware.GPUType, num_tokens: float,
@@ -548,10 +565,12 @@ def batch_recompute(lengths, cluster: ClusterSpec, model: ModelSpec) -> str:
 
 def batch_recomputation(lengths, cluster: ClusterSpec, model: ModelSpec) -> tuple[str, float]:
     """(`batch_recompute`, the layers that must recompute under it for the cluster's total
-    capacity to hold the batch, or the model's `recompute_layers`). Selective layers left
-    to the plan are a mean over the batch's tokens, not a whole number: ranks recompute on
-    as few layers as their own tokens need (`recomputation_per_rank`), so the least any
-    plan recomputes is the total shortfall over what a layer's recomputation frees."""
+    capacity to hold the batch, or the model's `recompute_layers`). Selective or linear
+    layers left to the plan are a mean over the batch's tokens, not a whole number: ranks
+    recompute on as few layers as their own tokens need (`recomputation_per_rank`), so
+    the least any plan recomputes is the total shortfall over what a layer's
+    recomputation frees (each mode frees its bytes at a higher cost per byte than the one
+    below it, so the cheapest plan climbs the modes in order)."""
     gpus = [cluster.gpu_of(r) for r in range(0, cluster.num_ranks, model.tp)]
     num_dp = cluster.num_ranks // model.tp
     capacity = sum(max(0.0, memory_cap(model, g, num_dp)) for g in gpus)
@@ -561,9 +580,9 @@ def batch_recomputation(lengths, cluster: ClusterSpec, model: ModelSpec) -> tupl
     for mode in modes:
         if capacity / activation_bytes_per_token(model, mode, fixed) >= tokens:
             break
-    if mode != "selective" or model.recompute:
+    if mode not in BELOW or model.recompute:
         return mode, recompute_layer_count(model, mode, fixed)
-    keep, drop = activation_bytes_per_token(model, "none"), activation_bytes_per_token(model, "selective")
+    keep, drop = activation_bytes_per_token(model, BELOW[mode]), activation_bytes_per_token(model, mode)
     return mode, model.num_layers * min(1.0, (tokens * keep - capacity) / (tokens * (keep - drop)))
 
 

@@ -171,27 +171,29 @@ class ModelSpec:
     dtype_bytes: int = 2
     """Bytes per activation element (2 for bf16)."""
     recompute: str | None = None
-    """Activation recomputation: "none", "selective" (the MLP) or "full" (every layer);
-    None: the cheapest under which the plan fits in memory (`cost_model`)."""
+    """Activation recomputation: "none", "selective" (the MLP), "linear" (every linear
+    layer, not attention nor the exchanges) or "full" (every layer); None: the cheapest
+    under which the plan fits in memory, per rank (`cost_model.recomputation_per_rank`)."""
     recompute_layers: int | None = None
-    """With "selective" recomputation: how many layers (the first ones) recompute, the
-    others keeping everything (as Megatron's `--recompute-num-layers`, for the MLP); None:
-    every layer. With `recompute` None the cost model picks this too: as few as the
-    plan's memory needs (`cost_model.cheapest_recomputation`)."""
+    """With "selective" or "linear" recomputation: how many layers (the first ones)
+    recompute so, the others one mode below (selective: none, as Megatron's
+    `--recompute-num-layers`, for the MLP; linear: selective); None: every layer. With
+    `recompute` None the cost model picks this too: as few as each rank's memory needs."""
 
     def __post_init__(self):
-        if self.recompute not in (None, "none", "selective", "full"):
-            raise InputError(f"model {self.name!r}: recompute must be none, selective or full, got {self.recompute!r}")
+        if self.recompute not in (None, "none", "selective", "linear", "full"):
+            raise InputError(f"model {self.name!r}: recompute must be none, selective, linear or full, "
+                             f"got {self.recompute!r}")
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if f.name in ("name", "recompute") or (f.name == "recompute_layers" and v is None):
                 continue
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise InputError(f"model {self.name!r}: {f.name} must be a positive integer, got {v!r}")
-        if self.recompute_layers is not None and (self.recompute != "selective"
+        if self.recompute_layers is not None and (self.recompute not in ("selective", "linear")
                                                   or self.recompute_layers > self.num_layers):
-            raise InputError(f"model {self.name!r}: recompute_layers={self.recompute_layers} needs selective "
-                             f"recomputation and at most its {self.num_layers} layers")
+            raise InputError(f"model {self.name!r}: recompute_layers={self.recompute_layers} needs selective or "
+                             f"linear recomputation and at most its {self.num_layers} layers")
         if self.hidden % self.num_heads:
             raise InputError(f"model {self.name!r}: hidden={self.hidden} is not a multiple of num_heads={self.num_heads}")
         if self.num_heads % self.num_kv_heads:

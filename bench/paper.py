@@ -190,6 +190,14 @@ MEMORY_HEADROOM = 1.3
 """The counterfactual of `more_memory`: every GPU with this much more memory."""
 
 
+def _memory_fill(batch, c, m) -> float:
+    """The batch's tokens over what the cluster's memory holds under the recomputation the
+    bound assumes (`cost_model.batch_recompute`) on every layer."""
+    gpus = [c.gpu_of(r) for r in range(0, c.num_ranks, m.tp)]
+    capacity = sum(cost_model.memory_cap(m, g, len(gpus)) for g in gpus)
+    return sum(batch) / (capacity / cost_model.activation_bytes_per_token(m, cost_model.batch_recompute(batch, c, m)))
+
+
 def more_memory(grid_data: list[dict], steps: int) -> list[dict]:
     """Every main-grid configuration over the bound target planned again on GPUs with
     `MEMORY_HEADROOM` times their memory (`NodeGroup.memory_gb`, same batches), its step
@@ -210,6 +218,7 @@ def more_memory(grid_data: list[dict], steps: int) -> list[dict]:
         rows.append({"cluster": cfg["cluster"], "model": cfg["model"], "tp": cfg["tp"], "workload": cfg["workload"],
                      "ratio_to_lower_bound": z["ratio_to_lower_bound"],
                      "recompute": "/".join(sorted({plan_batch(b, c, m, "zeppelin").meta["recompute"] for b in batches})),
+                     "memory_fill": max(_memory_fill(b, c, m) for b in batches),
                      "more_memory_ratio": statistics.mean(r.step_time_s for r in res) / bound,
                      "more_memory_recompute": "/".join(sorted({r.recompute for r in res}))})
     return rows
@@ -334,10 +343,10 @@ def targets(data: dict) -> list[tuple[str, bool, str, str]]:
                 "blocks shorter than whole documents, ranks waiting on a ring's slowest member, and the remap "
                 "and ring transfers compute does not hide. Over 1.15x: " + ", ".join(
                     f"{c['cluster']} {c['model']} {c['workload']} {c['results']['zeppelin']['ratio_to_lower_bound']:.3f}x"
-                    for c in far) + ". In the wlbllm and shortmix ones, documents of 44-64K tokens carry more "
-                "than a node's share of the step while the other nodes fill their memory caps, so the ranks "
-                "holding such a document must hold other tokens too; a ring across nodes would even the "
-                "compute, but its blocks (4K tokens over 16 ranks for 64K) are too short for their attention "
+                    for c in far) + ". " + _why_full(data) + "In the wlbllm and shortmix ones, documents of 44-64K "
+                "tokens carry more than a node's share of the step while the other nodes fill their memory caps, "
+                "so the ranks holding such a document must hold other tokens too; a ring across nodes would even "
+                "the compute, but its blocks (4K tokens over 16 ranks for 64K) are too short for their attention "
                 "to hide the K/V of these 32-KV-head models, even over NVLink, and the crossing hops add to "
                 "it: it exposes as much as it saves or more (`pricing.inter_node_span`), so they stay in one node or "
                 "the plan recomputes for looser caps" + (
@@ -402,6 +411,19 @@ def targets(data: dict) -> list[tuple[str, bool, str, str]]:
     return out
 
 
+def _why_full(data: dict) -> str:
+    """The configurations over the bound target whose batch nearly fills what the cluster
+    holds under the bound's recomputation."""
+    full = [r for r in data.get("more_memory") or [] if r["memory_fill"] >= 0.9]
+    if not full:
+        return ""
+    return ", ".join(f"{r['cluster']} {r['model']} {r['workload']}" for r in full) + " fill" + (
+        "s" if len(full) == 1 else "") + " " + ", ".join(f"{r['memory_fill']:.0%}" for r in full) + (
+        " of what the cluster holds under the recomputation the bound assumes, on every layer: every rank "
+        "ends near its cap, so work cannot move to where it would even the step (the bound spreads it "
+        "freely). ")
+
+
 def _why_memory(data: dict) -> str:
     rows = data.get("more_memory") or []
     freed = [r for r in rows if r["more_memory_ratio"] <= BOUND_TARGET]
@@ -410,9 +432,9 @@ def _why_memory(data: dict) -> str:
     return (f" On GPUs with {MEMORY_HEADROOM}x the memory (same batches, section 'Over the bound target'), "
             f"{len(freed)} of these {len(rows)} come within {BOUND_TARGET}x (" + ", ".join(
                 f"{r['cluster']} {r['model']} {r['workload']} {r['more_memory_ratio']:.3f}x" for r in freed)
-            + "): there the batch nearly fills memory, so the plan recomputes more than the bound assumes (it "
-            "recomputes selectively on as few of the first layers as its tokens need, the bound on as few as the "
-            "cluster's total memory needs), or keeps caps that bind.")
+            + "): there the batch nearly fills memory, so the plan recomputes more than the bound assumes (each "
+            "rank recomputes as little as its own tokens need, the bound only the cluster's total shortfall), "
+            "or keeps caps that bind.")
 
 
 def _why_best(g: list[dict]) -> str:
@@ -497,9 +519,13 @@ def report(data: dict) -> str:
     lines += ["", f"## Over the bound target: the same batches on GPUs with {MEMORY_HEADROOM}x the memory", "",
               "Zeppelin planned again with `memory_gb` set to that much of each GPU's memory; step over the real "
               "cluster's lower bound (which already assumes the least recomputation the memory allows).", "",
-              "| cluster | model | workload | step/bound | recomputation | step/bound, more memory | recomputation |",
-              "| --- | --- | --- | --- | --- | --- | --- |"]
-    lines += [f"| {r['cluster']} | {r['model']} | {r['workload']} | {r['ratio_to_lower_bound']:.3f}x | "
+              "Memory fill: the batch's tokens over what the cluster holds under the recomputation the bound "
+              "assumes, on every layer (the larger of the batches).", "",
+              "| cluster | model | workload | memory fill | step/bound | recomputation | step/bound, more memory | "
+              "recomputation |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['cluster']} | {r['model']} | {r['workload']} | {r['memory_fill']:.0%} | "
+              f"{r['ratio_to_lower_bound']:.3f}x | "
               f"{r['recompute']} | {r['more_memory_ratio']:.3f}x | {r['more_memory_recompute']} |"
               for r in data.get("more_memory", [])]
     en = data.get("engine")

@@ -230,6 +230,29 @@ def test_the_fewest_selective_layers_that_fit_are_chosen():
     assert cm.selective_layers_needed(LLAMA7B, [too_many], gpus[:1], 2) is None
 
 
+def test_each_rank_recomputes_as_little_as_its_own_tokens_need():
+    """`recompute_per_rank`: a rank that holds its tokens as they are recomputes nothing;
+    one over that, the fewest first layers selectively; one over what selective on every
+    layer holds, the fewest first layers' linear work (the others selectively). The mode
+    of the plan is the costliest any rank needs; a model that fixes its mode gets it on
+    every rank and layer."""
+    gpus = [hardware.gpu("h100")] * 3
+    cap = cm.memory_cap(LLAMA7B, gpus[0], 3)
+    per_token = {m: cm.activation_bytes(LLAMA7B, 1, 1, m) for m in ("none", "selective", "linear", "full")}
+    assert per_token["none"] > per_token["selective"] > per_token["linear"] > per_token["full"]
+    tokens = [int(cap / per_token["none"]), int(cap / per_token["none"] * 1.3), int(cap / per_token["selective"] * 1.2)]
+    per_rank = cm.recompute_per_rank(LLAMA7B, tokens, gpus, 3)
+    assert [m for m, _ in per_rank] == ["none", "selective", "linear"], per_rank
+    for n, (m, k) in zip(tokens[1:], per_rank[1:]):
+        assert 1 <= k < LLAMA7B.num_layers
+        assert cm.activation_bytes(LLAMA7B, n, n, m, k) <= cap < cm.activation_bytes(LLAMA7B, n, n, m, k - 1)
+    assert cm.recomputation_per_rank(LLAMA7B, tokens, gpus, 3) == ("linear", tuple(per_rank))
+    assert cm.cheapest_recomputation(LLAMA7B, tokens, gpus, 3) == ("linear", per_rank[2][1])
+    assert cm.recompute_per_rank(LLAMA7B, tokens, gpus, 3, mode="selective") is None
+    fixed = ballonet.model("llama-7b", recompute="selective")
+    assert cm.recomputation_per_rank(fixed, tokens[:2], gpus[:2], 3) == ("selective", (("selective", 32),) * 2)
+
+
 def test_the_batch_bound_assumes_the_fewest_layers_the_cluster_needs():
     """Under total capacity for `none` the bound recomputes nothing; a bit over it, a few
     selective layers (not all of them) as a mean over the tokens, not rounded up (ranks

@@ -191,6 +191,10 @@ def test_hf_bad_input_is_one_line_exit_2(job, tmp_path, capsys):
     (pickled / "pytorch_model.bin").write_bytes(b"not read: unpickling a file from elsewhere can run code")
     code, err = run_train(capsys, "--model", f"hf:{pickled}", "--corpus", corpus)
     assert code == 2 and "pickled/pytorch_model.bin: pickled weights are not loaded" in err and "\n" not in err, err
+    model, _ = job
+    for mode in ("linear", "auto"):
+        code, err = run_train(capsys, "--model", f"hf:{model}", "--corpus", corpus, "--recompute", mode)
+        assert code == 2 and f"--recompute {mode}: not for a Hugging Face model" in err and "\n" not in err, err
     manifest = json.loads((corpus / "manifest.json").read_text())
     assert manifest["vocab_size"] == 600  # the corpus's tokenizer is the larger one
     model = hf_model.build_model(f"hf:{small}", 0, torch.device("cpu"))

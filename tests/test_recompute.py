@@ -47,10 +47,42 @@ def _assert_same_results(run, reference):
 
 def test_recompute_keeps_results_and_holds_less():
     batch = _batch()
-    runs = {mode: _run(Transformer(SPEC, seed=1, recompute=mode), *batch) for mode in ("none", "selective", "full")}
-    for mode in ("selective", "full"):
+    modes = ("none", "selective", "linear", "full")
+    runs = {mode: _run(Transformer(SPEC, seed=1, recompute=mode), *batch) for mode in modes}
+    for mode in modes[1:]:
         _assert_same_results(runs[mode], runs["none"])
-    assert runs["full"][2] < runs["selective"][2] < runs["none"][2], {m: r[2] for m, r in runs.items()}
+    held = [runs[m][2] for m in modes]
+    assert held == sorted(held, reverse=True) and len(set(held)) == 4, dict(zip(modes, held))
+
+
+def test_linear_recompute_reruns_no_exchange(monkeypatch):
+    """Under "linear" the backward reruns the block's local pieces (QKV, the output side)
+    but neither its remaps nor its attention, so ranks may recompute differently; under
+    "full" it reruns both. The first `layers` blocks recompute so, the others selectively."""
+    phase, calls = ["forward"], []
+    real_remap = model_module.remap
+    monkeypatch.setattr(model_module, "remap", lambda *a, **k: (calls.append((phase[0], "remap")),
+                                                                real_remap(*a, **k))[1])
+
+    def attention(q, k, v, plan, rank, group):
+        calls.append((phase[0], "attention"))
+        return ballonet.runtime.attention(q, k, v, plan, rank, group, verify_plan=False)
+
+    plan, ids, labels = _batch()
+    counts = {}
+    for mode in ("linear", "full"):
+        model = Transformer(SPEC, seed=1, attention_fn=attention)
+        model.set_recompute(mode, 1)
+        phase[0], calls[:] = "forward", []
+        loss = model.loss(ids, labels, plan, 0)
+        phase[0] = "backward"
+        loss.backward()
+        counts[mode] = {p: [c for q, c in calls if q == p] for p in ("forward", "backward")}
+        if mode == "linear":
+            assert [b.recompute for b in model.layers] == ["linear", "selective"]
+    assert counts["linear"]["forward"] == counts["full"]["forward"] == ["remap"] + ["remap", "attention", "remap"] * 2
+    assert counts["linear"]["backward"] == []
+    assert counts["full"]["backward"] == ["remap", "attention", "remap"] * 2
 
 
 def test_selective_recompute_of_the_first_layers_only(monkeypatch):

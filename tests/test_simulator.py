@@ -337,8 +337,35 @@ def test_selective_recompute_of_some_layers_is_the_layer_mix_of_both():
     memory_gb = (static + (per_none + one) / 2) / cost_model.MEMORY_RESERVE / 1e9
     tight = specs.ClusterSpec(name="t", groups=(dataclasses.replace(c.groups[0], memory_gb=memory_gb),))
     auto = simulate(plan, tight, MODEL)
-    assert (auto.recompute, auto.recompute_layers, auto.recompute_layers_per_rank) == ("selective", 1, (1, 0))
+    assert (auto.recompute, auto.recompute_layers) == ("selective", 1)
+    assert auto.recompute_per_rank == (("selective", 1), ("none", 0))
     assert auto.step_time_s == pytest.approx(sims[1].step_time_s, rel=1e-12)
     assert auto.compute_s[0] == pytest.approx(sims[1].compute_s[0], rel=1e-12)
     assert auto.compute_s[1] == pytest.approx(none.compute_s[1], rel=1e-12)
     assert none.compute_s[1] < sims[1].compute_s[1]
+
+
+def test_linear_recompute_of_some_layers_mixes_with_selective_on_the_others():
+    """Linear recomputation on 1 of 2 layers: a layer's backward is the mean of one that
+    reruns every linear layer and one that reruns the MLP only; left to the cost model,
+    memory between what selective and linear on every layer hold makes the rank with
+    6144 tokens recompute linearly on 1 layer and the one with 1000 nothing."""
+    c = cluster(gpus=2, nics=2)
+    plan = make_plan(c, local={0: [4096, 2048], 1: [1000]})
+    one = simulate(plan, c, dataclasses.replace(MODEL, recompute="linear", recompute_layers=1))
+    every = simulate(plan, c, dataclasses.replace(MODEL, recompute="linear"))
+    selective = simulate(plan, c, dataclasses.replace(MODEL, recompute="selective"))
+    assert selective.step_time_s < one.step_time_s < every.step_time_s
+    assert one.compute_s[0] == pytest.approx((every.compute_s[0] + selective.compute_s[0]) / 2, rel=1e-12)
+    static = cost_model.static_bytes(MODEL, 2)
+    between = (cost_model.activation_bytes(MODEL, 6144, 6144, "selective")
+               + cost_model.activation_bytes(MODEL, 6144, 6144, "linear", 1)) / 2
+    assert cost_model.activation_bytes(MODEL, 1000, 1000, "none") < between
+    tight = specs.ClusterSpec(name="t", groups=(dataclasses.replace(
+        c.groups[0], memory_gb=(static + between) / cost_model.MEMORY_RESERVE / 1e9),))
+    auto = simulate(plan, tight, MODEL)
+    assert (auto.recompute, auto.recompute_layers, auto.recompute_per_rank) == ("linear", 1, (("linear", 1),
+                                                                                              ("none", 0)))
+    assert auto.compute_s[0] == pytest.approx(one.compute_s[0], rel=1e-12)
+    assert auto.compute_s[1] == pytest.approx(simulate(plan, c, dataclasses.replace(MODEL, recompute="none"))
+                                              .compute_s[1], rel=1e-12)

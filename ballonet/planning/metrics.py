@@ -104,8 +104,8 @@ def rank_step_compute_seconds(plan: Plan, cluster: ClusterSpec, model: ModelSpec
     tokens = (plan.linear_token_counts, rank_hardware(cluster, model.tp).gpu, plan.num_ranks, plan.attention_token_counts)
     if not mode:
         mode, layers = cost_model.recomputation_per_rank(model, *tokens) or ("full", None)
-    elif mode == "selective" and model.recompute is None:  # each rank on as few layers as its tokens need
-        layers = cost_model.selective_layers_per_rank(model, *tokens) or layers
+    elif mode in cost_model.BELOW and model.recompute is None:  # each rank as little as its tokens need
+        layers = cost_model.recompute_per_rank(model, *tokens, mode) or layers
     spec = dataclasses.replace(model, recompute=mode)
     return rank_compute_seconds(plan, devices(cluster, spec), spec, mode, layers=layers)
 

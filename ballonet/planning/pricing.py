@@ -210,22 +210,29 @@ def rank_compute_seconds(plan: Plan, dev: Devices, model: ModelSpec, mode: str, 
                          layers=None):
     """[R] seconds of a step's attention and linear kernels on each rank of `plan` (all
     layers, forward, backward and the recomputation `mode` reruns on `layers` of them:
-    default all, or [R] a count per rank; no launch floors, no communication); with
-    `split`, the pair ([R] attention, [R] linear)."""
+    default all; or [R] (mode, layers) per rank, `cost_model.recompute_per_rank`, the
+    other layers one mode below; no launch floors, no communication); with `split`, the
+    pair ([R] attention, [R] linear)."""
     R = plan.num_ranks
     rank, seconds = _attention_items(plan, dev, model, mode)
     attention = np.bincount(rank, weights=seconds, minlength=R)
     tokens, names = np.asarray(plan.linear_token_counts, dtype=float), np.array([g.name for g in dev.gpu])
-    per_rank = layers is not None and np.ndim(layers) == 1
     linear = np.zeros(R)
-    for gpu in {g.name: g for g in dev.gpu}.values():
-        on = names == gpu.name
-        if per_rank:  # rank r's first layers[r] layers recompute, the others keep everything
-            share = np.asarray(layers, dtype=float)[on] / model.num_layers
-            redo = sum(cost_model.linear_layer_seconds(model, gpu, tokens[on], mode, framework=False))
-            keep = sum(cost_model.linear_layer_seconds(model, gpu, tokens[on], "none", framework=False))
-            linear[on] = share * redo + (1 - share) * keep
-        else:
+    if layers is not None and np.ndim(layers) > 0:  # rank r's first k layers recompute as m, the others below it
+        modes = np.array([m for m, _ in layers])
+        share = np.array([k for _, k in layers], dtype=float) / model.num_layers
+        for gpu in {g.name: g for g in dev.gpu}.values():
+            for m in set(modes.tolist()):
+                on = (names == gpu.name) & (modes == m)
+                if not on.any():
+                    continue
+                redo = sum(cost_model.linear_layer_seconds(model, gpu, tokens[on], m, framework=False))
+                keep = sum(cost_model.linear_layer_seconds(model, gpu, tokens[on], cost_model.BELOW.get(m, m),
+                                                           framework=False))
+                linear[on] = share[on] * redo + (1 - share[on]) * keep
+    else:
+        for gpu in {g.name: g for g in dev.gpu}.values():
+            on = names == gpu.name
             linear[on] = sum(cost_model.linear_layer_seconds(model, gpu, tokens[on], mode, framework=False,
                                                              layers=layers))
     linear *= model.num_layers

@@ -50,10 +50,10 @@ already slower than the best plan), steps 2-4 first with every rank keeping its 
 (no remap; ranks balanced on attention plus linear work) and then with the remap, from
 the same level 1, unless the first is already as level as its nodes allow; the plan
 whose busiest rank has the shortest estimated step is kept (`pricing.rank_step_seconds`).
-When the recomputation is left to the partitioner, a selective plan recomputes on as few
-of the first layers as its tokens need (`cost_model.selective_layers_needed`) and is
-estimated so; it is made as selective recomputation on every layer prices it, and is
-made whatever that price when the best plan so far has a rank at its memory cap in the
+When the recomputation is left to the partitioner, in a selective or linear plan each
+rank recomputes as little as its own tokens need (`cost_model.recompute_per_rank`) and
+is estimated so; it is made as the mode on every layer prices it, and a selective plan
+is made whatever that price when the best plan so far has a rank at its memory cap in the
 node that sets its step (`_caps_bind`): there a few layers' looser caps may pay.
 With `double`, inter-node rings with as many members on each node run as "double" rings
 and are priced so; a candidate holding one is compared with the plan of single rings.
@@ -392,7 +392,7 @@ def zeppelin(lengths, cluster: ClusterSpec, model: ModelSpec, *, routing: bool =
         try:
             plans, dev = _candidates(lengths, cluster, spec, crossovers, options,
                                      fallback=i == len(modes) - 1 and best is None,
-                                     beat=np.inf if looser else best_s, trim=trim and mode == "selective")
+                                     beat=np.inf if looser else best_s, trim=trim and mode in cost_model.BELOW)
         except (NoRoom, InfeasiblePlan) as e:
             error = e
             continue
@@ -407,9 +407,14 @@ def zeppelin(lengths, cluster: ClusterSpec, model: ModelSpec, *, routing: bool =
         if i + 1 < len(modes):
             # Selective recomputation on as few layers as a plan needs costs little more than
             # none: where caps bind in the node that sets the step, its looser caps may pay.
+            # (Planned so for linear recomputation's looser caps too, on the main grid of
+            # bench/paper.py: 10 of 72 batches changed, by -1.5% to +1.0%, at 1.7x the time.)
             looser = trim and modes[i + 1] == "selective" and best_binds
-            if not looser and rank_compute_seconds(plan, dev, spec, modes[i + 1]).mean() >= best_s:
-                break  # a costlier mode's average rank (on every layer) is already slower than the best plan's busiest
+            # A costlier mode's compute of this plan spread over the ranks by speed (on every
+            # layer) is already slower than the best plan's busiest rank:
+            if not looser and np.average(rank_compute_seconds(plan, dev, spec, modes[i + 1]),
+                                         weights=dev.speed) >= best_s:
+                break
     if best is None:
         raise error
     plan, dev, spec = best
@@ -449,8 +454,9 @@ def _candidates(lengths, cluster, model, crossovers, options, fallback: bool, be
     that mean, and the remap only adds traffic); none when level 1 leaves a node slower
     than `beat` seconds by `NODE_PRUNE_MARGIN`. A plan the greedy steps cannot fit is left
     out; with `fallback`, a batch they fit no way is cut in runs (`_fallback`) rather than
-    refused. With `trim` (selective recomputation), each plan recomputes on the fewest
-    layers its tokens need (`cost_model.selective_layers_needed`), its estimate priced so."""
+    refused. With `trim` (selective or linear recomputation), each rank of a plan
+    recomputes as little as its tokens need (`cost_model.recompute_per_rank`), its
+    estimate priced so."""
     dev = devices(cluster, model, options["assume_homogeneous"])
     check_feasible(lengths, dev, model)
     meta = {"options": options, "crossover_lengths": [dataclasses.asdict(t) for t in crossovers],
@@ -465,16 +471,16 @@ def _candidates(lengths, cluster, model, crossovers, options, fallback: bool, be
         priced, layers = model, cost_model.recompute_layer_count(model)  # the model's own, or every layer
         if trim:
             lin, att = plan.linear_token_counts, plan.attention_token_counts
-            layers = cost_model.selective_layers_per_rank(model, lin, dev.gpu, dev.num_ranks, att)
-            if layers is None:  # (the caps hold every layer's selective activations; rounding aside)
-                layers = [model.num_layers] * dev.num_ranks
-            most = max(layers, default=0)
-            priced = dataclasses.replace(model, recompute_layers=most) if most else \
-                dataclasses.replace(model, recompute="none")
-            used = tuple(dev.static_bytes + cost_model.activation_bytes(model, a, b, "selective", k)
-                         for a, b, k in zip(lin, att, layers))
+            layers = cost_model.recompute_per_rank(model, lin, dev.gpu, dev.num_ranks, att, model.recompute)
+            if layers is None:  # (the caps hold every layer's activations of the mode; rounding aside)
+                layers = [(model.recompute, model.num_layers)] * dev.num_ranks
+            mode = max((m for m, _ in layers), key=cost_model.RECOMPUTE_MODES.index)
+            most = cost_model.most_layers(mode, layers)
+            priced = dataclasses.replace(model, recompute=mode, recompute_layers=most if mode != "none" else None)
+            used = tuple(dev.static_bytes + cost_model.activation_bytes(model, a, b, m, k)
+                         for a, b, (m, k) in zip(lin, att, layers))
             plan = dataclasses.replace(plan, memory_bytes=used, meta={
-                **plan.meta, "recompute": priced.recompute, "recompute_layers": most})
+                **plan.meta, "recompute": mode, "recompute_layers": most})
         attention, linear = rank_compute_seconds(plan, dev, priced, priced.recompute, split=True, layers=layers)
         seconds, exposed = _step_seconds(plan, dev, priced, crossovers, (attention, linear), options["routing"])
         # The busiest node's mean compute, plus what its rings across nodes expose (no

@@ -30,11 +30,13 @@ What is simulated (`timeline.py` has the event model, `fabric.py` the links,
   of layer l-1 on the same NVLink ports and NICs as its ring and remap transfers (cut
   into pieces, so they interleave); the last layer's bucket is exposed.
 * Recomputation (`ModelSpec.recompute`, default the cheapest under which every rank's
-  tokens fit, `cost_model.cheapest_recomputation`): the backward reruns the MLP GEMMs
-  ("selective", on as few of the first layers as memory needs, or the model's
-  `recompute_layers`; the others' backward is simulated apart) or the whole layer
-  forward, attention included ("full"; the rerun's K/V transfers are taken as shared
-  with the backward's).
+  tokens fit, each rank recomputing as little as its own tokens need,
+  `cost_model.recomputation_per_rank`): the backward reruns the MLP GEMMs
+  ("selective"), every GEMM and elementwise op of the layer ("linear"), each on as few
+  of the first layers as a rank's memory needs (or the model's `recompute_layers`), the
+  others one mode below; one backward is simulated per run of layers alike), or the
+  whole layer forward, attention included ("full", on every rank; the rerun's K/V
+  transfers are taken as shared with the backward's).
 * Compute that overlaps communication on the same GPU slows by the profile's
   `overlap_slowdown` times the rank's transfer seconds (an assumption on GPUs).
 
@@ -78,8 +80,9 @@ class SimResult:
     recompute_layers: int = 0
     """How many layers (the first ones) recompute on the rank that recomputes most (0
     without recomputation)."""
-    recompute_layers_per_rank: tuple[int, ...] = ()
-    """Per plan rank, how many layers (the first ones) it recomputes."""
+    recompute_per_rank: tuple[tuple[str, int], ...] = ()
+    """Per plan rank, (mode, how many layers, the first ones, recompute under it; the
+    others one mode below, `cost_model.BELOW`)."""
     mfu: float
     compute_s: tuple[float, ...]
     """Per plan rank, per step: attention, linear (GEMMs, elementwise, the framework's
@@ -122,7 +125,8 @@ class SimResult:
         d.update(tokens_per_s=self.tokens_per_s, attention_imbalance=self.attention_imbalance,
                  exposed_comm_share=self.exposed_comm_share,
                  per_rank={"compute_s": list(self.compute_s), "exposed_comm_s": list(self.exposed_comm_s),
-                           "idle_s": list(self.idle_s), "attention_s": list(self.attention_s)})
+                           "idle_s": list(self.idle_s), "attention_s": list(self.attention_s),
+                           "recompute": [list(x) for x in self.recompute_per_rank]})
         return d
 
     def to_chrome_trace(self, path: str) -> None:
@@ -210,8 +214,8 @@ def simulate(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, routing: boo
         tokens[src] -= n
         tokens[dst] += n
     mode, per_rank = cost_model.recomputation_per_rank(model, tokens, fabric.gpu, R, att_tokens) \
-        or ("full", (model.num_layers,) * R)
-    linear_s = [cost_model.linear_layer_seconds(model, fabric.gpu[r], tokens[r], mode) for r in range(R)]
+        or ("full", (("full", model.num_layers),) * R)
+    linear_s = [cost_model.linear_layer_seconds(model, fabric.gpu[r], tokens[r], m) for r, (m, _) in enumerate(per_rank)]
     tp_s = [0.0] * R
     if model.tp > 1:
         for r in range(R):
@@ -230,20 +234,27 @@ def simulate(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, routing: boo
     fwd, fwd_compute, fwd_end, fwd_att, fwd_rec = _run_pass(graphs[0])
     bwd, bwd_compute, bwd_end, bwd_att, bwd_rec = _run_pass(graphs[1])
     bwd_slow = _slowdown(graphs[1], bwd_compute)
-    kept = [cost_model.linear_layer_seconds(model, fabric.gpu[r], tokens[r], "none") for r in range(R)]
-    # Layer l's backward reruns the MLP on the ranks recomputing more than l layers (every
-    # rank the same under "full"): one graph per run of layers alike, weighted by its length.
-    cuts = sorted({0, L, *per_rank})
-    runs = [(hi - lo, [linear_s[r] if per_rank[r] > lo else kept[r] for r in range(R)])
-            for lo, hi in zip(cuts, cuts[1:])]
+    # Layer l's backward on rank r recomputes as its mode if r recomputes more than l
+    # layers, else as the mode below (`cost_model.BELOW`): one graph per run of layers
+    # alike, weighted by its length (the first graph: every rank as its own mode).
+    below = {}
+    cuts = sorted({0, L, *(k for _, k in per_rank)})
+    runs = []
+    for lo, hi in zip(cuts, cuts[1:]):
+        lin = list(linear_s)
+        for r, (m, k) in enumerate(per_rank):
+            if k <= lo and m in cost_model.BELOW:
+                if (r, m) not in below:
+                    below[r, m] = cost_model.linear_layer_seconds(model, fabric.gpu[r], tokens[r], cost_model.BELOW[m])
+                lin[r] = below[r, m]
+        runs.append((hi - lo, lin))
     if len(runs) > 1 or runs[0][1] != linear_s:
         parts = []
         for n, lin in runs:
             if lin == linear_s:
                 parts.append((n, bwd, bwd_compute, bwd_end, bwd_att, bwd_slow))
                 continue
-            g = LayerGraph(backward=True, grad_bucket=bucket, **{**common, "linear_s": lin,
-                                                                   "recompute": mode if lin != kept else "none"})
+            g = LayerGraph(backward=True, grad_bucket=bucket, **{**common, "linear_s": lin})
             b, b_compute, b_end, b_att, _ = _run_pass(g)
             parts.append((n, b, b_compute, b_end, b_att, _slowdown(g, b_compute)))
 
@@ -279,7 +290,7 @@ def simulate(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, routing: boo
         planner=plan.planner, num_gpus=R * model.tp, num_tokens=T, step_time_s=step,
         lower_bound_s=cost_model.batch_lower_bound(plan.lengths, cluster, model),
         compute_bound_s=sum(c * p for c, p in zip(compute, peaks)) / sum(peaks), recompute=mode,
-        recompute_layers=max(per_rank, default=0), recompute_layers_per_rank=per_rank,
+        recompute_layers=cost_model.most_layers(mode, per_rank), recompute_per_rank=per_rank,
         mfu=mfu, compute_s=tuple(compute), exposed_comm_s=tuple(exposed), idle_s=tuple(idle),
         attention_s=tuple(L * (fwd_att[r] + bwd_att[r]) for r in range(R)),
         layer_forward_s=fwd, layer_backward_s=bwd, head_s=max(head), grad_allreduce_s=grad,

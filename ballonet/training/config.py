@@ -46,11 +46,13 @@ class TrainConfig:
     """FSDP2 parameter sharding over the ranks: full (ZeRO-3 style) or none (replicated)."""
     dtype: Literal["fp32", "bf16"] = "fp32"
     """Compute dtype (bf16: bf16 compute, fp32 master weights and gradient reduction)."""
-    recompute: Literal["none", "selective", "full", "auto"] = "none"
-    """Activation recomputation: none, selective (the MLP) or full (each block), as the cost model prices them;
-    auto: each step the cheapest its plan fits under, selective on as few layers as each rank's own tokens need."""
+    recompute: Literal["none", "selective", "linear", "full", "auto"] = "none"
+    """Activation recomputation: none, selective (the MLP), linear (every linear layer, no exchange) or full (each
+    block), as the cost model prices them; auto: each step the cheapest its plan fits under, selective or linear
+    on as few layers as each rank's own tokens need."""
     recompute_layers: int | None = None
-    """With --recompute selective: how many layers (the first ones) recompute their MLP; unset: every layer."""
+    """With --recompute selective or linear: how many layers (the first ones) recompute so, the others one mode
+    below (none, selective); unset: every layer."""
     timeout_minutes: float = 5.0
     """Process-group timeout: a dead or disagreeing peer fails every rank after this long."""
     calibration: str | None = None
@@ -87,8 +89,8 @@ class TrainConfig:
         for name, choices in _choices().items():
             if getattr(self, name) not in choices:
                 raise InputError(f"{_flag(name)} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
-        if self.recompute_layers is not None and self.recompute != "selective":
-            raise InputError("--recompute-layers needs --recompute selective")
+        if self.recompute_layers is not None and self.recompute not in ("selective", "linear"):
+            raise InputError("--recompute-layers needs --recompute selective or linear")
         if self.checkpoint_every and not self.checkpoint_dir:
             raise InputError("--checkpoint-every needs --checkpoint-dir")
         if self.resume and not self.checkpoint_dir:

@@ -81,9 +81,9 @@ def preflight(config: TrainConfig, world_size: int):
     _check_paths(config)
     cluster = _cluster(config, world_size)
     spec = hf_model.model_spec(config.model) if hf_model.is_hf(config.model) else ballonet.model(config.model)
-    if config.recompute == "auto" and hf_model.is_hf(config.model):
-        raise InputError(f"--recompute auto: model {config.model!r} is a Hugging Face model, whose recomputation is "
-                         "fixed when it is built (--recompute none, selective or full)")
+    if config.recompute not in hf_model.RECOMPUTE and hf_model.is_hf(config.model):
+        raise InputError(f"--recompute {config.recompute}: not for a Hugging Face model ({config.model}), whose "
+                         f"modules are checkpointed whole when it is built (--recompute {', '.join(hf_model.RECOMPUTE)})")
     if config.recompute_layers is not None and config.recompute_layers > spec.num_layers:
         raise InputError(f"--recompute-layers {config.recompute_layers}: model {spec.name!r} has "
                          f"{spec.num_layers} layers")
@@ -294,16 +294,16 @@ def _run(config: TrainConfig, group, use_cuda: bool):
 def _auto_recompute(model, plan, spec, cluster, rank: int) -> tuple[str, int]:
     """--recompute auto: set this step's recomputation on this rank's blocks, the cheapest
     the plan's tokens fit under in the cost model's memory (`cost_model.recomputation_per_rank`,
-    what the planner and the simulator price: selective on as few of the first layers as
-    this rank's own tokens need). Every rank derives it from the same plan, so a "full"
+    what the planner and the simulator price: selective or linear on as few of the first
+    layers as this rank's own tokens need). Every rank derives it from the same plan, so a "full"
     step (whose exchanges rerun in the backward) is full on all of them. -> (mode, the
     most layers any rank recomputes)."""
     gpus = [cluster.gpu_of(r) for r in range(plan.num_ranks)]
-    mode, layers = cost_model.recomputation_per_rank(spec, plan.linear_token_counts, gpus, plan.num_ranks,
-                                                     plan.attention_token_counts) \
-        or ("full", (spec.num_layers,) * plan.num_ranks)
-    model.set_recompute(mode, layers[rank])
-    return mode, max(layers)
+    mode, per_rank = cost_model.recomputation_per_rank(spec, plan.linear_token_counts, gpus, plan.num_ranks,
+                                                       plan.attention_token_counts) \
+        or ("full", (("full", spec.num_layers),) * plan.num_ranks)
+    model.set_recompute(*per_rank[rank])
+    return mode, cost_model.most_layers(mode, per_rank)
 
 
 def _step(model, optimizer, batch, rank: int, group, device, spec, peak: float, step: int) -> dict:

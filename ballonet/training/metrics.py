@@ -79,5 +79,5 @@ def check_budget(model: ModelSpec, cluster: ClusterSpec, global_tokens: int, wor
     have = min(g.gpu_type.memory_bytes for g in cluster.groups)
     if need > have:
         raise InputError(f"--global-tokens {global_tokens}: {tokens_per_rank} tokens per rank need at least "
-                         f"{need / 2**30:.1f} GiB on each of {world_size} ranks, over the {have / 2**30:.1f} GiB "
+                         f"{need / 2**30:.3g} GiB on each of {world_size} ranks, over the {have / 2**30:.3g} GiB "
                          f"of a {cluster.groups[0].gpu} (fewer tokens, more ranks, or --recompute full)")

@@ -60,13 +60,15 @@ INIT_STD = 0.02
 AttentionFn = Callable[..., torch.Tensor]
 """(q [T_att, H, D], k [T_att, K, D], v [T_att, K, D], plan, rank, group) -> [T_att, H, D]."""
 
-Recompute = Literal["none", "selective", "full"]
+Recompute = Literal["none", "selective", "linear", "full"]
 """Activation recomputation (`torch.utils.checkpoint`, non-reentrant), as the cost model
 prices it (`cost_model.activation_bytes`): "selective" keeps the MLP's input and reruns
 its norm and SwiGLU in the backward (their 4 ffn_hidden + hidden elements a token are
 the largest share of a layer's activations; the attention core keeps no scores anyway);
-"full" keeps only each block's input and reruns the whole block, remaps and rings
-included."""
+"linear" keeps the block's input, the attention's q, k, v and output, and the output
+back on the linear layout, and reruns everything between them (norms, QKV and output
+projections, rotary, the MLP), no exchange; "full" keeps only each block's input and
+reruns the whole block, remaps and rings included."""
 
 
 def rope(x_THD: torch.Tensor, pos_T: torch.Tensor, theta: float = ROPE_THETA) -> torch.Tensor:
@@ -103,20 +105,33 @@ class Block(nn.Module):
         return self._forward(x_TC, pos_T, plan, rank, group, attention_fn, counter)
 
     def _forward(self, x_TC, pos_T, plan: Plan, rank: int, group, attention_fn: AttentionFn, counter=None):
+        H, K = self.num_heads, self.num_kv_heads
+        rerun = self.recompute == "linear" and torch.is_grad_enabled()  # the local pieces; not the exchanges
+        qkv_THD = checkpoint(self._qkv, x_TC, pos_T, use_reentrant=False) if rerun else self._qkv(x_TC, pos_T)
+        # One all-to-all for q, k and v together.
+        qkv_att = remap(qkv_THD, plan, rank, "linear", "attention", group, counter, verify_plan=False)
+        q_att, k_att, v_att = qkv_att.split([H, K, K], 1)
+        o_att = attention_fn(q_att.contiguous(), k_att.contiguous(), v_att.contiguous(), plan, rank, group)
+        o_THD = remap(o_att, plan, rank, "attention", "linear", group, counter, verify_plan=False)
+        if rerun:
+            return checkpoint(self._output, x_TC, o_THD, use_reentrant=False)
+        x_TC = x_TC + self.wo(o_THD.flatten(1))
+        if self.recompute == "selective" and torch.is_grad_enabled():
+            return x_TC + checkpoint(self._mlp, x_TC, use_reentrant=False)
+        return x_TC + self._mlp(x_TC)
+
+    def _qkv(self, x_TC, pos_T):
+        """q, k and v of the block's input, rotated, as one [T, H + 2K, D] tensor."""
         T, H, K, D = x_TC.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         h_TC = self.attention_norm(x_TC)
         q_THD = rope(self.wq(h_TC).view(T, H, D), pos_T)
         k_TKD = rope(self.wk(h_TC).view(T, K, D), pos_T)
         v_TKD = self.wv(h_TC).view(T, K, D)
-        # One all-to-all for q, k and v together.
-        qkv_att = remap(torch.cat([q_THD, k_TKD, v_TKD], 1), plan, rank, "linear", "attention", group, counter,
-                        verify_plan=False)
-        q_att, k_att, v_att = qkv_att.split([H, K, K], 1)
-        o_att = attention_fn(q_att.contiguous(), k_att.contiguous(), v_att.contiguous(), plan, rank, group)
-        o_THD = remap(o_att, plan, rank, "attention", "linear", group, counter, verify_plan=False)
-        x_TC = x_TC + self.wo(o_THD.reshape(T, H * D))
-        if self.recompute == "selective" and torch.is_grad_enabled():
-            return x_TC + checkpoint(self._mlp, x_TC, use_reentrant=False)
+        return torch.cat([q_THD, k_TKD, v_TKD], 1)
+
+    def _output(self, x_TC, o_THD):
+        """The block's output from its input and the attention output [T, H, D]."""
+        x_TC = x_TC + self.wo(o_THD.flatten(1))
         return x_TC + self._mlp(x_TC)
 
     def _mlp(self, x_TC):
@@ -149,14 +164,16 @@ class Transformer(nn.Module):
 
     def set_recompute(self, recompute: Recompute, layers: int | None = None) -> None:
         """Recompute as `recompute` from the next forward on ("selective": on the first
-        `layers` blocks, every block when None). Ranks may differ in their selective
-        layers: a selective block reruns only its own MLP, no collective; "full" reruns a
-        block's remap and attention exchanges, so every rank must choose it alike."""
+        `layers` blocks, every block when None, the others none; "linear": on the first
+        `layers`, the others selective). Ranks may differ in these: a selective or linear
+        block reruns only its own local work, no collective; "full" reruns a block's remap
+        and attention exchanges, so every rank must choose it alike."""
         if recompute not in typing.get_args(Recompute):
             raise ValueError(f"recompute must be one of {typing.get_args(Recompute)}, got {recompute!r}")
-        selective = len(self.layers) if layers is None else layers
+        first = len(self.layers) if layers is None else layers
+        below = {"selective": "none", "linear": "selective"}  # what the layers after the first ones do
         for i, block in enumerate(self.layers):
-            block.recompute = "none" if recompute == "selective" and i >= selective else recompute
+            block.recompute = below[recompute] if recompute in below and i >= first else recompute
 
     @torch.no_grad()
     def reset_parameters(self, seed: int) -> None:
