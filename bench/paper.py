@@ -413,8 +413,9 @@ def targets(data: dict) -> list[tuple[str, bool, str, str]]:
 
 def _why_full(data: dict) -> str:
     """The configurations over the bound target whose batch nearly fills what the cluster
-    holds under the bound's recomputation."""
-    full = [r for r in data.get("more_memory") or [] if r["memory_fill"] >= 0.9]
+    holds under the bound's recomputation and that more memory brings within it."""
+    full = [r for r in data.get("more_memory") or [] if r["memory_fill"] >= 0.9
+            and r["more_memory_ratio"] <= BOUND_TARGET]
     if not full:
         return ""
     return ", ".join(f"{r['cluster']} {r['model']} {r['workload']}" for r in full) + " fill" + (
