@@ -183,7 +183,7 @@ def activation_bytes(model: ModelSpec, linear_tokens: float, attention_tokens: f
         return (n * h * linear_tokens + one_layer) * model.dtype_bytes / model.tp
     kept = {"none": one_layer, "selective": one_layer - (h + 4 * f) * linear_tokens,
             "linear": 2 * h * linear_tokens + att * attention_tokens}
-    elements = n * kept[mode] if k == n or mode not in BELOW else k * kept[mode] + (n - k) * kept[BELOW[mode]]
+    elements = n * kept[mode] if mode not in BELOW else k * kept[mode] + (n - k) * kept[BELOW[mode]]
     return elements * model.dtype_bytes / model.tp
 
 
@@ -222,21 +222,26 @@ def recompute_per_rank(model: ModelSpec, tokens_per_rank, gpus, num_dp_ranks: in
     att = tokens_per_rank if attention_tokens is None else attention_tokens
     by_type = {g: memory_cap(model, g, num_dp_ranks) for g in set(gpus)}  # (a memory_gb override is its own type)
     caps = np.array([by_type[g] for g in gpus])
-    over = np.nonzero(activation_bytes(model, np.asarray(tokens_per_rank, dtype=float), np.asarray(att, dtype=float),
-                                       "none") > caps)[0]  # ranks that do not hold their tokens as they are
-    ladder = [m for m in BELOW if RECOMPUTE_MODES.index(m) <= RECOMPUTE_MODES.index(mode)]
-    out = [("none", 0)] * len(caps)
-    for r in over.tolist():
-        lin, a, cap = tokens_per_rank[r], att[r], float(caps[r])
-        for m in ladder:
-            keep, drop = activation_bytes(model, lin, a, BELOW[m]), activation_bytes(model, lin, a, m)
-            if drop <= cap:
-                out[r] = (m, _fewest_layers(model, keep - cap, keep - drop,
-                                            lambda k: activation_bytes(model, lin, a, m, k) <= cap))
+    lin, att = np.asarray(tokens_per_rank, dtype=float), np.asarray(att, dtype=float)
+    over = np.nonzero(activation_bytes(model, lin, att, "none") > caps)[0]  # ranks that do not hold their tokens
+    lin, att, caps = lin[over], att[over], caps[over]
+    out = [("none", 0)] * len(tokens_per_rank)
+    todo, n = np.ones(len(over), dtype=bool), model.num_layers
+    for m in [m for m in BELOW if RECOMPUTE_MODES.index(m) <= RECOMPUTE_MODES.index(mode)]:
+        keep, drop = activation_bytes(model, lin, att, BELOW[m]), activation_bytes(model, lin, att, m)
+        here = np.nonzero(todo & (drop <= caps))[0]
+        # The fewest layers k whose recomputation frees keep - cap, each freeing (keep - drop) / n,
+        # checked against float rounding as `activation_bytes` counts them.
+        k = np.clip(np.ceil(n * (keep[here] - caps[here]) / (keep[here] - drop[here])), 1, n)
+        for _ in range(n):
+            short = (activation_bytes(model, lin[here], att[here], m, k) > caps[here]) & (k < n)
+            if not short.any():
                 break
-        else:
-            return None
-    return out
+            k[short] += 1
+        for i, layers in zip(over[here].tolist(), k.astype(int).tolist()):
+            out[i] = (m, layers)
+        todo[here] = False
+    return None if todo.any() else out
 
 
 def selective_layers_needed(model: ModelSpec, tokens_per_rank, gpus, num_dp_ranks: int,
@@ -246,16 +251,6 @@ def selective_layers_needed(model: ModelSpec, tokens_per_rank, gpus, num_dp_rank
     need to, None when not even every layer is enough)."""
     found = recompute_per_rank(model, tokens_per_rank, gpus, num_dp_ranks, attention_tokens, "selective")
     return None if found is None else max((k for _, k in found), default=0)
-
-
-def _fewest_layers(model: ModelSpec, excess: float, saved: float, fits) -> int:
-    """The fewest layers (1 to all) whose selective recomputation frees `excess` bytes,
-    when every layer's frees `saved`; `fits(k)` checks the count against float rounding."""
-    n = model.num_layers
-    k = min(n, max(1, math.ceil(n * excess / saved)))
-    while k < n and not fits(k):
-        k += 1
-    return k
 
 
 def recompute_attention(mode: str) -> bool:
