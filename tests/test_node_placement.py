@@ -11,6 +11,7 @@ import ballonet
 from ballonet import plan_batch, specs, workloads
 from ballonet.planning.devices import devices
 from ballonet.planning.metrics import plan_metrics
+from ballonet.planning.node_placement import _without_sliver
 from ballonet.planning.packing import NoRoom, spread
 from ballonet.specs import ClusterSpec, NodeGroup
 
@@ -40,6 +41,24 @@ def test_spread_keeps_to_max_slots_while_their_memory_holds_it():
     # Past the two slots' memory, the rest still finds room elsewhere.
     shares = spread(room, np.array([15.0, 15.0, 100.0, 100.0]), 35.0, 1.0, max_slots=2)
     assert shares[0] == shares[1] == 15.0 and sum(shares.values()) == pytest.approx(35.0)
+
+
+def test_a_split_document_that_would_leave_a_sliver_is_levelled_over_its_ranks():
+    """Work 7.2 over slots of target 1: filling most room first leaves the 8th slot 0.2
+    (a sliver refinement would drop, the others then over target); levelled instead, the
+    8 slots hold 0.9 each and whole documents fill up around them. Two slots are no ring
+    to drop from; a last share over a quarter of the mean stays as filled."""
+    load, speed, room = np.zeros(8), np.ones(8), np.full(8, 100.0)
+    got = _without_sliver(spread(1.0 - load, room, 7.2, 1.0), load, speed, room, 7.2, 1.0)
+    assert sorted(got) == list(range(8)) and all(x == pytest.approx(0.9) for x in got.values())
+    assert _without_sliver({0: 1.0, 1: 0.1}, load, speed, room, 1.1, 1.0) == {0: 1.0, 1: 0.1}
+    kept = {0: 1.0, 1: 1.0, 2: 0.7}
+    assert _without_sliver(dict(kept), load, speed, room, 2.7, 1.0) == kept
+    # Levelled on what the slots already hold, within their memory.
+    load = np.array([0.0, 0.0, 0.0, 0.5])
+    got = _without_sliver({0: 1.0, 1: 1.0, 2: 1.0, 3: 0.1}, load, speed, np.array([100.0, 100.0, 100.0, 0.3]),
+                          3.1, 1.0)
+    assert got[3] == pytest.approx(0.3) and all(got[i] == pytest.approx(0.9333333) for i in range(3))
 
 
 def _full_memory_batch(cluster, model, share=0.98):

@@ -24,7 +24,10 @@ from ballonet.planning.packing import NoRoom, apportion
 from ballonet.planning.state import Batch, RankFill
 from ballonet.specs import ModelSpec
 
-__all__ = ["SWEEPS", "Levels", "Sweep", "refine", "split_work", "water_level"]
+__all__ = ["SLIVER", "SWEEPS", "Levels", "Sweep", "refine", "split_work", "water_level"]
+
+SLIVER = 0.25
+"""A ring member holding under this share of the ring's mean block is a sliver (`Sweep.DROP`)."""
 
 
 def water_level(base, speed, unit, cap, total: float) -> np.ndarray:
@@ -238,7 +241,7 @@ def refine(batch: Batch, fill: RankFill) -> Placement:
     for sweep in SWEEPS:
         for d in docs:
             m, held, unit = st.members[d], st.held[d], st.unit[d]
-            dropping = sweep is Sweep.DROP and len(m) > 2 and min(held) < 0.25 * sum(held) / len(held)
+            dropping = sweep is Sweep.DROP and len(m) > 2 and min(held) < SLIVER * sum(held) / len(held)
             still = not dropping and max([stamp[r] for r in m]) <= done[d] \
                 and (sweep is not Sweep.GROW or st.level_of(m) <= 1.01 * st.mean_level)
             if still and d in settled:
@@ -252,7 +255,7 @@ def refine(batch: Batch, fill: RankFill) -> Placement:
             st.take(d)
             st.unit[d] = new_unit
             if dropping:
-                floor = 0.25 * sum(held) / len(held)
+                floor = SLIVER * sum(held) / len(held)
                 room = st.room(m)
                 keep = [i for i, h in enumerate(held) if h >= floor
                         or (room[i] - h < floor and h >= st.breakeven[m[i]])]

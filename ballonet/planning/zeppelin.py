@@ -31,7 +31,8 @@ Placement, with work in peak-FLOP units so a rank's time is work / its peak:
     `_node_work`); one that no node can hold whole is spread across nodes.
   Step 2 (level 2, inside each node, on attention work: the remap evens the tokens;
     `node_placement.py`): documents that must be split there, and the node's shares of
-    inter-node documents, fill the ranks with the most room; then local documents go to
+    inter-node documents, fill the ranks with the most room (levelled over them where the
+    last would hold a sliver, which refinement would drop); then local documents go to
     ranks by LPT, within each rank's memory. Under caps that nearly bind, where every
     rank ends with about its cap of tokens, the node is filled once more on each
     document's work beyond the light documents' mean per token, and the more level fill
