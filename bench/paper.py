@@ -356,8 +356,8 @@ def targets(data: dict) -> list[tuple[str, bool, str, str]]:
                     f" With double rings across nodes (opt-in `double=True`, last row of the pricing ablation): "
                     f"{dbl['within_bound']} of {dbl['configurations']} within, worst {dbl['worst_to_bound']:.2f}x, "
                     f"mean over the best baseline {dbl['mean_over_best']:.2f}x; not the default because planning "
-                    "then builds a second level 1 (single rings) to compare (about twice the planning time "
-                    "on the batches of `bench/planner.py`), and the double ring leaves the last round's dK/dV "
+                    "then builds a second level 1 (single rings) to compare (2.2-2.7x the planning time "
+                    "on the wlbllm batches of `bench/planner.py`), and the double ring leaves the last round's dK/dV "
                     "sum crossing a NIC after the compute (docs/design.md, section 4)." if dbl else "")))
     by_cluster = {cl: _mean(speedup(c) for c in g if c["cluster"] == cl) for cl in CLUSTERS}
     te_by_cluster = {cl: _mean(c["results"]["te_cp"]["exposed_comm_share"] for c in g if c["cluster"] == cl)
@@ -431,7 +431,8 @@ def _why_memory(data: dict) -> str:
     if not rows:
         return ""
     return (f" On GPUs with {MEMORY_HEADROOM}x the memory (same batches, section 'Over the bound target'), "
-            f"{len(freed)} of these {len(rows)} come within {BOUND_TARGET}x (" + ", ".join(
+            f"{len(freed)} of these {len(rows)} {'comes' if len(freed) == 1 else 'come'} within {BOUND_TARGET}x ("
+            + ", ".join(
                 f"{r['cluster']} {r['model']} {r['workload']} {r['more_memory_ratio']:.3f}x" for r in freed)
             + "): there the batch nearly fills memory, so the plan recomputes more than the bound assumes (each "
             "rank recomputes as little as its own tokens need, the bound only the cluster's total shortfall), "

@@ -34,7 +34,7 @@ from ballonet.plan import Plan
 from ballonet.planning.devices import Devices
 from ballonet.specs import ModelSpec
 
-__all__ = ["StepWeights", "crossing_exposed_seconds", "crossing_seconds", "double_exposed_seconds",
+__all__ = ["StepWeights", "attention_kernels", "crossing_exposed_seconds", "crossing_seconds", "double_exposed_seconds",
            "inter_node_span", "linear_work_per_token", "rank_compute_seconds", "rank_remap_seconds",
            "rank_step_seconds", "rank_tp_seconds", "recompute_modes", "remaps_inside", "ring_exposed_seconds",
            "step_weights"]
@@ -181,9 +181,10 @@ def inter_node_span(model: ModelSpec, gpu: hardware.GPUType, length: int, step_w
     return min(range(1, max(most, 1) + 1), key=lambda k: (cost(k), k))
 
 
-def _attention_items(plan: Plan, dev: Devices, model: ModelSpec, mode: str) -> tuple[np.ndarray, np.ndarray]:
-    """(rank, seconds) of every attention kernel of a step (all layers, forward, backward
-    and the recomputation `mode` reruns): each local document and each ring position."""
+def attention_kernels(plan: Plan, dev: Devices, model: ModelSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(rank, forward seconds, backward seconds) of every attention kernel of one layer:
+    each local document and each ring position. The same under every recomputation
+    (`rank_compute_seconds` adds the forward again under "full")."""
     in_ring = plan.ring_of_doc
     local = [(r, d) for r, segs in enumerate(plan.attention) for d in {s.doc for s in segs} if d not in in_ring]
     rank = [r for r, _ in local]
@@ -195,27 +196,26 @@ def _attention_items(plan: Plan, dev: Devices, model: ModelSpec, mode: str) -> t
         flops += cost_model.zigzag_flops(model, ring.bounds).tolist()
         block += (q[:g] + q[::-1][:g]).tolist()  # its chunks i and 2g-1-i (`Ring.block_tokens`)
     rank_a, flops_a, block_a = np.asarray(rank, dtype=np.int64), np.asarray(flops), np.asarray(block, dtype=float)
-    redo = 1.0 if cost_model.recompute_attention(mode) else 0.0
     gpus = np.asarray([g.name for g in dev.gpu])
-    seconds = np.zeros(len(rank_a))
+    fwd, bwd = np.zeros(len(rank_a)), np.zeros(len(rank_a))
     for gpu in {g.name: g for g in dev.gpu}.values():
         on = gpus[rank_a] == gpu.name
-        fwd = cost_model.attention_seconds(model, gpu, flops_a[on], block_a[on])
-        bwd = cost_model.attention_seconds(model, gpu, flops_a[on], block_a[on], backward=True)
-        seconds[on] = (1 + redo) * fwd + bwd
-    return rank_a, model.num_layers * seconds
+        fwd[on] = cost_model.attention_seconds(model, gpu, flops_a[on], block_a[on])
+        bwd[on] = cost_model.attention_seconds(model, gpu, flops_a[on], block_a[on], backward=True)
+    return rank_a, fwd, bwd
 
 
 def rank_compute_seconds(plan: Plan, dev: Devices, model: ModelSpec, mode: str, split: bool = False,
-                         layers=None):
+                         layers=None, kernels=None):
     """[R] seconds of a step's attention and linear kernels on each rank of `plan` (all
     layers, forward, backward and the recomputation `mode` reruns on `layers` of them:
     default all; or [R] (mode, layers) per rank, `cost_model.recompute_per_rank`, the
     other layers one mode below; no launch floors, no communication); with `split`, the
-    pair ([R] attention, [R] linear)."""
+    pair ([R] attention, [R] linear). `kernels`: the plan's `attention_kernels`, when known."""
     R = plan.num_ranks
-    rank, seconds = _attention_items(plan, dev, model, mode)
-    attention = np.bincount(rank, weights=seconds, minlength=R)
+    rank, fwd, bwd = kernels or attention_kernels(plan, dev, model)
+    redo = 1.0 if cost_model.recompute_attention(mode) else 0.0
+    attention = np.bincount(rank, weights=model.num_layers * ((1 + redo) * fwd + bwd), minlength=R)
     tokens, names = np.asarray(plan.linear_token_counts, dtype=float), np.array([g.name for g in dev.gpu])
     linear = np.zeros(R)
     if layers is not None and np.ndim(layers) > 0:  # rank r's first k layers recompute as m, the others below it

@@ -80,6 +80,7 @@ from ballonet.planning.node_placement import level2
 from ballonet.planning.packing import NoRoom, apportion, charge, lpt, spread
 from ballonet.planning.pricing import (
     StepWeights,
+    attention_kernels,
     crossing_exposed_seconds,
     inter_node_span,
     linear_work_per_token,
@@ -399,12 +400,12 @@ def zeppelin(lengths, cluster: ClusterSpec, model: ModelSpec, *, routing: bool =
             continue
         if not plans:
             break  # its level 1 already leaves a node slower than the best plan (costlier modes too)
-        for candidate, seconds, binds in plans:
+        for candidate, seconds, binds, _ in plans:
             compared.append({"recompute": candidate.meta["recompute"], "keep_tokens": candidate.meta["keep_tokens"],
                              "recompute_layers": candidate.meta["recompute_layers"], "estimated_step_s": seconds})
             if seconds < best_s:
                 best, best_s, best_binds = (candidate, dev, spec), seconds, binds
-        plan = plans[0][0]
+        plan, kernels = plans[0][0], plans[0][3]
         if i + 1 < len(modes):
             # Selective recomputation on as few layers as a plan needs costs little more than
             # none: where caps bind in the node that sets the step, its looser caps may pay.
@@ -413,7 +414,7 @@ def zeppelin(lengths, cluster: ClusterSpec, model: ModelSpec, *, routing: bool =
             looser = trim and modes[i + 1] == "selective" and best_binds
             # A costlier mode's compute of this plan spread over the ranks by speed (on every
             # layer) is already slower than the best plan's busiest rank:
-            if not looser and np.average(rank_compute_seconds(plan, dev, spec, modes[i + 1]),
+            if not looser and np.average(rank_compute_seconds(plan, dev, spec, modes[i + 1], kernels=kernels),
                                          weights=dev.speed) >= best_s:
                 break
     if best is None:
@@ -445,9 +446,9 @@ def _step_seconds(plan: Plan, dev: Devices, model: ModelSpec, crossovers, comput
 
 
 def _candidates(lengths, cluster, model, crossovers, options, fallback: bool, beat: float = np.inf,
-                trim: bool = False) -> tuple[list[tuple[Plan, float, bool]], Devices]:
-    """The plans of one recomputation with their estimated step seconds (and whether caps
-    bind where that step is set, `_caps_bind`), under the memory
+                trim: bool = False) -> tuple[list[tuple], Devices]:
+    """The plans of one recomputation as (plan, its estimated step seconds, whether caps
+    bind where that step is set (`_caps_bind`), its `attention_kernels`), under the memory
     caps of `model.recompute`, from one level 1: every rank keeping its tokens (attention
     plus linear work balanced per rank; when pricing may prefer it), then remapping tokens
     inside nodes, unless the keep-tokens plan's busiest rank is already within
@@ -465,7 +466,8 @@ def _candidates(lengths, cluster, model, crossovers, options, fallback: bool, be
             "keep_tokens": False, "fallback": False}
 
     def build(placement: Placement, facts: dict, keep: bool, double: bool = options["double"]) -> tuple:
-        """(plan, its estimated step, `_caps_bind`, its busiest node's mean compute seconds)."""
+        """(plan, its estimated step, `_caps_bind`, its `attention_kernels`, its busiest
+        node's mean compute seconds)."""
         plan = _finish(lengths, dev, placement, {**meta, **facts, "keep_tokens": keep},
                        remap=options["remap"] and not keep, node_remap=options["price_linear"],
                        double=double)
@@ -482,31 +484,34 @@ def _candidates(lengths, cluster, model, crossovers, options, fallback: bool, be
                          for a, b, (m, k) in zip(lin, att, layers))
             plan = dataclasses.replace(plan, memory_bytes=used, meta={
                 **plan.meta, "recompute": mode, "recompute_layers": most})
-        attention, linear = rank_compute_seconds(plan, dev, priced, priced.recompute, split=True, layers=layers)
+        kernels = attention_kernels(plan, dev, priced)
+        attention, linear = rank_compute_seconds(plan, dev, priced, priced.recompute, split=True, layers=layers,
+                                                 kernels=kernels)
         seconds, exposed = _step_seconds(plan, dev, priced, crossovers, (attention, linear), options["routing"])
         # The busiest node's mean compute, plus what its rings across nodes expose (no
         # remap of the same nodes takes that off): `KEEP_MARGIN`'s floor.
         node = max((attention[rs] + linear[rs] + exposed[rs]).mean() for rs in dev.nodes())
-        return plan, float(seconds.max()), _caps_bind(plan, dev, seconds), node
+        return plan, float(seconds.max()), _caps_bind(plan, dev, seconds), kernels, node
 
-    def from_nodes(shared: _Nodes, double: bool = options["double"]) -> list[tuple[Plan, float, bool]]:
+    def from_nodes(shared: _Nodes, double: bool = options["double"]) -> list[tuple]:
         out = []
         if options["price_linear"] and options["remap"]:
             try:
-                kept, seconds, binds, node = build(*_place(shared, keep_tokens=True), keep=True, double=double)
-                out = [(kept, seconds, binds)]
+                kept, seconds, binds, kernels, node = build(*_place(shared, keep_tokens=True), keep=True,
+                                                            double=double)
+                out = [(kept, seconds, binds, kernels)]
                 if seconds <= (1 + KEEP_MARGIN) * node:
                     return out
             except (NoRoom, InfeasiblePlan):
                 pass
         try:
-            out.append(build(*_place(shared, keep_tokens=False), keep=False, double=double)[:3])
+            out.append(build(*_place(shared, keep_tokens=False), keep=False, double=double)[:4])
         except (NoRoom, InfeasiblePlan):
             if not out:
                 raise
         return out
 
-    plans: list[tuple[Plan, float, bool]] = []
+    plans: list[tuple] = []
     try:
         shared = _nodes(lengths, dev, crossovers, options, model)
         if shared.node_seconds > (1 + NODE_PRUNE_MARGIN) * beat:
@@ -515,14 +520,14 @@ def _candidates(lengths, cluster, model, crossovers, options, fallback: bool, be
         if any(r.comm == "double" for p, *_ in plans for r in p.rings):
             # Priced for "double" rings across nodes: the plan of single rings through them too.
             single = _nodes(lengths, dev, crossovers, {**options, "double": False}, model)
-            if single.node_seconds <= (1 + NODE_PRUNE_MARGIN) * min([beat] + [s for _, s, _ in plans]):
+            if single.node_seconds <= (1 + NODE_PRUNE_MARGIN) * min([beat] + [s for _, s, *_ in plans]):
                 plans += from_nodes(single, double=False)
     except (NoRoom, InfeasiblePlan):
         if plans:
             return plans, dev
         if not fallback:
             raise
-        return [build(_fallback(lengths, dev), {"fallback": True}, keep=False)[:3]], dev
+        return [build(_fallback(lengths, dev), {"fallback": True}, keep=False)[:4]], dev
     return plans, dev
 
 
