@@ -16,7 +16,6 @@ Bytes moved are what the runtime sends (`training/model.py`, `runtime/routing.py
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np

@@ -54,6 +54,7 @@ this plan's compute spread perfectly over the GPUs by peak FLOP/s.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections import Counter
 from dataclasses import dataclass, field
@@ -234,35 +235,19 @@ def simulate(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, routing: boo
     fwd, fwd_compute, fwd_end, fwd_att, fwd_rec = _run_pass(graphs[0])
     bwd, bwd_compute, bwd_end, bwd_att, bwd_rec = _run_pass(graphs[1])
     bwd_slow = _slowdown(graphs[1], bwd_compute)
-    # Layer l's backward on rank r recomputes as its mode if r recomputes more than l
-    # layers, else as the mode below (`cost_model.BELOW`): one graph per run of layers
-    # alike, weighted by its length (the first graph: every rank as its own mode).
-    below = {}
-    cuts = sorted({0, L, *(k for _, k in per_rank)})
-    runs = []
-    for lo, hi in zip(cuts, cuts[1:]):
-        lin = list(linear_s)
-        for r, (m, k) in enumerate(per_rank):
-            if k <= lo and m in cost_model.BELOW:
-                if (r, m) not in below:
-                    below[r, m] = cost_model.linear_layer_seconds(model, fabric.gpu[r], tokens[r], cost_model.BELOW[m])
-                lin[r] = below[r, m]
-        runs.append((hi - lo, lin))
-    if len(runs) > 1 or runs[0][1] != linear_s:
-        parts = []
+    runs = _runs_of_layers(model, fabric, tokens, per_rank, linear_s)
+    if runs != [(L, linear_s)]:  # one backward graph per run of alike layers, weighted by its length
+        passes = []
         for n, lin in runs:
             if lin == linear_s:
-                parts.append((n, bwd, bwd_compute, bwd_end, bwd_att, bwd_slow))
+                passes.append((n, (bwd, bwd_compute, bwd_end, bwd_att, bwd_slow)))
                 continue
             g = LayerGraph(backward=True, grad_bucket=bucket, **{**common, "linear_s": lin})
             b, b_compute, b_end, b_att, _ = _run_pass(g)
-            parts.append((n, b, b_compute, b_end, b_att, _slowdown(g, b_compute)))
-
-        def mean(i):  # per layer, over the runs of layers
-            if i == 1:
-                return sum(p[0] * p[1] for p in parts) / L
-            return [sum(p[0] * p[i][r] for p in parts) / L for r in range(R)]
-        bwd, bwd_compute, bwd_end, bwd_att, bwd_slow = (mean(i) for i in range(1, 6))
+            passes.append((n, (b, b_compute, b_end, b_att, _slowdown(g, b_compute))))
+        bwd = sum(n * p[0] for n, p in passes) / L
+        bwd_compute, bwd_end, bwd_att, bwd_slow = ([sum(n * p[i][r] for n, p in passes) / L for r in range(R)]
+                                                   for i in range(1, 5))
     slow = [a + b for a, b in zip(_slowdown(graphs[0], fwd_compute), bwd_slow)]
 
     head = [_head_seconds(model, fabric.gpu[r], n) for r, n in enumerate(tokens)]
@@ -297,6 +282,24 @@ def simulate(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, routing: boo
         grad_allreduce_exposed_s=grad_exposed, optimizer_s=max(optimizer),
         bytes_sent={"forward": graphs[0].sent, "backward": graphs[1].sent},
         timelines=(fwd_rec, bwd_rec))
+
+
+def _runs_of_layers(model: ModelSpec, fabric: Fabric, tokens: list, per_rank, linear_s: list) -> list[tuple[int, list]]:
+    """(layers, [R] linear seconds forward and backward) of each run of alike layers in the
+    backward: layer l on rank r recomputes as its mode (`linear_s`) if r recomputes more
+    than l layers (`per_rank`: (mode, layers)), else as the mode below (`cost_model.BELOW`)."""
+    below = {}
+    cuts = sorted({0, model.num_layers, *(k for _, k in per_rank)})
+    runs = []
+    for lo, hi in itertools.pairwise(cuts):
+        lin = list(linear_s)
+        for r, (m, k) in enumerate(per_rank):
+            if k <= lo and m in cost_model.BELOW:
+                if (r, m) not in below:
+                    below[r, m] = cost_model.linear_layer_seconds(model, fabric.gpu[r], tokens[r], cost_model.BELOW[m])
+                lin[r] = below[r, m]
+        runs.append((hi - lo, lin))
+    return runs
 
 
 def _bucket(model: ModelSpec, cluster: ClusterSpec, num_layers: int) -> tuple[float, float]:
