@@ -7,7 +7,7 @@ import pytest
 
 import ballonet
 from ballonet import cost_model as cm
-from ballonet import hardware
+from ballonet import hardware, specs
 from ballonet.specs import ModelSpec
 
 LLAMA7B = ballonet.model("llama-7b")
@@ -251,6 +251,20 @@ def test_each_rank_recomputes_as_little_as_its_own_tokens_need():
     assert cm.recompute_per_rank(LLAMA7B, tokens, gpus, 3, mode="selective") is None
     fixed = ballonet.model("llama-7b", recompute="selective")
     assert cm.recomputation_per_rank(fixed, tokens[:2], gpus[:2], 3) == ("selective", (("selective", 32),) * 2)
+
+
+@pytest.mark.parametrize("name", sorted(specs.MODELS))
+def test_each_recomputation_mode_frees_memory_dearer_than_the_one_below(name):
+    """What makes the bound's recomputation a bound (`batch_recomputation`): per byte a
+    layer frees, linear recomputation reruns more FLOPs than selective, and selective more
+    than none, so the least any plan of mixed ranks recomputes climbs the modes in order."""
+    m = ballonet.model(name)
+    freed = {mode: cm.activation_bytes_per_token(m, cm.BELOW[mode]) - cm.activation_bytes_per_token(m, mode)
+             for mode in ("selective", "linear")}
+    flops = {mode: cm.recompute_flops_per_token(m, mode) - cm.recompute_flops_per_token(m, cm.BELOW[mode])
+             for mode in ("selective", "linear")}
+    assert all(freed[x] > 0 and flops[x] > 0 for x in freed)
+    assert flops["selective"] / freed["selective"] < flops["linear"] / freed["linear"]
 
 
 def test_the_batch_bound_assumes_the_fewest_layers_the_cluster_needs():
