@@ -515,3 +515,34 @@ def test_crossing_hops_are_priced_routed_over_the_nodes_rails():
     # (1.3% faster: priced over one NIC, the plan recomputes the linear layers of 15 layers for
     # the caps that even its nodes out; under "selective" alone it was 9% slower)
     assert step < 0.99 * ballonet.simulate(one_nic, cluster, MODEL).step_time_s
+
+
+def test_the_estimate_sees_ranks_taking_turns_at_the_slowest_phase():
+    """Layers meet in the forward and again in the backward, so a rank heavy on attention
+    (backward 2.5x its forward) and one heavy on linear work take turns at the slowest:
+    the step is the slowest forward plus the slowest backward. The estimate
+    (`synchronous_step_seconds`) prices that as the simulator does (here 1.6-1.7% over
+    the busiest rank, both), and adds nothing where the ranks are alike."""
+    c = h200(num_nodes=1, gpus=2, nics=2)
+    spec = dataclasses.replace(MODEL, recompute="full")
+    dev, bw = devices(c, spec), np.full(2, c.groups[0].gpu_type.intra_link_bw)
+
+    def hand(local):
+        docs = [(r, n) for r, lengths in enumerate(local) for n in lengths]
+        attention = tuple(tuple(Segment(d, 0, n) for d, (q, n) in enumerate(docs) if q == r) for r in range(2))
+        return ballonet.Plan(planner="hand", lengths=tuple(n for _, n in docs), node_of_rank=(0, 0),
+                             nic_of_rank=(0, 1), attention=attention).validate()
+
+    def ratios(plan):
+        kernels = pricing.attention_kernels(plan, dev, spec)
+        attention, linear = pricing.rank_compute_seconds(plan, dev, spec, "full", split=True, kernels=kernels)
+        seconds = pricing.rank_step_seconds(plan, dev, spec, bw, (attention, linear))
+        estimate = pricing.synchronous_step_seconds(plan, dev, spec, kernels, seconds, attention + linear)
+        sim = ballonet.simulate(plan, c, spec)
+        busiest = max(x + y for x, y in zip(sim.compute_s, sim.exposed_comm_s))
+        return estimate / seconds.max(), sim.step_time_s / busiest
+
+    estimate, simulated = ratios(hand([[16384], [512] * 52]))
+    assert estimate > 1.01 and simulated > 1.01 and estimate == pytest.approx(simulated, abs=0.005)
+    estimate, simulated = ratios(hand([[8192, 8192], [8192, 8192]]))
+    assert estimate == pytest.approx(1.0, abs=1e-12) and simulated == pytest.approx(1.0, abs=1e-9)

@@ -37,7 +37,7 @@ from ballonet.specs import ModelSpec
 __all__ = ["StepWeights", "attention_kernels", "crossing_exposed_seconds", "crossing_seconds", "double_exposed_seconds",
            "inter_node_span", "linear_work_per_token", "rank_compute_seconds", "rank_remap_seconds",
            "rank_step_seconds", "rank_tp_seconds", "recompute_modes", "remaps_inside", "ring_exposed_seconds",
-           "step_weights"]
+           "step_weights", "synchronous_step_seconds"]
 
 
 def recompute_modes(model: ModelSpec) -> tuple[str, ...]:
@@ -267,6 +267,27 @@ def rank_step_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw: np.nd
         ready[dst] = max(ready[dst], start[src])
         ready[src] = max(ready[src], start[dst])  # and the same meeting on the way back
     return ready + linear + rank_remap_seconds(plan, model, link_bw) + rank_tp_seconds(plan, dev, model, link_bw)
+
+
+def synchronous_step_seconds(plan: Plan, dev: Devices, model: ModelSpec, kernels, seconds: np.ndarray,
+                             compute: np.ndarray) -> float:
+    """A step's seconds when each layer's forward and each layer's backward end with the
+    slowest rank's (the remap and ring exchanges meet in both, as the simulator runs
+    them): the busiest rank's forward plus the busiest rank's backward, where ranks heavy
+    on attention (whose backward is 2.5x its forward) and on linear work (2x) take turns.
+    A rank's forward is its attention kernels' and linear layers' forward plus half of
+    what its estimated `seconds` add to its `compute` (remap, tensor-parallel
+    collectives, exposed transfers, waits); its backward the rest. `kernels`: the plan's
+    `attention_kernels`."""
+    rank, fwd, _ = kernels
+    forward = model.num_layers * np.bincount(rank, weights=fwd, minlength=plan.num_ranks).astype(float)
+    tokens, names = np.asarray(plan.linear_token_counts, dtype=float), np.array([g.name for g in dev.gpu])
+    for gpu in {g.name: g for g in dev.gpu}.values():
+        on = names == gpu.name
+        forward[on] += model.num_layers * cost_model.linear_layer_seconds(model, gpu, tokens[on], "none",
+                                                                          framework=False)[0]
+    forward += (seconds - compute) / 2
+    return float(forward.max() + (seconds - forward).max())
 
 
 def crossing_exposed_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw: np.ndarray, nic_bw: np.ndarray,

@@ -50,7 +50,9 @@ costlier mode could still win (its mean rank, and its level 1's busiest node, ar
 already slower than the best plan), steps 2-4 first with every rank keeping its tokens
 (no remap; ranks balanced on attention plus linear work) and then with the remap, from
 the same level 1, unless the first is already as level as its nodes allow; the plan
-whose busiest rank has the shortest estimated step is kept (`pricing.rank_step_seconds`).
+with the shortest estimated step is kept: its busiest rank's (`pricing.rank_step_seconds`)
+or, when longer, its slowest forward plus its slowest backward
+(`pricing.synchronous_step_seconds`).
 When the recomputation is left to the partitioner, in a selective or linear plan each
 rank recomputes as little as its own tokens need (`cost_model.recompute_per_rank`) and
 is estimated so; it is made as the mode on every layer prices it, and a selective plan
@@ -90,6 +92,7 @@ from ballonet.planning.pricing import (
     remaps_inside,
     ring_exposed_seconds,
     step_weights,
+    synchronous_step_seconds,
 )
 from ballonet.planning.refinement import refine, split_work, water_level
 from ballonet.planning.remap import linear_targets, node_linear_targets, plan_remap
@@ -466,8 +469,8 @@ def _candidates(lengths, cluster, model, crossovers, options, fallback: bool, be
             "keep_tokens": False, "fallback": False}
 
     def build(placement: Placement, facts: dict, keep: bool, double: bool = options["double"]) -> tuple:
-        """(plan, its estimated step, `_caps_bind`, its `attention_kernels`, its busiest
-        node's mean compute seconds)."""
+        """(plan, its estimated step, `_caps_bind`, its `attention_kernels`, whether its
+        busiest rank is within `KEEP_MARGIN` of its busiest node's mean compute)."""
         plan = _finish(lengths, dev, placement, {**meta, **facts, "keep_tokens": keep},
                        remap=options["remap"] and not keep, node_remap=options["price_linear"],
                        double=double)
@@ -491,16 +494,18 @@ def _candidates(lengths, cluster, model, crossovers, options, fallback: bool, be
         # The busiest node's mean compute, plus what its rings across nodes expose (no
         # remap of the same nodes takes that off): `KEEP_MARGIN`'s floor.
         node = max((attention[rs] + linear[rs] + exposed[rs]).mean() for rs in dev.nodes())
-        return plan, float(seconds.max()), _caps_bind(plan, dev, seconds), kernels, node
+        busiest = float(seconds.max())
+        step = max(busiest, synchronous_step_seconds(plan, dev, priced, kernels, seconds, attention + linear))
+        return plan, step, _caps_bind(plan, dev, seconds), kernels, busiest <= (1 + KEEP_MARGIN) * node
 
     def from_nodes(shared: _Nodes, double: bool = options["double"]) -> list[tuple]:
         out = []
         if options["price_linear"] and options["remap"]:
             try:
-                kept, seconds, binds, kernels, node = build(*_place(shared, keep_tokens=True), keep=True,
-                                                            double=double)
+                kept, seconds, binds, kernels, level = build(*_place(shared, keep_tokens=True), keep=True,
+                                                             double=double)
                 out = [(kept, seconds, binds, kernels)]
-                if seconds <= (1 + KEEP_MARGIN) * node:
+                if level:
                     return out
             except (NoRoom, InfeasiblePlan):
                 pass
