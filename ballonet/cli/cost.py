@@ -47,7 +47,8 @@ def cmd_cost(args) -> int:
         print(json.dumps(report, indent=2))
         return 0
     att_share = cost.attention_time_s / (cost.attention_time_s + cost.linear_time_s)
-    layers = f", {cost.recompute_layers} of {model.num_layers} layers" if cost.recompute in ("selective", "linear") else ""
+    partial = cost.recompute in cost_model.BELOW
+    layers = f", {cost.recompute_layers} of {model.num_layers} layers" if partial else ""
     rows = [
         ["attention FLOPs (fwd, per layer)", f"{cost.attention_flops_fwd:.3e}"],
         ["linear FLOPs (fwd, per layer)", f"{cost.linear_flops_fwd:.3e}"],

@@ -101,7 +101,8 @@ def rank_step_compute_seconds(plan: Plan, cluster: ClusterSpec, model: ModelSpec
     under the recomputation the plan was made for, or the cheapest its tokens fit under
     (`cost_model.recomputation_per_rank`)."""
     mode, layers = plan.meta.get("recompute"), plan.meta.get("recompute_layers")
-    tokens = (plan.linear_token_counts, rank_hardware(cluster, model.tp).gpu, plan.num_ranks, plan.attention_token_counts)
+    gpus = rank_hardware(cluster, model.tp).gpu
+    tokens = (plan.linear_token_counts, gpus, plan.num_ranks, plan.attention_token_counts)
     if not mode:
         mode, layers = cost_model.recomputation_per_rank(model, *tokens) or ("full", None)
     elif mode in cost_model.BELOW and model.recompute is None:  # each rank as little as its tokens need

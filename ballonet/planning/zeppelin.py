@@ -253,6 +253,18 @@ def _node_work(batch: Batch, nodes, weights: StepWeights | None) -> np.ndarray:
 
 
 @dataclass(frozen=True)
+class _Candidate:
+    """A plan one recomputation mode made (`_candidates`)."""
+    plan: Plan
+    seconds: float
+    """Its estimated step."""
+    binds: bool
+    """Whether caps bind where that step is set (`_caps_bind`)."""
+    kernels: tuple
+    """Its `pricing.attention_kernels`."""
+
+
+@dataclass(frozen=True)
 class _Nodes:
     """Steps 0-1 of a batch under one recomputation's memory caps: what the remap and the
     keep-tokens plans share (neither reads `Batch.linear_on_rank`)."""
@@ -403,12 +415,12 @@ def zeppelin(lengths, cluster: ClusterSpec, model: ModelSpec, *, routing: bool =
             continue
         if not plans:
             break  # its level 1 already leaves a node slower than the best plan (costlier modes too)
-        for candidate, seconds, binds, _ in plans:
-            compared.append({"recompute": candidate.meta["recompute"], "keep_tokens": candidate.meta["keep_tokens"],
-                             "recompute_layers": candidate.meta["recompute_layers"], "estimated_step_s": seconds})
-            if seconds < best_s:
-                best, best_s, best_binds = (candidate, dev, spec), seconds, binds
-        plan, kernels = plans[0][0], plans[0][3]
+        for c in plans:
+            compared.append({"recompute": c.plan.meta["recompute"], "keep_tokens": c.plan.meta["keep_tokens"],
+                             "recompute_layers": c.plan.meta["recompute_layers"], "estimated_step_s": c.seconds})
+            if c.seconds < best_s:
+                best, best_s, best_binds = (c.plan, dev, spec), c.seconds, c.binds
+        first = plans[0]
         if i + 1 < len(modes):
             # Selective recomputation on as few layers as a plan needs costs little more than
             # none: where caps bind in the node that sets the step, its looser caps may pay.
@@ -416,9 +428,9 @@ def zeppelin(lengths, cluster: ClusterSpec, model: ModelSpec, *, routing: bool =
             # bench/paper.py: 10 of 72 batches changed, by -1.5% to +1.0%, at 1.7x the time.)
             looser = trim and modes[i + 1] == "selective" and best_binds
             # A costlier mode's compute of this plan spread over the ranks by speed (on every
-            # layer) is already slower than the best plan's busiest rank:
-            if not looser and np.average(rank_compute_seconds(plan, dev, spec, modes[i + 1], kernels=kernels),
-                                         weights=dev.speed) >= best_s:
+            # layer) is already slower than the best plan's estimate:
+            if not looser and np.average(rank_compute_seconds(first.plan, dev, spec, modes[i + 1],
+                                                              kernels=first.kernels), weights=dev.speed) >= best_s:
                 break
     if best is None:
         raise error
@@ -449,9 +461,8 @@ def _step_seconds(plan: Plan, dev: Devices, model: ModelSpec, crossovers, comput
 
 
 def _candidates(lengths, cluster, model, crossovers, options, fallback: bool, beat: float = np.inf,
-                trim: bool = False) -> tuple[list[tuple], Devices]:
-    """The plans of one recomputation as (plan, its estimated step seconds, whether caps
-    bind where that step is set (`_caps_bind`), its `attention_kernels`), under the memory
+                trim: bool = False) -> tuple[list[_Candidate], Devices]:
+    """The plans of one recomputation (`_Candidate`), under the memory
     caps of `model.recompute`, from one level 1: every rank keeping its tokens (attention
     plus linear work balanced per rank; when pricing may prefer it), then remapping tokens
     inside nodes, unless the keep-tokens plan's busiest rank is already within
@@ -468,9 +479,10 @@ def _candidates(lengths, cluster, model, crossovers, options, fallback: bool, be
             "recompute": model.recompute, "recompute_layers": cost_model.recompute_layer_count(model),
             "keep_tokens": False, "fallback": False}
 
-    def build(placement: Placement, facts: dict, keep: bool, double: bool = options["double"]) -> tuple:
-        """(plan, its estimated step, `_caps_bind`, its `attention_kernels`, whether its
-        busiest rank is within `KEEP_MARGIN` of its busiest node's mean compute)."""
+    def build(placement: Placement, facts: dict, keep: bool,
+              double: bool = options["double"]) -> tuple[_Candidate, bool]:
+        """(the plan as a candidate, whether its busiest rank is within `KEEP_MARGIN` of its
+        busiest node's mean compute)."""
         plan = _finish(lengths, dev, placement, {**meta, **facts, "keep_tokens": keep},
                        remap=options["remap"] and not keep, node_remap=options["price_linear"],
                        double=double)
@@ -496,43 +508,42 @@ def _candidates(lengths, cluster, model, crossovers, options, fallback: bool, be
         node = max((attention[rs] + linear[rs] + exposed[rs]).mean() for rs in dev.nodes())
         busiest = float(seconds.max())
         step = max(busiest, synchronous_step_seconds(plan, dev, priced, kernels, seconds, attention + linear))
-        return plan, step, _caps_bind(plan, dev, seconds), kernels, busiest <= (1 + KEEP_MARGIN) * node
+        return _Candidate(plan, step, _caps_bind(plan, dev, seconds), kernels), busiest <= (1 + KEEP_MARGIN) * node
 
-    def from_nodes(shared: _Nodes, double: bool = options["double"]) -> list[tuple]:
+    def from_nodes(shared: _Nodes, double: bool = options["double"]) -> list[_Candidate]:
         out = []
         if options["price_linear"] and options["remap"]:
             try:
-                kept, seconds, binds, kernels, level = build(*_place(shared, keep_tokens=True), keep=True,
-                                                             double=double)
-                out = [(kept, seconds, binds, kernels)]
+                kept, level = build(*_place(shared, keep_tokens=True), keep=True, double=double)
+                out = [kept]
                 if level:
                     return out
             except (NoRoom, InfeasiblePlan):
                 pass
         try:
-            out.append(build(*_place(shared, keep_tokens=False), keep=False, double=double)[:4])
+            out.append(build(*_place(shared, keep_tokens=False), keep=False, double=double)[0])
         except (NoRoom, InfeasiblePlan):
             if not out:
                 raise
         return out
 
-    plans: list[tuple] = []
+    plans: list[_Candidate] = []
     try:
         shared = _nodes(lengths, dev, crossovers, options, model)
         if shared.node_seconds > (1 + NODE_PRUNE_MARGIN) * beat:
             return [], dev
         plans = from_nodes(shared)
-        if any(r.comm == "double" for p, *_ in plans for r in p.rings):
+        if any(r.comm == "double" for c in plans for r in c.plan.rings):
             # Priced for "double" rings across nodes: the plan of single rings through them too.
             single = _nodes(lengths, dev, crossovers, {**options, "double": False}, model)
-            if single.node_seconds <= (1 + NODE_PRUNE_MARGIN) * min([beat] + [s for _, s, *_ in plans]):
+            if single.node_seconds <= (1 + NODE_PRUNE_MARGIN) * min([beat] + [c.seconds for c in plans]):
                 plans += from_nodes(single, double=False)
     except (NoRoom, InfeasiblePlan):
         if plans:
             return plans, dev
         if not fallback:
             raise
-        return [build(_fallback(lengths, dev), {"fallback": True}, keep=False)[:4]], dev
+        return [build(_fallback(lengths, dev), {"fallback": True}, keep=False)[0]], dev
     return plans, dev
 
 

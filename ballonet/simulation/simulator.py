@@ -216,7 +216,8 @@ def simulate(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, routing: boo
         tokens[dst] += n
     mode, per_rank = cost_model.recomputation_per_rank(model, tokens, fabric.gpu, R, att_tokens) \
         or ("full", (("full", model.num_layers),) * R)
-    linear_s = [cost_model.linear_layer_seconds(model, fabric.gpu[r], tokens[r], m) for r, (m, _) in enumerate(per_rank)]
+    linear_s = [cost_model.linear_layer_seconds(model, fabric.gpu[r], tokens[r], m)
+                for r, (m, _) in enumerate(per_rank)]
     tp_s = [0.0] * R
     if model.tp > 1:
         for r in range(R):

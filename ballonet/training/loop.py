@@ -82,8 +82,9 @@ def preflight(config: TrainConfig, world_size: int):
     cluster = _cluster(config, world_size)
     spec = hf_model.model_spec(config.model) if hf_model.is_hf(config.model) else ballonet.model(config.model)
     if config.recompute not in hf_model.RECOMPUTE and hf_model.is_hf(config.model):
+        choices = ", ".join(hf_model.RECOMPUTE)
         raise InputError(f"--recompute {config.recompute}: not for a Hugging Face model ({config.model}), whose "
-                         f"modules are checkpointed whole when it is built (--recompute {', '.join(hf_model.RECOMPUTE)})")
+                         f"modules are checkpointed whole when it is built (--recompute {choices})")
     if config.recompute_layers is not None and config.recompute_layers > spec.num_layers:
         raise InputError(f"--recompute-layers {config.recompute_layers}: model {spec.name!r} has "
                          f"{spec.num_layers} layers")
