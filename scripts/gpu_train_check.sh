@@ -3,8 +3,9 @@
 #   1. the CUDA kernel seam (aten flash-attention varlen, bf16) forward and backward
 #      against the fp32 reference (tests/test_kernels.py runs the "cuda" backend when a
 #      GPU is present);
-#   2. one-rank bf16 training of a ~1B llama-shaped model (llama3-1b) with FSDP2 and full
-#      recomputation, printing tokens/s and MFU per step;
+#   2. one-rank bf16 training of a ~1B llama-shaped model (llama3-1b) with FSDP2, under full
+#      and under linear recomputation (whose peak memory checks the cost model's count),
+#      printing tokens/s and MFU per step;
 # and appends the figures, with the date, to bench/results/gpu.md.
 #
 #   bash scripts/gpu_train_check.sh      # from the repository root, python on PATH
@@ -12,14 +13,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-LOG=$(mktemp -d)/train.jsonl
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 
 echo "== 1/2 kernels: cuda against the fp32 reference"
 $PY -m pytest -q -x tests/test_kernels.py 2>&1 | tail -3
 
-echo "== 2/2 llama3-1b, 1 rank, FSDP2, bf16, --recompute full"
-CMD=(-m ballonet train --model llama3-1b --cluster h200-8nic --nodes 1 --dtype bf16 --recompute full
+for MODE in full linear; do
+echo "== 2/2 llama3-1b, 1 rank, FSDP2, bf16, --recompute $MODE"
+LOG=$(mktemp -d)/train.jsonl
+CMD=(-m ballonet train --model llama3-1b --cluster h200-8nic --nodes 1 --dtype bf16 --recompute "$MODE"
      --steps 6 --global-tokens 16384 --max-doc-tokens 4096 --json-log "$LOG")
 $PY "${CMD[@]}"
 
@@ -39,3 +41,4 @@ with open("bench/results/gpu.md", "a") as f:
     f.write("\n".join(lines))
 print("\n".join(lines))
 PY
+done

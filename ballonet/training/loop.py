@@ -356,7 +356,9 @@ def _log(config: TrainConfig, record: dict, writer) -> None:
     step = record["step"]
     if step % config.log_every == 0 or step == config.steps:
         balance = record["compute_s_max"] / max(record["compute_s_mean"], 1e-9)
+        recompute = (f"  recompute {record['recompute']} (at most {record['recompute_layers_max']} layers)"
+                     if "recompute" in record else "")  # --recompute auto
         print(f"step {step:4d}  loss {record['loss']:.4f}  tok/s {record['tokens_per_s']:8.0f}  "
               f"MFU {record['mfu']:6.2%}  plan {record['plan_ms']:6.1f} ms  compute max/mean {balance:.2f}  "
               f"exposed comm {record['exposed_comm_s_max']:.3f} s  mem {record['memory_peak_bytes_max'] / 2**20:.0f} MiB  "
-              f"bytes {record['bytes_sent']}", flush=True)
+              f"bytes {record['bytes_sent']}{recompute}", flush=True)
