@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ballonet import runtime
+from ballonet import cost_model, runtime
 from ballonet.plan import Plan
 from ballonet.runtime.layout import position_ids
 from ballonet.runtime.remapping import remap
@@ -171,9 +171,8 @@ class Transformer(nn.Module):
         if recompute not in typing.get_args(Recompute):
             raise ValueError(f"recompute must be one of {typing.get_args(Recompute)}, got {recompute!r}")
         first = len(self.layers) if layers is None else layers
-        below = {"selective": "none", "linear": "selective"}  # what the layers after the first ones do
         for i, block in enumerate(self.layers):
-            block.recompute = below[recompute] if recompute in below and i >= first else recompute
+            block.recompute = cost_model.BELOW[recompute] if recompute in cost_model.BELOW and i >= first else recompute
 
     @torch.no_grad()
     def reset_parameters(self, seed: int) -> None:
@@ -231,5 +230,6 @@ def _check_plan_first(plan: Plan, rank: int, group, device) -> None:
 def build_model(config: TrainConfig, spec: ModelSpec, device: torch.device) -> Transformer:
     """The model a training run trains: the loop's one place to build it (weights from
     `config.seed`, the same on every rank), before sharding."""
-    recompute = "none" if config.recompute == "auto" else config.recompute  # auto: set each step (`loop._step`)
+    # --recompute auto starts with none; `loop._auto_recompute` sets it each step.
+    recompute = "none" if config.recompute == "auto" else config.recompute
     return Transformer(spec, seed=config.seed, recompute=recompute).to(device)
