@@ -131,13 +131,13 @@ def ablation(nodes: int, workload: str, steps: int) -> dict:
 
 
 PRICING = {  # ablation of what the partitioner prices: name -> zeppelin options
-    "attention only (remap across the cluster, recomputation of the model)": {"price_linear": False,
-                                                                              "price_recompute": False},
+    "attention only (remap across the cluster, recomputation of the model)": {
+        "price_linear": False, "price_recompute": False, "double": False},
     "+ linear work (nodes balanced on attention + linear, remap inside nodes, inter-node when it pays)":
-        {"price_recompute": False},
-    "+ recomputation (plans for each mode that fits, keeps the best)": {},
-    "+ double rings (opt-in `double=True`: an inter-node ring runs in each node with rounds between rail "
-    "peers, priced as such, every document over a node's share priced)": {"double": True},
+        {"price_recompute": False, "double": False},
+    "+ recomputation (plans for each mode that fits, keeps the best)": {"double": False},
+    "+ double rings (the default: where pricing a ring across nodes as a ring in each node with rounds "
+    "between rail peers sends more documents across nodes, those plans compared too)": {},
 }
 
 
@@ -328,7 +328,7 @@ def targets(data: dict) -> list[tuple[str, bool, str, str]]:
                 f"{mean_best:.2f}x", f"short by {1.2 / mean_best:.2f}x: " + _why_best(g)))
     bound = [c["results"]["zeppelin"]["ratio_to_lower_bound"] for c in g]
     far = [c for c in g if c["results"]["zeppelin"]["ratio_to_lower_bound"] > BOUND_TARGET]
-    dbl = next((r for r in data["pricing"] if r["options"].get("double")), None)
+    single = next((r for r in data["pricing"] if r["options"] == {"double": False}), None)
     w = data["worst"]
     out.append(("zeppelin's step within 1.15x of the batch lower bound on every main-grid configuration", not far,
                 f"{len(g) - len(far)} of {len(g)} within; worst {max(bound):.2f}x ({w['cluster']} {w['model']} "
@@ -343,22 +343,22 @@ def targets(data: dict) -> list[tuple[str, bool, str, str]]:
                 "blocks shorter than whole documents, ranks waiting on a ring's slowest member, and the remap "
                 "and ring transfers compute does not hide. Over 1.15x: " + ", ".join(
                     f"{c['cluster']} {c['model']} {c['workload']} {c['results']['zeppelin']['ratio_to_lower_bound']:.3f}x"
-                    for c in far) + ". " + _why_full(data) + "In the wlbllm and shortmix ones, documents of 44-64K "
+                    for c in far) + ". " + _why_full(data) + f"In {_workloads(far)}, documents of 44-64K "
                 "tokens carry more than a node's share of the step while the other nodes fill their memory caps, "
-                "so the ranks holding such a document must hold other tokens too; a ring across nodes would even "
-                "the compute, but its blocks (4K tokens over 16 ranks for 64K) are too short for their attention "
-                "to hide the K/V of these 32-KV-head models, even over NVLink, and the crossing hops add to "
-                "it: it exposes as much as it saves or more (`pricing.inter_node_span`), so they stay in one node or "
-                "the plan recomputes for looser caps" + (
+                "so the ranks holding such a document must hold other tokens too; a single ring across nodes "
+                "would even the compute, but its blocks (4K tokens over 16 ranks for 64K) are too short for their "
+                "attention to hide the K/V of these 32-KV-head models, even over NVLink, and the crossing hops add "
+                "to it (`pricing.inter_node_span`). A double ring (a ring inside each node, one NIC transfer a "
+                "round) hides more; the partitioner plans one where that pricing sends the document across nodes, "
+                "and keeps it where it estimates shorter, else the document stays in one node or the plan "
+                "recomputes for looser caps" + (
                     "; on prolong (documents up to 29K) the smallest model on the fastest GPUs leaves a few "
                     "percent each of compute imbalance and exposed communication"
                     if any(c["workload"] == "prolong" for c in far) else "") + "." + _why_memory(data) + (
-                    f" With double rings across nodes (opt-in `double=True`, last row of the pricing ablation): "
-                    f"{dbl['within_bound']} of {dbl['configurations']} within, worst {dbl['worst_to_bound']:.2f}x, "
-                    f"mean over the best baseline {dbl['mean_over_best']:.2f}x; not the default because planning "
-                    "then builds a second level 1 (single rings) to compare (2.2-2.7x the planning time "
-                    "on the wlbllm batches of `bench/planner.py`), and the double ring leaves the last round's dK/dV "
-                    "sum crossing a NIC after the compute (docs/design.md, section 4)." if dbl else "")))
+                    f" Without double rings (`double=False`, third row of the pricing ablation): "
+                    f"{single['within_bound']} of {single['configurations']} within, worst "
+                    f"{single['worst_to_bound']:.2f}x, mean over the best baseline {single['mean_over_best']:.2f}x."
+                    if single else "")))
     by_cluster = {cl: _mean(speedup(c) for c in g if c["cluster"] == cl) for cl in CLUSTERS}
     te_by_cluster = {cl: _mean(c["results"]["te_cp"]["exposed_comm_share"] for c in g if c["cluster"] == cl)
                      for cl in CLUSTERS}
@@ -425,13 +425,23 @@ def _why_full(data: dict) -> str:
         "freely). ")
 
 
+def _workloads(configs: list[dict]) -> str:
+    """'the wlbllm and shortmix ones' of the configurations over the bound target."""
+    names = sorted({c["workload"] for c in configs if c["workload"] != "prolong"})
+    if len(configs) == 1:
+        return "it"
+    return "the " + " and ".join(names) + (" one" if len(names) == 1 else " ones")
+
+
 def _why_memory(data: dict) -> str:
     rows = data.get("more_memory") or []
     freed = [r for r in rows if r["more_memory_ratio"] <= BOUND_TARGET]
     if not rows:
         return ""
+    which = ("it comes" if len(freed) == 1 else "it does not come") if len(rows) == 1 else (
+        f"{len(freed)} of these {len(rows)} {'comes' if len(freed) == 1 else 'come'}")
     return (f" On GPUs with {MEMORY_HEADROOM}x the memory (same batches, section 'Over the bound target'), "
-            f"{len(freed)} of these {len(rows)} {'comes' if len(freed) == 1 else 'come'} within {BOUND_TARGET}x ("
+            f"{which} within {BOUND_TARGET}x ("
             + ", ".join(
                 f"{r['cluster']} {r['model']} {r['workload']} {r['more_memory_ratio']:.3f}x" for r in freed)
             + "): there the batch nearly fills memory, so the plan recomputes more than the bound assumes (each "

@@ -11,7 +11,8 @@ cluster's memory (a800-4nic, 4 nodes, llama-7b, real wlbllm lengths; issue 14) i
 attention imbalance should be at most 1.05.
 Speed: zeppelin's planning time (`plan_batch`, validation included) on one core (CPU
 time, median of 7 runs): <= 20 ms for 128 GPUs, <= 200 ms for 1024 GPUs; and how it grows with GPUs
-and with documents. Figures come from `ballonet.planning.metrics` (forward, per layer).
+and with documents, and what the double-ring pass costs where it runs (`DOUBLE_CASE`).
+Figures come from `ballonet.planning.metrics` (forward, per layer).
 With `--against REV`, the planning time of git revision REV is measured too, side by side
 (alternating fresh processes), and the ratio reported: on a shared machine it is steadier
 than either figure. Writes bench/results/planner.md and planner.json.
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import platform
@@ -125,6 +127,34 @@ def speed(gpu_counts: list[int]) -> tuple[list[dict], list[dict]]:
     return by_gpus, by_docs
 
 
+DOUBLE_CASE = ("h800-8nic", "llama-3b")
+"""Where zeppelin's double-ring pass runs (its pricing sends more documents across nodes
+than single rings' on these wlbllm batches), unlike on `CLUSTER` and `MODEL`."""
+
+
+def double_cost(gpu_counts: list[int]) -> list[dict]:
+    """Planning time (CPU ms, median of 7) and simulated step with single rings only
+    (`double=False`) and by default, on `DOUBLE_CASE`."""
+    cluster_name, model_name = DOUBLE_CASE
+    model = specs.model(model_name)
+    rows = []
+    for gpus in gpu_counts:
+        cluster = specs.cluster(cluster_name, num_nodes=gpus // 8)
+        lengths = workloads.get("wlbllm").sample_batch(TOKENS_PER_GPU * gpus, 0)
+        row = {"gpus": gpus, "documents": len(lengths)}
+        for key, double in (("single", False), ("default", True)):
+            plan_batch(lengths, cluster, model, double=double)
+            plan, _, cpu_ms, _ = _timed(functools.partial(plan_batch, lengths, cluster, model, double=double), 7,
+                                        cpu=True)
+            row[key] = {"plan_cpu_ms": cpu_ms, "double_rings": sum(r.comm == "double" for r in plan.rings),
+                        "candidates": len(plan.meta["candidates"]),
+                        "step_s": simulate(plan, cluster, model).step_time_s}
+        rows.append(row)
+        print(f"double {gpus}: {row['single']['plan_cpu_ms']:.1f} -> {row['default']['plan_cpu_ms']:.1f} ms",
+              file=sys.stderr)
+    return rows
+
+
 _TIMER = """
 import json, statistics, sys, time
 from ballonet import plan_batch, specs, workloads
@@ -189,7 +219,7 @@ def _fmt(x: float) -> str:
     return f"{x:.3f}"
 
 
-def write(rows, by_gpus, by_docs, full, command: str, seconds: float, against: dict | None = None) -> None:
+def write(rows, by_gpus, by_docs, full, double, command: str, seconds: float, against: dict | None = None) -> None:
     zep = [r for r in rows if r["planner"] == "zeppelin"]
     lines = ["# Planner quality and speed", "",
              f"Command: `{command}` ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
@@ -261,6 +291,18 @@ def write(rows, by_gpus, by_docs, full, command: str, seconds: float, against: d
               "| workload | tokens per GPU | documents | wall ms | CPU ms |", "| --- | --- | --- | --- | --- |"]
     lines += [f"| {r['workload']} | {r['tokens_per_gpu']} | {r['documents']} | {r['plan_ms']:.1f} | "
               f"{r['plan_cpu_ms']:.1f} |" for r in by_docs]
+    cl, mdl = DOUBLE_CASE
+    lines += ["", f"## Where double rings are planned ({cl}, {mdl}, wlbllm, 16K tokens per GPU)", "",
+              "On these batches pricing a ring across nodes as a double ring sends more documents across nodes "
+              "than single rings do, so zeppelin plans those modes again (`zeppelin._doubled`); on the batches "
+              "above it does not, and plans only once. CPU ms, median of 7; step simulated.", "",
+              "| GPUs | documents | single rings only: CPU ms | default: CPU ms | ratio | double rings in the plan "
+              "| candidate plans | step, single rings only (s) | step, default (s) |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['gpus']} | {r['documents']} | {r['single']['plan_cpu_ms']:.1f} | "
+              f"{r['default']['plan_cpu_ms']:.1f} | {r['default']['plan_cpu_ms'] / r['single']['plan_cpu_ms']:.2f}x | "
+              f"{r['default']['double_rings']} | {r['single']['candidates']} -> {r['default']['candidates']} | "
+              f"{r['single']['step_s']:.3f} | {r['default']['step_s']:.3f} |" for r in double]
     if against:
         lines += ["", f"## Side by side with revision {against['rev']} (CPU ms, {against['rounds']} alternating "
                   "fresh processes each, median of 7 plans per process)", "",
@@ -277,7 +319,7 @@ def write(rows, by_gpus, by_docs, full, command: str, seconds: float, against: d
         f.write("\n".join(lines))
     with open(os.path.join(out, "planner.json"), "w") as f:
         json.dump({"command": command, "quality": rows, "full_memory": full, "speed_by_gpus": by_gpus,
-                   "speed_by_documents": by_docs, "side_by_side": against}, f, indent=1)
+                   "speed_by_documents": by_docs, "double_rings": double, "side_by_side": against}, f, indent=1)
 
 
 def main() -> None:
@@ -303,11 +345,12 @@ def main() -> None:
         rows = quality(gpus)
     full = full_memory()
     by_gpus, by_docs = speed([32, 128] if args.quick else [32, 64, 128, 256, 512, 1024])
+    double = double_cost([32, 128] if args.quick else [128, 1024])
     against = side_by_side(args.against) if args.against else None
     command = ("OMP_NUM_THREADS=1 python bench/planner.py" + (" --quick" if args.quick else "")
                + (f" --against {args.against}" if args.against else "")
                + (" --speed-only (quality rows from the previous full run)" if args.speed_only else ""))
-    write(rows, by_gpus, by_docs, full, command, time.time() - start, against)
+    write(rows, by_gpus, by_docs, full, double, command, time.time() - start, against)
 
 
 if __name__ == "__main__":

@@ -424,21 +424,39 @@ def test_refinement_cuts_a_ring_of_one_block_among_slivers_to_two_members():
     assert len(shares) == 2 and 3 in shares and sum(shares.values()) == 16000, shares
 
 
-def test_double_rings_carry_a_document_over_a_node_share():
+def test_double_rings_carry_a_document_over_a_node_share(tmp_path, capsys):
     # 32 H800s (wlbllm): the 64K document carries more than a node's share of the step, but
-    # a single ring through two nodes would expose its crossing hops, so without `double`
-    # it stays in one node. With `double`, pricing sends it over two nodes as a "double"
-    # ring (a ring in each node, one NIC transfer a round per rank), which beats that.
+    # a single ring through two nodes would expose its crossing hops, so without double
+    # rings (`double=False`) it stays in one node. By default pricing sends it over two
+    # nodes as a "double" ring (a ring in each node, one NIC transfer a round per rank),
+    # which beats that.
     cluster, model = specs.cluster("h800-8nic", num_nodes=4), specs.model("llama-3b")
-    lengths = next(iter(workloads.get("wlbllm").batches(16384 * 32, 0, 1, 65536)))
+    lengths, other = workloads.get("wlbllm").batches(16384 * 32, 0, 2, 65536)
     longest = max(range(len(lengths)), key=lambda d: lengths[d])
     single, double = (plan_batch(lengths, cluster, model, double=d) for d in (False, True))
     assert single.ring_of_doc[longest].kind == "intra"
     ring = double.ring_of_doc[longest]
-    assert ring.comm == "double" and ring.groups == 2
+    assert ring.comm == "double" and ring.groups == 2 and double.meta["double"]
     assert len({double.node_of_rank[r] for r in ring.ranks}) == 2
     steps = [ballonet.simulate(p, cluster, model).step_time_s for p in (single, double)]
     assert steps[1] < 0.98 * steps[0]
+    # The next batch (longest document 13K tokens) sends no more documents across nodes
+    # priced for double rings: they are not planned, and the plan is the single rings' one.
+    plans = [plan_batch(other, cluster, model, double=d) for d in (False, True)]
+    assert not any(c["double"] for c in plans[1].meta["candidates"])
+    assert dataclasses.replace(plans[0], meta={}).digest == dataclasses.replace(plans[1], meta={}).digest
+    # `ballonet plan --no-double` switches them off.
+    from ballonet import cli
+    from ballonet.plan import Plan
+
+    batch = tmp_path / "batch.txt"
+    batch.write_text("\n".join(map(str, lengths)))
+    for flags, double_rings in (([], True), (["--no-double"], False)):
+        out = tmp_path / f"plan{len(flags)}.json"
+        assert cli.main(["plan", "--cluster", "h800-8nic", "--nodes", "4", "--model", "llama-3b", "--lengths",
+                         str(batch), "--out", str(out), *flags]) == 0
+        assert any(r.comm == "double" for r in Plan.from_json(out.read_text()).rings) == double_rings
+    capsys.readouterr()
 
 
 def test_zeppelin_recomputes_the_fewest_layers_its_plan_needs():

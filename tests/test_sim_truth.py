@@ -28,15 +28,15 @@ CONFIGS = [
     ("a800-4nic", 2, "llama-7b", [30000, 1000, 200, 9000, 4000, 600, 16000, 2200, 120, 5000] * 2),
     # tensor parallelism on a mixed cluster: the bound's TP collectives on the cheaper group
     ("h800+h20", None, "llama-13b:2", [50000, 3000, 900, 14000, 600, 2500, 8000, 300, 1800, 26000] * 3),
-    # a "double" ring of 2 nodes x 8 ranks (`double=True`)
-    ("h200-8nic", 2, "llama-7b", [60000] + [1000] * 202),
+    # a "double" ring of 2 nodes x 8 ranks (zeppelin's plan; with `double=False`, one intra-node ring)
+    ("h200-8nic", 2, "llama-7b", [48000] + [1000] * 214),
 ]
 
 
 def _planned(cluster_name, nodes, model_name, lengths):
     name, _, tp = model_name.partition(":")
     c, m = ballonet.cluster(cluster_name, num_nodes=nodes), ballonet.model(name, tp=int(tp or 1))
-    for name, options in [(n, {}) for n in PLANNERS] + [("zeppelin double", {"double": True})]:
+    for name, options in [(n, {}) for n in PLANNERS] + [("zeppelin single", {"double": False})]:
         try:
             yield name, c, m, plan_batch(lengths, c, m, name.split()[0], **options)
         except ballonet.InfeasiblePlan:
@@ -71,7 +71,7 @@ def _runtime_bytes(plan, model) -> dict[str, Counter]:
 
 @pytest.mark.parametrize("config", CONFIGS, ids=[c[0] for c in CONFIGS])
 def test_simulator_moves_exactly_the_runtime_bytes_for_every_planner(config):
-    seen = set()
+    seen, comms = set(), set()
     for name, c, m, plan in _planned(*config):
         res = simulate(plan, c, m)
         expected = _runtime_bytes(plan, m)
@@ -79,7 +79,10 @@ def test_simulator_moves_exactly_the_runtime_bytes_for_every_planner(config):
             sim = Counter({k: v for k, v in res.bytes_sent[phase].items() if k[0] != "allreduce"})
             assert sim == expected[phase], (name, phase)
         seen.add(name)
-    assert {"zeppelin", "zeppelin double", "te_cp", "packed_dp", "wlb_llm", "hybrid_dp"} <= seen
+        comms.update(f"{name} {r.comm}" for r in plan.rings)
+    assert {"zeppelin", "zeppelin single", "te_cp", "packed_dp", "wlb_llm", "hybrid_dp"} <= seen
+    if config is CONFIGS[-1]:
+        assert "zeppelin double" in comms and "zeppelin single double" not in comms
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=[c[0] for c in CONFIGS])

@@ -46,6 +46,9 @@ def add_zeppelin_options(p) -> None:
     p.add_argument("--no-remap", action="store_true", help="ablation: zeppelin without the remapping layer")
     p.add_argument("--no-hierarchical", action="store_true",
                    help="ablation: zeppelin without hierarchical classes (split documents span every rank)")
+    p.add_argument("--no-double", action="store_true",
+                   help="zeppelin without double rings across nodes (a ring inside each node, rounds between "
+                        "rail peers): every ring across nodes is one ring through them")
     p.add_argument("--assume-homogeneous", action="store_true",
                    help="zeppelin plans as if every GPU were the cluster's first type (memory caps stay real; "
                         "the simulator still runs the real devices)")
@@ -53,7 +56,7 @@ def add_zeppelin_options(p) -> None:
 
 def zeppelin_options(args) -> dict:
     """The planner options `add_zeppelin_options`'s flags ask for."""
-    options = {k: False for k in ("routing", "remap", "hierarchical") if getattr(args, f"no_{k}")}
+    options = {k: False for k in ("routing", "remap", "hierarchical", "double") if getattr(args, f"no_{k}")}
     if args.assume_homogeneous:
         options["assume_homogeneous"] = True
     return options

@@ -58,8 +58,11 @@ rank recomputes as little as its own tokens need (`cost_model.recompute_per_rank
 is estimated so; it is made as the mode on every layer prices it, and a selective plan
 is made whatever that price when the best plan so far has a rank at its memory cap in the
 node that sets its step (`_caps_bind`): there a few layers' looser caps may pay.
-With `double`, inter-node rings with as many members on each node run as "double" rings
-and are priced so; a candidate holding one is compared with the plan of single rings.
+Then, with `double` (the default), each mode planned is priced once more for "double"
+rings across nodes (a ring inside each node, rounds between rail peers: one NIC transfer
+a round to hide instead of one a step), where that pricing sends a document across nodes
+that single rings keep in one and its level 1 could still beat the best plan; its plans
+run such documents as double rings and join the comparison (`_doubled`).
 A batch the greedy steps cannot fit under memory caps falls back to cutting the batch in
 speed-proportional runs of tokens (valid, not balanced; `meta["fallback"]`).
 Without `hierarchical`, a document that must be split spans every rank (the ablation).
@@ -278,6 +281,13 @@ class _Nodes:
     """The busiest node's step compute as level 1 left it (its attention and linear work
     over its ranks' speed; no communication, no tensor parallelism): about what its
     busiest rank's will be once level 2 evens the node out (0 without hierarchy)."""
+    inter: np.ndarray
+    """[D] the documents step 0 sent across nodes."""
+    weights: StepWeights
+    per_token: float
+    """Linear work per token in level 1 (0 without `price_linear`)."""
+    double: bool
+    """Priced for "double" rings across nodes (`_doubled`)."""
 
 
 KEEP_MARGIN = 0.01
@@ -314,12 +324,35 @@ def _nodes(lengths, dev: Devices, crossovers, options: dict, model: ModelSpec) -
     batch = Batch(lengths=lengths, length_array=np.asarray(lengths, dtype=float), work=work,
                   work_list=work.tolist(), dev=dev, model=model, gpu=gpu, crossovers=crossovers,
                   linear_on_rank=np.zeros(R))
-    intra, inter, span = _classify(batch, nodes, hierarchical, per_token, weights, options["double"],
-                                   options["routing"])
-    level1 = _level1(batch, nodes, intra, inter, span, per_token, weights if price_linear else None,
-                     rank_token) if hierarchical else None
-    return _Nodes(batch=batch, rank_token=rank_token, intra=intra, level1=level1,
-                  node_seconds=_node_seconds(batch, nodes, level1, rank_token, weights) if level1 else 0.0)
+    intra, inter, span = _classify(batch, nodes, hierarchical, per_token, weights, False, options["routing"])
+    return _level1_nodes(batch, weights, per_token, rank_token, (intra, inter, span), options, double=False)
+
+
+def _level1_nodes(batch: Batch, weights: StepWeights, per_token: float, rank_token: np.ndarray, classes,
+                  options: dict, double: bool) -> _Nodes:
+    """`_Nodes` from step 0's classes ((intra, inter, span) of `_classify`)."""
+    nodes = batch.dev.nodes()
+    intra, inter, span = classes
+    level1 = _level1(batch, nodes, intra, inter, span, per_token, weights if options["price_linear"] else None,
+                     rank_token) if options["hierarchical"] else None
+    return _Nodes(batch=batch, rank_token=rank_token, intra=intra, inter=inter, level1=level1,
+                  node_seconds=_node_seconds(batch, nodes, level1, rank_token, weights) if level1 else 0.0,
+                  weights=weights, per_token=per_token, double=double)
+
+
+def _doubled(shared: _Nodes, options: dict) -> _Nodes | None:
+    """Steps 0-1 priced for "double" rings across nodes, when that pricing sends a document
+    across nodes that single rings keep inside one; otherwise None (the same documents
+    cross: planning them as double rings too, as `double` did before 2026-12-02, chose no
+    double ring on any batch of the main grid of `bench/paper.py` or of the wlbllm batches
+    of `bench/planner.py`, at 2.2-2.8x the planning time)."""
+    batch = shared.batch
+    if shared.level1 is None or batch.dev.num_nodes < 2:
+        return None
+    classes = _classify(batch, batch.dev.nodes(), True, shared.per_token, shared.weights, True, options["routing"])
+    if not (classes[1] & ~shared.inter).any():
+        return None
+    return _level1_nodes(batch, shared.weights, shared.per_token, shared.rank_token, classes, options, double=True)
 
 
 def _node_seconds(batch: Batch, nodes, level1: tuple, rank_token: np.ndarray, weights: StepWeights) -> float:
@@ -379,20 +412,21 @@ def _fallback(lengths: list[int], dev: Devices) -> Placement:
 
 def zeppelin(lengths, cluster: ClusterSpec, model: ModelSpec, *, routing: bool = True, remap: bool = True,
              hierarchical: bool = True, assume_homogeneous: bool = False, price_linear: bool = True,
-             price_recompute: bool = True, double: bool = False) -> Plan:
+             price_recompute: bool = True, double: bool = True) -> Plan:
     """The Ballonet planner. `routing`, `remap`, `hierarchical` switch its layers off for
     ablations (without hierarchy a split document spans every rank); `assume_homogeneous`
     plans as if every GPU were the first type (memory caps stay real). `price_linear`
     balances nodes on attention plus linear work, remaps inside nodes only, and keeps
     every rank's tokens instead where that prices shorter (off: attention alone, remap
     across the cluster); `price_recompute` plans for each recomputation the batch fits
-    under and keeps the best (off: the model's, full when unset); `double` runs an
-    inter-node ring with as many members on each of its nodes as a "double" ring (a ring
-    in each node, rounds between rail peers; off: one ring through the nodes, its crossing
-    hops routed) and prices it so (`pricing.double_exposed_seconds`). The plan's meta says
-    what was chosen (`recompute`, `recompute_layers`, `keep_tokens`) and among which plans
-    (`candidates`: the recomputation, its layers, keep_tokens and estimated step seconds of
-    each)."""
+    under and keeps the best (off: the model's, full when unset); `double` also
+    plans, after the search with single rings, the modes where pricing a ring across nodes
+    as a "double" ring (a ring in each node, rounds between rail peers,
+    `pricing.double_exposed_seconds`) sends more documents across nodes (off: every ring
+    across nodes is one ring through the nodes, its crossing hops routed). The plan's meta
+    says what was chosen (`recompute`, `recompute_layers`, `keep_tokens`, `double`) and
+    among which plans (`candidates`: the recomputation, its layers, keep_tokens, double
+    and estimated step seconds of each)."""
     options = {"routing": routing, "remap": remap, "hierarchical": hierarchical, "assume_homogeneous": assume_homogeneous,
                "price_linear": price_linear, "price_recompute": price_recompute, "double": double}
     for key, value in options.items():
@@ -403,23 +437,33 @@ def zeppelin(lengths, cluster: ClusterSpec, model: ModelSpec, *, routing: bool =
     modes = recompute_modes(model) if price_recompute else (cost_model.recompute_mode(model),)
     trim = price_recompute and model.recompute is None  # selective on as few layers as a plan needs
     best, best_s, best_binds, error, compared = None, np.inf, False, None, []
+
+    def compare(plans: list[_Candidate], dev: Devices, spec: ModelSpec) -> None:
+        nonlocal best, best_s, best_binds
+        for c in plans:
+            compared.append({"recompute": c.plan.meta["recompute"], "keep_tokens": c.plan.meta["keep_tokens"],
+                             "recompute_layers": c.plan.meta["recompute_layers"], "estimated_step_s": c.seconds,
+                             "double": c.plan.meta["double"]})
+            if c.seconds < best_s:
+                best, best_s, best_binds = (c.plan, dev, spec), c.seconds, c.binds
+
     looser = False  # the next mode is planned for its looser caps, whatever its cost on every layer
+    planned: list[tuple[ModelSpec, _Nodes]] = []  # each mode's level 1 of single rings, for `double`
     for i, mode in enumerate(modes):
         spec = dataclasses.replace(model, recompute=mode)
+        mode_trim = trim and mode in cost_model.BELOW
         try:
-            plans, dev = _candidates(lengths, cluster, spec, crossovers, options,
-                                     fallback=i == len(modes) - 1 and best is None,
-                                     beat=np.inf if looser else best_s, trim=trim and mode in cost_model.BELOW)
+            plans, dev, shared = _candidates(lengths, cluster, spec, crossovers, options,
+                                             fallback=i == len(modes) - 1 and best is None,
+                                             beat=np.inf if looser else best_s, trim=mode_trim)
         except (NoRoom, InfeasiblePlan) as e:
             error = e
             continue
         if not plans:
             break  # its level 1 already leaves a node slower than the best plan (costlier modes too)
-        for c in plans:
-            compared.append({"recompute": c.plan.meta["recompute"], "keep_tokens": c.plan.meta["keep_tokens"],
-                             "recompute_layers": c.plan.meta["recompute_layers"], "estimated_step_s": c.seconds})
-            if c.seconds < best_s:
-                best, best_s, best_binds = (c.plan, dev, spec), c.seconds, c.binds
+        compare(plans, dev, spec)
+        if shared is not None:
+            planned.append((spec, shared))
         first = plans[0]
         if i + 1 < len(modes):
             # Selective recomputation on as few layers as a plan needs costs little more than
@@ -432,6 +476,13 @@ def zeppelin(lengths, cluster: ClusterSpec, model: ModelSpec, *, routing: bool =
             if not looser and np.average(rank_compute_seconds(first.plan, dev, spec, modes[i + 1],
                                                               kernels=first.kernels), weights=dev.speed) >= best_s:
                 break
+    for spec, shared in planned if double else ():
+        # After the single-ring search, so that it prunes as without `double`.
+        doubled = _doubled(shared, options)
+        if doubled is not None and doubled.node_seconds <= (1 + NODE_PRUNE_MARGIN) * best_s:
+            plans, dev, _ = _candidates(lengths, cluster, spec, crossovers, options, fallback=False,
+                                        trim=trim and spec.recompute in cost_model.BELOW, level1=doubled)
+            compare(plans, dev, spec)
     if best is None:
         raise error
     plan, dev, spec = best
@@ -461,7 +512,7 @@ def _step_seconds(plan: Plan, dev: Devices, model: ModelSpec, crossovers, comput
 
 
 def _candidates(lengths, cluster, model, crossovers, options, fallback: bool, beat: float = np.inf,
-                trim: bool = False) -> tuple[list[_Candidate], Devices]:
+                trim: bool = False, level1: _Nodes | None = None) -> tuple[list[_Candidate], Devices, _Nodes | None]:
     """The plans of one recomputation (`_Candidate`), under the memory
     caps of `model.recompute`, from one level 1: every rank keeping its tokens (attention
     plus linear work balanced per rank; when pricing may prefer it), then remapping tokens
@@ -472,18 +523,19 @@ def _candidates(lengths, cluster, model, crossovers, options, fallback: bool, be
     out; with `fallback`, a batch they fit no way is cut in runs (`_fallback`) rather than
     refused. With `trim` (selective or linear recomputation), each rank of a plan
     recomputes as little as its tokens need (`cost_model.recompute_per_rank`), its
-    estimate priced so."""
+    estimate priced so. The level 1 is the single rings' (`_nodes`), or `level1` (one of
+    `_doubled`: its plans hold double rings). Returns (plans, devices, the level 1: None
+    where the greedy steps failed before it)."""
     dev = devices(cluster, model, options["assume_homogeneous"])
     check_feasible(lengths, dev, model)
     meta = {"options": options, "crossover_lengths": [dataclasses.asdict(t) for t in crossovers],
             "recompute": model.recompute, "recompute_layers": cost_model.recompute_layer_count(model),
             "keep_tokens": False, "fallback": False}
 
-    def build(placement: Placement, facts: dict, keep: bool,
-              double: bool = options["double"]) -> tuple[_Candidate, bool]:
+    def build(placement: Placement, facts: dict, keep: bool, double: bool = False) -> tuple[_Candidate, bool]:
         """(the plan as a candidate, whether its busiest rank is within `KEEP_MARGIN` of its
         busiest node's mean compute)."""
-        plan = _finish(lengths, dev, placement, {**meta, **facts, "keep_tokens": keep},
+        plan = _finish(lengths, dev, placement, {**meta, **facts, "keep_tokens": keep, "double": double},
                        remap=options["remap"] and not keep, node_remap=options["price_linear"],
                        double=double)
         priced, layers = model, cost_model.recompute_layer_count(model)  # the model's own, or every layer
@@ -510,41 +562,38 @@ def _candidates(lengths, cluster, model, crossovers, options, fallback: bool, be
         step = max(busiest, synchronous_step_seconds(plan, dev, priced, kernels, seconds, attention + linear))
         return _Candidate(plan, step, _caps_bind(plan, dev, seconds), kernels), busiest <= (1 + KEEP_MARGIN) * node
 
-    def from_nodes(shared: _Nodes, double: bool = options["double"]) -> list[_Candidate]:
+    def from_nodes(shared: _Nodes) -> list[_Candidate]:
         out = []
         if options["price_linear"] and options["remap"]:
             try:
-                kept, level = build(*_place(shared, keep_tokens=True), keep=True, double=double)
+                kept, level = build(*_place(shared, keep_tokens=True), keep=True, double=shared.double)
                 out = [kept]
                 if level:
                     return out
             except (NoRoom, InfeasiblePlan):
                 pass
         try:
-            out.append(build(*_place(shared, keep_tokens=False), keep=False, double=double)[0])
+            out.append(build(*_place(shared, keep_tokens=False), keep=False, double=shared.double)[0])
         except (NoRoom, InfeasiblePlan):
             if not out:
                 raise
         return out
 
-    plans: list[_Candidate] = []
+    if level1 is not None:
+        try:
+            return from_nodes(level1), dev, level1
+        except (NoRoom, InfeasiblePlan):
+            return [], dev, level1
+    shared = None
     try:
         shared = _nodes(lengths, dev, crossovers, options, model)
         if shared.node_seconds > (1 + NODE_PRUNE_MARGIN) * beat:
-            return [], dev
-        plans = from_nodes(shared)
-        if any(r.comm == "double" for c in plans for r in c.plan.rings):
-            # Priced for "double" rings across nodes: the plan of single rings through them too.
-            single = _nodes(lengths, dev, crossovers, {**options, "double": False}, model)
-            if single.node_seconds <= (1 + NODE_PRUNE_MARGIN) * min([beat] + [c.seconds for c in plans]):
-                plans += from_nodes(single, double=False)
+            return [], dev, shared
+        return from_nodes(shared), dev, shared
     except (NoRoom, InfeasiblePlan):
-        if plans:
-            return plans, dev
         if not fallback:
             raise
-        return [build(_fallback(lengths, dev), {"fallback": True}, keep=False)[0]], dev
-    return plans, dev
+        return [build(_fallback(lengths, dev), {"fallback": True}, keep=False)[0]], dev, shared
 
 
 def _caps_bind(plan: Plan, dev: Devices, seconds: np.ndarray) -> bool:
