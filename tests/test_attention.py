@@ -118,17 +118,18 @@ def _max_err(a, b) -> float:
     return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
 
 
-def _run(plan, rank, inputs, dtype, kernel=None, counter=None):
+def _run(plan, rank, inputs, dtype, kernel=None, counter=None, outer_group=None):
     idx = token_index(plan, rank)
     q, k, v, dout = (x[idx].to(dtype) for x in inputs)
     q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
-    out = attention(q, k, v, plan, rank, kernel=kernel, counter=counter)
+    out = attention(q, k, v, plan, rank, kernel=kernel, counter=counter, outer_group=outer_group)
     out.backward(dout)
     return idx, (out.detach(), q.grad, k.grad, v.grad)
 
 
-def _check_plan(name, plan, rank, world):
-    """[(check, error, tolerance)] for one plan on this rank."""
+def _check_plan(name, plan, rank, world, outer_group=None):
+    """[(check, error, tolerance)] for one plan on this rank (`outer_group`: as in
+    `attention`)."""
     gen = torch.Generator().manual_seed(len(name) + plan.num_tokens)
     N = plan.num_tokens
     inputs = [torch.randn(N, h, D, generator=gen) for h in (H, H_KV, H_KV, H)]  # q, k, v, dout
@@ -136,14 +137,15 @@ def _check_plan(name, plan, rank, world):
     ref32 = reference(*(x.double() for x in inputs), plan.lengths, math=True)
     counter = ByteCounter()
     for kernel in ("cpu", "reference"):
-        idx, got = _run(plan, rank, inputs, torch.float32, kernel, counter if kernel == "cpu" else None)
+        idx, got = _run(plan, rank, inputs, torch.float32, kernel, counter if kernel == "cpu" else None,
+                        outer_group)
         for what, a, b in zip("out dq dk dv".split(), got, ref32):
             rows.append((f"{name} fp32 {kernel} {what}", _max_err(a, b[idx]), 1e-5))
     # bf16: no worse than twice the error of the unsharded computation in bf16.
     bf = [x.bfloat16() for x in inputs]
     ref_bf = reference(*(x.double() for x in bf), plan.lengths, math=True)
     yard = reference(*bf, plan.lengths, math=False)
-    idx, got = _run(plan, rank, bf, torch.bfloat16)
+    idx, got = _run(plan, rank, bf, torch.bfloat16, outer_group=outer_group)
     for what, a, b, y in zip("out dq dk dv".split(), got, ref_bf, yard):
         rows.append((f"{name} bf16 {what}", _max_err(a, b[idx]), 2 * _max_err(y, b)))
     # Bytes: every rank's sends, summed, equal the plan's prediction exactly.

@@ -1,8 +1,9 @@
 """The engine on "double" rings (an inner ring inside each node, rounds across nodes): the
-held blocks follow `Ring.schedule`, and on 4 gloo ranks (2 nodes x 2) and 6 (3 nodes x 2)
-each rank's output and q, k, v gradients equal the single-process reference and the bytes
-sent per (src, dst) equal `routing.predicted_bytes`, beside "ring", "allgather", routed
-and local documents.
+held blocks follow `Ring.schedule`, transfers across nodes go over the second group
+(`P2P.across`) and the others over the first, and on 4 gloo ranks (2 nodes x 2) and 6
+(3 nodes x 2) each rank's output and q, k, v gradients equal the single-process reference
+and the bytes sent per (src, dst) equal `routing.predicted_bytes`, beside "ring",
+"allgather", routed and local documents, with and without the second group.
 """
 
 from __future__ import annotations
@@ -10,11 +11,14 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
+import torch.distributed as dist
 from distributed import run_ranks
-from test_attention import _check_plan, make_plan
+from test_attention import H_KV, D, H, _check_plan, make_plan
 
 from ballonet.plan import Plan, Route
-from ballonet.runtime.ring import ring_meta
+from ballonet.runtime import attention, token_index
+from ballonet.runtime.ring import ring_meta, ring_pass
 from ballonet.runtime.routing import relay_meta, routes_by_hop
 
 NODES4, NODES6 = (0, 0, 1, 1), (0, 0, 1, 1, 2, 2)
@@ -57,10 +61,50 @@ def test_held_blocks_follow_the_schedule():
             assert all(relay_meta(plan, index, r, routes_by_hop(plan)) is None for r in range(4))
 
 
+class _Posts:
+    """A stand-in `P2P` that records which group each message would go over."""
+
+    def __init__(self, group: str, log: list):
+        self.group, self.log = group, log
+
+    def across(self) -> _Posts:
+        return _Posts("outer", self.log)
+
+    def post(self, sends, recvs) -> list:
+        self.log += [(self.group, peer) for peer, _, _ in sends + recvs]
+        return []
+
+
+def test_transfers_across_nodes_go_over_the_second_group():
+    plan = plans4()["alone"]  # one document over 2 nodes x 2 ranks
+    for rank in range(4):
+        meta = ring_meta(plan, rank, "cpu", routes_by_hop(plan))[0]
+        log: list = []
+        kv = torch.zeros(2, meta.block_rows[meta.position], H_KV, D)
+        backward = ring_pass(_Posts("group", log), meta, kv, lambda step, held: torch.zeros_like(held))
+        for _ in backward:  # a backward pass: K/V and dK/dV, round sums home
+            pass
+        assert {g for g, peer in log if NODES4[peer] != NODES4[rank]} == {"outer"}
+        assert {g for g, peer in log if NODES4[peer] == NODES4[rank]} == {"group"}
+        assert sum(g == "outer" for g, _ in log) == 4  # K/V round send and receive; dK/dV sum home, both ways
+
+
 def _check_all(rank: int, world: int, plans: dict[str, Plan]) -> list:
+    outer = dist.new_group(list(range(world)))
     rows = []
     for name, plan in plans.items():
         rows += _check_plan(name, plan, rank, world)
+        rows += _check_plan(f"{name}, second group", plan, rank, world, outer_group=outer)
+    pair = dist.new_group([0, 1])  # every rank joins new_group; only 0 and 1 are in it
+    if rank < 2:
+        plan = next(iter(plans.values()))
+        n = len(token_index(plan, rank))
+        try:
+            attention(torch.zeros(n, H, D), torch.zeros(n, H_KV, D), torch.zeros(n, H_KV, D), plan, rank,
+                      outer_group=pair)
+            rows.append(("outer group of other ranks raised", 1.0, 0.0))
+        except ValueError as e:
+            rows.append((f"outer group message: {e}", float("not the ranks of the group" not in str(e)), 0.0))
     return rows
 
 
@@ -72,4 +116,5 @@ def test_double_rings_match_reference_and_predicted_bytes(world):
     bad = [f"rank {r}: {check}: {err:.3g} > {tol:.3g}" for r, rows in enumerate(results)
            for check, err, tol in rows if not err <= tol]
     assert not bad, "\n".join(bad)
-    assert all(len(rows) == 14 * len(plans) for rows in results)  # 12 values, 2 byte counts per plan
+    # 12 values and 2 byte counts per plan and group; ranks 0 and 1 check the refusal
+    assert [len(rows) for rows in results] == [28 * len(plans) + (r < 2) for r in range(world)]

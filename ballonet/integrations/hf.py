@@ -60,6 +60,7 @@ class _Step:
     group: dist.ProcessGroup | None
     kernel: str | None
     counter: runtime.ByteCounter | None
+    outer_group: dist.ProcessGroup | None = None
     checked: list[torch.device] = field(default_factory=list)
     """Where the ranks' plan digests were compared (once per context)."""
     num_pad: int = 0
@@ -77,12 +78,13 @@ _STEP: contextvars.ContextVar[_Step | None] = contextvars.ContextVar("ballonet_h
 
 @contextlib.contextmanager
 def plan_context(plan: Plan, rank: int, group: dist.ProcessGroup | None = None, *, kernel: str | None = None,
-                 counter: runtime.ByteCounter | None = None) -> Iterator[_Step]:
+                 counter: runtime.ByteCounter | None = None,
+                 outer_group: dist.ProcessGroup | None = None) -> Iterator[_Step]:
     """Run "ballonet" attention layers on `plan` as `rank` of `group` (None: the default
-    group) inside the block. `kernel` and `counter` go to `runtime.attention`."""
+    group) inside the block. `kernel`, `counter` and `outer_group` go to `runtime.attention`."""
     if not 0 <= rank < plan.num_ranks:
         raise ValueError(f"rank {rank} outside the plan's {plan.num_ranks} ranks")
-    with _entered(_Step(plan, rank, group, kernel, counter)) as step:
+    with _entered(_Step(plan, rank, group, kernel, counter, outer_group)) as step:
         yield step
 
 
@@ -132,7 +134,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                     verify_plan=False)  # step.check compared the digest once for this context
     q_att, k_att, v_att = (x.contiguous() for x in qkv_att.split([H, K, K], 1))
     o_att = runtime.attention(q_att, k_att, v_att, step.plan, step.rank, step.group, kernel=step.kernel,
-                              counter=step.counter, scale=scaling, verify_plan=False)
+                              counter=step.counter, scale=scaling, verify_plan=False, outer_group=step.outer_group)
     o_THD = remap(o_att, step.plan, step.rank, "attention", "linear", step.group, step.counter, verify_plan=False)
     if step.num_pad:  # padding attends to nothing: zeros, through which no gradient flows
         o_THD = torch.cat([o_THD, o_THD.new_zeros(step.num_pad, *o_THD.shape[1:])])

@@ -81,13 +81,13 @@ class BallonetLoss:
     """Mixed into a Hugging Face causal LM's class: the loss the training loop calls."""
 
     def loss(self, input_ids: torch.Tensor, labels: torch.Tensor, plan: Plan, rank: int, group=None,
-             counter: runtime.ByteCounter | None = None) -> torch.Tensor:
+             counter: runtime.ByteCounter | None = None, outer_group=None) -> torch.Tensor:
         """`Transformer.loss`: ids and labels [T_att] in the attention layout move (with
         their positions) to the linear layout in one all-to-all; the model runs there,
         its attention through the plan. Returns the sum of token cross-entropies."""
         from ballonet.integrations import hf
 
-        with hf.plan_context(plan, rank, group, counter=counter) as step:
+        with hf.plan_context(plan, rank, group, counter=counter, outer_group=outer_group) as step:
             step.check(input_ids.device)
             pos_T = runtime.position_ids(plan, rank, "attention").to(input_ids.device)
             moved_T3 = remap(torch.stack([input_ids, labels, pos_T], 1), plan, rank, "attention", "linear", group,

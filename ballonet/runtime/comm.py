@@ -10,6 +10,7 @@ What the plan predicts (`Plan.ring_messages`), routes included, is
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -54,6 +55,15 @@ class P2P:
     """This process, as a plan rank (its rank in `group`)."""
     phase: str
     counter: ByteCounter | None = None
+    outer: dist.ProcessGroup | None = None
+    """A second group over the ranks of `group`, in the same order, for a "double" ring's
+    transfers across nodes (`across`); None: `group`."""
+
+    def across(self) -> P2P:
+        """These messages over `outer`: on NCCL a group's batched P2P run on one CUDA
+        stream, so a double ring's NIC transfer, which has a whole round to arrive, would
+        queue the inner ring's next steps behind it; another group's run on its own."""
+        return self if self.outer is None else dataclasses.replace(self, group=self.outer, outer=None)
 
     def _peer(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)

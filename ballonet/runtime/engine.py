@@ -172,7 +172,7 @@ class _Attention(torch.autograd.Function):
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, rank: int,
               group: dist.ProcessGroup | None = None, *, kernel: str | None = None,
               counter: ByteCounter | None = None, scale: float | None = None,
-              verify_plan: bool = True) -> torch.Tensor:
+              verify_plan: bool = True, outer_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """This rank's share of the plan's attention: q [T_local, H, D], k and v
     [T_local, H_kv, D] in the attention layout (`token_index(plan, rank)`), out like q.
 
@@ -180,15 +180,22 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, ran
     group must call with the same plan (checked: a mismatch raises RuntimeError on all).
     `kernel` names a `kernels.KERNELS` backend (default: `kernels.select`); `counter`
     records the bytes this rank sends; `scale` defaults to 1/sqrt(D); `verify_plan=False`
-    skips the plan check (for callers that ran `check_plan` once for many layers)."""
+    skips the plan check (for callers that ran `check_plan` once for many layers);
+    `outer_group`, a second group over the ranks of `group` in the same order
+    (`dist.new_group`), carries "double" rings' transfers across nodes, so that on NCCL
+    they run on their own stream beside the rings inside nodes (`P2P.across`)."""
     num_rows = plan.attention_tokens(rank)
     if q.ndim != 3 or k.shape != v.shape or q.shape[0] != num_rows or k.shape[0] != num_rows:
         raise ValueError(f"rank {rank} holds {num_rows} tokens: q, k, v must be [{num_rows}, H, D], "
                          f"[{num_rows}, H_kv, D] twice; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if q.shape[2] != k.shape[2] or q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads {q.shape[1]} must be a multiple of key/value heads {k.shape[1]}, same head size")
+    if outer_group is not None and dist.get_process_group_ranks(outer_group) != dist.get_process_group_ranks(
+            group or dist.group.WORLD):
+        raise ValueError(f"outer_group holds ranks {dist.get_process_group_ranks(outer_group)}, not the ranks of "
+                         f"the group, {dist.get_process_group_ranks(group or dist.group.WORLD)}, in their order")
     if verify_plan:  # one all_gather; a caller running many layers on one plan may check once
         check_plan(plan, rank, group, q.device)
-    p2p = P2P(group=group, rank=rank, phase="forward", counter=counter)
+    p2p = P2P(group=group, rank=rank, phase="forward", counter=counter, outer=outer_group)
     scale = kernels.default_scale(q.shape[2]) if scale is None else scale
     return _Attention.apply(q, k, v, p2p, rank_meta(plan, rank, q.device), kernels.select(kernel, q.device), scale)

@@ -17,7 +17,8 @@ round an inner ring over n ranks inside each node, as "ring" does; at a round's 
 each rank also sends the block it holds to the same position of the next group, which
 computes with it at the next round's first step, so it has the whole round to arrive. In
 the backward the inner ring sums each round's first block over the node, and that sum
-goes straight to the block's owner. Its hops are direct (only "ring" hops are routed).
+goes straight to the block's owner. Its hops are direct (only "ring" hops are routed);
+those across nodes go over `P2P.outer` when the caller gives that second group.
 
 Overlap: each step posts the next block's transfer before computing on the current one.
 On NCCL the transfers run on the process group's own CUDA streams: `post` returns at
@@ -230,6 +231,7 @@ def _double(p2p: P2P, meta: RingMeta, kv: torch.Tensor, compute: Compute):
 
     kv_tag, grad_tag = message_tag(meta.tag, 0), message_tag(meta.tag + 1, 0)
     own, first, incoming, returns = None, None, None, []
+    across = p2p.across()  # rail peers in other nodes
 
     def finish(j: int, total: torch.Tensor) -> None:
         """Round j's node sum for its first block, the block of group a - j."""
@@ -238,16 +240,16 @@ def _double(p2p: P2P, meta: RingMeta, kv: torch.Tensor, compute: Compute):
             own = total
             return
         buf = torch.empty_like(own)
-        returns.append((buf, p2p.post([(peer(a - j, p), total, grad_tag)], [(peer(a + j, p), buf, grad_tag)])))
+        returns.append((buf, across.post([(peer(a - j, p), total, grad_tag)], [(peer(a + j, p), buf, grad_tag)])))
 
     for step in range(g):
         j, t = divmod(step, n)
         if t < n - 1:
             kv_next = _like(kv, meta.block_rows[meta.held[step + 1]])
             inner = p2p.post([(peer(a, p + 1), kv, kv_tag)], [(peer(a, p - 1), kv_next, kv_tag)])
-        if t == 0 and j < k - 1:  # after the inner post: on NCCL the group's batches share one stream
+        if t == 0 and j < k - 1:  # after the inner post: it shares the inner ring's stream without `P2P.outer`
             kv_round = _like(kv, meta.block_rows[meta.held[step + n]])
-            outer = p2p.post([(peer(a + 1, p), kv, kv_tag)], [(peer(a - 1, p), kv_round, kv_tag)])
+            outer = across.post([(peer(a + 1, p), kv, kv_tag)], [(peer(a - 1, p), kv_round, kv_tag)])
         grad = compute(step, kv)
         if grad is not None and t == 0:
             if incoming is not None:  # the predecessor's partial sum of the previous round's first block

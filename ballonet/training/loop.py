@@ -267,6 +267,8 @@ def _run(config: TrainConfig, group, use_cuda: bool):
     writer = _tensorboard_writer(config.tensorboard) if config.tensorboard and rank == 0 else None
     peak = metrics.peak_flops(cluster, config.calibration)
 
+    # Double rings' transfers across nodes go over a second group (`runtime.attention`).
+    outer_group = dist.new_group(dist.get_process_group_ranks(group)) if world_size > 1 else None
     records = []
     batches = iter(loader)
     while step < config.steps:
@@ -279,7 +281,7 @@ def _run(config: TrainConfig, group, use_cuda: bool):
         step += 1
         _maybe_fault(step, rank)
         recompute = _auto_recompute(model, batch.plan, spec, cluster, rank) if spec.recompute is None else None
-        record = _step(model, optimizer, batch, rank, group, device, spec, peak, step)
+        record = _step(model, optimizer, batch, rank, group, device, spec, peak, step, outer_group)
         if recompute is not None:
             record["recompute"], record["recompute_layers_max"] = recompute
         records.append(record)
@@ -307,12 +309,14 @@ def _auto_recompute(model, plan, spec, cluster, rank: int) -> tuple[str, int]:
     return mode, cost_model.most_layers(mode, per_rank)
 
 
-def _step(model, optimizer, batch, rank: int, group, device, spec, peak: float, step: int) -> dict:
-    """One optimizer step on this rank's share of `batch`; its log record."""
+def _step(model, optimizer, batch, rank: int, group, device, spec, peak: float, step: int,
+          outer_group=None) -> dict:
+    """One optimizer step on this rank's share of `batch`; its log record. `outer_group`
+    as in `runtime.attention`."""
     wall, cpu = time.perf_counter(), time.thread_time()
     counter = runtime.ByteCounter()
     loss_sum = model.loss(batch.input_ids.to(device), batch.labels.to(device), batch.plan, rank, group,
-                          counter=counter)
+                          counter=counter, outer_group=outer_group)
     (loss_sum / batch.num_valid_tokens_global).backward()
     compute = time.thread_time() - cpu
     optimizer.step()

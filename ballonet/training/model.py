@@ -184,37 +184,40 @@ class Transformer(nn.Module):
             else:
                 p.copy_(torch.empty(p.shape).normal_(0.0, INIT_STD, generator=gen))
 
-    def _hidden(self, ids_T, plan: Plan, rank: int, group, counter=None) -> torch.Tensor:
+    def _hidden(self, ids_T, plan: Plan, rank: int, group, counter=None, outer_group=None) -> torch.Tensor:
         """Token ids on the linear layout -> final normed hidden states [T_lin, C]."""
         attention_fn = self.attention_fn
         if attention_fn is None:  # the caller checked the plan: once per step, not per layer
-            attention_fn = functools.partial(runtime.attention, counter=counter, verify_plan=False)
+            attention_fn = functools.partial(runtime.attention, counter=counter, verify_plan=False,
+                                             outer_group=outer_group)
         pos_T = position_ids(plan, rank, "linear").to(ids_T.device)
         x_TC = self.embed(ids_T)
         for layer in self.layers:
             x_TC = layer(x_TC, pos_T, plan, rank, group, attention_fn, counter)
         return self.norm(x_TC)
 
-    def forward(self, input_ids: torch.Tensor, plan: Plan, rank: int, group=None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, plan: Plan, rank: int, group=None, outer_group=None) -> torch.Tensor:
         """input_ids [T_att]: this rank's tokens in the attention layout (the data loader's
         order). Returns logits [T_lin, V] on the linear layout, i.e. for the tokens at
-        `runtime.token_index(plan, rank, "linear")`. Collective when the plan has ranks."""
+        `runtime.token_index(plan, rank, "linear")`. Collective when the plan has ranks;
+        `outer_group` as in `runtime.attention`."""
         _check_plan_first(plan, rank, group, input_ids.device)
         ids_T = remap(input_ids, plan, rank, "attention", "linear", group, verify_plan=False)
-        return self.head(self._hidden(ids_T, plan, rank, group))
+        return self.head(self._hidden(ids_T, plan, rank, group, outer_group=outer_group))
 
     def loss(self, input_ids: torch.Tensor, labels: torch.Tensor, plan: Plan, rank: int, group=None,
-             counter: runtime.ByteCounter | None = None) -> torch.Tensor:
+             counter: runtime.ByteCounter | None = None, outer_group=None) -> torch.Tensor:
         """Sum of token cross-entropies over labels != IGNORE_INDEX (the loss mask), both
         given [T_att] in the attention layout. Ids and labels move to the linear layout in
         one all-to-all; the caller divides by the global number of valid labels. `counter`
-        (a `runtime.ByteCounter`) records the bytes every remap and ring transfer sends."""
+        (a `runtime.ByteCounter`) records the bytes every remap and ring transfer sends;
+        `outer_group` as in `runtime.attention`."""
         if labels.shape != input_ids.shape:
             raise ValueError(f"labels {tuple(labels.shape)} and input_ids {tuple(input_ids.shape)} differ in shape")
         _check_plan_first(plan, rank, group, input_ids.device)
         ids_labels_T2 = remap(torch.stack([input_ids, labels], 1), plan, rank, "attention", "linear", group, counter,
                               verify_plan=False)
-        logits_TV = self.head(self._hidden(ids_labels_T2[:, 0], plan, rank, group, counter))
+        logits_TV = self.head(self._hidden(ids_labels_T2[:, 0], plan, rank, group, counter, outer_group))
         logits_TV = logits_TV.to(torch.promote_types(logits_TV.dtype, torch.float32))
         return F.cross_entropy(logits_TV, ids_labels_T2[:, 1], ignore_index=IGNORE_INDEX, reduction="sum")
 
