@@ -15,11 +15,13 @@ import torch
 import torch.distributed as dist
 from distributed import run_ranks
 from test_attention import H_KV, D, H, _check_plan, make_plan
+from test_llama import SPEC, batch
 
 from ballonet.plan import Plan, Route
-from ballonet.runtime import attention, token_index
+from ballonet.runtime import attention, comm, token_index
 from ballonet.runtime.ring import ring_meta, ring_pass
 from ballonet.runtime.routing import relay_meta, routes_by_hop
+from ballonet.training.model import Transformer
 
 NODES4, NODES6 = (0, 0, 1, 1), (0, 0, 1, 1, 2, 2)
 
@@ -89,12 +91,38 @@ def test_transfers_across_nodes_go_over_the_second_group():
         assert sum(g == "outer" for g, _ in log) == 4  # K/V round send and receive; dK/dV sum home, both ways
 
 
+def _check_model(name: str, plan: Plan, rank: int, outer) -> tuple:
+    """The tiny Llama's gradients on the plan with the second group (`outer`, as the
+    trainer passes it) and without: (check, tensors that differ plus double-ring passes
+    that did not get the second group when given it, 0)."""
+    tokens, labels = batch(plan.lengths)
+    idx = token_index(plan, rank)
+    runs, given, across = [], [], comm.P2P.across
+
+    def recorded(p2p):
+        given.append(p2p.outer is outer)
+        return across(p2p)
+
+    for group in (None, outer):
+        model = Transformer(SPEC, seed=3)
+        comm.P2P.across = recorded
+        try:
+            model.loss(tokens[idx], labels[idx], plan, rank, outer_group=group).backward()
+        finally:
+            comm.P2P.across = across
+        runs.append([p.grad for p in model.parameters()])
+    half = len(given) // 2  # forward and backward of each layer's double rings, in each run
+    missed = sum(given[half:]) != half or any(given[:half]) or half == 0
+    return (f"{name} model, second group", float(sum(not torch.equal(a, b) for a, b in zip(*runs)) + missed), 0.0)
+
+
 def _check_all(rank: int, world: int, plans: dict[str, Plan]) -> list:
     outer = dist.new_group(list(range(world)))
     rows = []
     for name, plan in plans.items():
         rows += _check_plan(name, plan, rank, world)
         rows += _check_plan(f"{name}, second group", plan, rank, world, outer_group=outer)
+        rows.append(_check_model(name, plan, rank, outer))
     pair = dist.new_group([0, 1])  # every rank joins new_group; only 0 and 1 are in it
     if rank < 2:
         plan = next(iter(plans.values()))
@@ -116,5 +144,5 @@ def test_double_rings_match_reference_and_predicted_bytes(world):
     bad = [f"rank {r}: {check}: {err:.3g} > {tol:.3g}" for r, rows in enumerate(results)
            for check, err, tol in rows if not err <= tol]
     assert not bad, "\n".join(bad)
-    # 12 values and 2 byte counts per plan and group; ranks 0 and 1 check the refusal
-    assert [len(rows) for rows in results] == [28 * len(plans) + (r < 2) for r in range(world)]
+    # 12 values and 2 byte counts per plan and group, and the model; ranks 0 and 1 check the refusal
+    assert [len(rows) for rows in results] == [29 * len(plans) + (r < 2) for r in range(world)]
