@@ -64,6 +64,14 @@ def _ring_plan(lengths: tuple[int, ...]) -> Plan:
                 rings=(ring,)).validate()
 
 
+def _double_plan(lengths: tuple[int, ...]) -> Plan:
+    """`_ring_plan` with the ranks on two nodes and document 0 a "double" ring over them
+    (one rank a node): its transfers cross nodes, over the second group."""
+    plan = _ring_plan(lengths)
+    ring = dataclasses.replace(plan.rings[0], kind="inter", comm="double", groups=2)
+    return dataclasses.replace(plan, node_of_rank=(0, 1), nic_of_rank=(0, 0), rings=(ring,)).validate()
+
+
 def _zeppelin_plan(lengths: tuple[int, ...]) -> Plan:
     # price_linear=False: the remap evens tokens across the cluster, so it always moves some
     # here (priced, zeppelin may find that keeping tokens is cheaper and send none).
@@ -86,14 +94,21 @@ def _relative_errors(batch: Batch, state: dict, loss: float, grads: dict) -> dic
 
 
 def _check_ranks(rank: int, world_size: int, state: dict, cases: list) -> list[dict[str, float]]:
-    out = []
+    from ballonet.runtime import comm
+
+    out, outer, across = [], dist.new_group([0, 1]), comm.P2P.across
     for lengths, plan_fn, layout in cases:
         batch = _batch(lengths, plan_fn)
         view = rank_view(batch, rank, layout)
         model = _model(hf.ATTENTION, state)
-        with hf.plan_context(batch.plan, rank):
-            loss = hf.loss_sum(model, view) / view.num_valid_tokens_global
-            loss.backward()
+        given = []  # for each double ring's pass: did it get the second group
+        comm.P2P.across = lambda p2p, given=given: given.append(p2p.outer is outer) or across(p2p)
+        try:
+            with hf.plan_context(batch.plan, rank, outer_group=outer):
+                loss = hf.loss_sum(model, view) / view.num_valid_tokens_global
+                loss.backward()
+        finally:
+            comm.P2P.across = across
         loss = loss.detach()
         dist.all_reduce(loss)
         grads = {}
@@ -101,6 +116,7 @@ def _check_ranks(rank: int, world_size: int, state: dict, cases: list) -> list[d
             dist.all_reduce(p.grad)
             grads[name] = p.grad
         out.append({"rings": len(batch.plan.rings), "moved": sum(t.num_tokens for t in batch.plan.remap),
+                    "double passes": len(given) if all(given) else -1,
                     **_relative_errors(batch, state, loss.item(), grads)})
     return out
 
@@ -116,15 +132,20 @@ def _remap_plan(lengths: tuple[int, ...]) -> Plan:
 
 def test_two_ranks_with_remap_match_single_process_default_attention():
     """Linear layers token-balanced (the remap moves tokens) and a document split over the
-    ranks: loss and every gradient equal the one-process model's, fed either layout."""
+    ranks (also as a double ring across two nodes, every pass of it over the second group
+    `plan_context` is given): loss and every gradient equal the one-process model's, fed
+    either layout."""
     state = _model("sdpa").state_dict()
     cases = [((37, 11, 20), _ring_plan, "attention"), ((37, 11, 40), _remap_plan, "attention"),
-             ((37, 11, 40), _remap_plan, "linear"), ((600, 40, 17, 90, 5), _zeppelin_plan, "linear")]
+             ((37, 11, 40), _remap_plan, "linear"), ((600, 40, 17, 90, 5), _zeppelin_plan, "linear"),
+             ((37, 11, 20), _double_plan, "attention")]
     for (lengths, plan_fn, layout), errors in zip(cases, run_ranks(2, _check_ranks, state, cases)[0]):
         name = f"{plan_fn.__name__}{lengths} fed the {layout} layout"
         assert errors.pop("rings") >= 1, f"{name}: no document is split over the ranks"
+        passes = errors.pop("double passes")  # forward and backward of each layer's double ring
+        assert passes > 0 if plan_fn is _double_plan else passes == 0, f"{name}: {passes} double-ring passes"
         moved = errors.pop("moved")
-        assert moved > 0 or plan_fn is _ring_plan, f"{name}: the remap moves no token"
+        assert moved > 0 or plan_fn in (_ring_plan, _double_plan), f"{name}: the remap moves no token"
         worst = max(errors, key=errors.get)
         assert errors[worst] <= RTOL, f"{name}: {worst} off by {errors[worst]:.2e} relative"
 
