@@ -476,12 +476,13 @@ def zeppelin(lengths, cluster: ClusterSpec, model: ModelSpec, *, routing: bool =
             if not looser and np.average(rank_compute_seconds(first.plan, dev, spec, modes[i + 1],
                                                               kernels=first.kernels), weights=dev.speed) >= best_s:
                 break
-    for spec, shared in planned if double else ():
-        # After the single-ring search, so that it prunes as without `double`.
-        doubled = _doubled(shared, options)
-        if doubled is not None and doubled.node_seconds <= (1 + NODE_PRUNE_MARGIN) * best_s:
+    # After the single-ring search, so that it prunes as without `double`; the most
+    # promising level 1 first, so that the others' prune meets the best plan it makes.
+    doubled = [(d, spec) for spec, shared in planned if double and (d := _doubled(shared, options)) is not None]
+    for level1, spec in sorted(doubled, key=lambda x: x[0].node_seconds):
+        if level1.node_seconds <= (1 + NODE_PRUNE_MARGIN) * best_s:
             plans, dev, _ = _candidates(lengths, cluster, spec, crossovers, options, fallback=False,
-                                        trim=trim and spec.recompute in cost_model.BELOW, level1=doubled)
+                                        trim=trim and spec.recompute in cost_model.BELOW, level1=level1)
             compare(plans, dev, spec)
     if best is None:
         raise error
