@@ -350,6 +350,7 @@ def test_bad_configs_are_refused_with_one_line_before_any_work(tmp_path):
         (dict(weight_decay=-1.0), "--weight-decay"),
         (dict(seed=-1), "--seed"),
         (dict(recompute_layers=1), "--recompute-layers needs --recompute selective"),
+        (dict(no_double=True, planner="te_cp"), "--no-double needs --planner zeppelin"),
         (dict(recompute="selective", recompute_layers=3), "--recompute-layers 3: model 'tiny' has 2 layers"),
         (dict(max_restarts=-1), "--max-restarts"),
         (dict(timeout_minutes=0), "--timeout-minutes"),

@@ -26,6 +26,9 @@ class TrainConfig:
     lengths file as `plan --lengths` reads it (.json, .npy, one length per line; synthetic tokens)."""
     planner: str = "zeppelin"
     """zeppelin or a baseline (`ballonet.PLANNERS`)."""
+    no_double: bool = False
+    """Zeppelin without double rings across nodes (a ring inside each node, rounds between rail peers): every
+    ring across nodes is one ring through them."""
     global_tokens: int = 8192
     """Tokens in every global batch, whatever the number of ranks."""
     max_doc_tokens: int | None = None
@@ -91,6 +94,8 @@ class TrainConfig:
                 raise InputError(f"{_flag(name)} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
         if self.recompute_layers is not None and self.recompute not in ("selective", "linear"):
             raise InputError("--recompute-layers needs --recompute selective or linear")
+        if self.no_double and self.planner != "zeppelin":
+            raise InputError(f"--no-double needs --planner zeppelin, got {self.planner!r}")
         if self.checkpoint_every and not self.checkpoint_dir:
             raise InputError("--checkpoint-every needs --checkpoint-dir")
         if self.resume and not self.checkpoint_dir:

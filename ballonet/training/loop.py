@@ -242,7 +242,8 @@ def _run(config: TrainConfig, group, use_cuda: bool):
     torch.manual_seed(config.seed)
 
     cluster, spec, corpus = preflight(config, world_size)
-    plan_fn = functools.partial(ballonet.plan_batch, cluster=cluster, model=spec, planner=config.planner)
+    plan_fn = functools.partial(ballonet.plan_batch, cluster=cluster, model=spec, planner=config.planner,
+                                **({"double": False} if config.no_double else {}))
     loader = BalancedLoader(corpus, global_tokens=config.global_tokens, plan_fn=plan_fn, rank=rank,
                             world_size=world_size, seed=config.seed, max_doc_tokens=config.max_doc_tokens)
     model = (hf_model.build_model(config.model, config.seed, device, config.recompute, config.recompute_layers)
