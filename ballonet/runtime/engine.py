@@ -190,10 +190,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, ran
                          f"[{num_rows}, H_kv, D] twice; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if q.shape[2] != k.shape[2] or q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads {q.shape[1]} must be a multiple of key/value heads {k.shape[1]}, same head size")
-    if outer_group is not None and dist.get_process_group_ranks(outer_group) != dist.get_process_group_ranks(
-            group or dist.group.WORLD):
-        raise ValueError(f"outer_group holds ranks {dist.get_process_group_ranks(outer_group)}, not the ranks of "
-                         f"the group, {dist.get_process_group_ranks(group or dist.group.WORLD)}, in their order")
+    if outer_group is not None:
+        outer, ranks = (dist.get_process_group_ranks(g) for g in (outer_group, group or dist.group.WORLD))
+        if outer != ranks:
+            raise ValueError(f"outer_group holds ranks {outer}, not the ranks of the group, {ranks}, in their order")
     if verify_plan:  # one all_gather; a caller running many layers on one plan may check once
         check_plan(plan, rank, group, q.device)
     p2p = P2P(group=group, rank=rank, phase="forward", counter=counter, outer=outer_group)
