@@ -331,7 +331,7 @@ def targets(data: dict) -> list[tuple[str, bool, str, str]]:
     single = next((r for r in data["pricing"] if r["options"] == {"double": False}), None)
     w = data["worst"]
     out.append(("zeppelin's step within 1.15x of the batch lower bound on every main-grid configuration", not far,
-                f"{len(g) - len(far)} of {len(g)} within; worst {max(bound):.2f}x ({w['cluster']} {w['model']} "
+                f"{len(g) - len(far)} of {len(g)} within; worst {max(bound):.3f}x ({w['cluster']} {w['model']} "
                 f"{w['workload']}), median {statistics.median(bound):.2f}x",
                 f"worst configuration (trace: `{w['trace']}`): step {w['step_time_s']:.2f} s, bound "
                 f"{w['lower_bound_s']:.2f} s; busiest rank's compute {w['compute_max_s']:.2f} s (mean "
@@ -357,7 +357,7 @@ def targets(data: dict) -> list[tuple[str, bool, str, str]]:
                     if any(c["workload"] == "prolong" for c in far) else "") + "." + _why_memory(data) + (
                     f" Without double rings (`double=False`, third row of the pricing ablation): "
                     f"{single['within_bound']} of {single['configurations']} within, worst "
-                    f"{single['worst_to_bound']:.2f}x, mean over the best baseline {single['mean_over_best']:.2f}x."
+                    f"{single['worst_to_bound']:.3f}x, mean over the best baseline {single['mean_over_best']:.2f}x."
                     if single else "")))
     by_cluster = {cl: _mean(speedup(c) for c in g if c["cluster"] == cl) for cl in CLUSTERS}
     te_by_cluster = {cl: _mean(c["results"]["te_cp"]["exposed_comm_share"] for c in g if c["cluster"] == cl)
@@ -526,7 +526,7 @@ def report(data: dict) -> str:
               f"is at or below the best baseline | within {BOUND_TARGET}x of the lower bound (worst) |",
               "| --- | --- | --- | --- | --- |"]
     lines += [f"| {r['pricing']} | {r['mean_over_best']:.2f}x | {r['min_over_best']:.2f}x | {r['wins']} of "
-              f"{r['configurations']} | {r['within_bound']} of {r['configurations']} ({r['worst_to_bound']:.2f}x) |"
+              f"{r['configurations']} | {r['within_bound']} of {r['configurations']} ({r['worst_to_bound']:.3f}x) |"
               for r in data["pricing"]]
     lines += ["", f"## Over the bound target: the same batches on GPUs with {MEMORY_HEADROOM}x the memory", "",
               "Zeppelin planned again with `memory_gb` set to that much of each GPU's memory; step over the real "

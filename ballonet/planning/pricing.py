@@ -270,24 +270,40 @@ def rank_step_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw: np.nd
 
 
 def synchronous_step_seconds(plan: Plan, dev: Devices, model: ModelSpec, kernels, seconds: np.ndarray,
-                             compute: np.ndarray) -> float:
+                             compute: np.ndarray, layers=None) -> float:
     """A step's seconds when each layer's forward and each layer's backward end with the
     slowest rank's (the remap and ring exchanges meet in both, as the simulator runs
-    them): the busiest rank's forward plus the busiest rank's backward, where ranks heavy
-    on attention (whose backward is 2.5x its forward) and on linear work (2x) take turns.
-    A rank's forward is its attention kernels' and linear layers' forward plus half of
-    what its estimated `seconds` add to its `compute` (remap, tensor-parallel
-    collectives, exposed transfers, waits); its backward the rest. `kernels`: the plan's
+    them): the busiest rank's forward plus, layer by layer, the busiest rank's backward,
+    where ranks heavy on attention (whose backward is 2.5x its forward) and on linear work
+    (2x) take turns. A rank's forward is its attention kernels' and linear layers'
+    forward plus half of what its estimated `seconds` add to its `compute` (remap,
+    tensor-parallel collectives, exposed transfers, waits); its backward the rest. With
+    `layers` ([R] (mode, k) of `cost_model.recompute_per_rank`), a rank's first k layers
+    rerun its mode's recomputation in their backward and the others the mode below, so
+    the layers where a few ranks recompute end with theirs. `kernels`: the plan's
     `attention_kernels`."""
     rank, fwd, _ = kernels
-    forward = model.num_layers * np.bincount(rank, weights=fwd, minlength=plan.num_ranks).astype(float)
+    L, R = model.num_layers, plan.num_ranks
+    forward = L * np.bincount(rank, weights=fwd, minlength=R).astype(float)
     tokens, names = np.asarray(plan.linear_token_counts, dtype=float), np.array([g.name for g in dev.gpu])
+    extra = np.zeros(R)  # [R] a recomputing layer's backward over the same layer's below its mode
     for gpu in {g.name: g for g in dev.gpu}.values():
         on = names == gpu.name
-        forward[on] += model.num_layers * cost_model.linear_layer_seconds(model, gpu, tokens[on], "none",
-                                                                          framework=False)[0]
+        forward[on] += L * cost_model.linear_layer_seconds(model, gpu, tokens[on], "none", framework=False)[0]
+        for m in {m for m, _ in layers or ()} & set(cost_model.BELOW):
+            sub = on & np.array([x == m for x, _ in layers])
+            extra[sub] = (cost_model.linear_layer_seconds(model, gpu, tokens[sub], m, framework=False)[1]
+                          - cost_model.linear_layer_seconds(model, gpu, tokens[sub], cost_model.BELOW[m],
+                                                            framework=False)[1])
     forward += (seconds - compute) / 2
-    return float(forward.max() + (seconds - forward).max())
+    backward = seconds - forward
+    if layers is None or not extra.any():
+        return float(forward.max() + backward.max())
+    k = np.array([n if m in cost_model.BELOW else 0 for m, n in layers])
+    base = (backward - k * extra) / L  # [R] one layer's backward below the mode
+    cuts = sorted({0, L, *k.tolist()})
+    runs = sum((hi - lo) * float((base + extra * (k > lo)).max()) for lo, hi in zip(cuts, cuts[1:]))
+    return float(forward.max() + runs)
 
 
 def crossing_exposed_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw: np.ndarray, nic_bw: np.ndarray,

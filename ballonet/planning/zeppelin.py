@@ -31,9 +31,9 @@ Placement, with work in peak-FLOP units so a rank's time is work / its peak:
     `_node_work`); one that no node can hold whole is spread across nodes.
   Step 2 (level 2, inside each node, on attention work: the remap evens the tokens;
     `node_placement.py`): documents that must be split there, and the node's shares of
-    inter-node documents, fill the ranks with the most room (levelled over them where the
-    last would hold a sliver, which refinement would drop); then local documents go to
-    ranks by LPT, within each rank's memory. Under caps that nearly bind, where every
+    inter-node documents, fill the ranks with the most room, levelled over them in a ring
+    of 3 or more (members with alike blocks hold alike local documents, so no ring step
+    waits for one); then local documents go to ranks by LPT, within each rank's memory. Under caps that nearly bind, where every
     rank ends with about its cap of tokens, the node is filled once more on each
     document's work beyond the light documents' mean per token, and the more level fill
     is kept. If the busiest rank still holds only whole documents and is over the node's
@@ -51,7 +51,7 @@ already slower than the best plan), steps 2-4 first with every rank keeping its 
 (no remap; ranks balanced on attention plus linear work) and then with the remap, from
 the same level 1, unless the first is already as level as its nodes allow; the plan
 with the shortest estimated step is kept: its busiest rank's (`pricing.rank_step_seconds`)
-or, when longer, its slowest forward plus its slowest backward
+or, when longer, its slowest forward plus its slowest backward, layer by layer
 (`pricing.synchronous_step_seconds`).
 When the recomputation is left to the partitioner, in a selective or linear plan each
 rank recomputes as little as its own tokens need (`cost_model.recompute_per_rank`) and
@@ -560,7 +560,8 @@ def _candidates(lengths, cluster, model, crossovers, options, fallback: bool, be
         # remap of the same nodes takes that off): `KEEP_MARGIN`'s floor.
         node = max((attention[rs] + linear[rs] + exposed[rs]).mean() for rs in dev.nodes())
         busiest = float(seconds.max())
-        step = max(busiest, synchronous_step_seconds(plan, dev, priced, kernels, seconds, attention + linear))
+        step = max(busiest, synchronous_step_seconds(plan, dev, priced, kernels, seconds, attention + linear,
+                                                     layers if trim else None))
         return _Candidate(plan, step, _caps_bind(plan, dev, seconds), kernels), busiest <= (1 + KEEP_MARGIN) * node
 
     def from_nodes(shared: _Nodes) -> list[_Candidate]:
