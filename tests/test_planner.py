@@ -481,12 +481,14 @@ def test_zeppelin_recomputes_the_fewest_layers_its_plan_needs():
 
 
 def test_caps_that_bind_where_the_step_is_set_get_a_selective_plan_too():
-    # 32 H800s, llama-3b, prolong's second batch: the best plan without recomputation has
+    # 32 H800s, llama-3b, prolong's first batch: the best plan without recomputation has
     # ranks at their memory caps in the node of its busiest rank, so selective
     # recomputation on a few layers is planned too although on every layer its mean rank
-    # is slower; it wins the estimate and the simulated step.
+    # is slower; it wins the estimate and the simulated step (0.854 s against 0.878 s).
+    # (On the second batch it won until 2026-12-02, when level 2 and refinement made the
+    # plan without recomputation 7% shorter, and now loses, as simulated.)
     cluster, model = specs.cluster("h800-8nic", num_nodes=4), specs.model("llama-3b")
-    lengths = list(workloads.get("prolong").batches(16384 * 32, 0, 2, 65536))[1]
+    lengths = next(iter(workloads.get("prolong").batches(16384 * 32, 0, 1, 65536)))
     plan = plan_batch(lengths, cluster, model)
     assert {c["recompute"] for c in plan.meta["candidates"]} == {"none", "selective"}
     assert plan.meta["recompute"] == "selective" and 1 <= plan.meta["recompute_layers"] <= 4
