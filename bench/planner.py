@@ -158,13 +158,19 @@ def double_cost(gpu_counts: list[int]) -> list[dict]:
     return rows
 
 
-_TIMER = """
-import json, statistics, sys, time
+_BATCH = """
 from ballonet import plan_batch, specs, workloads
+def batch(gpus):
+    return (workloads.get("wlbllm").sample_batch(16384 * gpus, 0), specs.cluster("h200-8nic", num_nodes=gpus // 8),
+            specs.model("llama-7b"))
+"""
+"""The batch both scripts below plan, in a fresh process of the tree on PYTHONPATH."""
+
+_TIMER = _BATCH + """
+import json, statistics, time
 out = {}
 for gpus in (128, 1024):
-    model, cluster = specs.model("llama-7b"), specs.cluster("h200-8nic", num_nodes=gpus // 8)
-    lengths = workloads.get("wlbllm").sample_batch(16384 * gpus, 0)
+    lengths, cluster, model = batch(gpus)
     plan_batch(lengths, cluster, model)
     cpu = []
     for _ in range(7):
@@ -214,12 +220,10 @@ def side_by_side(rev: str, rounds: int = 5) -> dict:
     return out
 
 
-_COUNTED = """
+_COUNTED = _BATCH + """
 import sys
-from ballonet import plan_batch, specs, workloads
 gpus, plans = int(sys.argv[1]), int(sys.argv[2])
-model, cluster = specs.model("llama-7b"), specs.cluster("h200-8nic", num_nodes=gpus // 8)
-lengths = workloads.get("wlbllm").sample_batch(16384 * gpus, 0)
+lengths, cluster, model = batch(gpus)
 for _ in range(1 + plans):
     plan_batch(lengths, cluster, model)
 """
@@ -239,7 +243,11 @@ def _instructions(tree: str, gpus: int) -> int:
             done = subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={tmp}/cg.%p",
                                    sys.executable, "-c", _COUNTED, str(gpus), str(plans)],
                                   cwd=tree, env=env, capture_output=True, text=True, check=True)
-            counts.append(int(re.search(r"I\s+refs:\s+([\d,]+)", done.stderr).group(1).replace(",", "")))
+            found = re.search(r"I\s+refs:\s+([\d,]+)", done.stderr)
+            if found is None:
+                raise SystemExit(f"bench/planner.py: --instructions: no instruction count in valgrind's output "
+                                 f"({done.stderr.strip().splitlines()[-1] if done.stderr.strip() else 'empty'})")
+            counts.append(int(found.group(1).replace(",", "")))
     return counts[1] - counts[0]
 
 

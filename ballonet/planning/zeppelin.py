@@ -36,8 +36,9 @@ Placement, with work in peak-FLOP units so a rank's time is work / its peak:
     waits for one); then local documents go to ranks by LPT, within each rank's memory.
     Under caps that nearly bind, where every rank ends with about its cap of tokens, the
     node is filled once more on each document's work beyond the light documents' mean
-    per token, and the more level fill is kept. If the busiest rank still holds only whole documents and is over the node's
-    mean, its largest document above L_intra is split with the least busy such rank.
+    per token, and the more level fill is kept. If the busiest rank still holds only
+    whole documents and is over the node's mean, its largest document above L_intra is
+    split with the least busy such rank.
   Step 3 (refinement): each split document's tokens are re-spread over its members by
     water-filling so that members end level relative to their speed (a split document
     can be cut anywhere: see `assembly.zigzag_bounds`); members join or leave a ring
