@@ -354,7 +354,11 @@ def targets(data: dict) -> list[tuple[str, bool, str, str]]:
                 "recomputes for looser caps" + (
                     "; on prolong (documents up to 29K) the smallest model on the fastest GPUs leaves a few "
                     "percent each of compute imbalance and exposed communication"
-                    if any(c["workload"] == "prolong" for c in far) else "") + "." + _why_memory(data) + (
+                    if any(c["workload"] == "prolong" for c in far) else "")
+                + ". `bench/hill_climb.py` climbs the worst configuration's plans under the simulator (whole "
+                "documents between ranks, ring shares between members, the same rings; `bench/results/hill_climb.md`):"
+                " what the climb gains is what the greedy steps leave, the rest of the distance is this structure."
+                + _why_memory(data) + (
                     f" Without double rings (`double=False`, third row of the pricing ablation): "
                     f"{single['within_bound']} of {single['configurations']} within, worst "
                     f"{single['worst_to_bound']:.3f}x, mean over the best baseline {single['mean_over_best']:.2f}x."

@@ -1,0 +1,46 @@
+"""`bench/hill_climb.py`: the placement it climbs from is the plan's own, and a climb
+only ever keeps a valid plan that simulates no slower."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from ballonet import plan_batch, specs, workloads
+from ballonet.simulation.simulator import simulate
+
+_spec = importlib.util.spec_from_file_location("hill_climb", Path(__file__).resolve().parents[1] / "bench" /
+                                               "hill_climb.py")
+hill_climb = sys.modules.setdefault("hill_climb", importlib.util.module_from_spec(_spec))
+_spec.loader.exec_module(hill_climb)
+
+
+@pytest.mark.parametrize("cluster, model, workload, kind", [
+    ("h800-8nic", "llama-3b", "shortmix", "rings inside nodes"), ("a800-4nic", "llama-3b", "prolong", "remap"),
+    ("h800-8nic", "llama-3b", "wlbllm", "double ring"), ("h200-8nic", "llama-3b", "wlbllm", "routes")])
+def test_rebuilt_placement_is_the_plan_and_a_climb_never_lengthens_it(cluster, model, workload, kind):
+    c, m = specs.cluster(cluster, num_nodes=2), specs.model(model)
+    batch = next(iter(workloads.get(workload).batches(16384 * c.num_ranks, 0, 1, 65536)))
+    plan = plan_batch(batch, c, m, "zeppelin")
+    assert {"rings inside nodes": plan.rings, "remap": plan.remap, "routes": plan.routes,
+            "double ring": [r for r in plan.rings if r.comm == "double"]}[kind], f"the case should have {kind}"
+    again = hill_climb.rebuild(plan, hill_climb.placement_of(plan), c, m)
+    assert (again.attention, again.rings, again.remap, again.routes) == (plan.attention, plan.rings, plan.remap,
+                                                                         plan.routes)
+    start = simulate(plan, c, m).step_time_s
+    climbed, kept = hill_climb.hill_climb(plan, c, m, moves=40, seed=1)
+    assert climbed.num_tokens == sum(batch)  # (and `hill_climb` validated it)
+    assert simulate(climbed, c, m).step_time_s <= start
+    assert (kept == 0) == (climbed.attention == plan.attention)
+
+
+def test_bad_arguments_exit_2_with_one_line(capsys):
+    with pytest.raises(SystemExit) as e:
+        hill_climb.main(["--cluster", "B", "--model", "llama-3b"])
+    assert e.value.code == 2
+    assert "give all of --cluster, --model and --workload" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        hill_climb.main(["--cluster", "B", "--model", "llama-99b", "--workload", "shortmix", "--moves", "0"])
+    assert e.value.code == 2
+    assert "unknown model" in capsys.readouterr().err
