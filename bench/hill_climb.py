@@ -145,18 +145,18 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="of the moves; the batches are bench/paper.py's (seed 0)")
     ap.add_argument("--out", default=os.path.join(here, "results"))
     args = ap.parse_args(argv)
-    if args.steps < 1 or args.moves < 0:
-        ap.error("--steps must be at least 1 and --moves at least 0")
+    if args.steps < 1 or args.moves < 0 or (args.tp is not None and args.tp < 1):
+        ap.error("--steps and --tp must be at least 1, --moves at least 0")
     given = (args.cluster, args.model, args.workload)
     if all(given):
-        cluster, model, tp, workload = args.cluster, args.model, args.tp or 1, args.workload
+        cluster, model, tp, workload = args.cluster, args.model, args.tp if args.tp is not None else 1, args.workload
     elif not any(given):
         try:
             cluster, model, tp, workload = worst_configuration(os.path.join(here, "results", "paper.json"))
         except (OSError, ValueError, KeyError) as e:
             ap.error(f"no configuration given and results/paper.json unreadable ({e}); give --cluster, --model "
                      "and --workload")
-        tp = args.tp or tp
+        tp = args.tp if args.tp is not None else tp
     else:
         ap.error("give all of --cluster, --model and --workload, or none (the worst of results/paper.json)")
     try:

@@ -44,3 +44,7 @@ def test_bad_arguments_exit_2_with_one_line(capsys):
         hill_climb.main(["--cluster", "B", "--model", "llama-99b", "--workload", "shortmix", "--moves", "0"])
     assert e.value.code == 2
     assert "unknown model" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        hill_climb.main(["--cluster", "B", "--model", "llama-3b", "--workload", "shortmix", "--tp", "0"])
+    assert e.value.code == 2
+    assert "--tp must be at least 1" in capsys.readouterr().err
