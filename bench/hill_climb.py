@@ -29,11 +29,10 @@ import time
 
 from ballonet import InfeasiblePlan, plan_batch, specs, workloads
 from ballonet.plan import Plan
-from ballonet.planning.assembly import Placement, assemble, with_memory
+from ballonet.planning.assembly import Placement
 from ballonet.planning.devices import devices
-from ballonet.planning.pricing import remaps_inside
-from ballonet.planning.remap import node_linear_targets, plan_remap
 from ballonet.planning.routing import plan_routes
+from ballonet.planning.zeppelin import finish
 from ballonet.simulation.simulator import simulate
 from ballonet.specs import ClusterSpec, ModelSpec
 
@@ -54,20 +53,15 @@ def placement_of(plan: Plan) -> Placement:
 
 
 def rebuild(plan: Plan, placement: Placement, cluster: ClusterSpec, model: ModelSpec) -> Plan:
-    """`placement` as a plan made like `plan`: the same recomputation's memory caps (raises
-    `InfeasiblePlan` over them), double rings where it had them, the remap's rule where it
-    remapped, routes where it had them."""
+    """`placement` as a plan made like `plan` (`zeppelin.finish`): the same recomputation's
+    memory caps (raises `InfeasiblePlan` over them), double rings where it had them, its
+    remap rule where it remapped, routes where it had them."""
     spec = dataclasses.replace(model, recompute=plan.meta.get("recompute", model.recompute))
     dev = devices(cluster, spec)
-    out = assemble(plan.planner, list(plan.lengths), dev, dataclasses.replace(
-        placement, local=[list(ds) for ds in placement.local], split={d: dict(s) for d, s in placement.split.items()}),
-        double=any(r.comm == "double" for r in plan.rings), attention_engine=plan.attention_engine, meta=plan.meta)
-    if plan.remap:
-        counts = out.attention_token_counts
-        nodes = [rs for rs in dev.nodes() if remaps_inside(dev.gpu[rs[0]])]
-        targets = node_linear_targets(counts, dev.speed, dev.token_cap, nodes)
-        out = dataclasses.replace(out, remap=plan_remap(list(counts), targets, dev.node))
-    out = with_memory(out, dev)
+    copy = dataclasses.replace(placement, local=[list(ds) for ds in placement.local],
+                               split={d: dict(s) for d, s in placement.split.items()})  # `assemble` edits it
+    out = finish(list(plan.lengths), dev, copy, plan.meta, remap=bool(plan.remap),
+                 node_remap=plan.meta["options"]["price_linear"], double=any(r.comm == "double" for r in plan.rings))
     if plan.routes:
         out = dataclasses.replace(out, routes=plan_routes(out, cluster, spec, dev.local_index))
     return out

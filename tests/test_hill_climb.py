@@ -1,13 +1,14 @@
 """`bench/hill_climb.py`: the placement it climbs from is the plan's own, and a climb
 only ever keeps a valid plan that simulates no slower."""
 
+import dataclasses
 import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 
-from ballonet import plan_batch, specs, workloads
+from ballonet import InfeasiblePlan, plan_batch, specs, workloads
 from ballonet.simulation.simulator import simulate
 
 _spec = importlib.util.spec_from_file_location("hill_climb", Path(__file__).resolve().parents[1] / "bench" /
@@ -48,3 +49,29 @@ def test_bad_arguments_exit_2_with_one_line(capsys):
         hill_climb.main(["--cluster", "B", "--model", "llama-3b", "--workload", "shortmix", "--tp", "0"])
     assert e.value.code == 2
     assert "--tp must be at least 1" in capsys.readouterr().err
+
+
+def test_a_climb_undoes_a_worsened_placement():
+    c, m = specs.cluster("h800-8nic", num_nodes=2), specs.model("llama-3b")
+    batch = next(iter(workloads.get("shortmix").batches(8192 * c.num_ranks, 0, 1, 65536)))  # room to move
+    plan = plan_batch(batch, c, m, "zeppelin")
+    # Move a rank's largest whole document to its neighbour, where memory allows and the
+    # step gets longer.
+    placement, best = hill_climb.placement_of(plan), simulate(plan, c, m).step_time_s
+    start = best
+    for a in range(plan.num_ranks):
+        if not placement.local[a]:
+            continue
+        moved = [list(ds) for ds in placement.local]
+        d = max(moved[a], key=lambda d: batch[d])
+        moved[a].remove(d)
+        moved[a ^ 1].append(d)
+        try:
+            worse = hill_climb.rebuild(plan, dataclasses.replace(placement, local=moved), c, m)
+        except InfeasiblePlan:
+            continue
+        if (start := simulate(worse, c, m).step_time_s) > best:
+            break
+    assert start > best, "no move of a document to a neighbour fits and lengthens the step"
+    climbed, kept = hill_climb.hill_climb(worse, c, m, moves=100, seed=0)
+    assert kept > 0 and simulate(climbed, c, m).step_time_s < start

@@ -104,7 +104,7 @@ from ballonet.planning.routing import plan_routes
 from ballonet.planning.state import Batch, Crossover, RankFill
 from ballonet.specs import ClusterSpec, ModelSpec
 
-__all__ = ["crossover_lengths", "zeppelin"]
+__all__ = ["crossover_lengths", "finish", "zeppelin"]
 
 
 def crossover_lengths(cluster: ClusterSpec, model: ModelSpec) -> list[Crossover]:
@@ -537,7 +537,7 @@ def _candidates(lengths, cluster, model, crossovers, options, fallback: bool, be
     def build(placement: Placement, facts: dict, keep: bool, double: bool = False) -> tuple[_Candidate, bool]:
         """(the plan as a candidate, whether its busiest rank is within `KEEP_MARGIN` of its
         busiest node's mean compute)."""
-        plan = _finish(lengths, dev, placement, {**meta, **facts, "keep_tokens": keep, "double": double},
+        plan = finish(lengths, dev, placement, {**meta, **facts, "keep_tokens": keep, "double": double},
                        remap=options["remap"] and not keep, node_remap=options["price_linear"],
                        double=double)
         priced, layers = model, cost_model.recompute_layer_count(model)  # the model's own, or every layer
@@ -606,10 +606,11 @@ def _caps_bind(plan: Plan, dev: Devices, seconds: np.ndarray) -> bool:
     return any(plan.memory_bytes[r] >= (1 - CAP_SLACK) * dev.memory_total[r] for r in ranks)
 
 
-def _finish(lengths, dev: Devices, placement: Placement, meta, *, remap: bool, node_remap: bool,
-            double: bool) -> Plan:
-    """Step 4 but routes: remap (inside nodes, or across the cluster) and memory (raises
-    `InfeasiblePlan`); the chosen plan gets its routes and is validated by `zeppelin`."""
+def finish(lengths, dev: Devices, placement: Placement, meta, *, remap: bool, node_remap: bool,
+           double: bool) -> Plan:
+    """Step 4 but routes, on a placement: remap (inside nodes, or across the cluster) and
+    memory (raises `InfeasiblePlan`); the chosen plan gets its routes and is validated by
+    `zeppelin` (`bench/hill_climb.py` rebuilds moved placements with it)."""
     plan = assemble("zeppelin", lengths, dev, placement, double=double, attention_engine=True, meta=meta)
     if remap:
         counts = plan.attention_token_counts
