@@ -301,7 +301,7 @@ def run_case(case: Case, timeout_s: float = 120.0) -> dict:
         start = time.perf_counter()
         try:
             r = subprocess.run([sys.executable, "-m", "ballonet", *case.argv], cwd=folder, env=env,
-                               capture_output=True, text=True, timeout=timeout_s)
+                               capture_output=True, text=True, timeout=timeout_s, check=False)
             code, stderr = r.returncode, r.stderr
         except subprocess.TimeoutExpired as e:
             code, stderr = "timeout", (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")

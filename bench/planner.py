@@ -194,7 +194,7 @@ def side_by_side(rev: str, rounds: int = 5) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         other = os.path.join(tmp, "rev")
         made = subprocess.run(["git", "-C", root, "worktree", "add", "--detach", "-q", other, rev],
-                              capture_output=True, text=True)
+                              capture_output=True, text=True, check=False)
         if made.returncode:
             print(f"bench/planner.py: --against {rev}: not a revision of this repository "
                   f"({made.stderr.strip().splitlines()[-1] if made.stderr.strip() else 'git worktree add failed'})",
@@ -436,7 +436,7 @@ def main() -> None:
     if args.against:  # before the long run, not after it
         import subprocess
         known = subprocess.run(["git", "-C", os.path.dirname(HERE), "rev-parse", "--verify", "-q",
-                                f"{args.against}^{{commit}}"], capture_output=True)
+                                f"{args.against}^{{commit}}"], capture_output=True, check=False)
         if known.returncode:
             parser.error(f"--against {args.against}: not a revision of this repository")
     start = time.time()

@@ -7,7 +7,7 @@ import pytest
 
 
 def run(*args):
-    return subprocess.run([sys.executable, "-m", "ballonet", *args], capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "ballonet", *args], capture_output=True, text=True, check=False)
 
 
 def test_cost_json_has_the_documented_keys():
@@ -162,7 +162,7 @@ def test_a_rank_s_bad_input_under_nproc_is_its_one_line_and_exit_2(tmp_path):
     # (once TrainConfig checks it, the launcher refuses it first: the same line and code).
     r = subprocess.run([sys.executable, "-m", "ballonet", "train", "--nproc", "2", "--steps", "1",
                         "--global-tokens", "256", "--max-doc-tokens", "0"], capture_output=True, text=True,
-                       cwd=tmp_path, timeout=300)
+                       cwd=tmp_path, timeout=300, check=False)
     assert r.returncode == 2, r.stderr
     lines = r.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("ballonet train: error: ") and "Traceback" not in r.stderr

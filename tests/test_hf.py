@@ -17,17 +17,17 @@ import pytest
 
 pytest.importorskip("transformers")
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
 
-import ballonet  # noqa: E402
-from ballonet.integrations import hf  # noqa: E402
-from ballonet.plan import Plan, Ring, Segment, Transfer, chunk_bounds  # noqa: E402
-from ballonet.training.corpus import from_lengths  # noqa: E402
-from ballonet.training.loader import Batch, Piece, build_batch, rank_view  # noqa: E402
-from tests.distributed import run_ranks  # noqa: E402
+import ballonet
+from ballonet.integrations import hf
+from ballonet.plan import Plan, Ring, Segment, Transfer, chunk_bounds
+from ballonet.training.corpus import from_lengths
+from ballonet.training.loader import Batch, Piece, build_batch, rank_view
+from tests.distributed import run_ranks
 
 RTOL = 1e-4
 

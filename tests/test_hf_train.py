@@ -19,17 +19,17 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
-import torch  # noqa: E402
-from transformers import LlamaConfig  # noqa: E402
+import torch
+from transformers import LlamaConfig
 
-from ballonet.cli import main  # noqa: E402
-from ballonet.errors import InputError  # noqa: E402
-from ballonet.integrations import hf_model  # noqa: E402
-from ballonet.training import loop  # noqa: E402
-from ballonet.training.config import TrainConfig  # noqa: E402
-from ballonet.training.prepare import PrepareConfig, prepare  # noqa: E402
-from tests.distributed import run_ranks  # noqa: E402
-from tests.test_prepare import train_tokenizer, write_sources  # noqa: E402
+from ballonet.cli import main
+from ballonet.errors import InputError
+from ballonet.integrations import hf_model
+from ballonet.training import loop
+from ballonet.training.config import TrainConfig
+from ballonet.training.prepare import PrepareConfig, prepare
+from tests.distributed import run_ranks
+from tests.test_prepare import train_tokenizer, write_sources
 
 RTOL = 1e-4
 RECOMPUTE_RTOL = 1e-5
