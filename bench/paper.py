@@ -357,7 +357,8 @@ def targets(data: dict) -> list[tuple[str, bool, str, str]]:
                     if any(c["workload"] == "prolong" for c in far) else "")
                 + ". `bench/hill_climb.py` climbs the worst configuration's plans under the simulator (whole "
                 "documents between ranks, ring shares between members, the same rings; `bench/results/hill_climb.md`):"
-                " what the climb gains is what the greedy steps leave, the rest of the distance is this structure."
+                " what the climb gains is what the greedy steps leave, the rest of the distance is this structure"
+                " (every attempt to close it, with its figures: `docs/planner_evidence.md`, 'The bound target')."
                 + _why_memory(data) + (
                     f" Without double rings (`double=False`, third row of the pricing ablation): "
                     f"{single['within_bound']} of {single['configurations']} within, worst "
