@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from ballonet import calibration, hardware, specs
+from ballonet.runtime import kernels
 from ballonet.calibrate_compute import (
     attention_shapes,
     lengths,
@@ -204,8 +205,9 @@ def build_profile(s: Settings, attention: list[dict], linear: list[dict], comm: 
         notes += ["links not measured (one process): the built-in profile's figures",
                   "overlap slowdown not measured (one process): the built-in profile's figure"]
     return dataclasses.replace(
-        base, **fields, gpu=s.gpu, source=f"ballonet calibrate on {socket.gethostname()} ({_device_name(device)})",
-        assumptions=tuple(notes), machine=_machine(device), versions=_versions())
+        base, **fields, gpu=s.gpu, assumptions=tuple(notes), machine=_machine(device), versions=_versions(),
+        source=f"ballonet calibrate on {socket.gethostname()} ({_device_name(device)}, attention kernel "
+               f"{kernels.select(device=device).name})")
 
 
 def _device_name(device: torch.device) -> str:
