@@ -13,6 +13,12 @@ position) only, never on the number of ranks: runs on 1, 2 or 4 ranks see the sa
 batches, and a checkpoint made on one world size resumes on another. Batches are cut and
 planned from the corpus's document lengths alone; each rank then reads from the corpus
 only the token ranges the plan gives it (plus the one token after each, for its label).
+
+Everything else a step needs is made with it, in the prefetch thread: the layers'
+metadata (`runtime.step_meta`, once per step), staged with the tokens in one buffer for
+one copy to the device (`RankBatch.staged`), and the digests the plan check compares
+(`RankBatch.content`: of this rank's tokens and of its successor's, read from the
+corpus too, so ranks that read different data fail together before the first exchange).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from ballonet import runtime
 from ballonet.errors import InputError
 from ballonet.plan import Plan
 from ballonet.runtime.layout import (
@@ -36,6 +43,7 @@ from ballonet.runtime.layout import (
     position_ids,
     token_index,
 )
+from ballonet.runtime.staging import Staged
 from ballonet.training.corpus import Corpus
 
 IGNORE_INDEX = -100
@@ -186,6 +194,12 @@ class RankBatch:
     """Valid labels over the whole batch: the loss denominator on every rank."""
     layout: str = "attention"
     """The plan layout these tokens are in."""
+    content: tuple[bytes, bytes] = (b"", b"")
+    """Digests of this rank's (input ids, labels) and of its successor's (rank + 1 mod
+    the plan's ranks), as this rank reads them (`runtime.check_plan` compares them)."""
+    staged: Staged | None = None
+    """(`runtime.StepMeta`, input ids, labels) in one buffer: `staged.to(device)` moves
+    the step's metadata and tokens with one copy."""
 
     @property
     def plan(self) -> Plan:
@@ -200,16 +214,21 @@ class RankBatch:
         return self.batch.plan_ms
 
 
-def rank_view(batch: Batch, rank: int, layout: str = "attention") -> RankBatch:
+def rank_view(batch: Batch, rank: int, layout: str = "attention", *, pin: bool = False) -> RankBatch:
     """`rank`'s tokens, read from the corpus: only the ranges it holds, each with the one
     token after it, so labels are right even where a document's next token lives on
-    another rank."""
-    ranges = doc_ranges(batch.plan, rank, layout)
-    input_ids, labels = batch.read(ranges)
+    another rank; with the step's metadata staged for one copy (`pin`: in page-locked
+    memory, for a GPU) and the token digests of the plan check."""
+    plan = batch.plan
+    input_ids, labels = batch.read(doc_ranges(plan, rank, layout))
+    successor = batch.read(doc_ranges(plan, (rank + 1) % plan.num_ranks, layout))
+    meta = runtime.step_meta(plan, rank)
     return RankBatch(batch=batch, rank=rank, input_ids=input_ids, labels=labels,
-                     loss_mask=labels != IGNORE_INDEX, position_ids=position_ids(batch.plan, rank, layout),
-                     token_index=token_index(batch.plan, rank, layout), doc_ids=doc_ids(batch.plan, rank, layout),
-                     num_valid_tokens_global=batch.num_valid_tokens, layout=layout)
+                     loss_mask=labels != IGNORE_INDEX, position_ids=position_ids(plan, rank, layout),
+                     token_index=token_index(plan, rank, layout), doc_ids=doc_ids(plan, rank, layout),
+                     num_valid_tokens_global=batch.num_valid_tokens, layout=layout,
+                     content=(runtime.content_digest(input_ids, labels), runtime.content_digest(*successor)),
+                     staged=runtime.stage((meta, input_ids, labels), pin=pin))
 
 
 # ---- the loader ----------------------------------------------------------------------
@@ -257,7 +276,7 @@ class BalancedLoader:
         if batch.plan.num_ranks != self.world_size:
             raise ValueError(f"batch {batch.index}: the plan has {batch.plan.num_ranks} ranks, "
                              f"the loader {self.world_size}")
-        return rank_view(batch, self.rank, self.layout)
+        return rank_view(batch, self.rank, self.layout, pin=torch.cuda.is_available())
 
     def __iter__(self) -> Iterator[RankBatch]:
         with ThreadPoolExecutor(1, thread_name_prefix="ballonet-plan") as pool:

@@ -16,6 +16,7 @@ once.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -43,8 +44,8 @@ class RankFailure(InputError):
     """A peer died, timed out or disagreed: one line on every rank instead of a hang."""
 
 
-_PEER_TROUBLE = re.compile(r"disagree on the plan|another plan rank|the plan is for|[Cc]onnection|[Tt]imed? ?out|"
-                           r"[Pp]eer|[Gg]loo|NCCL")
+_PEER_TROUBLE = re.compile(r"disagree on the plan|disagree on the step's tokens|another plan rank|the plan is for|"
+                           r"[Cc]onnection|[Tt]imed? ?out|[Pp]eer|[Gg]loo|NCCL")
 """What the runtime's plan check and the communication backends say when ranks part ways."""
 
 
@@ -249,6 +250,7 @@ def _run(config: TrainConfig, group, use_cuda: bool):
     model = (hf_model.build_model(config.model, config.seed, device, config.recompute, config.recompute_layers)
              if hf_model.is_hf(config.model) else build_model(config, spec, device))
     parallel.parallelize(model, parallel.device_mesh(world_size, config.shard, device), config.dtype)
+    groups = _groups(group, world_size, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
 
     step = 0
@@ -268,8 +270,6 @@ def _run(config: TrainConfig, group, use_cuda: bool):
     writer = _tensorboard_writer(config.tensorboard) if config.tensorboard and rank == 0 else None
     peak = metrics.peak_flops(cluster, config.calibration)
 
-    # Double rings' transfers across nodes go over a second group (`runtime.attention`).
-    outer_group = dist.new_group(dist.get_process_group_ranks(group)) if world_size > 1 else None
     records = []
     batches = iter(loader)
     while step < config.steps:
@@ -282,7 +282,7 @@ def _run(config: TrainConfig, group, use_cuda: bool):
         step += 1
         _maybe_fault(step, rank)
         recompute = _auto_recompute(model, batch.plan, spec, cluster, rank) if spec.recompute is None else None
-        record = _step(model, optimizer, batch, rank, group, device, spec, peak, step, outer_group)
+        record = _step(model, optimizer, batch, rank, groups, device, spec, peak, step)
         if recompute is not None:
             record["recompute"], record["recompute_layers_max"] = recompute
         records.append(record)
@@ -310,18 +310,57 @@ def _auto_recompute(model, plan, spec, cluster, rank: int) -> tuple[str, int]:
     return mode, cost_model.most_layers(mode, per_rank)
 
 
-def _step(model, optimizer, batch, rank: int, group, device, spec, peak: float, step: int,
-          outer_group=None) -> dict:
-    """One optimizer step on this rank's share of `batch`; its log record. `outer_group`
-    as in `runtime.attention`."""
+@dataclasses.dataclass(frozen=True)
+class Groups:
+    """The process groups of a run, by role (`parallel.py`)."""
+
+    world: dist.ProcessGroup
+    """Every rank: metrics, checkpoints (and FSDP2's collectives, over the same ranks)."""
+    plan: dist.ProcessGroup
+    """The plan's traffic: rings, relays, remaps, the plan check."""
+    outer: dist.ProcessGroup | None
+    """Double rings' transfers across nodes."""
+
+
+def _groups(world: dist.ProcessGroup, world_size: int, device: torch.device) -> Groups:
+    mesh = parallel.plan_mesh(device, world_size)
+    return Groups(world=world, plan=mesh.get_group("plan"),
+                  outer=parallel.outer_group(mesh, device) if world_size > 1 else None)
+
+
+SYNC_DEBUG = "BALLONET_SYNC_DEBUG"
+"""Test hook (scripts/gpu_check.sh): "warn" or "error" runs each step after the first,
+forward, backward and optimizer step, under `torch.cuda.set_sync_debug_mode`, so a
+host-device synchronisation there warns or fails."""
+
+
+@contextlib.contextmanager
+def _sync_debug(step: int):
+    mode = os.environ.get(SYNC_DEBUG)
+    if not mode or step < 2 or not torch.cuda.is_available():
+        yield
+        return
+    torch.cuda.set_sync_debug_mode(mode)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def _step(model, optimizer, batch, rank: int, groups: Groups, device, spec, peak: float, step: int) -> dict:
+    """One optimizer step on this rank's share of `batch`; its log record."""
     wall, cpu = time.perf_counter(), time.thread_time()
+    meta, input_ids, labels = batch.staged.to(device)  # the step's metadata and tokens: one copy
+    if batch.plan.num_ranks > 1:  # every rank runs this plan on the same data, before the first exchange
+        runtime.check_plan(batch.plan, rank, groups.plan, device, content=batch.content)
     counter = runtime.ByteCounter()
-    loss_sum = model.loss(batch.input_ids.to(device), batch.labels.to(device), batch.plan, rank, group,
-                          counter=counter, outer_group=outer_group)
-    (loss_sum / batch.num_valid_tokens_global).backward()
-    compute = time.thread_time() - cpu
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    with _sync_debug(step):
+        loss_sum = model.loss(input_ids, labels, batch.plan, rank, groups.plan, counter=counter,
+                              outer_group=groups.outer, meta=meta, verify_plan=False)
+        (loss_sum / batch.num_valid_tokens_global).backward()
+        compute = time.thread_time() - cpu
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     wall = time.perf_counter() - wall
@@ -330,8 +369,8 @@ def _step(model, optimizer, batch, rank: int, group, device, spec, peak: float, 
     values = [loss_sum.item(), compute, float(sum(counter.total().values())), exposed,
               float(metrics.memory_high_water(device)), float(parallel.local_parameter_bytes(model, optimizer)),
               step_cpu]
-    sums, maxes = _reduce(values, group, device)
-    world_size = dist.get_world_size(group)
+    sums, maxes = _reduce(values, groups.world, device)
+    world_size = dist.get_world_size(groups.world)
     num_tokens = sum(p.end - p.start for p in batch.pieces)
     return {
         "step": step,
