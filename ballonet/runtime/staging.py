@@ -66,14 +66,16 @@ class Staged:
     def to(self, device: torch.device | str):
         """The tree with its tensors on `device`: one copy of the buffer (the tree itself
         on the CPU)."""
-        device = torch.device(device)
-        if device.type == "cpu":
+        if torch.device(device).type == "cpu":
             return self.tree
-        copy = self.buffer.to(device, non_blocking=True)
+        return self.from_buffer(self.buffer.to(device, non_blocking=True))
+
+    def from_buffer(self, buffer: torch.Tensor):
+        """The tree with each tensor a view of `buffer` (a copy of `self.buffer`)."""
         table = {}
         for key, offset, dtype, shape in self.slots:
             nbytes = dtype.itemsize * _numel(shape)
-            table[key] = copy[offset:offset + nbytes].view(dtype).view(shape)
+            table[key] = buffer[offset:offset + nbytes].view(dtype).view(shape)
         return _rebuild(self.tree, table)
 
 
