@@ -1,16 +1,13 @@
-"""Ranks that disagree on the plan or on the data, or a peer that never comes, fail every
-rank with one clear line in seconds: the plan digest (and in training a digest of the
-tokens each rank reads and of those its successor reads) is compared before any exchange
-that depends on it, in training (`loop._step`, `Transformer.loss`) and in the runtime
-API (`remap`, `attention`)."""
+"""Ranks that disagree on the plan, or a peer that never comes, fail every rank with one
+clear line in seconds: the plan digest is compared before any exchange that depends on
+it, in training (`loop._step`, `Transformer.loss`) and in the runtime API (`remap`,
+`attention`). Ranks reading different data: tests/test_groups.py."""
 
 import dataclasses
-import json
 import os
 import socket
 import time
 
-import numpy as np
 import pytest
 import torch
 from distributed import run_ranks
@@ -58,29 +55,6 @@ def test_disagreeing_ranks_fail_every_rank_in_seconds():
             assert "disagree on the plan" in message, (rank, where, message)
             assert len(message.splitlines()) == 1, message
             assert seconds < LIMIT_S, (rank, where, seconds)
-
-
-def _different_tokens(rank, world_size, corpora):
-    """Each rank trains on its own corpus: the same document lengths, other tokens."""
-    config = dict(BASE, corpus=corpora[rank], global_tokens=1024, max_doc_tokens=None, nodes=2)
-    return _expect_failure(lambda: train(TrainConfig(**config)))
-
-
-def test_ranks_reading_different_tokens_fail_together(tmp_path):
-    rng = np.random.default_rng(0)
-    lengths = [300, 120, 500, 260, 90, 410, 333, 150]
-    docs = [rng.integers(0, 256, n).tolist() for n in lengths]
-    corpora = []
-    for name, shift in (("a", 0), ("b", 1)):  # b: every token one higher, the lengths the same
-        path = tmp_path / f"{name}.jsonl"
-        path.write_text("".join(json.dumps({"input_ids": [(t + shift) % 256 for t in d]}) + "\n" for d in docs))
-        corpora.append(str(path))
-    for rank, (message, seconds) in enumerate(run_ranks(2, _different_tokens, corpora, timeout=3 * LIMIT_S)):
-        assert "disagree on the step's tokens" in message and "read different data" in message, (rank, message)
-        assert len(message.splitlines()) == 1 and seconds < LIMIT_S, (rank, message, seconds)
-    # The same corpus on both ranks trains.
-    assert [message for message, _ in run_ranks(2, _different_tokens, [corpora[0]] * 2, timeout=3 * LIMIT_S)] == \
-        ["", ""]
 
 
 def _free_port() -> int:

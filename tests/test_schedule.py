@@ -183,7 +183,7 @@ def test_hand_plans_with_routes_double_rings_and_all_gathers_complete():
 
 
 PLANNER_CASES = [("a800-4nic", 1, "wlbllm", 4096), ("h800-8nic", 2, "prolong", 8192),
-                 ("h800+h20", None, "prolong", 8192), ("a800+l40s", None, "wlbllm", 4096)]
+                 ("h800+h20", None, "prolong", 8192), ("a800+l40s", None, "wlbllm", 2048)]
 
 
 @pytest.mark.parametrize("cluster,nodes,workload,tokens", PLANNER_CASES, ids=[c[0] for c in PLANNER_CASES])

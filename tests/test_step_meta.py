@@ -172,10 +172,16 @@ def _two_steps(rank: int, world: int, planner: str, layer_meta: bool) -> dict:
     return {"built": dict(built), "consumed": len(consumed), "calls": dict(counter.calls), "kinds": sorted(kinds)}
 
 
+def _runs(rank: int, world: int) -> list[dict]:
+    return [_two_steps(rank, world, "te_cp", True), _two_steps(rank, world, "distca", True),
+            _two_steps(rank, world, "distca", False)]
+
+
 @pytest.mark.slow
 def test_layers_build_nothing_and_copy_nothing():
-    for planner in ("te_cp", "distca"):
-        for rank, res in enumerate(run_ranks(2, _two_steps, planner, True)):
+    results = run_ranks(2, _runs)
+    for planner, runs in zip(("te_cp", "distca"), zip(*[r[:2] for r in results])):
+        for rank, res in enumerate(runs):
             assert res["calls"] == {}, (planner, rank, res["calls"])
             # One build per batch the loader made (2 used, more taken or prefetched), none elsewhere.
             built = res["built"]
@@ -183,6 +189,6 @@ def test_layers_build_nothing_and_copy_nothing():
             assert built["step_meta"] == built["rank_meta"] == built["plan_move"] == built["build_batch"], built
             assert res["kinds"] == ([("ring", "")] if planner == "te_cp" else [("allgather", "remap")]), res["kinds"]
     # The counter sees what a layer path that builds its own metadata does (the control).
-    res = run_ranks(2, _two_steps, "distca", False)[0]
+    res = results[0][2]
     assert res["calls"].get("torch.tensor", 0) > 0
     assert res["built"]["step_meta"] == res["built"]["build_batch"] + 2, res["built"]  # and one per loss call

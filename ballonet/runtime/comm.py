@@ -11,7 +11,8 @@ from) each peer are ordered by tag, so NCCL's matching (tags ignored, first in f
 per (group, src, dst)) pairs the right messages. docs/design.md, section 8, gives the
 argument that this cannot deadlock under NCCL's rules; `schedule.py` replays it.
 
-On CUDA a batch is posted from a stream of its own per group ("post stream"), which
+On CUDA a batch is posted from a stream of its own per group ("post stream", one per
+device and group role for the process), which
 waits only for what its sends carry: the CUDA event recorded after the compute that made
 them (`P2P.ready`), or the batches that received them (`Post.after`). NCCL runs a
 group's batches on the group's stream after the stream they were posted from
@@ -28,6 +29,7 @@ phase. `link_bytes` and `nic_bytes` turn pair counts into bytes per link class a
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections import Counter
 from collections.abc import Generator
 from dataclasses import dataclass, field
@@ -128,9 +130,8 @@ class P2P:
         self.group, self.rank, self.phase, self.counter, self.outer = group, rank, phase, counter, outer
         self.device = device
         cuda = device is not None and device.type == "cuda"
-        # One post stream per group: a group's batches run in posting order on its NCCL
-        # stream anyway, so its post stream adds no order of its own.
-        self._streams = {role: torch.cuda.Stream(device) for role in ROLES} if cuda else None
+        self._streams = _post_streams(torch.cuda.current_device() if device.index is None else device.index) \
+            if cuda else None
         self._inflight: list[Pending] = []
         self._waited: set = set()
         """(work id, stream) already waited for: gloo's works must be waited once only (a
@@ -220,6 +221,16 @@ class P2P:
         for before in post.after:
             for work in before.works:
                 self._wait_work(work)
+
+
+@functools.cache
+def _post_streams(device_index: int) -> dict[str, torch.cuda.Stream]:
+    """A device's post streams, one per group role, made once per process. One per group:
+    a group's batches run in posting order on its NCCL stream anyway, so its post stream
+    adds no order of its own. Made once: receive buffers are allocated from them, and the
+    caching allocator reuses a freed block only for the stream it came from, so a new
+    stream per call would strand freed buffers across PyTorch's pool of streams."""
+    return {role: torch.cuda.Stream(torch.device("cuda", device_index)) for role in ROLES}
 
 
 def round_batches(posts: list[Post], has_outer: bool) -> list[tuple[str, list[tuple]]]:
