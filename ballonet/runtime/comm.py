@@ -113,9 +113,6 @@ class Post:
     def messages(self, role: str) -> tuple[list[Message], list[Message]]:
         return (self.sends, self.recvs) if role == "inner" else (self.sends_across, self.recvs_across)
 
-    def empty(self) -> bool:
-        return not (self.sends or self.recvs or self.sends_across or self.recvs_across)
-
 
 class P2P:
     """One rank's messages of one pass (forward or backward) over its process groups.

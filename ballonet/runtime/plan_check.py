@@ -2,12 +2,13 @@
 as the plan rank it really is, and, given digests of the tokens, reads the same data.
 
 One all_gather of a small int64 row per rank (the plan digest, the rank, and optionally
-the digest of the tokens the rank reads and of those its successor, rank + 1 mod the
-world, reads: `content_digest`), and one copy of the gathered rows to the host. Every
-rank decides from the same rows, so ranks that disagree fail together, each with the
-same one line. Two ranks reading a share alike are compared directly; ranks that read
-from different data differ on a share read by a rank and its predecessor wherever the
-ring of successors crosses from one to the other.
+two `content_digest`s: of tokens the rank holds, and of the same tokens of its
+successor's share, rank + 1 mod the world, as this rank reads them from its own data;
+the training loader samples them, `loader.sample_offsets`), and one copy of the gathered
+rows to the host. Every rank decides from the same rows, so ranks that disagree fail
+together, each with the same one line. Ranks that read from different data differ on a
+share read by a rank and by its predecessor wherever the ring of successors crosses from
+one to the other (on the sampled tokens: data that differ only elsewhere pass).
 """
 
 from __future__ import annotations
@@ -43,9 +44,9 @@ def _words(data: bytes) -> list[int]:
 def check_plan(plan: Plan, rank: int, group: dist.ProcessGroup | None, device: torch.device, *,
                content: tuple[bytes, bytes] | None = None, outer_group: dist.ProcessGroup | None = None) -> None:
     """Raise RuntimeError on every rank unless all ranks of `group` run the same plan, each
-    as the plan rank it is, and, with `content` ((digest of this rank's tokens, digest of
-    its successor's tokens as this rank reads them), `content_digest`), every share is
-    read alike by its rank and its predecessor. `outer_group`, if given, must hold the
+    as the plan rank it is, and, with `content` ((digest of tokens of this rank's share,
+    digest of the same tokens of its successor's share as this rank reads them),
+    `content_digest`), every share is read alike by its rank and its predecessor. `outer_group`, if given, must hold the
     group's ranks in their order (ValueError)."""
     if not dist.is_available() or not dist.is_initialized():
         if plan.num_ranks != 1 or rank != 0:
