@@ -58,6 +58,7 @@ from ballonet.calibration.measure_compute import (
 from ballonet.calibration.measure_links import link_figures, measure_comm
 from ballonet.calibration.settings import Settings, quick
 from ballonet.cost import hardware
+from ballonet.runtime import kernels
 
 
 def _curve(tokens, effs) -> calibration.Curve:
@@ -105,8 +106,9 @@ def build_profile(s: Settings, attention: list[dict], linear: list[dict], comm: 
         notes += ["links not measured (one process): the built-in profile's figures",
                   "overlap slowdown not measured (one process): the built-in profile's figure"]
     return dataclasses.replace(
-        base, **fields, gpu=s.gpu, source=f"ballonet calibrate on {socket.gethostname()} ({_device_name(device)})",
-        assumptions=tuple(notes), machine=_machine(device), versions=_versions())
+        base, **fields, gpu=s.gpu, assumptions=tuple(notes), machine=_machine(device), versions=_versions(),
+        source=f"ballonet calibrate on {socket.gethostname()} ({_device_name(device)}, attention kernel "
+               f"{kernels.select(device=device).name})")
 
 
 def _device_name(device: torch.device) -> str:
