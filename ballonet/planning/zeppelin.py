@@ -76,11 +76,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ballonet.cost.memory import BELOW, RECOMPUTE_MODES, activation_bytes, recompute_layer_count, recompute_mode
-from ballonet.cost.recompute import layers_per_rank, most_layers
+from ballonet.cost.memory import BELOW, activation_bytes, recompute_layer_count, recompute_mode
+from ballonet.cost.recompute import layers_per_rank
 from ballonet.cost.seconds import attention_work, breakeven_chunk_tokens
 from ballonet.errors import InfeasiblePlan, InputError
 from ballonet.plan import Plan
+from ballonet.plan.recompute import heaviest
 from ballonet.planning.assembly import Placement, assemble, with_memory
 from ballonet.planning.devices import Devices, check_feasible, check_lengths, devices
 from ballonet.planning.node_placement import level2
@@ -547,8 +548,8 @@ def _candidates(lengths, cluster, model, crossovers, options, fallback: bool, be
             layers = layers_per_rank(model, lin, dev.gpu, dev.num_ranks, att, model.recompute)
             if layers is None:  # (the caps hold every layer's activations of the mode; rounding aside)
                 layers = [(model.recompute, model.num_layers)] * dev.num_ranks
-            mode = max((m for m, _ in layers), key=RECOMPUTE_MODES.index)
-            most = most_layers(mode, layers)
+            mode, most = heaviest(layers)
+            mode = mode.value
             priced = dataclasses.replace(model, recompute=mode, recompute_layers=most if mode != "none" else None)
             used = tuple(dev.static_bytes + activation_bytes(model, a, b, m, k)
                          for a, b, (m, k) in zip(lin, att, layers))
