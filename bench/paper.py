@@ -579,7 +579,7 @@ NOTES = [
     "simulator moves what the runtime moves (q/k/v out and o back in the remap, fp32 dK/dV), recomputes only "
     "when memory requires it, and lets gradient all-reduce share the NICs.",
     "shortmix is a synthetic stand-in for ArXiv/GitHub/ProLong64k; the paper's datasets are not available.",
-    "Speedups depend on the planners in ballonet/planning/ (zeppelin.py, baselines.py) as they stand; constants were "
+    "Speedups depend on the planners in ballonet/planning/ (zeppelin/, baselines.py) as they stand; constants were "
     "not tuned to hit targets.",
 ]
 

@@ -331,7 +331,7 @@ def test_cli_plan_json_and_errors(tmp_path, capsys):
 
 
 def test_water_level_tops_up_the_lowest_slots():
-    from ballonet.planning.refinement import water_level
+    from ballonet.planning.zeppelin.water import water_level
 
     one = np.ones(3)
     # Level 2.5: (4 + 0 + 1) / 2 is below the third slot's 5.
@@ -384,7 +384,7 @@ def test_lpt_under_tight_caps_matches_the_plain_rule():
 
 
 def test_rounding_shares_to_tokens_moves_a_token_along_rings_instead_of_failing():
-    from ballonet.planning.refinement import _make_room
+    from ballonet.planning.zeppelin.refinement import _make_room
     # Ranks 0 and 1 are full; document 7 (ranks 0, 1) and document 8 (ranks 1, 2) chain
     # rank 0 to rank 2, which has room: one token of each moves one rank along.
     split = {7: {0: 5, 1: 5}, 8: {1: 4, 2: 4}}
@@ -409,8 +409,8 @@ def test_refinement_cuts_a_ring_of_one_block_among_slivers_to_two_members():
     # Ranks 0-2 are busy with whole documents, rank 3 is free: levelling document 0 over
     # all four leaves rank 3 nearly all of it and slivers elsewhere, which the ring would
     # pass its large block through hop by hop. It keeps its two largest holders.
-    from ballonet.planning.refinement import refine
-    from ballonet.planning.state import Batch, RankFill
+    from ballonet.planning.zeppelin.refinement import refine
+    from ballonet.planning.zeppelin.state import Batch, RankFill
     cluster = ClusterSpec(name="one", groups=(NodeGroup(gpu="h100", num_nodes=1, gpus_per_node=4, nics_per_node=4),))
     dev = devices(cluster, MODEL)
     lengths = [16000, 14000, 14000, 14000]

@@ -1,9 +1,9 @@
 """Planning: document lengths and a cluster in, a validated `Plan` out.
 
-`zeppelin` is the hierarchical partitioner (`zeppelin.py`, `refinement.py`, `remap.py`,
+`zeppelin` is the hierarchical partitioner (`zeppelin/`, with `pricing.py`, `remap.py`,
 `routing.py`); `baselines.py` reproduces the systems it is compared with, and `distca.py`
-the core attention disaggregation of DistCA. Every planner
-is a pure function (lengths, cluster, model, **options) -> Plan, listed in `PLANNERS`.
+the core attention disaggregation of DistCA. Every planner is a pure function (lengths,
+cluster, model, **options) -> Plan, listed in `PLANNERS`.
 """
 
 from __future__ import annotations
