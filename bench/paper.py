@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
-import platform
 import statistics
 import sys
 import time
+
+from _common import RESULTS, command, record, write_text
 
 from ballonet import InfeasiblePlan, plan_batch, specs, workloads
 from ballonet.cost.bounds import batch_lower_bound, batch_recomputation
@@ -584,18 +584,14 @@ NOTES = [
 ]
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a smaller grid (2 models, fewer scales)")
     ap.add_argument("--steps", type=int, default=1, help="batches per configuration")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args(argv)
     t = time.perf_counter()
-    data = {"command": "OMP_NUM_THREADS=1 python bench/paper.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
-            "steps": args.steps, "notes": NOTES,
-            "length_stats": {w: length_stats(w) for w in WORKLOADS}}
+    data = {"steps": args.steps, "notes": NOTES, "length_stats": {w: length_stats(w) for w in WORKLOADS}}
     print("main grid", file=sys.stderr)
     data["grid"] = grid(args.quick, args.steps)
     print("scaling", file=sys.stderr)
@@ -615,13 +611,10 @@ def main(argv=None) -> int:
     data["ablation"] = ablation(8, "shortmix", args.steps)
     data["hop"] = hop("A", 2, "llama-3b", 65536)
     data["seconds"] = time.perf_counter() - t
-    os.makedirs(args.out, exist_ok=True)
     name = "paper_quick" if args.quick else "paper"
-    with open(os.path.join(args.out, f"{name}.json"), "w") as f:
-        json.dump(data, f, indent=1)
+    data = record(command("paper.py", argv), data, os.path.join(args.out, f"{name}.json"))
     text = report(data)
-    with open(os.path.join(args.out, f"{name}.md"), "w") as f:
-        f.write(text)
+    write_text(os.path.join(args.out, f"{name}.md"), text)
     print(text)
     return 0
 

@@ -25,6 +25,8 @@ import os
 import sys
 import time
 
+from _common import RESULTS, write_text
+
 from ballonet import PLANNERS, InfeasiblePlan, plan_batch, simulate, specs, workloads
 
 CLUSTERS = {"A": "a800-4nic", "B": "h800-8nic", "C": "h200-8nic"}
@@ -88,11 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=2, help="batches per configuration")
     ap.add_argument("--extra", action="store_true", help="also the other zeppelin variants paper.py plans")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "plan_digests.json"))
+    ap.add_argument("--out", default=os.path.join(RESULTS, "plan_digests.json"))
     args = ap.parse_args(argv)
     rows = digests(args.steps, args.extra)
-    with open(args.out, "w") as f:
-        f.write("[\n" + ",\n".join(json.dumps(r, sort_keys=True) for r in rows) + "\n]\n")
+    # No date or machine in the file (not `record`): two runs on two versions compare with `cmp`.
+    write_text(args.out, "[\n" + ",\n".join(json.dumps(r, sort_keys=True) for r in rows) + "\n]\n")
     feasible = sum("digest" in r for r in rows)
     print(f"{len(rows)} plans ({feasible} feasible) -> {args.out}")
     return 0
