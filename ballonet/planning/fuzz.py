@@ -104,8 +104,8 @@ def fuzz_planners(num_cases: int, seed: int = 0, timeout_s: float = 30.0, jobs: 
     import functools
     import multiprocessing
 
-    counts = {name: Counter() for name in VARIANTS}
-    failures = []
+    counts: dict[str, Counter] = {name: Counter() for name in VARIANTS}
+    failures: list[dict] = []
     run = functools.partial(_fuzz_case, seed, timeout_s=timeout_s)
     with multiprocessing.get_context("fork").Pool(jobs) if jobs > 1 else contextlib.nullcontext() as pool:
         results = pool.imap_unordered(run, range(num_cases), chunksize=16) if pool else map(run, range(num_cases))
