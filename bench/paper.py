@@ -19,14 +19,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
-import platform
 import statistics
 import sys
 import time
 
-from ballonet import InfeasiblePlan, cost_model, plan_batch, specs, workloads
+from _common import RESULTS, command, record, write_text
+
+from ballonet import InfeasiblePlan, plan_batch, specs, workloads
+from ballonet.cost.bounds import batch_lower_bound, batch_recomputation
+from ballonet.cost.flops import kv_bytes
+from ballonet.cost.memory import activation_bytes_per_token, memory_cap
+from ballonet.plan.recompute import heaviest
 from ballonet.planning.routing import plan_routes
 from ballonet.simulation.comparison import compare
 from ballonet.simulation.fabric import Fabric
@@ -192,10 +196,10 @@ MEMORY_HEADROOM = 1.3
 
 def _memory_fill(batch, c, m) -> float:
     """The batch's tokens over what the cluster's memory holds under the recomputation the
-    bound assumes (`cost_model.batch_recompute`) on every layer."""
+    bound assumes (`cost.bounds.batch_recomputation`) on every layer."""
     gpus = [c.gpu_of(r) for r in range(0, c.num_ranks, m.tp)]
-    capacity = sum(cost_model.memory_cap(m, g, len(gpus)) for g in gpus)
-    return sum(batch) / (capacity / cost_model.activation_bytes_per_token(m, cost_model.batch_recompute(batch, c, m)))
+    capacity = sum(memory_cap(m, g, len(gpus)) for g in gpus)
+    return sum(batch) / (capacity / activation_bytes_per_token(m, batch_recomputation(batch, c, m)[0]))
 
 
 def more_memory(grid_data: list[dict], steps: int) -> list[dict]:
@@ -214,10 +218,11 @@ def more_memory(grid_data: list[dict], steps: int) -> list[dict]:
         batches = list(workloads.get(cfg["workload"]).batches(cfg["tokens_per_gpu"] * c.num_ranks, 0, steps,
                                                                cfg["max_length"]))
         res = [simulate(plan_batch(b, roomy, m, "zeppelin"), roomy, m) for b in batches]
-        bound = statistics.mean(cost_model.batch_lower_bound(b, c, m) for b in batches)
+        bound = statistics.mean(batch_lower_bound(b, c, m) for b in batches)
         rows.append({"cluster": cfg["cluster"], "model": cfg["model"], "tp": cfg["tp"], "workload": cfg["workload"],
                      "ratio_to_lower_bound": z["ratio_to_lower_bound"],
-                     "recompute": "/".join(sorted({plan_batch(b, c, m, "zeppelin").meta["recompute"] for b in batches})),
+                     "recompute": "/".join(sorted({heaviest(plan_batch(b, c, m, "zeppelin").recompute).mode.value
+                                                 for b in batches})),
                      "memory_fill": max(_memory_fill(b, c, m) for b in batches),
                      "more_memory_ratio": statistics.mean(r.step_time_s for r in res) / bound,
                      "more_memory_recompute": "/".join(sorted({r.recompute for r in res}))})
@@ -240,7 +245,7 @@ def worst(grid_data: list[dict], out_dir: str) -> dict:
     return {"cluster": cfg["cluster"], "model": cfg["model"], "tp": cfg["tp"], "workload": cfg["workload"],
             "trace": os.path.relpath(path, os.path.dirname(os.path.dirname(out_dir))),
             "step_time_s": res.step_time_s, "lower_bound_s": res.lower_bound_s, "recompute": res.recompute,
-            "batch_recompute": cost_model.batch_recompute(batch, c, m),
+            "batch_recompute": batch_recomputation(batch, c, m)[0],
             "compute_max_s": max(res.compute_s), "compute_mean_s": sum(res.compute_s) / n,
             "exposed_mean_s": sum(res.exposed_comm_s) / n, "idle_mean_s": sum(res.idle_s) / n,
             "grad_allreduce_exposed_s": res.grad_allreduce_exposed_s, "head_s": res.head_s}
@@ -262,7 +267,7 @@ def hop(cluster: str, nodes: int, model: str, length: int) -> dict:
     plan = plan_batch([length], c, m, "zeppelin")
     k = max((len(r.proxies) for r in plan.routes), default=g.nics_per_node)
     proxies = [(j * g.gpus_per_nic, g.gpus_per_node + j * g.gpus_per_nic) for j in range(k)]
-    nbytes = cost_model.kv_bytes(m, length / c.num_ranks)
+    nbytes = kv_bytes(m, length / c.num_ranks)
     fab = Fabric(c, c.num_ranks, m.tp)
     times = {}
     for name, routed in (("te_cp_ms", False), ("routed_ms", True)):
@@ -494,6 +499,21 @@ def _steps(configs: list[dict], key: str) -> list[str]:
     return lines
 
 
+def headline(data: dict) -> list[str]:
+    """The README's headline: a table of zeppelin against TE CP, the best baseline and the
+    batch's lower bound over the main grid (copy it to README.md after a rerun)."""
+    g = data["grid"]
+    bound = [c["results"]["zeppelin"]["ratio_to_lower_bound"] for c in g]
+    rows = [("speedup over TE CP, sized as a Megatron user sizes it", [speedup(c) for c in g], 2),
+            ("speedup over the best baseline of each configuration", [over_best(c) for c in g], 2),
+            ("speedup over CP across the whole cluster (stress case)", [speedup(c, over="te_cp_whole") for c in g], 2),
+            (f"step over the batch's lower bound ({sum(x <= BOUND_TARGET for x in bound)} of {len(g)} within "
+             f"{BOUND_TARGET}x)", bound, 3)]
+    out = [f"| zeppelin, {len(g)} configurations of {g[0]['gpus']} GPUs (`{data['command']}`) | mean | min | max |",
+           "| --- | --- | --- | --- |"]
+    return out + [f"| {name} | {_mean(xs):.{d}f}x | {min(xs):.{d}f}x | {max(xs):.{d}f}x |" for name, xs, d in rows]
+
+
 def report(data: dict) -> str:
     lines = ["# The Zeppelin paper's evaluation, simulated", "",
              f"Command: `{data['command']}` ({data['date']}, {data['machine']}, {data['seconds']:.0f} s).", "",
@@ -501,16 +521,13 @@ def report(data: dict) -> str:
              f"({data['steps']} per configuration, seed 0, 16K tokens per GPU). TE CP is sized as a Megatron user "
              "sizes it (the smallest CP degree that holds the batch, the rest data-parallel; column 'te_cp cp'); "
              "CP over the whole cluster is the stress case. Simulator: `ballonet/simulation/` (model in "
-             "`simulator.py`'s docstring); built-in calibration profiles: `ballonet/profiles.py` (sources there). "
+             "`simulator.py`'s docstring); built-in calibration profiles: `ballonet/cost/profiles.py` (sources there). "
              "`step/bound` is zeppelin's step over `lower_bound_s`, the bound on the batch no plan can beat.", "",
              "## Targets", "", "| target | met | measured | why not |", "| --- | --- | --- | --- |"]
     lines += [f"| {t} | {'yes' if ok else 'no'} | {m} |" + (f" {why} |" if not ok else " |")
               for t, ok, m, why in targets(data)]
     g = data["grid"]
-    lines += ["", f"Headline (main grid, {len(g)} configurations): zeppelin {_mean(speedup(c) for c in g):.2f}x over TE CP "
-                  f"sized to the batch, {_mean(over_best(c) for c in g):.2f}x over the best baseline of each "
-                  f"configuration, {_mean(speedup(c, over='te_cp_whole') for c in g):.2f}x over CP across the whole "
-                  "cluster (stress case)."]
+    lines += ["", "## Headline (the README's table)", ""] + headline(data)
     lines += ["", "Mean speedup of zeppelin over each planner (main grid): " + ", ".join(
         f"{p} {_mean(speedup(c, over=p) for c in g):.2f}x" for p in PLANNERS[1:] + ["te_cp_whole"])]
     lines += ["", "## Speedup over te_cp: main grid (4 nodes, 64K context)", ""] + _table(data["grid"], "cluster")
@@ -574,23 +591,19 @@ NOTES = [
     "simulator moves what the runtime moves (q/k/v out and o back in the remap, fp32 dK/dV), recomputes only "
     "when memory requires it, and lets gradient all-reduce share the NICs.",
     "shortmix is a synthetic stand-in for ArXiv/GitHub/ProLong64k; the paper's datasets are not available.",
-    "Speedups depend on the planners in ballonet/planning/ (zeppelin.py, baselines.py) as they stand; constants were "
+    "Speedups depend on the planners in ballonet/planning/ (zeppelin/, baselines.py) as they stand; constants were "
     "not tuned to hit targets.",
 ]
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a smaller grid (2 models, fewer scales)")
     ap.add_argument("--steps", type=int, default=1, help="batches per configuration")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args(argv)
     t = time.perf_counter()
-    data = {"command": "OMP_NUM_THREADS=1 python bench/paper.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
-            "steps": args.steps, "notes": NOTES,
-            "length_stats": {w: length_stats(w) for w in WORKLOADS}}
+    data = {"steps": args.steps, "notes": NOTES, "length_stats": {w: length_stats(w) for w in WORKLOADS}}
     print("main grid", file=sys.stderr)
     data["grid"] = grid(args.quick, args.steps)
     print("scaling", file=sys.stderr)
@@ -610,13 +623,10 @@ def main(argv=None) -> int:
     data["ablation"] = ablation(8, "shortmix", args.steps)
     data["hop"] = hop("A", 2, "llama-3b", 65536)
     data["seconds"] = time.perf_counter() - t
-    os.makedirs(args.out, exist_ok=True)
     name = "paper_quick" if args.quick else "paper"
-    with open(os.path.join(args.out, f"{name}.json"), "w") as f:
-        json.dump(data, f, indent=1)
+    data = record(command("paper.py", argv), data, os.path.join(args.out, f"{name}.json"))
     text = report(data)
-    with open(os.path.join(args.out, f"{name}.md"), "w") as f:
-        f.write(text)
+    write_text(os.path.join(args.out, f"{name}.md"), text)
     print(text)
     return 0
 

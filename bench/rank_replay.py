@@ -29,13 +29,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import datetime
 import json
 import statistics
 import sys
 import time
 
 import torch
+from _common import command, record, write_text
 
 import ballonet
 from ballonet import runtime, workloads
@@ -187,18 +187,15 @@ def main(argv: list[str] | None = None) -> int:
             row[f"sim_{key}_ms"] = values[rank] * 1e3
         rows.append(row)
         print(json.dumps(row), flush=True)
-    result = {"date": datetime.date.today().isoformat(), "command": " ".join(["python", "bench/rank_replay.py"]
-                                                                              + (argv or sys.argv[1:])),
-              "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "kernel": kernel.name, "dtype": str(dtype).removeprefix("torch."),
               "cluster": cluster.name, "num_gpus": cluster.num_ranks, "model": spec.name,
               "workload": args.workload, "tokens_per_gpu": args.tokens_per_gpu, "rings": len(plan.rings),
               "routes": len(plan.routes), "sync_debug": args.sync_debug if device.type == "cuda" else None,
               "seconds": time.time() - start, "ranks": rows, "summary": summary(rows)}
-    with open(f"{args.out}.json", "w") as f:
-        json.dump(result, f, indent=1)
-    with open(f"{args.out}.md", "w") as f:
-        f.write(markdown(result))
+    result = record(command("rank_replay.py", argv, env="" if device.type == "cuda" else "OMP_NUM_THREADS=1 "),
+                    result, f"{args.out}.json")
+    write_text(f"{args.out}.md", markdown(result))
     print(markdown(result))
     return 0
 

@@ -42,7 +42,7 @@ part "3/3 each rank of a 32-GPU plan against the simulator" "$PY" bench/rank_rep
 [ -f "$OUT/rank_replay.md" ] && { echo; cat "$OUT/rank_replay.md"; } >> bench/results/gpu.md
 if [ "${GPU_CHECK_CALIBRATE:-0}" = 1 ]; then
     part "calibrate" "$PY" -m ballonet calibrate --out "$OUT/profile.json" --json > "$OUT/calibrate.json"
-    part "compare with the built-in profile" sh -c "'$PY' -m ballonet.calibration_check '$OUT/profile.json' | tee '$OUT/compare.md'"
+    part "compare with the built-in profile" sh -c "'$PY' -m ballonet calibrate --compare '$OUT/profile.json' | tee '$OUT/compare.md'"
 fi
 if [ ${#failed[@]} -gt 0 ]; then
     echo "gpu_check: failed: ${failed[*]}"

@@ -8,44 +8,19 @@ and the bytes sent per (src, dst) equal `routing.predicted_bytes`, beside "ring"
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_ranks
-from test_attention import H_KV, D, H, _check_plan, make_plan
-from test_llama import SPEC, batch
+from helpers import NODES4, H_KV, SPEC, D, H, batch, check_attention_plan, plans4, plans6
 
-from ballonet.plan import Plan, Route
+from ballonet.plan import Plan
 from ballonet.runtime import attention, comm, token_index
 from ballonet.runtime.ring import ring_meta
 from ballonet.runtime.routing import relay_meta, routes_by_hop
 from ballonet.runtime.schedule import record
 from ballonet.training.model import Transformer
-
-NODES4, NODES6 = (0, 0, 1, 1), (0, 0, 1, 1, 2, 2)
-
-
-def plans4() -> dict[str, Plan]:
-    lengths = [37, 13, 5, 20, 9, 7, 3, 11, 6]
-    placement = [(0, 1, 2, 3), (0, 2), (2, 3, 0, 1), (0, 1, 2, 3), (2, 3), 1, 3, (3, 1), (1, 2)]
-    mixed = make_plan(lengths, placement, NODES4, comms={8: "allgather"}, seed=3,
-                      groups={0: 2, 1: 2, 2: 2, 7: 2}, tokens={0: [11, 7, 12, 7], 1: [8, 5], 2: [2, 0, 3, 0]})
-    routes = (Route(doc=3, src=1, dst=2, proxies=((0, 2), (1, 3))), Route(doc=3, src=3, dst=0, proxies=((2, 0), (3, 1))))
-    return {
-        "alone": make_plan([64], [(0, 1, 2, 3)], NODES4, groups={0: 2}, tokens={0: [20, 12, 18, 14]}),
-        "mixed": mixed,
-        "mixed routed": dataclasses.replace(mixed, routes=routes).validate(),
-    }
-
-
-def plans6() -> dict[str, Plan]:
-    lengths = [45, 12, 10, 8, 15, 6, 4]
-    placement = [(0, 1, 2, 3, 4, 5), (4, 0, 2), (2, 3, 4, 5), (5, 1), (1, 3, 5), 0, 4]
-    return {"three nodes": make_plan(lengths, placement, NODES6, seed=5, groups={0: 3, 1: 3, 2: 2, 3: 2},
-                                     tokens={0: [9, 6, 8, 7, 10, 5], 1: [5, 3, 4]})}
-
 
 def test_held_blocks_follow_the_schedule():
     plan = plans4()["mixed"]
@@ -111,8 +86,8 @@ def _check_all(rank: int, world: int, plans: dict[str, Plan]) -> list:
     outer = dist.new_group(list(range(world)))
     rows = []
     for name, plan in plans.items():
-        rows += _check_plan(name, plan, rank, world)
-        rows += _check_plan(f"{name}, second group", plan, rank, world, outer_group=outer)
+        rows += check_attention_plan(name, plan, rank, world)
+        rows += check_attention_plan(f"{name}, second group", plan, rank, world, outer_group=outer)
         rows.append(_check_model(name, plan, rank, outer))
     pair = dist.new_group([0, 1])  # every rank joins new_group; only 0 and 1 are in it
     if rank < 2:

@@ -3,26 +3,22 @@ compute against the simulator (bench/rank_replay.py), and the script itself pars
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
+import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # as bench/ scripts import their `_common`
+import rank_replay  # bench/rank_replay.py, once its folder is on the path
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _bench(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_rank_replay_dry_run(tmp_path):
     out = tmp_path / "replay"
     args = ["--device", "cpu", "--cluster", "cpu", "--nodes", "2", "--gpus-per-node", "2", "--model", "tiny",
             "--tokens-per-gpu", "256", "--repeats", "1", "--out", str(out)]
-    assert _bench("rank_replay").main(args) == 0
+    assert rank_replay.main(args) == 0
     result = json.loads(out.with_suffix(".json").read_text())
     assert result["num_gpus"] == 4 and len(result["ranks"]) == 4 and result["rings"] >= 1
     for row in result["ranks"]:

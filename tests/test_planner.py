@@ -7,10 +7,14 @@ import numpy as np
 import pytest
 
 import ballonet
-from ballonet import PLANNERS, cost_model, hardware, plan_batch, specs, workloads
-from ballonet.cost_model import breakeven_chunk_tokens
+from ballonet import PLANNERS, plan_batch, specs, workloads
+from ballonet.cost import hardware
+from ballonet.cost.flops import attention_flops, kv_bytes, remap_bytes, zigzag_flops
+from ballonet.cost.recompute import layers_per_rank
+from ballonet.cost.seconds import attention_work, breakeven_chunk_tokens, p2p_time
 from ballonet.errors import InfeasiblePlan, InputError
 from ballonet.plan import Segment, Transfer
+from ballonet.plan.recompute import heaviest
 from ballonet.planning import pricing
 from ballonet.planning.assembly import Placement, assemble, zigzag_bounds
 from ballonet.planning.devices import devices
@@ -52,10 +56,9 @@ def test_seven_token_document_over_four_ranks_in_te_cp():
 
 
 def test_zigzag_positions_do_equal_work_for_equal_tokens():
-    from ballonet.cost_model import attention_flops, zigzag_rank_flops
 
     bounds = zigzag_bounds(4096, [1024] * 4)
-    flops = [zigzag_rank_flops(MODEL, bounds, i) for i in range(4)]
+    flops = zigzag_flops(MODEL, bounds).tolist()
     assert sum(flops) == pytest.approx(attention_flops(MODEL, 4096))
     assert max(flops) / min(flops) < 1.001
 
@@ -189,10 +192,10 @@ def test_zeppelin_plans_for_the_cheapest_recomputation_that_pays():
     cluster, model = h200(num_nodes=2), specs.model("llama-3b")
     lengths = [4_000] * 64  # fits every rank without recomputation
     plan = plan_batch(lengths, cluster, model)
-    assert plan.meta["recompute"] == "none" and ballonet.simulate(plan, cluster, model).recompute == "none"
-    assert plan_batch(lengths, cluster, model, price_recompute=False).meta["recompute"] == "full"
+    assert heaviest(plan.recompute).mode == "none" and ballonet.simulate(plan, cluster, model).recompute == "none"
+    assert plan_batch(lengths, cluster, model, price_recompute=False).meta["recompute"] == "full"  # planned under
     forced = specs.model("llama-3b", recompute="selective")
-    assert plan_batch(lengths, cluster, forced).meta["recompute"] == "selective"
+    assert heaviest(plan_batch(lengths, cluster, forced).recompute).mode == "selective"
 
 
 def test_a_document_over_a_nodes_share_goes_across_nodes_when_it_pays():
@@ -273,11 +276,6 @@ def test_without_hierarchy_split_documents_span_every_rank():
     assert plan.ring_of_doc[0].ranks == tuple(range(16))
 
 
-def test_vector_efficiency_matches_hardware():
-    xs = [1, 100, 256, 300, 1000, 5000, 20000, 32768, 10**6]
-    assert hardware.attention_efficiency_array(np.array(xs)) == pytest.approx([hardware.attention_efficiency(x) for x in xs])
-
-
 def test_apportion_by_largest_remainder_under_caps():
     assert apportion(10, np.array([1.0, 1.0, 1.0])).tolist() == [4, 3, 3]
     assert apportion(10, np.array([1.0, 1.0, 1.0]), np.array([2, 9, 9])).tolist() == [2, 4, 4]
@@ -287,7 +285,6 @@ def test_apportion_by_largest_remainder_under_caps():
 
 @pytest.mark.parametrize("planner", ["zeppelin", "te_cp", "llama_cp", "hybrid_dp"])
 def test_metric_bytes_match_the_plan_pair_by_pair(planner):
-    from ballonet.cost_model import kv_bytes, remap_bytes
 
     cluster = specs.cluster("a800-4nic", num_nodes=2)
     lengths = [120_000, 9_000, 3_000, 700, 50]
@@ -334,7 +331,7 @@ def test_cli_plan_json_and_errors(tmp_path, capsys):
 
 
 def test_water_level_tops_up_the_lowest_slots():
-    from ballonet.planning.refinement import water_level
+    from ballonet.planning.zeppelin.water import water_level
 
     one = np.ones(3)
     # Level 2.5: (4 + 0 + 1) / 2 is below the third slot's 5.
@@ -387,7 +384,7 @@ def test_lpt_under_tight_caps_matches_the_plain_rule():
 
 
 def test_rounding_shares_to_tokens_moves_a_token_along_rings_instead_of_failing():
-    from ballonet.planning.refinement import _make_room
+    from ballonet.planning.zeppelin.refinement import _make_room
     # Ranks 0 and 1 are full; document 7 (ranks 0, 1) and document 8 (ranks 1, 2) chain
     # rank 0 to rank 2, which has room: one token of each moves one rank along.
     split = {7: {0: 5, 1: 5}, 8: {1: 4, 2: 4}}
@@ -412,12 +409,12 @@ def test_refinement_cuts_a_ring_of_one_block_among_slivers_to_two_members():
     # Ranks 0-2 are busy with whole documents, rank 3 is free: levelling document 0 over
     # all four leaves rank 3 nearly all of it and slivers elsewhere, which the ring would
     # pass its large block through hop by hop. It keeps its two largest holders.
-    from ballonet.planning.refinement import refine
-    from ballonet.planning.state import Batch, RankFill
+    from ballonet.planning.zeppelin.refinement import refine
+    from ballonet.planning.zeppelin.state import Batch, RankFill
     cluster = ClusterSpec(name="one", groups=(NodeGroup(gpu="h100", num_nodes=1, gpus_per_node=4, nics_per_node=4),))
     dev = devices(cluster, MODEL)
     lengths = [16000, 14000, 14000, 14000]
-    work = cost_model.attention_work(MODEL, lengths, dev.gpu[0])
+    work = attention_work(MODEL, lengths, dev.gpu[0])
     batch = Batch(lengths=lengths, length_array=np.array(lengths, float), work=work, work_list=work.tolist(), dev=dev,
                   model=MODEL, gpu=dev.gpu[0], crossovers=crossover_lengths(cluster, MODEL), linear_on_rank=np.zeros(4))
     fill = RankFill(local=[[1], [2], [3], []], split_shares={0: dict.fromkeys(range(4), work[0] / 4)},
@@ -470,9 +467,10 @@ def test_zeppelin_recomputes_the_fewest_layers_its_plan_needs():
     lengths = next(iter(workloads.get("shortmix").batches(16384 * 32, 0, 1, 65536)))
     plan = plan_batch(lengths, cluster, model)
     gpus = [cluster.gpu_of(r) for r in range(cluster.num_ranks)]
-    k = cost_model.selective_layers_needed(model, plan.linear_token_counts, gpus, plan.num_ranks,
-                                           plan.attention_token_counts)
-    assert plan.meta["recompute"] == "selective" and 1 <= k < model.num_layers and plan.meta["recompute_layers"] == k
+    per_rank = layers_per_rank(model, plan.linear_token_counts, gpus, plan.num_ranks, plan.attention_token_counts,
+                               mode="selective")
+    k = max(k for _, k in per_rank)
+    assert heaviest(plan.recompute) == ("selective", k) and 1 <= k < model.num_layers
     res = ballonet.simulate(plan, cluster, model)
     assert (res.recompute, res.recompute_layers) == ("selective", k)
     assert all(used <= cap for used, cap in zip(plan.memory_bytes, plan.memory_cap))
@@ -491,7 +489,8 @@ def test_caps_that_bind_where_the_step_is_set_get_a_selective_plan_too():
     lengths = next(iter(workloads.get("prolong").batches(16384 * 32, 0, 1, 65536)))
     plan = plan_batch(lengths, cluster, model)
     assert {c["recompute"] for c in plan.meta["candidates"]} == {"none", "selective"}
-    assert plan.meta["recompute"] == "selective" and 1 <= plan.meta["recompute_layers"] <= 4
+    mode, layers = heaviest(plan.recompute)
+    assert mode == "selective" and 1 <= layers <= 4
     none = plan_batch(lengths, cluster, dataclasses.replace(model, recompute="none"))
     step = ballonet.simulate(plan, cluster, model).step_time_s
     assert step < 0.98 * ballonet.simulate(none, cluster, model).step_time_s
@@ -512,7 +511,8 @@ def test_the_estimate_prices_the_layers_where_a_few_ranks_recompute():
     # 2.2% faster); layer by layer, it is within 3%.
     cluster, model = h200(num_nodes=2), MODEL
     plan = plan_batch([48_000] + [1_000] * 214, cluster, model, double=False)
-    assert plan.meta["recompute"] == "selective" and 0 < plan.meta["recompute_layers"] < model.num_layers
+    mode, layers = heaviest(plan.recompute)
+    assert mode == "selective" and 0 < layers < model.num_layers
     res = ballonet.simulate(plan, cluster, model)
     layers = model.num_layers * (res.layer_forward_s + res.layer_backward_s)
     estimate = min(c["estimated_step_s"] for c in plan.meta["candidates"])
@@ -543,8 +543,8 @@ def test_crossing_hops_are_priced_routed_over_the_nodes_rails():
     (cross,) = crossover_lengths(cluster, MODEL)
     assert cross.rails == 8
     gpu = hardware.gpu("h200")
-    m = cost_model.kv_bytes(MODEL, 4096)
-    direct = cost_model.p2p_time(m, cross.crossing_bw, True, gpu)
+    m = kv_bytes(MODEL, 4096)
+    direct = p2p_time(m, cross.crossing_bw, True, gpu)
     assert pricing.crossing_seconds(m, cross.crossing_bw, cross.intra_bw, 1, gpu) == direct
     assert pricing.crossing_seconds(m, cross.crossing_bw, cross.intra_bw, 8, gpu) < 0.7 * direct
     lengths = [100_000, 30_000] + [1_500] * 250

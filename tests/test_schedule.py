@@ -23,8 +23,7 @@ import time
 
 import pytest
 import torch
-from test_double_ring import plans4, plans6
-from test_routing import rails_plan, tangled_plan
+from helpers import plans4, plans6, rails_plan, tangled_plan
 
 import ballonet
 from ballonet import workloads

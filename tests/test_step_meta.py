@@ -20,8 +20,7 @@ from collections import Counter
 import pytest
 import torch
 from distributed import run_ranks
-from test_llama import SPEC
-from test_remap import remap_plan
+from helpers import SPEC, remap_plan
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ballonet

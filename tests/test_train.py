@@ -182,7 +182,7 @@ def test_auto_recompute_chooses_per_rank_and_trains_exactly(tmp_path):
     """--recompute auto on 2 ranks whose memory (a cluster file's memory_gb) holds 759 of
     the tiny model's tokens without recomputation, not 808: in steps 1 and 3 the rank
     with more tokens recomputes its first layer's MLP and the other nothing (the cost
-    model's `recomputation_per_rank`), in step 2 neither; losses and parameters still
+    model's `cost.recompute.cheapest_per_rank`), in step 2 neither; losses and parameters still
     match the one-process reference. Ranks recomputing differently must not deadlock:
     a selective layer exchanges nothing."""
     cluster = tmp_path / "tight.toml"
@@ -428,7 +428,7 @@ def test_an_unplannable_batch_names_the_step_and_the_corpus_document():
 
 
 def test_mfu_peak_follows_a_calibration_profile(tmp_path):
-    from ballonet import hardware
+    from ballonet.cost import hardware
     from ballonet.training import metrics
 
     cluster = ballonet.cluster("cpu", num_nodes=1, gpus_per_node=2)

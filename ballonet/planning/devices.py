@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ballonet import cost_model, hardware
+from ballonet.cost import hardware
+from ballonet.cost.memory import MEMORY_RESERVE, activation_bytes_per_token, static_bytes
 from ballonet.errors import InfeasiblePlan, InputError
 from ballonet.specs import ClusterSpec, ModelSpec, rank_hardware
 
@@ -63,9 +64,9 @@ def devices(cluster: ClusterSpec, model: ModelSpec, assume_homogeneous: bool = F
     hw = rank_hardware(cluster, tp)  # where each rank sits and its hardware
     gpu = hw.gpu
     num_dp = cluster.num_ranks // tp
-    static = cost_model.static_bytes(model, num_dp)
-    act = cost_model.activation_bytes_per_token(model)
-    total = tuple(t.memory_bytes * cost_model.MEMORY_RESERVE for t in gpu)
+    static = static_bytes(model, num_dp)
+    act = activation_bytes_per_token(model)
+    total = tuple(t.memory_bytes * MEMORY_RESERVE for t in gpu)
     caps = []
     for t in total:
         cap = max(-1, math.floor((t - static) / act))
@@ -90,23 +91,30 @@ def devices(cluster: ClusterSpec, model: ModelSpec, assume_homogeneous: bool = F
     )
 
 
-def check_feasible(lengths: list[int], dev: Devices, model: ModelSpec) -> None:
-    """Raise `InfeasiblePlan` when no plan can hold the batch: the model state alone is over
-    a GPU's memory, a document is longer than the whole cluster holds, or the batch is."""
+def infeasibility(lengths: list[int], dev: Devices, model: ModelSpec) -> str | None:
+    """Why no plan can hold the batch, or None: the model state alone is over a GPU's
+    memory, a document is longer than the whole cluster holds, or the batch is."""
     if (dev.token_cap < 0).any():
         r = int(np.argmin(dev.token_cap))
-        raise InfeasiblePlan(
-            f"model {model.name!r} needs {dev.static_bytes / 2**30:.1f} GiB of weights and optimizer state per GPU, "
-            f"over the {dev.memory_total[r] / 2**30:.1f} GiB a {dev.gpu[r].name} GPU may use")
+        return (f"model {model.name!r} needs {dev.static_bytes / 2**30:.1f} GiB of weights and optimizer state per GPU, "
+                f"over the {dev.memory_total[r] / 2**30:.1f} GiB a {dev.gpu[r].name} GPU may use")
     total_cap = int(dev.token_cap.sum())
     if lengths:
         doc = int(np.argmax(lengths))
         if lengths[doc] > total_cap:
-            raise InfeasiblePlan(f"document {doc} has {lengths[doc]} tokens, over the {total_cap} tokens "
-                                 f"the whole cluster can hold for model {model.name!r}")
+            return (f"document {doc} has {lengths[doc]} tokens, over the {total_cap} tokens "
+                    f"the whole cluster can hold for model {model.name!r}")
     if sum(lengths) > total_cap:
-        raise InfeasiblePlan(f"the batch has {sum(lengths)} tokens, over the {total_cap} tokens "
-                             f"the whole cluster can hold for model {model.name!r}")
+        return (f"the batch has {sum(lengths)} tokens, over the {total_cap} tokens "
+                f"the whole cluster can hold for model {model.name!r}")
+    return None
+
+
+def check_feasible(lengths: list[int], dev: Devices, model: ModelSpec) -> None:
+    """Raise `InfeasiblePlan` when no plan can hold the batch (`infeasibility`)."""
+    why = infeasibility(lengths, dev, model)
+    if why is not None:
+        raise InfeasiblePlan(why)
 
 
 def check_lengths(lengths) -> list[int]:
