@@ -226,6 +226,16 @@ def test_1024_ranks_complete_in_seconds():
 # ---- the recording sees every byte -------------------------------------------------------
 
 
+def test_recorded_queues_are_the_engines():
+    from ballonet.runtime.schedule import _queues
+
+    for plan in (tangled_plan(), plans4()["mixed routed"], issue_plan()):
+        routes = routes_by_hop(plan)
+        for rank, queue in enumerate(_queues(plan, routes)):
+            engines = engine.rank_queue(plan, rank, ring_meta(plan, rank, routes, with_calls=False), routes)
+            assert queue == engines, (plan.planner, rank)
+
+
 def test_recorded_bytes_are_the_engines_prediction():
     for plan in (rails_plan(), tangled_plan(), plans4()["mixed routed"], issue_plan()):
         predicted = predicted_bytes(plan, 1, 1, torch.bfloat16)  # one K/V head of one element
