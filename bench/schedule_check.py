@@ -16,6 +16,7 @@ import argparse
 import sys
 import time
 
+import torch
 from _common import command, record, write_text
 
 import ballonet
@@ -32,18 +33,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--planners", default=",".join(ballonet.PLANNERS))
     p.add_argument("--out", default="bench/results/schedule_check.json")
     args = p.parse_args(argv)
-    rows = []
+    rows, model = [], ballonet.model("llama-7b")
     for nodes in map(int, args.nodes.split(",")):
         cluster = ballonet.cluster(args.cluster, num_nodes=nodes)
         lengths = workloads.get(args.workload).sample_batch(args.tokens_per_gpu * cluster.num_ranks, 0)
         for planner in args.planners.split(","):
             try:
-                plan = ballonet.plan_batch(lengths, cluster, ballonet.model("llama-7b"), planner=planner)
+                plan = ballonet.plan_batch(lengths, cluster, model, planner=planner)
             except ballonet.InputError as e:
                 rows.append({"gpus": cluster.num_ranks, "planner": planner, "infeasible": str(e)})
                 continue
-            start = time.process_time()
-            check = check_schedule(plan)
+            start = time.process_time()  # bytes: bf16 K/V rows of the model's KV heads, as `plan --check-schedule`
+            check = check_schedule(plan, kv_dtype=torch.bfloat16, row_elems=model.num_kv_heads * model.head_dim)
             row = {"gpus": cluster.num_ranks, "planner": planner, "check_s": time.process_time() - start,
                    "rings": len(plan.rings), "double_rings": sum(r.comm == "double" for r in plan.rings),
                    "routes": len(plan.routes), "remap": bool(plan.remap), **check.to_dict()}
