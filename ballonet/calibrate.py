@@ -369,7 +369,6 @@ def command(args) -> int:
 
 def _print_summary(profile: calibration.Profile, gpu: str, out: str | None) -> None:
     try:
-        from rich.console import Console
         from rich.table import Table
     except ImportError:
         for row in _summary(profile):
@@ -380,6 +379,9 @@ def _print_summary(profile: calibration.Profile, gpu: str, out: str | None) -> N
         table.add_column(col, justify="left" if col == "what" else "right")
     for row in _summary(profile):
         table.add_row(*row)
-    Console().print(table)
+    from ballonet.cli.common import stdout_console
+
+    console = stdout_console()
+    console.print(table)
     if out:
-        Console().print(f"wrote {out}")
+        console.print(f"wrote {out}")

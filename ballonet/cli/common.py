@@ -80,8 +80,21 @@ def add_calibration_arg(p) -> None:
     p.set_defaults(func=calibrated)
 
 
-def print_table(title: str, columns: list[str], rows: list[list], footer: str | None = None) -> None:
+def _broken_pipe() -> None:
+    raise BrokenPipeError
+
+
+def stdout_console():
+    """A rich console on stdout whose closed pipe (`| head`) raises BrokenPipeError for
+    `cli.main` to report, instead of rich's silent exit 1."""
     from rich.console import Console
+
+    console = Console()
+    console.on_broken_pipe = _broken_pipe
+    return console
+
+
+def print_table(title: str, columns: list[str], rows: list[list], footer: str | None = None) -> None:
     from rich.table import Table
 
     table = Table(title=title, title_justify="left")
@@ -89,7 +102,7 @@ def print_table(title: str, columns: list[str], rows: list[list], footer: str | 
         table.add_column(col, justify="left" if i == 0 else "right")
     for row in rows:
         table.add_row(*[str(x) for x in row])
-    console = Console()
+    console = stdout_console()
     console.print(table)
     if footer:
         console.print(footer)

@@ -8,7 +8,8 @@ by the `tokenizers` library in batches.
 
 Output, a folder (format in `corpus.PREPARED_FORMAT`, read by `corpus.from_prepared`):
 
-    manifest.json        format, version, dtype, vocabulary, tokenizer, shards, sources
+    manifest.json        format, version, dtype, vocabulary, largest token id, tokenizer,
+                         shards, sources
     index.npy            int64 [D, 5]: shard, offset, length, source, record per document
     tokens-00000.bin     raw token ids (dtype of the manifest), documents back to back
     tokenizer.json       a copy of the tokenizer (absent for "byte")
@@ -229,6 +230,7 @@ class _ShardWriter:
         self.folder, self.dtype, self.shard_tokens = folder, dtype, shard_tokens
         self.rows: list[np.ndarray] = []
         self.shard_sizes: list[int] = []
+        self.max_id = 0
         self._file = None
 
     def _open_next(self) -> None:
@@ -250,6 +252,8 @@ class _ShardWriter:
             self.shard_sizes[-1] += n
         rows[:, 3], rows[:, 4] = sources, records
         self.rows.append(rows)
+        if len(ids):
+            self.max_id = max(self.max_id, int(ids.max()))
 
     def close(self) -> np.ndarray:
         if self._file is not None:
@@ -277,7 +281,7 @@ def _write_folder(folder: Path, config: PrepareConfig, encoder: Encoder, progres
     root = Path(config.data)
     manifest = {
         "format": PREPARED_FORMAT, "version": PREPARED_VERSION, "dtype": encoder.dtype.name,
-        "vocab_size": encoder.vocab_size, "num_docs": len(index), "num_tokens": int(index[:, 2].sum()),
+        "vocab_size": encoder.vocab_size, "max_token_id": writer.max_id, "num_docs": len(index), "num_tokens": int(index[:, 2].sum()),
         "tokenizer": {"source": encoder.name, "file": TOKENIZER_FILE if encoder.file else None,
                       "add_special_tokens": config.add_special_tokens},
         "text_column": config.text_column,
