@@ -6,9 +6,9 @@ What is measured, on the device this process runs on:
 1. Causal varlen attention, forward and backward timed separately, through the runtime's
    engine (`runtime.attention` on a one-rank plan, with the kernel `runtime.kernels.select`
    picks), for the calibrated model's head shape (the profile's curves) and `SHAPES`'s
-   others (kept for comparison), at lengths 64 .. `max_length` (doubling); a length L runs
-   as a pack of max(1, pack_tokens // L) documents, as a rank's local documents run. Efficiency = FLOPs / (seconds * peak), FLOPs
-   2*H*D*L*(L+1) forward and 2.5x that backward (`cost_model`).
+   others (kept for comparison), at lengths 64 .. `max_length` (doubling), a length L as
+   a pack of max(1, pack_tokens // L) documents (as a rank's local documents run).
+   Efficiency = FLOPs / (seconds * peak), FLOPs 2*H*D*L*(L+1) forward, 2.5x backward.
 2. By tokens per rank, forward and backward of the model's GEMMs alone (each layer's
    QKV/O/MLP weights and the LM head of `training.model.Transformer` with at most 2
    layers): efficiency = 3 * GEMM FLOPs / (seconds * peak), the same for forward and
@@ -17,7 +17,8 @@ What is measured, on the device this process runs on:
    SwiGLU, residual adds, LM head and loss): its seconds beyond the GEMMs are its
    elementwise work, priced as bytes (`cost_model.elementwise_bytes_per_token`, the
    loss's `loss_bytes_per_token`, backward 2x) over an achieved bandwidth.
-   On a CPU, seconds are the thread's CPU time (as the training loop measures compute).
+   On a CPU, seconds are the thread's CPU time (as the training loop measures compute),
+   with one thread per rank, as `ballonet train` runs (the profile's `machine` says so).
    Then the step's other costs: with world > 1, the same model wrapped by FSDP2 as the
    training loop wraps it against the bare model (framework seconds per layer), and
    AdamW's step over a rank's parameters (seconds per parameter).
@@ -29,14 +30,15 @@ What is measured, on the device this process runs on:
    of overlapping communication).
 
 Items 1 and 2 are `calibrate_compute.py`; this module times the links, builds the profile
-and runs the command. Peak FLOP/s and nominal link bandwidths are the GPU type's (`hardware.GPUS`) and the
-cluster preset's NIC rate, so efficiencies are fractions of what the simulator assumes.
+and runs the command. Peak FLOP/s and nominal link bandwidths are the GPU type's
+(`hardware.GPUS`) and the cluster preset's NIC rate: fractions of what the simulator assumes.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import pathlib
 import platform
 import socket
 import statistics
@@ -56,6 +58,10 @@ from ballonet.calibrate_compute import (
     median_s,
     sync,
 )
+
+
+THREADS_PER_CPU_RANK = 1
+"""Threads of a CPU rank, here as in `ballonet train`: more would price kernels it never runs."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -166,6 +172,9 @@ def build_profile(s: Settings, attention: list[dict], linear: list[dict], comm: 
     launch = min(min(r["forward_s"] / r["num_docs"], r["backward_s"] / r["num_docs"]) for r in attention
                  if r["model_shape"])
     notes = [f"attention efficiency beyond {lengths[-1]} tokens taken equal to the last measured length"]
+    if device.type == "cpu":
+        notes.append(f"measured with {torch.get_num_threads()} thread(s) per rank, as `ballonet train` runs each "
+                     f"CPU rank ({THREADS_PER_CPU_RANK})")
     fields = dict(attention_forward=_curve(lengths, fwd), attention_backward=_curve(lengths, bwd),
                   attention_launch_s=launch,
                   linear=_curve([r["tokens"] for r in linear], [r["efficiency"] for r in linear]))
@@ -214,7 +223,7 @@ def _device_name(device: torch.device) -> str:
 
 def _machine(device: torch.device) -> dict:
     return {"host": socket.gethostname(), "device": _device_name(device), "platform": platform.platform(),
-            "cpu_threads": torch.get_num_threads(),
+            "threads_per_rank": torch.get_num_threads(),
             "world_size": dist.get_world_size() if dist.is_initialized() else 1}
 
 
@@ -290,15 +299,9 @@ def _progress_factory(enabled: bool):
     return factory
 
 
-def _write_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
-def plot(profile: calibration.Profile, raw: dict, path: str) -> None:
-    """Measured efficiencies (points) and the profile's curves (lines), by tokens."""
+def plot(profile: calibration.Profile, raw: dict, path: str, format: str | None = None) -> None:
+    """Measured efficiencies (points) and the profile's curves (lines), by tokens, as an
+    image of `format` (default: `path`'s suffix)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -318,7 +321,7 @@ def plot(profile: calibration.Profile, raw: dict, path: str) -> None:
     ax.set(xscale="log", xlabel="tokens per call", ylabel=f"fraction of {profile.gpu} peak", title=profile.source)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, format=format)
     plt.close(fig)
 
 
@@ -335,11 +338,19 @@ def command(args) -> int:
     """`ballonet calibrate`: see the module docstring. Rank 0 writes and prints."""
     import json
 
+    from ballonet.cli.common import OUTPUT_ROOM, plot_formats
     from ballonet.errors import InputError
+    from ballonet.paths import check_output, write_atomic
 
     if args.max_length is not None and args.max_length < 64:
         raise InputError(f"--max-length must be at least 64, got {args.max_length}")
+    if args.out:  # before measuring, not after
+        check_output(args.out, "--out", min_free_bytes=OUTPUT_ROOM)
+    if args.plot:
+        check_output(args.plot, "--plot", plot_formats(), min_free_bytes=OUTPUT_ROOM)
     device = init_distributed()
+    if device.type == "cpu":
+        torch.set_num_threads(THREADS_PER_CPU_RANK)
     gpu = args.gpu or default_gpu(device)
     hardware.gpu(gpu)
     specs.model(args.model or ("llama-7b" if device.type == "cuda" else "tiny"))
@@ -357,9 +368,10 @@ def command(args) -> int:
     if not lead:
         return 0
     if args.out:
-        _write_atomic(args.out, profile.to_json())
+        write_atomic(args.out, lambda tmp: pathlib.Path(tmp).write_text(profile.to_json()))
     if args.plot:
-        plot(profile, raw, args.plot)
+        suffix = os.path.splitext(args.plot)[1][1:].lower()
+        write_atomic(args.plot, lambda tmp: plot(profile, raw, tmp, suffix))
     if args.json:
         print(json.dumps({"profile": profile.to_dict(), "measurements": raw}, indent=1))
     else:
