@@ -1,5 +1,6 @@
 """A slice of `bench/fuzz.py` in CI: the planner fuzz on a few hundred calls, and the
-bad-input sweep (in-process through `cli.main`, plus a few real subprocesses)."""
+bad-input sweep (in-process through `cli.main`, plus a few real subprocesses); the cases
+that need a base, a disk, a pipe or training ranks run in the bench sweep only."""
 
 import importlib.util
 import sys
@@ -9,12 +10,15 @@ import pytest
 
 from ballonet import PLANNERS, cli
 
-_spec = importlib.util.spec_from_file_location("fuzz", Path(__file__).resolve().parents[1] / "bench" / "fuzz.py")
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+sys.path.insert(0, str(BENCH))  # fuzz.py imports its neighbours, sweep and sweep_cases
+_spec = importlib.util.spec_from_file_location("fuzz", BENCH / "fuzz.py")
 fuzz = sys.modules.setdefault("fuzz", importlib.util.module_from_spec(_spec))
 _spec.loader.exec_module(fuzz)
+import sweep  # noqa: E402
+from sweep_cases import SWEEP  # noqa: E402
 
-CI_CASES = [c for c in fuzz.SWEEP if c.owner == "C" and not c.slow]
-"""Training-loop classes (owner D) run in the bench sweep only."""
+CI_CASES = [c for c in SWEEP if not c.slow]
 
 
 def test_planner_fuzz_slice_has_no_invalid_plan_crash_or_hang():
@@ -41,8 +45,8 @@ def test_random_cases_cover_the_ranges():
 
 @pytest.mark.parametrize("case", CI_CASES, ids=[c.name for c in CI_CASES])
 def test_bad_input_in_process(case, tmp_path, monkeypatch, capsys):
-    fuzz._make_files(str(tmp_path), case.files)
-    before = fuzz._listing(str(tmp_path))
+    sweep.make_files(str(tmp_path), case.files)
+    before = sweep.listing(str(tmp_path))
     monkeypatch.chdir(tmp_path)
     try:
         code = cli.main(list(case.argv))
@@ -53,12 +57,18 @@ def test_bad_input_in_process(case, tmp_path, monkeypatch, capsys):
     assert code == case.exit_code, err
     if case.exit_code == 2:
         assert len(lines) == 1 and lines[0].startswith("ballonet") and "Traceback" not in err, err
-    assert fuzz._listing(str(tmp_path)) == before
+        assert case.expect in lines[0], err
+    assert sweep.listing(str(tmp_path)) == before
 
 
 @pytest.mark.parametrize("name", ["unknown flag", "cluster TOML gpu = 5", "simulate --plot a folder",
-                                  "train --nproc 0"])
+                                  "train --nproc 0", "plan --nodes 1000000", "cluster TOML nic_gbps = inf"])
 def test_bad_input_subprocess(name):
-    row = fuzz.run_case(next(c for c in fuzz.SWEEP if c.name == name))
+    row = sweep.run_case(next(c for c in SWEEP if c.name == name))
     assert row["ok"], row
     assert row["exit_code"] == 2 and row["stderr_lines"] == 1 and not row["traceback"] and not row["left_behind"]
+
+
+def test_a_closed_pipe_is_one_line_not_a_traceback():
+    row = sweep.run_case(next(c for c in SWEEP if c.pipe))
+    assert row["ok"] and sweep.outcome(row) == "ok", row

@@ -95,6 +95,10 @@ def test_a_payload_in_any_file_of_a_checkpoint_is_one_line_exit_2_and_runs_nothi
                                           reduce_payload(command, 2), reduce_payload(command, 4))]
     planted += [(name, dotted_payload(command)) for name in step_files if name != ".metadata"]
     planted += [(name, reduce_payload(command, 2)) for name in step_files if name != ".metadata"]
+    for name in step_files:  # in place of the first item, the file's size kept (as the metadata says)
+        if name.endswith(".distcp"):
+            size = clean_checkpoint.joinpath("step-00000002", name).stat().st_size
+            planted += [(name, p + bytes(size - len(p))) for p in (dotted_payload(command), reduce_payload(command, 2))]
     planted += [("../latest", dotted_payload(command))]
     for name, payload in planted:
         case = tmp_path / f"case{len(list(tmp_path.iterdir()))}"

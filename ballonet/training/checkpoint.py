@@ -371,9 +371,15 @@ def load(path: str, model, optimizer, rank: int, group, device) -> dict:
     return meta
 
 
+_BOILERPLATE = ("Weights only load failed", "Check the documentation of torch.load", "Please file an issue")
+"""torch.load's lines around the reason a weights-only load failed (one of them advises
+loading the file unsafely)."""
+
+
 def _last_line(e: BaseException) -> str:
     """The innermost message of a (possibly DCP-wrapped, multi-line) exception, one line."""
-    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    lines = [line.strip() for line in str(e).splitlines()
+             if line.strip() and not line.strip().startswith(_BOILERPLATE)]
     return (lines[-1] if lines else type(e).__name__)[:300]
 
 
