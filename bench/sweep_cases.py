@@ -161,14 +161,20 @@ def _plant(name: str, payload: bytes):
     return edit
 
 
-def _plant_distcp(payload: bytes):
-    """The payload at the start of each data file, padded to its size: where the metadata
-    says the first item (a pickled optimizer value) lies."""
+def _plant_items(payload: bytes):
+    """The payload at the start of every stored item of the data files (each as long as
+    it), where the metadata says each item lies, the files' sizes kept: whichever item is
+    read first is a payload."""
     def edit(folder: str) -> None:
-        for name in os.listdir(os.path.join(folder, STEP)):
-            if name.endswith(".distcp"):
-                size = os.path.getsize(os.path.join(folder, STEP, name))
-                _plant(name, payload + bytes(size - len(payload)))(folder)
+        from ballonet.training.checkpoint import read_safe_metadata
+
+        step = os.path.join(folder, STEP)
+        metadata = read_safe_metadata(os.path.join(step, ".metadata"), step)
+        for info in metadata.storage_data.values():
+            if info.length >= len(payload):
+                with open(os.path.join(step, info.relative_path), "r+b") as f:
+                    f.seek(info.offset)
+                    f.write(payload)
     return edit
 
 
@@ -246,8 +252,8 @@ ISSUE_33: list[Case] = [
     # 1. code in a checkpoint
     _ck("checkpoint .metadata: dotted global os.system (protocol 4)", _plant(".metadata", DOTTED), ".metadata"),
     _ck("checkpoint .metadata: plain __reduce__", _plant(".metadata", REDUCE), ".metadata"),
-    _ck("checkpoint .distcp: dotted global", _plant_distcp(DOTTED), "corrupt or foreign checkpoint"),
-    _ck("checkpoint .distcp: plain __reduce__", _plant_distcp(REDUCE), "corrupt or foreign checkpoint"),
+    _ck("checkpoint .distcp items: dotted global", _plant_items(DOTTED), "corrupt or foreign checkpoint"),
+    _ck("checkpoint .distcp items: plain __reduce__", _plant_items(REDUCE), "corrupt or foreign checkpoint"),
     _ck("checkpoint ballonet.json: a pickle", _plant("ballonet.json", DOTTED), "ballonet.json"),
     _ck("checkpoint latest: a pickle", _plant(os.path.join("..", "latest"), DOTTED), "latest"),
     # 2. a corpus reading outside its folder, or ids beyond its vocabulary

@@ -19,6 +19,7 @@ from ballonet.training.corpus import from_prepared, load_corpus
 from ballonet.training.loop import TrainConfig, train
 
 TRAIN = ["train", "--steps", "3", "--global-tokens", "512", "--max-doc-tokens", "256"]
+ITEMS = "every stored item"
 
 
 def _short(text: str) -> bytes:
@@ -95,16 +96,21 @@ def test_a_payload_in_any_file_of_a_checkpoint_is_one_line_exit_2_and_runs_nothi
                                           reduce_payload(command, 2), reduce_payload(command, 4))]
     planted += [(name, dotted_payload(command)) for name in step_files if name != ".metadata"]
     planted += [(name, reduce_payload(command, 2)) for name in step_files if name != ".metadata"]
-    for name in step_files:  # in place of the first item, the file's size kept (as the metadata says)
-        if name.endswith(".distcp"):
-            size = clean_checkpoint.joinpath("step-00000002", name).stat().st_size
-            planted += [(name, p + bytes(size - len(p))) for p in (dotted_payload(command), reduce_payload(command, 2))]
     planted += [("../latest", dotted_payload(command))]
+    # In place of every stored item (where the metadata says it lies), the files' sizes kept.
+    planted += [(ITEMS, dotted_payload(command)), (ITEMS, reduce_payload(command, 2))]
     for name, payload in planted:
         case = tmp_path / f"case{len(list(tmp_path.iterdir()))}"
         case.mkdir()
         ck, step = _copy(clean_checkpoint, case)
-        (step / name).write_bytes(payload)
+        if name == ITEMS:
+            for info in checkpoint.read_safe_metadata(step / ".metadata", step).storage_data.values():
+                if info.length >= len(payload):
+                    with open(step / info.relative_path, "r+b") as f:
+                        f.seek(info.offset)
+                        f.write(payload)
+        else:
+            (step / name).write_bytes(payload)
         code, lines = _resume(ck, capsys)
         assert code == 2 and len(lines) == 1 and lines[0].startswith("ballonet train: error: "), (name, lines)
         assert not marker.exists(), name
