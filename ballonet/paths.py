@@ -31,6 +31,18 @@ def looks_like_path(text: str, suffixes: tuple[str, ...] | None = None) -> bool:
     return bool(suffix) and (suffixes is None or suffix in suffixes)
 
 
+OUTPUT_ROOM = 1 << 20
+"""Free bytes an output file of a few kilobytes (a profile, a plot) asks of its disk."""
+
+
+def plot_formats() -> tuple[str, ...]:
+    """The file suffixes matplotlib's Agg canvas writes (.png, .svg, .pdf, ...)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    return tuple("." + ext for ext in FigureCanvasAgg(Figure()).get_supported_filetypes())
+
+
 def check_output(path: str, flag: str, suffixes: tuple[str, ...] | None = None, min_free_bytes: int = 0) -> None:
     """Raise InputError (naming `flag` and `path`) unless `path` can be written as a file:
     not a folder nor another kind of file (a device, a pipe), in a folder that exists and

@@ -65,7 +65,7 @@ def _timed_training(rank: int, world_size: int, global_tokens: int) -> dict:
     import torch
     from torch.nn.modules import module as nn_module
 
-    from ballonet import hardware
+    from ballonet.cost import hardware
     from ballonet.training.loop import TrainConfig, train_model
 
     calls, starts = [], {}
@@ -146,7 +146,7 @@ def main() -> None:
                    help="NAME=DIR: also run calibrate from this source tree (repeatable); this tree is 'this branch'")
     p.add_argument("--out", default=os.path.join(HERE, "results", "calibration_threads"))
     args = p.parse_args()
-    from ballonet import hardware
+    from ballonet.cost import hardware
 
     start = time.perf_counter()
     training = [train_once(args.global_tokens) for _ in range(args.repeats)]

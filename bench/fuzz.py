@@ -39,7 +39,8 @@ import numpy as np
 from sweep import outcome, sweep
 from sweep_cases import SWEEP
 
-from ballonet import PLANNERS, hardware, plan_batch, specs
+from ballonet import PLANNERS, plan_batch, specs
+from ballonet.cost import hardware
 from ballonet.errors import InputError
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -243,7 +243,7 @@ def _ck_meta(name, expect, issue, **change) -> Case:
 
 
 def _cpu_profile() -> str:
-    from ballonet import hardware
+    from ballonet.cost import hardware
 
     return hardware.profile("cpu").to_json()
 

@@ -92,7 +92,8 @@ def add_calibration_arg(p) -> None:
     def calibrated(args) -> int:
         import dataclasses
 
-        from ballonet import calibration, hardware
+        from ballonet import calibration
+        from ballonet.cost import hardware
 
         if not args.calibration:
             if args.calibration_gpu:
@@ -115,18 +116,6 @@ def add_calibration_arg(p) -> None:
             return func(args)
 
     p.set_defaults(func=calibrated)
-
-
-OUTPUT_ROOM = 1 << 20
-"""Free bytes an output file of a few kilobytes (a profile, a plot) asks of its disk."""
-
-
-def plot_formats() -> tuple[str, ...]:
-    """The file suffixes matplotlib's Agg canvas writes (.png, .svg, .pdf, ...)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    return tuple("." + ext for ext in FigureCanvasAgg(Figure()).get_supported_filetypes())
 
 
 def _broken_pipe() -> None:

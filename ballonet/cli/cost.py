@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 
-from ballonet import cost_model, specs
+from ballonet import specs
 from ballonet.cli.common import add_calibration_arg, positive_int, print_table, subparser
+from ballonet.cost.memory import BELOW, activation_bytes, memory_cap
+from ballonet.cost.recompute import cheapest_per_rank
+from ballonet.cost.seconds import sequence_cost
 from ballonet.errors import InputError
 
 
@@ -27,14 +30,14 @@ def cmd_cost(args) -> int:
     if group.gpus_per_node % model.tp:
         raise InputError(f"--tp {model.tp} does not divide the {group.gpus_per_node} GPUs per node of {cluster.name!r}")
     num_dp = group.num_nodes * group.gpus_per_node // model.tp
-    if cost_model.cheapest_recomputation(model, [args.length], [group.gpu_type], num_dp) is None:
-        need = cost_model.activation_bytes(model, args.length, args.length, "full")
-        room = cost_model.memory_cap(model, group.gpu_type, num_dp)
+    if cheapest_per_rank(model, [args.length], [group.gpu_type], num_dp) is None:
+        need = activation_bytes(model, args.length, args.length, "full")
+        room = memory_cap(model, group.gpu_type, num_dp)
         raise InputError(f"--length {args.length}: one document of {args.length} tokens cannot fit one {group.gpu} "
                          f"for {model.name}, even with full recomputation ({need / 2**30:.4g} GiB of activations, "
                          f"{max(room, 0) / 2**30:.4g} GiB left for them); the planner splits such a document over GPUs "
                          f"(`ballonet plan --lengths`)")
-    cost = cost_model.sequence_cost(model, group, args.length)
+    cost = sequence_cost(model, group, args.length)
     report = {
         "model": model.name,
         "cluster": cluster.name,
@@ -55,7 +58,7 @@ def cmd_cost(args) -> int:
         print(json.dumps(report, indent=2))
         return 0
     att_share = cost.attention_time_s / (cost.attention_time_s + cost.linear_time_s)
-    partial = cost.recompute in cost_model.BELOW
+    partial = cost.recompute in BELOW
     layers = f", {cost.recompute_layers} of {model.num_layers} layers" if partial else ""
     rows = [
         ["attention FLOPs (fwd, per layer)", f"{cost.attention_flops_fwd:.3e}"],

@@ -12,9 +12,7 @@ from ballonet.cli.common import (
     add_target_args,
     add_zeppelin_options,
     check_batch_fits,
-    OUTPUT_ROOM,
     infeasible_footer,
-    plot_formats,
     positive_int,
     print_table,
     row_cells,
@@ -22,7 +20,7 @@ from ballonet.cli.common import (
     zeppelin_options,
 )
 from ballonet.errors import InputError
-from ballonet.paths import check_output, write_atomic
+from ballonet.paths import OUTPUT_ROOM, check_output, plot_formats, write_atomic
 
 
 def register(sub) -> None:
