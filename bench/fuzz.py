@@ -36,8 +36,9 @@ from collections import Counter
 
 import numpy as np
 
+import sweep as sweep_module
 from sweep import outcome, sweep
-from sweep_cases import SWEEP
+from sweep_cases import ISSUE_33, SWEEP
 
 from ballonet import PLANNERS, plan_batch, specs
 from ballonet.cost import hardware
@@ -188,16 +189,20 @@ def _sweep_section(result: dict) -> list[str]:
            "`bench/sweep_cases.py`). Expected: exit 2 (1 for a dead peer), one line on stderr holding the "
            "expected words, no file left behind (a payload that ran would leave PWNED); valid look-alikes exit 0. "
            "Read-only and full disks are tmpfs mounts (64 KiB, filled) at disk/ in a private mount namespace.", "",
-           f"Outcomes: {kinds['ok']} ok, {kinds['traceback']} tracebacks, {kinds['hang']} hangs, "
+           (f"Swept with the ballonet of `{result['source']}`, not this tree." if result.get("source") else
+            "`fuzz_issue33_main.md`: issue 33's cases swept with the code before its fixes (`--source`)."), "",
+           f"Outcomes: {kinds['ok']} ok, {kinds['payload ran']} payloads run, {kinds['traceback']} tracebacks, "
+           f"{kinds['hang']} hangs, "
            f"{kinds['silent wrong answer']} silent wrong answers, {kinds['failed']} other failures, "
            f"{kinds['not run']} not run.", "",
            "### Issue 33, by class", "",
-           "| class | cases | ok | tracebacks | hangs | silent wrong answers |", "| --- | --- | --- | --- | --- | --- |"]
+           "| class | cases | ok | payloads run | tracebacks | hangs | silent wrong answers | other |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for number, title in ISSUE_33_CLASSES.items():
         mine = Counter(outcome(r) for r in rows if r.get("issue") == number)
-        out.append(f"| {number}. {title} | {sum(mine.values())} | {mine['ok']} | {mine['traceback']} | "
-                   f"{mine['hang']} | {mine['silent wrong answer']} |")
-    out += ["| 8. calibrate's threading | see `calibration_threads.md` | | | | |", "",
+        out.append(f"| {number}. {title} | {sum(mine.values())} | {mine['ok']} | {mine['payload ran']} | "
+                   f"{mine['traceback']} | {mine['hang']} | {mine['silent wrong answer']} | {mine['failed']} |")
+    out += ["| 8. calibrate's threading | see `calibration_threads.md` | | | | | | |", "",
             "| issue 33 | class | command | exit | expected | stderr lines | left behind | s | outcome | message |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in sorted(rows, key=lambda r: (r.get("issue") or 99)):
@@ -227,6 +232,9 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=30.0, help="seconds per planner call before it counts as a hang")
     p.add_argument("--jobs", type=int, default=1, help="processes for the planner fuzz")
     p.add_argument("--sweep-timeout", type=float, default=120.0, help="seconds per command line before it is a hang")
+    p.add_argument("--source", default=None,
+                   help="sweep the ballonet of this source tree (e.g. an older commit's, to see the cases fail there)")
+    p.add_argument("--issue-33-only", action="store_true", help="sweep issue 33's classes only")
     p.add_argument("--no-sweep", action="store_true", help="keep the sweep of the last run (in OUT.json)")
     p.add_argument("--no-planners", action="store_true", help="keep the planner fuzz of the last run (in OUT.json)")
     p.add_argument("--out", default=os.path.join(HERE, "results", "fuzz"), help="OUT.md and OUT.json")
@@ -242,8 +250,10 @@ def main() -> None:
         results["planners"]["stamp"] = _stamp(command, time.perf_counter() - start)
     if not args.no_sweep:
         start = time.perf_counter()
-        rows = sweep(SWEEP, args.sweep_timeout)
-        results["sweep"] = {"rows": rows, "stamp": _stamp(command, time.perf_counter() - start)}
+        cases = ISSUE_33 if args.issue_33_only else SWEEP
+        rows = sweep(cases, args.sweep_timeout, os.path.abspath(args.source) if args.source else sweep_module.ROOT)
+        results["sweep"] = {"rows": rows, "stamp": _stamp(command, time.perf_counter() - start),
+                            "source": args.source}
     report = write_report(results)
     with open(args.out + ".md", "w") as f:
         f.write(report)

@@ -78,22 +78,22 @@ def listing(folder: str) -> set[str]:
             for f in files + [s + "/" for s in subdirs]}
 
 
-def _env(extra=()) -> dict:
-    return dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
+def _env(extra=(), source: str = ROOT) -> dict:
+    return dict(os.environ, PYTHONPATH=source + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
                 COLUMNS="200", **dict(extra))
 
 
-def _ballonet(*argv, cwd: str) -> None:
-    subprocess.run([sys.executable, "-m", "ballonet", *argv], cwd=cwd, env=_env(), check=True, capture_output=True,
-                   timeout=600)
+def _ballonet(*argv, cwd: str, source: str) -> None:
+    subprocess.run([sys.executable, "-m", "ballonet", *argv], cwd=cwd, env=_env(source=source), check=True,
+                   capture_output=True, timeout=600)
 
 
 class Bases:
     """The clean checkpoint and prepared corpus that hostile-file cases copy and edit,
     each made once (by the real CLI) in `folder` when a case first asks for it."""
 
-    def __init__(self, folder: str):
-        self.folder, self._made = folder, {}
+    def __init__(self, folder: str, source: str = ROOT):
+        self.folder, self.source, self._made = folder, source, {}
 
     def get(self, kind: str) -> str:
         if kind not in self._made:
@@ -101,13 +101,14 @@ class Bases:
             os.makedirs(where)
             if kind == "checkpoint":
                 _ballonet("train", "--steps", str(CHECKPOINT_STEPS), "--global-tokens", "512", "--max-doc-tokens",
-                          "256", "--checkpoint-dir", "ck", "--checkpoint-every", str(CHECKPOINT_STEPS), cwd=where)
+                          "256", "--checkpoint-dir", "ck", "--checkpoint-every", str(CHECKPOINT_STEPS), cwd=where,
+                          source=self.source)
                 self._made[kind] = os.path.join(where, "ck")
             elif kind == "corpus":
                 with open(os.path.join(where, "docs.jsonl"), "w") as f:
                     for i in range(40):
                         f.write(json.dumps({"text": f"document {i}: " + "the quick brown fox " * (i + 1)}) + "\n")
-                _ballonet("prepare", "--data", "docs.jsonl", "--out", "corpus", cwd=where)
+                _ballonet("prepare", "--data", "docs.jsonl", "--out", "corpus", cwd=where, source=self.source)
                 self._made[kind] = os.path.join(where, "corpus")
             else:
                 raise ValueError(f"unknown base {kind!r}")
@@ -142,8 +143,9 @@ def _command(case: Case, unshare: list[str] | None) -> tuple[list[str], bool]:
     return ballonet, False
 
 
-def run_case(case: Case, timeout_s: float = 120.0, bases: Bases | None = None, unshare=()) -> dict:
-    """Run `case` in a fresh folder: exit code, stderr lines, files left behind."""
+def run_case(case: Case, timeout_s: float = 120.0, bases: Bases | None = None, unshare=(), source: str = ROOT) -> dict:
+    """Run `case` in a fresh folder with the ballonet of the source tree `source`: exit
+    code, stderr lines, files left behind."""
     row = {"name": case.name, "argv": " ".join(case.argv) + (f" | {case.pipe}" if case.pipe else ""),
            "expected": case.exit_code, "owner": case.owner, "issue": case.issue, "disk": case.disk,
            "env": " ".join(f"{k}={v}" for k, v in case.env)}
@@ -155,7 +157,7 @@ def run_case(case: Case, timeout_s: float = 120.0, bases: Bases | None = None, u
     with tempfile.TemporaryDirectory() as folder:
         make_files(folder, case.files)
         if case.base:
-            shutil.copytree((bases or Bases(folder)).get(case.base),
+            shutil.copytree((bases or Bases(folder, source)).get(case.base),
                             os.path.join(folder, {"checkpoint": "ck", "corpus": "corpus"}[case.base]))
         if case.edit:
             case.edit(folder)
@@ -165,7 +167,7 @@ def run_case(case: Case, timeout_s: float = 120.0, bases: Bases | None = None, u
         argv, reports_disk = _command(case, unshare)
         start = time.perf_counter()
         try:
-            r = subprocess.run(argv, cwd=folder, env=_env(case.env), capture_output=True, text=True,
+            r = subprocess.run(argv, cwd=folder, env=_env(case.env, source), capture_output=True, text=True,
                                timeout=timeout_s, check=False)
             code, stderr = r.returncode, r.stderr
         except subprocess.TimeoutExpired as e:
@@ -187,11 +189,14 @@ def run_case(case: Case, timeout_s: float = 120.0, bases: Bases | None = None, u
 
 
 def outcome(row: dict) -> str:
-    """ok, not run, hang, traceback, silent wrong answer (exit 0 where a refusal was due), or failed."""
+    """ok, not run, payload ran (it left PWNED), hang, traceback, silent wrong answer (exit 0
+    where a refusal was due), or failed."""
     if row["ok"]:
         return "ok"
     if row["ok"] is None:
         return "not run"
+    if "PWNED" in row["left_behind"]:
+        return "payload ran"
     if row["exit_code"] == "timeout":
         return "hang"
     if row["traceback"]:
@@ -201,8 +206,9 @@ def outcome(row: dict) -> str:
     return "failed"
 
 
-def sweep(cases, timeout_s: float = 120.0) -> list[dict]:
+def sweep(cases, timeout_s: float = 120.0, source: str = ROOT) -> list[dict]:
+    """Every case, with the ballonet of the source tree `source` (default this one)."""
     unshare = _unshare()
     with tempfile.TemporaryDirectory() as folder:
-        bases = Bases(folder)
-        return [run_case(c, timeout_s, bases, unshare) for c in cases]
+        bases = Bases(folder, source)
+        return [run_case(c, timeout_s, bases, unshare, source) for c in cases]

@@ -166,10 +166,15 @@ def _plant_items(payload: bytes):
     it), where the metadata says each item lies, the files' sizes kept: whichever item is
     read first is a payload."""
     def edit(folder: str) -> None:
+        from ballonet.errors import InputError
         from ballonet.training.checkpoint import read_safe_metadata
 
         step = os.path.join(folder, STEP)
-        metadata = read_safe_metadata(os.path.join(step, ".metadata"), step)
+        try:
+            metadata = read_safe_metadata(os.path.join(step, ".metadata"), step)
+        except InputError:  # written by an older ballonet (--source) a moment ago by this sweep
+            with open(os.path.join(step, ".metadata"), "rb") as f:
+                metadata = pickle.load(f)
         for info in metadata.storage_data.values():
             if info.length >= len(payload):
                 with open(os.path.join(step, info.relative_path), "r+b") as f:
