@@ -34,8 +34,11 @@ def test_a_write_that_fails_is_one_line_naming_the_file_and_leaves_nothing(tmp_p
 
 
 def test_outputs_are_checked_for_kind_and_room_before_any_work(tmp_path, monkeypatch):
+    fifo = tmp_path / "p.fifo"
+    os.mkfifo(fifo)
     with pytest.raises(ballonet.InputError, match="not a regular file"):
-        paths.check_output("/dev/null", "--out")
+        paths.check_output(str(fifo), "--out")
+    fifo.unlink()
     monkeypatch.setattr(paths.shutil, "disk_usage", lambda p: SimpleNamespace(free=4096))
     with pytest.raises(ballonet.InputError, match=r"--out .*p\.json: 0\.0 MiB free on its disk, 1\.0 MiB needed"):
         paths.check_output(str(tmp_path / "p.json"), "--out", min_free_bytes=1 << 20)
