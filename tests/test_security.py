@@ -113,6 +113,10 @@ def test_a_payload_in_any_file_of_a_checkpoint_is_one_line_exit_2_and_runs_nothi
             (step / name).write_bytes(payload)
         code, lines = _resume(ck, capsys)
         assert code == 2 and len(lines) == 1 and lines[0].startswith("ballonet train: error: "), (name, lines)
+        # named where it was found: the metadata (its own payload, or a data file it no longer fits), the
+        # item torch.load refused, ballonet.json or latest
+        where = {"ballonet.json": "ballonet.json", "../latest": "latest", ITEMS: "corrupt or foreign checkpoint"}
+        assert where.get(name, ".metadata: not a checkpoint's metadata") in lines[0], (name, lines)
         assert not marker.exists(), name
 
 
