@@ -34,8 +34,8 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+from _common import HERE, ROOT, record, write_text
+
 STEPS = 4
 
 
@@ -138,14 +138,14 @@ def report(result: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--global-tokens", type=int, default=1024)
     p.add_argument("--source", action="append", default=[],
                    help="NAME=DIR: also run calibrate from this source tree (repeatable); this tree is 'this branch'")
     p.add_argument("--out", default=os.path.join(HERE, "results", "calibration_threads"))
-    args = p.parse_args()
+    args = p.parse_args(argv)
     from ballonet.cost import hardware
 
     start = time.perf_counter()
@@ -156,15 +156,15 @@ def main() -> None:
               "training_median": statistics.median(r["linear_efficiency"] for run in training for r in run),
               "sources": {name: {"path": path, "calibrate": [calibrate_once(path, tokens) for _ in range(args.repeats)]}
                           for name, path in sources.items()}}
-    command = "python " + shlex.join(["bench/calibration_threads.py", *sys.argv[1:]])
-    result["stamp"] = _stamp(command, time.perf_counter() - start)
+    # quoted (not `_common.command`): --source values hold spaces
+    cmd = "python " + shlex.join(["bench/calibration_threads.py", *(sys.argv[1:] if argv is None else argv)])
+    result["stamp"] = _stamp(cmd, time.perf_counter() - start)
     text = report(result)
-    with open(args.out + ".md", "w") as f:
-        f.write(text)
-    with open(args.out + ".json", "w") as f:
-        json.dump(result, f, indent=1)
+    record(cmd, result, args.out + ".json")
+    write_text(args.out + ".md", text)
     print(text)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,31 +1,29 @@
-"""A slice of `bench/fuzz.py` in CI: the planner fuzz on a few hundred calls, and the
-bad-input sweep (in-process through `cli.main`, plus a few real subprocesses); the cases
-that need a base, a disk, a pipe or training ranks run in the bench sweep only."""
+"""A slice of the fuzz in CI: the planner fuzz (`ballonet.planning.fuzz`) on a few
+hundred calls, and `bench/fuzz.py`'s bad-input sweep (in-process through `cli.main`, plus
+a few real subprocesses); the cases that need a base, a disk, a pipe or training ranks run
+in the bench sweep only."""
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 
 from ballonet import PLANNERS, cli
+from ballonet.cost import hardware
+from ballonet.planning import fuzz as planner_fuzz
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
-sys.path.insert(0, str(BENCH))  # fuzz.py imports its neighbours, sweep and sweep_cases
-_spec = importlib.util.spec_from_file_location("fuzz", BENCH / "fuzz.py")
-fuzz = sys.modules.setdefault("fuzz", importlib.util.module_from_spec(_spec))
-_spec.loader.exec_module(fuzz)
-import sweep  # noqa: E402
-from sweep_cases import SWEEP  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # the sweep lives with its report
+import sweep  # bench/sweep.py and bench/sweep_cases.py, once their folder is on the path
+from sweep_cases import SWEEP
 
 CI_CASES = [c for c in SWEEP if not c.slow]
 
 
 def test_planner_fuzz_slice_has_no_invalid_plan_crash_or_hang():
-    result = fuzz.fuzz_planners(40, seed=7, timeout_s=60)
+    result = planner_fuzz.fuzz_planners(40, seed=7, timeout_s=60)
     assert result["failures"] == []
-    assert set(fuzz.VARIANTS) == set(PLANNERS) | {"zeppelin single"}
-    for name in fuzz.VARIANTS:
+    assert set(planner_fuzz.VARIANTS) == set(PLANNERS) | {"zeppelin single"}
+    for name in planner_fuzz.VARIANTS:
         counts = result["counts"][name]
         assert sum(counts.values()) == 40 and counts.get("ok", 0) > 0, (name, counts)
 
@@ -34,13 +32,13 @@ def test_random_cases_cover_the_ranges():
     import numpy as np
 
     rng = np.random.default_rng(0)
-    cases = [fuzz.random_case(rng) for _ in range(300)]
+    cases = [planner_fuzz.random_case(rng) for _ in range(300)]
     gpus = {g.gpu for _, c, _ in cases for g in c.groups}
-    assert gpus == set(fuzz.hardware.GPUS)
-    assert {m.tp for _, _, m in cases} == set(fuzz.TP_CHOICES)
+    assert gpus == set(hardware.GPUS)
+    assert {m.tp for _, _, m in cases} == set(planner_fuzz.TP_CHOICES)
     assert any(len(c.groups) > 1 for _, c, _ in cases)
     lengths = [n for lens, _, _ in cases for n in lens]
-    assert min(lengths) == 1 and max(lengths) > 100_000 and max(lengths) <= fuzz.MAX_LENGTH
+    assert min(lengths) == 1 and max(lengths) > 100_000 and max(lengths) <= planner_fuzz.MAX_LENGTH
 
 
 @pytest.mark.parametrize("case", CI_CASES, ids=[c.name for c in CI_CASES])
