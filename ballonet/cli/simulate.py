@@ -38,7 +38,11 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the batch sampler")
     add_zeppelin_options(p)
     p.add_argument("--no-engine", action="store_true",
-                   help="ablation: zeppelin's attention run in a fixed order, sends issued after compute")
+                   help="every planner's sends posted behind the kernels queued before them (no communication "
+                        "stream), double rings included; default: sends go once their data is there")
+    p.add_argument("--one-group", action="store_true",
+                   help="context-parallel and data-parallel traffic on one process group (the layer's FSDP "
+                        "collectives first); default: separate groups, as the runtime runs them")
     p.add_argument("--plot", default=None, help="write a bar chart of step times (.png, .svg, .pdf, ...)")
     p.add_argument("--trace", default=None,
                    help="write a Chrome/Perfetto trace of the first batch (out.json; out.PLANNER.json for several; "
@@ -98,7 +102,7 @@ def cmd_simulate(args) -> int:
     if args.plot:
         check_output(args.plot, "--plot", _plot_formats())
     popts = zeppelin_options(args)
-    sopts = {"engine": False} if args.no_engine else {}
+    sopts = {"engine": not args.no_engine, "cp_group": not args.one_group}
     total = comparison.num_simulations(planners, args.steps)
     from rich.console import Console
 

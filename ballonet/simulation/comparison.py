@@ -70,15 +70,16 @@ class Row:
 def compare(cluster: ClusterSpec, model: ModelSpec, workload: str, tokens_per_gpu: int, planners: list[str], *,
             steps: int = 1, seed: int = 0, max_length: int | None = None, planner_options: dict | None = None,
             sim_options: dict | None = None, progress=None) -> list[Row]:
-    """One Row per planner. `planner_options` and `sim_options` apply to "zeppelin" only
-    (the ablations); `progress(advance)` is called after each simulation."""
+    """One Row per planner. `planner_options` apply to "zeppelin" only (its ablations),
+    `sim_options` (`simulate`'s keywords) to every planner alike; `progress(advance)` is
+    called after each simulation."""
     wl = workloads.get(workload)
     batches = list(wl.batches(tokens_per_gpu * cluster.num_ranks, seed, steps, max_length))
     names = planners + ([REFERENCE] if REFERENCE not in planners and REFERENCE in planner_names() else [])
     runs: dict[str, list[SimResult] | str] = {}  # the simulations, or why the planner is infeasible
     for name in names:
         popts = (planner_options or {}) if name == "zeppelin" else {}
-        sopts = (sim_options or {}) if name == "zeppelin" else {}
+        sopts = sim_options or {}
         runs[name] = []
         for step, lengths in enumerate(batches):
             try:

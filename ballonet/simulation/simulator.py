@@ -20,15 +20,23 @@ What is simulated (`timeline.py` has the event model, `fabric.py` the links,
   every member first (backward: again, then each block's gradient back to its owner).
   Local documents of a rank are one varlen kernel call. Bytes are what the runtime moves
   (`SimResult.bytes_sent`; tests compare them with the runtime's own prediction).
-* The attention engine (`engine=True`, Zeppelin's): transfers start as soon as their data
-  is there and each GPU's stream runs ready work in queue order inter-node, intra-node,
-  local, so local attention fills waits. Without it (the baselines' loop), a rank runs its
-  attention work in a fixed order and issues a ring step's send only after its previous
-  compute, as ring-flash-attention and TransformerEngine do.
-* Gradient all-reduce: hierarchical (`cost_model.grad_allreduce_time`), in one bucket per
-  layer (Megatron's overlap_grad_reduce): the bucket of layer l runs during the backward
-  of layer l-1 on the same NVLink ports and NICs as its ring and remap transfers (cut
-  into pieces, so they interleave); the last layer's bucket is exposed.
+* Order and the attention engine: every rank's compute stream runs its kernels in the
+  order the runtime queues them (`runtime.engine`: its rings round-robin, inter-node
+  first, its local documents after every ring's first step), the same for every plan.
+  With the engine (`engine=True`, the default for every planner: what the runtime does,
+  sends posted on a communication stream once their data is there, relays forwarded as
+  they arrive) a transfer waits for its data only; without it (`engine=False`, every
+  ring kind, double rings included) a send also waits for every kernel its rank queued
+  before it, as `batch_isend_irecv` on the compute stream does.
+* Data-parallel collectives, as the runtime's FSDP2 runs them (`training/parallel.py`):
+  each layer's forward runs beside the next layer's parameter all-gather (bf16), each
+  backward beside an all-gather and the previous layer's gradient reduce-scatter (fp32),
+  each priced as half of `cost_model.grad_allreduce_parts` (a hierarchical all-reduce:
+  inside nodes, then across them; NCCL's flat ring over all ranks moves about as much
+  per NIC). They share NVLink ports and NICs with ring and remap transfers, cut into
+  pieces so the two interleave: context-parallel traffic runs on its own process group
+  (`cp_group=True`, as the runtime does; False: one group, whose stream runs the
+  collectives first). The last layer's reduce-scatter is exposed.
 * Recomputation (`ModelSpec.recompute`, default the cheapest under which every rank's
   tokens fit, each rank recomputing as little as its own tokens need,
   `cost_model.recomputation_per_rank`): the backward reruns the MLP GEMMs
@@ -200,14 +208,14 @@ def _slowdown(p: LayerGraph, compute: list) -> list:
 
 
 def simulate(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, routing: bool = True, remap: bool = True,
-             engine: bool | None = None, overlap_grad_allreduce: bool = True) -> SimResult:
+             engine: bool = True, cp_group: bool = True, overlap_grad_allreduce: bool = True) -> SimResult:
     """Simulate one training iteration of `plan`. `routing=False` sends every hop directly,
-    `remap=False` runs the linear layers in the attention layout, `engine` (default:
-    `plan.attention_engine`) selects the attention engine; see the module docstring."""
+    `remap=False` runs the linear layers in the attention layout, `engine=False` posts
+    every send behind the kernels queued before it (for every plan alike), `cp_group=False`
+    puts context-parallel and data-parallel traffic on one process group; see the module
+    docstring."""
     fabric = Fabric(cluster, plan.num_ranks, model.tp)
     R = plan.num_ranks
-    if engine is None:
-        engine = plan.attention_engine
     moves = plan.remap_tokens() if remap else Counter()
     att_tokens = [sum(s.num_tokens for s in segs) for segs in plan.attention]
     tokens = list(att_tokens)
@@ -231,8 +239,11 @@ def simulate(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, routing: boo
     L = model.num_layers
     bucket = _bucket(model, cluster, L) if overlap_grad_allreduce else (0.0, 0.0)
     common = dict(plan=plan, model=model, fabric=fabric, engine=engine, routes=routes, remap=moves,
-                  linear_s=linear_s, tp_s=tp_s, recompute=mode)
-    graphs = (LayerGraph(backward=False, **common), LayerGraph(backward=True, grad_bucket=bucket, **common))
+                  linear_s=linear_s, tp_s=tp_s, recompute=mode, cp_group=cp_group)
+    forward_dp = tuple(x * FORWARD_DP for x in bucket)
+    bucket = tuple(x * BACKWARD_DP for x in bucket)
+    graphs = (LayerGraph(backward=False, grad_bucket=forward_dp, **common),
+              LayerGraph(backward=True, grad_bucket=bucket, **common))
     fwd, fwd_compute, fwd_end, fwd_att, fwd_rec = _run_pass(graphs[0])
     bwd, bwd_compute, bwd_end, bwd_att, bwd_rec = _run_pass(graphs[1])
     bwd_slow = _slowdown(graphs[1], bwd_compute)
@@ -303,8 +314,15 @@ def _runs_of_layers(model: ModelSpec, fabric: Fabric, tokens: list, per_rank, li
     return runs
 
 
+FORWARD_DP = 0.5
+"""A layer's forward runs beside one bf16 parameter all-gather: half an all-reduce's traffic."""
+BACKWARD_DP = 1.5
+"""A layer's backward runs beside a bf16 all-gather and an fp32 reduce-scatter (FSDP2's
+`reduce_dtype`): half an all-reduce, plus twice half."""
+
+
 def _bucket(model: ModelSpec, cluster: ClusterSpec, num_layers: int) -> tuple[float, float]:
-    """One layer's share of the gradient all-reduce, for the slowest node group: (intra-node
-    seconds, bytes a GPU sends across nodes)."""
+    """One layer's share of a bf16 gradient all-reduce, for the slowest node group:
+    (intra-node seconds, bytes a GPU sends across nodes)."""
     parts = [cost_model.grad_allreduce_parts(model, g, cluster.num_nodes) for g in cluster.groups]
     return max(p[0] for p in parts) / num_layers, max(p[1] for p in parts) / num_layers
