@@ -43,6 +43,9 @@ def register(sub) -> None:
     p.add_argument("--one-group", action="store_true",
                    help="context-parallel and data-parallel traffic on one process group (the layer's FSDP "
                         "collectives first); default: separate groups, as the runtime runs them")
+    p.add_argument("--tune", action="store_true",
+                   help="run te_cp, llama_cp and wlb_llm at their fastest CP degree (powers of two up to 64), as "
+                        "a user tuning the job would")
     p.add_argument("--plot", default=None, help="write a bar chart of step times (.png, .svg, .pdf, ...)")
     p.add_argument("--trace", default=None,
                    help="write a Chrome/Perfetto trace of the first batch (out.json; out.PLANNER.json for several; "
@@ -110,7 +113,7 @@ def cmd_simulate(args) -> int:
         task = bar.add_task("simulating", total=total)
         rows = comparison.compare(cluster, model, args.workload, args.tokens_per_gpu, planners, steps=args.steps,
                                   seed=args.seed, max_length=args.max_length, planner_options=popts,
-                                  sim_options=sopts, progress=lambda n: bar.advance(task, n))
+                                  sim_options=sopts, tune=args.tune, progress=lambda n: bar.advance(task, n))
     if not any(r.feasible for r in rows):
         raise InputError(f"no planner can run the batch: {rows[0].reason}")
     for r in rows:
