@@ -1,8 +1,9 @@
 """Planning: document lengths and a cluster in, a validated `Plan` out.
 
 `zeppelin` is the hierarchical partitioner (`zeppelin.py`, `refinement.py`, `remap.py`,
-`routing.py`); `baselines.py` reproduces the systems it is compared with, and `distca.py`
-the core attention disaggregation of DistCA. Every planner
+`routing.py`); `baselines.py` reproduces the systems it is compared with, `wlb_llm.py`
+WLB-LLM, `distca.py` the core attention disaggregation of DistCA and `magi.py`
+MagiAttention's dispatch. Every planner
 is a pure function (lengths, cluster, model, **options) -> Plan, listed in `PLANNERS`.
 """
 
@@ -14,12 +15,13 @@ from ballonet.errors import InputError
 from ballonet.plan import Plan
 from ballonet.planning.baselines import BASELINES
 from ballonet.planning.distca import distca
+from ballonet.planning.magi import magi
 from ballonet.planning.zeppelin import zeppelin
 from ballonet.specs import ClusterSpec, ModelSpec
 
 __all__ = ["PLANNERS", "plan_batch"]
 
-PLANNERS = {"zeppelin": zeppelin, **BASELINES, "distca": distca}
+PLANNERS = {"zeppelin": zeppelin, **BASELINES, "distca": distca, "magi": magi}
 """Every planner by name: a function (lengths, cluster, model, **options) -> Plan."""
 
 

@@ -19,7 +19,7 @@ from ballonet.specs import ClusterSpec, ModelSpec
 
 REFERENCE = "te_cp"
 
-TUNABLE = {"te_cp": "cp_size", "llama_cp": "cp_size", "wlb_llm": "cp_size"}
+TUNABLE = {"te_cp": "cp_size", "llama_cp": "cp_size", "wlb_llm": "cp_size", "magi": "cp_size"}
 """Baselines with a degree their users set per job: with `tune`, the comparison runs each
 at the fastest of `degrees` (mean simulated step over the same batches), as a user
 tuning the job would."""

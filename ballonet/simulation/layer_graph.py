@@ -38,6 +38,23 @@ def ring_groups(plan: Plan) -> list[tuple[tuple[int, ...], str, list]]:
     return [(k[0], k[1], groups[k]) for k in keys]
 
 
+def prefix_rows(rings: list) -> np.ndarray:
+    """[i, j] K/V rows member i sends member j of an "allgather" ring when each member
+    receives only what its queries attend to (MagiAttention's group-cast, DistCA's
+    dispatch: `plan.meta["kv_prefix"]`): the rows of i's chunks before the end of j's
+    last one (i's front chunk, and its back chunk when i > j); summed over the rings."""
+    g = len(rings[0].ranks)
+    rows = np.zeros((g, g))
+    for ring in rings:
+        b = np.asarray(ring.bounds)
+        chunks = [(b[i], b[i + 1], b[2 * g - 1 - i], b[2 * g - i]) for i in range(g)]
+        last = np.array([e2 if e2 > s2 else e1 for s1, e1, s2, e2 in chunks])  # end of j's last query row
+        for i, (s1, e1, s2, e2) in enumerate(chunks):
+            rows[i] += np.clip(last - s1, 0, e1 - s1) + np.clip(last - s2, 0, e2 - s2)
+    np.fill_diagonal(rows, 0.0)
+    return rows
+
+
 def ring_tables(plan: Plan, rings: list, model: ModelSpec, fabric: Fabric,
                 backward: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Attention seconds [i, s] of ring position i at step s (forward, or backward at its
@@ -112,25 +129,39 @@ class LayerGraph:
     from the data-parallel collectives (as the runtime runs it): the two share links,
     piece by piece. False: one process group, whose one stream runs the layer's
     data-parallel collectives before any of its CP transfers."""
+    shared: LayerGraph | None = None
+    """Build into this graph's timeline and stream order (several layers or nano-batches
+    in one run; `ping_pong.py`)."""
+    layer: int = 0
+    nano: int = 0
+    """Place in the stream order of a shared run: (layer, phase, nano-batch) lead every key."""
+    scale: float = 1.0
+    """Share of the plan's work and bytes this graph carries (a nano-batch: 1/2)."""
     tl: Timeline = None
     sent: Counter = None
     """Bytes per (class, src, dst): "kv", "grad" (dK/dV), "remap", "allreduce"."""
 
     def __post_init__(self):
-        self.tl = Timeline(num_streams=self.plan.num_ranks)
+        base = self.shared
+        self.tl = base.tl if base else Timeline(num_streams=self.plan.num_ranks)
         self.sent = Counter()
-        self.order: list[list] = [[] for _ in range(self.plan.num_ranks)]  # per rank: (key, compute task)
-        self.gates: list[tuple] = []  # (rank, key, join task) of sends posted behind queued compute
+        # per rank: (key, compute task); (rank, key, join task) of sends posted behind queued compute
+        self.order: list[list] = base.order if base else [[] for _ in range(self.plan.num_ranks)]
+        self.gates: list[tuple] = base.gates if base else []
         self.phase = 0
         self.dp_end: list = [None] * self.plan.num_ranks  # cp_group=False: CP transfers wait for these
+
+    def _key(self, key: tuple) -> tuple:
+        return (self.layer, self.phase, self.nano, *key)
 
     def compute(self, rank: int, seconds: float, kind: str, key: tuple, after, name) -> int | None:
         """A kernel of `seconds` on `rank`'s stream after `after`, queued at `key` (round,
         queue position, 1)."""
+        seconds *= self.scale
         if seconds <= 0:
             return self.tl.join(after)
         task = self.tl.add(seconds, stream=rank, priority=PRIORITY[kind], after=after, label=(kind, rank, name))
-        self.order[rank].append(((self.phase, *key), task))
+        self.order[rank].append((self._key(key), task))
         return task
 
     def wait(self, rank: int, key: tuple, after, name) -> int | None:
@@ -141,7 +172,7 @@ class LayerGraph:
         if not after:
             return None
         task = self.tl.add(0.0, stream=rank, priority=PRIORITY["inter"], after=after, label=("wait", rank, name))
-        self.order[rank].append(((self.phase, *key), task))
+        self.order[rank].append((self._key(key), task))
         return task
 
     def post(self, rank: int, key: tuple, after) -> list:
@@ -151,7 +182,7 @@ class LayerGraph:
         if self.engine:
             return list(after)
         gate = self.tl.add(0.0, after=after, label=("join", rank, "post"))
-        self.gates.append((rank, (self.phase, *key), gate))
+        self.gates.append((rank, self._key(key), gate))
         return [gate]
 
     def fix_order(self) -> None:
@@ -169,6 +200,7 @@ class LayerGraph:
 
     def transfer(self, src: int, dst: int, nbytes: float, after, name, kind: str) -> int | None:
         """A direct transfer, recorded in `sent`."""
+        nbytes *= self.scale
         if nbytes > 0 and src != dst:
             self.sent[kind, src, dst] += nbytes
             if not self.cp_group and kind != "allreduce":
@@ -206,6 +238,9 @@ class LayerGraph:
                 seconds = seconds + ring_tables(self.plan, rings, self.model, self.fabric)[0]
             if comm == "allgather":  # the own block, then one kernel over the gathered K/V
                 seconds = np.stack([seconds[:, 0], seconds[:, 1:].sum(axis=1)], axis=1)
+                g = len(ranks)
+                rows = prefix_rows(rings) if self.plan.meta.get("kv_prefix") else \
+                    np.repeat(rows[:, :1], g, axis=1) * (1 - np.eye(g))  # [i, j]: i's whole block to every j
             floor = np.array([[hardware.profile(self.fabric.gpu[r]).attention_launch_s] for r in ranks])
             seconds = np.where(seconds > 0, np.maximum(seconds, floor), 0.0).tolist()
             name = f"doc {rings[0].doc}" + "+" * (len(rings) > 1)
@@ -348,15 +383,16 @@ class LayerGraph:
         return [self.tl.join(d) for d in done]
 
     def gather(self, ranks, q, rows, begin, name) -> list:
-        """K/V of every member sent straight to every other member (as the runtime does);
-        per member the task after which all have arrived."""
+        """K/V sent straight from every member to every other member, rows[i][j] from i
+        to j (the runtime: i's whole block); per member the task after which all have
+        arrived."""
         g = len(ranks)
         start = [self.post(r, (0, q, 0), [begin[r]]) for r in ranks]
         arrive = [[begin[r]] for r in ranks]
         for i in range(g):
             for j in range(g):
-                if j != i:  # rows[i][0]: position i's own block
-                    arrive[j].append(self.send((ranks[i], ranks[j]), rows[i][0], start[i], (name, "gather")))
+                if j != i:
+                    arrive[j].append(self.send((ranks[i], ranks[j]), rows[i][j], start[i], (name, "gather")))
         return [self.tl.join(a) for a in arrive]
 
     def gather_forward(self, ranks, kind, q, seconds, rows, begin, name) -> list:
@@ -377,8 +413,8 @@ class LayerGraph:
         back = [[] for _ in range(g)]
         for i in range(g):
             for j in range(g):
-                if j != i:
-                    back[j].append(self.send((ranks[i], ranks[j]), rows[j][0],
+                if j != i:  # the gradient of the rows j sent i
+                    back[j].append(self.send((ranks[i], ranks[j]), rows[j][i],
                                              self.post(ranks[i], (1, q, 3), [comp[i]]), (name, "dkv"), "grad"))
         return [self.tl.join([own[i], comp[i], self.wait(r, (2, q, 2), back[i], (name, "dkv wait", 2))])
                 for i, r in enumerate(ranks)]
@@ -424,22 +460,22 @@ class LayerGraph:
             ends.append(t)
         return ends
 
+    def build_layer(self, begin: list) -> list:
+        """Per rank, the task that ends this graph's pass after `begin[rank]` (attention
+        then linear layers, or in the backward the reverse), without the data-parallel
+        collectives and before `fix_order`."""
+        first, second = (self.linear, self.attention) if self.backward else (self.attention, self.linear)
+        self.phase = 0
+        mid = first(begin)
+        self.phase = 1
+        return second(mid)
+
     def build(self) -> list:
         """Per rank, the task that ends its layer."""
-        start = [None] * self.plan.num_ranks
         dp = self.data_parallel()
         if not self.cp_group:
             self.dp_end = dp
-        if self.backward:
-            self.phase = 0
-            after_linear = self.linear(start)
-            self.phase = 1
-            ends = self.attention(after_linear)
-        else:
-            self.phase = 0
-            after_attention = self.attention(start)
-            self.phase = 1
-            ends = self.linear(after_attention)
+        ends = self.build_layer([None] * self.plan.num_ranks)
         self.fix_order()
         return [self.tl.join([a, b]) for a, b in zip(ends, dp)]
 

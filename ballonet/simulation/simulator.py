@@ -69,6 +69,7 @@ from dataclasses import dataclass, field
 
 from ballonet import cost_model, hardware
 from ballonet.plan import Plan
+from ballonet.simulation import ping_pong
 from ballonet.simulation.fabric import Fabric
 from ballonet.simulation.layer_graph import LayerGraph
 from ballonet.specs import ClusterSpec, ModelSpec
@@ -186,6 +187,17 @@ def _run_pass(p: LayerGraph) -> tuple[float, list, list, list, tuple]:
     return max(end, default=0.0), compute, end, attention, (name, p.tl, start, finish, p.fabric)
 
 
+def _pass(common: dict, backward: bool, grad_bucket: tuple) -> tuple:
+    """(period, per-rank compute, per-rank end, per-rank attention, per-rank slowdown,
+    timeline record, bytes) of one layer's forward or backward: one task graph, or for a
+    plan run in DistCA's ping-pong (`plan.meta["ping_pong"]`) two nano-batches in turn."""
+    if common["plan"].meta.get("ping_pong"):
+        return ping_pong.run(common, backward, grad_bucket)
+    g = LayerGraph(backward=backward, grad_bucket=grad_bucket, **common)
+    period, compute, end, attention, record = _run_pass(g)
+    return period, compute, end, attention, _slowdown(g, compute), record, g.sent
+
+
 def _head_seconds(model: ModelSpec, gpu, tokens: int) -> float:
     """Forward and backward of the LM head's GEMM and the loss's elementwise work."""
     if not tokens:
@@ -242,25 +254,20 @@ def simulate(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, routing: boo
                   linear_s=linear_s, tp_s=tp_s, recompute=mode, cp_group=cp_group)
     forward_dp = tuple(x * FORWARD_DP for x in bucket)
     bucket = tuple(x * BACKWARD_DP for x in bucket)
-    graphs = (LayerGraph(backward=False, grad_bucket=forward_dp, **common),
-              LayerGraph(backward=True, grad_bucket=bucket, **common))
-    fwd, fwd_compute, fwd_end, fwd_att, fwd_rec = _run_pass(graphs[0])
-    bwd, bwd_compute, bwd_end, bwd_att, bwd_rec = _run_pass(graphs[1])
-    bwd_slow = _slowdown(graphs[1], bwd_compute)
+    fwd, fwd_compute, fwd_end, fwd_att, fwd_slow, fwd_rec, fwd_sent = _pass(common, False, forward_dp)
+    bwd, bwd_compute, bwd_end, bwd_att, bwd_slow, bwd_rec, bwd_sent = _pass(common, True, bucket)
     runs = _runs_of_layers(model, fabric, tokens, per_rank, linear_s)
     if runs != [(L, linear_s)]:  # one backward graph per run of alike layers, weighted by its length
         passes = []
         for n, lin in runs:
             if lin == linear_s:
                 passes.append((n, (bwd, bwd_compute, bwd_end, bwd_att, bwd_slow)))
-                continue
-            g = LayerGraph(backward=True, grad_bucket=bucket, **{**common, "linear_s": lin})
-            b, b_compute, b_end, b_att, _ = _run_pass(g)
-            passes.append((n, (b, b_compute, b_end, b_att, _slowdown(g, b_compute))))
+            else:
+                passes.append((n, _pass({**common, "linear_s": lin}, True, bucket)[:5]))
         bwd = sum(n * p[0] for n, p in passes) / L
         bwd_compute, bwd_end, bwd_att, bwd_slow = ([sum(n * p[i][r] for n, p in passes) / L for r in range(R)]
                                                    for i in range(1, 5))
-    slow = [a + b for a, b in zip(_slowdown(graphs[0], fwd_compute), bwd_slow)]
+    slow = [a + b for a, b in zip(fwd_slow, bwd_slow)]
 
     head = [_head_seconds(model, fabric.gpu[r], n) for r, n in enumerate(tokens)]
     optimizer = [cost_model.optimizer_time(model, fabric.gpu[r], R) for r in range(R)]
@@ -292,7 +299,7 @@ def simulate(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, routing: boo
         attention_s=tuple(L * (fwd_att[r] + bwd_att[r]) for r in range(R)),
         layer_forward_s=fwd, layer_backward_s=bwd, head_s=max(head), grad_allreduce_s=grad,
         grad_allreduce_exposed_s=grad_exposed, optimizer_s=max(optimizer),
-        bytes_sent={"forward": graphs[0].sent, "backward": graphs[1].sent},
+        bytes_sent={"forward": fwd_sent, "backward": bwd_sent},
         timelines=(fwd_rec, bwd_rec))
 
 
