@@ -9,6 +9,7 @@ one-line reason; the others carry on.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from ballonet import workloads
@@ -21,8 +22,8 @@ REFERENCE = "te_cp"
 
 TUNABLE = {"te_cp": "cp_size", "llama_cp": "cp_size", "wlb_llm": "cp_size", "magi": "cp_size"}
 """Baselines with a degree their users set per job: with `tune`, the comparison runs each
-at the fastest of `degrees` (mean simulated step over the same batches), as a user
-tuning the job would."""
+at the fastest of `degrees` (mean simulated step over the same batches; smallest first,
+stopping after two in a row slower than the best), as a user tuning the job would."""
 MAX_DEGREE = 64
 """The largest CP degree tried (context-parallel groups beyond 64 GPUs are not used in practice)."""
 
@@ -66,6 +67,8 @@ class Row:
     exposed_comm_share: float | None = None
     options: dict = field(default_factory=dict)
     """Planner options the row ran with (with `tune`, the degree found fastest)."""
+    plan_seconds: float | None = None
+    """Mean CPU seconds of planning one batch (at the chosen options)."""
     first: SimResult | None = field(default=None, repr=False, compare=False)
     """The simulation of the first batch (for traces)."""
 
@@ -78,20 +81,25 @@ class Row:
                 "step_time_s": self.step_time_s, "lower_bound_s": self.lower_bound_s,
                 "speedup_vs_te_cp": self.speedup_vs_te_cp, "mfu": self.mfu,
                 "attention_imbalance": self.attention_imbalance, "exposed_comm_share": self.exposed_comm_share,
-                "ratio_to_lower_bound": self.ratio_to_lower_bound, "options": self.options}
+                "ratio_to_lower_bound": self.ratio_to_lower_bound, "options": self.options,
+                "plan_seconds": self.plan_seconds}
 
 
 def _run(name: str, batches: list, cluster: ClusterSpec, model: ModelSpec, popts: dict, sopts: dict,
-         progress) -> list[SimResult] | str:
-    """Simulations of every batch, or why the planner cannot plan one of them."""
+         progress, plan_seconds: list | None = None) -> list[SimResult] | str:
+    """Simulations of every batch, or why the planner cannot plan one of them; the CPU
+    seconds of each plan go to `plan_seconds`."""
     out = []
     for step, lengths in enumerate(batches):
+        t = time.process_time()
         try:
             plan = plan_batch(lengths, cluster, model, name, **popts)
         except InfeasiblePlan as e:
             if progress:
                 progress(len(batches) - step)
             return f"batch {step}: {e}" if len(batches) > 1 else str(e)
+        if plan_seconds is not None:
+            plan_seconds.append(time.process_time() - t)
         out.append(simulate(plan, cluster, model, **sopts))
         if progress:
             progress(1)
@@ -99,17 +107,25 @@ def _run(name: str, batches: list, cluster: ClusterSpec, model: ModelSpec, popts
 
 
 def _tuned(name: str, batches: list, cluster: ClusterSpec, model: ModelSpec, sopts: dict,
-           progress) -> tuple[list[SimResult] | str, dict]:
-    """The planner at each degree of `degrees`: the fastest feasible (by mean step), with its options."""
-    best, best_opts, reason = None, {}, ""
+           progress, plan_seconds: list) -> tuple[list[SimResult] | str, dict]:
+    """The planner at the degrees of `degrees`, smallest first, until two in a row are
+    slower than the best so far (a user's search): the fastest feasible by mean step, with
+    its options."""
+    best, best_opts, reason, worse = None, {}, "", 0
     for d in degrees(cluster.num_ranks // model.tp):
         opts = {TUNABLE[name]: d}
-        res = _run(name, batches, cluster, model, opts, sopts, None)
+        seconds: list = []
+        res = _run(name, batches, cluster, model, opts, sopts, None, seconds)
         if isinstance(res, str):
             reason = reason or res
             continue
         if best is None or sum(r.step_time_s for r in res) < sum(r.step_time_s for r in best):
-            best, best_opts = res, opts
+            best, best_opts, worse = res, opts, 0
+            plan_seconds[:] = seconds
+        else:
+            worse += 1
+            if worse == 2:
+                break
     if progress:
         progress(len(batches))
     return (best, best_opts) if best is not None else (reason or f"{name}: no degree plans the batches", {})
@@ -127,13 +143,15 @@ def compare(cluster: ClusterSpec, model: ModelSpec, workload: str, tokens_per_gp
     names = planners + ([REFERENCE] if REFERENCE not in planners and REFERENCE in planner_names() else [])
     runs: dict[str, list[SimResult] | str] = {}  # the simulations, or why the planner is infeasible
     chosen: dict[str, dict] = {}
+    timing: dict[str, list] = {}
     for name in names:
         sopts = sim_options or {}
+        timing[name] = []
         if tune and name in TUNABLE:
-            runs[name], chosen[name] = _tuned(name, batches, cluster, model, sopts, progress)
+            runs[name], chosen[name] = _tuned(name, batches, cluster, model, sopts, progress, timing[name])
         else:
             popts = (planner_options or {}) if name == "zeppelin" else {}
-            runs[name] = _run(name, batches, cluster, model, popts, sopts, progress)
+            runs[name] = _run(name, batches, cluster, model, popts, sopts, progress, timing[name])
     ref = sum(r.step_time_s for r in runs[REFERENCE]) if isinstance(runs.get(REFERENCE), list) else None
     rows = []
     for name in planners:
@@ -147,7 +165,7 @@ def compare(cluster: ClusterSpec, model: ModelSpec, workload: str, tokens_per_gp
             speedup_vs_te_cp=ref / step if ref else None, mfu=sum(r.mfu for r in res) / steps,
             attention_imbalance=sum(r.attention_imbalance for r in res) / steps,
             exposed_comm_share=sum(r.exposed_comm_share for r in res) / steps, options=chosen.get(name, {}),
-            first=res[0]))
+            plan_seconds=sum(timing[name]) / len(timing[name]) if timing[name] else None, first=res[0]))
     return rows
 
 

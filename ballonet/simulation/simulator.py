@@ -318,7 +318,26 @@ def _runs_of_layers(model: ModelSpec, fabric: Fabric, tokens: list, per_rank, li
                     below[r, m] = cost_model.linear_layer_seconds(model, fabric.gpu[r], tokens[r], cost_model.BELOW[m])
                 lin[r] = below[r, m]
         runs.append((hi - lo, lin))
-    return runs
+    if len(runs) <= MAX_RUNS:
+        return runs
+    # Too many distinct runs to simulate each (large clusters): consecutive runs merged into
+    # MAX_RUNS of about equal layers, each rank's linear seconds their average over the
+    # merged layers (its total kept exactly).
+    merged, layers, target = [], 0, model.num_layers / MAX_RUNS
+    group: list = []
+    for n, lin in runs:
+        group.append((n, lin))
+        layers += n
+        if layers >= target * (len(merged) + 1) or (n, lin) == runs[-1]:
+            total = sum(k for k, _ in group)
+            merged.append((total, [tuple(sum(k * x[r][i] for k, x in group) / total for i in range(2))
+                                   for r in range(len(linear_s))]))
+            group = []
+    return merged
+
+
+MAX_RUNS = 6
+"""The most backward passes one step simulates (`_runs_of_layers`)."""
 
 
 FORWARD_DP = 0.5
