@@ -3,10 +3,10 @@ and backward timed separately (the evidence for the built-in GPU profiles).
 
     python bench/gpu_kernels.py --out bench/results/gpu_kernels.json
 
-1. `ballonet.runtime.kernels` "cuda" (aten flash-attention varlen, bf16) against the fp32
-   "reference" on packed causal documents, GQA and MHA: forward out and LSE, backward
-   dq/dk/dv, max relative error.
-2. Causal varlen attention, forward alone and backward alone, CUDA events, median of
+1. Each GPU backend of `ballonet.runtime.kernels` named by --kernels (default "cuda":
+   aten's FlashAttention-2 varlen) in bf16 against the fp32 "reference" on packed causal
+   documents, GQA and MHA: forward out and LSE, backward dq/dk/dv, max relative error.
+2. For each backend, causal varlen attention, forward alone and backward alone, CUDA events, median of
    several repeats, per document length 64 .. 128K, for two head shapes: GQA 64/4 x 128
    (the shape of the H100 files in data/calibration) and MHA 32/32 x 128 (llama-7b). A
    length L is run as a pack of max(1, 64K // L) documents so short documents are timed
@@ -47,7 +47,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
 
 
-def check_exactness(device) -> list[dict]:
+def check_exactness(device, name: str) -> list[dict]:
     rows = []
     torch.manual_seed(0)
     for heads, kv_heads in ((8, 2), (8, 8)):
@@ -59,21 +59,21 @@ def check_exactness(device) -> list[dict]:
         v = torch.randn(T, kv_heads, D, device=device)
         dout = torch.randn(T, heads, D, device=device)
         scale = kernels.default_scale(D)
-        ref, cuda = kernels.KERNELS["reference"], kernels.KERNELS["cuda"]
+        ref, cuda = kernels.KERNELS["reference"], kernels.KERNELS[name]
         out_r, lse_r = ref.forward(q, k, v, packing, scale)
         grads_r = ref.backward(dout, q, k, v, out_r, lse_r, packing, scale)
         qb, kb, vb, db = (x.bfloat16() for x in (q, k, v, dout))
         out_c, lse_c = cuda.forward(qb, kb, vb, packing, scale)
         grads_c = cuda.backward(db, qb, kb, vb, out_c, lse_c, packing, scale)
-        rows.append({"heads": heads, "kv_heads": kv_heads, "out": _rel(out_c, out_r), "lse": _rel(lse_c, lse_r),
+        rows.append({"kernel": name, "heads": heads, "kv_heads": kv_heads, "out": _rel(out_c, out_r), "lse": _rel(lse_c, lse_r),
                      "dq": _rel(grads_c[0], grads_r[0]), "dk": _rel(grads_c[1], grads_r[1]),
                      "dv": _rel(grads_c[2], grads_r[2])})
     return rows
 
 
-def time_attention(device, max_length: int) -> list[dict]:
+def time_attention(device, max_length: int, name: str) -> list[dict]:
     rows = []
-    cuda = kernels.KERNELS["cuda"]
+    cuda = kernels.KERNELS[name]
     for name, heads, kv_heads in (("gqa64/4", 64, 4), ("mha32", 32, 32)):
         D = 128
         L = 64
@@ -90,12 +90,12 @@ def time_attention(device, max_length: int) -> list[dict]:
             fwd_ms, fwd_min = _time_ms(lambda: cuda.forward(q, k, v, packing, scale))
             bwd_ms, bwd_min = _time_ms(lambda: cuda.backward(dout, q, k, v, out, lse, packing, scale))
             flops = 2.0 * heads * D * L * (L + 1) * num_docs
-            rows.append({"shape": name, "heads": heads, "kv_heads": kv_heads, "head_dim": D, "length": L,
+            rows.append({"kernel": cuda.name, "shape": name, "heads": heads, "kv_heads": kv_heads, "head_dim": D, "length": L,
                          "num_docs": num_docs, "forward_ms": fwd_ms, "forward_ms_min": fwd_min,
                          "backward_ms": bwd_ms, "backward_ms_min": bwd_min,
                          "forward_tflops": flops / fwd_ms / 1e9, "backward_tflops": 2.5 * flops / bwd_ms / 1e9,
                          "backward_over_forward": bwd_ms / fwd_ms})
-            print(f"{name:8s} L={L:6d} x{num_docs:5d}  fwd {fwd_ms:8.3f} ms ({rows[-1]['forward_tflops']:6.1f} TF/s)"
+            print(f"{cuda.name:6s} {name:8s} L={L:6d} x{num_docs:5d}  fwd {fwd_ms:8.3f} ms ({rows[-1]['forward_tflops']:6.1f} TF/s)"
                   f"  bwd {bwd_ms:8.3f} ms ({rows[-1]['backward_tflops']:6.1f} TF/s)", flush=True)
             del q, k, v, out, lse, dout
             L *= 2
@@ -121,17 +121,20 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="bench/results/gpu_kernels.json")
     p.add_argument("--max-length", type=int, default=131072)
+    p.add_argument("--kernels", default=None,
+                   help="comma-separated GPU backends of ballonet.runtime.kernels to check and time (default: cuda)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/gpu_kernels.py: no CUDA device")
     device = torch.device("cuda")
+    names = args.kernels.split(",") if args.kernels else ["cuda"]
     t0 = time.time()
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
               "python": platform.python_version(), "date": time.strftime("%Y-%m-%d")}
-    result["exactness"] = check_exactness(device)
+    result["exactness"] = [row for name in names for row in check_exactness(device, name)]
     for r in result["exactness"]:
         print("exactness", r, flush=True)
-    result["attention"] = time_attention(device, args.max_length)
+    result["attention"] = [row for name in names for row in time_attention(device, args.max_length, name)]
     result["gemm"] = time_gemms(device)
     result["seconds"] = time.time() - t0
     with open(args.out, "w") as f:

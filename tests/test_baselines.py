@@ -8,7 +8,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from ballonet import cost_model, plan_batch, specs, workloads
+from ballonet import plan_batch, specs, workloads
+from ballonet.cost.flops import kv_bytes
 from ballonet.errors import InputError
 from ballonet.plan import Plan, Ring, Segment, Transfer, chunk_bounds
 from ballonet.planning.magi import dispatch
@@ -94,7 +95,7 @@ def test_prefix_gathers_send_only_what_the_queries_attend_to():
     plan = _gather_plan({"kv_prefix": True})
     assert prefix_rows(list(plan.rings)).tolist() == [[0, 2], [4, 0]]
     model = specs.model("tiny")
-    row = cost_model.kv_bytes(model, 1)
+    row = kv_bytes(model, 1)
     for meta, expected in (({"kv_prefix": True}, (2, 4)), ({}, (4, 4))):
         sent = simulate(_gather_plan(meta), _two_gpus(), model).bytes_sent["forward"]
         assert (sent["kv", 0, 1], sent["kv", 1, 0]) == (expected[0] * row, expected[1] * row)

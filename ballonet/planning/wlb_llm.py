@@ -14,7 +14,7 @@ Model Training", OSDI 2025, arXiv 2503.17924) balances two levels:
   - per-sequence: the group's documents concatenated (input order) and the sequence
     zig-zag split into 2c chunks, so short documents mostly stay whole on one rank and
     only those crossing a chunk boundary are split (TransformerEngine's THD sharding);
-  the one whose busiest rank's estimated attention seconds (`cost_model.attention_work`
+  the one whose busiest rank's estimated attention seconds (`cost.seconds.attention_work`
   per chunk, at the chunk's own length) is smaller.
 
 The CP degree is a job setting (`cp_size`, default one node's GPUs); `bench/paper.py`
@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ballonet import cost_model, hardware
+from ballonet.cost import hardware
+from ballonet.cost.flops import attention_flops, linear_flops_per_token, zigzag_flops
+from ballonet.cost.seconds import attention_work
 from ballonet.errors import InfeasiblePlan, InputError
 from ballonet.plan import Plan, chunk_bounds
 from ballonet.planning.assembly import Placement, assemble, with_memory
@@ -48,7 +50,7 @@ SHARDINGS = ("adaptive", "document", "sequence")
 def _flops(model: ModelSpec, lengths) -> np.ndarray:
     """Forward attention plus linear FLOPs of each document (WLB-LLM's workload estimate)."""
     L = np.asarray(lengths, dtype=float)
-    return cost_model.attention_flops(model, L) + cost_model.linear_flops_per_token(model) * L
+    return attention_flops(model, L) + linear_flops_per_token(model) * L
 
 
 def per_sequence(lengths: list[int], docs: list[int], c: int) -> tuple[dict[int, int], dict[int, tuple]]:
@@ -85,13 +87,13 @@ def _estimate(model: ModelSpec, lengths: list[int], c: int, whole: dict, split: 
     own chunk length): WLB-LLM's kernel-latency estimate, from our cost model."""
     load = np.zeros(c)
     for d, r in whole.items():
-        load[r] += float(cost_model.attention_work(model, [lengths[d]])[0])
+        load[r] += float(attention_work(model, [lengths[d]])[0])
     for d, (ranks, bounds) in split.items():
         g = len(ranks)
-        flops = cost_model.zigzag_flops(model, bounds)
+        flops = zigzag_flops(model, bounds)
         sizes = np.diff(np.asarray(bounds))
         per_rank = sizes[:g] + sizes[::-1][:g]
-        eff = hardware.attention_efficiency_array(np.maximum(per_rank / 2, 1.0))
+        eff = hardware.attention_efficiency(np.maximum(per_rank / 2, 1.0))
         load[list(ranks)] += flops / model.tp / eff
     return float(load.max())
 

@@ -14,7 +14,7 @@ this prices DistCA as DistCA runs, a courtesy to the baseline (`plan.meta["ping_
 
 from __future__ import annotations
 
-from ballonet import hardware
+from ballonet.cost import hardware
 from ballonet.simulation.layer_graph import LayerGraph
 
 NANO_BATCHES = 2
