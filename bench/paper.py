@@ -344,6 +344,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a smaller grid (2 models, fewer scales)")
     ap.add_argument("--steps", type=int, default=1, help="batches per configuration")
+    ap.add_argument("--scale-steps", type=int, default=1, help="batches per configuration of the scale grid")
     ap.add_argument("--scale-gpus", type=_gpus, default=SCALE_GPUS,
                     help="GPU counts of the scale grid (default 64,128,256,512,1024; 'none' is not accepted: give "
                          "--no-scale)")
@@ -353,8 +354,8 @@ def main(argv=None) -> int:
                          "plan --lengths` reads)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args(argv)
-    if args.steps < 1:
-        ap.error("--steps must be at least 1")
+    if args.steps < 1 or args.scale_steps < 1:
+        ap.error("--steps and --scale-steps must be at least 1")
     if args.workload is not None:
         try:
             workloads.get(args.workload)
@@ -364,7 +365,7 @@ def main(argv=None) -> int:
     data = {"command": "OMP_NUM_THREADS=1 python bench/paper.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
-            "load": os.getloadavg(), "steps": args.steps, "notes": NOTES,
+            "load": os.getloadavg(), "steps": args.steps, "scale_steps": args.scale_steps, "notes": NOTES,
             "length_stats": {w: length_stats(w) for w in WORKLOADS}}
     seconds = {}
     for name, run in (("grid", lambda: grid(args.quick, args.steps)),
@@ -372,7 +373,7 @@ def main(argv=None) -> int:
                       ("contexts", lambda: contexts(args.quick, args.steps)),
                       ("mixed", lambda: mixed(args.steps)),
                       ("scale", lambda: [] if args.no_scale else scale_grid(
-                          args.steps, args.scale_gpus, [args.workload] if args.workload else SCALE_WORKLOADS))):
+                          args.scale_steps, args.scale_gpus, [args.workload] if args.workload else SCALE_WORKLOADS))):
         print(name, file=sys.stderr)
         s = time.perf_counter()
         data[name] = run()

@@ -273,7 +273,8 @@ def report(data: dict) -> str:
              "them). Baselines with a CP degree (te_cp, llama_cp, wlb_llm, magi) run at their fastest power of two "
              "on the configuration's batches (column 'tuned degrees'). "
              f"Speedup = te_cp's mean simulated step / the planner's, on the same sampled batches ({data['steps']} "
-             "per configuration, seed 0, 16K tokens per GPU unless said). `step/bound` is zeppelin's step over "
+             f"per configuration, {data.get('scale_steps', data['steps'])} on the scale grid, seed 0, 16K tokens "
+             "per GPU unless said). `step/bound` is zeppelin's step over "
              "`lower_bound_s`, the bound on the batch no plan can beat; `plan s` is zeppelin's CPU seconds to plan "
              "one batch on this machine.", "",
              "## Targets", "", "| target | met | measured | why not |", "| --- | --- | --- | --- |"]
