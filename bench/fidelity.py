@@ -38,6 +38,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from _common import command, record, write_text
 from ballonet import calibration
 from ballonet.simulation import simulate
 from ballonet.training.config import TrainConfig
@@ -212,7 +213,7 @@ def report(results: dict, args, profile_path: str, seconds: float, command: str)
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
@@ -222,17 +223,16 @@ def main() -> None:
     p.add_argument("--profile", default=None, help="a measured profile (default: calibrate now)")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "fidelity"))
     p.add_argument("--report-only", action="store_true", help="rewrite the .md from the .json of the last run")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.report_only:
         with open(args.out + ".json") as f:
             saved = json.load(f)
         results = {tuple(int(x) if x.isdigit() else x for x in k.split("/")): r for k, r in saved["results"].items()}
         vars(args).update({k: v for k, v in saved["args"].items() if k != "out"})
         text = report(results, args, saved["profile"], saved["seconds"], saved["command"])
-        with open(args.out + ".md", "w") as f:
-            f.write(text)
+        write_text(args.out + ".md", text)
         print(text)
-        return
+        return 0
     t0 = time.time()
     logs = tempfile.mkdtemp(prefix="ballonet-fidelity-")
     long_file = os.path.join(logs, "long_lengths.txt")
@@ -254,16 +254,15 @@ def main() -> None:
                 print(f"{kind} {n} ranks {planner:12s} per-rank compute "
                       f"{', '.join(f'{e:+.0%}' for e in r['per_rank']['error'])} step {r['step_s']['error']:+.0%}",
                       flush=True)
-    seconds, command = time.time() - t0, "OMP_NUM_THREADS=1 python bench/fidelity.py " + " ".join(sys.argv[1:])
-    text = report(results, args, profile_path, seconds, command)
-    with open(args.out + ".md", "w") as f:
-        f.write(text)
-    with open(args.out + ".json", "w") as f:
-        json.dump({"command": command, "profile": profile_path, "seconds": seconds,
-                   "args": {k: v for k, v in vars(args).items() if k != "report_only"},
-                   "results": {f"{k}/{n}/{p}": r for (k, n, p), r in results.items()}}, f, indent=1)
+    seconds, cmd = time.time() - t0, command("fidelity.py", argv)
+    text = report(results, args, profile_path, seconds, cmd)
+    record(cmd, {"profile": profile_path, "seconds": seconds,
+                 "args": {k: v for k, v in vars(args).items() if k != "report_only"},
+                 "results": {f"{k}/{n}/{p}": r for (k, n, p), r in results.items()}}, args.out + ".json")
+    write_text(args.out + ".md", text)
     print(text)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

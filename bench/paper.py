@@ -26,15 +26,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
-import platform
 import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from _common import RESULTS, command, record, write_text
 from paper_report import (
     BOUND_TARGET,
     CLUSTERS,
@@ -342,7 +341,7 @@ def _gpus(text: str) -> tuple[int, ...]:
     return gpus
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a smaller grid (2 models, fewer scales)")
     ap.add_argument("--steps", type=int, default=1, help="batches per configuration")
@@ -354,7 +353,7 @@ def main(argv=None) -> int:
     ap.add_argument("--workload", default=None,
                     help="a lengths file the scale grid samples from instead of the presets (any file `ballonet "
                          "plan --lengths` reads)")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args(argv)
     if args.steps < 1 or args.scale_steps < 1:
         ap.error("--steps and --scale-steps must be at least 1")
@@ -364,10 +363,7 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001 (one line naming the file, exit 2)
             ap.error(f"--workload {args.workload}: {e}")
     t = time.perf_counter()
-    data = {"command": "OMP_NUM_THREADS=1 python bench/paper.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
-            "load": os.getloadavg(), "steps": args.steps, "scale_steps": args.scale_steps, "notes": NOTES,
+    data = {"load": os.getloadavg(), "steps": args.steps, "scale_steps": args.scale_steps, "notes": NOTES,
             "length_stats": {w: length_stats(w) for w in WORKLOADS}}
     seconds = {}
     for name, run in (("grid", lambda: grid(args.quick, args.steps)),
@@ -392,11 +388,9 @@ def main(argv=None) -> int:
     data["seconds_by_part"] = seconds
     data["load_after"] = os.getloadavg()
     name = "paper_quick" if args.quick else "paper"
-    with open(os.path.join(args.out, f"{name}.json"), "w") as f:
-        json.dump(data, f, indent=1)
+    data = record(command("paper.py", argv), data, os.path.join(args.out, f"{name}.json"))
     text = report(data)
-    with open(os.path.join(args.out, f"{name}.md"), "w") as f:
-        f.write(text)
+    write_text(os.path.join(args.out, f"{name}.md"), text)
     print(text)
     return 0
 

@@ -258,6 +258,27 @@ def _summary(g: list[dict], label: str) -> str:
             f"{_mean(speedup(c) for c in g):.2f}x over te_cp at its tuned degree.")
 
 
+def headline(data: dict) -> list[str]:
+    """The README's headline: a table of zeppelin against the best baseline, TE CP and the
+    batch's lower bound, over the main grid and the scale grid (copy it to README.md after
+    a rerun), every planner under the simulator's one setting."""
+    out = ["| zeppelin, every planner under one simulator setting (the engine on) | configurations | mean | min | "
+           "max | at or below / within |", "| --- | --- | --- | --- | --- | --- |"]
+    for label, g in (("main grid, 32 GPUs", data["grid"]), ("scale grid, 64-1024 GPUs", data.get("scale") or [])):
+        if not g:
+            continue
+        bound = [c["results"]["zeppelin"]["ratio_to_lower_bound"] for c in g]
+        best = [over_best(c) for c in g]
+        te = [speedup(c) for c in g]
+        out += [f"| {label}: speedup over the best baseline of each configuration | {len(g)} | {_mean(best):.3f}x | "
+                f"{min(best):.3f}x | {max(best):.3f}x | {sum(x >= 1 for x in best)} at or below |",
+                f"| {label}: speedup over TE CP at its fastest degree | {len(g)} | {_mean(te):.2f}x | {min(te):.2f}x | "
+                f"{max(te):.2f}x | |",
+                f"| {label}: step over the batch's lower bound | {len(g)} | {_mean(bound):.3f}x | {min(bound):.3f}x | "
+                f"{max(bound):.3f}x | {sum(x <= BOUND_TARGET for x in bound)} within {BOUND_TARGET}x |"]
+    return out
+
+
 def report(data: dict) -> str:
     load = data.get("load")
     lines = ["# The Zeppelin paper's evaluation, simulated", "",
@@ -281,8 +302,8 @@ def report(data: dict) -> str:
     lines += [f"| {t} | {'yes' if ok else 'no'} | {m} |" + (f" {why} |" if not ok else " |")
               for t, ok, m, why in targets(data)]
     g = data["grid"]
-    lines += ["", "Headline. " + _summary(g, "Main grid") + " "
-              + (_summary(data["scale"], "Scale grid") if data.get("scale") else "")
+    lines += ["", "## Headline (the README's table)", ""] + headline(data)
+    lines += ["", _summary(g, "Main grid") + " " + (_summary(data["scale"], "Scale grid") if data.get("scale") else "")
               + f" CP over the whole cluster (stress case, main grid): "
               f"{_mean(speedup(c, over='te_cp_whole') for c in g):.2f}x."]
     lines += ["", "Mean speedup of zeppelin over each planner (main grid): " + ", ".join(
