@@ -55,7 +55,8 @@ CHUNK_SIZE = 512
 def _areas(lengths: list[int], docs: list[int], cuts: tuple[int, ...]) -> tuple[np.ndarray, list[list]]:
     """Area of each chunk of the concatenated documents (causal inside each document)
     and, per chunk, its pieces (doc, tokens)."""
-    areas, pieces = np.zeros(len(cuts) - 1), [[] for _ in range(len(cuts) - 1)]
+    areas = np.zeros(len(cuts) - 1)
+    pieces: list[list[tuple[int, int]]] = [[] for _ in range(len(cuts) - 1)]
     k, start = 0, 0
     for d in docs:
         end = start + lengths[d]

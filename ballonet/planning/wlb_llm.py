@@ -61,10 +61,13 @@ def per_sequence(lengths: list[int], docs: list[int], c: int) -> tuple[dict[int,
     as its back chunk, empty where it has none)."""
     total = sum(lengths[d] for d in docs)
     cuts = chunk_bounds(total, 2 * c)
-    whole, split, start = {}, {}, 0
+    whole: dict[int, int] = {}
+    split: dict[int, tuple] = {}
+    start = 0
     for d in docs:
         end = start + lengths[d]
-        front, back = {}, {}  # owner -> tokens of the document in its first-half / second-half chunk
+        front: dict[int, int] = {}  # owner -> tokens of the document in its first-half chunk
+        back: dict[int, int] = {}  # ... and in its second-half chunk
         k = int(np.searchsorted(cuts, start, side="right")) - 1
         while k < 2 * c and cuts[k] < end:
             n = min(end, cuts[k + 1]) - max(start, cuts[k])
@@ -130,7 +133,7 @@ def wlb_llm(lengths, cluster: ClusterSpec, model: ModelSpec, *, cp_size: int | N
         if cp_size == 1:
             placement.local[group[0]].extend(docs)
             continue
-        options = {}
+        options: dict[str, tuple[dict, dict]] = {}
         if sharding in ("adaptive", "document"):
             options["document"] = ({}, {d: (tuple(range(cp_size)), chunk_bounds(lengths[d], 2 * cp_size))
                                         for d in docs})
