@@ -128,3 +128,19 @@ def test_ping_pong_hides_the_remap_behind_the_other_nano_batch():
 def _local_plan():
     return Plan(planner="t", lengths=(4000, 4000), node_of_rank=(0, 0), nic_of_rank=(0, 1),
                 attention=((Segment(0, 0, 4000), Segment(1, 0, 4000)), ())).validate()
+
+
+def test_simulate_cli_tunes_degrees_and_changes_the_setting_for_every_planner(capsys):
+    import json
+
+    from ballonet.cli import main
+    args = ["simulate", "--cluster", "h800-8nic", "--nodes", "2", "--model", "llama-3b", "--workload", "prolong",
+            "--tokens-per-gpu", "4096", "--max-length", "16384", "--planners", "magi,te_cp", "--json"]
+    rows = {}
+    for flags in ([], ["--tune"], ["--no-engine", "--one-group"]):
+        assert main(args + flags) == 0
+        rows[tuple(flags)] = {r["planner"]: r for r in json.loads(capsys.readouterr().out)["results"]}
+    assert rows[("--tune",)]["magi"]["options"]["cp_size"] in degrees(16) and rows[()]["magi"]["options"] == {}
+    assert rows[("--tune",)]["magi"]["step_time_s"] <= rows[()]["magi"]["step_time_s"] * (1 + 1e-12)
+    for name in ("magi", "te_cp"):  # the setting applies to every planner with CP traffic, not zeppelin alone
+        assert rows[("--no-engine", "--one-group")][name]["step_time_s"] != rows[()][name]["step_time_s"]
