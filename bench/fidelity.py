@@ -3,8 +3,9 @@
     OMP_NUM_THREADS=1 python bench/fidelity.py [--ranks 2 4] [--kinds short long] [--steps 6]
         [--planners ...] [--profile FILE]
 
-1. Calibrate this machine (`ballonet calibrate` under torchrun on 2 gloo ranks, lengths up
-   to the longest document of the batches) unless --profile names a profile already measured.
+1. Calibrate this machine for each world size (`ballonet calibrate` under torchrun on that
+   many gloo ranks, lengths up to the longest document of the batches: 4 ranks on 2 cores
+   compute slower than 2), unless --profile names a profile already measured.
 2. For each batch kind, world size and planner, train the tiny model for --steps real steps
    with that profile (`ballonet train --calibration PROFILE --json-log`, so the run plans
    with it), 2 ranks on one emulated node, 4 ranks on two. Kinds: "short" (the stdlib
@@ -69,8 +70,10 @@ def _env() -> dict:
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
-def calibrate(path: str, max_length: int) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+def calibrate(path: str, max_length: int, nproc: int) -> None:
+    """`ballonet calibrate` on `nproc` gloo ranks: the machine as a run of that many ranks
+    finds it (where ranks outnumber the cores, each computes slower)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
            "--rdzv-endpoint", "127.0.0.1:0", "-m", "ballonet", "calibrate", "--max-length", str(max_length),
            "--out", path]
     subprocess.run(cmd, env=_env(), check=True, stdout=subprocess.DEVNULL)
@@ -165,8 +168,10 @@ def _pairs(results: dict, kind: str, nproc: int, key: str) -> tuple[int, int, li
 def report(results: dict, args, profile_path: str, seconds: float, command: str) -> str:
     cores = os.cpu_count()
     lines = ["# Simulator fidelity on this CPU machine (tiny model, gloo ranks, the plans that trained)", "",
-             f"Command: `{command}` ({seconds:.0f} s). Profile: `{os.path.relpath(profile_path, ROOT)}` (`ballonet "
-             "calibrate` on 2 gloo ranks, this machine); every run plans with it (`ballonet train --calibration`) "
+             f"Command: `{command}` ({seconds:.0f} s). Profiles: "
+             + ", ".join(f"`{os.path.relpath(p.strip(), ROOT)}`" for p in profile_path.split(","))
+             + " (`ballonet calibrate` on as many gloo ranks as the run has, this machine); every run plans with "
+             "its world size's (`ballonet train --calibration`) "
              "and every simulated plan is the one the step trained on (digest checked). "
              f"{args.steps} steps per run, the first left out. Batch kinds: " + "; ".join(
                  f"{k}: {v['global_tokens']} tokens a step, documents cut at {v['max_doc_tokens']}"
@@ -237,10 +242,12 @@ def main(argv: list[str] | None = None) -> int:
     logs = tempfile.mkdtemp(prefix="ballonet-fidelity-")
     long_file = os.path.join(logs, "long_lengths.txt")
     long_lengths(long_file, args.seed)
-    profile_path = args.profile or os.path.join(ROOT, "bench", "results", "fidelity_profile.json")
+    paths = {n: args.profile or os.path.join(ROOT, "bench", "results", f"fidelity_profile_{n}.json")
+             for n in args.ranks}
     if not args.profile:
-        calibrate(profile_path, max(KINDS[k]["max_doc_tokens"] for k in args.kinds))
-    profile = calibration.load(profile_path)
+        for n, path in paths.items():
+            calibrate(path, max(KINDS[k]["max_doc_tokens"] for k in args.kinds), n)
+    profiles = {n: calibration.load(path) for n, path in paths.items()}
     results = {}
     args.load = []
     for kind in args.kinds:
@@ -248,13 +255,14 @@ def main(argv: list[str] | None = None) -> int:
         for n in args.ranks:
             for planner in args.planners:
                 args.load.append(os.getloadavg()[0])
-                config = run_config(n, planner, spec, args, profile_path)
+                config = run_config(n, planner, spec, args, paths[n])
                 records = train(n, config, os.path.join(logs, f"{kind}_{planner}_{n}.jsonl"))
-                r = results[kind, n, planner] = compare(records, n, config, profile)
+                r = results[kind, n, planner] = compare(records, n, config, profiles[n])
                 print(f"{kind} {n} ranks {planner:12s} per-rank compute "
                       f"{', '.join(f'{e:+.0%}' for e in r['per_rank']['error'])} step {r['step_s']['error']:+.0%}",
                       flush=True)
     seconds, cmd = time.time() - t0, command("fidelity.py", argv)
+    profile_path = ", ".join(paths[n] for n in args.ranks)
     text = report(results, args, profile_path, seconds, cmd)
     record(cmd, {"profile": profile_path, "seconds": seconds,
                  "args": {k: v for k, v in vars(args).items() if k != "report_only"},
