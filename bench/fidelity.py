@@ -1,25 +1,31 @@
-"""Fidelity of the simulator against the real runtime on this CPU machine.
+"""Fidelity of the simulator against the real runtime on this CPU machine, plan for plan.
 
-    python bench/fidelity.py [--ranks 2 4] [--steps 6] [--profile FILE]
+    OMP_NUM_THREADS=1 python bench/fidelity.py [--ranks 2 4] [--kinds short long] [--steps 6]
+        [--planners ...] [--profile FILE]
 
-1. Calibrate this machine (`ballonet calibrate` under torchrun on 2 gloo ranks, lengths up
-   to --max-doc-tokens) unless --profile names a profile already measured.
-2. For each world size and planner, train the tiny model for --steps real steps
-   (`ballonet train --nproc N --json-log`), 2 ranks on one emulated node, 4 ranks on two.
-3. For every step but the first (warm-up), plan the same batch (the log's ledger gives
-   its document lengths) on the same emulated cluster and simulate it with the measured
-   profile; compare predicted and measured per-rank compute time (max and mean over
-   ranks: CPU time of the training thread, forward and backward) and step time: wall
-   time, and the busiest rank's CPU time of the whole step (the measure where ranks
-   outnumber the cores, as on 4 ranks here).
+1. Calibrate this machine for each world size (`ballonet calibrate` under torchrun on that
+   many gloo ranks, lengths up to the longest document of the batches: 4 ranks on 2 cores
+   compute slower than 2), unless --profile names a profile already measured.
+2. For each batch kind, world size and planner, train the tiny model for --steps real steps
+   with that profile (`ballonet train --calibration PROFILE --json-log`, so the run plans
+   with it), 2 ranks on one emulated node, 4 ranks on two. Kinds: "short" (the stdlib
+   corpus, documents cut at 2048 tokens, 8192 tokens a step) and "long" (a lengths file of
+   documents of 4K-12K tokens among short ones, 16384 tokens a step: attention dominates).
+3. For every step but the first (warm-up), plan the step's batch again (the log's ledger
+   gives its pieces) with the run's own configuration (`training.loop.preflight`) and
+   profile, check the plan's digest against the one the run logged (the very plan that
+   trained), and simulate it as the runtime runs it (for distca and magi: without the
+   courtesies of docs/design.md section 10); compare each rank's predicted compute (forward
+   and backward, without the optimizer step) with its measured CPU time, and the step.
 
-Targets (issue 13): compute within 15%, step within 25%, planners in the same order.
-Writes bench/results/fidelity.md and fidelity.json.
+Targets: per-rank compute within 15%, step within 25%, planners in the same order.
+Writes bench/results/fidelity.md and fidelity.json, with the machine's load.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -28,80 +34,122 @@ import sys
 import tempfile
 import time
 
+import numpy as np
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import ballonet
 from _common import command, record, write_text
 from ballonet import calibration
-from ballonet.planning import plan_batch
 from ballonet.simulation import simulate
+from ballonet.training.config import TrainConfig
+from ballonet.training.loop import _plan, preflight
+from ballonet.training.metrics import plan_profile
 
-PLANNERS = ["zeppelin", "te_cp", "hybrid_dp", "wlb_llm", "packed_dp"]
+PLANNERS = ["zeppelin", "te_cp", "llama_cp", "hybrid_dp", "wlb_llm", "megatron_hcp", "distca", "magi", "packed_dp",
+            "flops_dp"]
 TARGETS = {"compute": 0.15, "step": 0.25}
+KINDS = {"short": {"corpus": "stdlib", "global_tokens": 8192, "max_doc_tokens": 2048},
+         "long": {"corpus": "LONG", "global_tokens": 16384, "max_doc_tokens": 12288}}
+"""Batch kinds: the corpus ("LONG": `long_lengths` written to the run's folder), tokens a step, the cut."""
+
+
+def long_lengths(path: str, seed: int = 0) -> None:
+    """A lengths file: documents of 4K-12K tokens (uniform) holding about half the tokens,
+    among short ones (lognormal around 300, 16 to 2000), in random order."""
+    rng = np.random.default_rng(seed)
+    longs = rng.integers(4096, 12289, 120).tolist()
+    shorts = np.clip(rng.lognormal(np.log(300), 0.8, 3200), 16, 2000).astype(int).tolist()
+    docs = longs + shorts
+    rng.shuffle(docs)
+    with open(path, "w") as f:
+        f.write("\n".join(str(int(n)) for n in docs) + "\n")
 
 
 def _env() -> dict:
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
-def calibrate(path: str, max_length: int) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+def calibrate(path: str, max_length: int, nproc: int) -> None:
+    """`ballonet calibrate` on `nproc` gloo ranks: the machine as a run of that many ranks
+    finds it (where ranks outnumber the cores, each computes slower)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
            "--rdzv-endpoint", "127.0.0.1:0", "-m", "ballonet", "calibrate", "--max-length", str(max_length),
            "--out", path]
     subprocess.run(cmd, env=_env(), check=True, stdout=subprocess.DEVNULL)
 
 
-def train(nproc: int, planner: str, args, log: str) -> list[dict]:
-    nodes = 1 if nproc <= 2 else 2
-    cmd = [sys.executable, "-m", "ballonet", "train", "--nproc", str(nproc), "--nodes", str(nodes),
-           "--planner", planner, "--steps", str(args.steps), "--global-tokens", str(args.global_tokens),
-           "--max-doc-tokens", str(args.max_doc_tokens), "--json-log", log, "--seed", str(args.seed)]
+def run_config(nproc: int, planner: str, kind: dict, args, profile_path: str) -> TrainConfig:
+    return TrainConfig(model="tiny", corpus=kind["corpus"], global_tokens=kind["global_tokens"],
+                       max_doc_tokens=kind["max_doc_tokens"], steps=args.steps, seed=args.seed, planner=planner,
+                       nodes=1 if nproc <= 2 else 2, calibration=profile_path)
+
+
+def train(nproc: int, config: TrainConfig, log: str) -> list[dict]:
+    cmd = [sys.executable, "-m", "ballonet", "train", "--nproc", str(nproc), "--nodes", str(config.nodes),
+           "--planner", config.planner, "--steps", str(config.steps), "--global-tokens", str(config.global_tokens),
+           "--max-doc-tokens", str(config.max_doc_tokens), "--corpus", config.corpus, "--seed", str(config.seed),
+           "--calibration", config.calibration, "--json-log", log]
     subprocess.run(cmd, env=_env(), check=True, stdout=subprocess.DEVNULL)
     with open(log) as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def predict(record: dict, nproc: int, planner: str, profile) -> dict:
-    nodes = 1 if nproc <= 2 else 2
-    cluster = ballonet.cluster("cpu", num_nodes=nodes, gpus_per_node=nproc // nodes)
-    model = ballonet.model("tiny")
+def predict(record: dict, nproc: int, config: TrainConfig, profile, cluster, spec) -> dict:
+    """The simulator on the very plan the step trained on (its digest checked); `cluster`
+    and `spec` as the run had them (`training.loop.preflight`)."""
     lengths = [end - start for _, _, start, end in record["ledger"]]
+    plan = _plan(plan_profile(cluster, config.calibration), lengths, cluster=cluster, model=spec,
+                 planner=config.planner)
+    if plan.digest != record["plan_digest"]:
+        raise SystemExit(f"{config.planner} on {nproc} ranks, step {record['step']}: the plan made again differs "
+                         "from the one that trained")
+    plan = dataclasses.replace(plan, meta={**plan.meta, "kv_prefix": False, "ping_pong": False})  # as run here
     with calibration.use(profile):
-        res = simulate(plan_batch(lengths, cluster, model, planner), cluster, model)
-    forward_backward = [c - res.optimizer_s for c in res.compute_s]  # the loop's compute: no optimizer step
-    return {"compute_s_max": max(forward_backward), "compute_s_mean": statistics.mean(forward_backward),
-            "cpu_s_max": max(res.compute_s), "step_s": res.step_time_s}
+        res = simulate(plan, cluster, spec)
+    compute = [c - res.optimizer_s for c in res.compute_s]  # the loop's compute: no optimizer step
+    return {"compute_s": compute, "cpu_s_max": max(res.compute_s), "step_s": res.step_time_s,
+            "rings": len(plan.rings)}
 
 
-def compare(records: list[dict], nproc: int, planner: str, profile) -> dict:
+def compare(records: list[dict], nproc: int, config: TrainConfig, profile) -> dict:
     rows = []
+    cluster, spec, _ = preflight(config, nproc)
     for rec in records[1:]:  # the first step warms up allocators and kernels
-        p = predict(rec, nproc, planner, profile)
+        p = predict(rec, nproc, config, profile, cluster, spec)
         rows.append({"step": rec["step"], "predicted": p,
-                     "measured": {"compute_s_max": rec["compute_s_max"], "compute_s_mean": rec["compute_s_mean"],
-                                  "cpu_s_max": rec["cpu_s_max"], "step_s": rec["tokens"] / rec["tokens_per_s"]}})
-    out = {"steps": rows}
-    for key in ("compute_s_max", "compute_s_mean", "cpu_s_max", "step_s"):
-        pred = statistics.mean(r["predicted"][key] for r in rows)
-        meas = statistics.mean(r["measured"][key] for r in rows)
-        out[key] = {"predicted": pred, "measured": meas, "error": pred / meas - 1}
+                     "measured": {"compute_s": rec["compute_s"], "cpu_s_max": rec["cpu_s_max"],
+                                  "step_s": rec["tokens"] / rec["tokens_per_s"]}})
+    out = {"steps": rows, "rings": statistics.mean(r["predicted"]["rings"] for r in rows)}
+    pred = np.mean([r["predicted"]["compute_s"] for r in rows], axis=0)
+    meas = np.mean([r["measured"]["compute_s"] for r in rows], axis=0)
+    out["per_rank"] = {"predicted": pred.tolist(), "measured": meas.tolist(), "error": (pred / meas - 1).tolist()}
+    out["compute_s_max"] = _err(np.mean([max(r["predicted"]["compute_s"]) for r in rows]),
+                                np.mean([max(r["measured"]["compute_s"]) for r in rows]))
+    for key in ("cpu_s_max", "step_s"):
+        out[key] = _err(statistics.mean(r["predicted"][key] for r in rows),
+                        statistics.mean(r["measured"][key] for r in rows))
     return out
 
 
-def _order(results: dict, nproc: int, side: str, key: str = "step_s") -> list[str]:
-    mine = {p: r[key][side] for (n, p), r in results.items() if n == nproc}
-    return sorted(mine, key=lambda p: (round(mine[p], 3), p))
+def _err(pred: float, meas: float) -> dict:
+    return {"predicted": float(pred), "measured": float(meas), "error": float(pred / meas - 1)}
+
+
+def step_key(nproc: int) -> str:
+    """What judges the step: wall time when each rank has a core, else (more ranks than
+    cores) the busiest rank's CPU time of the whole step."""
+    return "step_s" if nproc <= (os.cpu_count() or 1) else "cpu_s_max"
 
 
 TIE = 0.02
 """Predictions closer than this (relative) are a tie: the simulator does not order them."""
 
 
-def _pairs(results: dict, nproc: int, key: str) -> tuple[int, int, list[str]]:
+def _pairs(results: dict, kind: str, nproc: int, key: str) -> tuple[int, int, list[str]]:
     """Pairs of planners predicted more than TIE apart: (how many the measurement orders
     the same way, how many there are, the ones it orders the other way)."""
-    mine = {p: r[key] for (n, p), r in results.items() if n == nproc}
+    mine = {p: r[key] for (k, n, p), r in results.items() if n == nproc and k == kind}
     agree, total, wrong = 0, 0, []
     names = sorted(mine)
     for i, a in enumerate(names):
@@ -117,65 +165,65 @@ def _pairs(results: dict, nproc: int, key: str) -> tuple[int, int, list[str]]:
     return agree, total, wrong
 
 
-def step_key(nproc: int) -> str:
-    """What judges the step: wall time when each rank has a core, else (more ranks than
-    cores) the busiest rank's CPU time of the whole step, as issue 13 asks."""
-    return "step_s" if nproc <= (os.cpu_count() or 1) else "cpu_s_max"
-
-
-def _cell(r: dict, target: float) -> tuple[str, str]:
-    return (f"{r['predicted']:.3f} / {r['measured']:.3f} | {r['error']:+.0%}",
-            "yes" if abs(r["error"]) <= target else "no")
-
-
 def report(results: dict, args, profile_path: str, seconds: float, command: str) -> str:
     cores = os.cpu_count()
-    lines = ["# Simulator fidelity on this CPU machine (tiny model, gloo ranks)", "",
-             f"Command: `{command}` ({seconds:.0f} s). Profile: "
-             f"`{os.path.relpath(profile_path, ROOT)}` (`ballonet calibrate` on 2 gloo ranks, this machine). "
-             f"{args.steps} steps of {args.global_tokens} tokens per run, documents cut at {args.max_doc_tokens} "
-             "tokens, the first step left out. Compute = CPU time of each rank's training thread over forward "
-             "and backward (max and mean over ranks; predicted: the simulator's compute less its optimizer "
-             "step). Step (wall) = wall time of the step. Step (CPU) = the busiest rank's CPU time of the "
-             "whole step (forward, backward, optimizer; predicted: its compute with the optimizer step), "
-             "communication wait left out on both sides. The step target is judged on wall time where "
-             f"each rank has a core, on step (CPU) where ranks outnumber this machine's {cores} cores. "
-             f"Targets: compute within {TARGETS['compute']:.0%}, step within {TARGETS['step']:.0%}, planners "
-             "in the same order. "
-             f"Load average (1 min) before each run (other jobs share the machine): "
-             f"{', '.join(f'{x:.1f}' for x in args.load)}.", "",
-             "| ranks | planner | compute max pred / meas (s) | err | compute mean pred / meas (s) | err "
-             "| compute met | step (wall) pred / meas (s) | err | step (CPU) pred / meas (s) | err | step met |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for (n, planner), r in sorted(results.items()):
-        (cm, _), (cmean, _) = _cell(r["compute_s_max"], 1), _cell(r["compute_s_mean"], 1)
-        ok = all(abs(r[k]["error"]) <= TARGETS["compute"] for k in ("compute_s_max", "compute_s_mean"))
-        wall, cpu = _cell(r["step_s"], TARGETS["step"]), _cell(r["cpu_s_max"], TARGETS["step"])
-        met = wall[1] if step_key(n) == "step_s" else cpu[1]
-        lines.append(f"| {n} | {planner} | {cm} | {cmean} | {'yes' if ok else 'no'} | {wall[0]} | {cpu[0]} "
-                     f"| {met} ({'wall' if step_key(n) == 'step_s' else 'CPU'}) |")
-    orders = (("step", "step time (wall where each rank has a core, else CPU)"),
-              ("compute_s_max", "slowest rank's compute (CPU time)"))
-    for key, what in orders:
-        lines += ["", f"Planner order by {what}, fastest first (equal predictions to the ms sorted by name):", ""]
-        for n in sorted({n for n, _ in results}):
-            k = step_key(n) if key == "step" else key
-            pred, meas = _order(results, n, "predicted", k), _order(results, n, "measured", k)
-            agree, total, wrong = _pairs(results, n, k)
-            lines.append(f"* {n} ranks ({k}): predicted {' < '.join(pred)}; measured {' < '.join(meas)}: "
-                         f"{'same order' if pred == meas else 'different order'}; pairs predicted more than "
-                         f"{TIE:.0%} apart ordered alike: {agree} of {total}"
-                         + (f" (not: {', '.join(wrong)})" if wrong else ""))
+    lines = ["# Simulator fidelity on this CPU machine (tiny model, gloo ranks, the plans that trained)", "",
+             f"Command: `{command}` ({seconds:.0f} s). Profiles: "
+             + ", ".join(f"`{os.path.relpath(p.strip(), ROOT)}`" for p in profile_path.split(","))
+             + " (`ballonet calibrate` on as many gloo ranks as the run has, this machine); every run plans with "
+             "its world size's (`ballonet train --calibration`) "
+             "and every simulated plan is the one the step trained on (digest checked). "
+             f"{args.steps} steps per run, the first left out. Batch kinds: " + "; ".join(
+                 f"{k}: {v['global_tokens']} tokens a step, documents cut at {v['max_doc_tokens']}"
+                 + (" (stdlib sources)" if v["corpus"] == "stdlib" else " (4K-12K-token documents among short ones)")
+                 for k, v in KINDS.items() if k in args.kinds) + ". "
+             "Compute = CPU time of a rank's training thread over forward and backward (predicted: the "
+             "simulator's compute of that rank less its optimizer step): each rank's, averaged over the steps. "
+             "Step (wall) = wall time of the step; step (CPU) = the busiest rank's CPU time of the whole step. The "
+             f"step target is judged on wall time where each rank has a core, on step (CPU) where ranks outnumber "
+             f"this machine's {cores} cores. Targets: every rank's compute within {TARGETS['compute']:.0%}, step "
+             f"within {TARGETS['step']:.0%}. distca and magi are simulated as the runtime runs them (whole-block "
+             "all-gathers, one batch). Load average (1 min) before each run (other jobs share this machine): "
+             f"{', '.join(f'{x:.1f}' for x in args.load)}.", ""]
+    for kind in args.kinds:
+        lines += [f"## {kind} batches", "",
+                  "| ranks | planner | rings a step | per-rank compute pred / meas (s) | errors | worst | compute met | "
+                  "compute max err | step (wall) pred / meas (s) | err | step (CPU) pred / meas (s) | err | step met |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for (k, n, planner), r in sorted(results.items()):
+            if k != kind:
+                continue
+            pr = r["per_rank"]
+            worst = max(pr["error"], key=abs)
+            cells = ", ".join(f"{a:.3f}/{b:.3f}" for a, b in zip(pr["predicted"], pr["measured"]))
+            errs = ", ".join(f"{e:+.0%}" for e in pr["error"])
+            met = "yes" if abs(worst) <= TARGETS["compute"] else "no"
+            wall, cpu = r["step_s"], r["cpu_s_max"]
+            judge = wall if step_key(n) == "step_s" else cpu
+            lines.append(f"| {n} | {planner} | {r['rings']:.1f} | {cells} | {errs} | {worst:+.0%} | {met} | "
+                         f"{r['compute_s_max']['error']:+.0%} | {wall['predicted']:.3f} / {wall['measured']:.3f} | "
+                         f"{wall['error']:+.0%} | {cpu['predicted']:.3f} / {cpu['measured']:.3f} | {cpu['error']:+.0%} "
+                         f"| {'yes' if abs(judge['error']) <= TARGETS['step'] else 'no'} "
+                         f"({'wall' if step_key(n) == 'step_s' else 'CPU'}) |")
+        within = [abs(max(r["per_rank"]["error"], key=abs)) <= TARGETS["compute"]
+                  for (k, _, _), r in results.items() if k == kind]
+        lines += ["", f"Every rank's compute within {TARGETS['compute']:.0%}: {sum(within)} of {len(within)} runs."]
+        for n in sorted({n for k, n, _ in results if k == kind}):
+            key = step_key(n)
+            agree, total, wrong = _pairs(results, kind, n, key)
+            lines.append(f"Planner pairs predicted more than {TIE:.0%} apart by {key} on {n} ranks, ordered alike by "
+                         f"the measurement: {agree} of {total}" + (f" (not: {', '.join(wrong)})" if wrong else "")
+                         + ".")
+        lines.append("")
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
     p.add_argument("--planners", nargs="+", default=PLANNERS)
     p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--global-tokens", type=int, default=8192)
-    p.add_argument("--max-doc-tokens", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", default=None, help="a measured profile (default: calibrate now)")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "fidelity"))
@@ -184,32 +232,41 @@ def main(argv: list[str] | None = None) -> int:
     if args.report_only:
         with open(args.out + ".json") as f:
             saved = json.load(f)
-        results = {(int(k.split("/")[0]), k.split("/")[1]): r for k, r in saved["results"].items()}
+        results = {tuple(int(x) if x.isdigit() else x for x in k.split("/")): r for k, r in saved["results"].items()}
         vars(args).update({k: v for k, v in saved["args"].items() if k != "out"})
         text = report(results, args, saved["profile"], saved["seconds"], saved["command"])
         write_text(args.out + ".md", text)
         print(text)
         return 0
     t0 = time.time()
-    profile_path = args.profile or os.path.join(ROOT, "bench", "results", "fidelity_profile.json")
+    logs = tempfile.mkdtemp(prefix="ballonet-fidelity-")
+    long_file = os.path.join(logs, "long_lengths.txt")
+    long_lengths(long_file, args.seed)
+    paths = {n: args.profile or os.path.join(ROOT, "bench", "results", f"fidelity_profile_{n}.json")
+             for n in args.ranks}
     if not args.profile:
-        calibrate(profile_path, args.max_doc_tokens)
-    profile = calibration.load(profile_path)
-    results, logs = {}, tempfile.mkdtemp(prefix="ballonet-fidelity-")
+        for n, path in paths.items():
+            calibrate(path, max(KINDS[k]["max_doc_tokens"] for k in args.kinds), n)
+    profiles = {n: calibration.load(path) for n, path in paths.items()}
+    results = {}
     args.load = []
-    for n in args.ranks:
-        for planner in args.planners:
-            args.load.append(os.getloadavg()[0])
-            records = train(n, planner, args, os.path.join(logs, f"{planner}_{n}.jsonl"))
-            results[n, planner] = compare(records, n, planner, profile)
-            r = results[n, planner]
-            print(f"{n} ranks {planner:10s} compute max {r['compute_s_max']['error']:+.0%} "
-                  f"mean {r['compute_s_mean']['error']:+.0%} step {r['step_s']['error']:+.0%}", flush=True)
+    for kind in args.kinds:
+        spec = {**KINDS[kind], "corpus": long_file if KINDS[kind]["corpus"] == "LONG" else KINDS[kind]["corpus"]}
+        for n in args.ranks:
+            for planner in args.planners:
+                args.load.append(os.getloadavg()[0])
+                config = run_config(n, planner, spec, args, paths[n])
+                records = train(n, config, os.path.join(logs, f"{kind}_{planner}_{n}.jsonl"))
+                r = results[kind, n, planner] = compare(records, n, config, profiles[n])
+                print(f"{kind} {n} ranks {planner:12s} per-rank compute "
+                      f"{', '.join(f'{e:+.0%}' for e in r['per_rank']['error'])} step {r['step_s']['error']:+.0%}",
+                      flush=True)
     seconds, cmd = time.time() - t0, command("fidelity.py", argv)
+    profile_path = ", ".join(paths[n] for n in args.ranks)
     text = report(results, args, profile_path, seconds, cmd)
     record(cmd, {"profile": profile_path, "seconds": seconds,
                  "args": {k: v for k, v in vars(args).items() if k != "report_only"},
-                 "results": {f"{n}/{p}": r for (n, p), r in results.items()}}, args.out + ".json")
+                 "results": {f"{k}/{n}/{p}": r for (k, n, p), r in results.items()}}, args.out + ".json")
     write_text(args.out + ".md", text)
     print(text)
     return 0

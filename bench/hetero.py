@@ -96,7 +96,9 @@ def markdown(runs: list[dict], command: str, header: str) -> str:
              "(4x200 Gb/s); `a800+l40s` = 2 nodes of 8 A800 (4x200 Gb/s) + 2 nodes of 8 L40S (PCIe only, "
              "2x200 Gb/s). Lower bound: zeppelin's compute spread over the GPUs in proportion to peak FLOP/s, "
              "communication hidden (`simulator.simulate`). \"Training nodes alone\" runs the same global batches "
-             "on the training nodes only (zeppelin).", "",
+             "on the training nodes only (zeppelin). Every planner under the simulator's one setting "
+             "(docs/design.md, section 7: the runtime's kernel order and waits, the engine on, CP and FSDP traffic "
+             "on separate process groups); the baselines at their defaults.", "",
              "## Goals", "",
              "| cluster | workload | zeppelin over `--assume-homogeneous` (goal >= 1.3x) | "
              "zeppelin / lower bound (goal <= 1.15x) | of which: slowest GPU's compute / bound | "

@@ -1,18 +1,25 @@
-"""Reproduce the Zeppelin paper's evaluation in simulation (docs/design.md, section 9).
+"""Reproduce the Zeppelin paper's evaluation in simulation, and a scale grid (docs/design.md, section 9).
 
-    OMP_NUM_THREADS=1 python bench/paper.py [--quick] [--steps K] [--out bench/results]
+    OMP_NUM_THREADS=1 python bench/paper.py [--quick] [--steps K] [--scale-gpus 64,128,...]
+        [--workload FILE] [--out bench/results]
 
 Writes bench/results/paper.json (every figure) and paper.md (tables and the targets, each
-met or not, with the reason). Every planner sees the same sampled batches; speedups are
-ratios of mean simulated step times. The grid is the paper's as far as it is known:
-clusters A (A800, 4x200 Gb/s NICs per node), B (H800, 8x400), C (H200, 8x400); LLaMA
-3B/7B and 13B/30B with tensor parallelism (tp 2 and 4); the `wlbllm` and `prolong`
-presets and `shortmix` (short-heavy, standing in for ArXiv/GitHub/ProLong64k).
+met or not, with the reason; `bench/paper_report.py` writes the report). Every planner sees
+the same sampled batches and runs under the same simulator settings (the attention engine
+on, as the runtime runs every plan; docs/design.md, section 7); speedups are ratios of
+mean simulated step times. The baselines with a CP degree (te_cp, llama_cp, wlb_llm, magi)
+run at the fastest degree on the configuration's batches (`compare(tune=True)`), as their
+users tuning the job would. The main grid is the paper's as far as it is known: clusters A
+(A800, 4x200 Gb/s NICs per node), B (H800, 8x400), C (H200, 8x400); LLaMA 3B/7B and
+13B/30B with tensor parallelism (tp 2 and 4); the `wlbllm` and `prolong` presets and
+`shortmix` (short-heavy, standing in for ArXiv/GitHub/ProLong64k). The scale grid: 64 to
+1024 GPUs, contexts 32K to 256K, the three clusters, llama-7b, llama3-8b and llama-13b,
+each GPU count at every context, cluster and model taking turns, on the presets
+(`prolong`, `wlbllm` in turn) or on the lengths file `--workload` names.
 
-TE CP is configured as a Megatron user does (`te_cp`'s default: the smallest CP degree
-that holds the batch in memory, the rest data-parallel); CP over the whole cluster
-(`te_cp_whole`) is reported beside it as a stress case, and every speedup is also given
-over the best baseline of each configuration.
+CP over the whole cluster (`te_cp_whole`, main grid only) is reported beside the tuned
+te_cp as a stress case, and every speedup is also given over the best baseline of each
+configuration.
 """
 
 from __future__ import annotations
@@ -24,7 +31,21 @@ import statistics
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(__file__))
+
 from _common import RESULTS, command, record, write_text
+from paper_report import (
+    BOUND_TARGET,
+    CLUSTERS,
+    MEMORY_HEADROOM,
+    NOTES,
+    PLANNERS,
+    SHORT,
+    WORKLOADS,
+    best_baseline,
+    over_best,
+    report,
+)
 
 from ballonet import InfeasiblePlan, plan_batch, specs, workloads
 from ballonet.cost.bounds import batch_lower_bound, batch_recomputation
@@ -37,64 +58,46 @@ from ballonet.simulation.fabric import Fabric
 from ballonet.simulation.simulator import simulate
 from ballonet.simulation.timeline import Timeline
 
-PLANNERS = ["zeppelin", "te_cp", "llama_cp", "hybrid_dp", "wlb_llm", "megatron_hcp", "distca", "packed_dp", "flops_dp"]
 MIXED = ["h800+h20", "a800+l40s"]
 """Mixed-GPU presets (`ballonet/specs.py`): training nodes plus loaned inference nodes."""
-CLUSTERS = {"A": "a800-4nic", "B": "h800-8nic", "C": "h200-8nic"}
 MODELS = [("llama-3b", 1), ("llama-7b", 1), ("llama-13b", 2), ("llama-30b", 4)]
-WORKLOADS = ["wlbllm", "prolong", "shortmix"]
-BOUND_TARGET = 1.15
-"""The issue's target: zeppelin's step within this of the batch lower bound."""
-SHORT = 4096
-"""A document is short below this many tokens (for the short-share trend)."""
+SCALE_GPUS = (64, 128, 256, 512, 1024)
+SCALE_CONTEXTS = (32768, 65536, 131072, 262144)
+SCALE_MODELS = [("llama-7b", 1), ("llama3-8b", 1), ("llama-13b", 2)]
+SCALE_WORKLOADS = ["prolong", "wlbllm"]
+TOKENS_PER_GPU = 16384
 
 
-def config(cluster: str, nodes: int, model: str, tp: int, workload: str, tokens: int, max_length, steps: int,
-           planners=PLANNERS) -> dict:
+def config(cluster: str, nodes: int | None, model: str, tp: int, workload: str, tokens: int, max_length, steps: int,
+           planners=PLANNERS, whole: bool = True) -> dict:
+    """Every planner on `steps` batches of one configuration (the CP baselines at their
+    fastest degree); with `whole`, TE CP over the whole cluster too (the stress case)."""
     c = specs.cluster(CLUSTERS.get(cluster, cluster), num_nodes=nodes)
     m = specs.model(model, tp=tp)
     t = time.perf_counter()
-    rows = compare(c, m, workload, tokens, planners, steps=steps, seed=0, max_length=max_length)
+    rows = compare(c, m, workload, tokens, planners, steps=steps, seed=0, max_length=max_length, tune=True)
     results = {r.planner: {**r.to_dict(), "tokens_per_s": tokens * c.num_ranks / r.step_time_s if r.feasible else None}
                for r in rows}
-    batches = list(workloads.get(workload).batches(tokens * c.num_ranks, 0, steps, max_length))
     if results["te_cp"].get("feasible", True):
-        results["te_cp"]["cp_size"] = plan_batch(batches[0], c, m, "te_cp").meta["cp_size"]
-    # The stress case: one CP group over the whole cluster.
-    whole = c.num_ranks // tp
-    try:
-        step = statistics.mean(simulate(plan_batch(b, c, m, "te_cp", cp_size=whole), c, m).step_time_s
-                               for b in batches)
-    except InfeasiblePlan:
-        step = float("nan")
-    results["te_cp_whole"] = {"planner": f"te_cp (cp {whole})", "cp_size": whole, "step_time_s": step,
-                              "tokens_per_s": tokens * c.num_ranks / step}
+        results["te_cp"]["cp_size"] = results["te_cp"]["options"]["cp_size"]
+    batches = list(workloads.get(workload).batches(tokens * c.num_ranks, 0, steps, max_length))
+    if whole:  # the stress case: one CP group over the whole cluster
+        n = c.num_ranks // tp
+        try:
+            step = statistics.mean(simulate(plan_batch(b, c, m, "te_cp", cp_size=n), c, m).step_time_s
+                                   for b in batches)
+        except InfeasiblePlan:
+            step = float("nan")
+        results["te_cp_whole"] = {"planner": f"te_cp (cp {n})", "cp_size": n, "step_time_s": step,
+                                  "tokens_per_s": tokens * c.num_ranks / step}
     out = {"cluster": cluster, "gpus": c.num_ranks, "model": model, "tp": tp, "workload": workload,
            "tokens_per_gpu": tokens, "max_length": max_length, "steps": steps, "results": results,
-           "seconds": time.perf_counter() - t}
-    print(f"  {cluster} {c.num_ranks:4d} GPUs {model:9s} tp{tp} {workload:8s} ctx {max_length}: zeppelin "
-          f"x{out['results']['zeppelin']['speedup_vs_te_cp']:.2f}, over the best baseline "
-          f"x{over_best(out):.2f} ({out['seconds']:.0f}s)", file=sys.stderr, flush=True)
+           "longest": max(max(b) for b in batches), "seconds": time.perf_counter() - t}
+    print(f"  {cluster} {c.num_ranks:4d} GPUs {model:9s} tp{tp} {os.path.basename(workload):8s} ctx {max_length}: "
+          f"zeppelin x{results['zeppelin']['speedup_vs_te_cp']:.2f} over te_cp, x{over_best(out):.2f} over the best "
+          f"({best_baseline(out)}), step/bound {results['zeppelin']['ratio_to_lower_bound']:.3f} "
+          f"({out['seconds']:.0f}s)", file=sys.stderr, flush=True)
     return out
-
-
-def speedup(cfg: dict, planner: str = "zeppelin", over: str = "te_cp") -> float:
-    """NaN when either planner is infeasible on the configuration."""
-    r = cfg["results"]
-    if r[over].get("feasible") is False or r[planner].get("feasible") is False:
-        return float("nan")
-    return r[over]["step_time_s"] / r[planner]["step_time_s"]
-
-
-def best_baseline(cfg: dict) -> str:
-    """The fastest baseline of a configuration (te_cp_whole, the stress case, left out)."""
-    r = cfg["results"]
-    return min((p for p in PLANNERS if p != "zeppelin" and p in r and r[p].get("feasible", True)),
-               key=lambda p: r[p]["step_time_s"])
-
-
-def over_best(cfg: dict) -> float:
-    return speedup(cfg, over=best_baseline(cfg))
 
 
 def length_stats(workload: str) -> dict:
@@ -166,32 +169,42 @@ def pricing_ablation(grid_data: list[dict], steps: int) -> list[dict]:
     return rows
 
 
-def engine_sensitivity(grid_data: list[dict], steps: int) -> dict:
-    """Zeppelin's plans of the main grid simulated with the baselines' attention loop
-    (`simulate(..., engine=False)`: a fixed order, each send after the previous compute)
-    instead of the attention engine: what its figures owe to the engine, which the
-    runtime does not yet fully realise on NCCL (docs/design.md, section 8)."""
-    ratios, over_best_loop, bounds = [], [], []
-    for cfg in grid_data:
-        c = specs.cluster(CLUSTERS.get(cfg["cluster"], cfg["cluster"]), num_nodes=cfg["gpus"] // 8)
-        m = specs.model(cfg["model"], tp=cfg["tp"])
-        batches = workloads.get(cfg["workload"]).batches(cfg["tokens_per_gpu"] * c.num_ranks, 0, steps,
-                                                          cfg["max_length"])
-        res = [simulate(plan_batch(b, c, m, "zeppelin"), c, m, engine=False) for b in batches]
-        step = statistics.mean(r.step_time_s for r in res)
-        ratios.append(step / cfg["results"]["zeppelin"]["step_time_s"])
-        over_best_loop.append(cfg["results"][best_baseline(cfg)]["step_time_s"] / step)
-        bounds.append(step / statistics.mean(r.lower_bound_s for r in res))
-    worst = max(range(len(ratios)), key=ratios.__getitem__)
-    w = grid_data[worst]
-    return {"mean_slowdown": _mean(ratios), "max_slowdown": ratios[worst],
-            "max_config": f"{w['cluster']} {w['model']} {w['workload']}", "mean_over_best": _mean(over_best_loop),
-            "wins": sum(x >= 1 for x in over_best_loop), "within_bound": sum(x <= BOUND_TARGET for x in bounds),
-            "configurations": len(ratios)}
+def _batches(cfg: dict):
+    c = specs.cluster(CLUSTERS.get(cfg["cluster"], cfg["cluster"]), num_nodes=cfg["gpus"] // 8)
+    m = specs.model(cfg["model"], tp=cfg["tp"])
+    return c, m, list(workloads.get(cfg["workload"]).batches(cfg["tokens_per_gpu"] * c.num_ranks, 0, cfg["steps"],
+                                                              cfg["max_length"]))
 
 
-MEMORY_HEADROOM = 1.3
-"""The counterfactual of `more_memory`: every GPU with this much more memory."""
+SETTINGS = {"no engine (every send behind the kernels queued before it)": {"engine": False},
+            "one process group (CP traffic behind the layer's FSDP collectives)": {"cp_group": False}}
+"""The simulator settings `sensitivity` changes, for every planner alike."""
+
+
+def sensitivity(grid_data: list[dict]) -> list[dict]:
+    """Every planner of every main-grid configuration (at its tuned options) simulated under
+    each setting of `SETTINGS` instead of the default: zeppelin's lead over the best
+    baseline and its bound ratio, when every planner loses the engine or the separate
+    process groups."""
+    rows = []
+    for name, settings in SETTINGS.items():
+        over, bounds, slow = [], [], []
+        for cfg in grid_data:
+            c, m, batches = _batches(cfg)
+            steps = {}
+            for p, r in cfg["results"].items():
+                if p not in PLANNERS or r.get("feasible") is False:
+                    continue
+                res = [simulate(plan_batch(b, c, m, p, **r.get("options", {})), c, m, **settings) for b in batches]
+                steps[p] = statistics.mean(x.step_time_s for x in res)
+                if p == "zeppelin":
+                    bounds.append(steps[p] / statistics.mean(x.lower_bound_s for x in res))
+                    slow.append(steps[p] / r["step_time_s"])
+            over.append(min(v for p, v in steps.items() if p != "zeppelin") / steps["zeppelin"])
+        rows.append({"setting": name, "options": settings, "mean_over_best": _mean(over), "min_over_best": min(over),
+                     "wins": sum(x >= 1 for x in over), "within_bound": sum(x <= BOUND_TARGET for x in bounds),
+                     "worst_to_bound": max(bounds), "zeppelin_slowdown": _mean(slow), "configurations": len(over)})
+    return rows
 
 
 def _memory_fill(batch, c, m) -> float:
@@ -253,7 +266,8 @@ def worst(grid_data: list[dict], out_dir: str) -> dict:
 
 def mixed(steps: int) -> list[dict]:
     """LLaMA-7B on the mixed-GPU presets (2 training nodes + 2 loaned inference nodes)."""
-    return [config(name, None, "llama-7b", 1, wl, 16384, 65536, steps) for name in MIXED for wl in ("wlbllm", "prolong")]
+    return [config(name, None, "llama-7b", 1, wl, TOKENS_PER_GPU, 65536, steps)
+            for name in MIXED for wl in ("wlbllm", "prolong")]
 
 
 def hop(cluster: str, nodes: int, model: str, length: int) -> dict:
@@ -298,7 +312,18 @@ def contexts(quick: bool, steps: int) -> list[dict]:
             for ctx in ((16384, 131072) if quick else (16384, 32768, 65536, 131072))]
 
 
-# ---- targets and report ----------------------------------------------------------------
+def scale_grid(steps: int, gpus, workloads_in_turn: list[str]) -> list[dict]:
+    """Every GPU count of `gpus` at every context of `SCALE_CONTEXTS`, 16K tokens per GPU;
+    (cluster, model) and the workload take turns over the configurations."""
+    combos = [(cl, mdl) for mdl in SCALE_MODELS for cl in CLUSTERS]
+    out, i = [], 0
+    for n in gpus:
+        for ctx in SCALE_CONTEXTS:
+            cl, (mdl, tp) = combos[i % len(combos)]
+            wl = workloads_in_turn[i % len(workloads_in_turn)]
+            out.append(config(cl, n // 8, mdl, tp, wl, TOKENS_PER_GPU, ctx, steps, whole=False))
+            i += 1
+    return out
 
 
 def _mean(xs) -> float:
@@ -306,323 +331,62 @@ def _mean(xs) -> float:
     return sum(xs) / len(xs)
 
 
-def targets(data: dict) -> list[tuple[str, bool, str, str]]:
-    """(target, met, figures, reason where not met) for each of the paper's claims."""
-    g, out = data["grid"], []
-    mean = _mean(speedup(c) for c in g)
-    whole = [speedup(c, over="te_cp_whole") for c in g]
-    best = [over_best(c) for c in g]
-    losses = [c for c in g if over_best(c) < 1]
-    out.append(("mean speedup of zeppelin over te_cp in [2.2, 3.4] (paper 2.80x)", 2.2 <= mean <= 3.4,
-                f"{mean:.2f}x over {len(g)} configurations (min {min(speedup(c) for c in g):.2f}x, max "
-                f"{max(speedup(c) for c in g):.2f}x) against TE CP sized to the batch as a Megatron user sets it; "
-                f"{_mean(whole):.2f}x against CP over all {g[0]['gpus']} GPUs (stress case)",
-                "TE CP sized to the context keeps most rings inside a node and splits few documents more than "
-                "needed, so it is not communication-bound; only CP over the whole cluster (every rank's K/V "
-                f"through a NIC at every step) comes near the paper's gains ({_mean(whole):.2f}x). The paper's "
-                "TE CP degree is not known."))
-    out.append(("zeppelin at or below every baseline's step (distca, wlb_llm and context-sized te_cp included) "
-                "on every configuration of the main grid", not losses,
-                f"mean {_mean(best):.2f}x over the best baseline (min {min(best):.2f}x, max {max(best):.2f}x); "
-                f"zeppelin loses in {len(losses)} of {len(g)} configurations",
-                "where zeppelin loses, the best baseline is " + ", ".join(sorted({best_baseline(c) for c in losses}))
-                + ": " + "; ".join(f"{c['cluster']} {c['model']} {c['workload']} {over_best(c):.2f}x vs "
-                                   f"{best_baseline(c)}" for c in losses[:6]) + (" ..." if len(losses) > 6 else "")))
-    mean_best = _mean(best)
-    out.append(("mean over the main grid of (best baseline's step / zeppelin's step) at least 1.2x", mean_best >= 1.2,
-                f"{mean_best:.2f}x", f"short by {1.2 / mean_best:.2f}x: " + _why_best(g)))
-    bound = [c["results"]["zeppelin"]["ratio_to_lower_bound"] for c in g]
-    far = [c for c in g if c["results"]["zeppelin"]["ratio_to_lower_bound"] > BOUND_TARGET]
-    single = next((r for r in data["pricing"] if r["options"] == {"double": False}), None)
-    w = data["worst"]
-    out.append(("zeppelin's step within 1.15x of the batch lower bound on every main-grid configuration", not far,
-                f"{len(g) - len(far)} of {len(g)} within; worst {max(bound):.3f}x ({w['cluster']} {w['model']} "
-                f"{w['workload']}), median {statistics.median(bound):.2f}x",
-                f"worst configuration (trace: `{w['trace']}`): step {w['step_time_s']:.2f} s, bound "
-                f"{w['lower_bound_s']:.2f} s; busiest rank's compute {w['compute_max_s']:.2f} s (mean "
-                f"{w['compute_mean_s']:.2f} s), exposed communication {w['exposed_mean_s']:.2f} s and idle "
-                f"{w['idle_mean_s']:.2f} s on the mean rank; recomputation {w['recompute']} where the bound "
-                f"assumes {w['batch_recompute']}. The bound counts every FLOP at its best efficiency on all "
-                "GPUs at once and, of communication, only every token's tensor-parallel collectives and the "
-                "last gradient bucket: the step adds the recomputation the plan's memory needs, kernels on "
-                "blocks shorter than whole documents, ranks waiting on a ring's slowest member, and the remap "
-                "and ring transfers compute does not hide. Over 1.15x: " + ", ".join(
-                    f"{c['cluster']} {c['model']} {c['workload']} {c['results']['zeppelin']['ratio_to_lower_bound']:.3f}x"
-                    for c in far) + ". " + _why_full(data) + f"In {_workloads(far)}, documents of 44-64K "
-                "tokens carry more than a node's share of the step while the other nodes fill their memory caps, "
-                "so the ranks holding such a document must hold other tokens too; a single ring across nodes "
-                "would even the compute, but its blocks (4K tokens over 16 ranks for 64K) are too short for their "
-                "attention to hide the K/V of these 32-KV-head models, even over NVLink, and the crossing hops add "
-                "to it (`pricing.inter_node_span`). A double ring (a ring inside each node, one NIC transfer a "
-                "round) hides more; the partitioner plans one where that pricing sends the document across nodes, "
-                "and keeps it where it estimates shorter, else the document stays in one node or the plan "
-                "recomputes for looser caps" + (
-                    "; on prolong (documents up to 29K) the smallest model on the fastest GPUs leaves a few "
-                    "percent each of compute imbalance and exposed communication"
-                    if any(c["workload"] == "prolong" for c in far) else "")
-                + ". `bench/hill_climb.py` climbs the worst configuration's plans under the simulator (whole "
-                "documents between ranks, ring shares between members, the same rings; `bench/results/hill_climb.md`):"
-                " what the climb gains is what the greedy steps leave, the rest of the distance is this structure"
-                " (every attempt to close it, with its figures: `docs/planner_evidence.md`, 'The bound target')."
-                + _why_memory(data) + (
-                    f" Without double rings (`double=False`, third row of the pricing ablation): "
-                    f"{single['within_bound']} of {single['configurations']} within, worst "
-                    f"{single['worst_to_bound']:.3f}x, mean over the best baseline {single['mean_over_best']:.2f}x."
-                    if single else "")))
-    by_cluster = {cl: _mean(speedup(c) for c in g if c["cluster"] == cl) for cl in CLUSTERS}
-    te_by_cluster = {cl: _mean(c["results"]["te_cp"]["exposed_comm_share"] for c in g if c["cluster"] == cl)
-                     for cl in CLUSTERS}
-    out.append(("larger on cluster A than on B", by_cluster["A"] > by_cluster["B"],
-                ", ".join(f"{k} {v:.2f}x" for k, v in by_cluster.items()),
-                "te_cp's exposed communication share is " + ", ".join(
-                    f"{k} {v:.0%}" for k, v in te_by_cluster.items()) + ": the A800 has 3.2x less compute "
-                "than the H800 while its NICs are only 2x slower, so te_cp is no more communication-bound on A."))
-    stats = data["length_stats"]
-    by_wl = sorted(((stats[w]["short_share"], _mean(speedup(c) for c in g if c["workload"] == w), w)
-                    for w in WORKLOADS))
-    grows = all(a[1] < b[1] for a, b in zip(by_wl, by_wl[1:]))
-    by_len = sorted((stats[w]["weighted_length"], x, w) for _, x, w in by_wl)
-    follows = all(a[1] > b[1] for a, b in zip(by_len, by_len[1:]))
-    out.append((f"speedup grows with the share of tokens in documents under {SHORT} tokens", grows,
-                ", ".join(f"{w} ({s:.0%} short) {x:.2f}x" for s, x, w in by_wl),
-                f"the speedup {'falls' if follows else 'does not fall either'} as the token-weighted mean "
-                "document length rises (sum L^2 / sum L: " + ", ".join(f"{w} {n:.0f}" for n, _, w in by_len) +
-                "), i.e. with attention work per token; the short-token share orders the workloads differently "
-                "because shortmix's few documents around 12K tokens hold most of its tokens."))
-    sc = data["scaling"]
-    first, last = sc[0]["results"], sc[-1]["results"]
-    growth = {p: last[p]["tokens_per_s"] / first[p]["tokens_per_s"] for p in first}
-    flat = 0.67 <= growth["te_cp_whole"] <= 1.5
-    best = max(growth, key=growth.get)
-    out.append((f"TE CP over the whole cluster nearly flat in throughput from {sc[0]['gpus']} to {sc[-1]['gpus']} "
-                "GPUs (within 0.67x-1.5x) while zeppelin scales best", flat and best == "zeppelin",
-                ", ".join(f"{p} {v:.2f}x" for p, v in sorted(growth.items(), key=lambda kv: -kv[1])),
-                f"best scaling: {best}" + ("" if flat else "; te_cp_whole is not flat")))
-    ab = data["ablation"]["speedup"]
-    ladder = list(ab.values())
-    ordered = all(a <= b for a, b in zip(ladder, ladder[1:]))
-    near = abs(ab["routing"] / 1.6 - 1) <= 0.3
-    out.append(("ablation: routing alone ~1.6x (within 30%), then engine + partitioning (paper 3.51x), "
-                "all three highest (paper 3.64x)", ordered and near and ladder[-1] == max(ladder),
-                ", ".join(f"{k} {v:.2f}x" for k, v in ab.items()) + f"; ordered as in the paper: "
-                f"{'yes' if ordered else 'no'}",
-                "routing alone gains more than the paper's 1.6x: te_cp's step is set by its inter-node hops, and "
-                "routing spreads each over the node's 4 NICs, which te_cp leaves idle (see the hop below)."))
-    h = data["hop"]
-    ok = abs(h["te_cp_ms"] / 2.18 - 1) <= 0.3 and abs(h["routed_ms"] / 0.41 - 1) <= 0.3
-    k = len(h["proxies"])
-    floor = h["mbytes"] * 1e6 / (k * h["nic_bw"]) * 1e3
-    out.append((f"64K-token inter-node hop ~2.18 ms under te_cp, ~0.41 ms routed (within 30%): cluster "
-                f"{h['cluster']}, {h['model']}, {h['gpus']} GPUs, {h['mbytes']:.1f} MB", ok,
-                f"te_cp {h['te_cp_ms']:.2f} ms (met), routed over {k} NICs {h['routed_ms']:.2f} ms",
-                f"0.41 ms is below what cluster A allows: {k} NICs at line rate need {floor:.2f} ms for "
-                f"{h['mbytes']:.1f} MB before any NVLink dispatch and combine; the paper's routed figure likely "
-                "comes from another cluster or message size."))
-    return out
-
-
-def _why_full(data: dict) -> str:
-    """The configurations over the bound target whose batch nearly fills what the cluster
-    holds under the bound's recomputation and that more memory brings within it."""
-    full = [r for r in data.get("more_memory") or [] if r["memory_fill"] >= 0.9
-            and r["more_memory_ratio"] <= BOUND_TARGET]
-    if not full:
-        return ""
-    return ", ".join(f"{r['cluster']} {r['model']} {r['workload']}" for r in full) + " fill" + (
-        "s" if len(full) == 1 else "") + " " + ", ".join(f"{r['memory_fill']:.0%}" for r in full) + (
-        " of what the cluster holds under the recomputation the bound assumes, on every layer: every rank "
-        "ends near its cap, so work cannot move to where it would even the step (the bound spreads it "
-        "freely). ")
-
-
-def _workloads(configs: list[dict]) -> str:
-    """'the wlbllm and shortmix ones' of the configurations over the bound target."""
-    names = sorted({c["workload"] for c in configs if c["workload"] != "prolong"})
-    if len(configs) == 1:
-        return "it"
-    return "the " + " and ".join(names) + (" one" if len(names) == 1 else " ones")
-
-
-def _why_memory(data: dict) -> str:
-    rows = data.get("more_memory") or []
-    freed = [r for r in rows if r["more_memory_ratio"] <= BOUND_TARGET]
-    if not rows:
-        return ""
-    which = ("it comes" if len(freed) == 1 else "it does not come") if len(rows) == 1 else (
-        f"{len(freed)} of these {len(rows)} {'comes' if len(freed) == 1 else 'come'}")
-    return (f" On GPUs with {MEMORY_HEADROOM}x the memory (same batches, section 'Over the bound target'), "
-            f"{which} within {BOUND_TARGET}x ("
-            + ", ".join(
-                f"{r['cluster']} {r['model']} {r['workload']} {r['more_memory_ratio']:.3f}x" for r in freed)
-            + "): there the batch nearly fills memory, so the plan recomputes more than the bound assumes (each "
-            "rank recomputes as little as its own tokens need, the bound only the cluster's total shortfall), "
-            "or keeps caps that bind.")
-
-
-def _why_best(g: list[dict]) -> str:
-    """Where zeppelin's lead over the best baseline is smallest, and which baseline it is."""
-    close = sorted(g, key=over_best)[:4]
-    return ("the lead is smallest on " + "; ".join(
-        f"{c['cluster']} {c['model']} (tp {c['tp']}) {c['workload']} {over_best(c):.2f}x vs {best_baseline(c)}"
-        for c in close) + ": large tensor-parallel models, whose steps are dominated by linear work and "
-        "tensor-parallel collectives that no partitioning changes")
-
-
-def _table(configs: list[dict], key: str) -> list[str]:
-    lines = [f"| {key} | GPUs | model | workload | context | te_cp cp | " + " | ".join(PLANNERS) +
-             " | zeppelin over te_cp whole cluster | zeppelin over the best baseline | zeppelin MFU | "
-             "zeppelin step/bound |", "|" + " --- |" * (len(PLANNERS) + 10)]
-    for c in configs:
-        r = c["results"]
-        cells = [str(r["te_cp"].get("cp_size", "-"))] + [f"{speedup(c, p):.2f}" if r[p].get("feasible", True) else "infeasible"
-                                                  for p in PLANNERS]
-        cells.append(f"{speedup(c, over='te_cp_whole'):.2f}")
-        cells.append(f"{over_best(c):.2f} ({best_baseline(c)})")
-        lines.append(f"| {c['cluster']} | {c['gpus']} | {c['model']} (tp {c['tp']}) | {c['workload']} | "
-                     f"{c['max_length']} | " + " | ".join(cells) +
-                     f" | {r['zeppelin']['mfu']:.1%} | {r['zeppelin']['ratio_to_lower_bound']:.2f} |")
-    return lines
-
-
-def _steps(configs: list[dict], key: str) -> list[str]:
-    """Mean simulated step seconds of every planner, the best baseline's and the batch's
-    lower bound, side by side."""
-    lines = [f"| {key} | GPUs | model | workload | context | " + " | ".join(PLANNERS) + " | best baseline | "
-             "lower bound |", "|" + " --- |" * (len(PLANNERS) + 7)]
-    for c in configs:
-        r = c["results"]
-        cells = [f"{r[p]['step_time_s']:.3f}" if r[p].get("feasible", True) else "infeasible" for p in PLANNERS]
-        best = best_baseline(c)
-        lines.append(f"| {c['cluster']} | {c['gpus']} | {c['model']} (tp {c['tp']}) | {c['workload']} | "
-                     f"{c['max_length']} | " + " | ".join(cells) + f" | {r[best]['step_time_s']:.3f} ({best}) | "
-                     f"{r['zeppelin']['lower_bound_s']:.3f} |")
-    return lines
-
-
-def headline(data: dict) -> list[str]:
-    """The README's headline: a table of zeppelin against TE CP, the best baseline and the
-    batch's lower bound over the main grid (copy it to README.md after a rerun)."""
-    g = data["grid"]
-    bound = [c["results"]["zeppelin"]["ratio_to_lower_bound"] for c in g]
-    rows = [("speedup over TE CP, sized as a Megatron user sizes it", [speedup(c) for c in g], 2),
-            ("speedup over the best baseline of each configuration", [over_best(c) for c in g], 2),
-            ("speedup over CP across the whole cluster (stress case)", [speedup(c, over="te_cp_whole") for c in g], 2),
-            (f"step over the batch's lower bound ({sum(x <= BOUND_TARGET for x in bound)} of {len(g)} within "
-             f"{BOUND_TARGET}x)", bound, 3)]
-    out = [f"| zeppelin, {len(g)} configurations of {g[0]['gpus']} GPUs (`{data['command']}`) | mean | min | max |",
-           "| --- | --- | --- | --- |"]
-    return out + [f"| {name} | {_mean(xs):.{d}f}x | {min(xs):.{d}f}x | {max(xs):.{d}f}x |" for name, xs, d in rows]
-
-
-def report(data: dict) -> str:
-    lines = ["# The Zeppelin paper's evaluation, simulated", "",
-             f"Command: `{data['command']}` ({data['date']}, {data['machine']}, {data['seconds']:.0f} s).", "",
-             "Speedup = TE CP's mean simulated step time / the planner's, on the same sampled batches "
-             f"({data['steps']} per configuration, seed 0, 16K tokens per GPU). TE CP is sized as a Megatron user "
-             "sizes it (the smallest CP degree that holds the batch, the rest data-parallel; column 'te_cp cp'); "
-             "CP over the whole cluster is the stress case. Simulator: `ballonet/simulation/` (model in "
-             "`simulator.py`'s docstring); built-in calibration profiles: `ballonet/cost/profiles.py` (sources there). "
-             "`step/bound` is zeppelin's step over `lower_bound_s`, the bound on the batch no plan can beat.", "",
-             "## Targets", "", "| target | met | measured | why not |", "| --- | --- | --- | --- |"]
-    lines += [f"| {t} | {'yes' if ok else 'no'} | {m} |" + (f" {why} |" if not ok else " |")
-              for t, ok, m, why in targets(data)]
-    g = data["grid"]
-    lines += ["", "## Headline (the README's table)", ""] + headline(data)
-    lines += ["", "Mean speedup of zeppelin over each planner (main grid): " + ", ".join(
-        f"{p} {_mean(speedup(c, over=p) for c in g):.2f}x" for p in PLANNERS[1:] + ["te_cp_whole"])]
-    lines += ["", "## Speedup over te_cp: main grid (4 nodes, 64K context)", ""] + _table(data["grid"], "cluster")
-    lines += ["", "Step times (s) of the main grid:", ""] + _steps(data["grid"], "cluster")
-    lines += ["", "## Scaling: LLaMA-3B on cluster A", ""] + _table(data["scaling"], "cluster")
-    lines += ["", "Throughput (tokens/s): " + "; ".join(
-        f"{c['gpus']} GPUs: " + ", ".join(f"{p} {c['results'][p]['tokens_per_s']:.3g}" for p in ("zeppelin", "te_cp"))
-        for c in data["scaling"])]
-    lines += ["", "Step times (s):", ""] + _steps(data["scaling"], "cluster")
-    lines += ["", "## Context windows: LLaMA-7B on cluster B, prolong, half a window of tokens per GPU", ""] + _table(data["contexts"], "cluster")
-    lines += ["", "Step times (s):", ""] + _steps(data["contexts"], "cluster")
-    lines += ["", "## Mixed GPU types: LLaMA-7B, 2 training nodes + 2 loaned inference nodes", "",
-              "te_cp and the other baselines are speed-blind, as the systems they reproduce.", ""]
-    lines += _table(data["mixed"], "cluster")
-    lines += ["", "Step times (s):", ""] + _steps(data["mixed"], "cluster")
-    lines += ["", "## What each pricing term buys (main grid, same batches)", "",
-              "| partitioner prices | mean best baseline / zeppelin | min | configurations where zeppelin "
-              f"is at or below the best baseline | within {BOUND_TARGET}x of the lower bound (worst) |",
-              "| --- | --- | --- | --- | --- |"]
-    lines += [f"| {r['pricing']} | {r['mean_over_best']:.2f}x | {r['min_over_best']:.2f}x | {r['wins']} of "
-              f"{r['configurations']} | {r['within_bound']} of {r['configurations']} ({r['worst_to_bound']:.3f}x) |"
-              for r in data["pricing"]]
-    lines += ["", f"## Over the bound target: the same batches on GPUs with {MEMORY_HEADROOM}x the memory", "",
-              "Zeppelin planned again with `memory_gb` set to that much of each GPU's memory; step over the real "
-              "cluster's lower bound (which already assumes the least recomputation the memory allows).", "",
-              "Memory fill: the batch's tokens over what the cluster holds under the recomputation the bound "
-              "assumes, on every layer (the larger of the batches).", "",
-              "| cluster | model | workload | memory fill | step/bound | recomputation | step/bound, more memory | "
-              "recomputation |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    lines += [f"| {r['cluster']} | {r['model']} | {r['workload']} | {r['memory_fill']:.0%} | "
-              f"{r['ratio_to_lower_bound']:.3f}x | "
-              f"{r['recompute']} | {r['more_memory_ratio']:.3f}x | {r['more_memory_recompute']} |"
-              for r in data.get("more_memory", [])]
-    en = data.get("engine")
-    if en:
-        lines += ["", "## The attention engine, an assumption about the runtime", "",
-                  "Every zeppelin figure above is simulated with the attention engine (transfers start once "
-                  "their data is there; a GPU's stream runs ready work in queue order). On NCCL the runtime "
-                  "does not yet realise it: a ring step's send waits for the kernels queued before it "
-                  "(docs/design.md, section 8). Zeppelin's plans of the main grid simulated with the "
-                  "baselines' loop instead (`ballonet simulate --no-engine`: a fixed order, each send after "
-                  "the previous compute): step "
-                  f"{en['mean_slowdown']:.3f}x the engine's on average (at most {en['max_slowdown']:.3f}x, "
-                  f"{en['max_config']}); {en['mean_over_best']:.2f}x over the best baseline, at or below it in "
-                  f"{en['wins']} of {en['configurations']}; {en['within_bound']} of {en['configurations']} within "
-                  f"{BOUND_TARGET}x of the bound."]
-    ab = data["ablation"]
-    lines += ["", f"## Ablation: LLaMA-3B, cluster A, {ab['gpus']} GPUs, {ab['workload']}", "",
-              "| configuration | speedup over te_cp |", "| --- | --- |"]
-    lines += [f"| {k} | {v:.2f} |" for k, v in ab["speedup"].items()]
-    lines += ["", "## Notes", ""] + [f"- {n}" for n in data["notes"]]
-    return "\n".join(lines) + "\n"
-
-
-NOTES = [
-    "te_cp and llama_cp use the smallest CP degree that holds the batch (the rest data-parallel); "
-    "te_cp_whole is one CP group over the whole cluster, where every step passes each rank's whole K/V.",
-    "Attention is priced from the H200 run (bench/results/gpu_kernels.json): forward ~34% of H100-class peak "
-    "from 8K tokens, backward with its own efficiency; Ampere from FlashAttention-2's A100 figures. The "
-    "simulator moves what the runtime moves (q/k/v out and o back in the remap, fp32 dK/dV), recomputes only "
-    "when memory requires it, and lets gradient all-reduce share the NICs.",
-    "shortmix is a synthetic stand-in for ArXiv/GitHub/ProLong64k; the paper's datasets are not available.",
-    "Speedups depend on the planners in ballonet/planning/ (zeppelin/, baselines.py) as they stand; constants were "
-    "not tuned to hit targets.",
-]
+def _gpus(text: str) -> tuple[int, ...]:
+    try:
+        gpus = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        gpus = ()
+    if not gpus or any(n < 8 or n % 8 for n in gpus):
+        raise argparse.ArgumentTypeError(f"--scale-gpus wants multiples of 8 separated by commas, got {text!r}")
+    return gpus
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a smaller grid (2 models, fewer scales)")
     ap.add_argument("--steps", type=int, default=1, help="batches per configuration")
+    ap.add_argument("--scale-steps", type=int, default=1, help="batches per configuration of the scale grid")
+    ap.add_argument("--scale-gpus", type=_gpus, default=SCALE_GPUS,
+                    help="GPU counts of the scale grid (default 64,128,256,512,1024; 'none' is not accepted: give "
+                         "--no-scale)")
+    ap.add_argument("--no-scale", action="store_true", help="skip the scale grid")
+    ap.add_argument("--workload", default=None,
+                    help="a lengths file the scale grid samples from instead of the presets (any file `ballonet "
+                         "plan --lengths` reads)")
     ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args(argv)
+    if args.steps < 1 or args.scale_steps < 1:
+        ap.error("--steps and --scale-steps must be at least 1")
+    if args.workload is not None:
+        try:
+            workloads.get(args.workload)
+        except Exception as e:  # noqa: BLE001 (one line naming the file, exit 2)
+            ap.error(f"--workload {args.workload}: {e}")
     t = time.perf_counter()
-    data = {"steps": args.steps, "notes": NOTES, "length_stats": {w: length_stats(w) for w in WORKLOADS}}
-    print("main grid", file=sys.stderr)
-    data["grid"] = grid(args.quick, args.steps)
-    print("scaling", file=sys.stderr)
-    data["scaling"] = scaling(args.quick, args.steps)
-    print("contexts", file=sys.stderr)
-    data["contexts"] = contexts(args.quick, args.steps)
-    print("mixed GPU types", file=sys.stderr)
-    data["mixed"] = mixed(args.steps)
-    print("pricing ablation", file=sys.stderr)
+    data = {"load": os.getloadavg(), "steps": args.steps, "scale_steps": args.scale_steps, "notes": NOTES,
+            "length_stats": {w: length_stats(w) for w in WORKLOADS}}
+    seconds = {}
+    for name, run in (("grid", lambda: grid(args.quick, args.steps)),
+                      ("scaling", lambda: scaling(args.quick, args.steps)),
+                      ("contexts", lambda: contexts(args.quick, args.steps)),
+                      ("mixed", lambda: mixed(args.steps)),
+                      ("scale", lambda: [] if args.no_scale else scale_grid(
+                          args.scale_steps, args.scale_gpus, [args.workload] if args.workload else SCALE_WORKLOADS))):
+        print(name, file=sys.stderr)
+        s = time.perf_counter()
+        data[name] = run()
+        seconds[name] = time.perf_counter() - s
+    print("pricing ablation, memory headroom, simulator settings", file=sys.stderr)
     data["pricing"] = pricing_ablation(data["grid"], args.steps)
-    print("memory headroom", file=sys.stderr)
     data["more_memory"] = more_memory(data["grid"], args.steps)
-    print("engine sensitivity", file=sys.stderr)
-    data["engine"] = engine_sensitivity(data["grid"], args.steps)
+    data["settings"] = sensitivity(data["grid"])
     os.makedirs(args.out, exist_ok=True)
     data["worst"] = worst(data["grid"], args.out)
     data["ablation"] = ablation(8, "shortmix", args.steps)
     data["hop"] = hop("A", 2, "llama-3b", 65536)
     data["seconds"] = time.perf_counter() - t
+    data["seconds_by_part"] = seconds
+    data["load_after"] = os.getloadavg()
     name = "paper_quick" if args.quick else "paper"
     data = record(command("paper.py", argv), data, os.path.join(args.out, f"{name}.json"))
     text = report(data)

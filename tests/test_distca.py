@@ -6,6 +6,7 @@ tests/test_attention.py, and the whole model with its remap, as in tests/test_ll
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import Counter
 
@@ -143,10 +144,20 @@ def test_simulated_step_respects_the_bound_and_moves_the_runtime_bytes(comm):
     assert any(r.kind == "inter" for r in plan.rings) and plan.remap
     res = simulate(plan, cluster, model)
     assert res.step_time_s >= res.lower_bound_s > 0
-    expected = runtime_bytes(plan, model)  # the runtime's own prediction, checked on gloo below
-    for phase in ("forward", "backward"):
-        sim = Counter({k: v for k, v in res.bytes_sent[phase].items() if k[0] != "allreduce"})
-        assert sim == expected[phase], phase
+    # As the runtime runs the plan (whole blocks all-gathered, one batch), the simulator
+    # moves the runtime's own bytes (its prediction is checked on gloo below); as DistCA
+    # runs it (the default: K/V prefixes only, ping-pong) never more, the remap alike.
+    runtime_run = dataclasses.replace(plan, meta={**plan.meta, "kv_prefix": False, "ping_pong": False})
+    expected = runtime_bytes(plan, model)
+    for run, exact in ((runtime_run, True), (plan, False)):
+        res = simulate(run, cluster, model)
+        for phase in ("forward", "backward"):
+            sim = Counter({k: v for k, v in res.bytes_sent[phase].items() if k[0] != "allreduce"})
+            if exact or comm == "ring":
+                assert sim == pytest.approx(expected[phase]), phase
+            else:
+                assert all(sim[k] <= expected[phase][k] * (1 + 1e-12) for k in sim), phase
+                assert all(sim[k] == pytest.approx(expected[phase][k]) for k in expected[phase] if k[0] == "remap")
 
 
 def test_cli_plans_and_simulates_distca(capsys):

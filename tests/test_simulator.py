@@ -114,7 +114,7 @@ def test_two_gpus_one_ring_step():
     # Step 0: two causal diagonals and one full block each; step 1: two full blocks each.
     c, bw = 2048, 5 * GB  # a slow link, so the K/V transfer is exposed
     C = cluster(gpus=2, nics=2, intra=bw)
-    res = simulate(cluster_plan(C, split=[(4 * c, (0, 1))]), C, MODEL, engine=True, overlap_grad_allreduce=False)
+    res = simulate(cluster_plan(C, split=[(4 * c, (0, 1))]), C, MODEL, overlap_grad_allreduce=False)
     rate = PEAK * EFF_F
     t0 = (2 * 2 * HD * c * (c + 1) + 4 * HD * c * c) / rate
     t1 = 2 * 4 * HD * c * c / rate
@@ -147,7 +147,7 @@ def test_shared_nic_slows_two_inter_node_rings():
     def forward(nics):
         C = cluster(nodes=2, gpus=2, nics=nics, intra=None)
         plan = cluster_plan(C, split=[(4096, (0, 2)), (4096, (1, 3))])
-        return simulate(plan, C, MODEL, engine=True).layer_forward_s
+        return simulate(plan, C, MODEL, overlap_grad_allreduce=False).layer_forward_s
 
     c = 1024
     rate = PEAK * EFF_F
@@ -182,21 +182,23 @@ def test_routing_option_off_ignores_routes():
     assert routed.layer_forward_s < direct.layer_forward_s
 
 
-def test_local_attention_fills_the_wait_for_inter_node_data():
-    # rank 0 has an inter-node ring (slow NIC) and one local document: the engine runs the
-    # local document while K/V is in flight; without the engine it runs after the ring.
-    C = cluster(nodes=2, gpus=1, nics=1, nic_gbps=10)
-    plan = cluster_plan(C, local={0: [2048], 1: [2048]}, split=[(8192, (0, 1))])
-    with_engine = simulate(plan, C, MODEL, engine=True)
-    without = simulate(plan, C, MODEL, engine=False)
-    c = 2048
+def test_local_attention_fills_the_wait_and_sends_wait_for_queued_kernels_without_the_engine():
+    # A 3-node ring with a long local document on every rank. The runtime queues ring step
+    # 0, then the local call, then steps 1 and 2. With the engine the step-1 forwarding
+    # send goes as soon as the block has arrived (at x); without it, it is posted behind
+    # step 0 and the local call, which outlast the transfer.
+    C = cluster(nodes=3, gpus=1, nics=1, nic_gbps=10)
+    c, L = 2048, 98304
+    plan = cluster_plan(C, local={r: [L] for r in range(3)}, split=[(6 * c, (0, 1, 2))])
     rate = PEAK * EFF_F
     t0, t1 = (2 * 2 * HD * c * (c + 1) + 4 * HD * c * c) / rate, 2 * 4 * HD * c * c / rate
-    loc = 2 * HD * c * (c + 1) / (PEAK * EFF_F)
+    loc = 2 * HD * L * (L + 1) / rate
     x = nic(2 * 2 * c * MODEL.kv_dim * 2, 10e9 / 8)
-    assert x > t0 + loc
-    assert with_engine.layer_forward_s == pytest.approx(x + t1 + lin(3 * c), rel=1e-9)
-    assert without.layer_forward_s == pytest.approx(x + t1 + loc + lin(3 * c), rel=1e-9)
+    assert t1 < x < loc and 2 * x < t0 + loc + t1
+    with_engine = simulate(plan, C, MODEL, overlap_grad_allreduce=False)
+    without = simulate(plan, C, MODEL, engine=False, overlap_grad_allreduce=False)
+    assert with_engine.layer_forward_s == pytest.approx(t0 + loc + 2 * t1 + lin(2 * c + L), rel=1e-9)
+    assert without.layer_forward_s == pytest.approx(t0 + loc + x + t1 + lin(2 * c + L), rel=1e-9)
 
 
 def test_remap_moves_what_the_model_moves():
@@ -208,23 +210,29 @@ def test_remap_moves_what_the_model_moves():
     att0 = 2 * 2 * HD * 4000 * 4001 / (PEAK * EFF_F)
     o = nvlink(4000 * MODEL.hidden * 2, 10 * GB)
     qkv = nvlink(4000 * (MODEL.hidden + 2 * MODEL.kv_dim) * 2, 10 * GB)
-    assert simulate(plan, C, MODEL).layer_forward_s == pytest.approx(att0 + o + lin(4000) + qkv, rel=1e-9)
-    assert simulate(plan, C, MODEL, remap=False).layer_forward_s == pytest.approx(att0 + lin(8000), rel=1e-9)
+    assert simulate(plan, C, MODEL, overlap_grad_allreduce=False).layer_forward_s == pytest.approx(
+        att0 + o + lin(4000) + qkv, rel=1e-9)
+    assert simulate(plan, C, MODEL, remap=False, overlap_grad_allreduce=False).layer_forward_s == pytest.approx(att0 + lin(8000), rel=1e-9)
 
 
-def test_gradient_bucket_lets_the_remap_through():
-    # The previous layer's gradient bucket runs during this backward on the same NVLink
-    # ports as the remap, in pieces: the remap at the start of the backward waits for a
-    # piece, not for the bucket's whole intra-node all-reduce.
+def test_data_parallel_collectives_let_the_remap_through_on_their_own_group():
+    # The data-parallel collectives run during the backward on the same NVLink ports as
+    # the remap. On separate process groups (the runtime's) they go in pieces, so the
+    # remap at the start of the backward waits for a piece, not for all of them; on one
+    # group the remap queues behind them all.
     C = cluster(gpus=2, nics=2, intra=10 * GB)
     base = cluster_plan(C, local={0: [4000, 4000]})
     plan = dataclasses.replace(base, remap=(Transfer(src=0, dst=1, start=4000, end=8000),)).validate()
-    _, tl, start, finish, _ = simulate(plan, C, MODEL).timelines[1]
-    sends = [t for t in range(tl.num_tasks) if tl.label[t][0] == "send"]
-    bucket = [t for t in sends if tl.label[t][2] == "grad all-reduce"]
-    remap = [t for t in sends if tl.label[t][2] == "remap"]
-    assert remap and bucket
-    assert max(finish[t] for t in remap) < max(finish[t] for t in bucket)
+    for cp_group in (True, False):
+        _, tl, start, finish, _ = simulate(plan, C, MODEL, cp_group=cp_group).timelines[1]
+        sends = [t for t in range(tl.num_tasks) if tl.label[t][0] == "send"]
+        bucket = [t for t in sends if tl.label[t][2] == "data-parallel collectives"]
+        remap = [t for t in sends if tl.label[t][2] == "remap"]
+        assert remap and bucket
+        if cp_group:
+            assert max(finish[t] for t in remap) < max(finish[t] for t in bucket)
+        else:
+            assert min(start[t] for t in remap) >= max(finish[t] for t in bucket)
 
 
 def test_ring_steps_add_up_to_zigzag_flops_and_ring_traffic():
@@ -393,3 +401,17 @@ def test_the_simulator_runs_the_recomputation_the_plan_says():
     assert run.compute_s[1] == pytest.approx(free.compute_s[1], rel=1e-12)
     forced = simulate(said, c, dataclasses.replace(MODEL, recompute="none"))
     assert forced.recompute_per_rank == (("none", 0), ("none", 0)) and forced.step_time_s == free.step_time_s
+
+
+def test_no_engine_posts_double_rings_sends_behind_queued_kernels_too():
+    # A "double" ring (2 nodes x 8 ranks, zeppelin's plan of a 48K document among short
+    # ones): without the engine its inner and outer sends wait for the kernels queued
+    # before them, as every other ring's do, so its step is longer (it was not: double
+    # rings always sent early). Without FSDP's collectives on the links, whose pieces a
+    # later send can let through first (links serve transfers in order).
+    from ballonet import plan_batch
+    c, m = specs.cluster("h200-8nic", num_nodes=2), specs.model("llama-7b")
+    plan = plan_batch([48000] + [1000] * 214, c, m)
+    assert any(r.comm == "double" for r in plan.rings)
+    engine, no_engine = (simulate(plan, c, m, engine=e, overlap_grad_allreduce=False) for e in (True, False))
+    assert no_engine.layer_forward_s > engine.layer_forward_s and no_engine.step_time_s > engine.step_time_s

@@ -225,6 +225,9 @@ def test_resume_gives_identical_losses_and_ledger(tmp_path):
     assert [r["loss"] for r in resumed] == [r["loss"] for r in straight]
     assert [r["ledger"] for r in resumed] == [r["ledger"] for r in straight]
     assert [r["ledger"] for r in straight] == _ledger_reference(10, **BASE)
+    assert [r["plan_digest"] for r in resumed] == [r["plan_digest"] for r in straight]
+    for r in straight:  # each rank's compute, summed into one list; its largest is compute_s_max
+        assert len(r["compute_s"]) == 2 and max(r["compute_s"]) == pytest.approx(r["compute_s_max"])
     def key(r):
         return r["step"], r["loss"], r["ledger"]
     assert [key(r) for r in _read_log(tmp_path / "b.jsonl")] == [key(r) for r in _read_log(tmp_path / "a.jsonl")]
@@ -469,3 +472,38 @@ def test_non_tensor_checkpoint_items_load_weights_only(tmp_path):
     plain.seek(0)
     planner.load_bytes(item, plain)
     assert planner.state_dict["optimizer.param_groups.0.lr"] == {"lr": 0.25, "betas": (0.9, 0.95)}
+
+
+def test_the_run_plans_with_its_calibration_profile(tmp_path):
+    """`--calibration FILE` prices the plans the run trains on (on the loader's prefetch
+    thread, which does not inherit `calibration.use`); a profile of another GPU type
+    than the cluster's is refused in one line."""
+    import dataclasses
+    import threading
+
+    from ballonet import calibration
+    from ballonet.calibration import Curve
+    from ballonet.cost import hardware
+    from ballonet.training import loop, metrics
+
+    base = hardware.profile("cpu")
+    faster = dataclasses.replace(base, attention_forward=Curve(
+        tokens=base.attention_forward.tokens, efficiency=tuple(10 * e for e in base.attention_forward.efficiency)))
+    path = tmp_path / "cpu.json"
+    path.write_text(faster.to_json())
+    cluster, model = ballonet.cluster("cpu", num_nodes=1, gpus_per_node=2), ballonet.model("tiny")
+    lengths = [1500, 700, 300, 100]
+    with calibration.use(faster):
+        want = ballonet.plan_batch(lengths, cluster, model).digest
+    assert want != ballonet.plan_batch(lengths, cluster, model).digest  # the profile changes the plan
+    got = {}
+    profile = metrics.plan_profile(cluster, str(path))
+    thread = threading.Thread(target=lambda: got.update(
+        digest=loop._plan(profile, lengths, cluster=cluster, model=model, planner="zeppelin").digest))
+    thread.start()
+    thread.join()
+    assert got["digest"] == want
+    other = tmp_path / "h200.json"
+    other.write_text(hardware.profile("h200").to_json())
+    with pytest.raises(ballonet.InputError, match="h200.json: measures a h200 GPU, the cluster has cpu"):
+        metrics.plan_profile(cluster, str(other))

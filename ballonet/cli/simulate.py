@@ -39,7 +39,14 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the batch sampler")
     add_zeppelin_options(p)
     p.add_argument("--no-engine", action="store_true",
-                   help="ablation: zeppelin's attention run in a fixed order, sends issued after compute")
+                   help="every planner's sends posted behind the kernels queued before them (no communication "
+                        "stream), double rings included; default: sends go once their data is there")
+    p.add_argument("--one-group", action="store_true",
+                   help="context-parallel and data-parallel traffic on one process group (the layer's FSDP "
+                        "collectives first); default: separate groups, as the runtime runs them")
+    p.add_argument("--tune", action="store_true",
+                   help="run te_cp, llama_cp, wlb_llm and magi at their fastest CP degree (powers of two up to 64), as "
+                        "a user tuning the job would")
     p.add_argument("--plot", default=None, help="write a bar chart of step times (.png, .svg, .pdf, ...)")
     p.add_argument("--trace", default=None,
                    help="write a Chrome/Perfetto trace of the first batch (out.json; out.PLANNER.json for several; "
@@ -93,7 +100,7 @@ def cmd_simulate(args) -> int:
     if args.plot:
         check_output(args.plot, "--plot", plot_formats(), min_free_bytes=OUTPUT_ROOM)
     popts = zeppelin_options(args)
-    sopts = {"engine": False} if args.no_engine else {}
+    sopts = {"engine": not args.no_engine, "cp_group": not args.one_group}
     total = comparison.num_simulations(planners, args.steps)
     from rich.console import Console
 
@@ -101,7 +108,7 @@ def cmd_simulate(args) -> int:
         task = bar.add_task("simulating", total=total)
         rows = comparison.compare(cluster, model, args.workload, args.tokens_per_gpu, planners, steps=args.steps,
                                   seed=args.seed, max_length=args.max_length, planner_options=popts,
-                                  sim_options=sopts, progress=lambda n: bar.advance(task, n))
+                                  sim_options=sopts, tune=args.tune, progress=lambda n: bar.advance(task, n))
     if not any(r.feasible for r in rows):
         raise InputError(f"no planner can run the batch: {rows[0].reason}")
     for r in rows:

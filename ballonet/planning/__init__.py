@@ -1,9 +1,10 @@
 """Planning: document lengths and a cluster in, a validated `Plan` out.
 
 `zeppelin` is the hierarchical partitioner (`zeppelin/`, with `pricing.py`, `remap.py`,
-`routing.py`); `baselines.py` reproduces the systems it is compared with, and `distca.py`
-the core attention disaggregation of DistCA. Every planner is a pure function (lengths,
-cluster, model, **options) -> Plan, listed in `PLANNERS`.
+`routing.py`); `baselines.py` reproduces the systems it is compared with, `wlb_llm.py`
+WLB-LLM, `distca.py` the core attention disaggregation of DistCA and `magi.py`
+MagiAttention's dispatch. Every planner is a pure function (lengths, cluster, model,
+**options) -> Plan, listed in `PLANNERS`.
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ from ballonet.errors import InputError
 from ballonet.plan import Plan
 from ballonet.planning.baselines import BASELINES
 from ballonet.planning.distca import distca
+from ballonet.planning.magi import magi
 from ballonet.planning.zeppelin import zeppelin
 from ballonet.specs import ClusterSpec, ModelSpec, rank_hardware
 
 __all__ = ["PLANNERS", "plan_batch"]
 
-PLANNERS = {"zeppelin": zeppelin, **BASELINES, "distca": distca}
+PLANNERS = {"zeppelin": zeppelin, **BASELINES, "distca": distca, "magi": magi}
 """Every planner by name: a function (lengths, cluster, model, **options) -> Plan."""
 
 

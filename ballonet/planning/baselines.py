@@ -18,6 +18,7 @@ from ballonet.plan import Plan, chunk_bounds
 from ballonet.planning.assembly import Placement, assemble, with_memory
 from ballonet.planning.devices import Devices, check_feasible, check_lengths, devices
 from ballonet.planning.packing import NoRoom, lpt
+from ballonet.planning.wlb_llm import wlb_llm
 from ballonet.specs import ClusterSpec, ModelSpec
 
 
@@ -187,36 +188,6 @@ def _budget(lengths, num_ranks: int, rank_tokens, name: str) -> int:
     if not isinstance(rank_tokens, int) or rank_tokens < 1:
         raise InputError(f"{name}: rank_tokens must be a positive integer, got {rank_tokens!r}")
     return rank_tokens
-
-
-def wlb_llm(lengths, cluster: ClusterSpec, model: ModelSpec, *, cp_size: int | None = None) -> Plan:
-    """WLB-LLM (Wang et al., OSDI 2025): workload-aware packing of documents to the
-    data-parallel groups (attention plus linear FLOPs, largest first), then per-document
-    CP sharding: every document zig-zag split over all ranks of its CP group (default: the
-    ranks of one node, so rings stay on NVLink). Departures: one batch is planned, so the
-    outlier delay (holding very long documents back for a later step) is replaced by
-    placing outliers first; the per-document/per-sequence sharding choice is always
-    per-document. Configuration: CP group = one node (WLB-LLM's setting: CP inside
-    NVLink domains), the rest data-parallel."""
-    lengths, dev = _setup(lengths, cluster, model)
-    if cp_size is None:
-        cp_size = int(np.gcd.reduce([len(n) for n in dev.nodes()]))
-    groups = _cp_groups(dev.num_ranks, cp_size, "wlb_llm")
-    cost = _flops(model, lengths)
-    rooms = np.array([dev.token_cap[g].sum() for g in groups], dtype=float)
-    try:
-        by_group = lpt(range(len(lengths)), cost, lengths, np.zeros(len(groups)), np.ones(len(groups)), rooms)
-    except NoRoom as e:
-        raise InfeasiblePlan(f"wlb_llm: document {e.doc} ({lengths[e.doc]} tokens) fits no CP group of "
-                             f"{cp_size} GPUs") from None
-    placement = Placement(num_ranks=dev.num_ranks)
-    for i, group in enumerate(groups):
-        for d in by_group.get(i, []):
-            if cp_size == 1:
-                placement.local[group[0]].append(d)
-            else:
-                placement.rings[d] = (tuple(group), chunk_bounds(lengths[d], 2 * cp_size))
-    return _finish("wlb_llm", lengths, dev, placement, meta={"cp_size": cp_size})
 
 
 def megatron_hcp(lengths, cluster: ClusterSpec, model: ModelSpec, *, rank_tokens: int | None = None) -> Plan:

@@ -22,10 +22,11 @@ member holding t tokens holds one zig-zag pair of t tokens (`assembly.zigzag_bou
 DistCA's mirrored head/tail pair, with the shards of one document on one rank merged. The
 linear layout (DistCA's MLP layout) holds equal tokens per rank under memory caps
 (`remap.linear_targets`); the remap (`remap.plan_remap`) carries q, k, v to the servers
-and o back, DistCA's query dispatch. The all-gather gives each member the document's
-K/V. The plan runs on the attention engine (`attention_engine=True`): gathers start when
-their data is there and each rank runs its local attention meanwhile, the simulator's
-form of the ping-pong overlap.
+and o back, DistCA's query dispatch. The simulator prices DistCA's execution, which our
+runtime does not run (`plan.meta`): each server receives once only the K/V rows its
+queries attend to (`kv_prefix`, `simulation.layer_graph.prefix_rows`), and a layer runs
+as two nano-batches in ping-pong (`ping_pong`, `simulation/ping_pong.py`), each one's
+dispatch and K/V hidden behind the other's compute.
 
 Departures, all known to us:
 1. Home layout: whole documents packed by tokens (LPT under memory caps, the longest on
@@ -43,15 +44,14 @@ Departures, all known to us:
    counts bytes; and recipients go node by node (nodes holding the most surplus first,
    largest deficit first inside a node), where DistCA takes all recipients by deficit,
    so a long document's shards fill whole nodes instead of a few ranks on every node.
-4. K/V: all-gathered whole among a document's members. A shard needs only its prefix, so
-   this over-counts K/V by up to ~2x (the innermost pair needs about half); and the K/V of
-   a moved shard travels twice (home to server by the remap, server to the other members
-   by the all-gather) where DistCA sends each server its prefix once from the home.
-   Backward: K/V gathered again and dK/dV returned in fp32, as the runtime does.
+4. K/V: each member receives the prefix its queries need from the other members (priced
+   so; the runtime all-gathers whole blocks), where DistCA sends it from the home ranks:
+   a moved shard's K/V reaches the other members after the remap brought it to its
+   server. Backward: K/V again and dK/dV returned in fp32, as the runtime does.
 5. The remap moves only each rank's surplus tokens (fewer bytes than dispatching every
    moved shard), as every remapping plan here does.
-6. No nano-batches: the overlap is the attention engine's, inside the attention phase;
-   the linear layers of one nano-batch do not hide the other's dispatch.
+6. Nano-batches: the two are halves of one plan (every rank's kernels and bytes halved),
+   where DistCA schedules each nano-batch on its own.
 7. After DistCA's recipient pass, a second pass moves work off ranks still over the mean
    by more than the tolerance (DistCA stops there) to the least busy ranks.
 8. Speed-blind on mixed clusters, like the other baselines: work and tokens are balanced
@@ -359,7 +359,8 @@ def distca(lengths, cluster: ClusterSpec, model: ModelSpec, *, tolerance: float 
     st = _servers(_home(lengths, dev), dev, costs)
     moves = _schedule(st, costs, dev, float(tolerance))
     placement = _placement(st, dev.num_ranks)
-    meta = {"tolerance": float(tolerance), "comm": comm, "moves": moves, "split_docs": len(placement.split)}
+    meta = {"tolerance": float(tolerance), "comm": comm, "moves": moves, "split_docs": len(placement.split),
+            "kv_prefix": comm == "allgather", "ping_pong": True}
     plan = assemble("distca", lengths, dev, placement, comm=comm, attention_engine=True, meta=meta)
     targets = linear_targets(sum(lengths), np.ones(dev.num_ranks), dev.token_cap)
     plan = dataclasses.replace(plan, remap=plan_remap(list(plan.attention_token_counts), targets, dev.node))

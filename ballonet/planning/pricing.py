@@ -49,6 +49,7 @@ from ballonet.specs import ModelSpec
 __all__ = ["StepWeights", "attention_kernels", "crossing_exposed_seconds", "crossing_seconds", "double_exposed_seconds",
            "inter_node_span", "linear_work_per_token", "rank_compute_seconds", "rank_remap_seconds",
            "rank_step_seconds", "rank_tp_seconds", "recompute_modes", "remaps_inside", "ring_exposed_seconds",
+           "ring_wait_seconds",
            "step_weights", "synchronous_step_seconds"]
 
 
@@ -327,6 +328,32 @@ def crossing_exposed_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw
             out[list(ring.ranks)] += ring_exposed_seconds(model, dev.gpu[r], plan.lengths[ring.doc], len(ring.ranks),
                                                           nic_bw[r], routed=(link_bw[r], int(rails[r])))
     return out
+
+
+def ring_wait_seconds(plan: Plan, dev: Devices, model: ModelSpec) -> np.ndarray:
+    """[R] what each member of a ring waits for its slowest member in a step's backward
+    (all layers): the runtime queues a rank's local documents after every ring's first
+    step, and from the second step on each member waits for its predecessor's partial
+    dK/dV before going on (docs/design.md, sections 7 and 8), so a ring's members move on
+    together behind the one whose local documents' backward is longest; a member with
+    less waits the difference (the most over the rings it is in). Charging the spread of
+    the members' ring shares too (they also step together) lengthened more main-grid
+    steps than it shortened: the levelling that gives them unequal shares evens more."""
+    R = plan.num_ranks
+    if not plan.rings:
+        return np.zeros(R)
+    local = np.zeros(R)
+    in_ring = plan.ring_of_doc
+    for r, segs in enumerate(plan.attention):
+        lengths = [s.num_tokens for s in segs if s.doc not in in_ring]
+        if lengths:
+            local[r] = float(np.sum(attention_seconds(model, dev.gpu[r], attention_flops(model, lengths), lengths,
+                                                      backward=True)))
+    out = np.zeros(R)
+    for ring in plan.rings:
+        members = list(ring.ranks)
+        out[members] = np.maximum(out[members], local[members].max() - local[members])
+    return model.num_layers * out
 
 
 def rank_tp_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw: np.ndarray) -> np.ndarray:

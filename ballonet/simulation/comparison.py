@@ -9,6 +9,7 @@ one-line reason; the others carry on.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from ballonet import workloads
@@ -18,6 +19,18 @@ from ballonet.simulation.simulator import SimResult, simulate
 from ballonet.specs import ClusterSpec, ModelSpec
 
 REFERENCE = "te_cp"
+
+TUNABLE = {"te_cp": "cp_size", "llama_cp": "cp_size", "wlb_llm": "cp_size", "magi": "cp_size"}
+"""Baselines with a degree their users set per job: with `tune`, the comparison runs each
+at the fastest of `degrees` (mean simulated step over the same batches; smallest first,
+stopping after two in a row slower than the best), as a user tuning the job would."""
+MAX_DEGREE = 64
+"""The largest CP degree tried (context-parallel groups beyond 64 GPUs are not used in practice)."""
+
+
+def degrees(num_ranks: int) -> list[int]:
+    """CP degrees tried when tuning: the powers of two that divide the ranks, up to `MAX_DEGREE`."""
+    return [d for d in (1 << k for k in range(num_ranks.bit_length())) if num_ranks % d == 0 and d <= MAX_DEGREE]
 
 
 def planner_names() -> list[str]:
@@ -52,6 +65,10 @@ class Row:
     mfu: float | None = None
     attention_imbalance: float | None = None
     exposed_comm_share: float | None = None
+    options: dict = field(default_factory=dict)
+    """Planner options the row ran with (with `tune`, the degree found fastest)."""
+    plan_seconds: float | None = None
+    """Mean CPU seconds of planning one batch (at the chosen options)."""
     first: SimResult | None = field(default=None, repr=False, compare=False)
     """The simulation of the first batch (for traces)."""
 
@@ -64,33 +81,77 @@ class Row:
                 "step_time_s": self.step_time_s, "lower_bound_s": self.lower_bound_s,
                 "speedup_vs_te_cp": self.speedup_vs_te_cp, "mfu": self.mfu,
                 "attention_imbalance": self.attention_imbalance, "exposed_comm_share": self.exposed_comm_share,
-                "ratio_to_lower_bound": self.ratio_to_lower_bound}
+                "ratio_to_lower_bound": self.ratio_to_lower_bound, "options": self.options,
+                "plan_seconds": self.plan_seconds}
+
+
+def _run(name: str, batches: list, cluster: ClusterSpec, model: ModelSpec, popts: dict, sopts: dict,
+         progress, plan_seconds: list | None = None) -> list[SimResult] | str:
+    """Simulations of every batch, or why the planner cannot plan one of them; the CPU
+    seconds of each plan go to `plan_seconds`."""
+    out = []
+    for step, lengths in enumerate(batches):
+        t = time.process_time()
+        try:
+            plan = plan_batch(lengths, cluster, model, name, **popts)
+        except InfeasiblePlan as e:
+            if progress:
+                progress(len(batches) - step)
+            return f"batch {step}: {e}" if len(batches) > 1 else str(e)
+        if plan_seconds is not None:
+            plan_seconds.append(time.process_time() - t)
+        out.append(simulate(plan, cluster, model, **sopts))
+        if progress:
+            progress(1)
+    return out
+
+
+def _tuned(name: str, batches: list, cluster: ClusterSpec, model: ModelSpec, sopts: dict,
+           progress, plan_seconds: list) -> tuple[list[SimResult] | str, dict]:
+    """The planner at the degrees of `degrees`, smallest first, until two in a row are
+    slower than the best so far (a user's search): the fastest feasible by mean step, with
+    its options."""
+    best, best_opts, reason, worse = None, {}, "", 0
+    for d in degrees(cluster.num_ranks // model.tp):
+        opts = {TUNABLE[name]: d}
+        seconds: list = []
+        res = _run(name, batches, cluster, model, opts, sopts, None, seconds)
+        if isinstance(res, str):
+            reason = reason or res
+            continue
+        if best is None or sum(r.step_time_s for r in res) < sum(r.step_time_s for r in best):
+            best, best_opts, worse = res, opts, 0
+            plan_seconds[:] = seconds
+        else:
+            worse += 1
+            if worse == 2:
+                break
+    if progress:
+        progress(len(batches))
+    return (best, best_opts) if best is not None else (reason or f"{name}: no degree plans the batches", {})
 
 
 def compare(cluster: ClusterSpec, model: ModelSpec, workload: str, tokens_per_gpu: int, planners: list[str], *,
             steps: int = 1, seed: int = 0, max_length: int | None = None, planner_options: dict | None = None,
-            sim_options: dict | None = None, progress=None) -> list[Row]:
-    """One Row per planner. `planner_options` and `sim_options` apply to "zeppelin" only
-    (the ablations); `progress(advance)` is called after each simulation."""
+            sim_options: dict | None = None, tune: bool = False, progress=None) -> list[Row]:
+    """One Row per planner. `planner_options` apply to "zeppelin" only (its ablations),
+    `sim_options` (`simulate`'s keywords) to every planner alike; with `tune`, the
+    baselines of `TUNABLE` run at their fastest degree; `progress(advance)` is called
+    after each planner's batches."""
     wl = workloads.get(workload)
     batches = list(wl.batches(tokens_per_gpu * cluster.num_ranks, seed, steps, max_length))
     names = planners + ([REFERENCE] if REFERENCE not in planners and REFERENCE in planner_names() else [])
     runs: dict[str, list[SimResult] | str] = {}  # the simulations, or why the planner is infeasible
+    chosen: dict[str, dict] = {}
+    timing: dict[str, list] = {}
     for name in names:
-        popts = (planner_options or {}) if name == "zeppelin" else {}
-        sopts = (sim_options or {}) if name == "zeppelin" else {}
-        runs[name] = []
-        for step, lengths in enumerate(batches):
-            try:
-                plan = plan_batch(lengths, cluster, model, name, **popts)
-            except InfeasiblePlan as e:
-                runs[name] = f"batch {step}: {e}" if steps > 1 else str(e)
-                if progress:
-                    progress(len(batches) - step)
-                break
-            runs[name].append(simulate(plan, cluster, model, **sopts))
-            if progress:
-                progress(1)
+        sopts = sim_options or {}
+        timing[name] = []
+        if tune and name in TUNABLE:
+            runs[name], chosen[name] = _tuned(name, batches, cluster, model, sopts, progress, timing[name])
+        else:
+            popts = (planner_options or {}) if name == "zeppelin" else {}
+            runs[name] = _run(name, batches, cluster, model, popts, sopts, progress, timing[name])
     ref = sum(r.step_time_s for r in runs[REFERENCE]) if isinstance(runs.get(REFERENCE), list) else None
     rows = []
     for name in planners:
@@ -103,7 +164,8 @@ def compare(cluster: ClusterSpec, model: ModelSpec, workload: str, tokens_per_gp
             planner=name, step_time_s=step / steps, lower_bound_s=sum(r.lower_bound_s for r in res) / steps,
             speedup_vs_te_cp=ref / step if ref else None, mfu=sum(r.mfu for r in res) / steps,
             attention_imbalance=sum(r.attention_imbalance for r in res) / steps,
-            exposed_comm_share=sum(r.exposed_comm_share for r in res) / steps, first=res[0]))
+            exposed_comm_share=sum(r.exposed_comm_share for r in res) / steps, options=chosen.get(name, {}),
+            plan_seconds=sum(timing[name]) / len(timing[name]) if timing[name] else None, first=res[0]))
     return rows
 
 

@@ -13,6 +13,7 @@ In the backward, one layer's gradient all-reduce bucket shares the links with it
 
 from __future__ import annotations
 
+import bisect
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
@@ -37,6 +38,23 @@ def ring_groups(plan: Plan) -> list[tuple[tuple[int, ...], str, list]]:
         groups[ring.ranks, ring.comm, ring.kind, ring.groups].append(ring)
     keys = sorted(groups, key=lambda k: (PRIORITY[k[2]], min(r.doc for r in groups[k])))
     return [(k[0], k[1], groups[k]) for k in keys]
+
+
+def prefix_rows(rings: list) -> np.ndarray:
+    """[i, j] K/V rows member i sends member j of an "allgather" ring when each member
+    receives only what its queries attend to (MagiAttention's group-cast, DistCA's
+    dispatch: `plan.meta["kv_prefix"]`): the rows of i's chunks before the end of j's
+    last one (i's front chunk, and its back chunk when i > j); summed over the rings."""
+    g = len(rings[0].ranks)
+    rows = np.zeros((g, g))
+    for ring in rings:
+        b = np.asarray(ring.bounds)
+        chunks = [(b[i], b[i + 1], b[2 * g - 1 - i], b[2 * g - i]) for i in range(g)]
+        last = np.array([e2 if e2 > s2 else e1 for s1, e1, s2, e2 in chunks])  # end of j's last query row
+        for i, (s1, e1, s2, e2) in enumerate(chunks):
+            rows[i] += np.clip(last - s1, 0, e1 - s1) + np.clip(last - s2, 0, e2 - s2)
+    np.fill_diagonal(rows, 0.0)
+    return rows
 
 
 def ring_tables(plan: Plan, rings: list, model: ModelSpec, fabric: Fabric,
@@ -79,7 +97,19 @@ def _ring_table(plan: Plan, rings: list, model: ModelSpec, gpu, backward: bool) 
 @dataclass
 class LayerGraph:
     """Builds one layer's forward or backward task graph; `build` returns, per rank, the
-    task that ends its layer."""
+    task that ends its layer.
+
+    Each GPU's compute stream runs its kernels in the order the runtime's host queues them
+    (`runtime.engine`: the rings a rank takes part in are stepped round-robin in queue
+    order, inter-node, intra-node, and its local documents are one call after every
+    ring's first step; in the backward the linear layers come first). Every compute task
+    carries that order as a key (phase, round, queue position, 1) and `build` chains them.
+    With the engine (`engine=True`, what the runtime does for every plan: sends posted on
+    a communication stream once their data is there) a transfer waits for its data only;
+    without it (`engine=False`, sends posted on the compute stream, as NCCL's
+    `batch_isend_irecv` does without a side stream) a transfer posted at key (phase,
+    round, queue position, 0 before the step's compute or 2 after it) also waits for
+    every kernel the rank queued before it."""
     plan: Plan
     model: ModelSpec
     fabric: Fabric
@@ -93,38 +123,97 @@ class LayerGraph:
     recompute: str = "none"
     """With "full", the backward reruns each attention kernel's forward before it."""
     grad_bucket: tuple = (0.0, 0.0)
-    """Backward only: (intra-node seconds, bytes across nodes) of the gradient all-reduce
-    bucket of the previous layer, which runs while this layer's backward does."""
+    """(intra-node seconds, bytes across nodes) of the data-parallel collectives that run
+    beside this layer: in the forward, the next layer's parameter all-gather; in the
+    backward, the all-gather and gradient reduce-scatter of the layer before."""
+    cp_group: bool = True
+    """Context-parallel traffic (rings, relays, remaps) on its own process group, apart
+    from the data-parallel collectives (as the runtime runs it): the two share links,
+    piece by piece. False: one process group, whose one stream runs the layer's
+    data-parallel collectives before any of its CP transfers."""
+    shared: LayerGraph | None = None
+    """Build into this graph's timeline and stream order (several layers or nano-batches
+    in one run; `ping_pong.py`)."""
+    layer: int = 0
+    nano: int = 0
+    """Place in the stream order of a shared run: (layer, phase, nano-batch) lead every key."""
+    scale: float = 1.0
+    """Share of the plan's work and bytes this graph carries (a nano-batch: 1/2)."""
     tl: Timeline = None
-    chain: list = None
     sent: Counter = None
     """Bytes per (class, src, dst): "kv", "grad" (dK/dV), "remap", "allreduce"."""
 
     def __post_init__(self):
-        self.tl = Timeline(num_streams=self.plan.num_ranks)
-        self.chain = [None] * self.plan.num_ranks
+        base = self.shared
+        self.tl = base.tl if base else Timeline(num_streams=self.plan.num_ranks)
         self.sent = Counter()
+        # per rank: (key, compute task); (rank, key, join task) of sends posted behind queued compute
+        self.order: list[list] = base.order if base else [[] for _ in range(self.plan.num_ranks)]
+        self.gates: list[tuple] = base.gates if base else []
+        self.phase = 0
+        self.dp_end: list = [None] * self.plan.num_ranks  # cp_group=False: CP transfers wait for these
 
-    def compute(self, rank: int, seconds: float, kind: str, step: int, after, name: str) -> int | None:
+    def _key(self, key: tuple) -> tuple:
+        return (self.layer, self.phase, self.nano, *key)
+
+    def compute(self, rank: int, seconds: float, kind: str, key: tuple, after, name) -> int | None:
+        """A kernel of `seconds` on `rank`'s stream after `after`, queued at `key` (round,
+        queue position, 1)."""
+        seconds *= self.scale
         if seconds <= 0:
             return self.tl.join(after)
-        if not self.engine:
-            after = list(after) + [self.chain[rank]]
-        task = self.tl.add(seconds, stream=rank, priority=(PRIORITY[kind] << 24) + step, after=after,
-                           label=(kind, rank, name))
-        self.chain[rank] = task
+        task = self.tl.add(seconds, stream=rank, priority=PRIORITY[kind], after=after, label=(kind, rank, name))
+        self.order[rank].append((self._key(key), task))
         return task
+
+    def wait(self, rank: int, key: tuple, after, name) -> int | None:
+        """The runtime's wait for a received partial sum (`comm.wait` before adding it): the
+        rank's stream runs nothing queued after `key` (round, queue position, 2) until
+        `after` is done."""
+        after = [a for a in after if a is not None]
+        if not after:
+            return None
+        task = self.tl.add(0.0, stream=rank, priority=PRIORITY["inter"], after=after, label=("wait", rank, name))
+        self.order[rank].append((self._key(key), task))
+        return task
+
+    def post(self, rank: int, key: tuple, after) -> list:
+        """What a send `rank` posts at `key` (round, queue position, 0 or 2) waits for:
+        its data (`after`), and without the engine every kernel queued before it (sub-key 0:
+        posted before the step's compute, 3: after it and its waits)."""
+        if self.engine:
+            return list(after)
+        gate = self.tl.add(0.0, after=after, label=("join", rank, "post"))
+        self.gates.append((rank, self._key(key), gate))
+        return [gate]
+
+    def fix_order(self) -> None:
+        """Chain each rank's kernels in key order; gate each posted send behind the last
+        kernel queued before it."""
+        for rank, tasks in enumerate(self.order):
+            tasks.sort(key=lambda kt: kt[0])
+            for (_, a), (_, b) in zip(tasks, tasks[1:]):
+                self.tl.edge(a, b)
+        keys = [[k for k, _ in tasks] for tasks in self.order]
+        for rank, key, gate in self.gates:
+            i = bisect.bisect_left(keys[rank], key)
+            if i > 0:
+                self.tl.edge(self.order[rank][i - 1][1], gate)
 
     def transfer(self, src: int, dst: int, nbytes: float, after, name, kind: str) -> int | None:
         """A direct transfer, recorded in `sent`."""
+        nbytes *= self.scale
         if nbytes > 0 and src != dst:
             self.sent[kind, src, dst] += nbytes
+            if not self.cp_group and kind != "allreduce":
+                after = list(after) + [self.dp_end[src], self.dp_end[dst]]
         return self.fabric.send(self.tl, src, dst, nbytes, after, name)
 
     def send(self, hop: tuple[int, int], rows: int, after, name, kind: str = "kv") -> int | None:
         """K/V rows (kind "kv") or their fp32 gradients ("grad") over a ring hop; a routed
         hop cuts the rows into one part per proxy pair (`plan.chunk_bounds`), each
-        dispatched, sent across nodes and combined, as `runtime.routing` does."""
+        dispatched, sent across nodes and combined, as `runtime.routing` does (relays
+        forward as soon as a part arrives)."""
         src, dst = hop
         per_row = (kv_bytes if kind == "kv" else kv_grad_bytes)(self.model, 1)
         proxies = self.routes.get(hop)
@@ -144,26 +233,30 @@ class LayerGraph:
     def attention(self, begin: list) -> list:
         """Attention of every rank after `begin[rank]`; per rank the task that ends it."""
         ends = [[b] for b in begin]
-        for ranks, comm, rings in ring_groups(self.plan):
+        groups = ring_groups(self.plan)
+        for q, (ranks, comm, rings) in enumerate(groups):
             seconds, rows = ring_tables(self.plan, rings, self.model, self.fabric, self.backward)
             if self.backward and self.recompute == "full":
                 seconds = seconds + ring_tables(self.plan, rings, self.model, self.fabric)[0]
-            if comm == "allgather":  # one kernel over the gathered K/V
-                seconds = seconds.sum(axis=1, keepdims=True)
+            if comm == "allgather":  # the own block, then one kernel over the gathered K/V
+                seconds = np.stack([seconds[:, 0], seconds[:, 1:].sum(axis=1)], axis=1)
+                g = len(ranks)
+                rows = prefix_rows(rings) if self.plan.meta.get("kv_prefix") else \
+                    np.repeat(rows[:, :1], g, axis=1) * (1 - np.eye(g))  # [i, j]: i's whole block to every j
             floor = np.array([[hardware.profile(self.fabric.gpu[r]).attention_launch_s] for r in ranks])
             seconds = np.where(seconds > 0, np.maximum(seconds, floor), 0.0).tolist()
             name = f"doc {rings[0].doc}" + "+" * (len(rings) > 1)
             if comm == "double":
-                done = self.double(ranks, rings[0].groups, seconds, rows.tolist(), begin, name)
+                done = self.double(ranks, q, rings[0].groups, seconds, rows.tolist(), begin, name)
             else:
                 ring = (self.ring_backward if self.backward else self.ring_forward) if comm == "ring" else \
                     (self.gather_backward if self.backward else self.gather_forward)
-                done = ring(ranks, rings[0].kind, seconds, rows.tolist(), begin, name)
+                done = ring(ranks, rings[0].kind, q, seconds, rows.tolist(), begin, name)
             for i, r in enumerate(ranks):
                 ends[r].append(done[i])
-        for r in range(self.plan.num_ranks):
+        for r in range(self.plan.num_ranks):  # after every ring's first step
             t = self.local_seconds(r)
-            ends[r].append(self.compute(r, t, "local", 0, [begin[r]], "local documents"))
+            ends[r].append(self.compute(r, t, "local", (0, len(groups), 1), [begin[r]], "local documents"))
         return [self.tl.join(e) for e in ends]
 
     def local_seconds(self, rank: int) -> float:
@@ -183,24 +276,24 @@ class LayerGraph:
         g = len(ranks)
         return [(ranks[i], ranks[(i + 1) % g]) for i in range(g)]
 
-    def ring_forward(self, ranks, kind, seconds, rows, begin, name) -> list:
+    def ring_forward(self, ranks, kind, q, seconds, rows, begin, name) -> list:
         g, hops = len(ranks), self.hops(ranks)
         arrive = [begin[r] for r in ranks]
-        last = [self.chain[r] for r in ranks]  # the send of step s waits for compute s-1 (no engine)
         done = [[] for _ in ranks]
         for s in range(g):
             nxt = [None] * g
             for i, r in enumerate(ranks):
-                if s < g - 1:
-                    after = [arrive[i]] if self.engine else [arrive[i], last[i]]
-                    nxt[(i + 1) % g] = self.send(hops[i], rows[i][s], after, (name, "kv", s))
-                c = self.compute(r, seconds[i][s], kind, s, [arrive[i]], (name, "step", s))
-                last[i] = c
-                done[i].append(c)
+                if s < g - 1:  # posted before the step's compute
+                    nxt[(i + 1) % g] = self.send(hops[i], rows[i][s], self.post(r, (s, q, 0), [arrive[i]]),
+                                                 (name, "kv", s))
+                done[i].append(self.compute(r, seconds[i][s], kind, (s, q, 1), [arrive[i]], (name, "step", s)))
             arrive = nxt
         return [self.tl.join(d) for d in done]
 
-    def ring_backward(self, ranks, kind, seconds, rows, begin, name) -> list:
+    def ring_backward(self, ranks, kind, q, seconds, rows, begin, name) -> list:
+        """As `runtime.ring.ring_pass` runs it: at step s >= 1 a rank adds its
+        predecessor's partial dK/dV of the block it holds (its stream waits for it) and
+        passes the sum on; after the last step it waits for its own block's sum."""
         g, hops = len(ranks), self.hops(ranks)
         kv = [begin[r] for r in ranks]
         dkv = [None] * g
@@ -208,25 +301,28 @@ class LayerGraph:
         for s in range(g):
             next_kv, next_dkv = [None] * g, [None] * g
             for i, r in enumerate(ranks):
-                c = self.compute(r, seconds[i][s], kind, s, [kv[i]], (name, "step", s))
-                done[i].append(c)
                 j = (i + 1) % g
                 if s < g - 1:
-                    after = [kv[i]] if self.engine else [kv[i], c]
-                    next_kv[j] = self.send(hops[i], rows[i][s], after, (name, "kv", s))
+                    next_kv[j] = self.send(hops[i], rows[i][s], self.post(r, (s, q, 0), [kv[i]]), (name, "kv", s))
+                c = self.compute(r, seconds[i][s], kind, (s, q, 1), [kv[i]], (name, "step", s))
+                done[i].append(c)
                 if s >= 1:  # the gradient of the block held at step s, toward its owner
-                    next_dkv[j] = self.send(hops[i], rows[i][s], [c, dkv[i]], (name, "dkv", s), "grad")
+                    summed = self.wait(r, (s, q, 2), [c, dkv[i]], (name, "dkv wait", s))
+                    next_dkv[j] = self.send(hops[i], rows[i][s], self.post(r, (s, q, 3), [summed]),
+                                            (name, "dkv", s), "grad")
             kv, dkv = next_kv, next_dkv
-        return [self.tl.join(d + [dkv[i]]) for i, d in enumerate(done)]
+        return [self.tl.join(d + [self.wait(r, (g, q, 2), [dkv[i]], (name, "dkv wait", g))])
+                for i, (r, d) in enumerate(zip(ranks, done))]
 
-    def double(self, ranks, k: int, seconds, rows, begin, name) -> list:
-        """A "double" ring (`ring_traffic.double_schedule`), forward or backward, with the
-        attention engine: per round an inner ring in each node group; each round's first
-        block goes on to the same position of the next group as soon as it is there; in
-        the backward, dK/dV partials follow the inner ring and each node's sum for a round's
-        first block goes straight home, once the next round's first step is queued (where the
-        runtime posts it, so that waiting for the sum never holds that step's compute back)
-        or after the last round."""
+    def double(self, ranks, q, k: int, seconds, rows, begin, name) -> list:
+        """A "double" ring (`ring_traffic.double_schedule`), forward or backward, as
+        `runtime.ring._double` runs it: per round an inner ring in each node group; each
+        round's first block goes on to the same position of the next group as soon as it is
+        there. In the backward, dK/dV partials follow the inner ring (each rank waits for
+        its predecessor's before adding its own), and each node's sum for a round's first
+        block goes straight home, once the next round's first step is queued (where the
+        runtime waits for that sum, so that it never holds that step's compute back) or
+        after the last round; the owner waits for its sums at the end."""
         g = len(ranks)
         n = g // k
         inner = [(i // n) * n + (i % n + 1) % n for i in range(g)]
@@ -234,73 +330,96 @@ class LayerGraph:
         done = [[] for _ in ranks]
         dkv: dict[int, int | None] = {}  # position -> its predecessor's partial of the step's block
         round_first = [None] * g  # the compute of the round's first step
-        home: dict[int, tuple] = {}  # position -> (its node's sum of the last round's first block, owner)
+        pending: dict[int, tuple] = {}  # position -> (its node's sum of the last round's first block, owner, round)
+        returns: dict[int, list] = {}  # owner -> the node sums sent home to it
         last = [None] * g  # each position's latest compute
+
+        def home(i: int, owner: int, j: int, after, key: tuple) -> None:
+            if owner == i:  # round 0: the rank's own block
+                done[i].append(self.tl.join(after))
+                return
+            send = self.send((ranks[i], ranks[owner]), rows[i][j * n], self.post(ranks[i], key, after),
+                             (name, "dkv home", j), "grad")
+            returns.setdefault(owner, []).append(send)
+
         for s in range(g):
             j, t = divmod(s, n)
             incoming: dict[int, int | None] = {}
             for i, r in enumerate(ranks):
                 here = arrive[i, s]
-                c = self.compute(r, seconds[i][s], "inter", s, [here], (name, "step", s))
+                if t < n - 1:
+                    arrive[inner[i], s + 1] = self.send((r, ranks[inner[i]]), rows[i][s],
+                                                        self.post(r, (s, q, 0), [here]), (name, "kv", s))
+                if t == 0 and j < k - 1:
+                    nxt = ((i // n + 1) % k) * n + i % n
+                    arrive[nxt, s + n] = self.send((r, ranks[nxt]), rows[i][s], self.post(r, (s, q, 0), [here]),
+                                                   (name, "kv out", s))
+                c = self.compute(r, seconds[i][s], "inter", (s, q, 1), [here], (name, "step", s))
                 done[i].append(c)
                 last[i] = c
                 if t == 0:
                     round_first[i] = c
-                if t < n - 1:
-                    arrive[inner[i], s + 1] = self.send((r, ranks[inner[i]]), rows[i][s], [here], (name, "kv", s))
-                if t == 0 and j < k - 1:
-                    nxt = ((i // n + 1) % k) * n + i % n
-                    arrive[nxt, s + n] = self.send((r, ranks[nxt]), rows[i][s], [here], (name, "kv out", s))
-                if i in home:  # as the runtime: posted once the next round's first step is queued
-                    total, owner = home.pop(i)
-                    done[owner].append(self.send((r, ranks[owner]), rows[i][(j - 1) * n], [total, c],
-                                                 (name, "dkv home", s), "grad"))
-                if self.backward and t >= 1:
-                    incoming[inner[i]] = self.send((r, ranks[inner[i]]), rows[i][s], [c, dkv.get(i)],
+                if not self.backward:
+                    continue
+                if i in pending:  # the last round's node sum: waited for after this step's compute
+                    total, owner, jj = pending.pop(i)
+                    home(i, owner, jj, [self.wait(r, (s, q, 2), [total], (name, "dkv wait", s))], (s, q, 3))
+                if t >= 1:
+                    summed = self.wait(r, (s, q, 2), [c, dkv.get(i)], (name, "dkv wait", s))
+                    incoming[inner[i]] = self.send((r, ranks[inner[i]]), rows[i][s], self.post(r, (s, q, 3), [summed]),
                                                    (name, "dkv", s), "grad")
             dkv = incoming
             if self.backward and t == n - 1:
                 for i, r in enumerate(ranks):
                     total = self.tl.join([round_first[i], dkv.get(i), last[i]])  # the node's sum of the round's first block
                     owner = ((i // n - j) % k) * n + i % n
-                    if j == 0:
-                        done[i].append(total)
-                    elif n > 1 and j < k - 1:
-                        home[i] = (total, owner)
+                    if n == 1:
+                        home(i, owner, j, [total], (s, q, 3))
+                    elif j < k - 1:
+                        pending[i] = (total, owner, j)
                     else:
-                        done[owner].append(self.send((r, ranks[owner]), rows[i][j * n], [total],
-                                                     (name, "dkv home", s), "grad"))
+                        home(i, owner, j, [self.wait(r, (g, q, 2), [total], (name, "dkv wait", g))], (g, q, 3))
                 dkv = {}
+        for owner, sends in returns.items():
+            done[owner].append(self.wait(ranks[owner], (g + 1, q, 2), sends, (name, "dkv home wait", g)))
         return [self.tl.join(d) for d in done]
 
-    def gather(self, ranks, rows, begin, name) -> list:
-        """K/V of every member sent straight to every other member (as the runtime does);
-        per member the task after which all have arrived."""
+    def gather(self, ranks, q, rows, begin, name) -> list:
+        """K/V sent straight from every member to every other member, rows[i][j] from i
+        to j (the runtime: i's whole block); per member the task after which all have
+        arrived."""
         g = len(ranks)
-        start = [begin[r] if self.engine else self.tl.join([begin[r], self.chain[r]]) for r in ranks]
-        arrive = [[start[i]] for i in range(g)]
-        for i in range(g):
-            for j in range(g):
-                if j != i:  # rows[i][0]: position i's own block
-                    arrive[j].append(self.send((ranks[i], ranks[j]), rows[i][0], [start[i]], (name, "gather")))
-        return [self.tl.join(a) for a in arrive]
-
-    def gather_forward(self, ranks, kind, seconds, rows, begin, name) -> list:
-        arrive = self.gather(ranks, rows, begin, name)
-        return [self.compute(r, seconds[i][0], kind, 0, [arrive[i]], (name, "attention", 0))
-                for i, r in enumerate(ranks)]
-
-    def gather_backward(self, ranks, kind, seconds, rows, begin, name) -> list:
-        """K/V gathered again, one kernel, then each member's block gradient sent home."""
-        g, arrive = len(ranks), self.gather(ranks, rows, begin, name)
-        comp = [self.compute(r, seconds[i][0], kind, 0, [arrive[i]], (name, "attention", 0))
-                for i, r in enumerate(ranks)]
-        back = [[comp[i]] for i in range(g)]
+        start = [self.post(r, (0, q, 0), [begin[r]]) for r in ranks]
+        arrive = [[begin[r]] for r in ranks]
         for i in range(g):
             for j in range(g):
                 if j != i:
-                    back[j].append(self.send((ranks[i], ranks[j]), rows[j][0], [comp[i]], (name, "dkv"), "grad"))
-        return [self.tl.join(back[i]) for i in range(g)]
+                    arrive[j].append(self.send((ranks[i], ranks[j]), rows[i][j], start[i], (name, "gather")))
+        return [self.tl.join(a) for a in arrive]
+
+    def gather_forward(self, ranks, kind, q, seconds, rows, begin, name) -> list:
+        """The own block at the first round, the gathered ones in one call at the next."""
+        arrive = self.gather(ranks, q, rows, begin, name)
+        return [self.tl.join([self.compute(r, seconds[i][0], kind, (0, q, 1), [begin[r]], (name, "own block", 0)),
+                              self.compute(r, seconds[i][1], kind, (1, q, 1), [arrive[i]], (name, "gathered", 1))])
+                for i, r in enumerate(ranks)]
+
+    def gather_backward(self, ranks, kind, q, seconds, rows, begin, name) -> list:
+        """K/V gathered again, the own block's call, one call over the gathered blocks,
+        then each member's block gradient sent home, where the owner waits for them all."""
+        g, arrive = len(ranks), self.gather(ranks, q, rows, begin, name)
+        own = [self.compute(r, seconds[i][0], kind, (0, q, 1), [begin[r]], (name, "own block", 0))
+               for i, r in enumerate(ranks)]
+        comp = [self.compute(r, seconds[i][1], kind, (1, q, 1), [arrive[i]], (name, "gathered", 1))
+                for i, r in enumerate(ranks)]
+        back = [[] for _ in range(g)]
+        for i in range(g):
+            for j in range(g):
+                if j != i:  # the gradient of the rows j sent i
+                    back[j].append(self.send((ranks[i], ranks[j]), rows[j][i],
+                                             self.post(ranks[i], (1, q, 3), [comp[i]]), (name, "dkv"), "grad"))
+        return [self.tl.join([own[i], comp[i], self.wait(r, (2, q, 2), back[i], (name, "dkv wait", 2))])
+                for i, r in enumerate(ranks)]
 
     def remap_all_to_all(self, begin: list, reverse: bool, name: str) -> list:
         """Per rank, the task after which all of its incoming remap data has arrived. q, k
@@ -319,15 +438,15 @@ class LayerGraph:
         ready = self.remap_all_to_all(begin, reverse=False, name="remap")
         out = []
         for r in range(self.plan.num_ranks):
-            t = self.compute(r, self.linear_s[r][self.backward], "linear", 0, [ready[r]], "linear")
-            out.append(self.compute(r, self.tp_s[r], "tp", 0, [t], "tp collectives"))
+            t = self.compute(r, self.linear_s[r][self.backward], "linear", (0, 0, 1), [ready[r]], "linear")
+            out.append(self.compute(r, self.tp_s[r], "tp", (0, 1, 1), [t], "tp collectives"))
         return self.remap_all_to_all(out, reverse=True, name="remap back")
 
-    def allreduce_bucket(self) -> list:
-        """The previous layer's gradient bucket, from the start of this backward: its
-        intra-node part on each rank's NVLink ports, then its cross-node part on the NICs,
-        each in pieces, so ring and remap transfers queue between them (the links are
-        shared: NCCL runs the bucket's collectives beside them, not before them)."""
+    def data_parallel(self) -> list:
+        """The layer's data-parallel collectives (`grad_bucket`), from the start of the
+        layer: their intra-node part on each rank's NVLink ports, then their cross-node
+        part on the NICs, each in pieces, so CP transfers queue between them (separate
+        process groups: NCCL runs them beside each other on the same links)."""
         intra_s, nic_bytes = self.grad_bucket
         ends = []
         R = self.plan.num_ranks
@@ -335,21 +454,33 @@ class LayerGraph:
             links, t = (r, R + r), None
             for _ in range(NUM_BUCKET_PIECES if intra_s > 0 else 0):
                 t = self.tl.add(intra_s / NUM_BUCKET_PIECES, links=links, after=[t],
-                                label=("send", r, "grad all-reduce"))
+                                label=("send", r, "data-parallel collectives"))
             peer = self.fabric.nic_peer(r)
             for _ in range(NUM_BUCKET_PIECES if nic_bytes > 0 and peer is not None else 0):
-                t = self.transfer(r, peer, nic_bytes / NUM_BUCKET_PIECES, [t], "grad all-reduce", "allreduce")
+                t = self.transfer(r, peer, nic_bytes / NUM_BUCKET_PIECES, [t], "data-parallel collectives",
+                                  "allreduce")
             ends.append(t)
         return ends
 
+    def build_layer(self, begin: list) -> list:
+        """Per rank, the task that ends this graph's pass after `begin[rank]` (attention
+        then linear layers, or in the backward the reverse), without the data-parallel
+        collectives and before `fix_order`."""
+        first, second = (self.linear, self.attention) if self.backward else (self.attention, self.linear)
+        self.phase = 0
+        mid = first(begin)
+        self.phase = 1
+        return second(mid)
+
     def build(self) -> list:
         """Per rank, the task that ends its layer."""
-        start = [None] * self.plan.num_ranks
-        if self.backward:
-            bucket = self.allreduce_bucket()
-            return [self.tl.join([a, b]) for a, b in zip(self.attention(self.linear(start)), bucket)]
-        return self.linear(self.attention(start))
+        dp = self.data_parallel()
+        if not self.cp_group:
+            self.dp_end = dp
+        ends = self.build_layer([None] * self.plan.num_ranks)
+        self.fix_order()
+        return [self.tl.join([a, b]) for a, b in zip(ends, dp)]
 
 
 NUM_BUCKET_PIECES = 8
-"""Pieces a gradient bucket's NIC traffic is cut into (links serve transfers in order)."""
+"""Pieces the data-parallel collectives' traffic is cut into (links serve transfers in order)."""

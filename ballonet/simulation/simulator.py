@@ -20,15 +20,23 @@ What is simulated (`timeline.py` has the event model, `fabric.py` the links,
   every member first (backward: again, then each block's gradient back to its owner).
   Local documents of a rank are one varlen kernel call. Bytes are what the runtime moves
   (`SimResult.bytes_sent`; tests compare them with the runtime's own prediction).
-* The attention engine (`engine=True`, Zeppelin's): transfers start as soon as their data
-  is there and each GPU's stream runs ready work in queue order inter-node, intra-node,
-  local, so local attention fills waits. Without it (the baselines' loop), a rank runs its
-  attention work in a fixed order and issues a ring step's send only after its previous
-  compute, as ring-flash-attention and TransformerEngine do.
-* Gradient all-reduce: hierarchical (`cost.seconds.grad_allreduce_time`), in one bucket per
-  layer (Megatron's overlap_grad_reduce): the bucket of layer l runs during the backward
-  of layer l-1 on the same NVLink ports and NICs as its ring and remap transfers (cut
-  into pieces, so they interleave); the last layer's bucket is exposed.
+* Order and the attention engine: every rank's compute stream runs its kernels in the
+  order the runtime queues them (`runtime.engine`: its rings round-robin, inter-node
+  first, its local documents after every ring's first step), the same for every plan.
+  With the engine (`engine=True`, the default for every planner: what the runtime does,
+  sends posted on a communication stream once their data is there, relays forwarded as
+  they arrive) a transfer waits for its data only; without it (`engine=False`, every
+  ring kind, double rings included) a send also waits for every kernel its rank queued
+  before it, as `batch_isend_irecv` on the compute stream does.
+* Data-parallel collectives, as the runtime's FSDP2 runs them (`training/parallel.py`):
+  each layer's forward runs beside the next layer's parameter all-gather (bf16), each
+  backward beside an all-gather and the previous layer's gradient reduce-scatter (fp32),
+  each priced as half of `cost.seconds.grad_allreduce_parts` (a hierarchical all-reduce:
+  inside nodes, then across them; NCCL's flat ring over all ranks moves about as much
+  per NIC). They share NVLink ports and NICs with ring and remap transfers, cut into
+  pieces so the two interleave: context-parallel traffic runs on its own process group
+  (`cp_group=True`, as the runtime does; False: one group, whose stream runs the
+  collectives first). The last layer's reduce-scatter is exposed.
 * Recomputation: what the plan says each rank recomputes (`Plan.recompute`: the cheapest
   under which its tokens fit, each rank as little as its own tokens need), or, where the
   simulation departs from the plan (a model that fixes its `ModelSpec.recompute`, no
@@ -84,6 +92,7 @@ from ballonet.cost.seconds import (
 )
 from ballonet.plan import Plan
 from ballonet.plan.recompute import heaviest
+from ballonet.simulation import ping_pong
 from ballonet.simulation.fabric import Fabric
 from ballonet.simulation.layer_graph import LayerGraph
 from ballonet.specs import ClusterSpec, ModelSpec
@@ -201,6 +210,17 @@ def _run_pass(p: LayerGraph) -> tuple[float, list, list, list, tuple]:
     return max(end, default=0.0), compute, end, attention, (name, p.tl, start, finish, p.fabric)
 
 
+def _pass(common: dict, backward: bool, grad_bucket: tuple) -> tuple:
+    """(period, per-rank compute, per-rank end, per-rank attention, per-rank slowdown,
+    timeline record, bytes) of one layer's forward or backward: one task graph, or for a
+    plan run in DistCA's ping-pong (`plan.meta["ping_pong"]`) two nano-batches in turn."""
+    if common["plan"].meta.get("ping_pong"):
+        return ping_pong.run(common, backward, grad_bucket)
+    g = LayerGraph(backward=backward, grad_bucket=grad_bucket, **common)
+    period, compute, end, attention, record = _run_pass(g)
+    return period, compute, end, attention, _slowdown(g, compute), record, g.sent
+
+
 def _head_seconds(model: ModelSpec, gpu, tokens: int) -> float:
     """Forward and backward of the LM head's GEMM and the loss's elementwise work."""
     if not tokens:
@@ -223,14 +243,14 @@ def _slowdown(p: LayerGraph, compute: list) -> list:
 
 
 def simulate(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, routing: bool = True, remap: bool = True,
-             engine: bool | None = None, overlap_grad_allreduce: bool = True) -> SimResult:
+             engine: bool = True, cp_group: bool = True, overlap_grad_allreduce: bool = True) -> SimResult:
     """Simulate one training iteration of `plan`. `routing=False` sends every hop directly,
-    `remap=False` runs the linear layers in the attention layout, `engine` (default:
-    `plan.attention_engine`) selects the attention engine; see the module docstring."""
+    `remap=False` runs the linear layers in the attention layout, `engine=False` posts
+    every send behind the kernels queued before it (for every plan alike), `cp_group=False`
+    puts context-parallel and data-parallel traffic on one process group; see the module
+    docstring."""
     fabric = Fabric(cluster, plan.num_ranks, model.tp)
     R = plan.num_ranks
-    if engine is None:
-        engine = plan.attention_engine
     moves = plan.remap_tokens() if remap else Counter()
     att_tokens = [sum(s.num_tokens for s in segs) for segs in plan.attention]
     tokens = list(att_tokens)
@@ -258,25 +278,23 @@ def simulate(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, routing: boo
     L = model.num_layers
     bucket = _bucket(model, cluster, L) if overlap_grad_allreduce else (0.0, 0.0)
     common = dict(plan=plan, model=model, fabric=fabric, engine=engine, routes=routes, remap=moves,
-                  linear_s=linear_s, tp_s=tp_s, recompute=mode)
-    graphs = (LayerGraph(backward=False, **common), LayerGraph(backward=True, grad_bucket=bucket, **common))
-    fwd, fwd_compute, fwd_end, fwd_att, fwd_rec = _run_pass(graphs[0])
-    bwd, bwd_compute, bwd_end, bwd_att, bwd_rec = _run_pass(graphs[1])
-    bwd_slow = _slowdown(graphs[1], bwd_compute)
+                  linear_s=linear_s, tp_s=tp_s, recompute=mode, cp_group=cp_group)
+    forward_dp = tuple(x * FORWARD_DP for x in bucket)
+    bucket = tuple(x * BACKWARD_DP for x in bucket)
+    fwd, fwd_compute, fwd_end, fwd_att, fwd_slow, fwd_rec, fwd_sent = _pass(common, False, forward_dp)
+    bwd, bwd_compute, bwd_end, bwd_att, bwd_slow, bwd_rec, bwd_sent = _pass(common, True, bucket)
     runs = _runs_of_layers(model, fabric, tokens, per_rank, linear_s)
     if runs != [(L, linear_s)]:  # one backward graph per run of alike layers, weighted by its length
         passes = []
         for n, lin in runs:
             if lin == linear_s:
                 passes.append((n, (bwd, bwd_compute, bwd_end, bwd_att, bwd_slow)))
-                continue
-            g = LayerGraph(backward=True, grad_bucket=bucket, **{**common, "linear_s": lin})
-            b, b_compute, b_end, b_att, _ = _run_pass(g)
-            passes.append((n, (b, b_compute, b_end, b_att, _slowdown(g, b_compute))))
+            else:
+                passes.append((n, _pass({**common, "linear_s": lin}, True, bucket)[:5]))
         bwd = sum(n * p[0] for n, p in passes) / L
         bwd_compute, bwd_end, bwd_att, bwd_slow = ([sum(n * p[i][r] for n, p in passes) / L for r in range(R)]
                                                    for i in range(1, 5))
-    slow = [a + b for a, b in zip(_slowdown(graphs[0], fwd_compute), bwd_slow)]
+    slow = [a + b for a, b in zip(fwd_slow, bwd_slow)]
 
     head = [_head_seconds(model, fabric.gpu[r], n) for r, n in enumerate(tokens)]
     optimizer = [optimizer_time(model, fabric.gpu[r], R) for r in range(R)]
@@ -308,7 +326,7 @@ def simulate(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, routing: boo
         attention_s=tuple(L * (fwd_att[r] + bwd_att[r]) for r in range(R)),
         layer_forward_s=fwd, layer_backward_s=bwd, head_s=max(head), grad_allreduce_s=grad,
         grad_allreduce_exposed_s=grad_exposed, optimizer_s=max(optimizer),
-        bytes_sent={"forward": graphs[0].sent, "backward": graphs[1].sent},
+        bytes_sent={"forward": fwd_sent, "backward": bwd_sent},
         timelines=(fwd_rec, bwd_rec))
 
 
@@ -327,11 +345,37 @@ def _runs_of_layers(model: ModelSpec, fabric: Fabric, tokens: list, per_rank, li
                     below[r, m] = linear_layer_seconds(model, fabric.gpu[r], tokens[r], BELOW[m])
                 lin[r] = below[r, m]
         runs.append((hi - lo, lin))
-    return runs
+    if len(runs) <= MAX_RUNS:
+        return runs
+    # Too many distinct runs to simulate each (large clusters): consecutive runs merged into
+    # MAX_RUNS of about equal layers, each rank's linear seconds their average over the
+    # merged layers (its total kept exactly).
+    merged, layers, target = [], 0, model.num_layers / MAX_RUNS
+    group: list = []
+    for n, lin in runs:
+        group.append((n, lin))
+        layers += n
+        if layers >= target * (len(merged) + 1) or (n, lin) == runs[-1]:
+            total = sum(k for k, _ in group)
+            merged.append((total, [tuple(sum(k * x[r][i] for k, x in group) / total for i in range(2))
+                                   for r in range(len(linear_s))]))
+            group = []
+    return merged
+
+
+MAX_RUNS = 6
+"""The most backward passes one step simulates (`_runs_of_layers`)."""
+
+
+FORWARD_DP = 0.5
+"""A layer's forward runs beside one bf16 parameter all-gather: half an all-reduce's traffic."""
+BACKWARD_DP = 1.5
+"""A layer's backward runs beside a bf16 all-gather and an fp32 reduce-scatter (FSDP2's
+`reduce_dtype`): half an all-reduce, plus twice half."""
 
 
 def _bucket(model: ModelSpec, cluster: ClusterSpec, num_layers: int) -> tuple[float, float]:
-    """One layer's share of the gradient all-reduce, for the slowest node group: (intra-node
-    seconds, bytes a GPU sends across nodes)."""
+    """One layer's share of a bf16 gradient all-reduce, for the slowest node group:
+    (intra-node seconds, bytes a GPU sends across nodes)."""
     parts = [grad_allreduce_parts(model, g, cluster.num_nodes) for g in cluster.groups]
     return max(p[0] for p in parts) / num_layers, max(p[1] for p in parts) / num_layers

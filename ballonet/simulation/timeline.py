@@ -65,6 +65,11 @@ class Timeline:
         self.num_preds.append(preds)
         return task
 
+    def edge(self, before: int, task: int) -> None:
+        """Make `task` wait for `before` too (an order fixed after both were added)."""
+        self.successors[before].append(task)
+        self.num_preds[task] += 1
+
     def join(self, after, label: tuple = ("join", -1, "")) -> int | None:
         """A zero-length task after all of `after`; None when there is nothing to wait for."""
         after = [p for p in after if p is not None]

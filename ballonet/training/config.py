@@ -60,7 +60,8 @@ class TrainConfig:
     timeout_minutes: float = 5.0
     """Process-group timeout: a dead or disagreeing peer fails every rank after this long."""
     calibration: str | None = None
-    """Calibration profile (JSON, `ballonet calibrate`) of the GPU the run's MFU is reported for."""
+    """Calibration profile (JSON, `ballonet calibrate`) of the cluster's GPU: the run plans with it and reports
+    MFU against its GPU's peak."""
     checkpoint_dir: str | None = None
     """Folder of sharded checkpoints (torch.distributed.checkpoint)."""
     checkpoint_every: int = 0

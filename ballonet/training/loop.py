@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 import ballonet
-from ballonet import runtime
+from ballonet import calibration, runtime
 from ballonet.cost.recompute import plan_recompute
 from ballonet.errors import InputError
 from ballonet.integrations import hf_model
@@ -110,6 +110,7 @@ def preflight(config: TrainConfig, world_size: int):
                          f"model {spec.name!r} a vocabulary of {spec.vocab_size}")
     ballonet.plan_batch([1] * world_size, cluster, spec, planner=config.planner)  # a bad planner fails here
     metrics.peak_flops(cluster, config.calibration)  # a bad profile fails here
+    metrics.plan_profile(cluster, config.calibration)
     return cluster, spec, corpus
 
 
@@ -250,8 +251,8 @@ def _run(config: TrainConfig, group, use_cuda: bool):
     torch.manual_seed(config.seed)
 
     cluster, spec, corpus = preflight(config, world_size)
-    plan_fn = functools.partial(ballonet.plan_batch, cluster=cluster, model=spec, planner=config.planner,
-                                **({"double": False} if config.no_double else {}))
+    plan_fn = functools.partial(_plan, metrics.plan_profile(cluster, config.calibration), cluster=cluster,
+                                model=spec, planner=config.planner, **({"double": False} if config.no_double else {}))
     loader = BalancedLoader(corpus, global_tokens=config.global_tokens, plan_fn=plan_fn, rank=rank,
                             world_size=world_size, seed=config.seed, max_doc_tokens=config.max_doc_tokens)
     model = (hf_model.build_model(config.model, config.seed, device, config.recompute, config.recompute_layers)
@@ -305,6 +306,15 @@ def _run(config: TrainConfig, group, use_cuda: bool):
     if writer is not None:
         writer.close()
     return records, model
+
+
+def _plan(profile, lengths, **options):
+    """`ballonet.plan_batch`, priced with `profile` (`--calibration`) when given: on the
+    loader's prefetch thread too, which does not inherit the caller's `calibration.use`."""
+    if profile is None:
+        return ballonet.plan_batch(lengths, **options)
+    with calibration.use(profile):
+        return ballonet.plan_batch(lengths, **options)
 
 
 def _auto_recompute(model, plan, spec, cluster, rank: int) -> tuple[str, int]:
@@ -377,11 +387,11 @@ def _step(model, optimizer, batch, rank: int, groups: Groups, device, spec, peak
     wall = time.perf_counter() - wall
     step_cpu = time.thread_time() - cpu
     exposed = max(wall - step_cpu, 0.0)
+    world_size = dist.get_world_size(groups.world)
     values = [loss_sum.item(), compute, float(sum(counter.total().values())), exposed,
               float(metrics.memory_high_water(device)), float(parallel.local_parameter_bytes(model, optimizer)),
-              step_cpu]
+              step_cpu] + [compute if r == rank else 0.0 for r in range(world_size)]  # summed: each rank's compute
     sums, maxes = _reduce(values, groups.world, device)
-    world_size = dist.get_world_size(groups.world)
     num_tokens = sum(p.end - p.start for p in batch.pieces)
     return {
         "step": step,
@@ -391,9 +401,11 @@ def _step(model, optimizer, batch, rank: int, groups: Groups, device, spec, peak
         "plan_ms": batch.plan_ms,
         "compute_s_max": maxes[1],
         "compute_s_mean": sums[1] / world_size,
+        "compute_s": sums[7:7 + world_size],
         "cpu_s_max": maxes[6],
         "bytes_sent": int(sums[2]),
         "ledger": [list(p) for p in batch.pieces],
+        "plan_digest": batch.plan.digest,
         "mfu": metrics.step_flops(spec, batch.plan.lengths) / (wall * peak),
         "exposed_comm_s_max": maxes[3],
         "memory_peak_bytes_max": int(maxes[4]),

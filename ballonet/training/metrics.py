@@ -49,6 +49,19 @@ def peak_flops(cluster: ClusterSpec, profile_path: str | None = None) -> float:
     return sum(hardware.gpu(name).peak_flops for name in gpus)
 
 
+def plan_profile(cluster: ClusterSpec, profile_path: str | None):
+    """The profile the run plans with (`--calibration`), None without one. Its GPU type
+    must be one of the cluster's: its efficiencies are fractions of that GPU's peak."""
+    if profile_path is None:
+        return None
+    profile = calibration.load(profile_path)
+    types = sorted({g.gpu for g in cluster.groups})
+    if profile.gpu not in types:
+        raise InputError(f"--calibration {profile_path}: measures a {profile.gpu} GPU, the cluster has "
+                         f"{', '.join(types)}; plan on a cluster of the GPU measured (--cluster)")
+    return profile
+
+
 def memory_high_water(device: torch.device) -> int:
     """Peak bytes: allocated by the CUDA caching allocator, or the process's peak RSS on CPU."""
     if device.type == "cuda":

@@ -22,6 +22,7 @@ from ballonet.planning.pricing import (
     crossing_exposed_seconds,
     rank_compute_seconds,
     rank_step_seconds,
+    ring_wait_seconds,
     remaps_inside,
     synchronous_step_seconds,
 )
@@ -201,7 +202,7 @@ def _step_seconds(plan: Plan, dev: Devices, model: ModelSpec, crossovers, comput
                   routing: bool) -> tuple[np.ndarray, np.ndarray]:
     """[R] what the partitioner compares its candidate plans by (`pricing.rank_step_seconds`),
     and [R] the part of it single rings across nodes expose (`_crossing_exposed`)."""
-    exposed = _crossing_exposed(plan, dev, model, crossovers, routing)
+    exposed = _crossing_exposed(plan, dev, model, crossovers, routing) + ring_wait_seconds(plan, dev, model)
     start, linear = compute
     seconds = rank_step_seconds(plan, dev, model, np.array([crossovers[g].intra_bw for g in dev.group]),
                                 (start + exposed, linear), np.array([crossovers[g].rank_nic_bw for g in dev.group]))

@@ -1,0 +1,146 @@
+"""Baselines as their users run them: WLB-LLM's per-sequence sharding and adaptive choice,
+the comparison's degree tuning, and MagiAttention's dispatch."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from ballonet import plan_batch, specs, workloads
+from ballonet.cost.flops import kv_bytes
+from ballonet.errors import InputError
+from ballonet.plan import Plan, Ring, Segment, Transfer, chunk_bounds
+from ballonet.planning.magi import dispatch
+from ballonet.planning.wlb_llm import per_sequence
+from ballonet.simulation import simulate
+from ballonet.simulation.comparison import compare, degrees
+from ballonet.simulation.layer_graph import prefix_rows
+from ballonet.specs import ClusterSpec, NodeGroup
+
+
+def test_per_sequence_sharding_by_hand():
+    # Documents of 5, 3 and 8 tokens concatenated (16) and cut into 4 chunks of 4: chunk 0
+    # and 3 to rank 0, chunks 1 and 2 to rank 1. The first document holds chunk 0 and one
+    # token of chunk 1; the second lies in chunk 1; the third fills chunks 2 and 3.
+    whole, split = per_sequence([5, 3, 8], [0, 1, 2], 2)
+    assert whole == {1: 1}
+    assert split[0] == ((0, 1), (0, 4, 5, 5, 5))  # front chunks only
+    assert split[2] == ((0, 1), (0, 0, 0, 4, 8))  # back chunks: rank 1 before rank 0
+
+
+def test_wlb_llm_shardings_and_adaptive_choice():
+    cluster, model = specs.cluster("h800-8nic", num_nodes=2), specs.model("llama-3b")
+    shorts = [700] * 300  # per-document chunks of 44 tokens: the per-sequence sharding wins
+    longs = [30_000] * 4 + [2_000] * 40  # long documents: per-document keeps the ranks even
+    for lengths, faster in ((shorts, "sequence"), (longs, "document")):
+        plans = {s: plan_batch(lengths, cluster, model, "wlb_llm", cp_size=8, sharding=s)
+                 for s in ("document", "sequence", "adaptive")}
+        steps = {s: simulate(p, cluster, model).step_time_s for s, p in plans.items()}
+        assert steps[faster] < steps["document" if faster == "sequence" else "sequence"]
+        assert steps["adaptive"] <= steps[faster] * 1.001, steps
+        assert plans["adaptive"].meta["groups_by_sharding"][faster] >= 1
+        seq = plans["sequence"]
+        for g in range(2):
+            tokens = seq.attention_token_counts[8 * g: 8 * g + 8]
+            assert max(tokens) - min(tokens) <= 1
+        assert all(len(r.ranks) == 8 and r.bounds == chunk_bounds(lengths[r.doc], 16)
+                   for r in plans["document"].rings)
+    with pytest.raises(InputError, match="sharding"):
+        plan_batch(shorts, cluster, model, "wlb_llm", sharding="both")
+
+
+def test_tuned_comparison_runs_each_degree_baseline_at_its_fastest_degree():
+    cluster, model = specs.cluster("h800-8nic", num_nodes=2), specs.model("llama-3b")
+    assert degrees(16) == [1, 2, 4, 8, 16] and degrees(48) == [1, 2, 4, 8, 16]
+    rows = {r.planner: r for r in compare(cluster, model, "prolong", 8192, ["wlb_llm", "te_cp", "packed_dp"],
+                                          max_length=32768, tune=True)}
+    batch = next(iter(workloads.get("prolong").batches(8192 * 16, 0, 1, 32768)))
+    for name in ("wlb_llm", "te_cp"):
+        d = rows[name].options["cp_size"]
+        every = [simulate(plan_batch(batch, cluster, model, name, cp_size=c), cluster, model).step_time_s
+                 for c in degrees(16) if c >= 2 or name == "wlb_llm"]
+        assert d in degrees(16) and rows[name].step_time_s == pytest.approx(min(every))
+    assert rows["packed_dp"].options == {}
+    assert np.isfinite(rows["te_cp"].speedup_vs_te_cp)
+
+
+def test_magi_dispatch_by_hand_and_its_plans():
+    # Chunks of 512 over documents of 1024 and 512 tokens: areas 131328, 393472 (rows
+    # 512-1023 of the first) and 131328. Largest first, at most 2 chunks a rank: the
+    # second chunk to rank 0, the first and the third to rank 1.
+    assert dispatch([1024, 512], [0, 1], 2, 512) == [{0: 512}, {0: 512, 1: 512}]
+    cluster, model = specs.cluster("h800-8nic", num_nodes=2), specs.model("llama-3b")
+    batch = next(iter(workloads.get("prolong").batches(8192 * 16, 0, 1, 32768)))
+    plan = plan_batch(batch, cluster, model, "magi", cp_size=8)
+    assert plan.meta["kv_prefix"] and all(r.comm == "allgather" for r in plan.rings)
+    assert all(max(r.ranks) // 8 == min(r.ranks) // 8 for r in plan.rings)  # inside a CP group
+    for g in range(2):  # every rank of a group holds its chunks: tokens equal within one chunk
+        tokens = plan.attention_token_counts[8 * g: 8 * g + 8]
+        assert max(tokens) - min(tokens) <= 512
+    with pytest.raises(InputError, match="cp_size"):
+        plan_batch(batch, cluster, model, "magi", cp_size=3)
+
+
+def _gather_plan(meta):
+    ring = Ring(doc=0, kind="intra", ranks=(0, 1), bounds=(0, 2, 4, 6, 8), comm="allgather")
+    return Plan(planner="t", lengths=(8,), node_of_rank=(0, 0), nic_of_rank=(0, 1),
+                attention=(ring.chunks_of(0), ring.chunks_of(1)), rings=(ring,), meta=meta).validate()
+
+
+def test_prefix_gathers_send_only_what_the_queries_attend_to():
+    # Member 0 holds chunks [0, 2) and [6, 8), member 1 [2, 4) and [4, 6). Member 1's last
+    # query is row 5: it needs rows 0-1 of member 0 only; member 0 needs all of member 1's.
+    plan = _gather_plan({"kv_prefix": True})
+    assert prefix_rows(list(plan.rings)).tolist() == [[0, 2], [4, 0]]
+    model = specs.model("tiny")
+    row = kv_bytes(model, 1)
+    for meta, expected in (({"kv_prefix": True}, (2, 4)), ({}, (4, 4))):
+        sent = simulate(_gather_plan(meta), _two_gpus(), model).bytes_sent["forward"]
+        assert (sent["kv", 0, 1], sent["kv", 1, 0]) == (expected[0] * row, expected[1] * row)
+
+
+def _two_gpus():
+    return ClusterSpec(name="two", groups=(NodeGroup(gpu="h100", num_nodes=1, gpus_per_node=2, nics_per_node=2),))
+
+
+def test_ping_pong_hides_the_remap_behind_the_other_nano_batch():
+    # Rank 0 holds two 4000-token documents and remaps the second's linear work to rank 1
+    # (o out, q/k/v back). In DistCA's ping-pong each nano-batch's remap runs while the
+    # other computes, so on a fast link the steady-state forward layer is rank 0's compute
+    # alone; run as one batch it adds both transfers.
+    cluster, model = _two_gpus(), specs.model("llama-7b")
+    base = _local_plan()
+    plan = dataclasses.replace(base, remap=(Transfer(src=0, dst=1, start=4000, end=8000),)).validate()
+    plain = simulate(plan, cluster, model, overlap_grad_allreduce=False)
+    pp = simulate(dataclasses.replace(plan, meta={"ping_pong": True}), cluster, model,
+                  overlap_grad_allreduce=False)
+    compute0 = plain.compute_s[0]
+    assert pp.layer_forward_s < plain.layer_forward_s
+    assert pp.compute_s == pytest.approx(plain.compute_s)
+    per_layer = (compute0 - pp.head_s - pp.optimizer_s) / model.num_layers  # forward + backward
+    assert pp.layer_forward_s + pp.layer_backward_s == pytest.approx(per_layer, rel=1e-6)
+    for phase in ("forward", "backward"):
+        assert dict(pp.bytes_sent[phase]) == pytest.approx(dict(plain.bytes_sent[phase]))
+
+
+def _local_plan():
+    return Plan(planner="t", lengths=(4000, 4000), node_of_rank=(0, 0), nic_of_rank=(0, 1),
+                attention=((Segment(0, 0, 4000), Segment(1, 0, 4000)), ())).validate()
+
+
+def test_simulate_cli_tunes_degrees_and_changes_the_setting_for_every_planner(capsys):
+    import json
+
+    from ballonet.cli import main
+    args = ["simulate", "--cluster", "h800-8nic", "--nodes", "2", "--model", "llama-3b", "--workload", "prolong",
+            "--tokens-per-gpu", "4096", "--max-length", "16384", "--planners", "magi,te_cp", "--json"]
+    rows = {}
+    for flags in ([], ["--tune"], ["--no-engine", "--one-group"]):
+        assert main(args + flags) == 0
+        rows[tuple(flags)] = {r["planner"]: r for r in json.loads(capsys.readouterr().out)["results"]}
+    assert rows[("--tune",)]["magi"]["options"]["cp_size"] in degrees(16) and rows[()]["magi"]["options"] == {}
+    assert rows[("--tune",)]["magi"]["step_time_s"] <= rows[()]["magi"]["step_time_s"] * (1 + 1e-12)
+    for name in ("magi", "te_cp"):  # the setting applies to every planner with CP traffic, not zeppelin alone
+        assert rows[("--no-engine", "--one-group")][name]["step_time_s"] != rows[()][name]["step_time_s"]
