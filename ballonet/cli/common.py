@@ -90,6 +90,11 @@ def print_table(title: str, columns: list[str], rows: list[list], footer: str | 
     for row in rows:
         table.add_row(*[str(x) for x in row])
     console = Console()
+    if not console.is_terminal:  # piped or redirected: no terminal width to fit, so no name is cut
+        from rich.measure import Measurement
+
+        natural = Measurement.get(console, console.options.update_width(10_000), table).maximum
+        console = Console(width=max(console.width, natural))
     console.print(table)
     if footer:
         console.print(footer)

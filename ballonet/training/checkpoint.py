@@ -1,18 +1,23 @@
 """Sharded, safe, atomic checkpoints with `torch.distributed.checkpoint` (DCP).
 
-A checkpoint folder holds one finished checkpoint, `step-NNNNNNNN/`, named by the text
-file `latest`:
+A checkpoint folder holds the last few finished checkpoints, `step-NNNNNNNN/`, the
+newest named by the text file `latest`:
 
     step-00000010/  DCP files: each rank writes its own shards of the model and optimizer
                     (FSDP2 DTensors); `.metadata` indexes them
-                    ballonet.json: step, world size, loader state (JSON), RNG states
+                    ballonet.json: step, world size, loader state (JSON), RNG states, the
+                    model's shape (for `export.py`)
     latest          "step-00000010"
+    config.toml     the run's resolved config (`config_file.py`)
 
 Saving: every rank writes into `.tmp-step-N/` (DCP fsyncs each file), rank 0 adds
 `ballonet.json`, fsyncs, renames the folder into place, then replaces `latest` (write,
-fsync, rename) and only then deletes the previous checkpoint. A save killed at any point
-leaves `latest` naming a complete checkpoint; stale `.tmp-*` folders are removed when
-the next run starts (`clean_stale`).
+fsync, rename) and only then deletes the checkpoints beyond the newest `keep` (never the
+one the run resumed from). A save killed at any point leaves `latest` naming a complete
+checkpoint; stale `.tmp-*` folders are removed when the next run starts (`clean_stale`).
+With DCP's `async_save` the shards are staged to CPU memory and written by a background
+thread over a gloo group of their own, while training goes on; the steps after the
+writing (metadata, rename, `latest`) wait for it (`PendingSave.wait`).
 
 Loading never executes code from the checkpoint: DCP's `.metadata` (a pickle) is read
 with an unpickler that admits only DCP's own metadata classes, non-tensor items go
@@ -38,6 +43,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ballonet.errors import InputError
+from ballonet.training.config_file import RESOLVED
 
 LATEST = "latest"
 META = "ballonet.json"
@@ -124,7 +130,7 @@ def latest(folder: str) -> str | None:
         return None
     pointer = os.path.join(folder, LATEST)
     if not os.path.exists(pointer):
-        foreign = sorted(n for n in os.listdir(folder) if not n.startswith("."))
+        foreign = sorted(n for n in os.listdir(folder) if not n.startswith(".") and n != RESOLVED)
         if foreign:
             raise InputError(f"{folder}: not a ballonet checkpoint folder (no '{LATEST}' file, holds {foreign[0]!r})")
         return None
@@ -183,37 +189,76 @@ def _set_rng(encoded: str, device: torch.device) -> None:
 # ---- save and load ---------------------------------------------------------------------
 
 
-def save(folder: str, step: int, model, optimizer, loader_state: dict, rank: int, group, device) -> str:
-    """Collective: write checkpoint `step` of every rank's shards; returns its folder."""
+def save(folder: str, step: int, model, optimizer, loader_state: dict, rank: int, group, device, *,
+         keep: int = 1, protect: str | None = None, meta: dict | None = None, async_group=None):
+    """Collective: write checkpoint `step` of every rank's shards; returns its folder once
+    written. Afterwards only the `keep` newest checkpoints stay, and `protect` (the one the
+    run resumed from); `meta` adds JSON items to `ballonet.json`. With `async_group` (a
+    gloo group of the same ranks, for DCP's background traffic only), the shards are
+    staged to CPU memory and written in the background (DCP's `async_save`): returns a
+    `PendingSave` to `wait()` on before the next save and at the end."""
     name = f"step-{step:08d}"
     tmp = os.path.join(folder, f".tmp-{name}")
     if rank == 0:
         os.makedirs(folder, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-    rng = _gather_rng(group, device)
+    world = 1 if group is None else dist.get_world_size(group)
+    meta = {"format": FORMAT, "step": step, "world_size": world, "loader": loader_state,
+            "rng": _gather_rng(group, device), **(meta or {})}
     _barrier(group)
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optimizer": optim_sd}, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
-             process_group=group, no_dist=group is None)
+    state, writer = {"model": model_sd, "optimizer": optim_sd}, dcp.FileSystemWriter(tmp, sync_files=True)
+
+    def finish() -> str:
+        if rank == 0:
+            _publish(folder, name, tmp, meta, keep, protect)
+        _barrier(async_group or group)
+        return os.path.join(folder, name)
+
+    if async_group is not None:
+        return PendingSave(dcp.async_save(state, storage_writer=writer, process_group=async_group), finish)
+    dcp.save(state, storage_writer=writer, process_group=group, no_dist=group is None)
+    return finish()
+
+
+class PendingSave:
+    """A checkpoint being written in the background; `wait()` (collective) publishes it."""
+
+    def __init__(self, future, finish):
+        self._future, self._finish = future, finish
+
+    def wait(self) -> str:
+        self._future.result()
+        return self._finish()
+
+
+def _publish(folder: str, name: str, tmp: str, meta: dict, keep: int, protect: str | None) -> None:
+    """Rank 0, every shard written: add the metadata, rename the folder into place, point
+    `latest` at it, then prune."""
     final = os.path.join(folder, name)
-    if rank == 0:
-        world = 1 if group is None else dist.get_world_size(group)
-        meta = {"format": FORMAT, "step": step, "world_size": world, "loader": loader_state, "rng": rng}
-        write_durably(os.path.join(tmp, META), json.dumps(meta))
-        previous = latest(folder)
-        if os.path.exists(final):  # a run restarted without --resume reached this step again
-            if previous == final:
-                os.remove(os.path.join(folder, LATEST))
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_path(folder)
-        write_durably(os.path.join(folder, LATEST), name)
-        for other in os.listdir(folder):
-            if other.startswith("step-") and other != name:
-                shutil.rmtree(os.path.join(folder, other), ignore_errors=True)
-    _barrier(group)
-    return final
+    write_durably(os.path.join(tmp, META), json.dumps(meta))
+    previous = latest(folder)
+    if os.path.exists(final):  # a run restarted without --resume reached this step again
+        if previous == final:
+            os.remove(os.path.join(folder, LATEST))
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_path(folder)
+    write_durably(os.path.join(folder, LATEST), name)
+    for other in prunable(folder, name, keep, protect):
+        shutil.rmtree(os.path.join(folder, other), ignore_errors=True)
+
+
+def prunable(folder: str, newest: str, keep: int, protect: str | None = None) -> list[str]:
+    """The checkpoints to delete once `newest` is written: every one numbered after it (an
+    earlier run's, not resumed), and all but the `keep` newest of the rest; never `newest`
+    nor `protect`."""
+    steps = sorted(n for n in os.listdir(folder) if n.startswith("step-") and n != newest)
+    older, later = [n for n in steps if n < newest], [n for n in steps if n > newest]
+    stale = later + older[:max(len(older) - (keep - 1), 0)]
+    kept = os.path.basename(os.path.normpath(protect)) if protect else None
+    return [n for n in stale if n != kept]
 
 
 def load(path: str, model, optimizer, rank: int, group, device) -> dict:
