@@ -288,3 +288,30 @@ def _last_line(e: BaseException) -> str:
 def _barrier(group) -> None:
     if group is not None:
         dist.barrier(group)
+
+
+class Checkpointer:
+    """A run's saves into `folder`: the newest `keep` checkpoints stay (and `protect`, the
+    one the run resumed from); with `async_group` each save is written in the background,
+    published when the next one starts or at `close()` (collective, on every rank)."""
+
+    def __init__(self, folder: str, rank: int, group, device, *, keep: int, protect: str | None = None,
+                 async_group=None):
+        self.folder, self.rank, self.group, self.device = folder, rank, group, device
+        self.keep, self.protect, self.async_group = keep, protect, async_group
+        self.last_step: int | None = None
+        self._pending: PendingSave | None = None
+
+    def save(self, step: int, model, optimizer, loader_state: dict, meta: dict | None = None) -> None:
+        self.close()
+        saved = save(self.folder, step, model, optimizer, loader_state, self.rank, self.group, self.device,
+                     keep=self.keep, protect=self.protect, meta=meta, async_group=self.async_group)
+        if isinstance(saved, PendingSave):
+            self._pending = saved
+        self.last_step = step
+
+    def close(self) -> None:
+        """Publish the save still being written, if any."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.wait()

@@ -25,6 +25,9 @@ RESOLVED = "config.toml"
 """The resolved config's name in a checkpoint folder."""
 
 
+_KINDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+
+
 def _expected(hint) -> tuple[type, ...]:
     """The TOML value types a field of type `hint` accepts (None is not a TOML value)."""
     if typing.get_origin(hint) is Literal:
@@ -46,9 +49,8 @@ def read_config_file(path: str) -> dict:
                              f"`ballonet train --help`)")
         expected = _expected(hints[name])
         if isinstance(value, bool) != (bool in expected) or not isinstance(value, expected):
-            names = " or ".join("number" if t is float else t.__name__ for t in expected if t is not int or
-                                float not in expected)
-            raise InputError(f"{path}: {key} must be a {names}, got {value!r}")
+            kind = _KINDS[float if float in expected else expected[0]]
+            raise InputError(f"{path}: {key} must be {kind}, got {value!r}")
         values[name] = value
     return values
 

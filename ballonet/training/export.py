@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -69,8 +70,10 @@ def read_model_state(path: str) -> dict[str, torch.Tensor]:
         raise InputError(f"{path}: the checkpoint holds no model tensors")
     state = {name: torch.empty(item.size, dtype=item.properties.dtype) for name, item in shapes.items()}
     try:
-        dcp.load({"model": state}, storage_reader=checkpoint.SafeReader(path),
-                 planner=checkpoint.SafeLoadPlanner(), no_dist=True)
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+            dcp.load({"model": state}, storage_reader=checkpoint.SafeReader(path),
+                     planner=checkpoint.SafeLoadPlanner(), no_dist=True)
     except Exception as e:  # noqa: BLE001 - DCP wraps every failure in its own exception
         raise InputError(f"{path}: corrupt or foreign checkpoint ({_last_line(e)})") from None
     return state
@@ -140,6 +143,9 @@ def export(checkpoint_path: str, out: str) -> dict:
     os.makedirs(out, exist_ok=True)
     contiguous = {name: t.contiguous() for name, t in sorted(tensors.items())}
     write_atomic(os.path.join(out, WEIGHTS), lambda tmp: save_file(contiguous, tmp, metadata={"format": "pt"}))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(os.path.join(out, WEIGHTS), 0o666 & ~umask)  # safetensors creates its file private
 
     def write_config(tmp: str) -> None:
         with open(tmp, "w", encoding="utf-8") as f:

@@ -32,7 +32,7 @@ import ballonet
 from ballonet import cost_model, runtime
 from ballonet.errors import InputError
 from ballonet.integrations import hf_model
-from ballonet.training import checkpoint, metrics, parallel
+from ballonet.training import checkpoint, config_file, export, metrics, optim, parallel
 from ballonet.training.config import TrainConfig
 from ballonet.training.corpus import Corpus, load_corpus
 from ballonet.training.loader import BalancedLoader, Cursor, document_order, take_pieces
@@ -80,7 +80,12 @@ def preflight(config: TrainConfig, world_size: int):
                          f"({world_size} ranks)")
     _check_paths(config)
     cluster = _cluster(config, world_size)
-    spec = hf_model.model_spec(config.model) if hf_model.is_hf(config.model) else ballonet.model(config.model)
+    is_hf = hf_model.is_hf(config.model)
+    spec = hf_model.model_spec(config.model) if is_hf else ballonet.model(config.model)
+    if config.vocab_size is not None:
+        if is_hf:
+            raise InputError(f"--vocab-size is for the built-in model; {config.model}'s config.json sets its own")
+        spec = dataclasses.replace(spec, vocab_size=config.vocab_size)
     if config.recompute not in hf_model.RECOMPUTE and hf_model.is_hf(config.model):
         choices = ", ".join(hf_model.RECOMPUTE)
         raise InputError(f"--recompute {config.recompute}: not for a Hugging Face model ({config.model}), whose "
@@ -98,8 +103,10 @@ def preflight(config: TrainConfig, world_size: int):
         _tensorboard_writer(None)
     corpus = load_corpus(config.corpus, seed=config.seed)
     if corpus.vocab_size > spec.vocab_size:
+        fix = ("a model whose config.json has a larger vocab_size" if is_hf else
+               f"--vocab-size {corpus.vocab_size} (or vocab_size in a model TOML)")
         raise InputError(f"corpus {config.corpus!r} has token ids up to {corpus.vocab_size - 1}, "
-                         f"model {spec.name!r} a vocabulary of {spec.vocab_size}")
+                         f"model {spec.name!r} a vocabulary of {spec.vocab_size}: give {fix}")
     ballonet.plan_batch([1] * world_size, cluster, spec, planner=config.planner)  # a bad planner fails here
     metrics.peak_flops(cluster, config.calibration)  # a bad profile fails here
     return cluster, spec, corpus
@@ -249,17 +256,25 @@ def _run(config: TrainConfig, group, use_cuda: bool):
     model = (hf_model.build_model(config.model, config.seed, device, config.recompute, config.recompute_layers)
              if hf_model.is_hf(config.model) else build_model(config, spec, device))
     parallel.parallelize(model, parallel.device_mesh(world_size, config.shard, device), config.dtype)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    optimizer = optim.build_optimizer(model, config.lr, config.weight_decay)
 
     step = 0
     if config.checkpoint_dir and rank == 0:
         checkpoint.clean_stale(config.checkpoint_dir)
+        config_file.write_resolved(config, config.checkpoint_dir)
     dist.barrier(group)
     found = checkpoint.latest(config.checkpoint_dir) if config.resume and config.checkpoint_dir else None
     if found:
         meta = checkpoint.load(found, model, optimizer, rank, group, device)
         loader.load_state_dict(meta["loader"])
         step = meta["step"]
+        if rank == 0:
+            print(f"resumed from step {step} ({found})", flush=True)
+    scheduler = optim.lr_scheduler(optimizer, lr=config.lr, steps=config.steps, warmup_steps=config.warmup_steps,
+                                   decay=config.lr_decay, min_lr=config.min_lr, start_step=step)
+    saver = _checkpointer(config, rank, group, device, found, world_size)
+    hf_config = hf_model.config_dict(config.model) if hf_model.is_hf(config.model) else None
+    model_meta = {"model": export.model_meta(spec, hf_config, config.max_doc_tokens or config.global_tokens)}
     if rank == 0 and config.json_log:
         if step:
             _trim_log(config.json_log, step)
@@ -282,14 +297,20 @@ def _run(config: TrainConfig, group, use_cuda: bool):
         step += 1
         _maybe_fault(step, rank)
         recompute = _auto_recompute(model, batch.plan, spec, cluster, rank) if spec.recompute is None else None
-        record = _step(model, optimizer, batch, rank, group, device, spec, peak, step, outer_group)
+        record = _step(model, optimizer, batch, rank, group, device, spec, peak, step, outer_group,
+                       config.max_grad_norm)
+        scheduler.step()
         if recompute is not None:
             record["recompute"], record["recompute_layers_max"] = recompute
         records.append(record)
         if rank == 0:
             _log(config, record, writer)
-        if config.checkpoint_dir and config.checkpoint_every and step % config.checkpoint_every == 0:
-            checkpoint.save(config.checkpoint_dir, step, model, optimizer, loader.state_dict(), rank, group, device)
+        if saver and config.checkpoint_every and step % config.checkpoint_every == 0:
+            saver.save(step, model, optimizer, loader.state_dict(), model_meta)
+    if saver and records and saver.last_step != step:  # the final step, always
+        saver.save(step, model, optimizer, loader.state_dict(), model_meta)
+    if saver:
+        saver.close()
     if writer is not None:
         writer.close()
     return records, model
@@ -310,16 +331,30 @@ def _auto_recompute(model, plan, spec, cluster, rank: int) -> tuple[str, int]:
     return mode, cost_model.most_layers(mode, per_rank)
 
 
+def _checkpointer(config: TrainConfig, rank: int, group, device, resumed_from: str | None,
+                  world_size: int) -> checkpoint.Checkpointer | None:
+    """The run's saves (None without --checkpoint-dir); --async-checkpoint writes over a
+    gloo group of its own (made here, collectively), as DCP's background saves need."""
+    if not config.checkpoint_dir:
+        return None
+    async_group = None
+    if config.async_checkpoint:
+        async_group = dist.new_group(dist.get_process_group_ranks(group), backend="gloo")
+    return checkpoint.Checkpointer(config.checkpoint_dir, rank, group, device, keep=config.keep_checkpoints,
+                                   protect=resumed_from, async_group=async_group)
+
+
 def _step(model, optimizer, batch, rank: int, group, device, spec, peak: float, step: int,
-          outer_group=None) -> dict:
+          outer_group=None, max_grad_norm: float | None = None) -> dict:
     """One optimizer step on this rank's share of `batch`; its log record. `outer_group`
-    as in `runtime.attention`."""
+    as in `runtime.attention`; the gradient clipped to `max_grad_norm` if given."""
     wall, cpu = time.perf_counter(), time.thread_time()
     counter = runtime.ByteCounter()
     loss_sum = model.loss(batch.input_ids.to(device), batch.labels.to(device), batch.plan, rank, group,
                           counter=counter, outer_group=outer_group)
     (loss_sum / batch.num_valid_tokens_global).backward()
     compute = time.thread_time() - cpu
+    grad_norm, lr = optim.clip_gradients(model.parameters(), max_grad_norm), optim.current_lr(optimizer)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     if device.type == "cuda":
@@ -336,6 +371,8 @@ def _step(model, optimizer, batch, rank: int, group, device, spec, peak: float, 
     return {
         "step": step,
         "loss": sums[0] / batch.num_valid_tokens_global,
+        "lr": lr,
+        "grad_norm": grad_norm,
         "tokens": num_tokens,
         "tokens_per_s": num_tokens / wall,
         "plan_ms": batch.plan_ms,
@@ -356,14 +393,15 @@ def _log(config: TrainConfig, record: dict, writer) -> None:
         with open(config.json_log, "a") as f:
             f.write(json.dumps(record) + "\n")
     if writer is not None:
-        for key in ("loss", "tokens_per_s", "mfu", "compute_s_max", "exposed_comm_s_max", "memory_peak_bytes_max"):
+        for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "compute_s_max", "exposed_comm_s_max",
+                    "memory_peak_bytes_max"):
             writer.add_scalar(f"train/{key}", record[key], record["step"])
     step = record["step"]
     if step % config.log_every == 0 or step == config.steps:
         balance = record["compute_s_max"] / max(record["compute_s_mean"], 1e-9)
         recompute = (f"  recompute {record['recompute']} (at most {record['recompute_layers_max']} layers)"
                      if "recompute" in record else "")  # --recompute auto
-        print(f"step {step:4d}  loss {record['loss']:.4f}  tok/s {record['tokens_per_s']:8.0f}  "
+        print(f"step {step:4d}  loss {record['loss']:.4f}  lr {record['lr']:.2e}  grad norm {record['grad_norm']:.3f}  tok/s {record['tokens_per_s']:8.0f}  "
               f"MFU {record['mfu']:6.2%}  plan {record['plan_ms']:6.1f} ms  compute max/mean {balance:.2f}  "
               f"exposed comm {record['exposed_comm_s_max']:.3f} s  mem {record['memory_peak_bytes_max'] / 2**20:.0f} MiB  "
               f"bytes {record['bytes_sent']}{recompute}", flush=True)

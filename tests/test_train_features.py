@@ -1,0 +1,125 @@
+"""What a torchtitan user expects of the trainer, on 2 gloo ranks against a one-process
+reference written here in plain PyTorch (no FSDP, no planner: every document whole on
+one rank; the schedule from its definition, `torch.nn.utils.clip_grad_norm_`):
+
+- warmup, cosine decay and clipping of the sharded gradients: losses, parameters, and
+  every step's logged `lr` and `grad_norm` equal the reference's;
+- keep-k checkpoints written in the background (DCP's async_save), the final step always
+  saved, "resumed from step N" on resume, the resumed run exact;
+"""
+
+import contextlib
+import io
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+from distributed import run_ranks
+
+import ballonet
+from ballonet.plan import Plan, Segment
+from ballonet.training.checkpoint import prunable
+from ballonet.training.corpus import load_corpus
+from ballonet.training.loader import BalancedLoader
+from ballonet.training.loop import TrainConfig, train_model
+from ballonet.training.model import Transformer
+
+BASE = dict(model="tiny", corpus="stdlib", global_tokens=1536, max_doc_tokens=1024, lr=3e-3, seed=3)
+SCHEDULE = dict(warmup_steps=2, lr_decay="cosine", min_lr=3e-4, max_grad_norm=0.5)
+STEPS = 8
+TOL = 1e-4
+
+
+def _lr(step, steps, *, lr, warmup_steps, lr_decay, min_lr, **_):
+    """The LR of step `step` (1-based) of a `steps`-step run, from the schedule's definition."""
+    if step <= warmup_steps:
+        return lr * step / (warmup_steps + 1)
+    t = (step - warmup_steps - 1) / (steps - warmup_steps - 1)
+    return min_lr + (lr - min_lr) * (1 + math.cos(math.pi * t)) / 2
+
+
+def _whole_docs(lengths):
+    return Plan(planner="ref", lengths=tuple(lengths), node_of_rank=(0,), nic_of_rank=(0,),
+                attention=(tuple(Segment(d, 0, n) for d, n in enumerate(lengths)),))
+
+
+def _reference(lrs, max_grad_norm, **config):
+    """One process, plain PyTorch: AdamW at the given LR of each step, the gradient of the
+    global batch's mean loss clipped by torch's clip_grad_norm_. -> (losses, gradient
+    norms, parameters)."""
+    model = Transformer(ballonet.model(config["model"]), seed=config["seed"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lrs[0], weight_decay=0.0)
+    loader = BalancedLoader(load_corpus(config["corpus"], seed=config["seed"]), global_tokens=config["global_tokens"],
+                            plan_fn=_whole_docs, seed=config["seed"], max_doc_tokens=config["max_doc_tokens"],
+                            prefetch=False)
+    losses, norms = [], []
+    for lr, b in zip(lrs, loader):
+        loss = model.loss(b.input_ids, b.labels, b.plan, 0) / b.num_valid_tokens_global
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm).item())
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, norms, {n: p.detach().numpy() for n, p in model.named_parameters()}
+
+
+def _run(config: dict) -> tuple[list[dict], dict, str]:
+    """(log records, full parameters, what rank 0 printed) of one run on these ranks."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        records, model = train_model(TrainConfig(**config))
+    params = {n: p.full_tensor().detach().numpy() for n, p in model.named_parameters()}
+    return records, params, out.getvalue()
+
+
+def _features(rank, world_size, tmp):
+    ckpt = os.path.join(tmp, "ckpt")
+    runs = [_run(dict(BASE, **SCHEDULE, steps=STEPS))]
+    keep = dict(BASE, **SCHEDULE, checkpoint_dir=ckpt, checkpoint_every=2, keep_checkpoints=2, async_checkpoint=True)
+    runs.append(_run(dict(keep, steps=5)))  # saves 2, 4 and the final 5; keeps 4 and 5
+    listing = sorted(os.listdir(ckpt)) if rank == 0 else None
+    runs.append(_run(dict(keep, steps=STEPS, resume=True)))  # 6 and the final 8; keeps 5, resumed from
+    return runs, listing, sorted(os.listdir(ckpt)) if rank == 0 else None
+
+
+def _assert_matches(records, params, reference):
+    losses, norms, ref_params = reference
+    assert [r["loss"] for r in records] == pytest.approx(losses, rel=TOL)
+    assert [r["grad_norm"] for r in records] == pytest.approx(norms, rel=TOL)
+    for name, p in ref_params.items():
+        assert np.abs(params[name] - p).max() <= TOL, name
+
+
+@pytest.mark.slow
+def test_schedule_clipping_and_keep_k_async_checkpoints_on_2_ranks(tmp_path):
+    lrs = [_lr(s, STEPS, **BASE, **SCHEDULE) for s in range(1, STEPS + 1)]
+    reference = _reference(lrs, SCHEDULE["max_grad_norm"], **BASE)
+    assert max(reference[1]) > SCHEDULE["max_grad_norm"]  # clipping engages
+    (straight, first, resumed), listing, final_listing = run_ranks(2, _features, str(tmp_path))[0]
+
+    records, params, _ = straight
+    assert [r["lr"] for r in records] == pytest.approx(lrs, rel=1e-12)
+    _assert_matches(records, params, reference)
+
+    # A 5-step run has its own schedule; resumed with --steps 8 it follows the 8-step one.
+    lrs_resumed = [_lr(s, 5, **BASE, **SCHEDULE) for s in range(1, 6)] + lrs[5:]
+    assert [r["lr"] for r in first[0] + resumed[0]] == pytest.approx(lrs_resumed, rel=1e-12)
+    _assert_matches(first[0] + resumed[0], resumed[1], _reference(lrs_resumed, SCHEDULE["max_grad_norm"], **BASE))
+    assert "resumed from step 5" in resumed[2] and "resumed from" not in first[2]
+    assert listing == ["config.toml", "latest", "step-00000004", "step-00000005"]
+    assert final_listing == ["config.toml", "latest", "step-00000005", "step-00000006", "step-00000008"]
+    assert open(tmp_path / "ckpt" / "latest").read() == "step-00000008"
+
+
+def test_pruning_keeps_the_newest_and_the_one_resumed_from(tmp_path):
+    for step in (1, 2, 3, 4, 5, 9):
+        (tmp_path / f"step-{step:08d}").mkdir()
+    names = [f"step-{s:08d}" for s in range(10)]
+    assert prunable(str(tmp_path), names[5], keep=2) == [names[9], names[1], names[2], names[3]]
+    assert prunable(str(tmp_path), names[5], keep=2, protect=str(tmp_path / names[2])) == \
+        [names[9], names[1], names[3]]
+    assert prunable(str(tmp_path), names[5], keep=10) == [names[9]]  # a later step is an earlier run's
