@@ -123,3 +123,17 @@ def test_pruning_keeps_the_newest_and_the_one_resumed_from(tmp_path):
     assert prunable(str(tmp_path), names[5], keep=2, protect=str(tmp_path / names[2])) == \
         [names[9], names[1], names[3]]
     assert prunable(str(tmp_path), names[5], keep=10) == [names[9]]  # a later step is an earlier run's
+
+
+def test_micro_batches_hold_every_piece_once_with_even_tokens():
+    from ballonet.training.accumulation import micro_batches
+
+    lengths = [900, 30, 400, 400, 120, 50, 36, 10]
+    groups = micro_batches(lengths, 3)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    assert all(g == sorted(g) for g in groups)  # each in batch order
+    # LPT: 900 alone; 400, 400 apart; then 120 -> 520, 50, 36, 30, 10 -> 526
+    assert [sum(lengths[i] for i in g) for g in groups] == [900, 520, 526]
+    assert micro_batches([5, 3], 4) == [[0], [1]]  # no empty micro-batch
+    assert micro_batches([100, 1, 1], 3, min_tokens=2) == [[0], [1, 2]]  # the two 1-token ones joined
+    assert micro_batches(lengths, 1) == [list(range(len(lengths)))]

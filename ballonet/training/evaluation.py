@@ -1,0 +1,85 @@
+"""The held-out loss (`--eval-every N`): documents held out of the training corpus, or
+another corpus (`--eval-corpus`), cut into global batches, planned and run forward as
+training runs them, without gradients.
+
+`eval_loss` is the sum of token losses over every evaluated batch divided by their valid
+labels (the mean token loss of the evaluation set, not a mean of batch means), so it does
+not depend on the number of ranks or on how the batches are planned.
+
+The held-out documents are a seeded choice from the whole corpus (`hold_out`), fixed by
+the seed and the token count alone: a run and its resumption hold out the same ones, and
+the training loader never sees them (its corpus is the rest).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ballonet.errors import InputError
+from ballonet.plan import Plan
+from ballonet.training.corpus import Corpus
+from ballonet.training.loader import BalancedLoader, RankBatch
+
+_HOLD_OUT_STREAM = 0x5EED_E7A1
+"""Mixed into the seed of the held-out choice, so it is not the first epoch's order."""
+
+
+def subset(corpus: Corpus, docs: np.ndarray, name: str) -> Corpus:
+    """The documents `docs` of `corpus` (in that order) as a corpus of their own."""
+    docs = np.asarray(docs, dtype=np.int64)
+    read_range = corpus.read_range
+    return Corpus(name=name, names=tuple(corpus.names[int(d)] for d in docs), lengths=corpus.lengths[docs],
+                  vocab_size=corpus.vocab_size, read=lambda doc: corpus.read(int(docs[doc])),
+                  read_range=None if read_range is None else
+                  (lambda doc, start, end: read_range(int(docs[doc]), start, end)))
+
+
+def hold_out(corpus: Corpus, num_tokens: int, seed: int) -> tuple[Corpus, Corpus]:
+    """(the training corpus, the held-out corpus): documents of a seeded permutation held
+    out until they hold `num_tokens` tokens; refused if that leaves nothing to train on."""
+    order = np.random.default_rng([seed, _HOLD_OUT_STREAM]).permutation(corpus.num_docs)
+    taken = int(np.searchsorted(np.cumsum(corpus.lengths[order]), num_tokens) + 1)
+    if taken >= corpus.num_docs:
+        raise InputError(f"--eval-every: holding out {num_tokens} tokens for evaluation leaves nothing of corpus "
+                         f"{corpus.name!r} ({corpus.num_tokens} tokens in {corpus.num_docs} documents) to train "
+                         "on; give --eval-corpus or fewer --eval-tokens")
+    held = np.sort(order[:taken])
+    kept = np.setdiff1d(np.arange(corpus.num_docs), held)
+    return subset(corpus, kept, corpus.name), subset(corpus, held, f"{corpus.name} (held out)")
+
+
+def eval_batches(corpus: Corpus, *, num_tokens: int, global_tokens: int, plan_fn: Callable[[tuple[int, ...]], Plan],
+                 rank: int, world_size: int, max_doc_tokens: int | None) -> Iterable[RankBatch]:
+    """This rank's share of the evaluation set: the corpus in its own order, in batches of
+    `global_tokens`, as many as `num_tokens` needs (fewer if the corpus holds fewer; a
+    last batch under one token per rank is left out)."""
+    loader = BalancedLoader(corpus, global_tokens=global_tokens, plan_fn=plan_fn, rank=rank, world_size=world_size,
+                            shuffle=False, max_epochs=1, max_doc_tokens=max_doc_tokens)
+    wanted = math.ceil(num_tokens / global_tokens)
+    for i, batch in enumerate(loader):
+        if i == wanted or sum(p.end - p.start for p in batch.pieces) < world_size:
+            break
+        yield batch
+
+
+def evaluate(model, batches: Iterable[RankBatch], rank: int, group, device: torch.device,
+             outer_group=None) -> dict:
+    """Collective: the model's loss over `batches` (this rank's share of each), without
+    gradients. -> {"eval_loss", "eval_tokens"} (tokens with a label, over all batches)."""
+    loss_sum, valid = torch.zeros((), dtype=torch.float64, device=device), 0
+    with torch.no_grad():
+        for batch in batches:
+            loss_sum += model.loss(batch.input_ids.to(device), batch.labels.to(device), batch.plan, rank, group,
+                                   outer_group=outer_group).double()
+            valid += batch.num_valid_tokens_global
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(loss_sum, group=group)
+    if not valid:
+        raise InputError("evaluation: the evaluation set has no token with a label")
+    return {"eval_loss": loss_sum.item() / valid, "eval_tokens": valid}
+
