@@ -137,3 +137,23 @@ def test_micro_batches_hold_every_piece_once_with_even_tokens():
     assert micro_batches([5, 3], 4) == [[0], [1]]  # no empty micro-batch
     assert micro_batches([100, 1, 1], 3, min_tokens=2) == [[0], [1, 2]]  # the two 1-token ones joined
     assert micro_batches(lengths, 1) == [list(range(len(lengths)))]
+
+
+def test_held_out_documents_are_a_fixed_seeded_slice_training_never_sees():
+    from ballonet.training.evaluation import hold_out
+
+    corpus = load_corpus("stdlib", seed=0)
+    train, held = hold_out(corpus, 5000, seed=3)
+    assert held.num_tokens >= 5000 > held.num_tokens - held.lengths.max()  # just enough whole documents
+    assert train.num_docs + held.num_docs == corpus.num_docs
+    assert set(train.names).isdisjoint(held.names) and set(train.names) | set(held.names) == set(corpus.names)
+    names = list(corpus.names)
+    for part in (train, held):
+        for doc in (0, part.num_docs - 1):
+            original = names.index(part.names[doc])
+            assert np.array_equal(part.tokens(doc), corpus.tokens(original))
+            assert np.array_equal(part.tokens_range(doc, 1, 3), corpus.tokens_range(original, 1, 3))
+    assert hold_out(corpus, 5000, seed=3)[1].names == held.names  # the same on every rank and every resume
+    assert hold_out(corpus, 5000, seed=4)[1].names != held.names
+    with pytest.raises(ballonet.InputError, match="leaves nothing of corpus"):
+        hold_out(corpus, corpus.num_tokens, seed=3)
