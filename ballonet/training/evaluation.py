@@ -19,10 +19,12 @@ from collections.abc import Callable, Iterable
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from ballonet.errors import InputError
 from ballonet.plan import Plan
-from ballonet.training.corpus import Corpus
+from ballonet.training.config import TrainConfig
+from ballonet.training.corpus import Corpus, load_corpus
 from ballonet.training.loader import BalancedLoader, RankBatch
 
 _HOLD_OUT_STREAM = 0x5EED_E7A1
@@ -53,6 +55,20 @@ def hold_out(corpus: Corpus, num_tokens: int, seed: int) -> tuple[Corpus, Corpus
     return subset(corpus, kept, corpus.name), subset(corpus, held, f"{corpus.name} (held out)")
 
 
+def eval_tokens(config: TrainConfig) -> int:
+    """Tokens each evaluation reads (--eval-tokens; default two global batches)."""
+    return config.eval_tokens or 2 * config.global_tokens
+
+
+def split_corpora(config: TrainConfig, corpus: Corpus) -> tuple[Corpus, Corpus | None]:
+    """(the corpus the run trains on, the one it evaluates on or None without --eval-every)."""
+    if not config.eval_every:
+        return corpus, None
+    if config.eval_corpus:
+        return corpus, load_corpus(config.eval_corpus, seed=config.seed)
+    return hold_out(corpus, eval_tokens(config), config.seed)
+
+
 def eval_batches(corpus: Corpus, *, num_tokens: int, global_tokens: int, plan_fn: Callable[[tuple[int, ...]], Plan],
                  rank: int, world_size: int, max_doc_tokens: int | None) -> Iterable[RankBatch]:
     """This rank's share of the evaluation set: the corpus in its own order, in batches of
@@ -77,6 +93,9 @@ def evaluate(model, batches: Iterable[RankBatch], rank: int, group, device: torc
             loss_sum += model.loss(batch.input_ids.to(device), batch.labels.to(device), batch.plan, rank, group,
                                    outer_group=outer_group).double()
             valid += batch.num_valid_tokens_global
+    for module in model.modules():  # no backward resharded what the forward gathered (the root keeps it)
+        if isinstance(module, FSDPModule):
+            module.reshard()
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(loss_sum, group=group)
     if not valid:

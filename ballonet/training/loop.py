@@ -32,7 +32,7 @@ import ballonet
 from ballonet import cost_model, runtime
 from ballonet.errors import InputError
 from ballonet.integrations import hf_model
-from ballonet.training import checkpoint, config_file, export, metrics, optim, parallel
+from ballonet.training import checkpoint, config_file, evaluation, export, metrics, optim, parallel
 from ballonet.training.config import TrainConfig
 from ballonet.training.corpus import Corpus, load_corpus
 from ballonet.training.loader import BalancedLoader, Cursor, document_order, take_pieces
@@ -107,6 +107,14 @@ def preflight(config: TrainConfig, world_size: int):
                f"--vocab-size {corpus.vocab_size} (or vocab_size in a model TOML)")
         raise InputError(f"corpus {config.corpus!r} has token ids up to {corpus.vocab_size - 1}, "
                          f"model {spec.name!r} a vocabulary of {spec.vocab_size}: give {fix}")
+    _, eval_corpus = evaluation.split_corpora(config, corpus)  # too little left to train on fails here
+    if eval_corpus is not None and eval_corpus.vocab_size > spec.vocab_size:
+        raise InputError(f"--eval-corpus {config.eval_corpus!r} has token ids up to {eval_corpus.vocab_size - 1}, "
+                         f"model {spec.name!r} a vocabulary of {spec.vocab_size}")
+    if config.global_tokens // config.grad_accum < world_size:
+        raise InputError(f"--grad-accum {config.grad_accum}: micro-batches of --global-tokens "
+                         f"{config.global_tokens} / {config.grad_accum} tokens hold less than one token per rank "
+                         f"({world_size} ranks)")
     ballonet.plan_batch([1] * world_size, cluster, spec, planner=config.planner)  # a bad planner fails here
     metrics.peak_flops(cluster, config.calibration)  # a bad profile fails here
     return cluster, spec, corpus
@@ -249,10 +257,16 @@ def _run(config: TrainConfig, group, use_cuda: bool):
     torch.manual_seed(config.seed)
 
     cluster, spec, corpus = preflight(config, world_size)
+    corpus, eval_corpus = evaluation.split_corpora(config, corpus)
     plan_fn = functools.partial(ballonet.plan_batch, cluster=cluster, model=spec, planner=config.planner,
                                 **({"double": False} if config.no_double else {}))
     loader = BalancedLoader(corpus, global_tokens=config.global_tokens, plan_fn=plan_fn, rank=rank,
-                            world_size=world_size, seed=config.seed, max_doc_tokens=config.max_doc_tokens)
+                            world_size=world_size, seed=config.seed, max_doc_tokens=config.max_doc_tokens,
+                            grad_accum=config.grad_accum)
+    eval_set = None if eval_corpus is None else functools.partial(
+        evaluation.eval_batches, eval_corpus, num_tokens=evaluation.eval_tokens(config),
+        global_tokens=config.global_tokens, plan_fn=plan_fn, rank=rank, world_size=world_size,
+        max_doc_tokens=config.max_doc_tokens)
     model = (hf_model.build_model(config.model, config.seed, device, config.recompute, config.recompute_layers)
              if hf_model.is_hf(config.model) else build_model(config, spec, device))
     parallel.parallelize(model, parallel.device_mesh(world_size, config.shard, device), config.dtype)
@@ -287,21 +301,23 @@ def _run(config: TrainConfig, group, use_cuda: bool):
     outer_group = dist.new_group(dist.get_process_group_ranks(group)) if world_size > 1 else None
     records = []
     batches = iter(loader)
+    auto = functools.partial(_auto_recompute, model, spec=spec, cluster=cluster, rank=rank) \
+        if spec.recompute is None else None
     while step < config.steps:
         try:
-            batch = next(batches)
+            first = next(batches)
+            micro = [first] + [next(batches) for _ in range(first.num_micro_batches - 1)]
         except StopIteration:
             break
         except InputError as e:
             raise _unplannable(e, step + 1, loader, corpus, config) from None
         step += 1
         _maybe_fault(step, rank)
-        recompute = _auto_recompute(model, batch.plan, spec, cluster, rank) if spec.recompute is None else None
-        record = _step(model, optimizer, batch, rank, group, device, spec, peak, step, outer_group,
-                       config.max_grad_norm)
+        record = _step(model, optimizer, micro, rank, group, device, spec, peak, step, outer_group,
+                       config.max_grad_norm, auto)
         scheduler.step()
-        if recompute is not None:
-            record["recompute"], record["recompute_layers_max"] = recompute
+        if eval_set is not None and step % config.eval_every == 0:
+            record.update(evaluation.evaluate(model, eval_set(), rank, group, device, outer_group))
         records.append(record)
         if rank == 0:
             _log(config, record, writer)
@@ -316,7 +332,7 @@ def _run(config: TrainConfig, group, use_cuda: bool):
     return records, model
 
 
-def _auto_recompute(model, plan, spec, cluster, rank: int) -> tuple[str, int]:
+def _auto_recompute(model, plan, *, spec, cluster, rank: int) -> tuple[str, int]:
     """--recompute auto: set this step's recomputation on this rank's blocks, the cheapest
     the plan's tokens fit under in the cost model's memory (`cost_model.recomputation_per_rank`,
     what the planner and the simulator price: selective or linear on as few of the first
@@ -344,15 +360,27 @@ def _checkpointer(config: TrainConfig, rank: int, group, device, resumed_from: s
                                    protect=resumed_from, async_group=async_group)
 
 
-def _step(model, optimizer, batch, rank: int, group, device, spec, peak: float, step: int,
-          outer_group=None, max_grad_norm: float | None = None) -> dict:
-    """One optimizer step on this rank's share of `batch`; its log record. `outer_group`
-    as in `runtime.attention`; the gradient clipped to `max_grad_norm` if given."""
+_RECOMPUTE_ORDER = ("none", "selective", "linear", "full")
+"""Least to most recomputation."""
+
+
+def _step(model, optimizer, micro: list, rank: int, group, device, spec, peak: float, step: int,
+          outer_group=None, max_grad_norm: float | None = None, auto_recompute=None) -> dict:
+    """One optimizer step on this rank's share of a global batch, given as its micro-batches
+    `micro` (one without --grad-accum; each one's loss over the global batch's valid
+    labels, so their gradients add up to the global batch's); its log record.
+    `outer_group` as in `runtime.attention`; the gradient clipped to `max_grad_norm` if
+    given; `auto_recompute(plan)` sets each micro-batch's recomputation (--recompute auto)."""
     wall, cpu = time.perf_counter(), time.thread_time()
     counter = runtime.ByteCounter()
-    loss_sum = model.loss(batch.input_ids.to(device), batch.labels.to(device), batch.plan, rank, group,
+    loss_sum, recomputes = torch.zeros((), dtype=torch.float64, device=device), []
+    for batch in micro:
+        if auto_recompute is not None:
+            recomputes.append(auto_recompute(batch.plan))
+        part = model.loss(batch.input_ids.to(device), batch.labels.to(device), batch.plan, rank, group,
                           counter=counter, outer_group=outer_group)
-    (loss_sum / batch.num_valid_tokens_global).backward()
+        (part / batch.num_valid_tokens_global).backward()
+        loss_sum += part.detach().double()
     compute = time.thread_time() - cpu
     grad_norm, lr = optim.clip_gradients(model.parameters(), max_grad_norm), optim.current_lr(optimizer)
     optimizer.step()
@@ -367,25 +395,32 @@ def _step(model, optimizer, batch, rank: int, group, device, spec, peak: float, 
               step_cpu]
     sums, maxes = _reduce(values, group, device)
     world_size = dist.get_world_size(group)
-    num_tokens = sum(p.end - p.start for p in batch.pieces)
-    return {
+    pieces = [p for batch in micro for p in batch.pieces]
+    num_tokens = sum(p.end - p.start for p in pieces)
+    record = {
         "step": step,
-        "loss": sums[0] / batch.num_valid_tokens_global,
+        "loss": sums[0] / micro[0].num_valid_tokens_global,
         "lr": lr,
         "grad_norm": grad_norm,
         "tokens": num_tokens,
         "tokens_per_s": num_tokens / wall,
-        "plan_ms": batch.plan_ms,
+        "plan_ms": sum(batch.plan_ms for batch in micro),
         "compute_s_max": maxes[1],
         "compute_s_mean": sums[1] / world_size,
         "cpu_s_max": maxes[6],
         "bytes_sent": int(sums[2]),
-        "ledger": [list(p) for p in batch.pieces],
-        "mfu": metrics.step_flops(spec, batch.plan.lengths) / (wall * peak),
+        "ledger": [list(p) for p in pieces],
+        "mfu": metrics.step_flops(spec, [p.end - p.start for p in pieces]) / (wall * peak),
         "exposed_comm_s_max": maxes[3],
         "memory_peak_bytes_max": int(maxes[4]),
         "param_bytes_max": int(maxes[5]),
     }
+    if len(micro) > 1:
+        record["micro_batches"] = len(micro)
+    if recomputes:  # the most any micro-batch recomputed
+        record["recompute"], record["recompute_layers_max"] = max(
+            recomputes, key=lambda r: (_RECOMPUTE_ORDER.index(r[0]), r[1]))
+    return record
 
 
 def _log(config: TrainConfig, record: dict, writer) -> None:
@@ -396,12 +431,17 @@ def _log(config: TrainConfig, record: dict, writer) -> None:
         for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "compute_s_max", "exposed_comm_s_max",
                     "memory_peak_bytes_max"):
             writer.add_scalar(f"train/{key}", record[key], record["step"])
+        if "eval_loss" in record:
+            writer.add_scalar("eval/loss", record["eval_loss"], record["step"])
     step = record["step"]
     if step % config.log_every == 0 or step == config.steps:
         balance = record["compute_s_max"] / max(record["compute_s_mean"], 1e-9)
         recompute = (f"  recompute {record['recompute']} (at most {record['recompute_layers_max']} layers)"
                      if "recompute" in record else "")  # --recompute auto
-        print(f"step {step:4d}  loss {record['loss']:.4f}  lr {record['lr']:.2e}  grad norm {record['grad_norm']:.3f}  tok/s {record['tokens_per_s']:8.0f}  "
-              f"MFU {record['mfu']:6.2%}  plan {record['plan_ms']:6.1f} ms  compute max/mean {balance:.2f}  "
-              f"exposed comm {record['exposed_comm_s_max']:.3f} s  mem {record['memory_peak_bytes_max'] / 2**20:.0f} MiB  "
-              f"bytes {record['bytes_sent']}{recompute}", flush=True)
+        print(f"step {step:4d}  loss {record['loss']:.4f}  lr {record['lr']:.2e}  grad norm {record['grad_norm']:.3f}  "
+              f"tok/s {record['tokens_per_s']:8.0f}  MFU {record['mfu']:6.2%}  plan {record['plan_ms']:6.1f} ms  "
+              f"compute max/mean {balance:.2f}  exposed comm {record['exposed_comm_s_max']:.3f} s  "
+              f"mem {record['memory_peak_bytes_max'] / 2**20:.0f} MiB  bytes {record['bytes_sent']}{recompute}",
+              flush=True)
+    if "eval_loss" in record:
+        print(f"step {step:4d}  eval loss {record['eval_loss']:.4f} over {record['eval_tokens']} tokens", flush=True)
