@@ -30,9 +30,10 @@ import torch.distributed as dist
 
 import ballonet
 from ballonet import runtime
-from ballonet.cost.recompute import cheapest_per_rank, most_layers
+from ballonet.cost.recompute import plan_recompute
 from ballonet.errors import InputError
 from ballonet.integrations import hf_model
+from ballonet.plan.recompute import heaviest
 from ballonet.training import checkpoint, config_file, evaluation, export, metrics, optim, parallel
 from ballonet.training.config import TrainConfig
 from ballonet.training.corpus import Corpus, load_corpus
@@ -334,18 +335,17 @@ def _run(config: TrainConfig, group, use_cuda: bool):
 
 
 def _auto_recompute(model, plan, *, spec, cluster, rank: int) -> tuple[str, int]:
-    """--recompute auto: set this step's recomputation on this rank's blocks, the cheapest
-    the plan's tokens fit under in the cost model's memory (`cost.recompute.cheapest_per_rank`,
-    what the planner and the simulator price: selective or linear on as few of the first
-    layers as this rank's own tokens need). Every rank derives it from the same plan, so a "full"
-    step (whose exchanges rerun in the backward) is full on all of them. -> (mode, the
-    most layers any rank recomputes)."""
-    gpus = [cluster.gpu_of(r) for r in range(plan.num_ranks)]
-    mode, per_rank = cheapest_per_rank(spec, plan.linear_token_counts, gpus, plan.num_ranks,
-                                       plan.attention_token_counts) \
-        or ("full", (("full", spec.num_layers),) * plan.num_ranks)
-    model.set_recompute(*per_rank[rank])
-    return mode, most_layers(mode, per_rank)
+    """--recompute auto: set this step's recomputation on this rank's blocks as the plan
+    says (`Plan.recompute`, `cost.recompute.plan_recompute`: the cheapest its tokens fit
+    under, what the planner and the simulator price: selective or linear on as few of the
+    first layers as this rank's own tokens need). Every rank reads the same plan, so a
+    "full" step (whose exchanges rerun in the backward) is full on all of them. -> (mode,
+    the most layers any rank recomputes)."""
+    per_rank = plan_recompute(plan, spec, [cluster.gpu_of(r) for r in range(plan.num_ranks)])
+    mode, layers = per_rank[rank]
+    model.set_recompute(mode.value, layers)
+    most = heaviest(per_rank)
+    return most.mode.value, most.layers
 
 
 def _checkpointer(config: TrainConfig, rank: int, group, device, resumed_from: str | None,
@@ -359,10 +359,6 @@ def _checkpointer(config: TrainConfig, rank: int, group, device, resumed_from: s
         async_group = dist.new_group(dist.get_process_group_ranks(group), backend="gloo")
     return checkpoint.Checkpointer(config.checkpoint_dir, rank, group, device, keep=config.keep_checkpoints,
                                    protect=resumed_from, async_group=async_group)
-
-
-_RECOMPUTE_ORDER = ("none", "selective", "linear", "full")
-"""Least to most recomputation."""
 
 
 def _step(model, optimizer, micro: list, rank: int, group, device, spec, peak: float, step: int,
@@ -419,8 +415,8 @@ def _step(model, optimizer, micro: list, rank: int, group, device, spec, peak: f
     if len(micro) > 1:
         record["micro_batches"] = len(micro)
     if recomputes:  # the most any micro-batch recomputed
-        record["recompute"], record["recompute_layers_max"] = max(
-            recomputes, key=lambda r: (_RECOMPUTE_ORDER.index(r[0]), r[1]))
+        most = heaviest(recomputes)
+        record["recompute"], record["recompute_layers_max"] = most.mode.value, most.layers
     return record
 
 
