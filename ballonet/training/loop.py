@@ -6,12 +6,16 @@ everything else on the token-balanced linear layout, its weights sharded by FSDP
 (`parallel.py`). The loss is the sum of token losses divided by the global count of
 valid labels, so the sum of the ranks' gradients (FSDP2's reduce-scatter, overlapped
 with backward) is the gradient of the global mean loss whatever the layout: every
-planner trains the same model.
+planner trains the same model. With `--grad-accum` a global batch arrives as its
+micro-batches (`accumulation.py`), each divided by the whole batch's valid labels, and
+one optimizer step follows them all; the step's gradient is clipped and its learning
+rate scheduled by `optim.py`; every `--eval-every` steps `evaluation.py` measures the
+held-out loss.
 
 Checkpoints (`checkpoint.py`) are sharded, atomic and safe to load. With `--resume`, a
 restarted job (by hand or by torchrun's `--max-restarts`) continues from the last one,
 on the same or another world size; the JSON log is cut back to it so every step appears
-once.
+once (`logs.py`).
 """
 
 from __future__ import annotations
@@ -19,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
-import json
 import os
 import re
 import signal
@@ -34,7 +37,7 @@ from ballonet.cost.recompute import plan_recompute
 from ballonet.errors import InputError
 from ballonet.integrations import hf_model
 from ballonet.plan.recompute import heaviest
-from ballonet.training import checkpoint, config_file, evaluation, export, metrics, optim, parallel
+from ballonet.training import checkpoint, config_file, evaluation, export, logs, metrics, optim, parallel
 from ballonet.training.config import TrainConfig
 from ballonet.training.corpus import Corpus, load_corpus
 from ballonet.training.loader import BalancedLoader, Cursor, document_order, take_pieces
@@ -102,7 +105,7 @@ def preflight(config: TrainConfig, world_size: int):
                                recompute_layers=config.recompute_layers)
     metrics.check_budget(spec, cluster, config.global_tokens, world_size, config.shard)
     if config.tensorboard:
-        _tensorboard_writer(None)
+        logs.tensorboard_writer(None)
     corpus = load_corpus(config.corpus, seed=config.seed)
     if corpus.vocab_size > spec.vocab_size:
         fix = ("a model whose config.json has a larger vocab_size" if is_hf else
@@ -153,35 +156,7 @@ def _maybe_fault(step: int, rank: int) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-# ---- logs ----------------------------------------------------------------------------------
-
-
-def _trim_log(path: str, last_step: int) -> None:
-    """Keep the JSON log's entries up to `last_step` (the steps after it run again); a
-    torn last line (a run killed mid-write) is dropped."""
-    if not os.path.exists(path):
-        return
-    with open(path, encoding="utf-8", errors="replace") as f:
-        lines = [line for line in f if line.strip()]
-    kept = []
-    for i, line in enumerate(lines):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            if i == len(lines) - 1:
-                break
-            raise InputError(f"{path}:{i + 1}: not a JSON log line; cannot resume its log") from None
-        if record.get("step", 0) <= last_step:
-            kept.append(json.dumps(record) + "\n")
-    checkpoint.write_durably(path, "".join(kept))
-
-
-def _tensorboard_writer(folder: str | None):
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        raise InputError("--tensorboard needs the tensorboard package (pip install 'ballonet[tb]')") from None
-    return SummaryWriter(folder) if folder else None
+# ---- collectives and errors ---------------------------------------------------------------
 
 
 def _reduce(values: list[float], group, device: torch.device) -> tuple[list[float], list[float]]:
@@ -293,10 +268,10 @@ def _run(config: TrainConfig, group, use_cuda: bool):
     model_meta = {"model": export.model_meta(spec, hf_config, config.max_doc_tokens or config.global_tokens)}
     if rank == 0 and config.json_log:
         if step:
-            _trim_log(config.json_log, step)
+            logs.trim(config.json_log, step)
         elif os.path.exists(config.json_log):
             os.remove(config.json_log)
-    writer = _tensorboard_writer(config.tensorboard) if config.tensorboard and rank == 0 else None
+    writer = logs.tensorboard_writer(config.tensorboard) if config.tensorboard and rank == 0 else None
     peak = metrics.peak_flops(cluster, config.calibration)
 
     # Double rings' transfers across nodes go over a second group (`runtime.attention`).
@@ -322,7 +297,7 @@ def _run(config: TrainConfig, group, use_cuda: bool):
             record.update(evaluation.evaluate(model, eval_set(), rank, group, device, outer_group))
         records.append(record)
         if rank == 0:
-            _log(config, record, writer)
+            logs.write(config, record, writer)
         if saver and config.checkpoint_every and step % config.checkpoint_every == 0:
             saver.save(step, model, optimizer, loader.state_dict(), model_meta)
     if saver and records and saver.last_step != step:  # the final step, always
@@ -418,27 +393,3 @@ def _step(model, optimizer, micro: list, rank: int, group, device, spec, peak: f
         most = heaviest(recomputes)
         record["recompute"], record["recompute_layers_max"] = most.mode.value, most.layers
     return record
-
-
-def _log(config: TrainConfig, record: dict, writer) -> None:
-    if config.json_log:
-        with open(config.json_log, "a") as f:
-            f.write(json.dumps(record) + "\n")
-    if writer is not None:
-        for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "compute_s_max", "exposed_comm_s_max",
-                    "memory_peak_bytes_max"):
-            writer.add_scalar(f"train/{key}", record[key], record["step"])
-        if "eval_loss" in record:
-            writer.add_scalar("eval/loss", record["eval_loss"], record["step"])
-    step = record["step"]
-    if step % config.log_every == 0 or step == config.steps:
-        balance = record["compute_s_max"] / max(record["compute_s_mean"], 1e-9)
-        recompute = (f"  recompute {record['recompute']} (at most {record['recompute_layers_max']} layers)"
-                     if "recompute" in record else "")  # --recompute auto
-        print(f"step {step:4d}  loss {record['loss']:.4f}  lr {record['lr']:.2e}  grad norm {record['grad_norm']:.3f}  "
-              f"tok/s {record['tokens_per_s']:8.0f}  MFU {record['mfu']:6.2%}  plan {record['plan_ms']:6.1f} ms  "
-              f"compute max/mean {balance:.2f}  exposed comm {record['exposed_comm_s_max']:.3f} s  "
-              f"mem {record['memory_peak_bytes_max'] / 2**20:.0f} MiB  bytes {record['bytes_sent']}{recompute}",
-              flush=True)
-    if "eval_loss" in record:
-        print(f"step {step:4d}  eval loss {record['eval_loss']:.4f} over {record['eval_tokens']} tokens", flush=True)
