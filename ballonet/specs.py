@@ -270,7 +270,7 @@ def load_toml(path: str, kind: str = "cluster file") -> dict:
     try:
         import tomllib
     except ModuleNotFoundError:  # Python 3.10
-        import tomli as tomllib
+        import tomli as tomllib  # type: ignore[no-redef]
     try:
         with open(path, "rb") as f:
             return tomllib.load(f)
