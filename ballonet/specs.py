@@ -13,6 +13,7 @@ import functools
 import os
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 from ballonet.cost import hardware
 from ballonet.errors import InputError
@@ -342,7 +343,7 @@ def model_from_toml(path: str) -> ModelSpec:
     unknown = sorted(set(data) - known - {"base"})
     if unknown:
         raise InputError(f"{path}: unknown field {unknown[0]!r}; known: base, {', '.join(sorted(known))}")
-    values = {"name": os.path.splitext(os.path.basename(path))[0]}
+    values: dict[str, Any] = {"name": os.path.splitext(os.path.basename(path))[0]}
     base = data.pop("base", None)
     if base is not None:
         if base not in MODELS:
