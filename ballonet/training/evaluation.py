@@ -70,17 +70,22 @@ def split_corpora(config: TrainConfig, corpus: Corpus) -> tuple[Corpus, Corpus |
 
 
 def eval_batches(corpus: Corpus, *, num_tokens: int, global_tokens: int, plan_fn: Callable[[tuple[int, ...]], Plan],
-                 rank: int, world_size: int, max_doc_tokens: int | None) -> Iterable[RankBatch]:
+                 rank: int, world_size: int, max_doc_tokens: int | None, grad_accum: int = 1) -> Iterable[RankBatch]:
     """This rank's share of the evaluation set: the corpus in its own order, in batches of
-    `global_tokens`, as many as `num_tokens` needs (fewer if the corpus holds fewer; a
-    last batch under one token per rank is left out)."""
+    `global_tokens` (as `grad_accum` micro-batches each, as training runs them), as many
+    as `num_tokens` needs (fewer if the corpus holds fewer; a last batch under one token
+    per rank is left out)."""
     loader = BalancedLoader(corpus, global_tokens=global_tokens, plan_fn=plan_fn, rank=rank, world_size=world_size,
-                            shuffle=False, max_epochs=1, max_doc_tokens=max_doc_tokens)
-    wanted = math.ceil(num_tokens / global_tokens)
-    for i, batch in enumerate(loader):
-        if i == wanted or sum(p.end - p.start for p in batch.pieces) < world_size:
+                            shuffle=False, max_epochs=1, max_doc_tokens=max_doc_tokens, grad_accum=grad_accum)
+    wanted, micro = math.ceil(num_tokens / global_tokens), []
+    for batch in loader:
+        micro.append(batch)
+        if len(micro) < batch.num_micro_batches:
+            continue
+        if wanted == 0 or sum(p.end - p.start for b in micro for p in b.pieces) < world_size:
             break
-        yield batch
+        yield from micro
+        wanted, micro = wanted - 1, []
 
 
 def evaluate(model, batches: Iterable[RankBatch], rank: int, group, device: torch.device,
@@ -92,7 +97,7 @@ def evaluate(model, batches: Iterable[RankBatch], rank: int, group, device: torc
         for batch in batches:
             loss_sum += model.loss(batch.input_ids.to(device), batch.labels.to(device), batch.plan, rank, group,
                                    outer_group=outer_group).double()
-            valid += batch.num_valid_tokens_global
+            valid += batch.batch.num_valid_tokens  # this (micro-)batch's own
     for module in model.modules():  # no backward resharded what the forward gathered (the root keeps it)
         if isinstance(module, FSDPModule):
             module.reshard()

@@ -243,7 +243,7 @@ def _run(config: TrainConfig, group, use_cuda: bool):
     eval_set = None if eval_corpus is None else functools.partial(
         evaluation.eval_batches, eval_corpus, num_tokens=evaluation.eval_tokens(config),
         global_tokens=config.global_tokens, plan_fn=plan_fn, rank=rank, world_size=world_size,
-        max_doc_tokens=config.max_doc_tokens)
+        max_doc_tokens=config.max_doc_tokens, grad_accum=config.grad_accum)
     model = (hf_model.build_model(config.model, config.seed, device, config.recompute, config.recompute_layers)
              if hf_model.is_hf(config.model) else build_model(config, spec, device))
     parallel.parallelize(model, parallel.device_mesh(world_size, config.shard, device), config.dtype)
