@@ -78,9 +78,11 @@ def test_the_built_in_model_exports_as_llama_with_equal_logits(tmp_path, capsys)
 
 
 def test_a_hugging_face_model_exports_as_itself_with_its_trained_weights(tmp_path):
-    from tests.test_hf_train import llama_folder
+    from transformers import LlamaConfig
 
-    folder = llama_folder(tmp_path / "llama", vocab_size=256)
+    folder = tmp_path / "llama"  # a config alone: random weights from the seed, as `ballonet train` makes them
+    LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=176, vocab_size=256,
+                num_hidden_layers=2, tie_word_embeddings=False).save_pretrained(folder)
     ckpt = tmp_path / "ckpt"
     _, trained = train_model(TrainConfig(**BASE, model=f"hf:{folder}", checkpoint_dir=str(ckpt),
                                          checkpoint_every=1, keep_checkpoints=2))
