@@ -110,7 +110,7 @@ def test_export_refuses_bad_checkpoints_in_one_line(tmp_path, capsys):
     (ckpt / "step-00000001" / ".metadata").write_bytes(pickle.dumps(Payload()))
     empty = tmp_path / "empty"
     empty.mkdir()
-    cases = [(["--checkpoint", str(ckpt)], "corrupt or foreign"),
+    cases = [(["--checkpoint", str(ckpt)], "not a checkpoint's metadata that is safe to load"),
              (["--checkpoint", str(empty)], "holds no checkpoint"),
              (["--checkpoint", str(tmp_path / "nothing")], "not a folder")]
     for args, message in cases:

@@ -10,6 +10,7 @@ import ast
 import dataclasses
 import functools
 import inspect
+import math
 import typing
 from dataclasses import dataclass
 from typing import Literal
@@ -116,8 +117,11 @@ class TrainConfig:
                 raise InputError(f"{_flag(name)} must be positive, got {value}")
         for name in ("weight_decay", "seed", "max_restarts", "checkpoint_every", "warmup_steps", "min_lr",
                      "eval_every"):
-            if getattr(self, name) < 0:
+            if not getattr(self, name) >= 0:  # NaN included
                 raise InputError(f"{_flag(name)} must be >= 0, got {getattr(self, name)}")
+        for name in ("lr", "weight_decay", "timeout_minutes", "min_lr", "max_grad_norm"):
+            if getattr(self, name) is not None and not math.isfinite(getattr(self, name)):
+                raise InputError(f"{_flag(name)} must be a finite number, got {getattr(self, name)}")
         for name, choices in _choices().items():
             if getattr(self, name) not in choices:
                 raise InputError(f"{_flag(name)} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
+import math
 import os
 import re
 import signal
@@ -46,6 +47,8 @@ from ballonet.training.model import build_model
 
 class RankFailure(InputError):
     """A peer died, timed out or disagreed: one line on every rank instead of a hang."""
+
+    exit_code = 1  # not the user's input
 
 
 _PEER_TROUBLE = re.compile(r"disagree on the plan|another plan rank|the plan is for|[Cc]onnection|[Tt]imed? ?out|"
@@ -104,6 +107,8 @@ def preflight(config: TrainConfig, world_size: int):
                                recompute=None if config.recompute == "auto" else config.recompute,
                                recompute_layers=config.recompute_layers)
     metrics.check_budget(spec, cluster, config.global_tokens, world_size, config.shard)
+    if config.checkpoint_dir:  # the last step is saved whatever --checkpoint-every
+        checkpoint.check_folder(config.checkpoint_dir, spec.num_params, config.keep_checkpoints)
     if config.tensorboard:
         logs.tensorboard_writer(None)
     corpus = load_corpus(config.corpus, seed=config.seed)
@@ -257,7 +262,10 @@ def _run(config: TrainConfig, group, use_cuda: bool):
     found = checkpoint.latest(config.checkpoint_dir) if config.resume and config.checkpoint_dir else None
     if found:
         meta = checkpoint.load(found, model, optimizer, rank, group, device)
-        loader.load_state_dict(meta["loader"])
+        try:
+            loader.load_state_dict(meta["loader"])
+        except InputError as e:
+            raise InputError(f"{os.path.join(found, checkpoint.META)}: {e}") from None
         step = meta["step"]
         if rank == 0:
             print(f"resumed from step {step} ({found})", flush=True)
@@ -292,6 +300,8 @@ def _run(config: TrainConfig, group, use_cuda: bool):
         _maybe_fault(step, rank)
         record = _step(model, optimizer, micro, rank, group, device, spec, peak, step, outer_group,
                        config.max_grad_norm, auto)
+        if not math.isfinite(record["loss"]):  # the same on every rank (a reduced sum)
+            raise InputError(f"step {step}: the loss is {record['loss']}; training stopped (try a smaller --lr)")
         scheduler.step()
         if eval_set is not None and step % config.eval_every == 0:
             record.update(evaluation.evaluate(model, eval_set(), rank, group, device, outer_group))
