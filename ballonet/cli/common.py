@@ -148,8 +148,8 @@ def print_table(title: str, columns: list[str], rows: list[list], footer: str | 
         natural = Measurement.get(console, console.options.update_width(10_000), table).maximum
         console = stdout_console(width=max(console.width, natural))
     console.print(table)
-    if footer:
-        console.print(footer)
+    if footer:  # piped: the lines as they are, not wrapped at the table's width
+        console.print(footer, soft_wrap=not console.is_terminal)
 
 
 _CELL_FORMATS = {"step_time_s": "{:.3f}", "speedup_vs_te_cp": "{:.2f}x", "mfu": "{:.1%}",
