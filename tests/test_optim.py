@@ -68,9 +68,9 @@ def test_clipping_matches_torch_and_measures_without_clipping():
     for p, t, g in zip(params, twins, grads):
         p.grad, t.grad = g.clone(), g.clone()
     norm = torch.cat([g.flatten() for g in grads]).norm().item()
-    assert optim.clip_gradients(params, None) == pytest.approx(norm, rel=1e-6)
+    assert float(optim.clip_gradients(params, None)) == pytest.approx(norm, rel=1e-6)
     assert all(torch.equal(p.grad, g) for p, g in zip(params, grads))  # measured, not clipped
-    assert optim.clip_gradients(params, 1.0) == pytest.approx(norm, rel=1e-6)  # the norm before clipping
+    assert float(optim.clip_gradients(params, 1.0)) == pytest.approx(norm, rel=1e-6)  # the norm before clipping
     torch.nn.utils.clip_grad_norm_(twins, 1.0)
     for p, t in zip(params, twins):
         assert torch.allclose(p.grad, t.grad, rtol=1e-6, atol=0)

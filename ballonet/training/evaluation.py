@@ -88,22 +88,25 @@ def eval_batches(corpus: Corpus, *, num_tokens: int, global_tokens: int, plan_fn
         wanted, micro = wanted - 1, []
 
 
-def evaluate(model, batches: Iterable[RankBatch], rank: int, group, device: torch.device,
-             outer_group=None) -> dict:
+def evaluate(model, batches: Iterable[RankBatch], rank: int, group, device: torch.device, outer_group=None,
+             reduce_group=None) -> dict:
     """Collective: the model's loss over `batches` (this rank's share of each), without
-    gradients. -> {"eval_loss", "eval_tokens"} (tokens with a label, over all batches)."""
+    gradients; `group` carries the plan's traffic, `outer_group` as in
+    `runtime.attention`, the sum is reduced over `reduce_group` (default `group`).
+    -> {"eval_loss", "eval_tokens"} (tokens with a label, over all batches)."""
     loss_sum, valid = torch.zeros((), dtype=torch.float64, device=device), 0
     with torch.no_grad():
         for batch in batches:
-            loss_sum += model.loss(batch.input_ids.to(device), batch.labels.to(device), batch.plan, rank, group,
-                                   outer_group=outer_group).double()
+            meta, input_ids, labels = batch.staged.to(device)
+            loss_sum += model.loss(input_ids, labels, batch.plan, rank, group, outer_group=outer_group, meta=meta,
+                                   content=batch.content).double()  # the plan and data checked first
             valid += batch.batch.num_valid_tokens  # this (micro-)batch's own
     for module in model.modules():  # no backward resharded what the forward gathered (the root keeps it)
         if isinstance(module, FSDPModule):
             module.reshard()
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(loss_sum, group=group)
+    reduce_group = reduce_group or group
+    if reduce_group is not None and dist.get_world_size(reduce_group) > 1:
+        dist.all_reduce(loss_sum, group=reduce_group)
     if not valid:
         raise InputError("evaluation: the evaluation set has no token with a label")
     return {"eval_loss": loss_sum.item() / valid, "eval_tokens": valid}
-

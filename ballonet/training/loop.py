@@ -20,6 +20,7 @@ once (`logs.py`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -40,9 +41,10 @@ from ballonet.integrations import hf_model
 from ballonet.plan.recompute import heaviest
 from ballonet.training import checkpoint, config_file, evaluation, export, logs, metrics, optim, parallel
 from ballonet.training.config import TrainConfig
-from ballonet.training.corpus import Corpus, load_corpus
+from ballonet.training.corpus import Corpus
 from ballonet.training.loader import BalancedLoader, Cursor, document_order, take_pieces
 from ballonet.training.model import build_model
+from ballonet.training.preflight import preflight
 
 
 class RankFailure(InputError):
@@ -51,83 +53,9 @@ class RankFailure(InputError):
     exit_code = 1  # not the user's input
 
 
-_PEER_TROUBLE = re.compile(r"disagree on the plan|another plan rank|the plan is for|[Cc]onnection|[Tt]imed? ?out|"
-                           r"[Pp]eer|[Gg]loo|NCCL")
+_PEER_TROUBLE = re.compile(r"disagree on the plan|disagree on the step's tokens|another plan rank|the plan is for|"
+                           r"[Cc]onnection|[Tt]imed? ?out|[Pp]eer|[Gg]loo|NCCL")
 """What the runtime's plan check and the communication backends say when ranks part ways."""
-
-
-def _cluster(config: TrainConfig, world_size: int) -> ballonet.ClusterSpec:
-    if world_size % config.nodes:
-        raise InputError(f"{world_size} ranks cannot be spread evenly over --nodes {config.nodes}")
-    spec = ballonet.cluster(config.cluster, num_nodes=config.nodes, gpus_per_node=world_size // config.nodes)
-    if spec.num_ranks != world_size:
-        raise InputError(f"cluster {spec.name!r} has {spec.num_ranks} ranks, the job {world_size}")
-    return spec
-
-
-def _check_paths(config: TrainConfig) -> None:
-    if config.json_log:
-        if os.path.isdir(config.json_log):
-            raise InputError(f"--json-log {config.json_log}: is a folder, not a file")
-        parent = os.path.dirname(config.json_log) or "."
-        if not os.path.isdir(parent):
-            raise InputError(f"--json-log {config.json_log}: folder {parent} does not exist")
-    if config.checkpoint_dir and os.path.exists(config.checkpoint_dir) and not os.path.isdir(config.checkpoint_dir):
-        raise InputError(f"--checkpoint-dir {config.checkpoint_dir}: is a file, not a folder")
-    if config.resume and config.checkpoint_dir:
-        path = checkpoint.latest(config.checkpoint_dir)  # a foreign folder or dangling pointer fails here
-        if path:
-            checkpoint.read_meta(path)
-
-
-def preflight(config: TrainConfig, world_size: int):
-    """Check what can be checked before any process starts or any batch is built; returns
-    (cluster, model spec, corpus). Raises InputError with one line on bad input."""
-    if config.global_tokens < world_size:
-        raise InputError(f"--global-tokens {config.global_tokens} is smaller than one token per rank "
-                         f"({world_size} ranks)")
-    _check_paths(config)
-    cluster = _cluster(config, world_size)
-    is_hf = hf_model.is_hf(config.model)
-    spec = hf_model.model_spec(config.model) if is_hf else ballonet.model(config.model)
-    if config.vocab_size is not None:
-        if is_hf:
-            raise InputError(f"--vocab-size is for the built-in model; {config.model}'s config.json sets its own")
-        spec = dataclasses.replace(spec, vocab_size=config.vocab_size)
-    if config.recompute not in hf_model.RECOMPUTE and hf_model.is_hf(config.model):
-        choices = ", ".join(hf_model.RECOMPUTE)
-        raise InputError(f"--recompute {config.recompute}: not for a Hugging Face model ({config.model}), whose "
-                         f"modules are checkpointed whole when it is built (--recompute {choices})")
-    if config.recompute_layers is not None and config.recompute_layers > spec.num_layers:
-        raise InputError(f"--recompute-layers {config.recompute_layers}: model {spec.name!r} has "
-                         f"{spec.num_layers} layers")
-    # The planner and the cost model price what this run does: its dtype and recomputation
-    # (auto: None, the cheapest each plan fits under).
-    spec = dataclasses.replace(spec, dtype_bytes=parallel.DTYPES[config.dtype].itemsize,
-                               recompute=None if config.recompute == "auto" else config.recompute,
-                               recompute_layers=config.recompute_layers)
-    metrics.check_budget(spec, cluster, config.global_tokens, world_size, config.shard)
-    if config.checkpoint_dir:  # the last step is saved whatever --checkpoint-every
-        checkpoint.check_folder(config.checkpoint_dir, spec.num_params, config.keep_checkpoints)
-    if config.tensorboard:
-        logs.tensorboard_writer(None)
-    corpus = load_corpus(config.corpus, seed=config.seed)
-    if corpus.vocab_size > spec.vocab_size:
-        fix = ("a model whose config.json has a larger vocab_size" if is_hf else
-               f"--vocab-size {corpus.vocab_size} (or vocab_size in a model TOML)")
-        raise InputError(f"corpus {config.corpus!r} has token ids up to {corpus.vocab_size - 1}, "
-                         f"model {spec.name!r} a vocabulary of {spec.vocab_size}: give {fix}")
-    _, eval_corpus = evaluation.split_corpora(config, corpus)  # too little left to train on fails here
-    if eval_corpus is not None and eval_corpus.vocab_size > spec.vocab_size:
-        raise InputError(f"--eval-corpus {config.eval_corpus!r} has token ids up to {eval_corpus.vocab_size - 1}, "
-                         f"model {spec.name!r} a vocabulary of {spec.vocab_size}")
-    if config.global_tokens // config.grad_accum < world_size:
-        raise InputError(f"--grad-accum {config.grad_accum}: micro-batches of --global-tokens "
-                         f"{config.global_tokens} / {config.grad_accum} tokens hold less than one token per rank "
-                         f"({world_size} ranks)")
-    ballonet.plan_batch([1] * world_size, cluster, spec, planner=config.planner)  # a bad planner fails here
-    metrics.peak_flops(cluster, config.calibration)  # a bad profile fails here
-    return cluster, spec, corpus
 
 
 # ---- process group -----------------------------------------------------------------------
@@ -252,6 +180,7 @@ def _run(config: TrainConfig, group, use_cuda: bool):
     model = (hf_model.build_model(config.model, config.seed, device, config.recompute, config.recompute_layers)
              if hf_model.is_hf(config.model) else build_model(config, spec, device))
     parallel.parallelize(model, parallel.device_mesh(world_size, config.shard, device), config.dtype)
+    groups = _groups(group, world_size, device)
     optimizer = optim.build_optimizer(model, config.lr, config.weight_decay)
 
     step = 0
@@ -282,8 +211,6 @@ def _run(config: TrainConfig, group, use_cuda: bool):
     writer = logs.tensorboard_writer(config.tensorboard) if config.tensorboard and rank == 0 else None
     peak = metrics.peak_flops(cluster, config.calibration)
 
-    # Double rings' transfers across nodes go over a second group (`runtime.attention`).
-    outer_group = dist.new_group(dist.get_process_group_ranks(group)) if world_size > 1 else None
     records = []
     batches = iter(loader)
     auto = functools.partial(_auto_recompute, model, spec=spec, cluster=cluster, rank=rank) \
@@ -298,13 +225,13 @@ def _run(config: TrainConfig, group, use_cuda: bool):
             raise _unplannable(e, step + 1, loader, corpus, config) from None
         step += 1
         _maybe_fault(step, rank)
-        record = _step(model, optimizer, micro, rank, group, device, spec, peak, step, outer_group,
-                       config.max_grad_norm, auto)
+        record = _step(model, optimizer, micro, rank, groups, device, spec, peak, step, config.max_grad_norm, auto)
         if not math.isfinite(record["loss"]):  # the same on every rank (a reduced sum)
             raise InputError(f"step {step}: the loss is {record['loss']}; training stopped (try a smaller --lr)")
         scheduler.step()
         if eval_set is not None and step % config.eval_every == 0:
-            record.update(evaluation.evaluate(model, eval_set(), rank, group, device, outer_group))
+            record.update(evaluation.evaluate(model, eval_set(), rank, groups.plan, device, groups.outer,
+                                              groups.world))
         records.append(record)
         if rank == 0:
             logs.write(config, record, writer)
@@ -346,27 +273,70 @@ def _checkpointer(config: TrainConfig, rank: int, group, device, resumed_from: s
                                    protect=resumed_from, async_group=async_group)
 
 
-def _step(model, optimizer, micro: list, rank: int, group, device, spec, peak: float, step: int,
-          outer_group=None, max_grad_norm: float | None = None, auto_recompute=None) -> dict:
+@dataclasses.dataclass(frozen=True)
+class Groups:
+    """The process groups of a run, by role (`parallel.py`)."""
+
+    world: dist.ProcessGroup
+    """Every rank: metrics, checkpoints (and FSDP2's collectives, over the same ranks)."""
+    plan: dist.ProcessGroup
+    """The plan's traffic: rings, relays, remaps, the plan check."""
+    outer: dist.ProcessGroup | None
+    """Double rings' transfers across nodes."""
+
+
+def _groups(world: dist.ProcessGroup, world_size: int, device: torch.device) -> Groups:
+    mesh = parallel.plan_mesh(device, world_size)
+    return Groups(world=world, plan=mesh.get_group("plan"),
+                  outer=parallel.outer_group(mesh, device) if world_size > 1 else None)
+
+
+SYNC_DEBUG = "BALLONET_SYNC_DEBUG"
+"""Test hook (scripts/gpu_check.sh): "warn" or "error" runs each step after the first,
+forward, backward and optimizer step, under `torch.cuda.set_sync_debug_mode`, so a
+host-device synchronisation there warns or fails."""
+
+
+@contextlib.contextmanager
+def _sync_debug(step: int):
+    mode = os.environ.get(SYNC_DEBUG)
+    if not mode or step < 2 or not torch.cuda.is_available():
+        yield
+        return
+    torch.cuda.set_sync_debug_mode(mode)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def _step(model, optimizer, micro: list, rank: int, groups: Groups, device, spec, peak: float, step: int,
+          max_grad_norm: float | None = None, auto_recompute=None) -> dict:
     """One optimizer step on this rank's share of a global batch, given as its micro-batches
     `micro` (one without --grad-accum; each one's loss over the global batch's valid
-    labels, so their gradients add up to the global batch's); its log record.
-    `outer_group` as in `runtime.attention`; the gradient clipped to `max_grad_norm` if
-    given; `auto_recompute(plan)` sets each micro-batch's recomputation (--recompute auto)."""
+    labels, so their gradients add up to the global batch's); its log record. The
+    gradient is clipped to `max_grad_norm` if given; `auto_recompute(plan)` sets each
+    micro-batch's recomputation (--recompute auto)."""
     wall, cpu = time.perf_counter(), time.thread_time()
     counter = runtime.ByteCounter()
     loss_sum, recomputes = torch.zeros((), dtype=torch.float64, device=device), []
     for batch in micro:
+        meta, input_ids, labels = batch.staged.to(device)  # the micro-batch's metadata and tokens: one copy
+        if batch.plan.num_ranks > 1:  # every rank runs this plan on the same data, before the first exchange
+            runtime.check_plan(batch.plan, rank, groups.plan, device, content=batch.content)
         if auto_recompute is not None:
             recomputes.append(auto_recompute(batch.plan))
-        part = model.loss(batch.input_ids.to(device), batch.labels.to(device), batch.plan, rank, group,
-                          counter=counter, outer_group=outer_group)
-        (part / batch.num_valid_tokens_global).backward()
-        loss_sum += part.detach().double()
+        with _sync_debug(step):
+            part = model.loss(input_ids, labels, batch.plan, rank, groups.plan, counter=counter,
+                              outer_group=groups.outer, meta=meta, verify_plan=False)
+            (part / batch.num_valid_tokens_global).backward()
+            loss_sum += part.detach().double()
     compute = time.thread_time() - cpu
-    grad_norm, lr = optim.clip_gradients(model.parameters(), max_grad_norm), optim.current_lr(optimizer)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    with _sync_debug(step):
+        grad_norm = optim.clip_gradients(model.parameters(), max_grad_norm)  # a tensor: read after the step
+        lr = optim.current_lr(optimizer)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     wall = time.perf_counter() - wall
@@ -375,15 +345,15 @@ def _step(model, optimizer, micro: list, rank: int, group, device, spec, peak: f
     values = [loss_sum.item(), compute, float(sum(counter.total().values())), exposed,
               float(metrics.memory_high_water(device)), float(parallel.local_parameter_bytes(model, optimizer)),
               step_cpu]
-    sums, maxes = _reduce(values, group, device)
-    world_size = dist.get_world_size(group)
+    sums, maxes = _reduce(values, groups.world, device)
+    world_size = dist.get_world_size(groups.world)
     pieces = [p for batch in micro for p in batch.pieces]
     num_tokens = sum(p.end - p.start for p in pieces)
     record = {
         "step": step,
         "loss": sums[0] / micro[0].num_valid_tokens_global,
         "lr": lr,
-        "grad_norm": grad_norm,
+        "grad_norm": grad_norm.item(),
         "tokens": num_tokens,
         "tokens_per_s": num_tokens / wall,
         "plan_ms": sum(batch.plan_ms for batch in micro),

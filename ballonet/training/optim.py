@@ -66,14 +66,15 @@ def current_lr(optimizer: torch.optim.Optimizer) -> float:
     return float(optimizer.param_groups[0]["lr"])
 
 
-def clip_gradients(parameters, max_norm: float | None) -> float:
+def clip_gradients(parameters, max_norm: float | None) -> torch.Tensor:
     """The L2 norm of the whole gradient (over every rank's shards; collective when the
-    gradients are DTensors), before clipping; scales the gradients to `max_norm` when the
-    norm exceeds it (None: measure only)."""
+    gradients are DTensors), before clipping, as a 0-dim tensor on the gradients' device
+    (read it when the step is done: no host synchronisation here); scales the gradients
+    to `max_norm` when the norm exceeds it (None: measure only)."""
     parameters = [p for p in parameters if p.grad is not None]
     total = torch.nn.utils.get_total_norm([p.grad for p in parameters], norm_type=2.0, foreach=True)
     if isinstance(total, DTensor):
         total = total.full_tensor()  # the partial norms of the shards, reduced over the ranks
     if max_norm is not None:
         torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach=True)
-    return float(total)
+    return total

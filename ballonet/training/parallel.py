@@ -1,5 +1,14 @@
 """Data parallelism from PyTorch's own engine: FSDP2 (`fully_shard`), one unit per block
-plus the root, over a device mesh of all ranks.
+plus the root, over a device mesh of all ranks; and the plan's own process groups.
+
+Process groups by role (as torchtitan gives context parallelism a mesh dimension of its
+own): FSDP2's all-gathers and reduce-scatters run on the default group (`device_mesh`);
+the plan's traffic (rings, relays, remaps, the plan check) on a group of its own, the
+"plan" dimension of `plan_mesh`; and "double" rings' transfers across nodes on a third
+(`outer_group`). On NCCL each group has its own communicator and stream, so a ring's
+transfer never waits behind a parameter all-gather, nor an inner ring's step behind a
+transfer across nodes. Groups are made once by the training loop and passed down; no
+module keeps one.
 
 The plan decides where tokens go (its attention and linear layouts); FSDP2 decides where
 weights live. The two compose because every rank runs every block on its own tokens:
@@ -19,6 +28,7 @@ nothing (`set_gradient_divide_factor(1.0)`, as a plain SUM).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
@@ -38,6 +48,32 @@ def device_mesh(world_size: int, shard: str, device: torch.device) -> DeviceMesh
     if shard == "none":
         return init_device_mesh(device.type, (world_size, 1), mesh_dim_names=("replicate", "shard"))
     raise ValueError(f"shard must be 'full' or 'none', got {shard!r}")
+
+
+def plan_mesh(device: torch.device, world_size: int) -> DeviceMesh:
+    """The mesh of the plan's traffic: one dimension, "plan", every rank in plan-rank
+    order, on a new process group warmed up here. (A whole-world one-dimensional
+    `init_device_mesh` would reuse the default group, FSDP2's. With tensor parallelism
+    this becomes `init_device_mesh(type, (world_size // tp, tp), mesh_dim_names=("plan",
+    "tp"))`, whose "plan" groups are groups of their own.)"""
+    group = dist.new_group(list(range(world_size)))
+    warm_up(group, device)
+    return DeviceMesh.from_group(group, device.type, mesh_dim_names=("plan",))
+
+
+def outer_group(mesh: DeviceMesh, device: torch.device) -> dist.ProcessGroup:
+    """A second group over the "plan" ranks in their order, for double rings' transfers
+    across nodes (`runtime.attention`'s `outer_group`), warmed up here."""
+    group = dist.new_group(dist.get_process_group_ranks(mesh.get_group("plan")))
+    warm_up(group, device)
+    return group
+
+
+def warm_up(group: dist.ProcessGroup, device: torch.device) -> None:
+    """One collective of all the group's ranks: NCCL makes a group's communicator at its
+    first use, and PyTorch requires a group's first batched point-to-point call to include
+    every rank of the group; a double ring's first transfers involve only some."""
+    dist.all_reduce(torch.zeros(1, device=device), group=group)
 
 
 def mixed_precision(dtype: str) -> MixedPrecisionPolicy:
