@@ -11,5 +11,8 @@ from ballonet.planning import PLANNERS, plan_batch
 from ballonet.simulation import SimResult, simulate
 from ballonet.specs import ClusterSpec, ModelSpec, cluster, model
 
-__all__ = ["Plan", "plan_batch", "PLANNERS", "simulate", "SimResult", "cluster", "model", "workloads",
+__version__ = "0.1.0"
+"""The package's version (pyproject.toml reads it from here, without importing the package)."""
+
+__all__ = ["__version__", "Plan", "plan_batch", "PLANNERS", "simulate", "SimResult", "cluster", "model", "workloads",
            "ClusterSpec", "ModelSpec", "InputError", "InfeasiblePlan", "InvalidPlan"]

@@ -14,6 +14,7 @@ import math
 import os
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 from ballonet.cost import hardware
 from ballonet.errors import InputError
@@ -276,7 +277,8 @@ MODELS: dict[str, ModelSpec] = {
 }
 
 
-def _load_toml(path: str) -> dict:
+def load_toml(path: str, kind: str = "cluster file") -> dict:
+    """A TOML file's table; one-line InputError naming the file and `kind` otherwise."""
     try:
         import tomllib
     except ModuleNotFoundError:  # Python 3.10
@@ -285,9 +287,9 @@ def _load_toml(path: str) -> dict:
         with open(path, "rb") as f:
             return tomllib.load(f)
     except OSError as e:
-        raise InputError(f"{path}: cannot read cluster file ({e.strerror})") from None
+        raise InputError(f"{path}: cannot read {kind} ({e.strerror})") from None
     except UnicodeDecodeError:
-        raise InputError(f"{path}: not a TOML cluster file (not UTF-8 text)") from None
+        raise InputError(f"{path}: not a TOML {kind} (not UTF-8 text)") from None
     except tomllib.TOMLDecodeError as e:
         raise InputError(f"{path}: malformed TOML: {e}") from None
 
@@ -296,7 +298,7 @@ def cluster_from_toml(path: str) -> ClusterSpec:
     """A cluster file: `name = "..."` and one `[[node_groups]]` table per group, with the
     fields of `NodeGroup` (gpu, num_nodes, gpus_per_node, nics_per_node, nic_gbps,
     intra_link_bw, memory_gb)."""
-    data = _load_toml(path)
+    data = load_toml(path)
     groups = data.get("node_groups")
     if not isinstance(groups, list) or not groups:
         raise InputError(f"{path}: field 'node_groups' must be a non-empty array of tables ([[node_groups]])")
@@ -345,12 +347,42 @@ def cluster(name_or_path: str, num_nodes: int | None = None, **overrides) -> Clu
     return spec
 
 
-def model(name: str, **overrides) -> ModelSpec:
-    """A model preset by name; `overrides` (such as `tp=2`) replace its fields."""
+def model_from_toml(path: str) -> ModelSpec:
+    """A model file: the fields of `ModelSpec` (num_layers, hidden, num_heads, num_kv_heads,
+    ffn_hidden, vocab_size; optionally tp, dtype_bytes, recompute), every one of them, or
+    `base = "PRESET"` and the fields that differ from that preset. `name` defaults to the
+    file's stem."""
+    data = load_toml(path, "model file")
+    known = {f.name for f in dataclasses.fields(ModelSpec)}
+    unknown = sorted(set(data) - known - {"base"})
+    if unknown:
+        raise InputError(f"{path}: unknown field {unknown[0]!r}; known: base, {', '.join(sorted(known))}")
+    values: dict[str, Any] = {"name": os.path.splitext(os.path.basename(path))[0]}
+    base = data.pop("base", None)
+    if base is not None:
+        if base not in MODELS:
+            raise InputError(f"{path}: base {base!r} is not a model preset ({', '.join(MODELS)})")
+        values = {**dataclasses.asdict(MODELS[base]), **values}
+    values.update(data)
+    missing = [f.name for f in dataclasses.fields(ModelSpec)
+               if f.default is dataclasses.MISSING and f.name not in values]
+    if missing:
+        raise InputError(f"{path}: field {missing[0]!r} is missing (or give base = \"PRESET\")")
     try:
+        return ModelSpec(**values)
+    except InputError as e:
+        raise InputError(f"{path}: {e}") from None
+
+
+def model(name: str, **overrides) -> ModelSpec:
+    """A model preset by name or a TOML model file by path (`model_from_toml`); `overrides`
+    (such as `tp=2`) replace its fields."""
+    if name in MODELS and not looks_like_path(name, (".toml",)):
         spec = MODELS[name]
-    except KeyError:
-        raise InputError(f"unknown model {name!r}; presets: {', '.join(MODELS)}") from None
+    elif looks_like_path(name, (".toml",)) or os.path.exists(name):
+        spec = model_from_toml(name)
+    else:
+        raise InputError(f"unknown model {name!r}; presets: {', '.join(MODELS)} (or a .toml file)")
     return dataclasses.replace(spec, **overrides) if overrides else spec
 
 

@@ -56,7 +56,7 @@ def test_a_checkpoint_save_on_a_full_disk_is_one_line_and_keeps_the_last_one(tmp
         train(TrainConfig(model="tiny", global_tokens=512, steps=2, checkpoint_dir=str(ck), checkpoint_every=1,
                           resume=True))
     assert "\n" not in str(e.value)
-    assert sorted(os.listdir(ck)) == ["latest", "step-00000001"]  # no .tmp-step-00000002 left
+    assert sorted(os.listdir(ck)) == ["config.toml", "latest", "step-00000001"]  # no .tmp-step-00000002 left
 
 
 def test_prepare_on_a_disk_that_fills_leaves_no_folder(tmp_path, monkeypatch):

@@ -133,8 +133,29 @@ def test_an_infeasible_planner_is_a_row_and_the_rest_carry_on(tmp_path, monkeypa
     assert rows["zeppelin"]["speedup_vs_te_cp"] == pytest.approx(rows["te_cp"]["step_time_s"]
                                                                  / rows["zeppelin"]["step_time_s"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["big.txt", "t.te_cp.json", "t.zeppelin.json"]
+    assert "wrote 2 trace(s)" in err and "t.zeppelin.json, t.te_cp.json" in err  # named where they went
     code, out, err = _main(argv, capsys)
     assert code == 0 and "infeasible" in out and "packed_dp never splits" in out.replace("\n", " "), out
+
+
+def test_simulate_names_its_outputs_and_a_piped_table_keeps_whole_names(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "ballonet", "simulate", "--cluster", "a800-4nic", "--nodes", "1",
+                        "--model", "llama-3b", "--tokens-per-gpu", "4096", "--planners", "megatron_hcp,zeppelin",
+                        "--plot", "steps.png", "--trace", "t.json"], capture_output=True, text=True, check=False,
+                       cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "megatron_hcp" in r.stdout and "…" not in r.stdout  # stdout is a pipe here
+    assert "t.megatron_hcp.json, t.zeppelin.json" in r.stderr and "steps.png" in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["steps.png", "t.megatron_hcp.json", "t.zeppelin.json"]
+
+
+def test_the_step_plot_cuts_outliers_at_its_axis():
+    from ballonet.cli.step_plot import OUTLIER, axis_top
+
+    top, cut = axis_top([1.0, 1.2, 1.1, 9.0])  # median 1.15: 9.0 is over 2.5x it
+    assert cut == [False, False, False, True] and top == pytest.approx(OUTLIER * 1.15 * 1.12)
+    top, cut = axis_top([1.0, 1.2, 2.0])
+    assert not any(cut) and top == pytest.approx(2.0 * 1.12)
 
 
 def test_every_planner_infeasible_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):

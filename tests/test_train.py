@@ -231,7 +231,8 @@ def test_resume_gives_identical_losses_and_ledger(tmp_path):
     def key(r):
         return r["step"], r["loss"], r["ledger"]
     assert [key(r) for r in _read_log(tmp_path / "b.jsonl")] == [key(r) for r in _read_log(tmp_path / "a.jsonl")]
-    assert sorted(os.listdir(tmp_path / "ckpt")) == ["latest", "step-00000005"]
+    # the final step is saved too; the one resumed from stays
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["config.toml", "latest", "step-00000005", "step-00000010"]
 
 
 def _train_configs(rank, world_size, configs):
@@ -264,7 +265,7 @@ def test_interrupted_save_leaves_the_last_checkpoint_and_no_stray_files(tmp_path
     (ckpt / "latest.tmp").write_text("step-000")
     records = train(TrainConfig(**BASE, steps=3, checkpoint_dir=str(ckpt), resume=True))
     assert [r["step"] for r in records] == [3]
-    assert sorted(os.listdir(ckpt)) == ["latest", step2.name]
+    assert sorted(os.listdir(ckpt)) == ["config.toml", "latest", step2.name, "step-00000003"]
 
 
 def test_loading_a_checkpoint_never_runs_its_code(tmp_path):
@@ -396,7 +397,7 @@ def test_flags_are_generated_from_the_config_fields():
     parsed = config.config_from_args(args)
     assert (parsed.shard, parsed.recompute, parsed.lr, parsed.resume) == ("none", "selective", 0.01, True)
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    assert {a.dest for a in parser._actions} - {"help"} == fields
+    assert {a.dest for a in parser._actions} - {"help", "config"} == fields
     docs = config.field_docs()
     assert set(docs) == fields and all(docs.values())  # every field documented
 

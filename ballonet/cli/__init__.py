@@ -4,8 +4,8 @@ Every command prints a human view by default and, where it has one, a JSON objec
 `--json`. Bad input (argparse's errors included) is one line on stderr and exit code 2;
 output paths are checked before any work and files are written whole or not at all.
 
-One module per subcommand (`cost`, `demo`, `train`, `simulate`, `plan`, `calibrate`,
-`prepare`), each with its `cmd_*` function and a `register(sub)` that adds its parser;
+One module per subcommand (`cost`, `demo`, `train`, `export`, `simulate`, `plan`,
+`calibrate`, `prepare`), each with its `cmd_*` function and a `register(sub)` that adds its parser;
 `common` holds what they share (the one-line-error parser, argument groups, tables).
 Heavy libraries (torch, rich, matplotlib) are imported inside the commands, so `--help`
 stays fast.
@@ -17,7 +17,7 @@ import argparse
 import os
 import sys
 
-from ballonet.cli import calibrate, cost, demo, plan, prepare, simulate, train
+from ballonet.cli import calibrate, cost, demo, export, plan, prepare, simulate, train
 from ballonet.cli.common import Parser
 from ballonet.errors import InputError
 
@@ -25,9 +25,12 @@ __all__ = ["build_parser", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ballonet import __version__
+
     parser = Parser(prog="ballonet", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"ballonet {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (demo, cost, train, simulate, plan, calibrate, prepare):
+    for module in (demo, cost, train, export, simulate, plan, calibrate, prepare):
         module.register(sub)
     return parser
 

@@ -122,12 +122,13 @@ def _broken_pipe() -> None:
     raise BrokenPipeError
 
 
-def stdout_console():
-    """A rich console on stdout whose closed pipe (`| head`) raises BrokenPipeError for
-    `cli.main` to report, instead of rich's silent exit 1."""
+def stdout_console(width: int | None = None):
+    """A rich console on stdout (`width` columns, or the terminal's) whose closed pipe
+    (`| head`) raises BrokenPipeError for `cli.main` to report, instead of rich's silent
+    exit 1."""
     from rich.console import Console
 
-    console = Console()
+    console = Console(width=width)
     console.on_broken_pipe = _broken_pipe
     return console
 
@@ -141,9 +142,14 @@ def print_table(title: str, columns: list[str], rows: list[list], footer: str | 
     for row in rows:
         table.add_row(*[str(x) for x in row])
     console = stdout_console()
+    if not console.is_terminal:  # piped or redirected: no terminal width to fit, so no name is cut
+        from rich.measure import Measurement
+
+        natural = Measurement.get(console, console.options.update_width(10_000), table).maximum
+        console = stdout_console(width=max(console.width, natural))
     console.print(table)
-    if footer:
-        console.print(footer)
+    if footer:  # piped: the lines as they are, not wrapped at the table's width
+        console.print(footer, soft_wrap=not console.is_terminal)
 
 
 _CELL_FORMATS = {"step_time_s": "{:.3f}", "speedup_vs_te_cp": "{:.2f}x", "mfu": "{:.1%}",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 from ballonet import specs, workloads
 from ballonet.cli.common import (
@@ -63,28 +64,6 @@ def _trace_paths(path: str, planners: list[str]) -> dict[str, str]:
     return {name: f"{root}.{name}{ext}" for name in planners}
 
 
-def _plot_rows(rows, path: str, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [r for r in rows if r.feasible]
-    fig, ax = plt.subplots(figsize=(1.2 * len(rows) + 2, 4))
-    names = [r.planner for r in rows]
-    ax.bar(names, [r.step_time_s for r in rows], color="tab:blue", label="step time")
-    ax.scatter(names, [r.lower_bound_s for r in rows], color="black", marker="_", s=600, label="lower bound")
-    for i, r in enumerate(rows):
-        if r.speedup_vs_te_cp:
-            ax.annotate(f"{r.speedup_vs_te_cp:.2f}x", (i, r.step_time_s), ha="center", va="bottom")
-    ax.set_ylabel("seconds per step")
-    ax.set_title(title)
-    ax.legend()
-    fig.tight_layout()
-    write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=120, format=os.path.splitext(path)[1][1:].lower()))
-    plt.close(fig)
-
-
 def cmd_simulate(args) -> int:
     from rich.progress import Progress
 
@@ -111,13 +90,19 @@ def cmd_simulate(args) -> int:
                                   sim_options=sopts, tune=args.tune, progress=lambda n: bar.advance(task, n))
     if not any(r.feasible for r in rows):
         raise InputError(f"no planner can run the batch: {rows[0].reason}")
+    written = [traces[r.planner] for r in rows if r.planner in traces and r.feasible]
     for r in rows:
         if r.planner in traces and r.feasible:
             write_atomic(traces[r.planner], r.first.to_chrome_trace)
+    if written:
+        print(f"wrote {len(written)} trace(s) (Perfetto, chrome://tracing): {', '.join(written)}", file=sys.stderr)
     title = (f"{model.name} on {cluster.num_ranks} GPUs ({cluster.name}), {args.workload}, "
              f"{args.tokens_per_gpu} tokens/GPU, {args.steps} batch(es)")
     if args.plot:
-        _plot_rows(rows, args.plot, title)
+        from ballonet.cli.step_plot import plot_steps
+
+        plot_steps(rows, args.plot, title)
+        print(f"wrote the step plot: {args.plot}", file=sys.stderr)
     if args.json:
         print(json.dumps({"cluster": cluster.name, "num_gpus": cluster.num_ranks, "model": model.name,
                           "workload": args.workload, "tokens_per_gpu": args.tokens_per_gpu, "steps": args.steps,

@@ -31,29 +31,27 @@ def _strip_launch_flags(argv: list[str]) -> list[str]:
     return out
 
 
-def _check_launch_flags(args) -> None:
-    """The flags `TrainConfig` does not hold: the launch, and where the run writes."""
-    for flag, value, least in (("--nproc", args.nproc, 1), ("--gpus-per-node", args.gpus_per_node, 1),
-                               ("--max-restarts", args.max_restarts, 0)):
-        if value is not None and value < least:
-            raise InputError(f"{flag} must be {'positive' if least else 'non-negative'}, got {value}")
-    if args.json_log:
-        check_output(args.json_log, "--json-log")
-    if args.checkpoint_dir and os.path.exists(args.checkpoint_dir) and not os.path.isdir(args.checkpoint_dir):
-        raise InputError(f"--checkpoint-dir {args.checkpoint_dir}: is a file; give a folder")
+def _check_outputs(config) -> None:
+    """Where the run writes, checked before any launch."""
+    if config.json_log:
+        check_output(config.json_log, "--json-log")
+    if config.checkpoint_dir and os.path.exists(config.checkpoint_dir) and not os.path.isdir(config.checkpoint_dir):
+        raise InputError(f"--checkpoint-dir {config.checkpoint_dir}: is a file; give a folder")
 
 
 def cmd_train(args) -> int:
-    _check_launch_flags(args)
     from ballonet.training import config as train_config
     from ballonet.training.launch import launch
     from ballonet.training.loop import preflight, train
 
-    if args.nproc is not None and "RANK" not in os.environ:
-        if args.gpus_per_node and args.gpus_per_node * args.nodes != args.nproc:
-            raise InputError(f"--nodes {args.nodes} x --gpus-per-node {args.gpus_per_node} != --nproc {args.nproc}")
-        preflight(train_config.config_from_args(args), args.nproc)  # bad input fails before any launch
+    config = train_config.config_from_args(args)  # defaults < --config FILE < the flags given
+    _check_outputs(config)
+    if config.nproc is not None and "RANK" not in os.environ:
+        if config.gpus_per_node and config.gpus_per_node * config.nodes != config.nproc:
+            raise InputError(f"--nodes {config.nodes} x --gpus-per-node {config.gpus_per_node} != "
+                             f"--nproc {config.nproc}")
+        preflight(config, config.nproc)  # bad input fails before any launch
         argv = args.argv[args.argv.index("train") + 1:]
-        return launch(_strip_launch_flags(argv), args.nproc, args.max_restarts)
-    train(train_config.config_from_args(args))
+        return launch(_strip_launch_flags(argv), config.nproc, config.max_restarts)
+    train(config)
     return 0

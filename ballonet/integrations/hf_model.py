@@ -62,6 +62,11 @@ def _read_config(folder: Path) -> dict:
     return read_json_object(folder / CONFIG, "a JSON model config")
 
 
+def config_dict(name: str) -> dict:
+    """The config.json of `hf:DIR`, as a dict."""
+    return _read_config(_folder(name))
+
+
 def model_spec(name: str) -> ModelSpec:
     """The planner's and cost model's view of the model in `hf:DIR` (from config.json
     alone; transformers is not imported). Its name is the config file's path."""

@@ -69,6 +69,10 @@ class Row:
     """Planner options the row ran with (with `tune`, the degree found fastest)."""
     plan_seconds: float | None = None
     """Mean CPU seconds of planning one batch (at the chosen options)."""
+    compute_share: float | None = None
+    """Compute's share of the step, the mean over ranks; with `exposed_comm_share` and
+    `idle_share` it makes the whole step."""
+    idle_share: float | None = None
     first: SimResult | None = field(default=None, repr=False, compare=False)
     """The simulation of the first batch (for traces)."""
 
@@ -81,6 +85,7 @@ class Row:
                 "step_time_s": self.step_time_s, "lower_bound_s": self.lower_bound_s,
                 "speedup_vs_te_cp": self.speedup_vs_te_cp, "mfu": self.mfu,
                 "attention_imbalance": self.attention_imbalance, "exposed_comm_share": self.exposed_comm_share,
+                "compute_share": self.compute_share, "idle_share": self.idle_share,
                 "ratio_to_lower_bound": self.ratio_to_lower_bound, "options": self.options,
                 "plan_seconds": self.plan_seconds}
 
@@ -165,8 +170,14 @@ def compare(cluster: ClusterSpec, model: ModelSpec, workload: str, tokens_per_gp
             speedup_vs_te_cp=ref / step if ref else None, mfu=sum(r.mfu for r in res) / steps,
             attention_imbalance=sum(r.attention_imbalance for r in res) / steps,
             exposed_comm_share=sum(r.exposed_comm_share for r in res) / steps, options=chosen.get(name, {}),
-            plan_seconds=sum(timing[name]) / len(timing[name]) if timing[name] else None, first=res[0]))
+            plan_seconds=sum(timing[name]) / len(timing[name]) if timing[name] else None,
+            compute_share=sum(_mean_share(r, r.compute_s) for r in res) / steps,
+            idle_share=sum(_mean_share(r, r.idle_s) for r in res) / steps, first=res[0]))
     return rows
+
+
+def _mean_share(result: SimResult, per_rank: tuple[float, ...]) -> float:
+    return sum(per_rank) / len(per_rank) / result.step_time_s
 
 
 def num_simulations(planners: list[str], steps: int) -> int:

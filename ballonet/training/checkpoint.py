@@ -1,18 +1,23 @@
 """Sharded, safe, atomic checkpoints with `torch.distributed.checkpoint` (DCP).
 
-A checkpoint folder holds one finished checkpoint, `step-NNNNNNNN/`, named by the text
-file `latest`:
+A checkpoint folder holds the last few finished checkpoints, `step-NNNNNNNN/`, the
+newest named by the text file `latest`:
 
     step-00000010/  DCP files: each rank writes its own shards of the model and optimizer
                     (FSDP2 DTensors); `.metadata` indexes them
-                    ballonet.json: step, world size, loader state (JSON), RNG states
+                    ballonet.json: step, world size, loader state (JSON), RNG states, the
+                    model's shape (for `export.py`)
     latest          "step-00000010"
+    config.toml     the run's resolved config (`config_file.py`)
 
 Saving: every rank writes into `.tmp-step-N/` (DCP fsyncs each file), rank 0 adds
 `ballonet.json`, fsyncs, renames the folder into place, then replaces `latest` (write,
-fsync, rename) and only then deletes the previous checkpoint. A save killed at any point
-leaves `latest` naming a complete checkpoint; stale `.tmp-*` folders are removed when
-the next run starts (`clean_stale`).
+fsync, rename) and only then deletes the checkpoints beyond the newest `keep` (never the
+one the run resumed from). A save killed at any point leaves `latest` naming a complete
+checkpoint; stale `.tmp-*` folders are removed when the next run starts (`clean_stale`).
+With DCP's `async_save` the shards are staged to CPU memory and written by a background
+thread over a gloo group of their own, while training goes on; the steps after the
+writing (metadata, rename, `latest`) wait for it (`PendingSave.wait`).
 
 Loading never executes code from the checkpoint, by construction: DCP's `.metadata` (a
 pickle) is written in pickle protocol 2 and read by torch's own weights-only unpickler
@@ -28,6 +33,7 @@ ranks resumes on 2; RNG states are restored only on the world size that saved th
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import os
@@ -46,6 +52,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ballonet.errors import InputError
+from ballonet.training.config_file import RESOLVED
 
 LATEST = "latest"
 META = "ballonet.json"
@@ -193,7 +200,7 @@ def latest(folder: str) -> str | None:
         return None
     pointer = os.path.join(folder, LATEST)
     if not os.path.exists(pointer):
-        foreign = sorted(n for n in os.listdir(folder) if not n.startswith("."))
+        foreign = sorted(n for n in os.listdir(folder) if not n.startswith(".") and n != RESOLVED)
         if foreign:
             raise InputError(f"{folder}: not a ballonet checkpoint folder (no '{LATEST}' file, holds {foreign[0]!r})")
         return None
@@ -284,10 +291,11 @@ def checkpoint_bytes(num_params: int) -> int:
     return int(12 * num_params * 1.1) + (1 << 20)
 
 
-def check_folder(folder: str, num_params: int) -> None:
+def check_folder(folder: str, num_params: int, keep: int = 1) -> None:
     """Before training: `folder` is a folder (or can be made as one) that this process can
-    write, on a disk with room for the next checkpoint (two while the first run saves:
-    the previous one is deleted only once the new one is complete). InputError otherwise."""
+    write, on a disk with room for the checkpoints still to come: up to `keep` + 1 of them
+    are on disk at once (the oldest is deleted only once a new one is complete), those
+    already there included. InputError otherwise."""
     flag = f"--checkpoint-dir {folder}"
     if os.path.exists(folder) and not os.path.isdir(folder):
         raise InputError(f"{flag}: is a file, not a folder")
@@ -302,19 +310,54 @@ def check_folder(folder: str, num_params: int) -> None:
         free = shutil.disk_usage(existing).free
     except OSError:
         return  # the free space cannot be known here: a full disk is reported at the save
-    has_one = os.path.isfile(os.path.join(folder, LATEST))
-    need = checkpoint_bytes(num_params) * (1 if has_one else 2)
+    there = len([n for n in os.listdir(folder) if n.startswith("step-")]) if os.path.isdir(folder) else 0
+    need = checkpoint_bytes(num_params) * max(keep + 1 - there, 1)
     if free < need:
         raise InputError(f"{flag}: {free / 2**20:.1f} MiB free on its disk, checkpoints of this model need "
                          f"{need / 2**20:.1f} MiB")
 
 
-def save(folder: str, step: int, model, optimizer, loader_state: dict, rank: int, group, device) -> str:
-    """Collective: write checkpoint `step` of every rank's shards; returns its folder. A
-    disk that fills or turns read-only meanwhile is one InputError line, nothing half-written."""
-    tmp = os.path.join(folder, f".tmp-step-{step:08d}")
+def save(folder: str, step: int, model, optimizer, loader_state: dict, rank: int, group, device, *,
+         keep: int = 1, protect: str | None = None, meta: dict | None = None, async_group=None):
+    """Collective: write checkpoint `step` of every rank's shards; returns its folder once
+    written. Afterwards only the `keep` newest checkpoints stay, and `protect` (the one the
+    run resumed from); `meta` adds JSON items to `ballonet.json`. With `async_group` (a
+    gloo group of the same ranks, for DCP's background traffic only), the shards are
+    staged to CPU memory and written in the background (DCP's `async_save`): returns a
+    `PendingSave` to `wait()` on before the next save and at the end. A disk that fills or
+    turns read-only meanwhile is one InputError line, nothing half-written."""
+    name = f"step-{step:08d}"
+    tmp = os.path.join(folder, f".tmp-{name}")
+    with _failing_save(folder, tmp, step, rank):
+        if rank == 0:
+            os.makedirs(folder, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        world = 1 if group is None else dist.get_world_size(group)
+        meta = {"format": FORMAT, "step": step, "world_size": world, "loader": loader_state,
+                "rng": _gather_rng(group, device), **(meta or {})}
+        _barrier(group)
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state, writer = {"model": model_sd, "optimizer": optim_sd}, SafeWriter(tmp, sync_files=True)
+
+        def finish() -> str:
+            with _failing_save(folder, tmp, step, rank):
+                if rank == 0:
+                    _publish(folder, name, tmp, meta, keep, protect)
+                _barrier(async_group or group)
+                return os.path.join(folder, name)
+
+        if async_group is not None:
+            return PendingSave(dcp.async_save(state, storage_writer=writer, process_group=async_group), finish)
+        dcp.save(state, storage_writer=writer, process_group=group, no_dist=group is None)
+    return finish()
+
+
+@contextlib.contextmanager
+def _failing_save(folder: str, tmp: str, step: int, rank: int):
+    """OSError and DCP's failures of a save as one InputError line, its folder removed."""
     try:
-        return _save(folder, tmp, step, model, optimizer, loader_state, rank, group, device)
+        yield
     except (OSError, CheckpointException) as e:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -322,35 +365,46 @@ def save(folder: str, step: int, model, optimizer, loader_state: dict, rank: int
                          f"({_last_line(e)})") from None
 
 
-def _save(folder: str, tmp: str, step: int, model, optimizer, loader_state: dict, rank: int, group, device) -> str:
-    name = f"step-{step:08d}"
-    if rank == 0:
-        os.makedirs(folder, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    rng = _gather_rng(group, device)
-    _barrier(group)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optimizer": optim_sd}, storage_writer=SafeWriter(tmp, sync_files=True),
-             process_group=group, no_dist=group is None)
+class PendingSave:
+    """A checkpoint being written in the background; `wait()` (collective) publishes it."""
+
+    def __init__(self, future, finish):
+        self._future, self._finish = future, finish
+
+    def wait(self) -> str:
+        try:
+            self._future.result()
+        except (OSError, CheckpointException) as e:
+            raise InputError(f"cannot write a checkpoint ({_last_line(e)})") from None
+        return self._finish()
+
+
+def _publish(folder: str, name: str, tmp: str, meta: dict, keep: int, protect: str | None) -> None:
+    """Rank 0, every shard written: add the metadata, rename the folder into place, point
+    `latest` at it, then prune."""
     final = os.path.join(folder, name)
-    if rank == 0:
-        world = 1 if group is None else dist.get_world_size(group)
-        meta = {"format": FORMAT, "step": step, "world_size": world, "loader": loader_state, "rng": rng}
-        write_durably(os.path.join(tmp, META), json.dumps(meta))
-        previous = latest(folder)
-        if os.path.exists(final):  # a run restarted without --resume reached this step again
-            if previous == final:
-                os.remove(os.path.join(folder, LATEST))
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_path(folder)
-        write_durably(os.path.join(folder, LATEST), name)
-        for other in os.listdir(folder):
-            if other.startswith("step-") and other != name:
-                shutil.rmtree(os.path.join(folder, other), ignore_errors=True)
-    _barrier(group)
-    return final
+    write_durably(os.path.join(tmp, META), json.dumps(meta))
+    previous = latest(folder)
+    if os.path.exists(final):  # a run restarted without --resume reached this step again
+        if previous == final:
+            os.remove(os.path.join(folder, LATEST))
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_path(folder)
+    write_durably(os.path.join(folder, LATEST), name)
+    for other in prunable(folder, name, keep, protect):
+        shutil.rmtree(os.path.join(folder, other), ignore_errors=True)
+
+
+def prunable(folder: str, newest: str, keep: int, protect: str | None = None) -> list[str]:
+    """The checkpoints to delete once `newest` is written: every one numbered after it (an
+    earlier run's, not resumed), and all but the `keep` newest of the rest; never `newest`
+    nor `protect`."""
+    steps = sorted(n for n in os.listdir(folder) if n.startswith("step-") and n != newest)
+    older, later = [n for n in steps if n < newest], [n for n in steps if n > newest]
+    stale = later + older[:max(len(older) - (keep - 1), 0)]
+    kept = os.path.basename(os.path.normpath(protect)) if protect else None
+    return [n for n in stale if n != kept]
 
 
 def load(path: str, model, optimizer, rank: int, group, device) -> dict:
@@ -389,3 +443,30 @@ def _last_line(e: BaseException) -> str:
 def _barrier(group) -> None:
     if group is not None:
         dist.barrier(group)
+
+
+class Checkpointer:
+    """A run's saves into `folder`: the newest `keep` checkpoints stay (and `protect`, the
+    one the run resumed from); with `async_group` each save is written in the background,
+    published when the next one starts or at `close()` (collective, on every rank)."""
+
+    def __init__(self, folder: str, rank: int, group, device, *, keep: int, protect: str | None = None,
+                 async_group=None):
+        self.folder, self.rank, self.group, self.device = folder, rank, group, device
+        self.keep, self.protect, self.async_group = keep, protect, async_group
+        self.last_step: int | None = None
+        self._pending: PendingSave | None = None
+
+    def save(self, step: int, model, optimizer, loader_state: dict, meta: dict | None = None) -> None:
+        self.close()
+        saved = save(self.folder, step, model, optimizer, loader_state, self.rank, self.group, self.device,
+                     keep=self.keep, protect=self.protect, meta=meta, async_group=self.async_group)
+        if isinstance(saved, PendingSave):
+            self._pending = saved
+        self.last_step = step
+
+    def close(self) -> None:
+        """Publish the save still being written, if any."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.wait()

@@ -21,7 +21,10 @@ from ballonet.errors import InputError
 @dataclass(kw_only=True)
 class TrainConfig:
     model: str = "tiny"
-    """Model preset (`ballonet.specs.MODELS`)."""
+    """Model preset (`ballonet.specs.MODELS`), a model TOML file (fields of `ballonet.ModelSpec`, optionally
+    `base = "PRESET"` to start from), or hf:DIR (a Hugging Face model folder)."""
+    vocab_size: int | None = None
+    """Vocabulary of the built-in model (default: the preset's); at least the corpus's tokenizer's."""
     corpus: str = "stdlib"
     """'stdlib', a folder of text files, a .jsonl file (text, input_ids or length per line), or a
     lengths file as `plan --lengths` reads it (.json, .npy, one length per line; synthetic tokens)."""
@@ -37,7 +40,19 @@ class TrainConfig:
     steps: int = 20
     """Training steps (optimizer updates)."""
     lr: float = 3e-3
-    """AdamW learning rate."""
+    """AdamW peak learning rate."""
+    warmup_steps: int = 0
+    """Steps of linear warmup: step s of the first W runs at lr * s / (W + 1)."""
+    lr_decay: Literal["constant", "linear", "cosine"] = "constant"
+    """After the warmup, the learning rate stays at --lr or decays (linear, cosine) to --min-lr at the last step."""
+    min_lr: float = 0.0
+    """The learning rate --lr-decay linear or cosine reaches at the last step."""
+    max_grad_norm: float | None = None
+    """Clip the gradient (the norm over every rank's shards) to this L2 norm; unset: no clipping (its norm is
+    logged either way)."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step: each global batch is split into this many, each planned on its own; the
+    loss is normalised by the whole global batch's valid tokens."""
     weight_decay: float = 0.0
     """AdamW weight decay (>= 0)."""
     seed: int = 0
@@ -65,9 +80,22 @@ class TrainConfig:
     checkpoint_dir: str | None = None
     """Folder of sharded checkpoints (torch.distributed.checkpoint)."""
     checkpoint_every: int = 0
-    """Steps between checkpoints (0: never)."""
+    """Steps between checkpoints (0: only the last step's, with --checkpoint-dir)."""
+    keep_checkpoints: int = 3
+    """Checkpoints kept in --checkpoint-dir (the newest; the one a run resumed from is kept until a newer one is
+    written)."""
+    async_checkpoint: bool = False
+    """Write checkpoints in the background (DCP's async_save): training goes on while the shards are written."""
     resume: bool = False
     """Continue from the last checkpoint in --checkpoint-dir."""
+    eval_every: int = 0
+    """Steps between evaluations of the held-out loss (0: never); the JSON log line of that step carries
+    eval_loss."""
+    eval_corpus: str | None = None
+    """Corpus to evaluate on (as --corpus); default: documents held out of --corpus (about --eval-tokens tokens),
+    which training then never sees."""
+    eval_tokens: int | None = None
+    """Tokens each evaluation reads (whole documents; default: two global batches)."""
     json_log: str | None = None
     """Write one JSON object per step to this file."""
     tensorboard: str | None = None
@@ -84,15 +112,16 @@ class TrainConfig:
 
     def __post_init__(self):
         for name in ("global_tokens", "steps", "nodes", "log_every", "max_doc_tokens", "nproc", "gpus_per_node",
-                     "recompute_layers"):
+                     "recompute_layers", "grad_accum", "keep_checkpoints", "vocab_size", "eval_tokens"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise InputError(f"{_flag(name)} must be positive, got {value}")
-        for name in ("weight_decay", "seed", "max_restarts", "checkpoint_every"):
+        for name in ("weight_decay", "seed", "max_restarts", "checkpoint_every", "warmup_steps", "min_lr",
+                     "eval_every"):
             if not getattr(self, name) >= 0:  # NaN included
                 raise InputError(f"{_flag(name)} must be >= 0, got {getattr(self, name)}")
-        for name in ("lr", "weight_decay", "timeout_minutes"):
-            if not math.isfinite(getattr(self, name)):
+        for name in ("lr", "weight_decay", "timeout_minutes", "min_lr", "max_grad_norm"):
+            if getattr(self, name) is not None and not math.isfinite(getattr(self, name)):
                 raise InputError(f"{_flag(name)} must be a finite number, got {getattr(self, name)}")
         for name, choices in _choices().items():
             if getattr(self, name) not in choices:
@@ -107,6 +136,14 @@ class TrainConfig:
             raise InputError("--resume needs --checkpoint-dir")
         if not self.lr > 0:
             raise InputError(f"--lr must be positive, got {self.lr}")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise InputError(f"--max-grad-norm must be positive, got {self.max_grad_norm}")
+        if self.min_lr and self.lr_decay == "constant":
+            raise InputError("--min-lr needs --lr-decay linear or cosine")
+        if self.min_lr > self.lr:
+            raise InputError(f"--min-lr {self.min_lr} is above --lr {self.lr}")
+        if (self.eval_corpus or self.eval_tokens) and not self.eval_every:
+            raise InputError(f"{'--eval-corpus' if self.eval_corpus else '--eval-tokens'} needs --eval-every")
         if not self.timeout_minutes > 0:
             raise InputError(f"--timeout-minutes must be positive, got {self.timeout_minutes}")
 
@@ -139,19 +176,30 @@ def _arg_type(hint):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """One flag per `TrainConfig` field: `--name-with-dashes`, typed, help from the docstring."""
+    """One flag per `TrainConfig` field: `--name-with-dashes`, typed, help from the docstring;
+    and `--config FILE.toml`. A flag not given is absent from the parsed arguments (its
+    default is the field's), so that the flags given override the file's values."""
     hints, docs, choices = typing.get_type_hints(TrainConfig), field_docs(), _choices()
+    p.add_argument("--config", metavar="FILE.toml", default=argparse.SUPPRESS,
+                   help="TOML file of TrainConfig fields (`lr = 1e-3`, `lr_decay = \"cosine\"`, ...); the flags "
+                        "given override it")
     for f in dataclasses.fields(TrainConfig):
         help_text = docs.get(f.name, "").replace("%", "%%")
         if hints[f.name] is bool:
-            p.add_argument(_flag(f.name), action="store_true", help=help_text)
+            p.add_argument(_flag(f.name), action="store_true", default=argparse.SUPPRESS, help=help_text)
             continue
         if f.default is not None:
-            help_text += " (default: %(default)s)"
-        p.add_argument(_flag(f.name), type=_arg_type(hints[f.name]), default=f.default,
+            help_text += f" (default: {str(f.default).replace('%', '%%')})"
+        p.add_argument(_flag(f.name), type=_arg_type(hints[f.name]), default=argparse.SUPPRESS,
                        choices=choices.get(f.name), help=help_text)
 
 
 def config_from_args(args) -> TrainConfig:
+    """The run's config: each field's default, overridden by `--config FILE`'s values,
+    overridden by the flags given."""
+    from ballonet.training.config_file import read_config_file
+
     names = {f.name for f in dataclasses.fields(TrainConfig)}
-    return TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
+    values = read_config_file(args.config) if getattr(args, "config", None) else {}
+    values.update({k: v for k, v in vars(args).items() if k in names})
+    return TrainConfig(**values)

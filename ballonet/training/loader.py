@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -46,6 +47,7 @@ from ballonet.runtime.layout import (
     token_index,
 )
 from ballonet.runtime.staging import Staged
+from ballonet.training.accumulation import micro_batches
 from ballonet.training.corpus import Corpus
 
 IGNORE_INDEX = -100
@@ -218,7 +220,8 @@ class RankBatch:
     doc_ids: torch.Tensor
     """Index of the piece within the batch (the plan's document), not the corpus id."""
     num_valid_tokens_global: int
-    """Valid labels over the whole batch: the loss denominator on every rank."""
+    """Valid labels over the whole batch (of the whole global batch, for a micro-batch):
+    the loss denominator on every rank."""
     layout: str = "attention"
     """The plan layout these tokens are in."""
     content: tuple[bytes, bytes] = (b"", b"")
@@ -228,6 +231,9 @@ class RankBatch:
     staged: Staged | None = None
     """(`runtime.StepMeta`, input ids, labels) in one buffer: `staged.to(device)` moves
     the step's metadata and tokens with one copy."""
+    micro_batch: int = 0
+    """Which of its global batch's micro-batches this is (`accumulation.py`)."""
+    num_micro_batches: int = 1
 
     @property
     def plan(self) -> Plan:
@@ -242,24 +248,25 @@ class RankBatch:
         return self.batch.plan_ms
 
 
-def rank_view(batch: Batch, rank: int, layout: str = "attention", *, pin: bool = False) -> RankBatch:
+def rank_view(batch: Batch, rank: int, layout: str = "attention", *, pin: bool = False, **micro) -> RankBatch:
     """`rank`'s tokens, read from the corpus: only the ranges it holds, each with the one
     token after it, so labels are right even where a document's next token lives on
     another rank; with the step's metadata staged for one copy (`pin`: in page-locked
     memory, for a GPU) and the token digests of the plan check (the successor's sampled
-    tokens are the only others read)."""
+    tokens are the only others read). `micro`: a micro-batch's `num_valid_tokens_global`
+    (its global batch's), `micro_batch` and `num_micro_batches`."""
     plan = batch.plan
     input_ids, labels = batch.read(doc_ranges(plan, rank, layout))
     successor = doc_ranges(plan, (rank + 1) % plan.num_ranks, layout)
     sampled = batch.read_at(successor, sample_offsets(sum(e - s for _, s, e in successor), batch.index))
     mine = input_ids.numpy()[sample_offsets(len(input_ids), batch.index)]
     meta = runtime.step_meta(plan, rank)
+    micro.setdefault("num_valid_tokens_global", batch.num_valid_tokens)
     return RankBatch(batch=batch, rank=rank, input_ids=input_ids, labels=labels,
                      loss_mask=labels != IGNORE_INDEX, position_ids=position_ids(plan, rank, layout),
                      token_index=token_index(plan, rank, layout), doc_ids=doc_ids(plan, rank, layout),
-                     num_valid_tokens_global=batch.num_valid_tokens, layout=layout,
-                     content=(runtime.content_digest(mine), runtime.content_digest(sampled)),
-                     staged=runtime.stage((meta, input_ids, labels), pin=pin))
+                     layout=layout, content=(runtime.content_digest(mine), runtime.content_digest(sampled)),
+                     staged=runtime.stage((meta, input_ids, labels), pin=pin), **micro)
 
 
 # ---- the loader ----------------------------------------------------------------------
@@ -272,12 +279,16 @@ class BalancedLoader:
     deterministic); each rank reads from the corpus only the tokens it holds. While batch
     n is consumed, batch n+1 is planned and read in a background thread. `state_dict()` counts only yielded batches, so resuming from it
     yields exactly the batches that would have followed, on any world size.
+
+    With `grad_accum` K > 1 each global batch is yielded as its micro-batches
+    (`accumulation.micro_batches`), one after the other, each planned on its own; take
+    all `num_micro_batches` of them before `state_dict()`.
     """
 
     def __init__(self, corpus: Corpus, *, global_tokens: int, plan_fn: Callable[[tuple[int, ...]], Plan],
                  rank: int = 0, world_size: int = 1, seed: int = 0, shuffle: bool = True,
                  max_doc_tokens: int | None = None, max_epochs: int | None = None,
-                 layout: str = "attention", prefetch: bool = True):
+                 layout: str = "attention", prefetch: bool = True, grad_accum: int = 1):
         if global_tokens < world_size:
             raise InputError(f"global token budget {global_tokens} is smaller than one token per rank "
                              f"({world_size} ranks)")
@@ -290,7 +301,7 @@ class BalancedLoader:
         self.corpus, self.plan_fn = corpus, plan_fn
         self.global_tokens, self.max_doc_tokens, self.max_epochs = global_tokens, max_doc_tokens, max_epochs
         self.rank, self.world_size, self.layout, self.prefetch = rank, world_size, layout, prefetch
-        self.seed, self.shuffle = seed, shuffle
+        self.seed, self.shuffle, self.grad_accum = seed, shuffle, grad_accum
         self._order = functools.lru_cache(maxsize=2)(
             lambda epoch: document_order(corpus.num_docs, epoch, seed, shuffle))
         self._cursor = Cursor()
@@ -302,23 +313,36 @@ class BalancedLoader:
             return None
         return pool.submit(self._view, pieces, cursor.batch), after
 
-    def _view(self, pieces: list[Piece], index: int) -> RankBatch:
-        batch = build_batch(self.corpus, pieces, index, self.plan_fn)
-        if batch.plan.num_ranks != self.world_size:
-            raise ValueError(f"batch {batch.index}: the plan has {batch.plan.num_ranks} ranks, "
-                             f"the loader {self.world_size}")
-        return rank_view(batch, self.rank, self.layout, pin=torch.cuda.is_available())
+    def _view(self, pieces: list[Piece], index: int) -> list[RankBatch]:
+        """This rank's view of the global batch `pieces`: [it], or its micro-batches."""
+        groups = micro_batches([p.end - p.start for p in pieces], self.grad_accum, self.world_size)
+        batches = []
+        for g in groups:
+            try:
+                batches.append(build_batch(self.corpus, [pieces[i] for i in g], index, self.plan_fn))
+            except InputError as e:  # the planner's "document i" of the micro-batch, as the global batch's
+                def globally(m: re.Match, g=g) -> str:
+                    return f"document {g[int(m.group(1))]}" if int(m.group(1)) < len(g) else m.group(0)
+
+                raise InputError(re.sub(r"document (\d+)", globally, str(e))) from None
+        for batch in batches:
+            if batch.plan.num_ranks != self.world_size:
+                raise ValueError(f"batch {batch.index}: the plan has {batch.plan.num_ranks} ranks, "
+                                 f"the loader {self.world_size}")
+        valid = sum(b.num_valid_tokens for b in batches)
+        return [rank_view(b, self.rank, self.layout, pin=torch.cuda.is_available(), num_valid_tokens_global=valid,
+                          micro_batch=i, num_micro_batches=len(batches)) for i, b in enumerate(batches)]
 
     def __iter__(self) -> Iterator[RankBatch]:
         with ThreadPoolExecutor(1, thread_name_prefix="ballonet-plan") as pool:
             pending = self._start(pool, self._cursor)
             while pending is not None:
                 future, after = pending
-                view = future.result()
+                views = future.result()
                 if self.prefetch:
                     pending = self._start(pool, after)
                 self._cursor = after
-                yield view
+                yield from views
                 if not self.prefetch:
                     pending = self._start(pool, after)
 

@@ -6,12 +6,16 @@ everything else on the token-balanced linear layout, its weights sharded by FSDP
 (`parallel.py`). The loss is the sum of token losses divided by the global count of
 valid labels, so the sum of the ranks' gradients (FSDP2's reduce-scatter, overlapped
 with backward) is the gradient of the global mean loss whatever the layout: every
-planner trains the same model.
+planner trains the same model. With `--grad-accum` a global batch arrives as its
+micro-batches (`accumulation.py`), each divided by the whole batch's valid labels, and
+one optimizer step follows them all; the step's gradient is clipped and its learning
+rate scheduled by `optim.py`; every `--eval-every` steps `evaluation.py` measures the
+held-out loss.
 
 Checkpoints (`checkpoint.py`) are sharded, atomic and safe to load. With `--resume`, a
 restarted job (by hand or by torchrun's `--max-restarts`) continues from the last one,
 on the same or another world size; the JSON log is cut back to it so every step appears
-once.
+once (`logs.py`).
 """
 
 from __future__ import annotations
@@ -20,7 +24,6 @@ import contextlib
 import dataclasses
 import datetime
 import functools
-import json
 import math
 import os
 import re
@@ -36,11 +39,12 @@ from ballonet.cost.recompute import plan_recompute
 from ballonet.errors import InputError
 from ballonet.integrations import hf_model
 from ballonet.plan.recompute import heaviest
-from ballonet.training import checkpoint, metrics, parallel
+from ballonet.training import checkpoint, config_file, evaluation, export, logs, metrics, optim, parallel
 from ballonet.training.config import TrainConfig
-from ballonet.training.corpus import Corpus, load_corpus
+from ballonet.training.corpus import Corpus
 from ballonet.training.loader import BalancedLoader, Cursor, document_order, take_pieces
 from ballonet.training.model import build_model
+from ballonet.training.preflight import preflight
 
 
 class RankFailure(InputError):
@@ -52,66 +56,6 @@ class RankFailure(InputError):
 _PEER_TROUBLE = re.compile(r"disagree on the plan|disagree on the step's tokens|another plan rank|the plan is for|"
                            r"[Cc]onnection|[Tt]imed? ?out|[Pp]eer|[Gg]loo|NCCL")
 """What the runtime's plan check and the communication backends say when ranks part ways."""
-
-
-def _cluster(config: TrainConfig, world_size: int) -> ballonet.ClusterSpec:
-    if world_size % config.nodes:
-        raise InputError(f"{world_size} ranks cannot be spread evenly over --nodes {config.nodes}")
-    spec = ballonet.cluster(config.cluster, num_nodes=config.nodes, gpus_per_node=world_size // config.nodes)
-    if spec.num_ranks != world_size:
-        raise InputError(f"cluster {spec.name!r} has {spec.num_ranks} ranks, the job {world_size}")
-    return spec
-
-
-def _check_paths(config: TrainConfig) -> None:
-    if config.json_log:
-        if os.path.isdir(config.json_log):
-            raise InputError(f"--json-log {config.json_log}: is a folder, not a file")
-        parent = os.path.dirname(config.json_log) or "."
-        if not os.path.isdir(parent):
-            raise InputError(f"--json-log {config.json_log}: folder {parent} does not exist")
-    if config.checkpoint_dir and os.path.exists(config.checkpoint_dir) and not os.path.isdir(config.checkpoint_dir):
-        raise InputError(f"--checkpoint-dir {config.checkpoint_dir}: is a file, not a folder")
-    if config.resume and config.checkpoint_dir:
-        path = checkpoint.latest(config.checkpoint_dir)  # a foreign folder or dangling pointer fails here
-        if path:
-            checkpoint.read_meta(path)
-
-
-def preflight(config: TrainConfig, world_size: int):
-    """Check what can be checked before any process starts or any batch is built; returns
-    (cluster, model spec, corpus). Raises InputError with one line on bad input."""
-    if config.global_tokens < world_size:
-        raise InputError(f"--global-tokens {config.global_tokens} is smaller than one token per rank "
-                         f"({world_size} ranks)")
-    _check_paths(config)
-    cluster = _cluster(config, world_size)
-    spec = hf_model.model_spec(config.model) if hf_model.is_hf(config.model) else ballonet.model(config.model)
-    if config.recompute not in hf_model.RECOMPUTE and hf_model.is_hf(config.model):
-        choices = ", ".join(hf_model.RECOMPUTE)
-        raise InputError(f"--recompute {config.recompute}: not for a Hugging Face model ({config.model}), whose "
-                         f"modules are checkpointed whole when it is built (--recompute {choices})")
-    if config.recompute_layers is not None and config.recompute_layers > spec.num_layers:
-        raise InputError(f"--recompute-layers {config.recompute_layers}: model {spec.name!r} has "
-                         f"{spec.num_layers} layers")
-    # The planner and the cost model price what this run does: its dtype and recomputation
-    # (auto: None, the cheapest each plan fits under).
-    spec = dataclasses.replace(spec, dtype_bytes=parallel.DTYPES[config.dtype].itemsize,
-                               recompute=None if config.recompute == "auto" else config.recompute,
-                               recompute_layers=config.recompute_layers)
-    metrics.check_budget(spec, cluster, config.global_tokens, world_size, config.shard)
-    if config.checkpoint_dir and config.checkpoint_every:
-        checkpoint.check_folder(config.checkpoint_dir, spec.num_params)
-    if config.tensorboard:
-        _tensorboard_writer(None)
-    corpus = load_corpus(config.corpus, seed=config.seed)
-    if corpus.vocab_size > spec.vocab_size:
-        raise InputError(f"corpus {config.corpus!r} has token ids up to {corpus.vocab_size - 1}, "
-                         f"model {spec.name!r} a vocabulary of {spec.vocab_size}")
-    ballonet.plan_batch([1] * world_size, cluster, spec, planner=config.planner)  # a bad planner fails here
-    metrics.peak_flops(cluster, config.calibration)  # a bad profile fails here
-    metrics.plan_profile(cluster, config.calibration)
-    return cluster, spec, corpus
 
 
 # ---- process group -----------------------------------------------------------------------
@@ -145,35 +89,7 @@ def _maybe_fault(step: int, rank: int) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-# ---- logs ----------------------------------------------------------------------------------
-
-
-def _trim_log(path: str, last_step: int) -> None:
-    """Keep the JSON log's entries up to `last_step` (the steps after it run again); a
-    torn last line (a run killed mid-write) is dropped."""
-    if not os.path.exists(path):
-        return
-    with open(path, encoding="utf-8", errors="replace") as f:
-        lines = [line for line in f if line.strip()]
-    kept = []
-    for i, line in enumerate(lines):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            if i == len(lines) - 1:
-                break
-            raise InputError(f"{path}:{i + 1}: not a JSON log line; cannot resume its log") from None
-        if record.get("step", 0) <= last_step:
-            kept.append(json.dumps(record) + "\n")
-    checkpoint.write_durably(path, "".join(kept))
-
-
-def _tensorboard_writer(folder: str | None):
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        raise InputError("--tensorboard needs the tensorboard package (pip install 'ballonet[tb]')") from None
-    return SummaryWriter(folder) if folder else None
+# ---- collectives and errors ---------------------------------------------------------------
 
 
 def _reduce(values: list[float], group, device: torch.device) -> tuple[list[float], list[float]]:
@@ -251,19 +167,26 @@ def _run(config: TrainConfig, group, use_cuda: bool):
     torch.manual_seed(config.seed)
 
     cluster, spec, corpus = preflight(config, world_size)
+    corpus, eval_corpus = evaluation.split_corpora(config, corpus)
     plan_fn = functools.partial(_plan, metrics.plan_profile(cluster, config.calibration), cluster=cluster,
                                 model=spec, planner=config.planner, **({"double": False} if config.no_double else {}))
     loader = BalancedLoader(corpus, global_tokens=config.global_tokens, plan_fn=plan_fn, rank=rank,
-                            world_size=world_size, seed=config.seed, max_doc_tokens=config.max_doc_tokens)
+                            world_size=world_size, seed=config.seed, max_doc_tokens=config.max_doc_tokens,
+                            grad_accum=config.grad_accum)
+    eval_set = None if eval_corpus is None else functools.partial(
+        evaluation.eval_batches, eval_corpus, num_tokens=evaluation.eval_tokens(config),
+        global_tokens=config.global_tokens, plan_fn=plan_fn, rank=rank, world_size=world_size,
+        max_doc_tokens=config.max_doc_tokens, grad_accum=config.grad_accum)
     model = (hf_model.build_model(config.model, config.seed, device, config.recompute, config.recompute_layers)
              if hf_model.is_hf(config.model) else build_model(config, spec, device))
     parallel.parallelize(model, parallel.device_mesh(world_size, config.shard, device), config.dtype)
     groups = _groups(group, world_size, device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    optimizer = optim.build_optimizer(model, config.lr, config.weight_decay)
 
     step = 0
     if config.checkpoint_dir and rank == 0:
         checkpoint.clean_stale(config.checkpoint_dir)
+        config_file.write_resolved(config, config.checkpoint_dir)
     dist.barrier(group)
     found = checkpoint.latest(config.checkpoint_dir) if config.resume and config.checkpoint_dir else None
     if found:
@@ -273,36 +196,51 @@ def _run(config: TrainConfig, group, use_cuda: bool):
         except InputError as e:
             raise InputError(f"{os.path.join(found, checkpoint.META)}: {e}") from None
         step = meta["step"]
+        if rank == 0:
+            print(f"resumed from step {step} ({found})", flush=True)
+    scheduler = optim.lr_scheduler(optimizer, lr=config.lr, steps=config.steps, warmup_steps=config.warmup_steps,
+                                   decay=config.lr_decay, min_lr=config.min_lr, start_step=step)
+    saver = _checkpointer(config, rank, group, device, found, world_size)
+    hf_config = hf_model.config_dict(config.model) if hf_model.is_hf(config.model) else None
+    model_meta = {"model": export.model_meta(spec, hf_config, config.max_doc_tokens or config.global_tokens)}
     if rank == 0 and config.json_log:
         if step:
-            _trim_log(config.json_log, step)
+            logs.trim(config.json_log, step)
         elif os.path.exists(config.json_log):
             os.remove(config.json_log)
-    writer = _tensorboard_writer(config.tensorboard) if config.tensorboard and rank == 0 else None
+    writer = logs.tensorboard_writer(config.tensorboard) if config.tensorboard and rank == 0 else None
     peak = metrics.peak_flops(cluster, config.calibration)
 
     records = []
     batches = iter(loader)
+    auto = functools.partial(_auto_recompute, model, spec=spec, cluster=cluster, rank=rank) \
+        if spec.recompute is None else None
     while step < config.steps:
         try:
-            batch = next(batches)
+            first = next(batches)
+            micro = [first] + [next(batches) for _ in range(first.num_micro_batches - 1)]
         except StopIteration:
             break
         except InputError as e:
             raise _unplannable(e, step + 1, loader, corpus, config) from None
         step += 1
         _maybe_fault(step, rank)
-        recompute = _auto_recompute(model, batch.plan, spec, cluster, rank) if spec.recompute is None else None
-        record = _step(model, optimizer, batch, rank, groups, device, spec, peak, step)
+        record = _step(model, optimizer, micro, rank, groups, device, spec, peak, step, config.max_grad_norm, auto)
         if not math.isfinite(record["loss"]):  # the same on every rank (a reduced sum)
             raise InputError(f"step {step}: the loss is {record['loss']}; training stopped (try a smaller --lr)")
-        if recompute is not None:
-            record["recompute"], record["recompute_layers_max"] = recompute
+        scheduler.step()
+        if eval_set is not None and step % config.eval_every == 0:
+            record.update(evaluation.evaluate(model, eval_set(), rank, groups.plan, device, groups.outer,
+                                              groups.world))
         records.append(record)
         if rank == 0:
-            _log(config, record, writer)
-        if config.checkpoint_dir and config.checkpoint_every and step % config.checkpoint_every == 0:
-            checkpoint.save(config.checkpoint_dir, step, model, optimizer, loader.state_dict(), rank, group, device)
+            logs.write(config, record, writer)
+        if saver and config.checkpoint_every and step % config.checkpoint_every == 0:
+            saver.save(step, model, optimizer, loader.state_dict(), model_meta)
+    if saver and records and saver.last_step != step:  # the final step, always
+        saver.save(step, model, optimizer, loader.state_dict(), model_meta)
+    if saver:
+        saver.close()
     if writer is not None:
         writer.close()
     return records, model
@@ -317,7 +255,7 @@ def _plan(profile, lengths, **options):
         return ballonet.plan_batch(lengths, **options)
 
 
-def _auto_recompute(model, plan, spec, cluster, rank: int) -> tuple[str, int]:
+def _auto_recompute(model, plan, *, spec, cluster, rank: int) -> tuple[str, int]:
     """--recompute auto: set this step's recomputation on this rank's blocks as the plan
     says (`Plan.recompute`, `cost.recompute.plan_recompute`: the cheapest its tokens fit
     under, what the planner and the simulator price: selective or linear on as few of the
@@ -329,6 +267,19 @@ def _auto_recompute(model, plan, spec, cluster, rank: int) -> tuple[str, int]:
     model.set_recompute(mode.value, layers)
     most = heaviest(per_rank)
     return most.mode.value, most.layers
+
+
+def _checkpointer(config: TrainConfig, rank: int, group, device, resumed_from: str | None,
+                  world_size: int) -> checkpoint.Checkpointer | None:
+    """The run's saves (None without --checkpoint-dir); --async-checkpoint writes over a
+    gloo group of its own (made here, collectively), as DCP's background saves need."""
+    if not config.checkpoint_dir:
+        return None
+    async_group = None
+    if config.async_checkpoint:
+        async_group = dist.new_group(dist.get_process_group_ranks(group), backend="gloo")
+    return checkpoint.Checkpointer(config.checkpoint_dir, rank, group, device, keep=config.keep_checkpoints,
+                                   protect=resumed_from, async_group=async_group)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -368,18 +319,31 @@ def _sync_debug(step: int):
         torch.cuda.set_sync_debug_mode(0)
 
 
-def _step(model, optimizer, batch, rank: int, groups: Groups, device, spec, peak: float, step: int) -> dict:
-    """One optimizer step on this rank's share of `batch`; its log record."""
+def _step(model, optimizer, micro: list, rank: int, groups: Groups, device, spec, peak: float, step: int,
+          max_grad_norm: float | None = None, auto_recompute=None) -> dict:
+    """One optimizer step on this rank's share of a global batch, given as its micro-batches
+    `micro` (one without --grad-accum; each one's loss over the global batch's valid
+    labels, so their gradients add up to the global batch's); its log record. The
+    gradient is clipped to `max_grad_norm` if given; `auto_recompute(plan)` sets each
+    micro-batch's recomputation (--recompute auto)."""
     wall, cpu = time.perf_counter(), time.thread_time()
-    meta, input_ids, labels = batch.staged.to(device)  # the step's metadata and tokens: one copy
-    if batch.plan.num_ranks > 1:  # every rank runs this plan on the same data, before the first exchange
-        runtime.check_plan(batch.plan, rank, groups.plan, device, content=batch.content)
     counter = runtime.ByteCounter()
-    with _sync_debug(step):
-        loss_sum = model.loss(input_ids, labels, batch.plan, rank, groups.plan, counter=counter,
+    loss_sum, recomputes = torch.zeros((), dtype=torch.float64, device=device), []
+    for batch in micro:
+        meta, input_ids, labels = batch.staged.to(device)  # the micro-batch's metadata and tokens: one copy
+        if batch.plan.num_ranks > 1:  # every rank runs this plan on the same data, before the first exchange
+            runtime.check_plan(batch.plan, rank, groups.plan, device, content=batch.content)
+        if auto_recompute is not None:
+            recomputes.append(auto_recompute(batch.plan))
+        with _sync_debug(step):
+            part = model.loss(input_ids, labels, batch.plan, rank, groups.plan, counter=counter,
                               outer_group=groups.outer, meta=meta, verify_plan=False)
-        (loss_sum / batch.num_valid_tokens_global).backward()
-        compute = time.thread_time() - cpu
+            (part / batch.num_valid_tokens_global).backward()
+            loss_sum += part.detach().double()
+    compute = time.thread_time() - cpu
+    with _sync_debug(step):
+        grad_norm = optim.clip_gradients(model.parameters(), max_grad_norm)  # a tensor: read after the step
+        lr = optim.current_lr(optimizer)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     if device.type == "cuda":
@@ -392,40 +356,31 @@ def _step(model, optimizer, batch, rank: int, groups: Groups, device, spec, peak
               float(metrics.memory_high_water(device)), float(parallel.local_parameter_bytes(model, optimizer)),
               step_cpu] + [compute if r == rank else 0.0 for r in range(world_size)]  # summed: each rank's compute
     sums, maxes = _reduce(values, groups.world, device)
-    num_tokens = sum(p.end - p.start for p in batch.pieces)
-    return {
+    pieces = [p for batch in micro for p in batch.pieces]
+    num_tokens = sum(p.end - p.start for p in pieces)
+    record = {
         "step": step,
-        "loss": sums[0] / batch.num_valid_tokens_global,
+        "loss": sums[0] / micro[0].num_valid_tokens_global,
+        "lr": lr,
+        "grad_norm": grad_norm.item(),
         "tokens": num_tokens,
         "tokens_per_s": num_tokens / wall,
-        "plan_ms": batch.plan_ms,
+        "plan_ms": sum(batch.plan_ms for batch in micro),
         "compute_s_max": maxes[1],
         "compute_s_mean": sums[1] / world_size,
         "compute_s": sums[7:7 + world_size],
         "cpu_s_max": maxes[6],
         "bytes_sent": int(sums[2]),
-        "ledger": [list(p) for p in batch.pieces],
-        "plan_digest": batch.plan.digest,
-        "mfu": metrics.step_flops(spec, batch.plan.lengths) / (wall * peak),
+        "ledger": [list(p) for p in pieces],
+        "plan_digest": micro[0].plan.digest if len(micro) == 1 else [batch.plan.digest for batch in micro],
+        "mfu": metrics.step_flops(spec, [p.end - p.start for p in pieces]) / (wall * peak),
         "exposed_comm_s_max": maxes[3],
         "memory_peak_bytes_max": int(maxes[4]),
         "param_bytes_max": int(maxes[5]),
     }
-
-
-def _log(config: TrainConfig, record: dict, writer) -> None:
-    if config.json_log:
-        with open(config.json_log, "a") as f:
-            f.write(json.dumps(record) + "\n")
-    if writer is not None:
-        for key in ("loss", "tokens_per_s", "mfu", "compute_s_max", "exposed_comm_s_max", "memory_peak_bytes_max"):
-            writer.add_scalar(f"train/{key}", record[key], record["step"])
-    step = record["step"]
-    if step % config.log_every == 0 or step == config.steps:
-        balance = record["compute_s_max"] / max(record["compute_s_mean"], 1e-9)
-        recompute = (f"  recompute {record['recompute']} (at most {record['recompute_layers_max']} layers)"
-                     if "recompute" in record else "")  # --recompute auto
-        print(f"step {step:4d}  loss {record['loss']:.4f}  tok/s {record['tokens_per_s']:8.0f}  "
-              f"MFU {record['mfu']:6.2%}  plan {record['plan_ms']:6.1f} ms  compute max/mean {balance:.2f}  "
-              f"exposed comm {record['exposed_comm_s_max']:.3f} s  mem {record['memory_peak_bytes_max'] / 2**20:.0f} MiB  "
-              f"bytes {record['bytes_sent']}{recompute}", flush=True)
+    if len(micro) > 1:
+        record["micro_batches"] = len(micro)
+    if recomputes:  # the most any micro-batch recomputed
+        most = heaviest(recomputes)
+        record["recompute"], record["recompute_layers_max"] = most.mode.value, most.layers
+    return record

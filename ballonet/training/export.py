@@ -1,0 +1,155 @@
+"""`ballonet export`: a training checkpoint as a Hugging Face model folder (`config.json`
+and `model.safetensors`) that `transformers` loads with `from_pretrained`.
+
+The built-in model (`model.py`) becomes a `LlamaForCausalLM` with the same weights: its
+RMSNorm, rotate-half RoPE (theta 10000, positions restarting at each document, as a
+batch of one sequence is), SwiGLU and GQA are Llama's, so the logits agree (fp32,
+tested). A Hugging Face model (`--model hf:DIR`) keeps its own config and weight names.
+
+No pickle on the way: DCP's `.metadata` goes through torch's weights-only unpickler
+(`checkpoint.read_safe_metadata`: DCP's own metadata classes only), only the model's
+tensors are read (`dcp.load` into tensors
+shaped from that metadata; the optimizer's pickled items are never touched), and the
+weights are written with safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from ballonet.errors import InputError
+from ballonet.paths import write_atomic
+from ballonet.specs import ModelSpec
+from ballonet.training import checkpoint
+from ballonet.training.model import NORM_EPS, ROPE_THETA
+
+WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+
+
+def model_meta(spec: ModelSpec, hf_config: dict | None, context: int) -> dict:
+    """What a checkpoint records of its model (`ballonet.json`'s "model"), for export:
+    the built-in model's shape, or a Hugging Face model's config.json."""
+    if hf_config is not None:
+        return {"kind": "hf", "config": hf_config}
+    fields = ("num_layers", "hidden", "num_heads", "num_kv_heads", "ffn_hidden", "vocab_size")
+    return {"kind": "ballonet", "name": spec.name, **{f: getattr(spec, f) for f in fields},
+            "max_position_embeddings": context}
+
+
+def step_folder(path: str) -> str:
+    """A `--checkpoint-dir` (its latest checkpoint) or one checkpoint's folder."""
+    if not os.path.isdir(path):
+        raise InputError(f"--checkpoint {path}: not a folder")
+    if os.path.isfile(os.path.join(path, checkpoint.META)):
+        return path
+    found = checkpoint.latest(path)
+    if found is None:
+        raise InputError(f"--checkpoint {path}: holds no checkpoint (no {checkpoint.LATEST!r} file and no "
+                         f"{checkpoint.META})")
+    return found
+
+
+def read_model_state(path: str) -> dict[str, torch.Tensor]:
+    """The model's full (unsharded) tensors of checkpoint `path`, by parameter name; one
+    process, any world size the checkpoint was saved on."""
+    metadata = checkpoint.read_safe_metadata(os.path.join(path, checkpoint.DCP_METADATA), path)  # weights-only
+    prefix = "model."
+    shapes = {key[len(prefix):]: item for key, item in metadata.state_dict_metadata.items()
+              if key.startswith(prefix) and isinstance(item, TensorStorageMetadata)}
+    if not shapes:
+        raise InputError(f"{path}: the checkpoint holds no model tensors")
+    state = {name: torch.empty(item.size, dtype=item.properties.dtype) for name, item in shapes.items()}
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")  # the refusal says it
+            dcp.load({"model": state}, storage_reader=checkpoint.SafeReader(path),
+                     planner=checkpoint.SafeLoadPlanner(), no_dist=True)
+    except Exception as e:  # noqa: BLE001 - DCP wraps every failure in its own exception
+        raise InputError(f"{path}: corrupt or foreign checkpoint ({_last_line(e)})") from None
+    return state
+
+
+def _last_line(e: BaseException) -> str:
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return (lines[-1] if lines else type(e).__name__)[:300]
+
+
+_LLAMA_NAMES = {"attention_norm": "input_layernorm", "wq": "self_attn.q_proj", "wk": "self_attn.k_proj",
+                "wv": "self_attn.v_proj", "wo": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+                "w1": "mlp.gate_proj", "w3": "mlp.up_proj", "w2": "mlp.down_proj"}
+"""A block's modules in `model.py` -> in transformers' `LlamaDecoderLayer`."""
+
+
+def llama_name(name: str) -> str:
+    """A built-in model's parameter name as `LlamaForCausalLM` names it."""
+    top = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+           "head.weight": "lm_head.weight"}
+    if name in top:
+        return top[name]
+    parts = name.split(".")  # layers.<i>.<module>.weight
+    if len(parts) != 4 or parts[0] != "layers" or parts[2] not in _LLAMA_NAMES:
+        raise InputError(f"parameter {name!r} is not one of the built-in model's")
+    return f"model.layers.{parts[1]}.{_LLAMA_NAMES[parts[2]]}.{parts[3]}"
+
+
+def llama_config(model: dict) -> dict:
+    """config.json of the `LlamaForCausalLM` the built-in model `model` (`model_meta`) is."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(vocab_size=model["vocab_size"], hidden_size=model["hidden"],
+                         intermediate_size=model["ffn_hidden"], num_hidden_layers=model["num_layers"],
+                         num_attention_heads=model["num_heads"], num_key_value_heads=model["num_kv_heads"],
+                         head_dim=model["hidden"] // model["num_heads"], hidden_act="silu", rms_norm_eps=NORM_EPS,
+                         rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA},
+                         max_position_embeddings=model["max_position_embeddings"], tie_word_embeddings=False,
+                         attention_bias=False, mlp_bias=False, bos_token_id=None, eos_token_id=None,
+                         architectures=["LlamaForCausalLM"], dtype="float32")
+    return config.to_dict()
+
+
+def export(checkpoint_path: str, out: str) -> dict:
+    """Write `out/config.json` and `out/model.safetensors` from the checkpoint at
+    `checkpoint_path` (`step_folder`); returns a summary (step, kind, parameters)."""
+    try:
+        from safetensors.torch import save_file
+        import transformers  # noqa: F401 - the config's class
+    except ImportError:
+        raise InputError("ballonet export needs transformers and safetensors: pip install 'ballonet[hf]'") from None
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise InputError(f"--out {out}: is a file; give a folder")
+    path = step_folder(checkpoint_path)
+    meta = checkpoint.read_meta(path)
+    model = meta.get("model")
+    if not isinstance(model, dict) or model.get("kind") not in ("ballonet", "hf"):
+        raise InputError(f"{os.path.join(path, checkpoint.META)}: records no model (a checkpoint written before "
+                         "export existed); train on from it with --resume to write one that does")
+    state = read_model_state(path)
+    if model["kind"] == "ballonet":
+        config, tensors = llama_config(model), {llama_name(n): t for n, t in state.items()}
+    else:
+        config, tensors = dict(model["config"]), dict(state)
+        if config.get("tie_word_embeddings") and "lm_head.weight" in tensors:
+            del tensors["lm_head.weight"]  # the embedding's, tied again on loading
+    os.makedirs(out, exist_ok=True)
+    contiguous = {name: t.contiguous() for name, t in sorted(tensors.items())}
+    write_atomic(os.path.join(out, WEIGHTS), lambda tmp: save_file(contiguous, tmp, metadata={"format": "pt"}))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(os.path.join(out, WEIGHTS), 0o666 & ~umask)  # safetensors creates its file private
+
+    def write_config(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+
+    write_atomic(os.path.join(out, CONFIG), write_config)
+    return {"checkpoint": path, "step": meta.get("step"), "kind": model["kind"], "out": out,
+            "num_parameters": sum(t.numel() for t in tensors.values())}
+

@@ -1,0 +1,92 @@
+"""What a training run checks before any process starts or any batch is built
+(`preflight`): the topology, the model and its memory budget, the corpus and its
+vocabulary, the evaluation set, the checkpoint folder, the planner and the calibration
+profile. Bad input is one InputError line, raised on the launcher before torchrun starts
+(`ballonet train --nproc`) and again on every rank."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import ballonet
+from ballonet.errors import InputError
+from ballonet.integrations import hf_model
+from ballonet.training import checkpoint, evaluation, logs, metrics, parallel
+from ballonet.training.config import TrainConfig
+from ballonet.training.corpus import load_corpus
+
+
+def _cluster(config: TrainConfig, world_size: int) -> ballonet.ClusterSpec:
+    if world_size % config.nodes:
+        raise InputError(f"{world_size} ranks cannot be spread evenly over --nodes {config.nodes}")
+    spec = ballonet.cluster(config.cluster, num_nodes=config.nodes, gpus_per_node=world_size // config.nodes)
+    if spec.num_ranks != world_size:
+        raise InputError(f"cluster {spec.name!r} has {spec.num_ranks} ranks, the job {world_size}")
+    return spec
+
+
+def _check_paths(config: TrainConfig) -> None:
+    if config.json_log:
+        if os.path.isdir(config.json_log):
+            raise InputError(f"--json-log {config.json_log}: is a folder, not a file")
+        parent = os.path.dirname(config.json_log) or "."
+        if not os.path.isdir(parent):
+            raise InputError(f"--json-log {config.json_log}: folder {parent} does not exist")
+    if config.checkpoint_dir and os.path.exists(config.checkpoint_dir) and not os.path.isdir(config.checkpoint_dir):
+        raise InputError(f"--checkpoint-dir {config.checkpoint_dir}: is a file, not a folder")
+    if config.resume and config.checkpoint_dir:
+        path = checkpoint.latest(config.checkpoint_dir)  # a foreign folder or dangling pointer fails here
+        if path:
+            checkpoint.read_meta(path)
+
+
+def preflight(config: TrainConfig, world_size: int):
+    """Check what can be checked before any process starts or any batch is built; returns
+    (cluster, model spec, corpus). Raises InputError with one line on bad input."""
+    if config.global_tokens < world_size:
+        raise InputError(f"--global-tokens {config.global_tokens} is smaller than one token per rank "
+                         f"({world_size} ranks)")
+    _check_paths(config)
+    cluster = _cluster(config, world_size)
+    is_hf = hf_model.is_hf(config.model)
+    spec = hf_model.model_spec(config.model) if is_hf else ballonet.model(config.model)
+    if config.vocab_size is not None:
+        if is_hf:
+            raise InputError(f"--vocab-size is for the built-in model; {config.model}'s config.json sets its own")
+        spec = dataclasses.replace(spec, vocab_size=config.vocab_size)
+    if config.recompute not in hf_model.RECOMPUTE and hf_model.is_hf(config.model):
+        choices = ", ".join(hf_model.RECOMPUTE)
+        raise InputError(f"--recompute {config.recompute}: not for a Hugging Face model ({config.model}), whose "
+                         f"modules are checkpointed whole when it is built (--recompute {choices})")
+    if config.recompute_layers is not None and config.recompute_layers > spec.num_layers:
+        raise InputError(f"--recompute-layers {config.recompute_layers}: model {spec.name!r} has "
+                         f"{spec.num_layers} layers")
+    # The planner and the cost model price what this run does: its dtype and recomputation
+    # (auto: None, the cheapest each plan fits under).
+    spec = dataclasses.replace(spec, dtype_bytes=parallel.DTYPES[config.dtype].itemsize,
+                               recompute=None if config.recompute == "auto" else config.recompute,
+                               recompute_layers=config.recompute_layers)
+    metrics.check_budget(spec, cluster, config.global_tokens, world_size, config.shard)
+    if config.checkpoint_dir:  # the last step is saved whatever --checkpoint-every
+        checkpoint.check_folder(config.checkpoint_dir, spec.num_params, config.keep_checkpoints)
+    if config.tensorboard:
+        logs.tensorboard_writer(None)
+    corpus = load_corpus(config.corpus, seed=config.seed)
+    if corpus.vocab_size > spec.vocab_size:
+        fix = ("a model whose config.json has a larger vocab_size" if is_hf else
+               f"--vocab-size {corpus.vocab_size} (or vocab_size in a model TOML)")
+        raise InputError(f"corpus {config.corpus!r} has token ids up to {corpus.vocab_size - 1}, "
+                         f"model {spec.name!r} a vocabulary of {spec.vocab_size}: give {fix}")
+    _, eval_corpus = evaluation.split_corpora(config, corpus)  # too little left to train on fails here
+    if eval_corpus is not None and eval_corpus.vocab_size > spec.vocab_size:
+        raise InputError(f"--eval-corpus {config.eval_corpus!r} has token ids up to {eval_corpus.vocab_size - 1}, "
+                         f"model {spec.name!r} a vocabulary of {spec.vocab_size}")
+    if config.global_tokens // config.grad_accum < world_size:
+        raise InputError(f"--grad-accum {config.grad_accum}: micro-batches of --global-tokens "
+                         f"{config.global_tokens} / {config.grad_accum} tokens hold less than one token per rank "
+                         f"({world_size} ranks)")
+    ballonet.plan_batch([1] * world_size, cluster, spec, planner=config.planner)  # a bad planner fails here
+    metrics.peak_flops(cluster, config.calibration)  # a bad profile fails here
+    metrics.plan_profile(cluster, config.calibration)
+    return cluster, spec, corpus

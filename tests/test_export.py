@@ -1,0 +1,120 @@
+"""`ballonet export`: a trained checkpoint loads in `transformers` with `from_pretrained`.
+
+The built-in model becomes a `LlamaForCausalLM` whose logits equal the built-in model's
+within 1e-4 in fp32, per document of a packed batch (the built-in model restarts
+attention and positions at each document; Hugging Face runs each as its own sequence).
+A Hugging Face model comes back as itself with the trained weights. Nothing is unpickled
+on the way but with torch's weights-only loader and DCP's metadata classes: other
+`torch.load` and `pickle` calls are made to fail during the export.
+"""
+
+import json
+import os
+import pickle
+from unittest import mock
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+import ballonet
+from ballonet.cli import main
+from ballonet.plan import Plan, Segment
+from ballonet.training.config import TrainConfig
+from ballonet.training.loop import train_model
+from ballonet.training.model import Transformer
+
+BASE = dict(corpus="stdlib", global_tokens=1024, max_doc_tokens=512, lr=1e-2, steps=2, seed=5)
+
+
+def _local_parameters(model) -> dict:
+    """A one-rank FSDP2 model's parameters (each DTensor's local shard is all of it)."""
+    return {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone() for n, p in model.named_parameters()}
+
+
+def _export_without_pickle(*argv):
+    """`ballonet export`, failing on any unpickling but torch's weights-only loads (DCP
+    reads each tensor's bytes so) and the checkpoint module's metadata unpickler (DCP's
+    own metadata classes only)."""
+    torch_load = torch.load
+
+    def weights_only_load(*args, **kwargs):
+        assert kwargs.get("weights_only") is True, "export called torch.load without weights_only=True"
+        return torch_load(*args, **kwargs)
+
+    refuse = mock.Mock(side_effect=AssertionError("export unpickled something"))
+    with mock.patch.object(torch, "load", weights_only_load), mock.patch.object(pickle, "load", refuse), \
+            mock.patch.object(pickle, "loads", refuse):
+        return main(["export", *argv])
+
+
+def test_the_built_in_model_exports_as_llama_with_equal_logits(tmp_path, capsys):
+    spec_file = tmp_path / "gqa.toml"  # 3 layers, 4 query heads over 2 KV heads, a wider vocabulary
+    spec_file.write_text('base = "tiny"\nnum_layers = 3\nvocab_size = 300\n')
+    ckpt = tmp_path / "ckpt"
+    _, trained = train_model(TrainConfig(**BASE, model=str(spec_file), checkpoint_dir=str(ckpt)))
+    capsys.readouterr()
+    assert sorted(os.listdir(ckpt)) == ["config.toml", "latest", "step-00000002"]  # the final step, saved
+    assert _export_without_pickle("--checkpoint", str(ckpt), "--out", str(tmp_path / "hf"), "--json") == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert (summary["step"], summary["kind"]) == (2, "ballonet")
+
+    reference = Transformer(ballonet.model(str(spec_file)), seed=0)
+    reference.load_state_dict(_local_parameters(trained))
+    llama = LlamaForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    assert llama.config.vocab_size == 300 and llama.config.num_hidden_layers == 3
+    lengths = (37, 200, 91)
+    ids = torch.randint(0, 300, (sum(lengths),), generator=torch.Generator().manual_seed(0))
+    plan = Plan(planner="ref", lengths=lengths, node_of_rank=(0,), nic_of_rank=(0,),
+                attention=(tuple(Segment(d, 0, n) for d, n in enumerate(lengths)),))
+    with torch.no_grad():
+        ours = reference(ids, plan, 0)
+        theirs = torch.cat([llama(doc[None]).logits[0] for doc in ids.split(lengths)])
+    assert ours.abs().max() > 0.1  # trained logits, not zeros
+    assert (ours - theirs).abs().max() <= 1e-4, (ours - theirs).abs().max()
+
+
+def test_a_hugging_face_model_exports_as_itself_with_its_trained_weights(tmp_path):
+    from transformers import LlamaConfig
+
+    folder = tmp_path / "llama"  # a config alone: random weights from the seed, as `ballonet train` makes them
+    LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=176, vocab_size=256,
+                num_hidden_layers=2, tie_word_embeddings=False).save_pretrained(folder)
+    ckpt = tmp_path / "ckpt"
+    _, trained = train_model(TrainConfig(**BASE, model=f"hf:{folder}", checkpoint_dir=str(ckpt),
+                                         checkpoint_every=1, keep_checkpoints=2))
+    step1 = ckpt / "step-00000001"
+    assert _export_without_pickle("--checkpoint", str(ckpt / "step-00000002"), "--out", str(tmp_path / "hf")) == 0
+    assert _export_without_pickle("--checkpoint", str(step1), "--out", str(tmp_path / "hf1")) == 0
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    assert type(exported).__name__ == "LlamaForCausalLM"
+    weights = _local_parameters(trained)
+    for name, p in exported.named_parameters():
+        assert torch.equal(p, weights[name]), name
+    first = AutoModelForCausalLM.from_pretrained(tmp_path / "hf1", dtype=torch.float32)
+    assert not torch.equal(first.lm_head.weight, exported.lm_head.weight)  # step 1's weights, not step 2's
+
+
+def test_export_refuses_bad_checkpoints_in_one_line(tmp_path, capsys):
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    ckpt = tmp_path / "ckpt"
+    train_model(TrainConfig(**dict(BASE, steps=1), checkpoint_dir=str(ckpt)))
+    (ckpt / "step-00000001" / ".metadata").write_bytes(pickle.dumps(Payload()))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cases = [(["--checkpoint", str(ckpt)], "not a checkpoint's metadata that is safe to load"),
+             (["--checkpoint", str(empty)], "holds no checkpoint"),
+             (["--checkpoint", str(tmp_path / "nothing")], "not a folder")]
+    for args, message in cases:
+        assert main(["export", *args, "--out", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and any(m in err for m in message.split("|")), err
+    assert not marker.exists() and not (tmp_path / "out" / "model.safetensors").exists()
