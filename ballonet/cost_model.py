@@ -172,18 +172,24 @@ def activation_bytes(model: ModelSpec, linear_tokens: float, attention_tokens: f
     layer's tensors; "selective" recomputes the MLP's intermediates (keeps its input);
     "linear" keeps the layer's input, the attention output back on the linear layout and
     q, k, v and the attention output on the attention layout; "full" keeps each layer's
-    input plus one layer's tensors while it is recomputed."""
+    input plus one layer's tensors while it is recomputed.
+
+    With tensor parallelism a GPU holds 1/tp of each tensor (its heads, its FFN columns,
+    its shard of the sequence), except the two normed inputs: sequence parallelism
+    all-gathers them before the projections, which keep them whole on every GPU of the
+    TP group (`training/tensor_parallel.py`)."""
     k = recompute_layer_count(model, mode, layers)
     mode = mode or recompute_mode(model)
-    h, f, n = model.hidden, model.ffn_hidden, model.num_layers
+    h, f, n, tp = model.hidden, model.ffn_hidden, model.num_layers, model.tp
     lin, att = layer_activation_elements(model)
-    one_layer = lin * linear_tokens + att * attention_tokens
+    normed = 2 * h  # of `lin`: the attention's and the MLP's normed inputs
+    one_layer = ((lin - normed) * linear_tokens + att * attention_tokens) / tp + normed * linear_tokens
     if mode == "full":
-        return (n * h * linear_tokens + one_layer) * model.dtype_bytes / model.tp
-    kept = {"none": one_layer, "selective": one_layer - (h + 4 * f) * linear_tokens,
-            "linear": 2 * h * linear_tokens + att * attention_tokens}
+        return (n * h * linear_tokens / tp + one_layer) * model.dtype_bytes
+    kept = {"none": one_layer, "selective": one_layer - (h + 4 * f / tp) * linear_tokens,
+            "linear": (2 * h * linear_tokens + att * attention_tokens) / tp}
     elements = n * kept[mode] if mode not in BELOW else k * kept[mode] + (n - k) * kept[BELOW[mode]]
-    return elements * model.dtype_bytes / model.tp
+    return elements * model.dtype_bytes
 
 
 def activation_bytes_per_token(model: ModelSpec, mode: str | None = None, layers: int | None = None) -> float:
@@ -432,8 +438,77 @@ def collective_time(op: str, num_bytes: float, num_ranks: int, bandwidth: float,
     if num_ranks <= 1 or num_bytes <= 0:
         return 0.0
     p = hardware.profile(gpu)
-    factor = (2 if op == "all_reduce" else 1) * (num_ranks - 1) / num_ranks
-    return p.collective_latency_s + factor * num_bytes / (bandwidth * p.collective_efficiency[op])
+    return p.collective_latency_s + bus_bytes(op, num_bytes, num_ranks) / (bandwidth * p.collective_efficiency[op])
+
+
+def bus_bytes(op: str, num_bytes: float, num_ranks: int) -> float:
+    """Bytes each of `num_ranks` GPUs sends in a ring collective of a `num_bytes` buffer
+    (nccl-tests' bus bytes): (n-1)/n of it, twice that for all_reduce."""
+    return (2 if op == "all_reduce" else 1) * (num_ranks - 1) * num_bytes / num_ranks
+
+
+# ---- tensor parallelism ------------------------------------------------------------------
+
+
+TP_RERUN = {"none": (0, 0), "selective": (1, 0), "linear": (2, 1), "full": (2, 1)}
+"""(all-gathers, reduce-scatters) of the hidden states a layer's backward runs again under
+each recomputation (`training/tensor_parallel.py`): the checkpointed pieces rerun their
+gathers, and `torch.utils.checkpoint` stops a rerun after the last tensor the backward
+needs, before the piece's last reduce-scatter."""
+
+
+def tp_buffer_bytes(model: ModelSpec, tokens: int) -> float:
+    """The [T, C] hidden states of one tensor-parallel all-gather or reduce-scatter: T =
+    `tokens` padded up to a multiple of tp (DTensor pads uneven shards)."""
+    return hidden_bytes(model, -(-int(tokens) // model.tp) * model.tp)
+
+
+def tp_layer_seconds(model: ModelSpec, tokens: int, bandwidth: float, gpu: hardware.GPUType,
+                     mode: str = "none") -> tuple[float, float]:
+    """(forward, backward) seconds of one layer's tensor-parallel collectives on a GPU of a
+    TP group whose plan rank holds `tokens` on the linear layout: two all-gathers and two
+    reduce-scatters of the hidden states a pass (sequence parallelism; the backward scatters
+    what the forward gathered and gathers what it scattered), and the backward's reruns
+    under recomputation `mode` (`TP_RERUN`)."""
+    if model.tp == 1:
+        return 0.0, 0.0
+    buf = tp_buffer_bytes(model, tokens)
+    ag, rs = (collective_time(op, buf, model.tp, bandwidth, gpu) for op in ("all_gather", "reduce_scatter"))
+    rerun_ag, rerun_rs = TP_RERUN[mode]
+    return 2 * (ag + rs), (2 + rerun_ag) * ag + (2 + rerun_rs) * rs
+
+
+def tp_step_collectives(model: ModelSpec, tokens: int) -> list[tuple[str, str, float]]:
+    """(phase, op, buffer bytes) of the tensor-parallel collectives a step runs outside its
+    layers, on a GPU whose plan rank holds `tokens` on the linear layout: the embedding's
+    reduce-scatter to the sequence shard and the head's all-gather (the backward the other
+    way round), the loss's three all-reduces of [T] fp32 over the vocabulary shards
+    (`loss_parallel`: the max, the sum of exponentials, the target logits) and, backward,
+    one all-reduce of each norm weight's gradient (two a layer and the final norm)."""
+    if model.tp == 1:
+        return []
+    buf, T = tp_buffer_bytes(model, tokens), float(tokens)
+    out = [(phase, op, buf) for phase in ("forward", "backward") for op in ("all_gather", "reduce_scatter")]
+    out += [("forward", "all_reduce", T * LOSS_DTYPE_BYTES)] * 3
+    return out + [("backward", "all_reduce", float(model.hidden * model.dtype_bytes))] * (2 * model.num_layers + 1)
+
+
+def tp_sent_bytes(model: ModelSpec, tokens: int, mode: str = "none", layers: int | None = None) -> dict:
+    """{phase: {op: bytes}} one GPU of a TP group sends in a step's tensor-parallel
+    collectives (`tp_layer_seconds`' and `tp_step_collectives`'), its plan rank holding
+    `tokens` on the linear layout and recomputing under `mode` on its first `layers`
+    layers (the others one mode below, as `recompute_layer_count`)."""
+    out = {"forward": {}, "backward": {}}
+    if model.tp == 1:
+        return out
+    n, L, buf = model.tp, model.num_layers, tp_buffer_bytes(model, tokens)
+    for i, op in enumerate(("all_gather", "reduce_scatter")):
+        rerun = _layer_mean(model, {m: float(r[i]) for m, r in TP_RERUN.items()}, mode, layers)
+        out["forward"][op] = 2 * L * bus_bytes(op, buf, n)
+        out["backward"][op] = (2 + rerun) * L * bus_bytes(op, buf, n)
+    for phase, op, nbytes in tp_step_collectives(model, tokens):
+        out[phase][op] = out[phase].get(op, 0.0) + bus_bytes(op, nbytes, n)
+    return out
 
 
 def grad_allreduce_parts(model: ModelSpec, group: NodeGroup, num_nodes: int) -> tuple[float, float]:

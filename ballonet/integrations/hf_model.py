@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from ballonet import runtime
@@ -94,7 +95,8 @@ class BallonetLoss:
                              counter, verify_plan=False)
             # The class's own forward, not self(...): FSDP2 runs its hooks around `loss`.
             logits_TV = hf.linear_logits(super().forward, moved_T3[:, 0], moved_T3[:, 2])
-        return F.cross_entropy(logits_TV, moved_T3[:, 1], ignore_index=IGNORE_INDEX, reduction="sum")
+        loss = F.cross_entropy(logits_TV, moved_T3[:, 1], ignore_index=IGNORE_INDEX, reduction="sum")
+        return loss.to_local() if isinstance(loss, DTensor) else loss  # replicated over the TP group
 
 
 def recomputed_modules(model: nn.Module, recompute: str, layers: int | None = None) -> list[nn.Module]:

@@ -11,7 +11,10 @@ What is simulated (`timeline.py` has the event model, `fabric.py` the links,
 * Forward layer: attention (every split document's ring steps, every local document),
   then the remap all-to-all to the linear layout, the linear layers (QKV, O, MLP), the
   tensor-parallel collectives (tp > 1, sequence parallel: 2 all-gathers and 2
-  reduce-scatters over NVLink), and the remap back. Backward mirrors it in reverse.
+  reduce-scatters over NVLink; the backward also the gathers its recomputation reruns),
+  and the remap back. Backward mirrors it in reverse. The head adds the embedding's and
+  the head's collectives, the loss's all-reduces and the norms' gradient all-reduces
+  (`cost_model.tp_step_collectives`), exposed.
 * Split documents that share the same ring of ranks run as one ring, as TransformerEngine
   does for packed sequences: per step one kernel on each rank and one K/V transfer.
   Ring step s of position i computes its zig-zag chunks against the block of position
@@ -101,6 +104,9 @@ class SimResult:
     bytes_sent: dict = field(default_factory=dict, repr=False, compare=False)
     """Bytes of one layer, "forward" and "backward": Counter of (class, src, dst), class
     "kv", "grad" (dK/dV), "remap" or "allreduce"."""
+    tp_bytes: dict = field(default_factory=dict, repr=False, compare=False)
+    """Bytes of the step's tensor-parallel collectives, "forward" and "backward": Counter
+    of (op, rank), what each GPU of plan rank `rank`'s TP group sends."""
     timelines: tuple = field(default=(), repr=False, compare=False)
     """(name, Timeline, start, finish, Fabric) of the simulated forward and backward layer."""
 
@@ -218,12 +224,8 @@ def simulate(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, routing: boo
         or ("full", (("full", model.num_layers),) * R)
     linear_s = [cost_model.linear_layer_seconds(model, fabric.gpu[r], tokens[r], m)
                 for r, (m, _) in enumerate(per_rank)]
-    tp_s = [0.0] * R
-    if model.tp > 1:
-        for r in range(R):
-            nbytes = cost_model.hidden_bytes(model, tokens[r])
-            tp_s[r] = 2 * sum(cost_model.collective_time(op, nbytes, model.tp, fabric.intra_bw[r], fabric.gpu[r])
-                              for op in ("all_gather", "reduce_scatter"))
+    tp_s = [cost_model.tp_layer_seconds(model, tokens[r], fabric.intra_bw[r], fabric.gpu[r], m)
+            for r, (m, _) in enumerate(per_rank)]
     routes = {}
     if routing:
         for route in plan.routes:
@@ -236,14 +238,14 @@ def simulate(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, routing: boo
     fwd, fwd_compute, fwd_end, fwd_att, fwd_rec = _run_pass(graphs[0])
     bwd, bwd_compute, bwd_end, bwd_att, bwd_rec = _run_pass(graphs[1])
     bwd_slow = _slowdown(graphs[1], bwd_compute)
-    runs = _runs_of_layers(model, fabric, tokens, per_rank, linear_s)
-    if runs != [(L, linear_s)]:  # one backward graph per run of alike layers, weighted by its length
+    runs = _runs_of_layers(model, fabric, tokens, per_rank, linear_s, tp_s)
+    if runs != [(L, linear_s, tp_s)]:  # one backward graph per run of alike layers, weighted by its length
         passes = []
-        for n, lin in runs:
-            if lin == linear_s:
+        for n, lin, tp in runs:
+            if lin == linear_s and tp == tp_s:
                 passes.append((n, (bwd, bwd_compute, bwd_end, bwd_att, bwd_slow)))
                 continue
-            g = LayerGraph(backward=True, grad_bucket=bucket, **{**common, "linear_s": lin})
+            g = LayerGraph(backward=True, grad_bucket=bucket, **{**common, "linear_s": lin, "tp_s": tp})
             b, b_compute, b_end, b_att, _ = _run_pass(g)
             passes.append((n, (b, b_compute, b_end, b_att, _slowdown(g, b_compute))))
         bwd = sum(n * p[0] for n, p in passes) / L
@@ -252,17 +254,19 @@ def simulate(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, routing: boo
     slow = [a + b for a, b in zip(_slowdown(graphs[0], fwd_compute), bwd_slow)]
 
     head = [_head_seconds(model, fabric.gpu[r], n) for r, n in enumerate(tokens)]
+    head_tp = [sum(cost_model.collective_time(op, nbytes, model.tp, fabric.intra_bw[r], fabric.gpu[r])
+                   for _, op, nbytes in cost_model.tp_step_collectives(model, n)) for r, n in enumerate(tokens)]
     optimizer = [cost_model.optimizer_time(model, fabric.gpu[r], R) for r in range(R)]
     grad = cost_model.grad_allreduce_time(model, cluster)
     grad_exposed = grad / L if overlap_grad_allreduce else grad  # the last layer's bucket
     layers = max(L * (fwd_end[r] + bwd_end[r] + slow[r]) for r in range(R))
     layers = max(layers, L * (fwd + bwd))
     # The optimizer steps after the last gradient bucket is reduced.
-    step = layers + max(head) + grad_exposed + max(optimizer)
+    step = layers + max(h + t for h, t in zip(head, head_tp)) + grad_exposed + max(optimizer)
 
     compute = [L * (fwd_compute[r] + bwd_compute[r]) + head[r] + optimizer[r]  # slowdown: exposed
                for r in range(R)]
-    busy_end = [L * (fwd_end[r] + bwd_end[r] + slow[r]) + head[r] + optimizer[r] for r in range(R)]
+    busy_end = [L * (fwd_end[r] + bwd_end[r] + slow[r]) + head[r] + head_tp[r] + optimizer[r] for r in range(R)]
     exposed = [busy_end[r] - compute[r] + grad_exposed for r in range(R)]
     idle = [step - compute[r] - exposed[r] for r in range(R)]
     peaks = [fabric.gpu[r].peak_flops for r in range(R)]
@@ -282,25 +286,41 @@ def simulate(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, routing: boo
         layer_forward_s=fwd, layer_backward_s=bwd, head_s=max(head), grad_allreduce_s=grad,
         grad_allreduce_exposed_s=grad_exposed, optimizer_s=max(optimizer),
         bytes_sent={"forward": graphs[0].sent, "backward": graphs[1].sent},
+        tp_bytes=_tp_bytes(model, tokens, per_rank),
         timelines=(fwd_rec, bwd_rec))
 
 
-def _runs_of_layers(model: ModelSpec, fabric: Fabric, tokens: list, per_rank, linear_s: list) -> list[tuple[int, list]]:
-    """(layers, [R] linear seconds forward and backward) of each run of alike layers in the
-    backward: layer l on rank r recomputes as its mode (`linear_s`) if r recomputes more
-    than l layers (`per_rank`: (mode, layers)), else as the mode below (`cost_model.BELOW`)."""
+def _runs_of_layers(model: ModelSpec, fabric: Fabric, tokens: list, per_rank, linear_s: list,
+                    tp_s: list) -> list[tuple[int, list, list]]:
+    """(layers, [R] linear seconds forward and backward, [R] the same of the TP collectives)
+    of each run of alike layers in the backward: layer l on rank r recomputes as its mode
+    (`linear_s`, `tp_s`) if r recomputes more than l layers (`per_rank`: (mode, layers)),
+    else as the mode below (`cost_model.BELOW`)."""
     below = {}
     cuts = sorted({0, model.num_layers, *(k for _, k in per_rank)})
     runs = []
     for lo, hi in itertools.pairwise(cuts):
-        lin = list(linear_s)
+        lin, tp = list(linear_s), list(tp_s)
         for r, (m, k) in enumerate(per_rank):
             if k <= lo and m in cost_model.BELOW:
                 if (r, m) not in below:
-                    below[r, m] = cost_model.linear_layer_seconds(model, fabric.gpu[r], tokens[r], cost_model.BELOW[m])
-                lin[r] = below[r, m]
-        runs.append((hi - lo, lin))
+                    gpu, mode = fabric.gpu[r], cost_model.BELOW[m]
+                    below[r, m] = (cost_model.linear_layer_seconds(model, gpu, tokens[r], mode),
+                                   cost_model.tp_layer_seconds(model, tokens[r], fabric.intra_bw[r], gpu, mode))
+                lin[r], tp[r] = below[r, m]
+        runs.append((hi - lo, lin, tp))
     return runs
+
+
+def _tp_bytes(model: ModelSpec, tokens: list, per_rank) -> dict:
+    """{phase: Counter of (op, rank)}: bytes each GPU of rank r's TP group sends in the
+    step's tensor-parallel collectives (`cost_model.tp_sent_bytes`)."""
+    out = {"forward": Counter(), "backward": Counter()}
+    for r, (n, (mode, layers)) in enumerate(zip(tokens, per_rank)):
+        for phase, sent in cost_model.tp_sent_bytes(model, n, mode, layers).items():
+            for op, nbytes in sent.items():
+                out[phase][op, r] += nbytes
+    return out
 
 
 def _bucket(model: ModelSpec, cluster: ClusterSpec, num_layers: int) -> tuple[float, float]:

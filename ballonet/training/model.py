@@ -43,6 +43,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from ballonet import cost_model, runtime
@@ -151,8 +152,6 @@ class Transformer(nn.Module):
     def __init__(self, spec: ModelSpec, *, seed: int = 0, attention_fn: AttentionFn | None = None,
                  recompute: Recompute = "none"):
         super().__init__()
-        if spec.tp != 1:
-            raise ValueError(f"model {spec.name!r}: tensor parallelism (tp={spec.tp}) is not implemented")
         self.spec = spec
         self.attention_fn = attention_fn
         self.embed = nn.Embedding(spec.vocab_size, spec.hidden)
@@ -203,7 +202,8 @@ class Transformer(nn.Module):
         `outer_group` as in `runtime.attention`."""
         _check_plan_first(plan, rank, group, input_ids.device)
         ids_T = remap(input_ids, plan, rank, "attention", "linear", group, verify_plan=False)
-        return self.head(self._hidden(ids_T, plan, rank, group, outer_group=outer_group))
+        logits_TV = self.head(self._hidden(ids_T, plan, rank, group, outer_group=outer_group))
+        return logits_TV.full_tensor() if isinstance(logits_TV, DTensor) else logits_TV
 
     def loss(self, input_ids: torch.Tensor, labels: torch.Tensor, plan: Plan, rank: int, group=None,
              counter: runtime.ByteCounter | None = None, outer_group=None) -> torch.Tensor:
@@ -219,7 +219,8 @@ class Transformer(nn.Module):
                               verify_plan=False)
         logits_TV = self.head(self._hidden(ids_labels_T2[:, 0], plan, rank, group, counter, outer_group))
         logits_TV = logits_TV.to(torch.promote_types(logits_TV.dtype, torch.float32))
-        return F.cross_entropy(logits_TV, ids_labels_T2[:, 1], ignore_index=IGNORE_INDEX, reduction="sum")
+        loss = F.cross_entropy(logits_TV, ids_labels_T2[:, 1], ignore_index=IGNORE_INDEX, reduction="sum")
+        return loss.to_local() if isinstance(loss, DTensor) else loss  # replicated over the TP group
 
 
 
