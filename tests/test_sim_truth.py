@@ -5,14 +5,20 @@
   `runtime.remapping.predicted_bytes` for the remaps of q/k/v and o) for every planner;
   those predictions are checked against bytes counted on real gloo runs in
   tests/test_attention.py and tests/test_remap.py.
+* The bytes of the tensor-parallel collectives the simulator prices (`SimResult.tp_bytes`)
+  equal what DTensor sends, counted on 4 gloo ranks (tp 2 x 2 plan ranks) under every
+  recomputation mode.
 * `lower_bound_s` is the same for every planner on a batch, and no planner's simulated
   step is below it.
 """
 
 from collections import Counter
 
+import dataclasses
+
 import pytest
 import torch
+from distributed import run_ranks
 
 import ballonet
 from ballonet import cost_model, hardware
@@ -194,3 +200,59 @@ def test_elementwise_framework_and_optimizer_terms_move_the_step_by_what_the_pro
     assert results["on"].optimizer_s == pytest.approx(optimizer, rel=1e-9)
     for r in results.values():
         assert r.step_time_s >= r.lower_bound_s * (1 - 1e-12)
+
+
+# ---- tensor parallelism: simulator against DTensor -------------------------------------
+
+
+def _tp_cases() -> list:
+    """(plan, model spec) pairs at tp 2 on one node of 4 GPUs: zeppelin's plan (its plan
+    ranks hold 154 and 153 tokens: the second pads to 154), te_cp's, and each
+    recomputation mode (selective and linear on the first layer only)."""
+    cluster, spec = ballonet.cluster("cpu", num_nodes=1, gpus_per_node=4), ballonet.model("tiny", tp=2)
+    lengths = (200, 3, 5, 8, 12, 6, 30, 2, 41)
+    zeppelin, te_cp = (plan_batch(lengths, cluster, spec, p) for p in ("zeppelin", "te_cp"))
+    modes = [dict(recompute="none"), dict(recompute="selective", recompute_layers=1),
+             dict(recompute="linear", recompute_layers=1), dict(recompute="full")]
+    return [(zeppelin, dataclasses.replace(spec, **m)) for m in modes] + [(te_cp, spec)], cluster
+
+
+def _tp_bytes_on_ranks(rank: int, world: int, cases: list) -> list:
+    """Per case, (plan rank, the bytes this rank's TP collectives sent per (phase, op)),
+    recomputing as the simulator has its plan rank recompute."""
+    from test_llama import batch
+    from test_tensor_parallel import _groups
+
+    from ballonet import runtime
+    from ballonet.training import parallel, tensor_parallel
+    from ballonet.training.model import Transformer
+
+    mesh, plan_rank, group, outer = _groups(world)
+    out = []
+    for plan, spec, per_rank in cases:
+        model = tensor_parallel.parallelize_transformer(Transformer(ballonet.model("tiny"), seed=1), mesh["tp"])
+        model.set_recompute(*per_rank[plan_rank])
+        parallel.parallelize(model, mesh["plan"])
+        tokens, labels = batch(plan.lengths)
+        index, counter = runtime.token_index(plan, plan_rank), runtime.ByteCounter()
+        with tensor_parallel.loss_context(model), tensor_parallel.count_collectives(counter):
+            model.loss(tokens[index], labels[index], plan, plan_rank, group, outer_group=outer).backward()
+        out.append((plan_rank, dict(counter.collectives)))
+    return out
+
+
+@pytest.mark.slow
+def test_simulator_prices_the_tensor_parallel_bytes_dtensor_sends():
+    cases, cluster = _tp_cases()
+    results = [simulate(plan, cluster, spec) for plan, spec in cases]
+    assert cases[0][0].linear_token_counts == (154, 153)
+    assert [r.recompute_per_rank[0] for r in results] == [("none", 0), ("selective", 1), ("linear", 1), ("full", 2),
+                                                          ("none", 0)]
+    runs = run_ranks(4, _tp_bytes_on_ranks, [(p, s, r.recompute_per_rank) for (p, s), r in zip(cases, results)],
+                     timeout=600)
+    for rank_runs in runs:
+        for (plan, spec), res, (plan_rank, counted) in zip(cases, results, rank_runs):
+            simulated = {(phase, op): n for phase, c in res.tp_bytes.items() for (op, r), n in c.items()
+                         if r == plan_rank}
+            assert counted == simulated, (spec.recompute, plan.planner, plan_rank)
+    assert runs[0][1][1] != runs[0][0][1]  # recomputation reruns gathers

@@ -191,7 +191,7 @@ class _CollectiveBytes(TorchDispatchMode):
         packet = func._overloadpacket
         op = _COLLECTIVES.get(packet.__name__) if packet.__module__.endswith("_c10d_functional") else None
         if op is not None:
-            phase = "forward" if torch._C._current_autograd_node() is None else "backward"
+            phase = "forward" if torch._C._current_graph_task_id() == -1 else "backward"
             self.counter.add_collective(phase, op, sent_bytes(op, args[0], _group_size(func, args)))
         return out
 
