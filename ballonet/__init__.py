@@ -1,13 +1,7 @@
 """Ballonet: balanced variable-length, long-context LLM training (the Zeppelin design).
 
-The public API; everything else is reached through its subpackage. Layers, dependencies
-pointing one way (enforced by `.importlinter`, see docs/design.md):
-
-    errors, hardware, specs, workloads, plan, cost_model   the contract
-    planning/      lengths + cluster -> Plan (zeppelin and the baselines)
-    simulation/    Plan + cluster -> SimResult (one training iteration, simulated)
-    runtime/       Plan + tensors -> distributed attention and remap (torch.distributed)
-    training/      model, corpus, loader, checkpoints, the loop (torchrun)
+The public API; everything else is reached through its subpackage. The layers, with
+dependencies pointing one way, are listed (and enforced) in `.importlinter`.
 """
 
 from ballonet import workloads

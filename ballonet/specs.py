@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from functools import cached_property
 
-from ballonet import hardware
+from ballonet.cost import hardware
 from ballonet.errors import InputError
 from ballonet.paths import looks_like_path
 
@@ -173,7 +173,7 @@ class ModelSpec:
     recompute: str | None = None
     """Activation recomputation: "none", "selective" (the MLP), "linear" (every linear
     layer, not attention nor the exchanges) or "full" (every layer); None: the cheapest
-    under which the plan fits in memory, per rank (`cost_model.recomputation_per_rank`)."""
+    under which the plan fits in memory, per rank (`cost.recompute.cheapest_per_rank`)."""
     recompute_layers: int | None = None
     """With "selective" or "linear" recomputation: how many layers (the first ones)
     recompute so, the others one mode below (selective: none, as Megatron's

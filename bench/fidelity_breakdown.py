@@ -13,7 +13,7 @@ time of its thread, median of 5, after a warm-up):
   FSDP2 as the training loop wraps it; the difference is the framework's work;
 * a torch.profiler table of the FSDP2 step on rank 0 (ops by self CPU time).
 
-and the profile's price of the same pieces (`cost_model`, as the simulator adds them).
+and the profile's price of the same pieces (`ballonet.cost`, as the simulator adds them).
 Writes bench/results/fidelity_breakdown.md.
 """
 
@@ -33,7 +33,10 @@ import torch
 import torch.distributed as dist
 
 import ballonet
-from ballonet import calibration, cost_model, hardware, runtime
+from ballonet import calibration, runtime
+from ballonet.cost import hardware
+from ballonet.cost.flops import attention_flops, head_flops_per_token, loss_bytes_per_token
+from ballonet.cost.seconds import attention_seconds, elementwise_time, framework_time, linear_time
 from ballonet.plan import Plan, Segment
 from ballonet.planning import plan_batch
 from ballonet.simulation import simulate
@@ -96,15 +99,15 @@ def _price(rank: int, plan: Plan, spec, cluster) -> dict:
     gpu = hardware.gpu("cpu")
     local = [s.num_tokens for s in plan.attention[rank]]
     T = sum(local)
-    flops = cost_model.attention_flops(spec, np.array(local))
-    att = sum(cost_model.attention_time(spec, gpu, f, n) + cost_model.attention_time(spec, gpu, f, n, backward=True)
-              for f, n in zip(flops, local))
-    head = cost_model.head_flops_per_token(spec) * 3 * T / (gpu.peak_flops * hardware.linear_efficiency(T, gpu))
-    loss = 3 * cost_model.elementwise_time(spec, gpu, T, cost_model.loss_bytes_per_token(spec))
-    layers = spec.num_layers * 3 * (cost_model.linear_time(spec, gpu, T) + cost_model.elementwise_time(spec, gpu, T))
+    flops = attention_flops(spec, np.array(local))
+    att = sum(attention_seconds(spec, gpu, f, n, launch_floor=True)
+              + attention_seconds(spec, gpu, f, n, backward=True, launch_floor=True) for f, n in zip(flops, local))
+    head = head_flops_per_token(spec) * 3 * T / (gpu.peak_flops * hardware.linear_efficiency(T, gpu))
+    loss = 3 * elementwise_time(spec, gpu, T, loss_bytes_per_token(spec))
+    layers = spec.num_layers * 3 * (linear_time(spec, gpu, T) + elementwise_time(spec, gpu, T))
     res = simulate(plan, cluster, spec)
     return {"attention": spec.num_layers * att, "model without attention": layers + head + loss,
-            "framework": cost_model.framework_time(spec, gpu),
+            "framework": framework_time(spec, gpu),
             "simulated compute (no optimizer)": res.compute_s[rank] - res.optimizer_s}
 
 

@@ -34,7 +34,8 @@ from collections import Counter
 
 import numpy as np
 
-from ballonet import PLANNERS, hardware, plan_batch, specs
+from ballonet import PLANNERS, plan_batch, specs
+from ballonet.cost import hardware
 from ballonet.errors import InputError
 
 HERE = os.path.dirname(os.path.abspath(__file__))

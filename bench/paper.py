@@ -26,7 +26,10 @@ import statistics
 import sys
 import time
 
-from ballonet import InfeasiblePlan, cost_model, plan_batch, specs, workloads
+from ballonet import InfeasiblePlan, plan_batch, specs, workloads
+from ballonet.cost.bounds import batch_lower_bound, batch_recomputation
+from ballonet.cost.flops import kv_bytes
+from ballonet.cost.memory import activation_bytes_per_token, memory_cap
 from ballonet.planning.routing import plan_routes
 from ballonet.simulation.comparison import compare
 from ballonet.simulation.fabric import Fabric
@@ -192,10 +195,10 @@ MEMORY_HEADROOM = 1.3
 
 def _memory_fill(batch, c, m) -> float:
     """The batch's tokens over what the cluster's memory holds under the recomputation the
-    bound assumes (`cost_model.batch_recompute`) on every layer."""
+    bound assumes (`cost.bounds.batch_recomputation`) on every layer."""
     gpus = [c.gpu_of(r) for r in range(0, c.num_ranks, m.tp)]
-    capacity = sum(cost_model.memory_cap(m, g, len(gpus)) for g in gpus)
-    return sum(batch) / (capacity / cost_model.activation_bytes_per_token(m, cost_model.batch_recompute(batch, c, m)))
+    capacity = sum(memory_cap(m, g, len(gpus)) for g in gpus)
+    return sum(batch) / (capacity / activation_bytes_per_token(m, batch_recomputation(batch, c, m)[0]))
 
 
 def more_memory(grid_data: list[dict], steps: int) -> list[dict]:
@@ -214,7 +217,7 @@ def more_memory(grid_data: list[dict], steps: int) -> list[dict]:
         batches = list(workloads.get(cfg["workload"]).batches(cfg["tokens_per_gpu"] * c.num_ranks, 0, steps,
                                                                cfg["max_length"]))
         res = [simulate(plan_batch(b, roomy, m, "zeppelin"), roomy, m) for b in batches]
-        bound = statistics.mean(cost_model.batch_lower_bound(b, c, m) for b in batches)
+        bound = statistics.mean(batch_lower_bound(b, c, m) for b in batches)
         rows.append({"cluster": cfg["cluster"], "model": cfg["model"], "tp": cfg["tp"], "workload": cfg["workload"],
                      "ratio_to_lower_bound": z["ratio_to_lower_bound"],
                      "recompute": "/".join(sorted({plan_batch(b, c, m, "zeppelin").meta["recompute"] for b in batches})),
@@ -240,7 +243,7 @@ def worst(grid_data: list[dict], out_dir: str) -> dict:
     return {"cluster": cfg["cluster"], "model": cfg["model"], "tp": cfg["tp"], "workload": cfg["workload"],
             "trace": os.path.relpath(path, os.path.dirname(os.path.dirname(out_dir))),
             "step_time_s": res.step_time_s, "lower_bound_s": res.lower_bound_s, "recompute": res.recompute,
-            "batch_recompute": cost_model.batch_recompute(batch, c, m),
+            "batch_recompute": batch_recomputation(batch, c, m)[0],
             "compute_max_s": max(res.compute_s), "compute_mean_s": sum(res.compute_s) / n,
             "exposed_mean_s": sum(res.exposed_comm_s) / n, "idle_mean_s": sum(res.idle_s) / n,
             "grad_allreduce_exposed_s": res.grad_allreduce_exposed_s, "head_s": res.head_s}
@@ -262,7 +265,7 @@ def hop(cluster: str, nodes: int, model: str, length: int) -> dict:
     plan = plan_batch([length], c, m, "zeppelin")
     k = max((len(r.proxies) for r in plan.routes), default=g.nics_per_node)
     proxies = [(j * g.gpus_per_nic, g.gpus_per_node + j * g.gpus_per_nic) for j in range(k)]
-    nbytes = cost_model.kv_bytes(m, length / c.num_ranks)
+    nbytes = kv_bytes(m, length / c.num_ranks)
     fab = Fabric(c, c.num_ranks, m.tp)
     times = {}
     for name, routed in (("te_cp_ms", False), ("routed_ms", True)):
@@ -501,7 +504,7 @@ def report(data: dict) -> str:
              f"({data['steps']} per configuration, seed 0, 16K tokens per GPU). TE CP is sized as a Megatron user "
              "sizes it (the smallest CP degree that holds the batch, the rest data-parallel; column 'te_cp cp'); "
              "CP over the whole cluster is the stress case. Simulator: `ballonet/simulation/` (model in "
-             "`simulator.py`'s docstring); built-in calibration profiles: `ballonet/profiles.py` (sources there). "
+             "`simulator.py`'s docstring); built-in calibration profiles: `ballonet/cost/profiles.py` (sources there). "
              "`step/bound` is zeppelin's step over `lower_bound_s`, the bound on the batch no plan can beat.", "",
              "## Targets", "", "| target | met | measured | why not |", "| --- | --- | --- | --- |"]
     lines += [f"| {t} | {'yes' if ok else 'no'} | {m} |" + (f" {why} |" if not ok else " |")

@@ -23,4 +23,4 @@ echo "== 2/3 training"
 bash scripts/gpu_train_check.sh
 echo "== 3/3 calibrate and compare with the built-in profile"
 "$PY" -m ballonet calibrate --out "$OUT/profile.json" --json > "$OUT/calibrate.json"
-"$PY" -m ballonet.calibration_check "$OUT/profile.json" | tee "$OUT/compare.md"
+"$PY" -m ballonet calibrate --compare "$OUT/profile.json" | tee "$OUT/compare.md"

@@ -10,8 +10,10 @@ import pytest
 import torch
 
 import ballonet
-from ballonet import calibration, cost_model, hardware
+from ballonet import calibration
 from ballonet.cli import main
+from ballonet.cost import hardware
+from ballonet.cost.seconds import attention_seconds
 from ballonet.errors import InputError
 from tests.distributed import run_ranks
 
@@ -60,11 +62,12 @@ def test_use_prices_one_gpu_type_inside_the_block_only():
     fast = calibration.from_dict(d)
     model = ballonet.model("tiny")
     cpu = hardware.gpu("cpu")
-    before = cost_model.attention_time(model, cpu, 1e9, 4096)
+    before = attention_seconds(model, cpu, 1e9, 4096, launch_floor=True)
     with calibration.use(fast):
         assert hardware.profile("cpu") is fast and hardware.profile("h100") is not fast
-        assert cost_model.attention_time(model, cpu, 1e9, 4096) == pytest.approx(1e9 / (0.5 * cpu.peak_flops))
-    assert cost_model.attention_time(model, cpu, 1e9, 4096) == before
+        seconds = attention_seconds(model, cpu, 1e9, 4096, launch_floor=True)
+        assert seconds == pytest.approx(1e9 / (0.5 * cpu.peak_flops))
+    assert attention_seconds(model, cpu, 1e9, 4096, launch_floor=True) == before
 
 
 def test_calibrate_quick_writes_a_profile_the_other_commands_read(tmp_path, capsys):
@@ -100,7 +103,7 @@ the loss (V=256) final norm 2h, fp32 cast 2V, log-softmax 2V."""
 
 
 def test_calibrate_prices_gemms_elementwise_work_and_the_optimizer_from_its_timings():
-    from ballonet import calibrate
+    from ballonet.calibration import calibrate
 
     s = calibrate.quick(calibrate.Settings(gpu="cpu", model="tiny"))
     profile, raw = calibrate.run(s, torch.device("cpu"))
@@ -126,7 +129,7 @@ def test_calibrate_prices_gemms_elementwise_work_and_the_optimizer_from_its_timi
 
 
 def _calibrate_on_ranks(rank: int, world: int):
-    from ballonet import calibrate
+    from ballonet.calibration import calibrate
 
     s = calibrate.quick(calibrate.Settings(gpu="cpu", model="tiny"))
     profile, raw = calibrate.run(s, torch.device("cpu"))
@@ -152,10 +155,10 @@ def test_calibrate_on_two_gloo_ranks_measures_the_links():
     calibration.from_dict(json.loads(profile.to_json()))  # valid
 
 
-def test_calibration_check_compares_with_the_built_in_profile(tmp_path, capsys):
-    from ballonet import calibration_check
+def test_calibrate_compare_compares_with_the_built_in_profile(tmp_path, capsys):
+    from ballonet.calibration.compare import compare
 
-    lines, worst = calibration_check.compare(hardware.profile("h200"))
+    lines, worst = compare(hardware.profile("h200"))
     assert worst == {"attention_forward": 0.0, "attention_backward": 0.0, "linear": 0.0, "elementwise": 0.0}
     path = tmp_path / "p.json"
     d = json.loads(hardware.profile("h200").to_json())
@@ -163,11 +166,13 @@ def test_calibration_check_compares_with_the_built_in_profile(tmp_path, capsys):
     d["elementwise"]["efficiency"] = [e / 4 for e in d["elementwise"]["efficiency"]]
     d["optimizer_s_per_param"] = 3e-9
     path.write_text(json.dumps(d))
-    assert calibration_check.main([str(path)]) == 0
+    assert main(["calibrate", "--compare", str(path)]) == 0
     out = capsys.readouterr().out
     assert "linear x2.00" in out and "elementwise x4.00" in out
     assert "| optimizer_s_per_param | 3e-09 |" in out
-    assert calibration_check.main([str(tmp_path / "missing.json")]) == 2
+    assert main(["calibrate", "--compare", str(tmp_path / "missing.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("ballonet calibrate: error:") and "missing.json" in err[0]
 
 
 def test_curve_at_one_agrees_with_the_vector_form():

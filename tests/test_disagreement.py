@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 from distributed import run_ranks
-from test_remap import remap_plan
+from helpers import remap_plan
 
 from ballonet import runtime
 from ballonet.training.loop import RankFailure, TrainConfig, train

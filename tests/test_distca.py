@@ -13,13 +13,12 @@ import numpy as np
 import pytest
 import torch
 from distributed import run_ranks
-from test_attention import _check_plan
-from test_llama import SPEC, _assert_grads_close, batch, rank_outputs, reference
-from test_sim_truth import _runtime_bytes
+from helpers import SPEC, assert_grads_close, batch, check_attention_plan, model_reference, rank_outputs, runtime_bytes
 
 import ballonet
-from ballonet import cost_model, plan_batch, runtime, specs, workloads
+from ballonet import plan_batch, runtime, specs, workloads
 from ballonet.cli import main
+from ballonet.cost.seconds import attention_work
 from ballonet.errors import InfeasiblePlan, InputError
 from ballonet.plan import Plan
 from ballonet.planning.devices import devices
@@ -78,7 +77,7 @@ def _unit_loads(plan: Plan, model) -> np.ndarray:
     """Per rank, the attention work DistCA balances, from the plan alone: each segment's
     tokens times its document's work per token (`attention_work` of the whole document
     over its length; zig-zag pairs do work in proportion to their tokens)."""
-    per_token = cost_model.attention_work(model, np.array(plan.lengths, dtype=float)) / np.array(plan.lengths)
+    per_token = attention_work(model, np.array(plan.lengths, dtype=float)) / np.array(plan.lengths)
     return np.array([sum(s.num_tokens * per_token[s.doc] for s in segs) for segs in plan.attention])
 
 
@@ -144,7 +143,7 @@ def test_simulated_step_respects_the_bound_and_moves_the_runtime_bytes(comm):
     assert any(r.kind == "inter" for r in plan.rings) and plan.remap
     res = simulate(plan, cluster, model)
     assert res.step_time_s >= res.lower_bound_s > 0
-    expected = _runtime_bytes(plan, model)  # the runtime's own prediction, checked on gloo below
+    expected = runtime_bytes(plan, model)  # the runtime's own prediction, checked on gloo below
     for phase in ("forward", "backward"):
         sim = Counter({k: v for k, v in res.bytes_sent[phase].items() if k[0] != "allreduce"})
         assert sim == expected[phase], phase
@@ -176,7 +175,7 @@ def _on_ranks(rank: int, world: int, plans: dict) -> tuple[list, list]:
     model's loss, gradients and logits on this rank, as numpy)."""
     rows, model_out = [], []
     for name, plan in plans.items():
-        rows += _check_plan(f"distca {name}", plan, rank, world)
+        rows += check_attention_plan(f"distca {name}", plan, rank, world)
         model_out.append(rank_outputs(Transformer(SPEC, seed=3).to(torch.float32), plan, rank))
     return rows, model_out
 
@@ -194,11 +193,11 @@ def test_distca_plans_run_on_four_gloo_ranks_like_one_process():
     for i, (name, plan) in enumerate(plans.items()):
         ref_model = Transformer(SPEC, seed=3).to(torch.float32)
         tokens, labels = batch(plan.lengths)
-        ref_logits, ref_loss = reference(ref_model, plan.lengths, tokens, labels)
+        ref_logits, ref_loss = model_reference(ref_model, plan.lengths, tokens, labels)
         per_rank = [r[1][i] for r in results]
         assert torch.allclose(sum(torch.from_numpy(loss) for loss, _, _ in per_rank), ref_loss, **tol), name
         grads = {n: sum(torch.from_numpy(g[n]) for _, g, _ in per_rank) for n, _ in ref_model.named_parameters()}
-        _assert_grads_close(grads, ref_model, **tol)
+        assert_grads_close(grads, ref_model, **tol)
         for rank, (_, _, logits) in enumerate(per_rank):
             want = ref_logits[runtime.token_index(plan, rank, "linear")]
             assert torch.allclose(torch.from_numpy(logits), want, **tol), (name, rank)

@@ -14,8 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_ranks
-from test_attention import H_KV, D, H, _check_plan, make_plan
-from test_llama import SPEC, batch
+from helpers import H_KV, SPEC, D, H, batch, check_attention_plan, make_plan
 
 from ballonet.plan import Plan, Route
 from ballonet.runtime import attention, comm, token_index
@@ -120,8 +119,8 @@ def _check_all(rank: int, world: int, plans: dict[str, Plan]) -> list:
     outer = dist.new_group(list(range(world)))
     rows = []
     for name, plan in plans.items():
-        rows += _check_plan(name, plan, rank, world)
-        rows += _check_plan(f"{name}, second group", plan, rank, world, outer_group=outer)
+        rows += check_attention_plan(name, plan, rank, world)
+        rows += check_attention_plan(f"{name}, second group", plan, rank, world, outer_group=outer)
         rows.append(_check_model(name, plan, rank, outer))
     pair = dist.new_group([0, 1])  # every rank joins new_group; only 0 and 1 are in it
     if rank < 2:

@@ -11,8 +11,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ballonet import calibration, cost_model, hardware, plan_batch, specs, workloads
+from ballonet import calibration, plan_batch, specs, workloads
 from ballonet.cli import main
+from ballonet.cost import hardware
+from ballonet.cost.seconds import breakeven_chunk_tokens
 from ballonet.errors import InfeasiblePlan
 from ballonet.plan import Plan, Segment
 from ballonet.simulation.simulator import simulate
@@ -80,7 +82,7 @@ def _token_cap(gpu: hardware.GPUType, model, num_ranks: int) -> int:
     h, kv, f = model.hidden, model.kv_dim, model.ffn_hidden
     params = model.num_layers * (h * (h + 2 * kv) + h * h + 3 * h * f + 2 * h) + 2 * model.vocab_size * h + h
     state = params * (2 + 2 + 12 / num_ranks)
-    layer = (5 * h + 4 * f) + (2 * h + 2 * kv)  # one layer's saved tensors (cost_model, by hand)
+    layer = (5 * h + 4 * f) + (2 * h + 2 * kv)  # one layer's saved tensors (cost.memory, by hand)
     per_token = (model.num_layers * h + layer) * 2  # full recomputation: layer inputs + one layer
     return int((gpu.memory_bytes * 0.9 - state) // per_token)
 
@@ -137,7 +139,7 @@ def test_pcie_node_has_no_cheap_intra_node_ring():
     cluster, model = specs.cluster("a800+l40s"), specs.model("llama-7b")
     a800, l40s = crossover_lengths(cluster, model)
     assert l40s.intra > 5 * a800.intra
-    assert cost_model.breakeven_chunk_tokens(model, hardware.gpu("l40s"), 25e9) * 2 == l40s.intra
+    assert breakeven_chunk_tokens(model, hardware.gpu("l40s"), 25e9) * 2 == l40s.intra
 
 
 @st.composite

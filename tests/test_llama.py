@@ -6,68 +6,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from distributed import run_ranks
-from test_remap import remap_plan
+from helpers import SPEC, assert_grads_close, batch, model_reference, one_rank_plan, rank_outputs, remap_plan
 
 import ballonet
 from ballonet import runtime
-from ballonet.plan import Plan, Segment
-from ballonet.training.model import IGNORE_INDEX, NORM_EPS, ROPE_THETA, Transformer
+from ballonet.plan import Plan
+from ballonet.training.model import IGNORE_INDEX, Transformer
 
-SPEC = ballonet.model("tiny")
-
-
-# ---- an independent reference: one document at a time ------------------------------
-
-
-def _rms(x, w):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + NORM_EPS) * w
-
-
-def _rope(x_LHD, theta=ROPE_THETA):
-    """Rotate pairs (i, i + D/2) as complex numbers by pos * theta^(-2i/D), pos = 0..L-1."""
-    L, _, D = x_LHD.shape
-    freqs = torch.arange(L, dtype=torch.float64)[:, None] * theta ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
-    rot = torch.polar(torch.ones_like(freqs), freqs)[:, None, :]
-    z = torch.complex(x_LHD[..., : D // 2].double(), x_LHD[..., D // 2:].double()) * rot
-    return torch.cat([z.real, z.imag], -1).to(x_LHD.dtype)
-
-
-def reference_logits(model: Transformer, ids_L: torch.Tensor) -> torch.Tensor:
-    """[L] token ids of one document -> [L, V] logits, causal attention over the document."""
-    p, L = dict(model.named_parameters()), ids_L.shape[0]
-    H, K, D = SPEC.num_heads, SPEC.num_kv_heads, SPEC.head_dim
-    x = p["embed.weight"][ids_L]
-    for i in range(SPEC.num_layers):
-        w = {name.split(".", 2)[2]: t for name, t in p.items() if name.startswith(f"layers.{i}.")}
-        h = _rms(x, w["attention_norm.weight"])
-        q = _rope((h @ w["wq.weight"].T).view(L, H, D))
-        k = _rope((h @ w["wk.weight"].T).view(L, K, D)).repeat_interleave(H // K, 1)
-        v = (h @ w["wv.weight"].T).view(L, K, D).repeat_interleave(H // K, 1)
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
-        x = x + o.transpose(0, 1).reshape(L, H * D) @ w["wo.weight"].T
-        h = _rms(x, w["ffn_norm.weight"])
-        x = x + (F.silu(h @ w["w1.weight"].T) * (h @ w["w3.weight"].T)) @ w["w2.weight"].T
-    return _rms(x, p["norm.weight"]) @ p["head.weight"].T
-
-
-def batch(lengths, seed=0):
-    """Global token ids and labels [N]: the next token of the document, IGNORE_INDEX at a
-    document's end and (a loss mask) at every 7th token."""
-    tokens = torch.randint(0, SPEC.vocab_size, (sum(lengths),), generator=torch.Generator().manual_seed(seed))
-    labels, start = tokens.roll(-1).clone(), 0
-    for n in lengths:
-        labels[start + n - 1] = IGNORE_INDEX
-        start += n
-    labels[::7] = IGNORE_INDEX
-    return tokens, labels
-
-
-def reference(model: Transformer, lengths, tokens, labels):
-    """Global logits [N, V] and summed loss; gradients land in `model`."""
-    logits = torch.cat([reference_logits(model, doc) for doc in tokens.split(list(lengths))])
-    loss = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
-    loss.backward()
-    return logits.detach(), loss.detach()
+# ---- an independent model_reference: one document at a time ------------------------------
 
 
 # ---- attention seams for tests --------------------------------------------------------
@@ -124,26 +70,15 @@ def gathered_attention(q, k, v, plan: Plan, rank: int, group=None):
 # ---- one process ----------------------------------------------------------------------
 
 
-def one_rank_plan() -> Plan:
-    """Documents of 5, 9 and 4 tokens, held in the order 2, 0, 1."""
-    return Plan(planner="hand", lengths=(5, 9, 4), node_of_rank=(0,), nic_of_rank=(0,),
-                attention=((Segment(2, 0, 4), Segment(0, 0, 5), Segment(1, 0, 9)),)).validate()
-
-
-def _assert_grads_close(grads: dict, ref_model, **tol):
-    for name, p in ref_model.named_parameters():
-        assert torch.allclose(grads[name], p.grad, **tol), name
-
-
 @pytest.mark.parametrize("attention", ["local", "engine"])
 def test_one_process_matches_reference(attention):
-    plan = one_rank_plan()
+    plan = one_rank_plan((5, 9, 4), order=(2, 0, 1))
     dtype, tol = (torch.float64, dict(rtol=1e-9, atol=1e-10)) if attention == "local" else \
         (torch.float32, dict(rtol=1e-4, atol=1e-5))
     model = Transformer(SPEC, seed=3, attention_fn=local_attention if attention == "local" else None).to(dtype)
     ref_model = copy.deepcopy(model)
     tokens, labels = batch(plan.lengths)
-    ref_logits, ref_loss = reference(ref_model, plan.lengths, tokens, labels)
+    ref_logits, ref_loss = model_reference(ref_model, plan.lengths, tokens, labels)
     ti = runtime.token_index(plan, 0)
     assert ti.tolist()[:4] == [14, 15, 16, 17]  # document 2 first
     assert torch.allclose(model(tokens[ti], plan, 0), ref_logits[ti], **tol)
@@ -152,7 +87,7 @@ def test_one_process_matches_reference(attention):
     # Small random weights: close to a uniform guess over the vocabulary.
     assert abs(loss.item() / int((labels != IGNORE_INDEX).sum()) - math.log(SPEC.vocab_size)) < 0.1
     loss.backward()
-    _assert_grads_close({n: p.grad for n, p in model.named_parameters()}, ref_model, **tol)
+    assert_grads_close({n: p.grad for n, p in model.named_parameters()}, ref_model, **tol)
 
 
 def test_weights_come_from_the_seed():
@@ -165,7 +100,7 @@ def test_weights_come_from_the_seed():
 def test_model_rejects_bad_input():
     model = Transformer(SPEC, attention_fn=local_attention)
     with pytest.raises(ValueError, match="labels"):
-        model.loss(torch.zeros(18, dtype=torch.long), torch.zeros(17, dtype=torch.long), one_rank_plan(), 0)
+        model.loss(torch.zeros(18, dtype=torch.long), torch.zeros(17, dtype=torch.long), one_rank_plan((5, 9, 4)), 0)
 
 
 # ---- 4 gloo ranks as 2 nodes x 2 ------------------------------------------------------
@@ -192,18 +127,6 @@ def _model_rank(rank: int, world_size: int) -> list:
     return out
 
 
-def rank_outputs(model: Transformer, plan, rank: int) -> tuple:
-    """This rank's loss, parameter gradients and logits on its tokens of `plan`'s batch.
-    numpy, not tensors: a tensor crosses the result queue as shared memory that dies with the rank."""
-    tokens, labels = batch(plan.lengths)
-    ti = runtime.token_index(plan, rank)
-    loss = model.loss(tokens[ti], labels[ti], plan, rank)
-    loss.backward()
-    with torch.no_grad():
-        logits = model(tokens[ti], plan, rank)
-    return loss.detach().numpy(), {n: p.grad.numpy() for n, p in model.named_parameters()}, logits.numpy()
-
-
 @pytest.mark.slow
 def test_four_ranks_match_one_process_reference():
     results = run_ranks(4, _model_rank)
@@ -213,11 +136,11 @@ def test_four_ranks_match_one_process_reference():
         tol = dict(rtol=1e-9, atol=1e-10) if dtype == torch.float64 else dict(rtol=1e-4, atol=2e-5)
         ref_model = Transformer(SPEC, seed=3).to(dtype)
         tokens, labels = batch(plan.lengths)
-        ref_logits, ref_loss = reference(ref_model, plan.lengths, tokens, labels)
+        ref_logits, ref_loss = model_reference(ref_model, plan.lengths, tokens, labels)
         per_rank = [(torch.from_numpy(loss), {n: torch.from_numpy(g) for n, g in grads.items()}, torch.from_numpy(lg))
                     for loss, grads, lg in (r[i] for r in results)]
         assert torch.allclose(sum(loss for loss, _, _ in per_rank), ref_loss, **tol), name
         grads = {n: sum(g[n] for _, g, _ in per_rank) for n, _ in ref_model.named_parameters()}
-        _assert_grads_close(grads, ref_model, **tol)
+        assert_grads_close(grads, ref_model, **tol)
         for rank, (_, _, logits) in enumerate(per_rank):
             assert torch.allclose(logits, ref_logits[runtime.token_index(plan, rank, "linear")], **tol), name

@@ -2,6 +2,7 @@ import dataclasses
 
 import pytest
 import torch
+from helpers import small_plan
 
 from ballonet import runtime
 from ballonet.plan import (
@@ -13,30 +14,6 @@ from ballonet.plan import (
     Transfer,
     chunk_bounds,
 )
-
-
-def small_plan(**changes) -> Plan:
-    """2 nodes x 2 ranks; documents of 5, 7 and 3 tokens; the 7-token one split over
-    ranks 0 and 2 (chunks 0,3 on rank 0 and 1,2 on rank 2); rank 1 gives one token to rank 0."""
-    fields = dict(
-        planner="hand",
-        lengths=(5, 7, 3),
-        node_of_rank=(0, 0, 1, 1),
-        nic_of_rank=(0, 1, 2, 3),
-        attention=(
-            (Segment(1, 0, 1), Segment(1, 5, 7)),
-            (Segment(0, 0, 5),),
-            (Segment(1, 1, 3), Segment(1, 3, 5)),
-            (Segment(2, 0, 3),),
-        ),
-        rings=(Ring(doc=1, kind="inter", ranks=(0, 2), bounds=(0, 1, 3, 5, 7)),),
-        remap=(Transfer(1, 0, 4, 5),),
-        routes=(Route(doc=1, src=0, dst=2, proxies=((0, 2), (1, 3))),),
-        memory_bytes=(10.0, 10.0, 10.0, 10.0),
-        memory_cap=(20.0, 20.0, 20.0, 20.0),
-    )
-    fields.update(changes)
-    return Plan(**fields)
 
 
 def test_chunk_bounds_need_no_divisibility():
@@ -101,7 +78,7 @@ def test_json_round_trip_is_byte_identical():
 
 
 def test_rank_hardware_by_hand():
-    from ballonet import hardware
+    from ballonet.cost import hardware
     from ballonet.errors import InputError
     from ballonet.specs import cluster, rank_hardware
 

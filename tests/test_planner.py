@@ -7,8 +7,11 @@ import numpy as np
 import pytest
 
 import ballonet
-from ballonet import PLANNERS, cost_model, hardware, plan_batch, specs, workloads
-from ballonet.cost_model import breakeven_chunk_tokens
+from ballonet import PLANNERS, plan_batch, specs, workloads
+from ballonet.cost import hardware
+from ballonet.cost.flops import attention_flops, kv_bytes, remap_bytes, zigzag_flops
+from ballonet.cost.recompute import layers_per_rank
+from ballonet.cost.seconds import attention_work, breakeven_chunk_tokens, p2p_time
 from ballonet.errors import InfeasiblePlan, InputError
 from ballonet.plan import Segment, Transfer
 from ballonet.planning import pricing
@@ -52,10 +55,9 @@ def test_seven_token_document_over_four_ranks_in_te_cp():
 
 
 def test_zigzag_positions_do_equal_work_for_equal_tokens():
-    from ballonet.cost_model import attention_flops, zigzag_rank_flops
 
     bounds = zigzag_bounds(4096, [1024] * 4)
-    flops = [zigzag_rank_flops(MODEL, bounds, i) for i in range(4)]
+    flops = zigzag_flops(MODEL, bounds).tolist()
     assert sum(flops) == pytest.approx(attention_flops(MODEL, 4096))
     assert max(flops) / min(flops) < 1.001
 
@@ -273,11 +275,6 @@ def test_without_hierarchy_split_documents_span_every_rank():
     assert plan.ring_of_doc[0].ranks == tuple(range(16))
 
 
-def test_vector_efficiency_matches_hardware():
-    xs = [1, 100, 256, 300, 1000, 5000, 20000, 32768, 10**6]
-    assert hardware.attention_efficiency_array(np.array(xs)) == pytest.approx([hardware.attention_efficiency(x) for x in xs])
-
-
 def test_apportion_by_largest_remainder_under_caps():
     assert apportion(10, np.array([1.0, 1.0, 1.0])).tolist() == [4, 3, 3]
     assert apportion(10, np.array([1.0, 1.0, 1.0]), np.array([2, 9, 9])).tolist() == [2, 4, 4]
@@ -287,7 +284,6 @@ def test_apportion_by_largest_remainder_under_caps():
 
 @pytest.mark.parametrize("planner", ["zeppelin", "te_cp", "llama_cp", "hybrid_dp"])
 def test_metric_bytes_match_the_plan_pair_by_pair(planner):
-    from ballonet.cost_model import kv_bytes, remap_bytes
 
     cluster = specs.cluster("a800-4nic", num_nodes=2)
     lengths = [120_000, 9_000, 3_000, 700, 50]
@@ -417,7 +413,7 @@ def test_refinement_cuts_a_ring_of_one_block_among_slivers_to_two_members():
     cluster = ClusterSpec(name="one", groups=(NodeGroup(gpu="h100", num_nodes=1, gpus_per_node=4, nics_per_node=4),))
     dev = devices(cluster, MODEL)
     lengths = [16000, 14000, 14000, 14000]
-    work = cost_model.attention_work(MODEL, lengths, dev.gpu[0])
+    work = attention_work(MODEL, lengths, dev.gpu[0])
     batch = Batch(lengths=lengths, length_array=np.array(lengths, float), work=work, work_list=work.tolist(), dev=dev,
                   model=MODEL, gpu=dev.gpu[0], crossovers=crossover_lengths(cluster, MODEL), linear_on_rank=np.zeros(4))
     fill = RankFill(local=[[1], [2], [3], []], split_shares={0: dict.fromkeys(range(4), work[0] / 4)},
@@ -470,8 +466,9 @@ def test_zeppelin_recomputes_the_fewest_layers_its_plan_needs():
     lengths = next(iter(workloads.get("shortmix").batches(16384 * 32, 0, 1, 65536)))
     plan = plan_batch(lengths, cluster, model)
     gpus = [cluster.gpu_of(r) for r in range(cluster.num_ranks)]
-    k = cost_model.selective_layers_needed(model, plan.linear_token_counts, gpus, plan.num_ranks,
-                                           plan.attention_token_counts)
+    per_rank = layers_per_rank(model, plan.linear_token_counts, gpus, plan.num_ranks, plan.attention_token_counts,
+                               mode="selective")
+    k = max(k for _, k in per_rank)
     assert plan.meta["recompute"] == "selective" and 1 <= k < model.num_layers and plan.meta["recompute_layers"] == k
     res = ballonet.simulate(plan, cluster, model)
     assert (res.recompute, res.recompute_layers) == ("selective", k)
@@ -543,8 +540,8 @@ def test_crossing_hops_are_priced_routed_over_the_nodes_rails():
     (cross,) = crossover_lengths(cluster, MODEL)
     assert cross.rails == 8
     gpu = hardware.gpu("h200")
-    m = cost_model.kv_bytes(MODEL, 4096)
-    direct = cost_model.p2p_time(m, cross.crossing_bw, True, gpu)
+    m = kv_bytes(MODEL, 4096)
+    direct = p2p_time(m, cross.crossing_bw, True, gpu)
     assert pricing.crossing_seconds(m, cross.crossing_bw, cross.intra_bw, 1, gpu) == direct
     assert pricing.crossing_seconds(m, cross.crossing_bw, cross.intra_bw, 8, gpu) < 0.7 * direct
     lengths = [100_000, 30_000] + [1_500] * 250

@@ -5,14 +5,12 @@ saved-tensor hooks on one process."""
 import dataclasses
 
 import torch
-from test_remap import one_rank_plan
+from helpers import SPEC, one_rank_plan
 from torch.utils.checkpoint import checkpoint
 
 import ballonet
 from ballonet.training import model as model_module
 from ballonet.training.model import IGNORE_INDEX, Transformer
-
-SPEC = ballonet.model("tiny")
 
 
 def _batch():

@@ -4,42 +4,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_ranks
-from test_plan import small_plan
+from helpers import one_rank_plan, remap_plan, small_plan
 
 from ballonet import runtime
-from ballonet.plan import Plan, Ring, Segment, Transfer, chunk_bounds
+from ballonet.plan import Plan
 from ballonet.runtime import ByteCounter
 from ballonet.runtime.remapping import link_bytes, plan_move, predicted_bytes, remap
-
-
-def remap_plan() -> Plan:
-    """2 nodes x 2 ranks, 32 tokens, 8 per rank after the remap. Document 0 (9 tokens) is
-    split over ranks 0 and 2 (chunks 0,3 and 1,2). Every rank sends and receives; rank 1
-    sends two ranges to rank 0 and one to rank 3; rank 3's range [4, 7) spans two documents.
-
-    Global positions: doc 0 is 0..8, 1 is 9..14, 2 is 15..17, 3 is 18..22, 4 is 23..24,
-    5 is 25..28, 6 is 29..31."""
-    return Plan(
-        planner="hand",
-        lengths=(9, 6, 3, 5, 2, 4, 3),
-        node_of_rank=(0, 0, 1, 1),
-        nic_of_rank=(0, 1, 2, 3),
-        attention=(
-            (Segment(0, 0, 2), Segment(0, 6, 9), Segment(4, 0, 2)),
-            (Segment(1, 0, 6), Segment(2, 0, 3)),
-            (Segment(0, 2, 4), Segment(0, 4, 6), Segment(6, 0, 3)),
-            (Segment(3, 0, 5), Segment(5, 0, 4)),
-        ),
-        rings=(Ring(doc=0, kind="inter", ranks=(0, 2), bounds=chunk_bounds(9, 4)),),
-        remap=(Transfer(1, 0, 7, 9), Transfer(1, 0, 2, 3), Transfer(1, 3, 5, 6),
-               Transfer(0, 2, 1, 3), Transfer(3, 1, 4, 7), Transfer(2, 3, 0, 1)),
-    ).validate()
-
-
-def one_rank_plan(lengths=(5, 3)) -> Plan:
-    return Plan(planner="hand", lengths=lengths, node_of_rank=(0,), nic_of_rank=(0,),
-                attention=(tuple(Segment(d, 0, n) for d, n in enumerate(lengths)),)).validate()
-
 
 # ---- metadata: pure -------------------------------------------------------------------
 
@@ -131,7 +101,7 @@ def _global_values(num_tokens: int) -> torch.Tensor:
     return torch.arange(num_tokens * 6, dtype=torch.float64).reshape(num_tokens, 2, 3) / 7 + 0.25
 
 
-def _check_plan(rank: int, plan: Plan, intra_inter: tuple[int, int]) -> None:
+def _check_remap_plan(rank: int, plan: Plan, intra_inter: tuple[int, int]) -> None:
     ti_att, ti_lin = runtime.token_index(plan, rank), runtime.token_index(plan, rank, "linear")
     X = _global_values(plan.num_tokens)
     bytes_per_token = 6 * 8
@@ -183,9 +153,9 @@ def _check_plan(rank: int, plan: Plan, intra_inter: tuple[int, int]) -> None:
 
 def _run_checks(rank: int, world_size: int) -> None:
     # remap_plan: intra (1->0) 3 + (2->3) 1 tokens; inter (1->3) 1 + (0->2) 2 + (3->1) 3.
-    _check_plan(rank, remap_plan(), (4, 6))
+    _check_remap_plan(rank, remap_plan(), (4, 6))
     # small_plan: one token 1->0 inside node 0; ranks 2 and 3 send and receive nothing.
-    _check_plan(rank, small_plan(), (1, 0))
+    _check_remap_plan(rank, small_plan(), (1, 0))
 
 
 @pytest.mark.slow

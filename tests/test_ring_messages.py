@@ -13,12 +13,10 @@ from collections import Counter
 import pytest
 import torch
 from distributed import run_ranks
-from test_attention import H_KV, D, H, make_plan
-from test_llama import SPEC
-from test_routing import _run, _total
+from helpers import H_KV, SPEC, D, H, make_plan, run_attention, total_bytes
 
 import ballonet
-from ballonet import cost_model
+from ballonet.cost.flops import kv_bytes
 from ballonet.plan import Plan, Route, ring_schedule
 from ballonet.planning.metrics import plan_metrics
 from ballonet.runtime import ByteCounter
@@ -62,7 +60,7 @@ def test_link_rows_and_metrics_are_sums_of_the_messages():
             for src, dst, rows in ring.forward_link_rows():
                 closed[src, dst] += rows
         assert closed == forward, name
-        kv = sum(cost_model.kv_bytes(model, n) for n in forward.values())
+        kv = sum(kv_bytes(model, n) for n in forward.values())
         assert plan_metrics(plan, cluster, model)["kv_bytes"] == pytest.approx(kv), name
 
 
@@ -113,8 +111,8 @@ def _count_on_ranks(rank: int, world: int, plans: dict[str, Plan]) -> dict[str, 
         gen = torch.Generator().manual_seed(plan.num_tokens)
         inputs = [torch.randn(plan.num_tokens, h, D, generator=gen) for h in (H, H_KV, H_KV, H)]
         counter = ByteCounter()
-        _run(plan, rank, inputs, counter)
-        totals[name] = _total(counter, world)
+        run_attention(plan, rank, inputs, counter=counter)
+        totals[name] = total_bytes(counter, world)
     return totals
 
 

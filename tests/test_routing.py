@@ -13,15 +13,24 @@ from collections import Counter
 
 import pytest
 import torch
-import torch.distributed as dist
 from distributed import run_ranks
-from test_attention import H_KV, D, H, hand_plans, make_plan, reference
-from test_llama import SPEC, batch
-from test_remap import remap_plan
+from helpers import (
+    H_KV,
+    SPEC,
+    D,
+    H,
+    attention_reference,
+    batch,
+    hand_plans,
+    make_plan,
+    remap_plan,
+    run_attention,
+    total_bytes,
+)
 
 import ballonet
 from ballonet.plan import InvalidPlan, Plan, Route
-from ballonet.runtime import ByteCounter, attention, token_index
+from ballonet.runtime import ByteCounter, token_index
 from ballonet.runtime.comm import link_bytes, nic_bytes
 from ballonet.runtime.routing import (
     hop_paths,
@@ -151,47 +160,29 @@ def nic_spread(nic: Counter) -> float:
 # ---- gloo ------------------------------------------------------------------------------
 
 
-def _run(plan: Plan, rank: int, inputs, counter=None):
-    idx = token_index(plan, rank)
-    q, k, v, dout = (x[idx] for x in inputs)
-    q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
-    out = attention(q, k, v, plan, rank, counter=counter)
-    out.backward(dout)
-    return idx, [out.detach(), q.grad, k.grad, v.grad]
-
-
-def _total(counter: ByteCounter, world: int) -> ByteCounter:
-    everyone = [None] * world
-    dist.all_gather_object(everyone, counter)
-    total = ByteCounter()
-    for c in everyone:
-        total = total.merge(c)
-    return total
-
-
 def _check_plan(name: str, plan: Plan, rank: int, world: int, exact: bool) -> tuple[list[str], dict]:
     """Failed checks of one routed plan on this rank (routed and direct results bit for
-    bit, against the float64 reference if `exact`, bytes as predicted), and the counted
+    bit, against the float64 attention_reference if `exact`, bytes as predicted), and the counted
     bytes per NIC direction, routed and direct."""
     bad = []
     gen = torch.Generator().manual_seed(plan.num_tokens)
     inputs = [torch.randn(plan.num_tokens, h, D, generator=gen) for h in (H, H_KV, H_KV, H)]
     direct = dataclasses.replace(plan, routes=())
     counters = {"routed": ByteCounter(), "direct": ByteCounter()}
-    idx, got = _run(plan, rank, inputs, counters["routed"])
-    _, want = _run(direct, rank, inputs, counters["direct"])
+    idx, got = run_attention(plan, rank, inputs, counter=counters["routed"])
+    _, want = run_attention(direct, rank, inputs, counter=counters["direct"])
     for what, a, b in zip("out dq dk dv".split(), got, want):
         if not torch.equal(a, b):
             bad.append(f"{name}: routed {what} differs from direct by {(a - b).abs().max().item():.3g}")
     if exact:
-        ref = reference(*(x.double() for x in inputs), plan.lengths, math=True)
+        ref = attention_reference(*(x.double() for x in inputs), plan.lengths, math=True)
         for what, a, b in zip("out dq dk dv".split(), got, ref):
             err = (a.double() - b[idx]).abs().max().item() if a.numel() else 0.0
             if err > 1e-5:
-                bad.append(f"{name}: routed {what} off the reference by {err:.3g}")
+                bad.append(f"{name}: routed {what} off the attention_reference by {err:.3g}")
     nic = {}
     for how, p in (("routed", plan), ("direct", direct)):
-        total, predicted = _total(counters[how], world), predicted_bytes(p, H_KV, D, torch.float32)
+        total, predicted = total_bytes(counters[how], world), predicted_bytes(p, H_KV, D, torch.float32)
         for phase in ("forward", "backward"):
             if getattr(total, phase) != getattr(predicted, phase):
                 bad.append(f"{name} {how} {phase}: sent {dict(getattr(total, phase))}, plan {dict(getattr(predicted, phase))}")

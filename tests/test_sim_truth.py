@@ -17,13 +17,14 @@ from collections import Counter
 import dataclasses
 
 import pytest
-import torch
 from distributed import run_ranks
+from helpers import batch, runtime_bytes, tp_groups
 
 import ballonet
-from ballonet import cost_model, hardware
+from ballonet.cost import hardware
+from ballonet.cost.bounds import batch_lower_bound, batch_recomputation
+from ballonet.cost.flops import grad_bytes
 from ballonet.planning import PLANNERS, plan_batch
-from ballonet.runtime import remapping, routing
 from ballonet.simulation import simulate
 from ballonet.specs import ClusterSpec, NodeGroup
 
@@ -49,38 +50,12 @@ def _planned(cluster_name, nodes, model_name, lengths):
             continue
 
 
-def _dtype(model) -> torch.dtype:
-    return {2: torch.bfloat16, 4: torch.float32}[model.dtype_bytes]
-
-
-def _runtime_bytes(plan, model) -> dict[str, Counter]:
-    """Per phase, Counter of (class, src, dst) the runtime sends in one layer, from one
-    GPU of each tensor-parallel group (its 1/tp of the heads)."""
-    ring = routing.predicted_bytes(plan, model.num_kv_heads // model.tp, model.head_dim, _dtype(model))
-    grad_only = ring.backward - ring.forward  # backward = K/V again + fp32 dK/dV
-    elem = model.dtype_bytes
-    qkv = remapping.predicted_bytes(plan, (model.hidden + 2 * model.kv_dim) * elem // model.tp, src="linear")
-    o = remapping.predicted_bytes(plan, model.hidden * elem // model.tp, src="attention")
-    out = {}
-    for phase in ("forward", "backward"):
-        c = Counter()
-        for (a, b), n in ring.forward.items():
-            c["kv", a, b] += n
-        if phase == "backward":
-            for (a, b), n in grad_only.items():
-                c["grad", a, b] += n
-        for (a, b), n in (getattr(qkv, phase) + getattr(o, phase)).items():
-            c["remap", a, b] += n
-        out[phase] = +c
-    return out
-
-
 @pytest.mark.parametrize("config", CONFIGS, ids=[c[0] for c in CONFIGS])
 def test_simulator_moves_exactly_the_runtime_bytes_for_every_planner(config):
     seen, comms = set(), set()
     for name, c, m, plan in _planned(*config):
         res = simulate(plan, c, m)
-        expected = _runtime_bytes(plan, m)
+        expected = runtime_bytes(plan, m)
         for phase in ("forward", "backward"):
             sim = Counter({k: v for k, v in res.bytes_sent[phase].items() if k[0] != "allreduce"})
             assert sim == expected[phase], (name, phase)
@@ -99,8 +74,8 @@ def test_no_planner_beats_the_batch_lower_bound(config):
         bounds.add(res.lower_bound_s)
         steps[name] = res.step_time_s
         assert res.step_time_s >= res.lower_bound_s > 0, name
-        assert res.compute_bound_s >= cost_model.batch_lower_bound(plan.lengths, c, m, communication=False) * (1 - 1e-12), name
-        assert res.lower_bound_s >= cost_model.batch_lower_bound(plan.lengths, c, m, communication=False)
+        assert res.compute_bound_s >= batch_lower_bound(plan.lengths, c, m, communication=False) * (1 - 1e-12), name
+        assert res.lower_bound_s >= batch_lower_bound(plan.lengths, c, m, communication=False)
     assert len(bounds) == 1 and len(steps) >= 5
 
 
@@ -116,7 +91,7 @@ def test_lower_bound_by_hand_on_one_gpu():
     att = 2 * 3200 * L * (L + 1)
     lin = 2 * (4 * 3200**2 + 3 * 3200 * 8640) * L
     head = 2 * 32000 * 3200 * L
-    mode = cost_model.batch_recompute([L], c, m)
+    mode = batch_recomputation([L], c, m)[0]
     assert mode == "none"  # 2K tokens of llama-3b fit an H100 without recomputation
     work = 26 * (att / best_f + 2.5 * att / best_b + 3 * lin / best_l) + 3 * head / best_l
     # Elementwise bytes a token, forward (bf16): per layer 2 norms (2*2h), rotary on q and k
@@ -131,7 +106,7 @@ def test_lower_bound_by_hand_on_one_gpu():
     elementwise = 3 * (26 * layer_bytes + loss_bytes) * L / (p.memory_bw * best_e)
     optimizer = m.num_params * p.optimizer_s_per_param + 26 * p.framework_s_per_layer  # one rank holds all
     expected = work / 989e12 + elementwise + optimizer
-    assert cost_model.batch_lower_bound([L], c, m) == pytest.approx(expected, rel=1e-9)
+    assert batch_lower_bound([L], c, m) == pytest.approx(expected, rel=1e-9)
 
 
 def test_lower_bound_adds_the_collectives_no_plan_escapes():
@@ -145,14 +120,14 @@ def test_lower_bound_adds_the_collectives_no_plan_escapes():
     half_a_token = 3200 * 2 / 2 / bw
     tp = 26 * 2 * (half_a_token / p.collective_efficiency["all_gather"]
                    + half_a_token / p.collective_efficiency["reduce_scatter"])
-    grad = cost_model.grad_bytes(m)
+    grad = grad_bytes(m)
     bucket = sum(p.collective_latency_s + grad / 2 / (bw * p.collective_efficiency[op])
                  for op in ("reduce_scatter", "all_gather")) / 26
-    compute = cost_model.batch_lower_bound(lengths, c, m, communication=False)
-    assert cost_model.batch_lower_bound(lengths, c, m) == pytest.approx(compute + 2 * tp * 3048 + bucket, rel=1e-9)
+    compute = batch_lower_bound(lengths, c, m, communication=False)
+    assert batch_lower_bound(lengths, c, m) == pytest.approx(compute + 2 * tp * 3048 + bucket, rel=1e-9)
     one = ClusterSpec(name="one", groups=(NodeGroup(gpu="h100", num_nodes=1, gpus_per_node=1, nics_per_node=1),))
     m1 = ballonet.model("llama-3b")
-    assert cost_model.batch_lower_bound(lengths, one, m1) == cost_model.batch_lower_bound(lengths, one, m1, False)
+    assert batch_lower_bound(lengths, one, m1) == batch_lower_bound(lengths, one, m1, False)
 
 
 def test_te_cp_is_sized_to_the_context_as_a_megatron_user_sizes_it():
@@ -220,14 +195,11 @@ def _tp_cases() -> list:
 def _tp_bytes_on_ranks(rank: int, world: int, cases: list) -> list:
     """Per case, (plan rank, the bytes this rank's TP collectives sent per (phase, op)),
     recomputing as the simulator has its plan rank recompute."""
-    from test_llama import batch
-    from test_tensor_parallel import _groups
-
     from ballonet import runtime
     from ballonet.training import parallel, tensor_parallel
     from ballonet.training.model import Transformer
 
-    mesh, plan_rank, group, outer = _groups(world)
+    mesh, plan_rank, group, outer = tp_groups(world, 2)
     out = []
     for plan, spec, per_rank in cases:
         model = tensor_parallel.parallelize_transformer(Transformer(ballonet.model("tiny"), seed=1), mesh["tp"])

@@ -15,8 +15,11 @@ import random
 
 import pytest
 
-from ballonet import calibration, cost_model, hardware, specs
+from ballonet import calibration, specs
 from ballonet.calibration import Curve
+from ballonet.cost import hardware
+from ballonet.cost.flops import zigzag_flops
+from ballonet.cost.memory import MEMORY_RESERVE, activation_bytes, static_bytes
 from ballonet.plan import Plan, Ring, Route, Segment, Transfer, chunk_bounds
 from ballonet.simulation.fabric import Fabric
 from ballonet.simulation.layer_graph import ring_tables
@@ -35,7 +38,7 @@ def cluster(nodes=1, gpus=1, nics=1, nic_gbps=400.0, intra=None):
         intra_link_bw=intra),))
 
 
-def make_plan(c, local=None, split=(), routes=(), planner="test"):
+def cluster_plan(c, local=None, split=(), routes=(), planner="test"):
     """local: {rank: [lengths]}; split: [(length, ranks)] zig-zag over even chunks."""
     R = c.num_ranks
     lengths, att, rings = [], [[] for _ in range(R)], []
@@ -93,7 +96,7 @@ def nic(nbytes, bw):
 
 def test_one_gpu_step_time_in_closed_form():
     L = 8192
-    res = simulate(make_plan(cluster(), {0: [L]}), cluster(), MODEL)
+    res = simulate(cluster_plan(cluster(), {0: [L]}), cluster(), MODEL)
     att = 2 * HD * L * (L + 1) / (PEAK * EFF_F)
     expected = MODEL.num_layers * (att * (1 + BWD) + lin(L) * 3) + head(L)
     assert res.recompute == "none"
@@ -111,7 +114,7 @@ def test_two_gpus_one_ring_step():
     # Step 0: two causal diagonals and one full block each; step 1: two full blocks each.
     c, bw = 2048, 5 * GB  # a slow link, so the K/V transfer is exposed
     C = cluster(gpus=2, nics=2, intra=bw)
-    res = simulate(make_plan(C, split=[(4 * c, (0, 1))]), C, MODEL, engine=True, overlap_grad_allreduce=False)
+    res = simulate(cluster_plan(C, split=[(4 * c, (0, 1))]), C, MODEL, engine=True, overlap_grad_allreduce=False)
     rate = PEAK * EFF_F
     t0 = (2 * 2 * HD * c * (c + 1) + 4 * HD * c * c) / rate
     t1 = 2 * 4 * HD * c * c / rate
@@ -143,7 +146,7 @@ def test_nic_shared_by_two_senders_halves_bandwidth():
 def test_shared_nic_slows_two_inter_node_rings():
     def forward(nics):
         C = cluster(nodes=2, gpus=2, nics=nics, intra=None)
-        plan = make_plan(C, split=[(4096, (0, 2)), (4096, (1, 3))])
+        plan = cluster_plan(C, split=[(4096, (0, 2)), (4096, (1, 3))])
         return simulate(plan, C, MODEL, engine=True).layer_forward_s
 
     c = 1024
@@ -174,7 +177,7 @@ def test_routing_option_off_ignores_routes():
     C = cluster(nodes=2, gpus=2, nics=2, nic_gbps=100)
     route = Route(doc=0, src=0, dst=2, proxies=((0, 2), (1, 3)))
     back = Route(doc=0, src=2, dst=0, proxies=((2, 0), (3, 1)))
-    plan = make_plan(C, split=[(16384, (0, 2))], routes=(route, back))
+    plan = cluster_plan(C, split=[(16384, (0, 2))], routes=(route, back))
     routed, direct = simulate(plan, C, MODEL), simulate(plan, C, MODEL, routing=False)
     assert routed.layer_forward_s < direct.layer_forward_s
 
@@ -183,7 +186,7 @@ def test_local_attention_fills_the_wait_for_inter_node_data():
     # rank 0 has an inter-node ring (slow NIC) and one local document: the engine runs the
     # local document while K/V is in flight; without the engine it runs after the ring.
     C = cluster(nodes=2, gpus=1, nics=1, nic_gbps=10)
-    plan = make_plan(C, local={0: [2048], 1: [2048]}, split=[(8192, (0, 1))])
+    plan = cluster_plan(C, local={0: [2048], 1: [2048]}, split=[(8192, (0, 1))])
     with_engine = simulate(plan, C, MODEL, engine=True)
     without = simulate(plan, C, MODEL, engine=False)
     c = 2048
@@ -200,7 +203,7 @@ def test_remap_moves_what_the_model_moves():
     # rank 0 holds two 4000-token documents, rank 1 none; the remap moves the second over:
     # after attention its output o (h a token), before the next attention q, k, v (3h, MHA)
     C = cluster(gpus=2, nics=2, intra=10 * GB)
-    base = make_plan(C, local={0: [4000, 4000]})
+    base = cluster_plan(C, local={0: [4000, 4000]})
     plan = dataclasses.replace(base, remap=(Transfer(src=0, dst=1, start=4000, end=8000),)).validate()
     att0 = 2 * 2 * HD * 4000 * 4001 / (PEAK * EFF_F)
     o = nvlink(4000 * MODEL.hidden * 2, 10 * GB)
@@ -214,7 +217,7 @@ def test_gradient_bucket_lets_the_remap_through():
     # ports as the remap, in pieces: the remap at the start of the backward waits for a
     # piece, not for the bucket's whole intra-node all-reduce.
     C = cluster(gpus=2, nics=2, intra=10 * GB)
-    base = make_plan(C, local={0: [4000, 4000]})
+    base = cluster_plan(C, local={0: [4000, 4000]})
     plan = dataclasses.replace(base, remap=(Transfer(src=0, dst=1, start=4000, end=8000),)).validate()
     _, tl, start, finish, _ = simulate(plan, C, MODEL).timelines[1]
     sends = [t for t in range(tl.num_tasks) if tl.label[t][0] == "send"]
@@ -226,10 +229,10 @@ def test_gradient_bucket_lets_the_remap_through():
 
 def test_ring_steps_add_up_to_zigzag_flops_and_ring_traffic():
     C = cluster(gpus=8, nics=8)
-    plan = make_plan(C, split=[(10007, tuple(range(8))), (333, tuple(range(8)))])
+    plan = cluster_plan(C, split=[(10007, tuple(range(8))), (333, tuple(range(8)))])
     seconds, rows = ring_tables(plan, list(plan.rings), MODEL, Fabric(C, 8, 1))
     for i in range(8):
-        weighted = sum(cost_model.zigzag_rank_flops(MODEL, r.bounds, i)
+        weighted = sum(float(zigzag_flops(MODEL, r.bounds)[i])
                        / EFF_F for r in plan.rings)
         assert seconds[i].sum() * PEAK == pytest.approx(weighted, rel=1e-9)
     sent = collections.Counter()
@@ -247,7 +250,7 @@ def test_step_never_below_lower_bound_and_breakdown_adds_up():
         local = {r: [rng.randint(50, 6000) for _ in range(rng.randint(0, 4))] for r in range(8)}
         ranks = rng.sample(range(8), rng.choice([2, 3, 4, 8]))
         split = [(rng.randint(4000, 60000), tuple(ranks))]
-        comm_plan = make_plan(C, local, split)
+        comm_plan = cluster_plan(C, local, split)
         for engine in (True, False):
             res = simulate(comm_plan, C, MODEL, engine=engine)
             assert res.step_time_s >= res.lower_bound_s * (1 - 1e-12)
@@ -258,7 +261,7 @@ def test_step_never_below_lower_bound_and_breakdown_adds_up():
 
 def test_allgather_ring_and_tensor_parallel():
     C = cluster(gpus=4, nics=4)
-    plan = make_plan(C, split=[(8192, (0, 1, 2, 3))])
+    plan = cluster_plan(C, split=[(8192, (0, 1, 2, 3))])
     gathered = Plan.from_json(plan.to_json().replace('"comm":"ring"', '"comm":"allgather"')).validate()
     res = simulate(gathered, C, MODEL)
     assert res.step_time_s >= res.lower_bound_s
@@ -276,7 +279,7 @@ def test_allgather_ring_and_tensor_parallel():
 
 def test_chrome_trace_is_valid(tmp_path):
     C = cluster(nodes=2, gpus=2, nics=1)
-    res = simulate(make_plan(C, {0: [1000], 3: [500]}, [(8000, (0, 1, 2, 3))]), C, MODEL)
+    res = simulate(cluster_plan(C, {0: [1000], 3: [500]}, [(8000, (0, 1, 2, 3))]), C, MODEL)
     path = tmp_path / "trace.json"
     res.to_chrome_trace(str(path))
     events = json.loads(path.read_text())["traceEvents"]
@@ -319,9 +322,9 @@ def test_selective_recompute_of_some_layers_is_the_layer_mix_of_both():
     recomputes and one that does not, measured against simulating each whole model; with
     the mode left to the cost model, a rank over its `none` cap recomputes as few layers as
     it needs (here: both share one cap, so 1 layer when 1 is enough) and a rank under it
-    none: each rank as its own tokens need (`cost_model.recomputation_per_rank`)."""
+    none: each rank as its own tokens need (`cost.recompute.cheapest_per_rank`)."""
     c = cluster(gpus=2, nics=2)
-    plan = make_plan(c, local={0: [4096, 2048], 1: [3000]})
+    plan = cluster_plan(c, local={0: [4096, 2048], 1: [3000]})
     sims = {k: simulate(plan, c, dataclasses.replace(MODEL, recompute="selective", recompute_layers=k))
             for k in (1, 2)}
     none = simulate(plan, c, dataclasses.replace(MODEL, recompute="none"))
@@ -331,10 +334,10 @@ def test_selective_recompute_of_some_layers_is_the_layer_mix_of_both():
     assert none.step_time_s < sims[1].step_time_s < sims[2].step_time_s
     assert sims[1].compute_s[0] == pytest.approx((sims[2].compute_s[0] + none.compute_s[0]) / 2, rel=1e-12)
     # Memory just over what `none` holds for rank 0's tokens, under what one selective layer frees.
-    per_none = cost_model.activation_bytes(MODEL, 6144, 6144, "none")
-    one = cost_model.activation_bytes(MODEL, 6144, 6144, "selective", 1)
-    static = cost_model.static_bytes(MODEL, 2)
-    memory_gb = (static + (per_none + one) / 2) / cost_model.MEMORY_RESERVE / 1e9
+    per_none = activation_bytes(MODEL, 6144, 6144, "none")
+    one = activation_bytes(MODEL, 6144, 6144, "selective", 1)
+    static = static_bytes(MODEL, 2)
+    memory_gb = (static + (per_none + one) / 2) / MEMORY_RESERVE / 1e9
     tight = specs.ClusterSpec(name="t", groups=(dataclasses.replace(c.groups[0], memory_gb=memory_gb),))
     auto = simulate(plan, tight, MODEL)
     assert (auto.recompute, auto.recompute_layers) == ("selective", 1)
@@ -351,18 +354,18 @@ def test_linear_recompute_of_some_layers_mixes_with_selective_on_the_others():
     memory between what selective and linear on every layer hold makes the rank with
     6144 tokens recompute linearly on 1 layer and the one with 1000 nothing."""
     c = cluster(gpus=2, nics=2)
-    plan = make_plan(c, local={0: [4096, 2048], 1: [1000]})
+    plan = cluster_plan(c, local={0: [4096, 2048], 1: [1000]})
     one = simulate(plan, c, dataclasses.replace(MODEL, recompute="linear", recompute_layers=1))
     every = simulate(plan, c, dataclasses.replace(MODEL, recompute="linear"))
     selective = simulate(plan, c, dataclasses.replace(MODEL, recompute="selective"))
     assert selective.step_time_s < one.step_time_s < every.step_time_s
     assert one.compute_s[0] == pytest.approx((every.compute_s[0] + selective.compute_s[0]) / 2, rel=1e-12)
-    static = cost_model.static_bytes(MODEL, 2)
-    between = (cost_model.activation_bytes(MODEL, 6144, 6144, "selective")
-               + cost_model.activation_bytes(MODEL, 6144, 6144, "linear", 1)) / 2
-    assert cost_model.activation_bytes(MODEL, 1000, 1000, "none") < between
+    static = static_bytes(MODEL, 2)
+    between = (activation_bytes(MODEL, 6144, 6144, "selective")
+               + activation_bytes(MODEL, 6144, 6144, "linear", 1)) / 2
+    assert activation_bytes(MODEL, 1000, 1000, "none") < between
     tight = specs.ClusterSpec(name="t", groups=(dataclasses.replace(
-        c.groups[0], memory_gb=(static + between) / cost_model.MEMORY_RESERVE / 1e9),))
+        c.groups[0], memory_gb=(static + between) / MEMORY_RESERVE / 1e9),))
     auto = simulate(plan, tight, MODEL)
     assert (auto.recompute, auto.recompute_layers, auto.recompute_per_rank) == ("linear", 1, (("linear", 1),
                                                                                               ("none", 0)))

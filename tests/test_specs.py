@@ -96,7 +96,8 @@ def test_memory_override_sets_the_gpu_memory_and_the_token_caps(tmp_path):
     """memory_gb replaces the GPU type's memory for its group only: on a cluster of A100s
     of 64 and 80 GB the 64 GB ranks hold 16 GB less of activations, and a batch that fits
     80 GB A100s is refused on 64 GB ones."""
-    from ballonet import cost_model, plan_batch
+    from ballonet import plan_batch
+    from ballonet.cost.memory import MEMORY_RESERVE
     from ballonet.errors import InfeasiblePlan
     from ballonet.planning.devices import devices
 
@@ -110,7 +111,7 @@ def test_memory_override_sets_the_gpu_memory_and_the_token_caps(tmp_path):
     assert ballonet.specs.ClusterSpec.from_dict(mixed.to_dict()) == mixed
     model = ballonet.model("llama-7b")
     dev = devices(mixed, model)
-    fewer = 16e9 * cost_model.MEMORY_RESERVE / dev.act_bytes_per_token
+    fewer = 16e9 * MEMORY_RESERVE / dev.act_bytes_per_token
     assert dev.token_cap[0] == dev.token_cap[1] and dev.token_cap[2] == dev.token_cap[3]
     assert abs((dev.token_cap[2] - dev.token_cap[0]) - fewer) <= 1
 

@@ -19,11 +19,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from distributed import run_ranks
-from test_attention import make_plan
-from test_llama import batch, reference
+from helpers import batch, make_plan, model_reference, tp_groups
 
 import ballonet
-from ballonet import cost_model, runtime
+from ballonet import runtime
+from ballonet.cost import memory
 from ballonet.errors import InputError
 from ballonet.plan import Plan, Route, Segment
 from ballonet.training import parallel, tensor_parallel
@@ -61,17 +61,6 @@ def four_rank_plans() -> dict[str, Plan]:
 # ---- the ranks -------------------------------------------------------------------------------
 
 
-def _groups(world: int):
-    """The 2-D mesh (plan ranks x tp, a plan rank's TP ranks consecutive, as inside a
-    node), this rank's plan rank, the plan-rank group of its TP index, and a second group
-    over the same ranks (double rings' transfers across nodes)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (world // TP, TP), mesh_dim_names=("plan", "tp"))
-    outer, _ = dist.new_subgroups_by_enumeration([list(range(t, world, TP)) for t in range(TP)])
-    return mesh, mesh.get_local_rank("plan"), mesh.get_group("plan"), outer
-
-
 def _step(model, plan: Plan, mesh, plan_rank: int, group, outer) -> tuple:
     """One forward and backward of `model` (sharded here: TP, then FSDP2 over the plan
     ranks) on this rank's tokens of `plan`'s batch -> (summed loss over the plan ranks,
@@ -94,7 +83,7 @@ def _held(model, plan: Plan) -> dict[str, int]:
     params = {(p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr() for p in model.parameters()}
     tokens, labels = batch(plan.lengths)
     out = {}
-    for mode in cost_model.RECOMPUTE_MODES:
+    for mode in memory.RECOMPUTE_MODES:
         model.set_recompute(mode)
         held = {}
 
@@ -141,14 +130,14 @@ def _hf_steps(mesh, plan_rank, group, outer, plan: Plan, folders: dict) -> dict:
     return out
 
 
-def _ranks(rank: int, world: int, plans: dict[str, Plan], folders: dict, hf_plan: str, memory: bool) -> dict:
-    mesh, plan_rank, group, outer = _groups(world)
+def _ranks(rank: int, world: int, plans: dict[str, Plan], folders: dict, hf_plan: str, held: bool) -> dict:
+    mesh, plan_rank, group, outer = tp_groups(world, TP)
     out = {}
     for name, plan in plans.items():
         model = tensor_parallel.parallelize_transformer(Transformer(SPEC, seed=3), mesh["tp"])
         out[name] = _step(model, plan, mesh, plan_rank, group, outer)
     out["hf"] = _hf_steps(mesh, plan_rank, group, outer, plans[hf_plan], folders)
-    if memory:
+    if held:
         out["memory"] = _memory(mesh)
     return out
 
@@ -171,7 +160,7 @@ def _assert_close(name: str, got: tuple, ref_loss: float, ref_grads: dict) -> No
 def _builtin_reference(plan: Plan) -> tuple[float, dict]:
     model = Transformer(SPEC, seed=3)
     tokens, labels = batch(plan.lengths)
-    _, loss = reference(model, plan.lengths, tokens, labels)
+    _, loss = model_reference(model, plan.lengths, tokens, labels)
     return loss.item(), {n: p.grad.numpy() for n, p in model.named_parameters()}
 
 
@@ -231,27 +220,27 @@ def test_eight_ranks_tp2_on_two_nodes_match_one_process(tmp_path):
     _check(results, plans, folders, "double, routed")
 
 
-def _check_memory(memory: dict) -> None:
+def _check_memory(holds: dict) -> None:
     """What a TP rank holds beyond 1/tp of what one process holds, for the backward per
     layer, is what the cost model says it holds beyond 1/tp: the normed inputs that
-    sequence parallelism gathers (`cost_model.activation_bytes`), and the rotary tables
+    sequence parallelism gathers (`cost.memory.activation_bytes`), and the rotary tables
     (cos and sin [T, 1, D] for q and for k), which the cost model leaves out at any tp,
     where they are held (not recomputed). Parameters: 1/tp of each but the norms'."""
     T, D, fp32 = 512, SPEC.head_dim, 4
     layer = {tp: dataclasses.replace(SPEC, tp=tp) for tp in (1, TP)}
 
     def model_per_layer(spec, mode):
-        return (cost_model.activation_bytes(dataclasses.replace(spec, num_layers=3), T, T, mode)
-                - cost_model.activation_bytes(dataclasses.replace(spec, num_layers=2), T, T, mode))
+        return (memory.activation_bytes(dataclasses.replace(spec, num_layers=3), T, T, mode)
+                - memory.activation_bytes(dataclasses.replace(spec, num_layers=2), T, T, mode))
 
-    for mode in cost_model.RECOMPUTE_MODES:
-        held = memory[TP]["layer"][mode] - memory[1]["layer"][mode] / TP
+    for mode in memory.RECOMPUTE_MODES:
+        held = holds[TP]["layer"][mode] - holds[1]["layer"][mode] / TP
         rope = 4 * D * T * fp32 * (1 - 1 / TP) if mode in ("none", "selective") else 0
         model = model_per_layer(layer[TP], mode) - model_per_layer(layer[1], mode) / TP
         assert held == pytest.approx(model + rope, abs=1e-6), (mode, held, model, rope)
-    assert memory[TP]["layer"]["none"] < memory[1]["layer"]["none"] * 0.6
+    assert holds[TP]["layer"]["none"] < holds[1]["layer"]["none"] * 0.6
     norms = (2 * 3 + 1) * SPEC.hidden * fp32
-    assert memory[TP]["params"] == (memory[1]["params"] - norms) / TP + norms
+    assert holds[TP]["params"] == (holds[1]["params"] - norms) / TP + norms
 
 
 def test_heads_that_tp_does_not_divide_are_one_clear_error():

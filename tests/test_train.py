@@ -428,7 +428,7 @@ def test_an_unplannable_batch_names_the_step_and_the_corpus_document():
 
 
 def test_mfu_peak_follows_a_calibration_profile(tmp_path):
-    from ballonet import hardware
+    from ballonet.cost import hardware
     from ballonet.training import metrics
 
     cluster = ballonet.cluster("cpu", num_nodes=1, gpus_per_node=2)

@@ -1,5 +1,6 @@
 """`ballonet calibrate`: measure this machine's kernels and links into a calibration profile
-(the work is `ballonet.calibrate.command`)."""
+(the work is `ballonet.calibration.calibrate.command`), or compare a profile with the
+built-in one (`--compare`, `ballonet.calibration.compare`)."""
 
 from __future__ import annotations
 
@@ -21,9 +22,18 @@ def register(sub) -> None:
     p.add_argument("--model", default=None, help="model whose head shape and layers are timed "
                                                  "(default: tiny on CPU, llama-7b on a GPU)")
     p.add_argument("--cluster", default="cpu", help="cluster preset giving the nominal NIC rate")
+    p.add_argument("--compare", metavar="PROFILE", default=None,
+                   help="measure nothing: print PROFILE's figures against the built-in profile of its GPU type "
+                        "(a Markdown table)")
 
 
 def cmd_calibrate(args) -> int:
-    from ballonet import calibrate
+    if args.compare:
+        from ballonet.calibration import load
+        from ballonet.calibration.compare import compare
+
+        print("\n".join(compare(load(args.compare))[0]))
+        return 0
+    from ballonet.calibration import calibrate
 
     return calibrate.command(args)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 
-from ballonet import cost_model, specs
+from ballonet import specs
 from ballonet.cli.common import add_calibration_arg, positive_int, print_table, subparser
+from ballonet.cost.memory import BELOW
+from ballonet.cost.seconds import sequence_cost
 from ballonet.errors import InputError
 
 
@@ -26,7 +28,7 @@ def cmd_cost(args) -> int:
     group = cluster.groups[0]
     if group.gpus_per_node % model.tp:
         raise InputError(f"--tp {model.tp} does not divide the {group.gpus_per_node} GPUs per node of {cluster.name!r}")
-    cost = cost_model.sequence_cost(model, group, args.length)
+    cost = sequence_cost(model, group, args.length)
     report = {
         "model": model.name,
         "cluster": cluster.name,
@@ -47,7 +49,7 @@ def cmd_cost(args) -> int:
         print(json.dumps(report, indent=2))
         return 0
     att_share = cost.attention_time_s / (cost.attention_time_s + cost.linear_time_s)
-    partial = cost.recompute in cost_model.BELOW
+    partial = cost.recompute in BELOW
     layers = f", {cost.recompute_layers} of {model.num_layers} layers" if partial else ""
     rows = [
         ["attention FLOPs (fwd, per layer)", f"{cost.attention_flops_fwd:.3e}"],

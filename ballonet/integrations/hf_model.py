@@ -9,7 +9,7 @@ shards `model.model.layers` block by block); it gains one method, `loss`, with t
 signature of `ballonet.training.model.Transformer.loss`.
 
 Activation recomputation (`--recompute`) checkpoints the model's own modules in place,
-as `cost_model.activation_bytes` prices it: "full" every decoder layer (its input kept;
+as `cost.memory.activation_bytes` prices it: "full" every decoder layer (its input kept;
 the whole layer, remaps and rings included, run again in the backward), "selective"
 every layer's `mlp` (its input kept; its projections and activation run again). The MLP's
 input is the normed hidden state, which the model's layer computes outside `mlp`: so a

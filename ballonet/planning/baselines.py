@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ballonet import cost_model
+from ballonet.cost.flops import attention_flops, linear_flops_per_token
 from ballonet.errors import InfeasiblePlan, InputError
 from ballonet.plan import Plan, chunk_bounds
 from ballonet.planning.assembly import Placement, assemble, with_memory
@@ -66,7 +66,7 @@ def flops_dp(lengths, cluster: ClusterSpec, model: ModelSpec) -> Plan:
 def _flops(model: ModelSpec, lengths) -> np.ndarray:
     """Forward attention plus linear FLOPs of each document (the systems' FLOP estimate)."""
     L = np.asarray(lengths, dtype=float)
-    return cost_model.attention_flops(model, L) + cost_model.linear_flops_per_token(model) * L
+    return attention_flops(model, L) + linear_flops_per_token(model) * L
 
 
 

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ballonet import cost_model, hardware
+from ballonet.cost import hardware
+from ballonet.cost.memory import MEMORY_RESERVE, activation_bytes_per_token, static_bytes
 from ballonet.errors import InfeasiblePlan, InputError
 from ballonet.specs import ClusterSpec, ModelSpec, rank_hardware
 
@@ -63,9 +64,9 @@ def devices(cluster: ClusterSpec, model: ModelSpec, assume_homogeneous: bool = F
     hw = rank_hardware(cluster, tp)  # where each rank sits and its hardware
     gpu = hw.gpu
     num_dp = cluster.num_ranks // tp
-    static = cost_model.static_bytes(model, num_dp)
-    act = cost_model.activation_bytes_per_token(model)
-    total = tuple(t.memory_bytes * cost_model.MEMORY_RESERVE for t in gpu)
+    static = static_bytes(model, num_dp)
+    act = activation_bytes_per_token(model)
+    total = tuple(t.memory_bytes * MEMORY_RESERVE for t in gpu)
     caps = []
     for t in total:
         cap = max(-1, math.floor((t - static) / act))

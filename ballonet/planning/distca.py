@@ -33,13 +33,13 @@ Departures, all known to us:
    DistCA cuts documents at rank budgets in arrival order. So a document is split only
    when balance moves part of it.
 2. Work is our cost model's: a document's FLOPs at the kernel efficiency of its length
-   (`cost_model.attention_work`, the reference GPU), a shard its share by tokens (DistCA:
+   (`cost.seconds.attention_work`, the reference GPU), a shard its share by tokens (DistCA:
    raw FLOPs; both assume, as DistCA's composability does, that a shard keeps the
    kernel's efficiency). The cost model prices a shard at its own length
    (`planning.metrics`) or at L / members (the simulator), so the measured imbalance
    is a little above the scheduler's.
 3. The priority is seconds on the links the bytes take (NVLink inside a node, the GPU's
-   share of its NIC across nodes, `cost_model.p2p_time`) per unit of work, where DistCA
+   share of its NIC across nodes, `cost.seconds.p2p_time`) per unit of work, where DistCA
    counts bytes; and recipients go node by node (nodes holding the most surplus first,
    largest deficit first inside a node), where DistCA takes all recipients by deficit,
    so a long document's shards fill whole nodes instead of a few ranks on every node.
@@ -65,7 +65,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ballonet import cost_model
+from ballonet.cost.flops import kv_bytes, remap_bytes
+from ballonet.cost.seconds import attention_work, p2p_time
 from ballonet.errors import InputError
 from ballonet.plan import RING_COMMS, Plan
 from ballonet.planning.assembly import Placement, assemble, with_memory
@@ -98,7 +99,7 @@ class Costs:
     nic_s: np.ndarray
     """[R] seconds per byte across nodes (the GPU's share of its NIC)."""
     unit: np.ndarray
-    """[D] work per token of each document: its work whole (`cost_model.attention_work`)
+    """[D] work per token of each document: its work whole (`cost.seconds.attention_work`)
     over its length. A shard of t tokens costs t units wherever it runs (DistCA's
     composability: fused shards keep the kernel's efficiency)."""
 
@@ -110,12 +111,12 @@ class Costs:
 def _costs(lengths: list[int], cluster: ClusterSpec, model: ModelSpec, dev: Devices) -> Costs:
     L = np.asarray(lengths, dtype=float)
     big = 2.0**30  # seconds per byte of a large transfer (latency negligible)
-    intra = [cost_model.p2p_time(big, g.intra_bw, gpu=g.gpu_type) / big for g in cluster.groups]
-    nic = [cost_model.p2p_time(big, g.nic_bw / g.gpus_per_nic, nic=True, gpu=g.gpu_type) / big for g in cluster.groups]
+    intra = [p2p_time(big, g.intra_bw, gpu=g.gpu_type) / big for g in cluster.groups]
+    nic = [p2p_time(big, g.nic_bw / g.gpus_per_nic, nic=True, gpu=g.gpu_type) / big for g in cluster.groups]
     group = np.asarray(dev.group, dtype=np.int64)
-    return Costs(unit=np.atleast_1d(cost_model.attention_work(model, L)) / np.maximum(L, 1.0),
-                 lengths=np.asarray(lengths, dtype=np.int64), kv_row=cost_model.kv_bytes(model, 1),
-                 dispatch_per_token=cost_model.remap_bytes(model, 1, True) + cost_model.remap_bytes(model, 1, False),
+    return Costs(unit=np.atleast_1d(attention_work(model, L)) / np.maximum(L, 1.0),
+                 lengths=np.asarray(lengths, dtype=np.int64), kv_row=kv_bytes(model, 1),
+                 dispatch_per_token=remap_bytes(model, 1, True) + remap_bytes(model, 1, False),
                  node=np.asarray(dev.node, dtype=np.int64), intra_s=np.array(intra)[group], nic_s=np.array(nic)[group])
 
 

@@ -7,7 +7,7 @@
   (`pricing.rank_compute_seconds`): what the partitioner balances;
 * `linear_imbalance`: max / mean of tokens after remap, each rank's tokens divided by its
   share of the cluster's speed (plain max / mean of tokens on a homogeneous cluster);
-* bytes: forward K/V of every ring plus what the runtime's remap moves (`cost_model.
+* bytes: forward K/V of every ring plus what the runtime's remap moves (`cost.flops.
   remap_bytes`: q, k and v toward the attention layout, o back); inter-node
   bytes are those that cross nodes; `max_nic_bytes` is the busiest NIC direction, with
   routed hops spread over their proxies' NICs.
@@ -20,7 +20,10 @@ from collections import Counter
 
 import numpy as np
 
-from ballonet import cost_model
+from ballonet.cost.flops import attention_flops, kv_bytes, remap_bytes, zigzag_flops
+from ballonet.cost.memory import BELOW
+from ballonet.cost.recompute import cheapest_per_rank, layers_per_rank
+from ballonet.cost.seconds import attention_seconds
 from ballonet.plan import Plan, Ring
 from ballonet.planning.devices import devices
 from ballonet.planning.pricing import rank_compute_seconds
@@ -35,10 +38,10 @@ def rank_attention_seconds(plan: Plan, cluster: ClusterSpec, model: ModelSpec) -
     for r in range(plan.num_ranks):
         for d in plan.local_docs(r):
             L = plan.lengths[d]
-            out[r] += cost_model.attention_time(model, gpu[r], cost_model.attention_flops(model, L), L)
+            out[r] += attention_seconds(model, gpu[r], attention_flops(model, L), L, launch_floor=True)
     for ring in plan.rings:
-        for i, (r, flops) in enumerate(zip(ring.ranks, cost_model.zigzag_flops(model, ring.bounds).tolist())):
-            out[r] += cost_model.attention_time(model, gpu[r], flops, ring.block_tokens(i))
+        for i, (r, flops) in enumerate(zip(ring.ranks, zigzag_flops(model, ring.bounds).tolist())):
+            out[r] += attention_seconds(model, gpu[r], flops, ring.block_tokens(i), launch_floor=True)
     return out
 
 
@@ -68,10 +71,10 @@ def _traffic(plan: Plan, model: ModelSpec) -> dict:
             _allgather_traffic(plan, model, ring, out, inn, nic, total)
             continue
         for src, dst, rows in ring.forward_link_rows():
-            send(src, dst, cost_model.kv_bytes(model, rows), "kv", routes.get((ring.doc, src, dst)))
+            send(src, dst, kv_bytes(model, rows), "kv", routes.get((ring.doc, src, dst)))
     for (src, dst), n in plan.remap_tokens().items():  # tokens src -> dst, attention -> linear layout
-        send(dst, src, cost_model.remap_bytes(model, n, toward_attention=True), "remap")
-        send(src, dst, cost_model.remap_bytes(model, n, toward_attention=False), "remap")
+        send(dst, src, remap_bytes(model, n, toward_attention=True), "remap")
+        send(src, dst, remap_bytes(model, n, toward_attention=False), "remap")
     return {**total, "max_nic": max(nic.values(), default=0.0), "out": out, "in": inn}
 
 
@@ -79,7 +82,7 @@ def _allgather_traffic(plan: Plan, model: ModelSpec, ring: Ring, out, inn, nic, 
     """`Ring.forward_link_rows` of an all-gather ring (each block to every other member),
     summed per rank and per node in O(g) rather than per pair."""
     g = len(ring.ranks)
-    b = [cost_model.kv_bytes(model, ring.block_tokens(i)) for i in range(g)]
+    b = [kv_bytes(model, ring.block_tokens(i)) for i in range(g)]
     node = [plan.node_of_rank[r] for r in ring.ranks]
     per_node: Counter = Counter()
     count: Counter = Counter(node)
@@ -99,14 +102,14 @@ def _allgather_traffic(plan: Plan, model: ModelSpec, ring: Ring, out, inn, nic, 
 def rank_step_compute_seconds(plan: Plan, cluster: ClusterSpec, model: ModelSpec) -> np.ndarray:
     """[R] a step's attention and linear kernel seconds per rank (`pricing.rank_compute_seconds`)
     under the recomputation the plan was made for, or the cheapest its tokens fit under
-    (`cost_model.recomputation_per_rank`)."""
+    (`cost.recompute.cheapest_per_rank`)."""
     mode, layers = plan.meta.get("recompute"), plan.meta.get("recompute_layers")
     gpus = rank_hardware(cluster, model.tp).gpu
     tokens = (plan.linear_token_counts, gpus, plan.num_ranks, plan.attention_token_counts)
     if not mode:
-        mode, layers = cost_model.recomputation_per_rank(model, *tokens) or ("full", None)
-    elif mode in cost_model.BELOW and model.recompute is None:  # each rank as little as its tokens need
-        layers = cost_model.recompute_per_rank(model, *tokens, mode) or layers
+        mode, layers = cheapest_per_rank(model, *tokens) or ("full", None)
+    elif mode in BELOW and model.recompute is None:  # each rank as little as its tokens need
+        layers = layers_per_rank(model, *tokens, mode) or layers
     spec = dataclasses.replace(model, recompute=mode)
     return rank_compute_seconds(plan, devices(cluster, spec), spec, mode, layers=layers)
 

@@ -29,7 +29,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ballonet import cost_model, hardware
+from ballonet.cost import hardware
+from ballonet.cost.flops import (
+    attention_flops,
+    block_flops,
+    hidden_bytes,
+    kv_bytes,
+    kv_grad_bytes,
+    remap_bytes,
+    zigzag_flops,
+)
+from ballonet.cost.memory import BELOW, RECOMPUTE_MODES, recompute_layer_count, recompute_mode
+from ballonet.cost.recompute import recompute_attention
+from ballonet.cost.seconds import attention_seconds, collective_time, linear_layer_seconds, p2p_time
 from ballonet.plan import Plan
 from ballonet.planning.devices import Devices
 from ballonet.specs import ModelSpec
@@ -42,7 +54,7 @@ __all__ = ["StepWeights", "attention_kernels", "crossing_exposed_seconds", "cros
 
 def recompute_modes(model: ModelSpec) -> tuple[str, ...]:
     """The recomputation modes to plan for, cheapest first: the model's own when it sets one."""
-    return (model.recompute,) if model.recompute else cost_model.RECOMPUTE_MODES
+    return (model.recompute,) if model.recompute else RECOMPUTE_MODES
 
 
 @dataclass(frozen=True)
@@ -63,12 +75,12 @@ def step_weights(model: ModelSpec, gpu: hardware.GPUType, lengths, num_ranks: in
     L = np.asarray(lengths, dtype=float)
     if not L.size:
         return StepWeights(linear_per_token=0.0, attention_step=1.0)
-    mode = cost_model.recompute_mode(model)
+    mode = recompute_mode(model)
     typical = float((L * L).sum() / L.sum())
-    flops = cost_model.attention_flops(model, typical)
-    forward = cost_model.attention_time(model, gpu, flops, typical)
-    attention = 1 + cost_model.attention_time(model, gpu, flops, typical, backward=True) / forward
-    attention += 1 if cost_model.recompute_attention(mode) else 0
+    flops = attention_flops(model, typical)
+    forward = attention_seconds(model, gpu, flops, typical, launch_floor=True)
+    attention = 1 + attention_seconds(model, gpu, flops, typical, backward=True, launch_floor=True) / forward
+    attention += 1 if recompute_attention(mode) else 0
     tokens = L.sum() / max(num_ranks, 1)
     return StepWeights(linear_per_token=linear_work_per_token(model, gpu, tokens, attention), attention_step=attention)
 
@@ -79,8 +91,8 @@ def linear_work_per_token(model: ModelSpec, gpu: hardware.GPUType, tokens: float
     forward-attention work units: seconds times the GPU's peak over `attention_step`."""
     if tokens <= 0:
         return 0.0
-    seconds = sum(cost_model.linear_layer_seconds(model, gpu, tokens, cost_model.recompute_mode(model),
-                                                  framework=False, layers=cost_model.recompute_layer_count(model)))
+    seconds = sum(linear_layer_seconds(model, gpu, tokens, recompute_mode(model),
+                                       framework=False, layers=recompute_layer_count(model)))
     return seconds * gpu.peak_flops / tokens / attention_step
 
 
@@ -98,11 +110,11 @@ def crossing_seconds(nbytes: float, nic_bw: float, intra_bw: float, rails: int, 
     k - 1 dispatch messages of m/k leave the source one after another over `intra_bw`, as
     the k - 1 combine messages reach the destination, each paying a message's latency
     (as the simulator sends them); the NIC legs of m/k run in parallel at `nic_bw`."""
-    best = cost_model.p2p_time(nbytes, nic_bw, True, gpu)
+    best = p2p_time(nbytes, nic_bw, True, gpu)
     for k in range(2, rails + 1):
         part = nbytes / k
-        best = min(best, 2 * (k - 1) * cost_model.p2p_time(part, intra_bw, False, gpu)
-                   + cost_model.p2p_time(part, nic_bw, True, gpu))
+        best = min(best, 2 * (k - 1) * p2p_time(part, intra_bw, False, gpu)
+                   + p2p_time(part, nic_bw, True, gpu))
     return best
 
 
@@ -115,16 +127,16 @@ def ring_exposed_seconds(model: ModelSpec, gpu: hardware.GPUType, length: int, m
     else fills the wait: per ring step, the forward's K/V transfer and the backward's K/V
     plus dK/dV (fp32) beyond that step's compute."""
     block = max(length // members, 1)
-    flops = cost_model.block_flops(model, block, block)
+    flops = block_flops(model, block, block)
 
     def hop(nbytes: float) -> float:
         if nic and routed is not None:
             return crossing_seconds(nbytes, bandwidth, routed[0], routed[1], gpu)
-        return cost_model.p2p_time(nbytes, bandwidth, nic, gpu)
-    fwd = hop(cost_model.kv_bytes(model, block)) - cost_model.attention_time(model, gpu, flops, block)
-    bwd = hop(cost_model.kv_bytes(model, block) + cost_model.kv_grad_bytes(model, block)) \
-        - cost_model.attention_time(model, gpu, flops, block, backward=True)
-    redo = 2 if cost_model.recompute_attention(cost_model.recompute_mode(model)) else 1
+        return p2p_time(nbytes, bandwidth, nic, gpu)
+    fwd = hop(kv_bytes(model, block)) - attention_seconds(model, gpu, flops, block, launch_floor=True)
+    bwd = hop(kv_bytes(model, block) + kv_grad_bytes(model, block)) \
+        - attention_seconds(model, gpu, flops, block, backward=True, launch_floor=True)
+    redo = 2 if recompute_attention(recompute_mode(model)) else 1
     return model.num_layers * (members - 1) * (redo * max(fwd, 0.0) + max(bwd, 0.0))
 
 
@@ -138,16 +150,16 @@ def double_exposed_seconds(model: ModelSpec, gpu: hardware.GPUType, length: int,
     of a round's block home over a NIC, hidden by the next round's compute but the last."""
     k, n = groups, group_size
     block = max(length // (k * n), 1)
-    flops = cost_model.block_flops(model, block, block)
-    fwd_c = cost_model.attention_time(model, gpu, flops, block)
-    bwd_c = cost_model.attention_time(model, gpu, flops, block, backward=True)
-    kv, grad = cost_model.kv_bytes(model, block), cost_model.kv_grad_bytes(model, block)
-    inner_f = max(cost_model.p2p_time(kv, intra_bw, False, gpu) - fwd_c, 0.0) if n > 1 else 0.0
-    inner_b = max(cost_model.p2p_time(kv + grad, intra_bw, False, gpu) - bwd_c, 0.0) if n > 1 else 0.0
-    out_f = max(cost_model.p2p_time(kv, nic_bw, True, gpu) - n * fwd_c, 0.0)
-    out_b = max(cost_model.p2p_time(kv, nic_bw, True, gpu) - n * bwd_c, 0.0)
-    home = cost_model.p2p_time(grad, nic_bw, True, gpu)
-    redo = 2 if cost_model.recompute_attention(cost_model.recompute_mode(model)) else 1
+    flops = block_flops(model, block, block)
+    fwd_c = attention_seconds(model, gpu, flops, block, launch_floor=True)
+    bwd_c = attention_seconds(model, gpu, flops, block, backward=True, launch_floor=True)
+    kv, grad = kv_bytes(model, block), kv_grad_bytes(model, block)
+    inner_f = max(p2p_time(kv, intra_bw, False, gpu) - fwd_c, 0.0) if n > 1 else 0.0
+    inner_b = max(p2p_time(kv + grad, intra_bw, False, gpu) - bwd_c, 0.0) if n > 1 else 0.0
+    out_f = max(p2p_time(kv, nic_bw, True, gpu) - n * fwd_c, 0.0)
+    out_b = max(p2p_time(kv, nic_bw, True, gpu) - n * bwd_c, 0.0)
+    home = p2p_time(grad, nic_bw, True, gpu)
+    redo = 2 if recompute_attention(recompute_mode(model)) else 1
     forward = k * (n - 1) * inner_f + (k - 1) * out_f
     backward = k * (n - 1) * inner_b + (k - 1) * out_b + (k - 2) * max(home - n * bwd_c, 0.0) + home
     return model.num_layers * (redo * forward + backward)
@@ -189,19 +201,19 @@ def attention_kernels(plan: Plan, dev: Devices, model: ModelSpec) -> tuple[np.nd
     local = [(r, d) for r, segs in enumerate(plan.attention) for d in {s.doc for s in segs} if d not in in_ring]
     rank = [r for r, _ in local]
     block = [plan.lengths[d] for _, d in local]
-    flops = cost_model.attention_flops(model, np.asarray(block, dtype=float)).tolist()
+    flops = attention_flops(model, np.asarray(block, dtype=float)).tolist()
     for ring in plan.rings:
         g, q = len(ring.ranks), np.diff(ring.bounds)
         rank += ring.ranks
-        flops += cost_model.zigzag_flops(model, ring.bounds).tolist()
+        flops += zigzag_flops(model, ring.bounds).tolist()
         block += (q[:g] + q[::-1][:g]).tolist()  # its chunks i and 2g-1-i (`Ring.block_tokens`)
     rank_a, flops_a, block_a = np.asarray(rank, dtype=np.int64), np.asarray(flops), np.asarray(block, dtype=float)
     gpus = np.asarray([g.name for g in dev.gpu])
     fwd, bwd = np.zeros(len(rank_a)), np.zeros(len(rank_a))
     for gpu in {g.name: g for g in dev.gpu}.values():
         on = gpus[rank_a] == gpu.name
-        fwd[on] = cost_model.attention_seconds(model, gpu, flops_a[on], block_a[on])
-        bwd[on] = cost_model.attention_seconds(model, gpu, flops_a[on], block_a[on], backward=True)
+        fwd[on] = attention_seconds(model, gpu, flops_a[on], block_a[on])
+        bwd[on] = attention_seconds(model, gpu, flops_a[on], block_a[on], backward=True)
     return rank_a, fwd, bwd
 
 
@@ -209,12 +221,12 @@ def rank_compute_seconds(plan: Plan, dev: Devices, model: ModelSpec, mode: str, 
                          layers=None, kernels=None):
     """[R] seconds of a step's attention and linear kernels on each rank of `plan` (all
     layers, forward, backward and the recomputation `mode` reruns on `layers` of them:
-    default all; or [R] (mode, layers) per rank, `cost_model.recompute_per_rank`, the
+    default all; or [R] (mode, layers) per rank, `cost.recompute.layers_per_rank`, the
     other layers one mode below; no launch floors, no communication); with `split`, the
     pair ([R] attention, [R] linear). `kernels`: the plan's `attention_kernels`, when known."""
     R = plan.num_ranks
     rank, fwd, bwd = kernels or attention_kernels(plan, dev, model)
-    redo = 1.0 if cost_model.recompute_attention(mode) else 0.0
+    redo = 1.0 if recompute_attention(mode) else 0.0
     attention = np.bincount(rank, weights=model.num_layers * ((1 + redo) * fwd + bwd), minlength=R)
     tokens, names = np.asarray(plan.linear_token_counts, dtype=float), np.array([g.name for g in dev.gpu])
     linear = np.zeros(R)
@@ -226,15 +238,13 @@ def rank_compute_seconds(plan: Plan, dev: Devices, model: ModelSpec, mode: str, 
                 on = (names == gpu.name) & (modes == m)
                 if not on.any():
                     continue
-                redo = sum(cost_model.linear_layer_seconds(model, gpu, tokens[on], m, framework=False))
-                keep = sum(cost_model.linear_layer_seconds(model, gpu, tokens[on], cost_model.BELOW.get(m, m),
-                                                           framework=False))
+                redo = sum(linear_layer_seconds(model, gpu, tokens[on], m, framework=False))
+                keep = sum(linear_layer_seconds(model, gpu, tokens[on], BELOW.get(m, m), framework=False))
                 linear[on] = share[on] * redo + (1 - share[on]) * keep
     else:
         for gpu in {g.name: g for g in dev.gpu}.values():
             on = names == gpu.name
-            linear[on] = sum(cost_model.linear_layer_seconds(model, gpu, tokens[on], mode, framework=False,
-                                                             layers=layers))
+            linear[on] = sum(linear_layer_seconds(model, gpu, tokens[on], mode, framework=False, layers=layers))
     linear *= model.num_layers
     return (attention, linear) if split else attention + linear
 
@@ -278,7 +288,7 @@ def synchronous_step_seconds(plan: Plan, dev: Devices, model: ModelSpec, kernels
     (2x) take turns. A rank's forward is its attention kernels' and linear layers'
     forward plus half of what its estimated `seconds` add to its `compute` (remap,
     tensor-parallel collectives, exposed transfers, waits); its backward the rest. With
-    `layers` ([R] (mode, k) of `cost_model.recompute_per_rank`), a rank's first k layers
+    `layers` ([R] (mode, k) of `cost.recompute.layers_per_rank`), a rank's first k layers
     rerun its mode's recomputation in their backward and the others the mode below, so
     the layers where a few ranks recompute end with theirs. `kernels`: the plan's
     `attention_kernels`."""
@@ -289,17 +299,16 @@ def synchronous_step_seconds(plan: Plan, dev: Devices, model: ModelSpec, kernels
     extra = np.zeros(R)  # [R] a recomputing layer's backward over the same layer's below its mode
     for gpu in {g.name: g for g in dev.gpu}.values():
         on = names == gpu.name
-        forward[on] += L * cost_model.linear_layer_seconds(model, gpu, tokens[on], "none", framework=False)[0]
-        for m in {m for m, _ in layers or ()} & set(cost_model.BELOW):
+        forward[on] += L * linear_layer_seconds(model, gpu, tokens[on], "none", framework=False)[0]
+        for m in {m for m, _ in layers or ()} & set(BELOW):
             sub = on & np.array([x == m for x, _ in layers])
-            extra[sub] = (cost_model.linear_layer_seconds(model, gpu, tokens[sub], m, framework=False)[1]
-                          - cost_model.linear_layer_seconds(model, gpu, tokens[sub], cost_model.BELOW[m],
-                                                            framework=False)[1])
+            extra[sub] = (linear_layer_seconds(model, gpu, tokens[sub], m, framework=False)[1]
+                          - linear_layer_seconds(model, gpu, tokens[sub], BELOW[m], framework=False)[1])
     forward += (seconds - compute) / 2
     backward = seconds - forward
     if layers is None or not extra.any():
         return float(forward.max() + backward.max())
-    k = np.array([n if m in cost_model.BELOW else 0 for m, n in layers])
+    k = np.array([n if m in BELOW else 0 for m, n in layers])
     base = (backward - k * extra) / L  # [R] one layer's backward below the mode
     cuts = sorted({0, L, *k.tolist()})
     runs = sum((hi - lo) * float((base + extra * (k > lo)).max()) for lo, hi in zip(cuts, cuts[1:]))
@@ -327,8 +336,8 @@ def rank_tp_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw: np.ndar
         return np.zeros(plan.num_ranks)
     out = np.zeros(plan.num_ranks)
     for r, n in enumerate(plan.linear_token_counts):
-        nbytes = cost_model.hidden_bytes(model, n)
-        out[r] = 2 * sum(cost_model.collective_time(op, nbytes, model.tp, link_bw[r], dev.gpu[r])
+        nbytes = hidden_bytes(model, n)
+        out[r] = 2 * sum(collective_time(op, nbytes, model.tp, link_bw[r], dev.gpu[r])
                          for op in ("all_gather", "reduce_scatter"))
     return 2 * model.num_layers * out
 
@@ -339,7 +348,7 @@ def rank_remap_seconds(plan: Plan, model: ModelSpec, link_bw: np.ndarray) -> np.
     rank sends and receives over its link of `link_bw[r]` bytes/s (the all-to-all is
     blocking: no compute hides it)."""
     out, inn = np.zeros(plan.num_ranks), np.zeros(plan.num_ranks)
-    per_token = cost_model.remap_bytes(model, 1, True) + cost_model.remap_bytes(model, 1, False)
+    per_token = remap_bytes(model, 1, True) + remap_bytes(model, 1, False)
     for (src, dst), n in plan.remap_tokens().items():
         out[src] += n * per_token
         inn[dst] += n * per_token

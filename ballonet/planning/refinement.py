@@ -11,12 +11,13 @@ from __future__ import annotations
 import enum
 import functools
 import math
-from operator import itemgetter
 from dataclasses import dataclass
+from operator import itemgetter
 
 import numpy as np
 
-from ballonet import cost_model, hardware
+from ballonet.cost import hardware
+from ballonet.cost.flops import attention_flops
 from ballonet.errors import InfeasiblePlan
 from ballonet.planning.assembly import Placement
 from ballonet.planning.devices import Devices
@@ -74,7 +75,7 @@ def split_work(model: ModelSpec, length: int, num_members: float, gpu=None) -> f
     """Work of a document split over `num_members` ranks: its FLOPs at the kernel
     efficiency of blocks of length / num_members rows (on `gpu`'s profile)."""
     block = max(length / max(num_members, 1.0), 1.0)
-    return cost_model.attention_flops(model, length) / model.tp / hardware.profile(gpu).attention_forward.at_one(block)
+    return attention_flops(model, length) / model.tp / hardware.profile(gpu).attention_forward.at_one(block)
 
 
 class Sweep(enum.Enum):
@@ -231,7 +232,7 @@ def refine(batch: Batch, fill: RankFill) -> Placement:
     local_tokens = np.array([sum([lengths[d] for d in docs]) for docs in fill.local], dtype=np.int64)
     work = batch.work_list
     docs = sorted(fill.split_shares, key=lambda d: (-work[d], d))
-    flops = cost_model.attention_flops(model, [lengths[d] for d in docs]).tolist()
+    flops = attention_flops(model, [lengths[d] for d in docs]).tolist()
     attention = {d: f / model.tp for d, f in zip(docs, flops)}
     efficiency = functools.cache(hardware.profile(batch.gpu).attention_forward.at_one)  # blocks recur across sweeps
     st = _start(batch, fill, docs, local_tokens, attention, efficiency)

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from ballonet import cost_model
+from ballonet.cost.flops import kv_bytes
+from ballonet.cost.seconds import p2p_time
 from ballonet.plan import Plan, Route
 from ballonet.specs import ClusterSpec, ModelSpec, rank_hardware
 
@@ -48,11 +49,11 @@ def plan_routes(plan: Plan, cluster: ClusterSpec, model: ModelSpec, local_index:
     hops = _hops(plan)
     load: dict[tuple[str, int], float] = defaultdict(float)  # ("out"|"in", nic) -> bytes per step
     for rows, _, _, src, dst in hops:
-        load["out", plan.nic_of_rank[src]] += cost_model.kv_bytes(model, -rows)
-        load["in", plan.nic_of_rank[dst]] += cost_model.kv_bytes(model, -rows)
+        load["out", plan.nic_of_rank[src]] += kv_bytes(model, -rows)
+        load["in", plan.nic_of_rank[dst]] += kv_bytes(model, -rows)
     routes = []
     for rows, doc, _, src, dst in hops:
-        m = cost_model.kv_bytes(model, -rows)
+        m = kv_bytes(model, -rows)
         load["out", plan.nic_of_rank[src]] -= m
         load["in", plan.nic_of_rank[dst]] -= m
         src_ranks, dst_ranks = nodes[plan.node_of_rank[src]], nodes[plan.node_of_rank[dst]]
@@ -83,8 +84,8 @@ def _best_width(m: float, own: float, rail_load: list[float], intra_bw: tuple[fl
 
     def time(k: int) -> float:
         if k == 1:
-            return cost_model.p2p_time(m + own, nic_bw, nic=True)
+            return p2p_time(m + own, nic_bw, nic=True)
         part = (k - 1) / k * m
-        return (cost_model.p2p_time(part, intra_bw[0]) + cost_model.p2p_time(part, intra_bw[1])
-                + cost_model.p2p_time(m / k + rail_load[k - 1], nic_bw, nic=True))
+        return (p2p_time(part, intra_bw[0]) + p2p_time(part, intra_bw[1])
+                + p2p_time(m / k + rail_load[k - 1], nic_bw, nic=True))
     return min(range(1, max(len(rail_load), 1) + 1), key=lambda k: (time(k), k))

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ballonet import hardware
+from ballonet.cost import hardware
 from ballonet.planning.devices import Devices
 from ballonet.specs import ModelSpec
 

@@ -8,7 +8,7 @@ Every document gets a class, from the cost model and the batch:
 
 Splitting pays K/V traffic linear in L to save attention work quadratic in L, and only
 pays off once a ring step's compute hides its transfer: once each member's block of L/g
-rows reaches the break-even chunk c* of the link (`cost_model.breakeven_chunk_tokens`).
+rows reaches the break-even chunk c* of the link (`cost.seconds.breakeven_chunk_tokens`).
 So the crossover lengths are L_intra = 2 c*_nvlink (two GPUs of a node) and
 L_inter = 2 n c*_nic (two whole nodes of n ranks, each crossing hop on one NIC). A
 document above a crossover is split only when the batch needs it: when its attention
@@ -55,7 +55,7 @@ with the shortest estimated step is kept: its busiest rank's (`pricing.rank_step
 or, when longer, its slowest forward plus its slowest backward, layer by layer
 (`pricing.synchronous_step_seconds`).
 When the recomputation is left to the partitioner, in a selective or linear plan each
-rank recomputes as little as its own tokens need (`cost_model.recompute_per_rank`) and
+rank recomputes as little as its own tokens need (`cost.recompute.layers_per_rank`) and
 is estimated so; it is made as the mode on every layer prices it, and a selective plan
 is made whatever that price when the best plan so far has a rank at its memory cap in the
 node that sets its step (`_caps_bind`): there a few layers' looser caps may pay.
@@ -76,8 +76,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ballonet import cost_model
-from ballonet.cost_model import attention_work
+from ballonet.cost.memory import BELOW, RECOMPUTE_MODES, activation_bytes, recompute_layer_count, recompute_mode
+from ballonet.cost.recompute import layers_per_rank, most_layers
+from ballonet.cost.seconds import attention_work, breakeven_chunk_tokens
 from ballonet.errors import InfeasiblePlan, InputError
 from ballonet.plan import Plan
 from ballonet.planning.assembly import Placement, assemble, with_memory
@@ -113,8 +114,8 @@ def crossover_lengths(cluster: ClusterSpec, model: ModelSpec) -> list[Crossover]
     out = []
     for g in cluster.groups:
         ranks_per_node = g.gpus_per_node // model.tp
-        c_intra = cost_model.breakeven_chunk_tokens(model, g.gpu_type, g.intra_bw)
-        c_inter = cost_model.breakeven_chunk_tokens(model, g.gpu_type, g.nic_bw / g.gpus_per_nic, nic=True)
+        c_intra = breakeven_chunk_tokens(model, g.gpu_type, g.intra_bw)
+        c_inter = breakeven_chunk_tokens(model, g.gpu_type, g.nic_bw / g.gpus_per_nic, nic=True)
         out.append(Crossover(intra=2 * c_intra if ranks_per_node > 1 else None, inter=2 * ranks_per_node * c_inter,
                              intra_bw=g.intra_bw, crossing_bw=g.nic_bw,
                              rank_nic_bw=g.nic_bw / g.gpus_per_nic,
@@ -435,7 +436,7 @@ def zeppelin(lengths, cluster: ClusterSpec, model: ModelSpec, *, routing: bool =
             raise InputError(f"zeppelin option {key} must be True or False, got {value!r}")
     lengths = check_lengths(lengths)
     crossovers = crossover_lengths(cluster, model)
-    modes = recompute_modes(model) if price_recompute else (cost_model.recompute_mode(model),)
+    modes = recompute_modes(model) if price_recompute else (recompute_mode(model),)
     trim = price_recompute and model.recompute is None  # selective on as few layers as a plan needs
     best, best_s, best_binds, error, compared = None, np.inf, False, None, []
 
@@ -452,7 +453,7 @@ def zeppelin(lengths, cluster: ClusterSpec, model: ModelSpec, *, routing: bool =
     planned: list[tuple[ModelSpec, _Nodes]] = []  # each mode's level 1 of single rings, for `double`
     for i, mode in enumerate(modes):
         spec = dataclasses.replace(model, recompute=mode)
-        mode_trim = trim and mode in cost_model.BELOW
+        mode_trim = trim and mode in BELOW
         try:
             plans, dev, shared = _candidates(lengths, cluster, spec, crossovers, options,
                                              fallback=i == len(modes) - 1 and best is None,
@@ -483,7 +484,7 @@ def zeppelin(lengths, cluster: ClusterSpec, model: ModelSpec, *, routing: bool =
     for level1, spec in sorted(doubled, key=lambda x: x[0].node_seconds):
         if level1.node_seconds <= (1 + NODE_PRUNE_MARGIN) * best_s:
             plans, dev, _ = _candidates(lengths, cluster, spec, crossovers, options, fallback=False,
-                                        trim=trim and spec.recompute in cost_model.BELOW, level1=level1)
+                                        trim=trim and spec.recompute in BELOW, level1=level1)
             compare(plans, dev, spec)
     if best is None:
         raise error
@@ -524,14 +525,14 @@ def _candidates(lengths, cluster, model, crossovers, options, fallback: bool, be
     than `beat` seconds by `NODE_PRUNE_MARGIN`. A plan the greedy steps cannot fit is left
     out; with `fallback`, a batch they fit no way is cut in runs (`_fallback`) rather than
     refused. With `trim` (selective or linear recomputation), each rank of a plan
-    recomputes as little as its tokens need (`cost_model.recompute_per_rank`), its
+    recomputes as little as its tokens need (`cost.recompute.layers_per_rank`), its
     estimate priced so. The level 1 is the single rings' (`_nodes`), or `level1` (one of
     `_doubled`: its plans hold double rings). Returns (plans, devices, the level 1: None
     where the greedy steps failed before it)."""
     dev = devices(cluster, model, options["assume_homogeneous"])
     check_feasible(lengths, dev, model)
     meta = {"options": options, "crossover_lengths": [dataclasses.asdict(t) for t in crossovers],
-            "recompute": model.recompute, "recompute_layers": cost_model.recompute_layer_count(model),
+            "recompute": model.recompute, "recompute_layers": recompute_layer_count(model),
             "keep_tokens": False, "fallback": False}
 
     def build(placement: Placement, facts: dict, keep: bool, double: bool = False) -> tuple[_Candidate, bool]:
@@ -540,16 +541,16 @@ def _candidates(lengths, cluster, model, crossovers, options, fallback: bool, be
         plan = finish(lengths, dev, placement, {**meta, **facts, "keep_tokens": keep, "double": double},
                        remap=options["remap"] and not keep, node_remap=options["price_linear"],
                        double=double)
-        priced, layers = model, cost_model.recompute_layer_count(model)  # the model's own, or every layer
+        priced, layers = model, recompute_layer_count(model)  # the model's own, or every layer
         if trim:
             lin, att = plan.linear_token_counts, plan.attention_token_counts
-            layers = cost_model.recompute_per_rank(model, lin, dev.gpu, dev.num_ranks, att, model.recompute)
+            layers = layers_per_rank(model, lin, dev.gpu, dev.num_ranks, att, model.recompute)
             if layers is None:  # (the caps hold every layer's activations of the mode; rounding aside)
                 layers = [(model.recompute, model.num_layers)] * dev.num_ranks
-            mode = max((m for m, _ in layers), key=cost_model.RECOMPUTE_MODES.index)
-            most = cost_model.most_layers(mode, layers)
+            mode = max((m for m, _ in layers), key=RECOMPUTE_MODES.index)
+            most = most_layers(mode, layers)
             priced = dataclasses.replace(model, recompute=mode, recompute_layers=most if mode != "none" else None)
-            used = tuple(dev.static_bytes + cost_model.activation_bytes(model, a, b, m, k)
+            used = tuple(dev.static_bytes + activation_bytes(model, a, b, m, k)
                          for a, b, (m, k) in zip(lin, att, layers))
             plan = dataclasses.replace(plan, memory_bytes=used, meta={
                 **plan.meta, "recompute": mode, "recompute_layers": most})

@@ -9,14 +9,14 @@ one node that hold the same tokens (each a 1/tp shard of the heads). Links:
 An intra-node transfer holds the sender's egress and the receiver's ingress; an
 inter-node one holds the sending ranks' NIC egresses and the receiving ranks' NIC
 ingresses (GPU-to-NIC traffic goes over PCIe, not NVLink). A TP group sends its tp
-shards through its NICs in parallel. Seconds as `cost_model.p2p_time` (alpha-beta, the sender's GPU profile).
+shards through its NICs in parallel. Seconds as `cost.seconds.p2p_time` (alpha-beta, the sender's GPU profile).
 A routed hop (docs/design.md, section 6) is cut into one part per proxy pair: dispatch over
 NVLink to the source-side proxy, NIC transfer to the far proxy, combine over NVLink.
 """
 
 from __future__ import annotations
 
-from ballonet import hardware
+from ballonet.cost import hardware
 from ballonet.errors import InputError
 from ballonet.simulation.timeline import Timeline
 from ballonet.specs import ClusterSpec
@@ -92,7 +92,7 @@ class Fabric:
         return self._paths[key]
 
     def transfer_time(self, src: int, dst: int, num_bytes: float) -> float:
-        """`cost_model.p2p_time` over the path; a TP group's shards share its NICs."""
+        """`cost.seconds.p2p_time` over the path; a TP group's shards share its NICs."""
         _, lat, per_byte = self.path(src, dst)
         return lat + num_bytes * per_byte if num_bytes > 0 else 0.0
 

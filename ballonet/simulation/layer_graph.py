@@ -6,7 +6,7 @@ local documents are one varlen kernel call (as `runtime.engine` runs them). Then
 remap all-to-all, the linear layers and the TP collectives, and the remap back
 (backward: the reverse order). Every transfer moves what the runtime sends: K/V rows of
 `dtype_bytes`, dK/dV as fp32, q/k/v out to the attention layout and o back
-(`cost_model.remap_bytes`); `LayerGraph.sent` records the bytes per (class, src, dst).
+(`cost.flops.remap_bytes`); `LayerGraph.sent` records the bytes per (class, src, dst).
 In the backward, one layer's gradient all-reduce bucket shares the links with it. See
 `simulator.py` for the model as a whole and `timeline.py` for how tasks are scheduled.
 """
@@ -18,7 +18,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ballonet import cost_model, hardware
+from ballonet.cost import hardware
+from ballonet.cost.flops import ATTENTION_BACKWARD_FACTOR, attention_flops, kv_bytes, kv_grad_bytes, remap_bytes
+from ballonet.cost.seconds import attention_seconds
 from ballonet.plan import Plan, chunk_bounds
 from ballonet.simulation.fabric import Fabric
 from ballonet.simulation.timeline import Timeline
@@ -54,12 +56,12 @@ def ring_tables(plan: Plan, rings: list, model: ModelSpec, fabric: Fabric,
 def _ring_table(plan: Plan, rings: list, model: ModelSpec, gpu, backward: bool) -> tuple[np.ndarray, np.ndarray]:
     """`ring_tables` with every rank a `gpu`. A doc's 2g chunk lengths l give, summed over
     docs with weight 1/efficiency, M[q, k] = sum l[q] l[k] / eff: full blocks k < q cost
-    4*H*D*M[q, k], diagonal blocks 2*H*D*l[q](l[q]+1) (`cost_model.block_flops`)."""
+    4*H*D*M[q, k], diagonal blocks 2*H*D*l[q](l[q]+1) (`cost.flops.block_flops`)."""
     ranks = rings[0].ranks
     g = len(ranks)
     lens = np.diff(np.array([r.bounds for r in rings], dtype=float), axis=1)  # [docs, 2g]
     chunk = np.array([plan.lengths[r.doc] / g for r in rings])
-    weight = 1.0 / hardware.attention_efficiency_array(chunk, gpu, backward)
+    weight = 1.0 / hardware.attention_efficiency(chunk, gpu, backward)
     M = (lens * weight[:, None]).T @ lens
     diag = (weight[:, None] * lens * (lens + 1)).sum(axis=0)
     hd = model.num_heads * model.head_dim
@@ -69,7 +71,7 @@ def _ring_table(plan: Plan, rings: list, model: ModelSpec, gpu, backward: bool) 
     for q in (a[:, None], 2 * g - 1 - a[:, None]):
         for k in (src, 2 * g - 1 - src):
             flops += np.where(k < q, 4 * hd * M[q, k], 0.0) + np.where(k == q, 2 * hd * diag[q], 0.0)
-    factor = cost_model.ATTENTION_BACKWARD_FACTOR if backward else 1.0
+    factor = ATTENTION_BACKWARD_FACTOR if backward else 1.0
     block = lens.sum(axis=0)
     return flops * factor / (gpu.peak_flops * model.tp), (block[a] + block[2 * g - 1 - a])[src]
 
@@ -126,7 +128,7 @@ class LayerGraph:
         hop cuts the rows into one part per proxy pair (`plan.chunk_bounds`), each
         dispatched, sent across nodes and combined, as `runtime.routing` does."""
         src, dst = hop
-        per_row = (cost_model.kv_bytes if kind == "kv" else cost_model.kv_grad_bytes)(self.model, 1)
+        per_row = (kv_bytes if kind == "kv" else kv_grad_bytes)(self.model, 1)
         proxies = self.routes.get(hop)
         if rows <= 0:
             return self.tl.join(after)
@@ -173,10 +175,10 @@ class LayerGraph:
         if not lengths:
             return 0.0
         gpu = self.fabric.gpu[rank]
-        flops = cost_model.attention_flops(self.model, lengths)
-        total = float(np.sum(cost_model.attention_seconds(self.model, gpu, flops, lengths, self.backward)))
+        flops = attention_flops(self.model, lengths)
+        total = float(np.sum(attention_seconds(self.model, gpu, flops, lengths, self.backward)))
         if self.backward and self.recompute == "full":
-            total += float(np.sum(cost_model.attention_seconds(self.model, gpu, flops, lengths)))
+            total += float(np.sum(attention_seconds(self.model, gpu, flops, lengths)))
         return max(hardware.profile(gpu).attention_launch_s, total)
 
     def hops(self, ranks) -> list:
@@ -311,7 +313,7 @@ class LayerGraph:
         for (src, dst), tokens in sorted(self.remap.items()):
             if reverse:
                 src, dst = dst, src
-            nbytes = cost_model.remap_bytes(self.model, tokens, qkv)
+            nbytes = remap_bytes(self.model, tokens, qkv)
             incoming[dst].append(self.transfer(src, dst, nbytes, [begin[src]], name, "remap"))
         return [self.tl.join(x) for x in incoming]
 

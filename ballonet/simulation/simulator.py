@@ -14,7 +14,7 @@ What is simulated (`timeline.py` has the event model, `fabric.py` the links,
   reduce-scatters over NVLink; the backward also the gathers its recomputation reruns),
   and the remap back. Backward mirrors it in reverse. The head adds the embedding's and
   the head's collectives, the loss's all-reduces and the norms' gradient all-reduces
-  (`cost_model.tp_step_collectives`), exposed.
+  (`cost.tensor_parallel.tp_step_collectives`), exposed.
 * Split documents that share the same ring of ranks run as one ring, as TransformerEngine
   does for packed sequences: per step one kernel on each rank and one K/V transfer.
   Ring step s of position i computes its zig-zag chunks against the block of position
@@ -28,13 +28,13 @@ What is simulated (`timeline.py` has the event model, `fabric.py` the links,
   local, so local attention fills waits. Without it (the baselines' loop), a rank runs its
   attention work in a fixed order and issues a ring step's send only after its previous
   compute, as ring-flash-attention and TransformerEngine do.
-* Gradient all-reduce: hierarchical (`cost_model.grad_allreduce_time`), in one bucket per
+* Gradient all-reduce: hierarchical (`cost.seconds.grad_allreduce_time`), in one bucket per
   layer (Megatron's overlap_grad_reduce): the bucket of layer l runs during the backward
   of layer l-1 on the same NVLink ports and NICs as its ring and remap transfers (cut
   into pieces, so they interleave); the last layer's bucket is exposed.
 * Recomputation (`ModelSpec.recompute`, default the cheapest under which every rank's
   tokens fit, each rank recomputing as little as its own tokens need,
-  `cost_model.recomputation_per_rank`): the backward reruns the MLP GEMMs
+  `cost.recompute.cheapest_per_rank`): the backward reruns the MLP GEMMs
   ("selective"), every GEMM and elementwise op of the layer ("linear"), each on as few
   of the first layers as a rank's memory needs (or the model's `recompute_layers`), the
   others one mode below; one backward is simulated per run of layers alike), or the
@@ -51,7 +51,7 @@ loss's elementwise work.
 Per rank: compute (attention + linear + head + optimizer), exposed communication (time its stream
 waits before its own last piece of a layer arrives, plus TP collectives and the exposed
 all-reduce) and idle (waiting for the slowest rank). `lower_bound_s` is a bound on the
-batch, the same for every plan (`cost_model.batch_lower_bound`); `compute_bound_s` is
+batch, the same for every plan (`cost.bounds.batch_lower_bound`); `compute_bound_s` is
 this plan's compute spread perfectly over the GPUs by peak FLOP/s.
 """
 
@@ -62,7 +62,27 @@ import json
 from collections import Counter
 from dataclasses import dataclass, field
 
-from ballonet import cost_model, hardware
+from ballonet.cost import hardware
+from ballonet.cost.bounds import batch_lower_bound
+from ballonet.cost.flops import (
+    ELEMENTWISE_BACKWARD_FACTOR,
+    LINEAR_BACKWARD_FACTOR,
+    attention_flops,
+    head_flops_per_token,
+    linear_flops_per_token,
+    loss_bytes_per_token,
+)
+from ballonet.cost.memory import BELOW
+from ballonet.cost.recompute import cheapest_per_rank, most_layers
+from ballonet.cost.seconds import (
+    collective_time,
+    elementwise_time,
+    grad_allreduce_parts,
+    grad_allreduce_time,
+    linear_layer_seconds,
+    optimizer_time,
+)
+from ballonet.cost.tensor_parallel import tp_layer_seconds, tp_sent_bytes, tp_step_collectives
 from ballonet.plan import Plan
 from ballonet.simulation.fabric import Fabric
 from ballonet.simulation.layer_graph import LayerGraph
@@ -76,7 +96,7 @@ class SimResult:
     num_tokens: int
     step_time_s: float
     lower_bound_s: float
-    """No plan of this batch runs faster on this cluster (`cost_model.batch_lower_bound`)."""
+    """No plan of this batch runs faster on this cluster (`cost.bounds.batch_lower_bound`)."""
     compute_bound_s: float
     """This plan's own compute spread evenly over the GPUs by peak, communication hidden."""
     recompute: str
@@ -86,7 +106,7 @@ class SimResult:
     without recomputation)."""
     recompute_per_rank: tuple[tuple[str, int], ...] = ()
     """Per plan rank, (mode, how many layers, the first ones, recompute under it; the
-    others one mode below, `cost_model.BELOW`)."""
+    others one mode below, `cost.memory.BELOW`)."""
     mfu: float
     compute_s: tuple[float, ...]
     """Per plan rank, per step: attention, linear (GEMMs, elementwise, the framework's
@@ -188,10 +208,10 @@ def _head_seconds(model: ModelSpec, gpu, tokens: int) -> float:
     """Forward and backward of the LM head's GEMM and the loss's elementwise work."""
     if not tokens:
         return 0.0
-    flops = cost_model.head_flops_per_token(model) * (1 + cost_model.LINEAR_BACKWARD_FACTOR) / model.tp
+    flops = head_flops_per_token(model) * (1 + LINEAR_BACKWARD_FACTOR) / model.tp
     gemm = flops * tokens / (gpu.peak_flops * hardware.linear_efficiency(tokens, gpu))
-    loss = cost_model.elementwise_time(model, gpu, tokens, cost_model.loss_bytes_per_token(model))
-    return gemm + loss * (1 + cost_model.ELEMENTWISE_BACKWARD_FACTOR)
+    loss = elementwise_time(model, gpu, tokens, loss_bytes_per_token(model))
+    return gemm + loss * (1 + ELEMENTWISE_BACKWARD_FACTOR)
 
 
 def _slowdown(p: LayerGraph, compute: list) -> list:
@@ -220,11 +240,11 @@ def simulate(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, routing: boo
     for (src, dst), n in moves.items():
         tokens[src] -= n
         tokens[dst] += n
-    mode, per_rank = cost_model.recomputation_per_rank(model, tokens, fabric.gpu, R, att_tokens) \
+    mode, per_rank = cheapest_per_rank(model, tokens, fabric.gpu, R, att_tokens) \
         or ("full", (("full", model.num_layers),) * R)
-    linear_s = [cost_model.linear_layer_seconds(model, fabric.gpu[r], tokens[r], m)
+    linear_s = [linear_layer_seconds(model, fabric.gpu[r], tokens[r], m)
                 for r, (m, _) in enumerate(per_rank)]
-    tp_s = [cost_model.tp_layer_seconds(model, tokens[r], fabric.intra_bw[r], fabric.gpu[r], m)
+    tp_s = [tp_layer_seconds(model, tokens[r], fabric.intra_bw[r], fabric.gpu[r], m)
             for r, (m, _) in enumerate(per_rank)]
     routes = {}
     if routing:
@@ -254,10 +274,10 @@ def simulate(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, routing: boo
     slow = [a + b for a, b in zip(_slowdown(graphs[0], fwd_compute), bwd_slow)]
 
     head = [_head_seconds(model, fabric.gpu[r], n) for r, n in enumerate(tokens)]
-    head_tp = [sum(cost_model.collective_time(op, nbytes, model.tp, fabric.intra_bw[r], fabric.gpu[r])
-                   for _, op, nbytes in cost_model.tp_step_collectives(model, n)) for r, n in enumerate(tokens)]
-    optimizer = [cost_model.optimizer_time(model, fabric.gpu[r], R) for r in range(R)]
-    grad = cost_model.grad_allreduce_time(model, cluster)
+    head_tp = [sum(collective_time(op, nbytes, model.tp, fabric.intra_bw[r], fabric.gpu[r])
+                   for _, op, nbytes in tp_step_collectives(model, n)) for r, n in enumerate(tokens)]
+    optimizer = [optimizer_time(model, fabric.gpu[r], R) for r in range(R)]
+    grad = grad_allreduce_time(model, cluster)
     grad_exposed = grad / L if overlap_grad_allreduce else grad  # the last layer's bucket
     layers = max(L * (fwd_end[r] + bwd_end[r] + slow[r]) for r in range(R))
     layers = max(layers, L * (fwd + bwd))
@@ -272,15 +292,15 @@ def simulate(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, routing: boo
     peaks = [fabric.gpu[r].peak_flops for r in range(R)]
 
     T = plan.num_tokens
-    model_flops = (1 + cost_model.LINEAR_BACKWARD_FACTOR) * (
-        L * (cost_model.linear_flops_per_token(model) * T + float(cost_model.attention_flops(model, plan.lengths).sum()))
-        + cost_model.head_flops_per_token(model) * T)
+    model_flops = (1 + LINEAR_BACKWARD_FACTOR) * (
+        L * (linear_flops_per_token(model) * T + float(attention_flops(model, plan.lengths).sum()))
+        + head_flops_per_token(model) * T)
     mfu = model_flops / (step * sum(peaks) * model.tp)
     return SimResult(
         planner=plan.planner, num_gpus=R * model.tp, num_tokens=T, step_time_s=step,
-        lower_bound_s=cost_model.batch_lower_bound(plan.lengths, cluster, model),
+        lower_bound_s=batch_lower_bound(plan.lengths, cluster, model),
         compute_bound_s=sum(c * p for c, p in zip(compute, peaks)) / sum(peaks), recompute=mode,
-        recompute_layers=cost_model.most_layers(mode, per_rank), recompute_per_rank=per_rank,
+        recompute_layers=most_layers(mode, per_rank), recompute_per_rank=per_rank,
         mfu=mfu, compute_s=tuple(compute), exposed_comm_s=tuple(exposed), idle_s=tuple(idle),
         attention_s=tuple(L * (fwd_att[r] + bwd_att[r]) for r in range(R)),
         layer_forward_s=fwd, layer_backward_s=bwd, head_s=max(head), grad_allreduce_s=grad,
@@ -295,18 +315,18 @@ def _runs_of_layers(model: ModelSpec, fabric: Fabric, tokens: list, per_rank, li
     """(layers, [R] linear seconds forward and backward, [R] the same of the TP collectives)
     of each run of alike layers in the backward: layer l on rank r recomputes as its mode
     (`linear_s`, `tp_s`) if r recomputes more than l layers (`per_rank`: (mode, layers)),
-    else as the mode below (`cost_model.BELOW`)."""
+    else as the mode below (`cost.memory.BELOW`)."""
     below = {}
     cuts = sorted({0, model.num_layers, *(k for _, k in per_rank)})
     runs = []
     for lo, hi in itertools.pairwise(cuts):
         lin, tp = list(linear_s), list(tp_s)
         for r, (m, k) in enumerate(per_rank):
-            if k <= lo and m in cost_model.BELOW:
+            if k <= lo and m in BELOW:
                 if (r, m) not in below:
-                    gpu, mode = fabric.gpu[r], cost_model.BELOW[m]
-                    below[r, m] = (cost_model.linear_layer_seconds(model, gpu, tokens[r], mode),
-                                   cost_model.tp_layer_seconds(model, tokens[r], fabric.intra_bw[r], gpu, mode))
+                    gpu, mode = fabric.gpu[r], BELOW[m]
+                    below[r, m] = (linear_layer_seconds(model, gpu, tokens[r], mode),
+                                   tp_layer_seconds(model, tokens[r], fabric.intra_bw[r], gpu, mode))
                 lin[r], tp[r] = below[r, m]
         runs.append((hi - lo, lin, tp))
     return runs
@@ -314,10 +334,10 @@ def _runs_of_layers(model: ModelSpec, fabric: Fabric, tokens: list, per_rank, li
 
 def _tp_bytes(model: ModelSpec, tokens: list, per_rank) -> dict:
     """{phase: Counter of (op, rank)}: bytes each GPU of rank r's TP group sends in the
-    step's tensor-parallel collectives (`cost_model.tp_sent_bytes`)."""
+    step's tensor-parallel collectives (`cost.tensor_parallel.tp_sent_bytes`)."""
     out = {"forward": Counter(), "backward": Counter()}
     for r, (n, (mode, layers)) in enumerate(zip(tokens, per_rank)):
-        for phase, sent in cost_model.tp_sent_bytes(model, n, mode, layers).items():
+        for phase, sent in tp_sent_bytes(model, n, mode, layers).items():
             for op, nbytes in sent.items():
                 out[phase][op, r] += nbytes
     return out
@@ -326,5 +346,5 @@ def _tp_bytes(model: ModelSpec, tokens: list, per_rank) -> dict:
 def _bucket(model: ModelSpec, cluster: ClusterSpec, num_layers: int) -> tuple[float, float]:
     """One layer's share of the gradient all-reduce, for the slowest node group: (intra-node
     seconds, bytes a GPU sends across nodes)."""
-    parts = [cost_model.grad_allreduce_parts(model, g, cluster.num_nodes) for g in cluster.groups]
+    parts = [grad_allreduce_parts(model, g, cluster.num_nodes) for g in cluster.groups]
     return max(p[0] for p in parts) / num_layers, max(p[1] for p in parts) / num_layers

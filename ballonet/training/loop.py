@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 
 import ballonet
-from ballonet import cost_model, runtime
+from ballonet import runtime
+from ballonet.cost.recompute import cheapest_per_rank, most_layers
 from ballonet.errors import InputError
 from ballonet.integrations import hf_model
 from ballonet.training import checkpoint, metrics, parallel
@@ -297,17 +298,17 @@ def _run(config: TrainConfig, group, use_cuda: bool):
 
 def _auto_recompute(model, plan, spec, cluster, rank: int) -> tuple[str, int]:
     """--recompute auto: set this step's recomputation on this rank's blocks, the cheapest
-    the plan's tokens fit under in the cost model's memory (`cost_model.recomputation_per_rank`,
+    the plan's tokens fit under in the cost model's memory (`cost.recompute.cheapest_per_rank`,
     what the planner and the simulator price: selective or linear on as few of the first
     layers as this rank's own tokens need). Every rank derives it from the same plan, so a "full"
     step (whose exchanges rerun in the backward) is full on all of them. -> (mode, the
     most layers any rank recomputes)."""
     gpus = [cluster.gpu_of(r) for r in range(plan.num_ranks)]
-    mode, per_rank = cost_model.recomputation_per_rank(spec, plan.linear_token_counts, gpus, plan.num_ranks,
-                                                       plan.attention_token_counts) \
+    mode, per_rank = cheapest_per_rank(spec, plan.linear_token_counts, gpus, plan.num_ranks,
+                                       plan.attention_token_counts) \
         or ("full", (("full", spec.num_layers),) * plan.num_ranks)
     model.set_recompute(*per_rank[rank])
-    return mode, cost_model.most_layers(mode, per_rank)
+    return mode, most_layers(mode, per_rank)
 
 
 def _step(model, optimizer, batch, rank: int, group, device, spec, peak: float, step: int,

@@ -4,10 +4,10 @@ is built.
 
 MFU = model FLOPs of the step (forward and backward, recomputation not counted, as in
 PaLM's definition) / (step seconds x the ranks' summed peak FLOP/s). FLOPs come from the
-cost model: linear layers and attention per layer (`cost_model.linear_flops_per_token`,
-`cost_model.attention_flops`, backward `cost_model.LINEAR_BACKWARD_FACTOR` times forward)
+cost model: linear layers and attention per layer (`cost.flops.linear_flops_per_token`,
+`cost.flops.attention_flops`, backward `cost.flops.LINEAR_BACKWARD_FACTOR` times forward)
 plus the LM head, the same closed form the simulator uses for its MFU. The peak is the
-calibration profile's (`--calibration`) or the datasheet figure (`ballonet.hardware`).
+calibration profile's (`--calibration`) or the datasheet figure (`cost.hardware`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,10 @@ import sys
 
 import torch
 
-from ballonet import cost_model, hardware
+from ballonet import calibration
+from ballonet.cost import hardware
+from ballonet.cost.flops import LINEAR_BACKWARD_FACTOR, attention_flops, linear_flops_per_token
+from ballonet.cost.memory import activation_bytes_per_token
 from ballonet.errors import InputError
 from ballonet.specs import ClusterSpec, ModelSpec
 
@@ -29,25 +32,20 @@ LOGIT_COPIES = 3
 def step_flops(model: ModelSpec, lengths) -> float:
     """Forward + backward model FLOPs of one global batch of documents of `lengths`."""
     num_tokens = sum(lengths)
-    forward = (model.num_layers * (cost_model.linear_flops_per_token(model) * num_tokens
-                                   + sum(cost_model.attention_flops(model, n) for n in lengths))
+    forward = (model.num_layers * (linear_flops_per_token(model) * num_tokens
+                                   + sum(attention_flops(model, n) for n in lengths))
                + 2.0 * model.vocab_size * model.hidden * num_tokens)
-    return (1 + cost_model.LINEAR_BACKWARD_FACTOR) * forward
+    return (1 + LINEAR_BACKWARD_FACTOR) * forward
 
 
-def peak_flops(cluster: ClusterSpec, calibration: str | None = None) -> float:
+def peak_flops(cluster: ClusterSpec, profile_path: str | None = None) -> float:
     """Summed datasheet peak FLOP/s of the cluster's ranks. A calibration profile
     (`ballonet.calibration`, `--calibration`) names the GPU type actually measured: its
     peak then counts for every rank (MFU stays relative to the datasheet peak, the usual
     definition; the profile's efficiencies are what the cost model prices with)."""
     gpus = [g.gpu for g in cluster.groups for _ in range(g.num_nodes * g.gpus_per_node)]
-    if calibration is not None:
-        try:
-            from ballonet import calibration as profiles
-        except ImportError:
-            raise InputError(f"--calibration {calibration}: this build has no calibration profiles "
-                             "(ballonet.calibration)") from None
-        gpus = [profiles.load(calibration).gpu] * len(gpus)
+    if profile_path is not None:
+        gpus = [calibration.load(profile_path).gpu] * len(gpus)
     return sum(hardware.gpu(name).peak_flops for name in gpus)
 
 
@@ -64,9 +62,9 @@ def memory_high_water(device: torch.device) -> int:
 
 def training_bytes_per_token(model: ModelSpec) -> float:
     """Activation bytes a rank holds per token of its share: the cost model's, under the
-    spec's recomputation and dtype (`cost_model.activation_bytes_per_token`), plus the fp32
+    spec's recomputation and dtype (`cost.memory.activation_bytes_per_token`), plus the fp32
     logits around the loss."""
-    return cost_model.activation_bytes_per_token(model) + LOGIT_COPIES * 4 * model.vocab_size
+    return activation_bytes_per_token(model) + LOGIT_COPIES * 4 * model.vocab_size
 
 
 def check_budget(model: ModelSpec, cluster: ClusterSpec, global_tokens: int, world_size: int, shard: str) -> None:

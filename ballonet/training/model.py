@@ -10,7 +10,7 @@ and before the output projection (the attention output comes back). The alternat
 the hidden state before the QKV projection and after the output projection: fewer bytes
 (h elements a token each way, instead of h + 2*kv_dim out and h back), but the rank that
 holds surplus tokens in the attention layout then also runs their QKV and output
-projections. Per 4096 surplus tokens and layer, forward, from `cost_model`: QKV+O
+projections. Per 4096 surplus tokens and layer, forward, from `ballonet.cost`: QKV+O
 compute is linear_time(4096) times the QKV+O share of the layer's weights; the extra
 bytes are kv_bytes(4096), sent with p2p_time over NVLink or one GPU's share of a NIC
 (latency left out):
@@ -46,7 +46,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from ballonet import cost_model, runtime
+from ballonet import runtime
+from ballonet.cost.memory import BELOW
 from ballonet.plan import Plan
 from ballonet.runtime.layout import position_ids
 from ballonet.runtime.remapping import remap
@@ -63,7 +64,7 @@ AttentionFn = Callable[..., torch.Tensor]
 
 Recompute = Literal["none", "selective", "linear", "full"]
 """Activation recomputation (`torch.utils.checkpoint`, non-reentrant), as the cost model
-prices it (`cost_model.activation_bytes`): "selective" keeps the MLP's input and reruns
+prices it (`cost.memory.activation_bytes`): "selective" keeps the MLP's input and reruns
 its norm and SwiGLU in the backward (their 4 ffn_hidden + hidden elements a token are
 the largest share of a layer's activations; the attention core keeps no scores anyway);
 "linear" keeps the block's input, the attention's q, k, v and output, and the output
@@ -171,7 +172,7 @@ class Transformer(nn.Module):
             raise ValueError(f"recompute must be one of {typing.get_args(Recompute)}, got {recompute!r}")
         first = len(self.layers) if layers is None else layers
         for i, block in enumerate(self.layers):
-            block.recompute = cost_model.BELOW[recompute] if recompute in cost_model.BELOW and i >= first else recompute
+            block.recompute = BELOW[recompute] if recompute in BELOW and i >= first else recompute
 
     @torch.no_grad()
     def reset_parameters(self, seed: int) -> None:

@@ -18,9 +18,9 @@ the same two of each (a gather's gradient is scattered and a scatter's gathered)
 DTensor pads T up to a multiple of tp for both. The embedding is split over the
 vocabulary (a reduce-scatter to the sequence shard), the head over the vocabulary too
 (an all-gather before it) with the loss computed on the vocabulary shards
-(`loss_parallel`: three all-reduces of [T] fp32 forward). `predicted_bytes` states these
-bytes; the simulator prices them (`cost_model.tp_bytes`) and `count_collectives` counts
-what DTensor really sends.
+(`loss_parallel`: three all-reduces of [T] fp32 forward); FSDP2 all-reduces the norms'
+weight gradients over the TP group. The simulator prices these collectives
+(`cost.tensor_parallel`); `count_collectives` counts what DTensor really sends.
 
 Heads are split, never replicated: tp must divide the query heads and the KV heads.
 """
@@ -28,7 +28,6 @@ Heads are split, never replicated: tp must divide the query heads and the KV hea
 from __future__ import annotations
 
 import contextlib
-from collections import Counter
 from collections.abc import Iterator
 
 import torch
@@ -50,7 +49,7 @@ from ballonet.errors import InputError
 from ballonet.runtime import ByteCounter
 
 __all__ = ["check_heads", "count_collectives", "loss_context", "parallelize_hf", "parallelize_transformer",
-           "predicted_bytes", "tp_mesh_of"]
+           "tp_mesh_of"]
 
 _TP_MESH = "_ballonet_tp_mesh"
 """The attribute a tensor-parallel model carries its TP mesh in."""
@@ -223,17 +222,3 @@ def count_collectives(counter: ByteCounter | None) -> Iterator[None]:
         return
     with _CollectiveBytes(counter):
         yield
-
-
-def predicted_bytes(hidden: int, elem_bytes: int, num_tokens: int, tp: int, num_layers: int) -> Counter:
-    """(phase, op) -> bytes one TP rank sends in one step of `parallelize_transformer`'s
-    model (and `parallelize_hf`'s) with `num_tokens` on its plan rank's linear layout."""
-    if tp == 1:
-        return Counter()
-    padded = -(-num_tokens // tp) * tp
-    rows = padded * hidden * elem_bytes * (tp - 1) // tp  # per all-gather or reduce-scatter of [T, C]
-    per_pass = 2 * num_layers + 1  # a layer's two of each, and the embedding's scatter or the head's gather
-    loss = 2 * (tp - 1) * num_tokens * 4 // tp  # an all-reduce of [T] fp32
-    return Counter({("forward", "all_gather"): per_pass * rows, ("forward", "reduce_scatter"): per_pass * rows,
-                    ("forward", "all_reduce"): 3 * loss,
-                    ("backward", "all_gather"): per_pass * rows, ("backward", "reduce_scatter"): per_pass * rows})

@@ -2,14 +2,13 @@
 
 Peak figures are dense bf16 tensor-core FLOP/s (no sparsity). Link bandwidths are bytes/s
 in one direction. Speeds below peak come from a `calibration.Profile` per GPU type
-(`PROFILES`, built in `ballonet/profiles.py` from the evidence named there), or from a
+(`PROFILES`, built in `cost/profiles.py` from the evidence named there), or from a
 profile file measured by `ballonet calibrate` and installed with `calibration.use`.
 """
 
 from __future__ import annotations
 
 import functools
-
 from dataclasses import dataclass
 
 import numpy as np
@@ -77,22 +76,18 @@ def profile(gpu: GPUType | str | None = None) -> calibration.Profile:
 
 @functools.cache
 def _builtin_profiles() -> dict:
-    """`ballonet.profiles.PROFILES`, imported on first use: the built-ins are data about
+    """`cost.profiles.PROFILES`, imported on first use: the built-ins are data about
     GPUS (the partitioner asks for a profile thousands of times per plan)."""
-    from ballonet.profiles import PROFILES
+    from ballonet.cost.profiles import PROFILES
     return PROFILES
 
 
-def attention_efficiency_array(lengths, gpu: GPUType | str | None = None, backward: bool = False) -> np.ndarray:
+def attention_efficiency(lengths, gpu: GPUType | str | None = None, backward: bool = False) -> np.ndarray:
     """Fraction of peak a causal attention kernel reaches on sequences (or chunks) of each
-    of `lengths` tokens, forward or backward (FLOPs of the backward counted as 2.5x)."""
+    of `lengths` tokens (an array of their shape), forward or backward (FLOPs of the
+    backward counted as 2.5x)."""
     p = profile(gpu)
     return (p.attention_backward if backward else p.attention_forward).at(lengths)
-
-
-def attention_efficiency(length: float, gpu: GPUType | str | None = None, backward: bool = False) -> float:
-    """`attention_efficiency_array` at one length."""
-    return float(attention_efficiency_array(length, gpu, backward))
 
 
 def linear_efficiency(num_tokens: float, gpu: GPUType | str | None = None) -> float:

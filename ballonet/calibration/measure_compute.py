@@ -9,16 +9,21 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from ballonet import cost_model, hardware, runtime, specs
+from ballonet import runtime, specs
+from ballonet.calibration.settings import Settings
+from ballonet.cost import hardware
+from ballonet.cost.flops import (
+    ELEMENTWISE_BACKWARD_FACTOR,
+    elementwise_bytes_per_token,
+    head_flops_per_token,
+    linear_flops_per_token,
+    loss_bytes_per_token,
+)
 from ballonet.plan import Plan, Segment
-
-if TYPE_CHECKING:
-    from ballonet.calibrate import Settings
 
 SHAPES = {"cpu": ((4, 2, 16), (8, 8, 32)), "cuda": ((64, 4, 128), (32, 32, 128))}
 """(query heads, KV heads, head dim) timed per device type besides the model's own."""
@@ -31,7 +36,6 @@ def attention_shapes(s: Settings, device: torch.device) -> list[tuple[int, int, 
     spec = specs.model(s.model)
     own = (spec.num_heads, spec.num_kv_heads, spec.head_dim)
     return [own] + [x for x in SHAPES["cuda" if device.type == "cuda" else "cpu"] if x != own]
-
 
 
 def sync(device: torch.device) -> None:
@@ -133,16 +137,16 @@ def measure_linear(s: Settings, device: torch.device, dtype: torch.dtype, progre
     layer's QKV, O and MLP, the LM head) and of the model without its attention core
     (embedding, norms, RoPE, SwiGLU, residual adds, LM head and loss), at most 2 layers.
     GEMM efficiency = 3 * GEMM FLOPs / (seconds * peak); the rest of the model's seconds is
-    its elementwise work, as achieved bytes/s over 3x the forward bytes (`cost_model`)."""
+    its elementwise work, as achieved bytes/s over 3x the forward bytes (`cost.flops`)."""
     from ballonet.training.model import Transformer
 
     spec = _calibration_model(s)
     model = Transformer(spec, attention_fn=lambda q, k, v, *_: q).to(device=device, dtype=dtype)  # no attention core
     peak = hardware.gpu(s.gpu).peak_flops
-    flops_per_token = 3 * (spec.num_layers * cost_model.linear_flops_per_token(spec)
-                           + cost_model.head_flops_per_token(spec))
-    bytes_per_token = (1 + cost_model.ELEMENTWISE_BACKWARD_FACTOR) * (
-        spec.num_layers * cost_model.elementwise_bytes_per_token(spec) + cost_model.loss_bytes_per_token(spec))
+    flops_per_token = 3 * (spec.num_layers * linear_flops_per_token(spec)
+                           + head_flops_per_token(spec))
+    bytes_per_token = (1 + ELEMENTWISE_BACKWARD_FACTOR) * (
+        spec.num_layers * elementwise_bytes_per_token(spec) + loss_bytes_per_token(spec))
     rows = []
     for T in s.linear_tokens:
         ids = torch.randint(0, spec.vocab_size, (T,), device=device)

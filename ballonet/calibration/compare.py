@@ -1,24 +1,23 @@
-"""Compare a measured calibration profile with the built-in profile of its GPU type.
+"""A measured calibration profile against the built-in profile of its GPU type
+(`ballonet calibrate --compare PROFILE.json`).
 
-    python -m ballonet.calibration_check PROFILE.json
-
-Prints a Markdown table: per token count, the measured efficiency over the built-in one
-for attention forward, attention backward, the linear layers and the elementwise work
-(1.00 = the built-in profile predicts this machine exactly), the largest deviation of
-each part, and the scalar terms (memory bandwidth, framework and optimizer seconds).
+A Markdown table: per token count, the measured efficiency over the built-in one for
+attention forward, attention backward, the linear layers and the elementwise work (1.00 =
+the built-in profile predicts this machine exactly), the largest deviation of each part,
+and the scalar terms (memory bandwidth, framework and optimizer seconds).
 """
 
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 
-from ballonet import calibration, hardware
-from ballonet.profiles import PROFILES
+from ballonet.calibration.profile import Profile
+from ballonet.cost import hardware
+from ballonet.cost.profiles import PROFILES
 
 
-def compare(measured: calibration.Profile) -> tuple[list[str], dict[str, float]]:
+def compare(measured: Profile) -> tuple[list[str], dict[str, float]]:
+    """(the table's lines, the largest |ln ratio| of each part)."""
     built_in = PROFILES.get(measured.gpu, hardware.profile(measured.gpu))
     lines = [f"# {measured.source} vs the built-in '{measured.gpu}' profile", "",
              "| part | tokens | measured | built-in | ratio |", "| --- | --- | --- | --- | --- |"]
@@ -37,22 +36,3 @@ def compare(measured: calibration.Profile) -> tuple[list[str], dict[str, float]]
     lines += [f"| {k} | {getattr(measured, k):.4g} | {getattr(built_in, k):.4g} |"
               for k in ("memory_bw", "framework_s_per_layer", "optimizer_s_per_param")]
     return lines, worst
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m ballonet.calibration_check PROFILE.json", file=sys.stderr)
-        return 2
-    try:
-        measured = calibration.load(argv[0])
-    except calibration.InputError as e:
-        print(f"calibration_check: error: {e}", file=sys.stderr)
-        return 2
-    lines, _ = compare(measured)
-    print("\n".join(lines))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

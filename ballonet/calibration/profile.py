@@ -11,7 +11,7 @@ softmax) reaches; and what a training step costs besides the model's kernels: th
 framework's per-layer work on the compute thread (FSDP2's gathers and reduce hooks) and
 the optimizer step.
 
-Built-in profiles, one per GPU type, are in `hardware.py` with their sources. A profile
+Built-in profiles, one per GPU type, are in `cost/profiles.py` with their sources. A profile
 file (JSON, `SCHEMA_VERSION`) is what `ballonet calibrate` writes; `load` reads one and
 refuses a wrong schema version, a missing field or a negative figure with one line naming
 the field (schema 1 files, from before the elementwise, framework and optimizer terms,
@@ -92,7 +92,7 @@ class Profile:
     """Where the figures come from: a measurement (machine, command) or a citation."""
     attention_forward: Curve
     """Causal varlen attention forward, against the tokens of one sequence (or chunk);
-    FLOPs counted as 2*H*D*L*(L+1) (`cost_model.attention_flops`)."""
+    FLOPs counted as 2*H*D*L*(L+1) (`cost.flops.attention_flops`)."""
     attention_backward: Curve
     """The backward of the same kernel, FLOPs counted as 2.5x the forward's."""
     attention_launch_s: float
@@ -101,7 +101,7 @@ class Profile:
     """bf16 GEMMs of a layer (QKV, O, MLP) and the LM head against the tokens of one call."""
     elementwise: Curve
     """Achieved over `memory_bw` by a layer's elementwise work and the loss, against the
-    tokens of one call; bytes counted by `cost_model.elementwise_bytes_per_token`, the
+    tokens of one call; bytes counted by `cost.flops.elementwise_bytes_per_token`, the
     backward's as 2x the forward's."""
     memory_bw: float
     """Nominal memory bandwidth (bytes/s) `elementwise` is a fraction of: the datasheet's

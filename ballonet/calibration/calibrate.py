@@ -8,14 +8,14 @@ What is measured, on the device this process runs on:
    picks), for the calibrated model's head shape (the profile's curves) and `SHAPES`'s
    others (kept for comparison), at lengths 64 .. `max_length` (doubling); a length L runs
    as a pack of max(1, pack_tokens // L) documents, as a rank's local documents run. Efficiency = FLOPs / (seconds * peak), FLOPs
-   2*H*D*L*(L+1) forward and 2.5x that backward (`cost_model`).
+   2*H*D*L*(L+1) forward and 2.5x that backward (`cost.flops`).
 2. By tokens per rank, forward and backward of the model's GEMMs alone (each layer's
    QKV/O/MLP weights and the LM head of `training.model.Transformer` with at most 2
    layers): efficiency = 3 * GEMM FLOPs / (seconds * peak), the same for forward and
    backward (the backward's 2x FLOPs at the forward's efficiency is what the cost model
    assumes); and of the model without its attention core (embedding, norms, RoPE,
    SwiGLU, residual adds, LM head and loss): its seconds beyond the GEMMs are its
-   elementwise work, priced as bytes (`cost_model.elementwise_bytes_per_token`, the
+   elementwise work, priced as bytes (`cost.flops.elementwise_bytes_per_token`, the
    loss's `loss_bytes_per_token`, backward 2x) over an achieved bandwidth.
    On a CPU, seconds are the thread's CPU time (as the training loop measures compute).
    Then the step's other costs: with world > 1, the same model wrapped by FSDP2 as the
@@ -28,9 +28,10 @@ What is measured, on the device this process runs on:
    alone and while the largest all-reduce runs beside it (compute seconds lost per second
    of overlapping communication).
 
-Items 1 and 2 are `calibrate_compute.py`; this module times the links, builds the profile
-and runs the command. Peak FLOP/s and nominal link bandwidths are the GPU type's (`hardware.GPUS`) and the
-cluster preset's NIC rate, so efficiencies are fractions of what the simulator assumes.
+Items 1 and 2 are `measure_compute.py`, item 3 `measure_links.py`; this module builds the
+profile and runs the command. Peak FLOP/s and nominal link bandwidths are the GPU type's
+(`cost.hardware.GPUS`) and the cluster preset's NIC rate, so efficiencies are fractions of
+what the simulator assumes.
 """
 
 from __future__ import annotations
@@ -46,104 +47,18 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ballonet import calibration, hardware, specs
-from ballonet.runtime import kernels
-from ballonet.calibrate_compute import (
+from ballonet import calibration, specs
+from ballonet.calibration.measure_compute import (
     attention_shapes,
     lengths,
     measure_attention,
     measure_linear,
     measure_step,
-    median_s,
-    sync,
 )
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Settings:
-    gpu: str
-    """GPU type the profile is for (a key of `hardware.GPUS`)."""
-    model: str
-    """Model preset whose layer shape the linear part is timed with."""
-    cluster: str = "cpu"
-    """Cluster preset giving the nominal NIC rate (efficiencies are fractions of it)."""
-    max_length: int = 8192
-    pack_tokens: int = 16384
-    linear_tokens: tuple[int, ...] = (64, 256, 1024, 4096, 16384)
-    message_bytes: tuple[int, ...] = tuple(2**k for k in range(10, 25, 2))
-    repeats: int = 5
-
-
-def quick(settings: Settings) -> Settings:
-    """A run of seconds (tests, smoke checks): short lengths, few sizes, 2 repeats."""
-    return dataclasses.replace(settings, max_length=min(settings.max_length, 512), pack_tokens=1024,
-                               linear_tokens=(64, 512), message_bytes=(2**10, 2**16, 2**20), repeats=2)
-
-
-def _fit(sizes, seconds) -> tuple[float, float]:
-    """(latency s, bandwidth bytes/s) of t = a + n / bw, least squares, a >= 0."""
-    slope, intercept = np.polyfit(np.asarray(sizes, float), np.asarray(seconds, float), 1)
-    return max(float(intercept), 0.0), 1.0 / max(float(slope), 1e-15)
-
-
-def measure_comm(s: Settings, device: torch.device, progress=None) -> dict:
-    """p2p (ranks 0 and 1), all-to-all and all-reduce over the world, by message size."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    out = {"p2p": [], "all_to_all": [], "all_reduce": []}
-    for n in s.message_bytes:
-        buf = torch.zeros(n // 4, device=device)
-
-        def ping():
-            if rank == 0:
-                dist.send(buf, 1)
-                dist.recv(buf, 1)
-            elif rank == 1:
-                dist.recv(buf, 0)
-                dist.send(buf, 0)
-
-        a2a_in = torch.zeros(world * max(1, n // (4 * world)), device=device)
-        a2a_out = torch.empty_like(a2a_in)
-        timed = {"p2p": lambda: ping(), "all_to_all": lambda: dist.all_to_all_single(a2a_out, a2a_in),
-                 "all_reduce": lambda: dist.all_reduce(buf)}
-        for op, fn in timed.items():
-            dist.barrier()
-            t = median_s(fn, device, s.repeats, wall=True)
-            out[op].append({"bytes": n, "seconds": t / 2 if op == "p2p" else t})
-        if progress:
-            progress()
-    out["overlap"] = measure_overlap(s, device)
-    return out
-
-
-def measure_overlap(s: Settings, device: torch.device) -> dict:
-    """Compute slowed by communication beside it: wall seconds of a GEMM loop alone, of
-    the largest all-reduce alone, and of the GEMM loop while that all-reduce runs."""
-    size = 4096 if device.type == "cuda" else 256
-    a = torch.randn(size, size, device=device)
-    buf = torch.zeros(max(s.message_bytes) // 4, device=device)
-
-    def gemms():
-        for _ in range(8):
-            a @ a
-
-    def overlapped():
-        work = dist.all_reduce(buf, async_op=True)
-        gemms()
-        sync(device)
-        return work
-
-    dist.barrier()
-    alone = median_s(gemms, device, s.repeats, wall=True)
-    dist.barrier()
-    comm = median_s(lambda: dist.all_reduce(buf), device, s.repeats, wall=True)
-    times = []
-    for _ in range(s.repeats):
-        dist.barrier()
-        start = time.perf_counter()
-        work = overlapped()
-        times.append(time.perf_counter() - start)
-        work.wait()
-    return {"compute_alone_s": alone, "comm_alone_s": comm, "compute_with_comm_s": statistics.median(times)}
+from ballonet.calibration.measure_links import link_figures, measure_comm
+from ballonet.calibration.settings import Settings, quick
+from ballonet.cost import hardware
+from ballonet.runtime import kernels
 
 
 def _curve(tokens, effs) -> calibration.Curve:
@@ -184,23 +99,9 @@ def build_profile(s: Settings, attention: list[dict], linear: list[dict], comm: 
             notes.append("framework seconds per layer not measured (one process): the built-in profile's figure")
     gpu = hardware.gpu(s.gpu)
     if comm:
-        world = dist.get_world_size()
-        lat, bw = _fit([r["bytes"] for r in comm["p2p"]], [r["seconds"] for r in comm["p2p"]])
-        nic_bw = specs.cluster(s.cluster).groups[0].nic_bw
-        coll = {}
-        for op, factor in (("all_to_all", (world - 1) / world), ("all_reduce", 2 * (world - 1) / world)):
-            c_lat, c_bw = _fit([r["bytes"] * factor for r in comm[op]], [r["seconds"] for r in comm[op]])
-            coll[op] = min(1.0, c_bw / gpu.intra_link_bw)
-        coll["all_gather"] = coll["reduce_scatter"] = coll["all_reduce"]
-        fields.update(p2p_latency_s=lat, p2p_efficiency=min(1.0, bw / gpu.intra_link_bw), nic_latency_s=lat,
-                      nic_efficiency=min(1.0, bw / nic_bw), collective_latency_s=c_lat, collective_efficiency=coll)
-        o = comm["overlap"]
-        lost = max(0.0, o["compute_with_comm_s"] - o["compute_alone_s"])
-        fields["overlap_slowdown"] = lost / max(min(o["comm_alone_s"], o["compute_with_comm_s"]), 1e-12)
-        notes += [f"all ranks on one host: NIC figures are the measured point-to-point ones "
-                  f"({bw / 1e9:.2f} GB/s over the '{s.cluster}' preset's {nic_bw / 1e9:.2f} GB/s NIC)",
-                  "all_gather and reduce_scatter taken as all_reduce (not measured)",
-                  "overlap slowdown: GEMMs beside one all-reduce, compute seconds lost per second of overlap"]
+        link_fields, link_notes = link_figures(s, comm, gpu)
+        fields.update(link_fields)
+        notes += link_notes
     else:
         notes += ["links not measured (one process): the built-in profile's figures",
                   "overlap slowdown not measured (one process): the built-in profile's figure"]

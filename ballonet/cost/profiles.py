@@ -1,7 +1,7 @@
 """The built-in calibration profiles, one per GPU type of `hardware.GPUS`, with sources.
 
 Efficiencies are achieved FLOP/s over the GPU type's dense bf16 peak. Attention FLOPs are
-2*H*D*L*(L+1) forward (causal) and 2.5x that backward (`cost_model`), so a backward
+2*H*D*L*(L+1) forward (causal) and 2.5x that backward (`flops.py`), so a backward
 efficiency equal to the forward one means 2.5x the forward seconds.
 
 Which H100 file is which (data/README.md): `h100_flash_attention_forward.csv` is forward
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ballonet.calibration import Curve, Profile
+from ballonet.calibration.profile import Curve, Profile
 
 _LENGTHS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
@@ -54,7 +54,7 @@ _COMM_ASSUMPTIONS = (
 )
 
 # Elementwise work (norms, rotary, SwiGLU's product, residual adds, the loss's softmax) is
-# bound by memory bandwidth: bytes (`cost_model.elementwise_bytes_per_token`) over the
+# bound by memory bandwidth: bytes (`flops.elementwise_bytes_per_token`) over the
 # datasheet HBM bandwidth (MEMORY_BW) times a fraction. No measurement of ours on a GPU
 # yet: we take 0.70 of nominal for calls of 8K tokens and more (what streaming kernels
 # typically reach on HBM), falling to launch-bound calls below 1K tokens (assumption;
