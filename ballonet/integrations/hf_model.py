@@ -16,6 +16,9 @@ input is the normed hidden state, which the model's layer computes outside `mlp`
 layer keeps `hidden` elements a token more than the cost model's "selective" (which
 reruns the norm too, as `ballonet.llama` does): 8.5% of what that frees, on llama-7b.
 The recomputation runs inside the plan context of the forward (`hf.recompute_context`).
+With tensor parallelism (`training.tensor_parallel.parallelize_hf`) the `mlp`'s input is
+gathered by a hook outside its checkpoint: "selective" keeps that gathered input whole and
+reruns no collective (the built-in model's "selective" reruns the gather instead).
 """
 
 from __future__ import annotations

@@ -29,8 +29,14 @@ balanced (QKV+O are 33% of llama-7b's linear FLOPs, 19% of llama3-8b's) and leav
 residual stream on the linear layout, so the only other move is the token ids (and
 labels) once per step, 8 bytes a token each.
 
+With tensor parallelism (`tensor_parallel.parallelize_transformer`) the same code runs on
+DTensors: the residual stream is sharded over the TP group's sequence, a block's head
+counts are this TP rank's, and the remaps and the attention move and attend with its
+heads only, over the plan-rank group of its TP index.
+
 Legend: T tokens of this rank (T_lin linear layout, T_att attention layout), C hidden,
-H query heads, K KV heads, D head dim, V vocabulary.
+H query heads, K KV heads, D head dim, V vocabulary (with tensor parallelism, H and K
+are this TP rank's heads).
 """
 
 from __future__ import annotations
@@ -165,9 +171,11 @@ class Transformer(nn.Module):
     def set_recompute(self, recompute: Recompute, layers: int | None = None) -> None:
         """Recompute as `recompute` from the next forward on ("selective": on the first
         `layers` blocks, every block when None, the others none; "linear": on the first
-        `layers`, the others selective). Ranks may differ in these: a selective or linear
-        block reruns only its own local work, no collective; "full" reruns a block's remap
-        and attention exchanges, so every rank must choose it alike."""
+        `layers`, the others selective). Plan ranks may differ in these: a selective or
+        linear block reruns only its own local work, no exchange between plan ranks (with
+        tensor parallelism, its TP group's gathers, which all of the group choose alike:
+        they hold the same plan rank); "full" reruns a block's remap and attention
+        exchanges, so every rank must choose it alike."""
         if recompute not in typing.get_args(Recompute):
             raise ValueError(f"recompute must be one of {typing.get_args(Recompute)}, got {recompute!r}")
         first = len(self.layers) if layers is None else layers
