@@ -1,12 +1,21 @@
 """Tensor parallelism (`training/tensor_parallel.py`) against one process.
 
 On 4 gloo ranks (tp 2 x 2 plan ranks) and on 8 (tp 2 x 4 plan ranks, two emulated
-nodes), with FSDP2 over the plan ranks and TP inside (torchtitan's composition), the
-built-in model's and Hugging Face Llama's and Qwen3's summed loss and every parameter's
-gradient equal a one-process reference on the unsharded batch (every document whole,
-attention per document) within 1e-4 relative, fp32, under zeppelin's and te_cp's plans
-and hand plans with double rings across nodes and routed hops. The same ranks check what
-a TP rank holds for the backward against the cost model's memory model.
+nodes), with FSDP2 over the plan ranks and TP inside (torchtitan's composition), fp32,
+within 1e-4 relative:
+
+* one step: the built-in model's, Hugging Face Llama's and Qwen3's summed loss and every
+  parameter's gradient equal a one-process reference on the unsharded batch (every
+  document whole, attention per document), under zeppelin's and te_cp's plans and hand
+  plans with double rings across nodes and routed hops;
+* training (`train_model`, as `ballonet train --tp 2` runs it): the losses of 3 steps and
+  the parameters after them equal the same run in one process, under zeppelin and te_cp,
+  sharded or replicated weights, with recomputation, for the built-in model, Llama (4
+  ranks) and Qwen3 (8 ranks).
+
+The 4 ranks also check what a TP rank holds for the backward against the cost model's
+memory model. Each spawned group runs all its checks (a spawn of 8 ranks costs about a
+minute on 2 cores).
 """
 
 from __future__ import annotations
@@ -27,12 +36,17 @@ from ballonet.cost import memory
 from ballonet.errors import InputError
 from ballonet.plan import Plan, Route, Segment
 from ballonet.training import parallel, tensor_parallel
+from ballonet.training.loop import TrainConfig, train_model
 from ballonet.training.model import Transformer
 
 TP = 2
 SPEC = ballonet.model("tiny")
 RTOL = 1e-4
 LENGTHS = (600,) + (20,) * 12  # a document long enough for zeppelin to split it
+STEPS = 3
+TRAIN = dict(corpus="stdlib", global_tokens=1536, max_doc_tokens=1024, lr=3e-3, seed=3, steps=STEPS, log_every=STEPS)
+"""Training runs: the built-in tiny model (or a Hugging Face one of its shape) on the
+standard library's text, as tests/test_train.py trains it."""
 
 
 def two_rank_plans() -> dict[str, Plan]:
@@ -130,7 +144,20 @@ def _hf_steps(mesh, plan_rank, group, outer, plan: Plan, folders: dict) -> dict:
     return out
 
 
-def _ranks(rank: int, world: int, plans: dict[str, Plan], folders: dict, hf_plan: str, held: bool) -> dict:
+def _trained(configs: list[dict]) -> list:
+    """Per config: the losses of `train_model` and its parameters after them, unsharded
+    (numpy: tensors would cross to the parent as shared memory that dies with the rank)."""
+    out = []
+    for c in configs:
+        records, model = train_model(TrainConfig(**c))
+        params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().numpy().copy()
+                  for n, p in model.named_parameters()}  # collective
+        out.append(([r["loss"] for r in records], params))
+    return out
+
+
+def _ranks(rank: int, world: int, plans: dict[str, Plan], folders: dict, hf_plan: str, held: bool,
+           configs: list[dict]) -> dict:
     mesh, plan_rank, group, outer = tp_groups(world, TP)
     out = {}
     for name, plan in plans.items():
@@ -139,7 +166,8 @@ def _ranks(rank: int, world: int, plans: dict[str, Plan], folders: dict, hf_plan
     out["hf"] = _hf_steps(mesh, plan_rank, group, outer, plans[hf_plan], folders)
     if held:
         out["memory"] = _memory(mesh)
-    return out
+    out["trained"] = _trained(configs)
+    return out if rank == 0 else {k: v for k, v in out.items() if k != "trained"}
 
 
 # ---- the references ----------------------------------------------------------------------
@@ -193,22 +221,33 @@ def _hf_reference(folder: str, plan: Plan) -> tuple[float, dict]:
     return loss.item(), {n: p.grad.numpy() for n, p in model.named_parameters()}
 
 
-def _check(results: list, plans: dict, folders: dict, hf_plan: str) -> None:
+def _check(results: list, plans: dict, folders: dict, hf_plan: str, configs: list[dict]) -> None:
+    """Each rank's summed loss and rank 0's gradients against the references; the trained
+    runs' losses and parameters against the same run in this one process."""
     first = results[0]
-    sums = {name: sum(r[name][0] for r in results[::TP]) / (len(results) // TP) for name in plans}
     for name, plan in plans.items():
         assert all(r[name][0] == pytest.approx(first[name][0], rel=1e-6) for r in results), name
-        _assert_close(name, (sums[name], first[name][1]), *_builtin_reference(plan))
+        _assert_close(name, first[name], *_builtin_reference(plan))
     for kind, folder in folders.items():
         _assert_close(f"{kind} on {hf_plan}", first["hf"][kind], *_hf_reference(folder, plans[hf_plan]))
+    for config, (losses, params) in zip(configs, first["trained"], strict=True):
+        ref_losses, ref_params = _trained([dict(config, tp=1, nodes=1)])[0]
+        assert len(losses) == len(ref_losses) == STEPS and ref_losses[-1] < ref_losses[0], config
+        worst = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+        assert worst <= RTOL, (config, losses, ref_losses)
+        worst = max((_relative(params[n], p), n) for n, p in ref_params.items())
+        assert worst[0] <= RTOL, (config, worst)
 
 
 @pytest.mark.slow
 def test_four_ranks_tp2_match_one_process(tmp_path):
     plans, folders = two_rank_plans(), _hf_folders(tmp_path)
     assert plans["zeppelin"].rings and plans["zeppelin"].remap and plans["te_cp"].rings
-    results = run_ranks(4, _ranks, plans, folders, "zeppelin", True, timeout=600)
-    _check(results, plans, folders, "zeppelin")
+    run = dict(TRAIN, tp=TP)
+    configs = [dict(run, planner="zeppelin", shard="none"), dict(run, planner="te_cp", nodes=2, recompute="full"),
+               dict(run, model=f"hf:{folders['llama']}", recompute="selective")]
+    results = run_ranks(4, _ranks, plans, folders, "zeppelin", True, configs, timeout=900)
+    _check(results, plans, folders, "zeppelin", configs)
     _check_memory(results[0]["memory"])
 
 
@@ -216,8 +255,10 @@ def test_four_ranks_tp2_match_one_process(tmp_path):
 def test_eight_ranks_tp2_on_two_nodes_match_one_process(tmp_path):
     plans, folders = four_rank_plans(), _hf_folders(tmp_path)
     assert {r.kind for r in plans["te_cp"].rings} == {"inter"} and plans["double, routed"].routes
-    results = run_ranks(8, _ranks, plans, folders, "double, routed", False, timeout=900)
-    _check(results, plans, folders, "double, routed")
+    run = dict(TRAIN, tp=TP, nodes=2)
+    configs = [dict(run, planner="zeppelin"), dict(run, planner="te_cp"), dict(run, model=f"hf:{folders['qwen3']}")]
+    results = run_ranks(8, _ranks, plans, folders, "double, routed", False, configs, timeout=1200)
+    _check(results, plans, folders, "double, routed", configs)
 
 
 def _check_memory(holds: dict) -> None:
@@ -248,3 +289,25 @@ def test_heads_that_tp_does_not_divide_are_one_clear_error():
     for heads, kv in ((4, 1), (6, 2)):
         with pytest.raises(InputError, match=f"--tp 4 must divide its {heads} query heads and {kv} KV heads"):
             tensor_parallel.check_heads("m", heads, kv, 4)
+
+
+def test_bad_tp_combinations_are_one_line_and_exit_2(tmp_path, capsys):
+    from transformers import LlamaConfig
+
+    from ballonet.cli import main
+
+    mqa = tmp_path / "mqa"  # one KV head: tp 2 cannot split it
+    LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=1, intermediate_size=176, vocab_size=256,
+                num_hidden_layers=2).save_pretrained(mqa)
+    cases = [
+        (["--nproc", "4", "--tp", "3"], "4 ranks are not a multiple of --tp 3"),
+        (["--tp", "2"], "1 ranks are not a multiple of --tp 2"),
+        (["--nproc", "4", "--nodes", "2", "--tp", "4"], "--tp 4 does not divide the 2 ranks of a node (--nodes 2)"),
+        (["--nproc", "8", "--tp", "8"], "--tp 8 must divide its 4 query heads and 2 KV heads"),
+        (["--nproc", "4", "--tp", "2", "--model", f"hf:{mqa}"], "--tp 2 must divide its 4 query heads and 1 KV heads"),
+        (["--tp", "0"], "--tp must be positive"),
+    ]
+    for argv, message in cases:
+        code = main(["train", *argv, "--steps", "1", "--global-tokens", "256"])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and message in err and len(err.splitlines()) == 1, (argv, code, err)

@@ -33,7 +33,7 @@ from ballonet import runtime
 from ballonet.cost.recompute import cheapest_per_rank, most_layers
 from ballonet.errors import InputError
 from ballonet.integrations import hf_model
-from ballonet.training import checkpoint, metrics, parallel
+from ballonet.training import checkpoint, metrics, parallel, tensor_parallel
 from ballonet.training.config import TrainConfig
 from ballonet.training.corpus import Corpus, load_corpus
 from ballonet.training.loader import BalancedLoader, Cursor, document_order, take_pieces
@@ -82,6 +82,7 @@ def preflight(config: TrainConfig, world_size: int):
     _check_paths(config)
     cluster = _cluster(config, world_size)
     spec = hf_model.model_spec(config.model) if hf_model.is_hf(config.model) else ballonet.model(config.model)
+    _check_tp(config, world_size, spec)
     if config.recompute not in hf_model.RECOMPUTE and hf_model.is_hf(config.model):
         choices = ", ".join(hf_model.RECOMPUTE)
         raise InputError(f"--recompute {config.recompute}: not for a Hugging Face model ({config.model}), whose "
@@ -91,7 +92,7 @@ def preflight(config: TrainConfig, world_size: int):
                          f"{spec.num_layers} layers")
     # The planner and the cost model price what this run does: its dtype and recomputation
     # (auto: None, the cheapest each plan fits under).
-    spec = dataclasses.replace(spec, dtype_bytes=parallel.DTYPES[config.dtype].itemsize,
+    spec = dataclasses.replace(spec, tp=config.tp, dtype_bytes=parallel.DTYPES[config.dtype].itemsize,
                                recompute=None if config.recompute == "auto" else config.recompute,
                                recompute_layers=config.recompute_layers)
     metrics.check_budget(spec, cluster, config.global_tokens, world_size, config.shard)
@@ -101,9 +102,20 @@ def preflight(config: TrainConfig, world_size: int):
     if corpus.vocab_size > spec.vocab_size:
         raise InputError(f"corpus {config.corpus!r} has token ids up to {corpus.vocab_size - 1}, "
                          f"model {spec.name!r} a vocabulary of {spec.vocab_size}")
-    ballonet.plan_batch([1] * world_size, cluster, spec, planner=config.planner)  # a bad planner fails here
+    ballonet.plan_batch([1] * (world_size // config.tp), cluster, spec, planner=config.planner)  # a bad planner fails here
     metrics.peak_flops(cluster, config.calibration)  # a bad profile fails here
     return cluster, spec, corpus
+
+
+def _check_tp(config: TrainConfig, world_size: int, spec: ballonet.ModelSpec) -> None:
+    """--tp: a TP group is `tp` ranks of one node, and `tp` divides the model's heads."""
+    if world_size % config.tp:
+        raise InputError(f"{world_size} ranks are not a multiple of --tp {config.tp}")
+    per_node = world_size // config.nodes
+    if per_node % config.tp:
+        raise InputError(f"--tp {config.tp} does not divide the {per_node} ranks of a node (--nodes {config.nodes}): "
+                         "a tensor-parallel group must sit inside one node")
+    tensor_parallel.check_heads(spec.name, spec.num_heads, spec.num_kv_heads, config.tp)
 
 
 # ---- process group -----------------------------------------------------------------------
@@ -243,13 +255,20 @@ def _run(config: TrainConfig, group, use_cuda: bool):
     torch.manual_seed(config.seed)
 
     cluster, spec, corpus = preflight(config, world_size)
+    # A plan rank is a TP group of `tp` consecutive ranks; the plan's exchanges run over the
+    # group of this rank's TP index (`parallel.plan_group`).
+    mesh = parallel.device_mesh(world_size, config.shard, device, config.tp)
+    plan_rank, plan_group = rank // config.tp, parallel.plan_group(mesh) if config.tp > 1 else group
     plan_fn = functools.partial(ballonet.plan_batch, cluster=cluster, model=spec, planner=config.planner,
                                 **({"double": False} if config.no_double else {}))
-    loader = BalancedLoader(corpus, global_tokens=config.global_tokens, plan_fn=plan_fn, rank=rank,
-                            world_size=world_size, seed=config.seed, max_doc_tokens=config.max_doc_tokens)
+    loader = BalancedLoader(corpus, global_tokens=config.global_tokens, plan_fn=plan_fn, rank=plan_rank,
+                            world_size=world_size // config.tp, seed=config.seed, max_doc_tokens=config.max_doc_tokens)
+    hf = hf_model.is_hf(config.model)
     model = (hf_model.build_model(config.model, config.seed, device, config.recompute, config.recompute_layers)
-             if hf_model.is_hf(config.model) else build_model(config, spec, device))
-    parallel.parallelize(model, parallel.device_mesh(world_size, config.shard, device), config.dtype)
+             if hf else build_model(config, spec, device))
+    if config.tp > 1:
+        (tensor_parallel.parallelize_hf if hf else tensor_parallel.parallelize_transformer)(model, mesh["tp"])
+    parallel.parallelize(model, mesh, config.dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
 
     step = 0
@@ -270,7 +289,10 @@ def _run(config: TrainConfig, group, use_cuda: bool):
     peak = metrics.peak_flops(cluster, config.calibration)
 
     # Double rings' transfers across nodes go over a second group (`runtime.attention`).
-    outer_group = dist.new_group(dist.get_process_group_ranks(group)) if world_size > 1 else None
+    outer_group = None
+    if world_size > config.tp:
+        columns = [list(range(t, world_size, config.tp)) for t in range(config.tp)]  # each TP index's plan ranks
+        outer_group = dist.new_subgroups_by_enumeration(columns)[0]
     records = []
     batches = iter(loader)
     while step < config.steps:
@@ -282,8 +304,8 @@ def _run(config: TrainConfig, group, use_cuda: bool):
             raise _unplannable(e, step + 1, loader, corpus, config) from None
         step += 1
         _maybe_fault(step, rank)
-        recompute = _auto_recompute(model, batch.plan, spec, cluster, rank) if spec.recompute is None else None
-        record = _step(model, optimizer, batch, rank, group, device, spec, peak, step, outer_group)
+        recompute = _auto_recompute(model, batch.plan, spec, cluster, plan_rank) if spec.recompute is None else None
+        record = _step(model, optimizer, batch, plan_rank, plan_group, device, spec, peak, step, outer_group)
         if recompute is not None:
             record["recompute"], record["recompute_layers_max"] = recompute
         records.append(record)
@@ -303,7 +325,7 @@ def _auto_recompute(model, plan, spec, cluster, rank: int) -> tuple[str, int]:
     layers as this rank's own tokens need). Every rank derives it from the same plan, so a "full"
     step (whose exchanges rerun in the backward) is full on all of them. -> (mode, the
     most layers any rank recomputes)."""
-    gpus = [cluster.gpu_of(r) for r in range(plan.num_ranks)]
+    gpus = [cluster.gpu_of(r * spec.tp) for r in range(plan.num_ranks)]
     mode, per_rank = cheapest_per_rank(spec, plan.linear_token_counts, gpus, plan.num_ranks,
                                        plan.attention_token_counts) \
         or ("full", (("full", spec.num_layers),) * plan.num_ranks)
@@ -313,13 +335,15 @@ def _auto_recompute(model, plan, spec, cluster, rank: int) -> tuple[str, int]:
 
 def _step(model, optimizer, batch, rank: int, group, device, spec, peak: float, step: int,
           outer_group=None) -> dict:
-    """One optimizer step on this rank's share of `batch`; its log record. `outer_group`
-    as in `runtime.attention`."""
+    """One optimizer step on this plan rank's share of `batch` (`rank` of `group`, the
+    plan ranks of this rank's TP index); its log record over every rank. `outer_group` as
+    in `runtime.attention`."""
     wall, cpu = time.perf_counter(), time.thread_time()
     counter = runtime.ByteCounter()
-    loss_sum = model.loss(batch.input_ids.to(device), batch.labels.to(device), batch.plan, rank, group,
-                          counter=counter, outer_group=outer_group)
-    (loss_sum / batch.num_valid_tokens_global).backward()
+    with tensor_parallel.loss_context(model):
+        loss_sum = model.loss(batch.input_ids.to(device), batch.labels.to(device), batch.plan, rank, group,
+                              counter=counter, outer_group=outer_group)
+        (loss_sum / batch.num_valid_tokens_global).backward()
     compute = time.thread_time() - cpu
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -328,11 +352,12 @@ def _step(model, optimizer, batch, rank: int, group, device, spec, peak: float, 
     wall = time.perf_counter() - wall
     step_cpu = time.thread_time() - cpu
     exposed = max(wall - step_cpu, 0.0)
-    values = [loss_sum.item(), compute, float(sum(counter.total().values())), exposed,
+    # Over every rank: a TP group's ranks hold the same loss, each counts its 1/tp of it.
+    values = [loss_sum.item() / spec.tp, compute, float(sum(counter.total().values())), exposed,
               float(metrics.memory_high_water(device)), float(parallel.local_parameter_bytes(model, optimizer)),
               step_cpu]
-    sums, maxes = _reduce(values, group, device)
-    world_size = dist.get_world_size(group)
+    sums, maxes = _reduce(values, None, device)
+    world_size = dist.get_world_size()
     num_tokens = sum(p.end - p.start for p in batch.pieces)
     return {
         "step": step,

@@ -1,5 +1,7 @@
 """Data parallelism from PyTorch's own engine: FSDP2 (`fully_shard`), one unit per block
-plus the root, over a device mesh of all ranks.
+plus the root, over the plan ranks of a device mesh; with tensor parallelism each plan
+rank is a TP group (`tensor_parallel.py`, applied first) and FSDP2 shards the DTensor
+weights over the plan ranks, torchtitan's FSDP + TP composition.
 
 The plan decides where tokens go (its attention and linear layouts); FSDP2 decides where
 weights live. The two compose because every rank runs every block on its own tokens:
@@ -19,6 +21,7 @@ nothing (`set_gradient_divide_factor(1.0)`, as a plain SUM).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
@@ -31,13 +34,32 @@ from torch.distributed.fsdp import (
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def device_mesh(world_size: int, shard: str, device: torch.device) -> DeviceMesh:
-    """All ranks as one shard dimension ("full"), or as replicas of one-rank shards ("none")."""
-    if shard == "full":
-        return init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
-    if shard == "none":
-        return init_device_mesh(device.type, (world_size, 1), mesh_dim_names=("replicate", "shard"))
-    raise ValueError(f"shard must be 'full' or 'none', got {shard!r}")
+def device_mesh(world_size: int, shard: str, device: torch.device, tp: int = 1) -> DeviceMesh:
+    """All ranks as one shard dimension ("full"), or as replicas of one-rank shards ("none");
+    with tensor parallelism (`tp` > 1) each of those is a plan rank of `tp` consecutive
+    ranks (one node's, as torchtitan lays out TP), the innermost dimension "tp"."""
+    if world_size % tp:
+        raise ValueError(f"{world_size} ranks are not a multiple of tp={tp}")
+    dims = {"full": (("shard",), (world_size // tp,)),
+            "none": (("replicate", "shard"), (world_size // tp, 1))}
+    if shard not in dims:
+        raise ValueError(f"shard must be 'full' or 'none', got {shard!r}")
+    names, shape = dims[shard]
+    if tp > 1:
+        names, shape = names + ("tp",), shape + (tp,)
+    return init_device_mesh(device.type, shape, mesh_dim_names=names)
+
+
+def plan_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The dimensions of `device_mesh` over the plan ranks (all but "tp"): FSDP2's."""
+    names = tuple(n for n in mesh.mesh_dim_names if n != "tp")
+    return mesh[names] if len(names) < mesh.ndim else mesh
+
+
+def plan_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+    """This rank's group of plan ranks (its TP index's, one rank of each plan rank, in
+    plan-rank order): where the plan's remaps, rings and relays run."""
+    return mesh["replicate" if "replicate" in mesh.mesh_dim_names else "shard"].get_group()
 
 
 def mixed_precision(dtype: str) -> MixedPrecisionPolicy:
@@ -66,7 +88,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, dtype: str = "fp32",
     """Shard `model` in place with FSDP2: each block a unit (resharded after forward), the
     root (embeddings, final norm, head) a unit kept unsharded between forward and backward.
     `forward_methods` are entry points besides `forward` that run FSDP2's hooks."""
-    policy = mixed_precision(dtype)
+    policy, mesh = mixed_precision(dtype), plan_mesh(mesh)  # tensor parallelism inside, done before
     for block in transformer_blocks(model):
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
