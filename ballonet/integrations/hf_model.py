@@ -99,7 +99,8 @@ class BallonetLoss:
             # The class's own forward, not self(...): FSDP2 runs its hooks around `loss`.
             logits_TV = hf.linear_logits(super().forward, moved_T3[:, 0], moved_T3[:, 2])
         loss = F.cross_entropy(logits_TV, moved_T3[:, 1], ignore_index=IGNORE_INDEX, reduction="sum")
-        return loss.to_local() if isinstance(loss, DTensor) else loss  # replicated over the TP group
+        # Replicated over the TP group; a copy, as FSDP2 warns of a view returned from its module.
+        return loss.to_local().clone() if isinstance(loss, DTensor) else loss
 
 
 def recomputed_modules(model: nn.Module, recompute: str, layers: int | None = None) -> list[nn.Module]:

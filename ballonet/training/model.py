@@ -229,7 +229,8 @@ class Transformer(nn.Module):
         logits_TV = self.head(self._hidden(ids_labels_T2[:, 0], plan, rank, group, counter, outer_group))
         logits_TV = logits_TV.to(torch.promote_types(logits_TV.dtype, torch.float32))
         loss = F.cross_entropy(logits_TV, ids_labels_T2[:, 1], ignore_index=IGNORE_INDEX, reduction="sum")
-        return loss.to_local() if isinstance(loss, DTensor) else loss  # replicated over the TP group
+        # Replicated over the TP group; a copy, as FSDP2 warns of a view returned from its module.
+        return loss.to_local().clone() if isinstance(loss, DTensor) else loss
 
 
 
