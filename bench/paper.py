@@ -30,6 +30,7 @@ from ballonet import InfeasiblePlan, plan_batch, specs, workloads
 from ballonet.cost.bounds import batch_lower_bound, batch_recomputation
 from ballonet.cost.flops import kv_bytes
 from ballonet.cost.memory import activation_bytes_per_token, memory_cap
+from ballonet.plan.recompute import heaviest
 from ballonet.planning.routing import plan_routes
 from ballonet.simulation.comparison import compare
 from ballonet.simulation.fabric import Fabric
@@ -220,7 +221,8 @@ def more_memory(grid_data: list[dict], steps: int) -> list[dict]:
         bound = statistics.mean(batch_lower_bound(b, c, m) for b in batches)
         rows.append({"cluster": cfg["cluster"], "model": cfg["model"], "tp": cfg["tp"], "workload": cfg["workload"],
                      "ratio_to_lower_bound": z["ratio_to_lower_bound"],
-                     "recompute": "/".join(sorted({plan_batch(b, c, m, "zeppelin").meta["recompute"] for b in batches})),
+                     "recompute": "/".join(sorted({heaviest(plan_batch(b, c, m, "zeppelin").recompute).mode.value
+                                                 for b in batches})),
                      "memory_fill": max(_memory_fill(b, c, m) for b in batches),
                      "more_memory_ratio": statistics.mean(r.step_time_s for r in res) / bound,
                      "more_memory_recompute": "/".join(sorted({r.recompute for r in res}))})
@@ -577,7 +579,7 @@ NOTES = [
     "simulator moves what the runtime moves (q/k/v out and o back in the remap, fp32 dK/dV), recomputes only "
     "when memory requires it, and lets gradient all-reduce share the NICs.",
     "shortmix is a synthetic stand-in for ArXiv/GitHub/ProLong64k; the paper's datasets are not available.",
-    "Speedups depend on the planners in ballonet/planning/ (zeppelin.py, baselines.py) as they stand; constants were "
+    "Speedups depend on the planners in ballonet/planning/ (zeppelin/, baselines.py) as they stand; constants were "
     "not tuned to hit targets.",
 ]
 

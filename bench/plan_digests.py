@@ -8,15 +8,18 @@ tokens a GPU, 64K context); each of `--steps` batches is planned by 11 planners:
 and zeppelin without double rings (`zeppelin single`, its pricing ablation's third row):
 36 x 2 x 11 = 792 plans. `--extra` adds the other zeppelin variants paper.py plans (its
 pricing ablation's first two rows, and no remap: its ablation ladder). Each row is the
-plan's digest (`Plan.digest`, SHA-256 of its canonical JSON) and `repr` of the simulated
-step and lower bound, or the one-line reason it is infeasible: two runs of this script
-on two versions of the code give identical files when both make the same plans and
-simulate them alike (a refactoring check; rows are compared with `diff`).
+plan's digest over the fields a Plan had before `Plan.recompute` (`FIELDS`: SHA-256 of
+the canonical JSON of those, so equal to `Plan.digest` of a plan of then), its
+`recompute` (per rank, mode and layers), and `repr` of the simulated step and lower
+bound, or the one-line reason it is infeasible: two runs of this script on two versions
+of the code give identical files when both make the same plans and simulate them alike
+(a refactoring check; rows are compared with `cmp`).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -31,6 +34,15 @@ EXTRA = {"zeppelin attention only": {"price_linear": False, "price_recompute": F
          "zeppelin + linear": {"price_recompute": False, "double": False},
          "zeppelin no remap": {"remap": False}}
 """The `--extra` variants: name -> zeppelin options."""
+FIELDS = ("planner", "lengths", "node_of_rank", "nic_of_rank", "attention", "rings", "remap", "routes", "memory_bytes",
+          "memory_cap", "attention_engine", "meta")
+"""The Plan's fields at de0c3d4, before `Plan.recompute`: the digest is over these."""
+
+
+def digest(plan) -> str:
+    """SHA-256 of the canonical JSON of `FIELDS` of `plan` (`Plan.to_json`'s form)."""
+    d = {k: v for k, v in plan.to_dict().items() if k in FIELDS}
+    return hashlib.sha256(json.dumps(d, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def variants(cluster: specs.ClusterSpec, model: specs.ModelSpec, extra: bool) -> dict[str, tuple[str, dict]]:
@@ -49,7 +61,10 @@ def row(lengths, cluster, model, planner: str, options: dict) -> dict:
     except InfeasiblePlan as e:
         return {"infeasible": str(e)}
     res = simulate(plan, cluster, model)
-    return {"digest": plan.digest, "step_time_s": repr(res.step_time_s), "lower_bound_s": repr(res.lower_bound_s)}
+    out = {"digest": digest(plan), "step_time_s": repr(res.step_time_s), "lower_bound_s": repr(res.lower_bound_s)}
+    if getattr(plan, "recompute", ()):
+        out["recompute"] = [[str(m), k] for m, k in plan.recompute]
+    return out
 
 
 def digests(steps: int, extra: bool) -> list[dict]:

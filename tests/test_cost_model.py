@@ -34,7 +34,6 @@ from ballonet.cost.recompute import (
     cheapest_mode,
     cheapest_per_rank,
     layers_per_rank,
-    most_layers,
     recompute_elementwise_bytes_per_token,
     recompute_flops_per_token,
 )
@@ -46,6 +45,7 @@ from ballonet.cost.seconds import (
     p2p_time,
     sequence_cost,
 )
+from ballonet.plan.recompute import heaviest
 from ballonet.specs import ModelSpec
 
 LLAMA7B = ballonet.model("llama-7b")
@@ -280,7 +280,7 @@ def _selective_layers(model, tokens, gpus, num_dp):
 def _cheapest(model, tokens, gpus, num_dp):
     """(mode, the most layers any rank recomputes under it) of `cheapest_per_rank`."""
     found = cheapest_per_rank(model, tokens, gpus, num_dp)
-    return None if found is None else (found[0], most_layers(*found))
+    return None if found is None else tuple(heaviest(found[1]))
 
 
 def test_the_fewest_selective_layers_that_fit_are_chosen():

@@ -1,4 +1,4 @@
-"""Level 2 under memory caps that nearly bind (planning/node_placement.py), and the greedy
+"""Level 2 under memory caps that nearly bind (planning/zeppelin/node_placement.py), and the greedy
 spread it rests on (planning/packing.py)."""
 
 import dataclasses
@@ -11,7 +11,7 @@ import ballonet
 from ballonet import plan_batch, specs, workloads
 from ballonet.planning.devices import devices
 from ballonet.planning.metrics import plan_metrics
-from ballonet.planning.node_placement import _levelled
+from ballonet.planning.zeppelin.node_placement import _levelled
 from ballonet.planning.packing import NoRoom, spread
 from ballonet.specs import ClusterSpec, NodeGroup
 

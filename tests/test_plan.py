@@ -1,4 +1,5 @@
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -8,6 +9,8 @@ from ballonet import runtime
 from ballonet.plan import (
     InvalidPlan,
     Plan,
+    RankRecompute,
+    RecomputeMode,
     Ring,
     Route,
     Segment,
@@ -75,6 +78,23 @@ def test_json_round_trip_is_byte_identical():
     assert again == plan
     other = dataclasses.replace(plan, remap=())
     assert other.digest != plan.digest
+
+
+def test_recompute_is_typed_checked_and_round_trips():
+    """`Plan.recompute`: one (mode, layers) per rank, the mode a `RecomputeMode`, full on
+    every rank or none; it is part of the JSON (and so of the digest) and comes back typed."""
+    per_rank = (RankRecompute(RecomputeMode.SELECTIVE, 3), RankRecompute(RecomputeMode.NONE, 0),
+                RankRecompute(RecomputeMode.LINEAR, 1), RankRecompute(RecomputeMode.FULL, 2))
+    plan = small_plan(recompute=per_rank)  # (full on one rank only: refused below)
+    again = Plan.from_json(plan.to_json())
+    assert again.recompute == per_rank and all(isinstance(m, RecomputeMode) for m, _ in again.recompute)
+    assert again.digest == plan.digest != small_plan().digest
+    assert json.loads(plan.to_json())["recompute"] == [["selective", 3], ["none", 0], ["linear", 1], ["full", 2]]
+    assert f"{RecomputeMode.LINEAR}" == "linear" and RecomputeMode("full") == "full"
+    for bad in (per_rank[:3], (("selective", 3),) * 4, (RankRecompute(RecomputeMode.NONE, 2),) * 4,
+                (RankRecompute(RecomputeMode.FULL, -1),) * 4, per_rank):
+        with pytest.raises(InvalidPlan, match="recompute"):
+            small_plan(recompute=bad).validate()
 
 
 def test_rank_hardware_by_hand():

@@ -20,7 +20,7 @@ from ballonet.calibration import Curve
 from ballonet.cost import hardware
 from ballonet.cost.flops import zigzag_flops
 from ballonet.cost.memory import MEMORY_RESERVE, activation_bytes, static_bytes
-from ballonet.plan import Plan, Ring, Route, Segment, Transfer, chunk_bounds
+from ballonet.plan import Plan, RankRecompute, RecomputeMode, Ring, Route, Segment, Transfer, chunk_bounds
 from ballonet.simulation.fabric import Fabric
 from ballonet.simulation.layer_graph import ring_tables
 from ballonet.simulation.simulator import simulate
@@ -372,3 +372,24 @@ def test_linear_recompute_of_some_layers_mixes_with_selective_on_the_others():
     assert auto.compute_s[0] == pytest.approx(one.compute_s[0], rel=1e-12)
     assert auto.compute_s[1] == pytest.approx(simulate(plan, c, dataclasses.replace(MODEL, recompute="none"))
                                               .compute_s[1], rel=1e-12)
+
+
+def test_the_simulator_runs_the_recomputation_the_plan_says():
+    """`Plan.recompute` decides: a plan whose ranks hold their tokens without recomputing,
+    said to recompute one layer selectively on rank 0, simulates that (and is slower);
+    the same plan simulated with a model that fixes its own recomputation gets the model's."""
+    c = cluster(gpus=2, nics=2)
+    plan = cluster_plan(c, local={0: [4096, 2048], 1: [3000]})
+    free = simulate(plan, c, MODEL)
+    assert free.recompute_per_rank == (("none", 0), ("none", 0))
+    said = dataclasses.replace(plan, recompute=(RankRecompute(RecomputeMode.SELECTIVE, 1),
+                                                RankRecompute(RecomputeMode.NONE, 0))).validate()
+    run = simulate(said, c, MODEL)
+    assert (run.recompute, run.recompute_layers, run.recompute_per_rank) == ("selective", 1, (("selective", 1),
+                                                                                             ("none", 0)))
+    assert run.step_time_s > free.step_time_s
+    one = simulate(plan, c, dataclasses.replace(MODEL, recompute="selective", recompute_layers=1))
+    assert run.compute_s[0] == pytest.approx(one.compute_s[0], rel=1e-12)
+    assert run.compute_s[1] == pytest.approx(free.compute_s[1], rel=1e-12)
+    forced = simulate(said, c, dataclasses.replace(MODEL, recompute="none"))
+    assert forced.recompute_per_rank == (("none", 0), ("none", 0)) and forced.step_time_s == free.step_time_s

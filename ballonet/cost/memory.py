@@ -10,13 +10,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ballonet.plan import RecomputeMode
+
 if TYPE_CHECKING:
     from ballonet.cost.hardware import GPUType
     from ballonet.specs import ModelSpec
 
 MEMORY_RESERVE = 0.90
 """Share of a GPU's memory a plan may use; the rest is allocator and library slack."""
-RECOMPUTE_MODES = ("none", "selective", "linear", "full")
+RECOMPUTE_MODES = tuple(m.value for m in RecomputeMode)
 """Activation recomputation, cheapest first: `ModelSpec.recompute`, None = the cheapest that fits."""
 BELOW = {"selective": "none", "linear": "selective"}
 """What the other layers do when only the first ones recompute under a mode."""

@@ -4,7 +4,8 @@ The policy (a decision procedure on `memory.py`'s bytes): the cheapest mode unde
 every rank holds its tokens on every layer, then, per rank, the fewest of the first layers
 that must recompute under it (a selective or linear layer reruns only its own local work,
 so ranks may differ; full recomputation reruns the layer's remap and ring, so every rank
-does it or none). Then the FLOPs and bytes the backward runs again.
+does it or none); planners record it in `Plan.recompute`, which the simulator and the
+trainer read (`plan_recompute`). Then the FLOPs and bytes the backward runs again.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ import numpy as np
 
 from ballonet.cost.flops import elementwise_bytes_per_token, linear_flops_per_token, mlp_flops_per_token
 from ballonet.cost.memory import BELOW, RECOMPUTE_MODES, activation_bytes, layer_mean, memory_cap, recompute_layer_count
+from ballonet.plan import RankRecompute, RecomputeMode
 
 if TYPE_CHECKING:
+    from ballonet.plan import Plan
     from ballonet.specs import ModelSpec
 
 
@@ -85,9 +88,21 @@ def layers_per_rank(model: ModelSpec, tokens_per_rank, gpus, num_dp_ranks: int, 
     return None if todo.any() else out
 
 
-def most_layers(mode: str, per_rank) -> int:
-    """The most layers any rank recomputes under `mode` itself (`cheapest_per_rank`)."""
-    return max((k for m, k in per_rank if m == mode), default=0)
+def per_rank_recompute(model: ModelSpec, linear_tokens, gpus, attention_tokens) -> tuple[RankRecompute, ...]:
+    """[R] what each rank recomputes to hold `linear_tokens` and `attention_tokens`
+    (`cheapest_per_rank`), full on every layer where nothing fits: what a planner puts in
+    `Plan.recompute`."""
+    found = cheapest_per_rank(model, linear_tokens, gpus, len(linear_tokens), attention_tokens)
+    per_rank = found[1] if found else (("full", model.num_layers),) * len(linear_tokens)
+    return tuple(RankRecompute(RecomputeMode(m), k) for m, k in per_rank)
+
+
+def plan_recompute(plan: Plan, model: ModelSpec, gpus) -> tuple[RankRecompute, ...]:
+    """[R] what each rank of `plan` recomputes: the planner's decision (`Plan.recompute`),
+    or, for a plan without one (built by hand), `per_rank_recompute` of its tokens."""
+    if plan.recompute:
+        return plan.recompute
+    return per_rank_recompute(model, plan.linear_token_counts, gpus, plan.attention_token_counts)
 
 
 def recompute_attention(mode: str) -> bool:

@@ -28,11 +28,11 @@ from ballonet.cost.flops import (
 from ballonet.cost.memory import activation_bytes_per_token
 from ballonet.cost.recompute import (
     cheapest_per_rank,
-    most_layers,
     recompute_attention,
     recompute_elementwise_bytes_per_token,
     recompute_flops_per_token,
 )
+from ballonet.plan.recompute import heaviest
 
 if TYPE_CHECKING:
     from ballonet.specs import ClusterSpec, ModelSpec, NodeGroup
@@ -211,7 +211,7 @@ def sequence_cost(model: ModelSpec, group: NodeGroup, length: int) -> SequenceCo
     """One document alone on one GPU of `group`, with the cheapest recomputation that holds it."""
     gpu = group.gpu_type
     found = cheapest_per_rank(model, [length], [gpu], group.num_nodes * group.gpus_per_node // model.tp)
-    mode, layers = (found[0], most_layers(*found)) if found else ("full", model.num_layers)
+    mode, layers = heaviest(found[1]) if found else ("full", model.num_layers)
     att_flops = attention_flops(model, length)
     att = attention_seconds(model, gpu, att_flops, length, launch_floor=True)
     att_bwd = attention_seconds(model, gpu, att_flops, length, backward=True, launch_floor=True)

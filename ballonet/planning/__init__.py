@@ -1,21 +1,23 @@
 """Planning: document lengths and a cluster in, a validated `Plan` out.
 
-`zeppelin` is the hierarchical partitioner (`zeppelin.py`, `refinement.py`, `remap.py`,
+`zeppelin` is the hierarchical partitioner (`zeppelin/`, with `pricing.py`, `remap.py`,
 `routing.py`); `baselines.py` reproduces the systems it is compared with, and `distca.py`
-the core attention disaggregation of DistCA. Every planner
-is a pure function (lengths, cluster, model, **options) -> Plan, listed in `PLANNERS`.
+the core attention disaggregation of DistCA. Every planner is a pure function (lengths,
+cluster, model, **options) -> Plan, listed in `PLANNERS`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
+from ballonet.cost.recompute import per_rank_recompute
 from ballonet.errors import InputError
 from ballonet.plan import Plan
 from ballonet.planning.baselines import BASELINES
 from ballonet.planning.distca import distca
 from ballonet.planning.zeppelin import zeppelin
-from ballonet.specs import ClusterSpec, ModelSpec
+from ballonet.specs import ClusterSpec, ModelSpec, rank_hardware
 
 __all__ = ["PLANNERS", "plan_batch"]
 
@@ -25,7 +27,9 @@ PLANNERS = {"zeppelin": zeppelin, **BASELINES, "distca": distca}
 
 def plan_batch(lengths, cluster: ClusterSpec, model: ModelSpec, planner: str = "zeppelin", **options) -> Plan:
     """Plan one global batch of document `lengths` (tokens, input order) on `cluster` for
-    `model` with `planner` (a key of `PLANNERS`); `options` go to the planner."""
+    `model` with `planner` (a key of `PLANNERS`); `options` go to the planner. The plan
+    says what each rank recomputes for `model` (`Plan.recompute`: the cheapest its tokens
+    fit under, `cost.recompute.per_rank_recompute`), whichever planner made it."""
     if planner not in PLANNERS:
         raise InputError(f"unknown planner {planner!r}; known: {', '.join(PLANNERS)}")
     fn = PLANNERS[planner]
@@ -33,5 +37,8 @@ def plan_batch(lengths, cluster: ClusterSpec, model: ModelSpec, planner: str = "
     for key in options:
         if key not in known:
             raise InputError(f"planner {planner!r} has no option {key!r}; options: {', '.join(known) or 'none'}")
-    return fn(lengths, cluster, model, **options)
+    plan = fn(lengths, cluster, model, **options)
+    gpus = rank_hardware(cluster, model.tp).gpu
+    return dataclasses.replace(plan, recompute=per_rank_recompute(model, plan.linear_token_counts, gpus,
+                                                                  plan.attention_token_counts))
 

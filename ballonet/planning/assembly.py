@@ -91,15 +91,25 @@ def assemble(name: str, lengths: list[int], dev: Devices, placement: Placement, 
                 attention_engine=attention_engine, meta=dict(meta or {}))
 
 
-def with_memory(plan: Plan, dev: Devices) -> Plan:
-    """`plan` with predicted memory per rank: state plus activations of the larger of its
-    attention and linear token counts. Raises `InfeasiblePlan` if a rank is over its cap."""
-    att, lin = plan.attention_token_counts, plan.linear_token_counts
-    used = tuple(dev.static_bytes + dev.act_bytes_per_token * max(a, b) for a, b in zip(att, lin))
-    for r, (a, b) in enumerate(zip(att, lin)):
+def over_cap(plan: Plan, dev: Devices) -> str | None:
+    """Why `plan` does not fit: the first rank whose larger of its attention and linear
+    token counts is over its token cap; None when every rank's fits."""
+    for r, (a, b) in enumerate(zip(plan.attention_token_counts, plan.linear_token_counts)):
         if max(a, b) > dev.token_cap[r]:
             docs = sorted({s.doc for s in plan.attention[r]}, key=lambda d: -plan.lengths[d])
             biggest = f" (largest document there: {docs[0]}, {plan.lengths[docs[0]]} tokens)" if docs else ""
-            raise InfeasiblePlan(f"{plan.planner}: rank {r} would hold {max(a, b)} tokens{biggest}, over its "
-                                 f"limit of {int(dev.token_cap[r])} tokens on a {dev.gpu[r].name} GPU")
+            return (f"{plan.planner}: rank {r} would hold {max(a, b)} tokens{biggest}, over its "
+                    f"limit of {int(dev.token_cap[r])} tokens on a {dev.gpu[r].name} GPU")
+    return None
+
+
+def with_memory(plan: Plan, dev: Devices) -> Plan:
+    """`plan` with predicted memory per rank: state plus activations of the larger of its
+    attention and linear token counts. Raises `InfeasiblePlan` if a rank is over its cap
+    (`over_cap`)."""
+    why = over_cap(plan, dev)
+    if why is not None:
+        raise InfeasiblePlan(why)
+    att, lin = plan.attention_token_counts, plan.linear_token_counts
+    used = tuple(dev.static_bytes + dev.act_bytes_per_token * max(a, b) for a, b in zip(att, lin))
     return dataclasses.replace(plan, memory_bytes=used)

@@ -91,23 +91,30 @@ def devices(cluster: ClusterSpec, model: ModelSpec, assume_homogeneous: bool = F
     )
 
 
-def check_feasible(lengths: list[int], dev: Devices, model: ModelSpec) -> None:
-    """Raise `InfeasiblePlan` when no plan can hold the batch: the model state alone is over
-    a GPU's memory, a document is longer than the whole cluster holds, or the batch is."""
+def infeasibility(lengths: list[int], dev: Devices, model: ModelSpec) -> str | None:
+    """Why no plan can hold the batch, or None: the model state alone is over a GPU's
+    memory, a document is longer than the whole cluster holds, or the batch is."""
     if (dev.token_cap < 0).any():
         r = int(np.argmin(dev.token_cap))
-        raise InfeasiblePlan(
-            f"model {model.name!r} needs {dev.static_bytes / 2**30:.1f} GiB of weights and optimizer state per GPU, "
-            f"over the {dev.memory_total[r] / 2**30:.1f} GiB a {dev.gpu[r].name} GPU may use")
+        return (f"model {model.name!r} needs {dev.static_bytes / 2**30:.1f} GiB of weights and optimizer state per GPU, "
+                f"over the {dev.memory_total[r] / 2**30:.1f} GiB a {dev.gpu[r].name} GPU may use")
     total_cap = int(dev.token_cap.sum())
     if lengths:
         doc = int(np.argmax(lengths))
         if lengths[doc] > total_cap:
-            raise InfeasiblePlan(f"document {doc} has {lengths[doc]} tokens, over the {total_cap} tokens "
-                                 f"the whole cluster can hold for model {model.name!r}")
+            return (f"document {doc} has {lengths[doc]} tokens, over the {total_cap} tokens "
+                    f"the whole cluster can hold for model {model.name!r}")
     if sum(lengths) > total_cap:
-        raise InfeasiblePlan(f"the batch has {sum(lengths)} tokens, over the {total_cap} tokens "
-                             f"the whole cluster can hold for model {model.name!r}")
+        return (f"the batch has {sum(lengths)} tokens, over the {total_cap} tokens "
+                f"the whole cluster can hold for model {model.name!r}")
+    return None
+
+
+def check_feasible(lengths: list[int], dev: Devices, model: ModelSpec) -> None:
+    """Raise `InfeasiblePlan` when no plan can hold the batch (`infeasibility`)."""
+    why = infeasibility(lengths, dev, model)
+    if why is not None:
+        raise InfeasiblePlan(why)
 
 
 def check_lengths(lengths) -> list[int]:

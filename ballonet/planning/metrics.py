@@ -21,10 +21,10 @@ from collections import Counter
 import numpy as np
 
 from ballonet.cost.flops import attention_flops, kv_bytes, remap_bytes, zigzag_flops
-from ballonet.cost.memory import BELOW
-from ballonet.cost.recompute import cheapest_per_rank, layers_per_rank
+from ballonet.cost.recompute import plan_recompute
 from ballonet.cost.seconds import attention_seconds
 from ballonet.plan import Plan, Ring
+from ballonet.plan.recompute import heaviest
 from ballonet.planning.devices import devices
 from ballonet.planning.pricing import rank_compute_seconds
 from ballonet.specs import ClusterSpec, ModelSpec, rank_hardware
@@ -101,17 +101,11 @@ def _allgather_traffic(plan: Plan, model: ModelSpec, ring: Ring, out, inn, nic, 
 
 def rank_step_compute_seconds(plan: Plan, cluster: ClusterSpec, model: ModelSpec) -> np.ndarray:
     """[R] a step's attention and linear kernel seconds per rank (`pricing.rank_compute_seconds`)
-    under the recomputation the plan was made for, or the cheapest its tokens fit under
-    (`cost.recompute.cheapest_per_rank`)."""
-    mode, layers = plan.meta.get("recompute"), plan.meta.get("recompute_layers")
-    gpus = rank_hardware(cluster, model.tp).gpu
-    tokens = (plan.linear_token_counts, gpus, plan.num_ranks, plan.attention_token_counts)
-    if not mode:
-        mode, layers = cheapest_per_rank(model, *tokens) or ("full", None)
-    elif mode in BELOW and model.recompute is None:  # each rank as little as its tokens need
-        layers = layers_per_rank(model, *tokens, mode) or layers
+    under the recomputation each rank runs (`cost.recompute.plan_recompute`)."""
+    per_rank = plan_recompute(plan, model, rank_hardware(cluster, model.tp).gpu)
+    mode = heaviest(per_rank).mode.value
     spec = dataclasses.replace(model, recompute=mode)
-    return rank_compute_seconds(plan, devices(cluster, spec), spec, mode, layers=layers)
+    return rank_compute_seconds(plan, devices(cluster, spec), spec, mode, layers=per_rank)
 
 
 def plan_metrics(plan: Plan, cluster: ClusterSpec, model: ModelSpec) -> dict:

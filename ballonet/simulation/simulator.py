@@ -32,9 +32,11 @@ What is simulated (`timeline.py` has the event model, `fabric.py` the links,
   layer (Megatron's overlap_grad_reduce): the bucket of layer l runs during the backward
   of layer l-1 on the same NVLink ports and NICs as its ring and remap transfers (cut
   into pieces, so they interleave); the last layer's bucket is exposed.
-* Recomputation (`ModelSpec.recompute`, default the cheapest under which every rank's
-  tokens fit, each rank recomputing as little as its own tokens need,
-  `cost.recompute.cheapest_per_rank`): the backward reruns the MLP GEMMs
+* Recomputation: what the plan says each rank recomputes (`Plan.recompute`: the cheapest
+  under which its tokens fit, each rank as little as its own tokens need), or, where the
+  simulation departs from the plan (a model that fixes its `ModelSpec.recompute`, no
+  remap) or the plan says nothing, the same rule on the simulated tokens
+  (`cost.recompute.per_rank_recompute`): the backward reruns the MLP GEMMs
   ("selective"), every GEMM and elementwise op of the layer ("linear"), each on as few
   of the first layers as a rank's memory needs (or the model's `recompute_layers`), the
   others one mode below; one backward is simulated per run of layers alike), or the
@@ -73,7 +75,7 @@ from ballonet.cost.flops import (
     loss_bytes_per_token,
 )
 from ballonet.cost.memory import BELOW
-from ballonet.cost.recompute import cheapest_per_rank, most_layers
+from ballonet.cost.recompute import per_rank_recompute
 from ballonet.cost.seconds import (
     collective_time,
     elementwise_time,
@@ -84,6 +86,7 @@ from ballonet.cost.seconds import (
 )
 from ballonet.cost.tensor_parallel import tp_layer_seconds, tp_sent_bytes, tp_step_collectives
 from ballonet.plan import Plan
+from ballonet.plan.recompute import heaviest
 from ballonet.simulation.fabric import Fabric
 from ballonet.simulation.layer_graph import LayerGraph
 from ballonet.specs import ClusterSpec, ModelSpec
@@ -240,8 +243,12 @@ def simulate(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, routing: boo
     for (src, dst), n in moves.items():
         tokens[src] -= n
         tokens[dst] += n
-    mode, per_rank = cheapest_per_rank(model, tokens, fabric.gpu, R, att_tokens) \
-        or ("full", (("full", model.num_layers),) * R)
+    if plan.recompute and remap and model.recompute is None:
+        chosen = plan.recompute
+    else:
+        chosen = per_rank_recompute(model, tokens, fabric.gpu, att_tokens)
+    per_rank = tuple((m.value, k) for m, k in chosen)
+    mode = heaviest(chosen).mode.value
     linear_s = [linear_layer_seconds(model, fabric.gpu[r], tokens[r], m)
                 for r, (m, _) in enumerate(per_rank)]
     tp_s = [tp_layer_seconds(model, tokens[r], fabric.intra_bw[r], fabric.gpu[r], m)
@@ -300,7 +307,7 @@ def simulate(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, routing: boo
         planner=plan.planner, num_gpus=R * model.tp, num_tokens=T, step_time_s=step,
         lower_bound_s=batch_lower_bound(plan.lengths, cluster, model),
         compute_bound_s=sum(c * p for c, p in zip(compute, peaks)) / sum(peaks), recompute=mode,
-        recompute_layers=most_layers(mode, per_rank), recompute_per_rank=per_rank,
+        recompute_layers=heaviest(chosen).layers, recompute_per_rank=per_rank,
         mfu=mfu, compute_s=tuple(compute), exposed_comm_s=tuple(exposed), idle_s=tuple(idle),
         attention_s=tuple(L * (fwd_att[r] + bwd_att[r]) for r in range(R)),
         layer_forward_s=fwd, layer_backward_s=bwd, head_s=max(head), grad_allreduce_s=grad,

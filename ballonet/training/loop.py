@@ -30,9 +30,10 @@ import torch.distributed as dist
 
 import ballonet
 from ballonet import runtime
-from ballonet.cost.recompute import cheapest_per_rank, most_layers
+from ballonet.cost.recompute import plan_recompute
 from ballonet.errors import InputError
 from ballonet.integrations import hf_model
+from ballonet.plan.recompute import heaviest
 from ballonet.training import checkpoint, metrics, parallel, tensor_parallel
 from ballonet.training.config import TrainConfig
 from ballonet.training.corpus import Corpus, load_corpus
@@ -319,18 +320,17 @@ def _run(config: TrainConfig, group, use_cuda: bool):
 
 
 def _auto_recompute(model, plan, spec, cluster, rank: int) -> tuple[str, int]:
-    """--recompute auto: set this step's recomputation on this rank's blocks, the cheapest
-    the plan's tokens fit under in the cost model's memory (`cost.recompute.cheapest_per_rank`,
-    what the planner and the simulator price: selective or linear on as few of the first
-    layers as this rank's own tokens need). Every rank derives it from the same plan, so a "full"
-    step (whose exchanges rerun in the backward) is full on all of them. -> (mode, the
-    most layers any rank recomputes)."""
-    gpus = [cluster.gpu_of(r * spec.tp) for r in range(plan.num_ranks)]
-    mode, per_rank = cheapest_per_rank(spec, plan.linear_token_counts, gpus, plan.num_ranks,
-                                       plan.attention_token_counts) \
-        or ("full", (("full", spec.num_layers),) * plan.num_ranks)
-    model.set_recompute(*per_rank[rank])
-    return mode, most_layers(mode, per_rank)
+    """--recompute auto: set this step's recomputation on this rank's blocks as the plan
+    says (`Plan.recompute`, `cost.recompute.plan_recompute`: the cheapest its tokens fit
+    under, what the planner and the simulator price: selective or linear on as few of the
+    first layers as this rank's own tokens need). Every rank reads the same plan, so a
+    "full" step (whose exchanges rerun in the backward) is full on all of them. -> (mode,
+    the most layers any rank recomputes)."""
+    per_rank = plan_recompute(plan, spec, [cluster.gpu_of(r * spec.tp) for r in range(plan.num_ranks)])
+    mode, layers = per_rank[rank]
+    model.set_recompute(mode.value, layers)
+    most = heaviest(per_rank)
+    return most.mode.value, most.layers
 
 
 def _step(model, optimizer, batch, rank: int, group, device, spec, peak: float, step: int,

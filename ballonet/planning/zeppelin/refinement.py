@@ -1,4 +1,4 @@
-"""Step 3 of the partitioner: level each split document over its members (zeppelin.py).
+"""Step 3 of the partitioner: level each split document over its members.
 
 A split document can be cut anywhere (`assembly.zigzag_bounds` gives a member exactly the
 tokens asked, at work proportional to them), so once the greedy steps have chosen which
@@ -12,7 +12,6 @@ import enum
 import functools
 import math
 from dataclasses import dataclass
-from operator import itemgetter
 
 import numpy as np
 
@@ -22,60 +21,11 @@ from ballonet.errors import InfeasiblePlan
 from ballonet.planning.assembly import Placement
 from ballonet.planning.devices import Devices
 from ballonet.planning.packing import NoRoom, apportion
-from ballonet.planning.state import Batch, RankFill
-from ballonet.specs import ModelSpec
+from ballonet.planning.zeppelin.state import Batch, RankFill
+from ballonet.planning.zeppelin.thresholds import THRESHOLDS
+from ballonet.planning.zeppelin.water import ordered_sum, water_level_list
 
-__all__ = ["SLIVER", "SWEEPS", "Levels", "Sweep", "refine", "split_work", "water_level"]
-
-SLIVER = 0.25
-"""A ring member holding under this share of the ring's mean block is a sliver (`Sweep.DROP`)."""
-
-
-def water_level(base, speed, unit, cap, total: float) -> np.ndarray:
-    """Amounts x (sum `total`, 0 <= x <= cap) making (base + unit * x) / speed as level as
-    possible: x_i = clip((level * speed_i - base_i) / unit_i, 0, cap_i) at the one level
-    where they sum to `total` (every slot at its cap when the caps hold less)."""
-    return np.array(_water_level(*(np.asarray(v, dtype=float).tolist() for v in (base, speed, unit, cap)), total))
-
-
-def _water_level(b: list, s: list, u: list, c: list, total: float) -> list:
-    """`water_level` on lists (refinement calls it on rings of a few ranks, where numpy's
-    per-call cost is most of the work)."""
-    capped = [x if x > 0 else 0.0 for x in c]
-    if total <= 0 or not any(capped):
-        return [0.0] * len(b)
-    if sum(capped) <= total:
-        return capped
-    # The filled amount grows piecewise linearly with the level: slot i adds s_i / u_i per
-    # unit of level between b_i / s_i (its start) and (b_i + u_i c_i) / s_i (its cap).
-    events = []
-    for bi, si, ui, ci in zip(b, s, u, c):
-        if ci > 0:
-            rate = si / ui
-            events.append((bi / si, rate))
-            events.append(((bi + ui * ci) / si, -rate))
-    events.sort(key=itemgetter(0))
-    filled, rate, at = 0.0, 0.0, events[0][0]
-    for point, change in events:
-        more = filled + rate * (point - at)
-        if more >= total and rate > 0:
-            break
-        filled, at, rate = more, point, rate + change
-    else:  # the caps hold `total` only up to rounding
-        return capped
-    level = at + (total - filled) / rate
-    clipped = []
-    for bi, si, ui, ci in zip(b, s, u, capped):
-        x = (level * si - bi) / ui
-        clipped.append(ci if ci < x else 0.0 if x < 0.0 else x)  # min(max(x, 0.0), ci) without the calls
-    return clipped
-
-
-def split_work(model: ModelSpec, length: int, num_members: float, gpu=None) -> float:
-    """Work of a document split over `num_members` ranks: its FLOPs at the kernel
-    efficiency of blocks of length / num_members rows (on `gpu`'s profile)."""
-    block = max(length / max(num_members, 1.0), 1.0)
-    return attention_flops(model, length) / model.tp / hardware.profile(gpu).attention_forward.at_one(block)
+__all__ = ["SWEEPS", "Levels", "Sweep", "refine"]
 
 
 class Sweep(enum.Enum):
@@ -84,23 +34,20 @@ class Sweep(enum.Enum):
     """Re-level only (and, after the first sweep, only documents whose members or
     efficiency changed)."""
     DROP = "drop slivers"
-    """Members left with under a quarter of the mean block leave rings of 3 or more (a
-    ring with none is only re-levelled, like `LEVEL`): the ring's large blocks pass
-    through a sliver hop by hop, and its short steps hide none of their transfers. A sliver stays when its rank is at its memory cap and its block still
-    hides a transfer inside the node (`Levels.breakeven`): no other work could take its
-    seat, and dropping it would leave the others above it (a batch that nearly fills
-    memory: on `bench/planner.py`'s 98% batch, attention imbalance 1.064 -> 1.044). A
-    ring with one such block among slivers keeps its two largest holders (on the main
-    grid of `bench/paper.py` this took 8% off the step of cluster B, llama-3b, shortmix,
-    batch 0, and lengthened none)."""
+    """Members left with under `Thresholds.sliver` of the mean block leave rings of 3 or
+    more (a ring with none is only re-levelled, like `LEVEL`): the ring's large blocks
+    pass through a sliver hop by hop, and its short steps hide none of their transfers.
+    A sliver stays when its rank is at its memory cap and its block still hides a
+    transfer inside the node (`Levels.breakeven`): no other work could take its seat, and
+    dropping it would leave the others above it. A ring with one such block among slivers
+    keeps its two largest holders. (Measured: docs/planner_evidence.md, step 3.)"""
     GROW = "grow"
     """While a document's members end over the mean level, a rank of their nodes joins."""
 
 
 SWEEPS = (Sweep.LEVEL, Sweep.DROP, Sweep.GROW, Sweep.LEVEL, Sweep.DROP, Sweep.LEVEL)
 """The last re-levelling can leave slivers again: they are dropped once more and the rest
-re-levelled (on the main grid of `bench/paper.py` this took 0.5% off the mean step, on
-batches of another seed too)."""
+re-levelled (docs/planner_evidence.md, step 3)."""
 
 
 @dataclass
@@ -144,12 +91,12 @@ class Levels:
                 held = [0.0] * len(m)
                 for n, t in shares.items():
                     on = by_node[n]
-                    part = _water_level([load[m[i]] for i in on], [speed[m[i]] for i in on], [unit[i] for i in on],
+                    part = water_level_list([load[m[i]] for i in on], [speed[m[i]] for i in on], [unit[i] for i in on],
                                         [room[i] for i in on], t)
                     for i, x in zip(on, part):
                         held[i] = x
                 return held
-        return _water_level([load[r] for r in m], [speed[r] for r in m], unit, room, length)
+        return water_level_list([load[r] for r in m], [speed[r] for r in m], unit, room, length)
 
     def take(self, d: int) -> None:
         """Remove document `d`'s current shares from its members."""
@@ -172,17 +119,6 @@ class Levels:
         return [0.0 if (x := cap[r] - tokens[r]) < 0.0 else x for r in m]
 
 
-def _sum(xs: list[float]) -> float:
-    """`np.sum(xs)`: numpy adds fewer than 8 floats in order, pairwise beyond (and `sum`
-    compensates from Python 3.12 on)."""
-    if len(xs) >= 8:
-        return float(np.sum(xs))
-    total = 0.0
-    for x in xs:
-        total += x
-    return float(total)
-
-
 def _start(batch: Batch, fill: RankFill, docs: list[int], local_tokens: np.ndarray, attention: dict[int, float],
            efficiency) -> Levels:
     """Levels with each split document's tokens in proportion to its members' work shares
@@ -201,12 +137,12 @@ def _start(batch: Batch, fill: RankFill, docs: list[int], local_tokens: np.ndarr
         m = sorted(shares)
         w = [shares[r] for r in m]
         length = lengths[d]
-        total = _sum(w)
+        total = ordered_sum(w)
         held = [x * length / total for x in w] if any(w) else list(w)
         members[d], all_held[d] = m, held
         nodes = sorted({node[r] for r in m})
         if len(nodes) > 1:
-            node_tokens[d] = {n: _sum([h for r, h in zip(m, held) if node[r] == n]) for n in nodes}
+            node_tokens[d] = {n: ordered_sum([h for r, h in zip(m, held) if node[r] == n]) for n in nodes}
         block = max(length / max(sum(1 for x in w if x), 1), 1.0)
         per_token = attention[d] / efficiency(block) / length
         units[d] = unit = [per_token + linear[r] for r in m]
@@ -240,29 +176,27 @@ def refine(batch: Batch, fill: RankFill) -> Placement:
     per_token = {d: attention[d] / lengths[d] for d in docs}
     # Every document is levelled in the first sweep, even one whose members level 2 gave
     # alike shares: the whole documents it placed after them are what the shares must
-    # even out (skipping them, as before 2026-12-02, cost up to 3.5% of a step: of the
-    # main grid's 36 configurations and 36 more on seed-7 batches, 11 shorter now, 2
-    # longer by up to 0.6%).
+    # even out (docs/planner_evidence.md, step 3).
     stamp, done, clock = [0] * R, dict.fromkeys(docs, -1), 0
     settled: set[int] = set()  # units checked against their shares since they last moved
     for sweep in SWEEPS:
         for d in docs:
             m, held, unit = st.members[d], st.held[d], st.unit[d]
-            dropping = sweep is Sweep.DROP and len(m) > 2 and min(held) < SLIVER * sum(held) / len(held)
+            dropping = sweep is Sweep.DROP and len(m) > 2 and min(held) < THRESHOLDS.sliver * sum(held) / len(held)
             still = not dropping and max([stamp[r] for r in m]) <= done[d] \
-                and (sweep is not Sweep.GROW or st.level_of(m) <= 1.01 * st.mean_level)
+                and (sweep is not Sweep.GROW or st.level_of(m) <= THRESHOLDS.grow_above * st.mean_level)
             if still and d in settled:
                 continue
             new_unit = ([per_token[d] / efficiency(h) + linear[r] for r, h in zip(m, held)]
                         if any(held) else unit)
-            if still and all(abs(a - b) <= 1e-3 * abs(b) for a, b in zip(new_unit, unit)):
+            if still and all(abs(a - b) <= THRESHOLDS.settled_change * abs(b) for a, b in zip(new_unit, unit)):
                 settled.add(d)
                 continue
             settled.discard(d)
             st.take(d)
             st.unit[d] = new_unit
             if dropping:
-                floor = SLIVER * sum(held) / len(held)
+                floor = THRESHOLDS.sliver * sum(held) / len(held)
                 room = st.room(m)
                 keep = [i for i, h in enumerate(held) if h >= floor
                         or (room[i] - h < floor and h >= st.breakeven[m[i]])]
@@ -312,16 +246,16 @@ def _placement(fill: RankFill, st: Levels, docs: list[int], local_tokens: np.nda
 
 
 def _apportion_few(total: int, weights: list[float], caps: list[int]) -> list[int]:
-    """`apportion` on lists of fewer than 8 weights (`_sum` adds them as numpy does)."""
+    """`apportion` on lists of fewer than 8 weights (`ordered_sum` adds them as numpy does)."""
     n = len(weights)
     out = [0] * n
     free = [True] * n
     left = total
     while left > 0 and any(free):
         w = [x if f else 0.0 for x, f in zip(weights, free)]
-        if _sum(w) <= 0:
+        if ordered_sum(w) <= 0:
             w = [float(f) for f in free]
-        w_sum = _sum(w)
+        w_sum = ordered_sum(w)
         ideal = [left * x / w_sum for x in w]
         over = [f and x >= float(c - o) for f, x, c, o in zip(free, ideal, caps, out)]
         if any(over):
@@ -390,7 +324,7 @@ def _grow(st: Levels, d: int, length: int) -> None:
     load, speed = st.load, st.speed
     for _ in range(len(m)):
         level = max((load[r] + u * h) / speed[r] for r, u, h in zip(m, unit, held))
-        if level <= 1.01 * st.mean_level:
+        if level <= THRESHOLDS.grow_above * st.mean_level:
             break
         inside = set(m)
         pool = sorted(r for n in sorted({st.node[r] for r in m}) for r in st.node_ranks[n]

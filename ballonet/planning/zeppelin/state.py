@@ -1,7 +1,8 @@
 """The partitioner's state, as values: what its steps read (`Batch`) and fill (`RankFill`).
 
-`zeppelin.py` builds a `Batch` once per global batch and hands it, with the `RankFill`
-that level 2 fills node by node, to each step; `refinement.py` levels the result.
+`classes.py` builds a `Batch` once per global batch under each recomputation's caps and
+hands it, with the `RankFill` that level 2 fills node by node, to each step;
+`refinement.py` levels the result.
 """
 
 from __future__ import annotations

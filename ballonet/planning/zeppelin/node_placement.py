@@ -1,4 +1,4 @@
-"""Step 2 of the partitioner (level 2): one node's documents onto its ranks (zeppelin.py).
+"""Step 2 of the partitioner (level 2): one node's documents onto its ranks.
 
 The documents to split there and the node's shares of inter-node documents fill the
 ranks with most room up to their targets, levelled over those ranks in a ring of 3 or
@@ -17,8 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ballonet.planning.packing import charge, lpt, spread
-from ballonet.planning.refinement import water_level
-from ballonet.planning.state import Batch, RankFill
+from ballonet.planning.zeppelin.state import Batch, RankFill
+from ballonet.planning.zeppelin.thresholds import THRESHOLDS
+from ballonet.planning.zeppelin.water import water_level
 
 __all__ = ["NodeFill", "level2", "node_fill", "split_to_level"]
 
@@ -51,7 +52,7 @@ def level2(batch: Batch, fill: RankFill, ranks: np.ndarray, node_work: float, do
     split_set = set(splits)
     whole = [d for d in docs if d not in split_set]
     fills = [node_fill(batch, target, fill.token_room[ranks], speed, water, whole)]
-    if water and whole and (fills[0].room < 0.02 * dev.token_cap[ranks]).any():
+    if water and whole and (fills[0].room < THRESHOLDS.near_cap * dev.token_cap[ranks]).any():
         mean = sum([work[d] for d in whole]) / sum([lengths[d] for d in whole])
         light = [d for d in whole if work[d] <= mean * lengths[d]]  # none when rounding puts all above
         if light:
@@ -96,8 +97,7 @@ def node_fill(batch: Batch, target: np.ndarray, room: np.ndarray, speed: np.ndar
     `min_block` ranks, so that its blocks still hide their transfers), and the light
     documents fill the rooms by LPT on their work. Otherwise the ring ranks spend their
     targets on a few long-document tokens and the others fill up with short documents to
-    their caps, under target (on `bench/planner.py`'s 98% batch, attention imbalance
-    1.19 -> 1.06, and 1.04 with refinement's sliver rule at the caps)."""
+    their caps, under target (docs/planner_evidence.md, step 2)."""
     lengths, work = batch.lengths, batch.work
     room, load, shares = room.astype(float), np.zeros(len(target)), {}
     spill: list[int] = []
@@ -141,12 +141,8 @@ def _levelled(got: dict[int, float], load, speed, room, w: float, per_token: flo
     whole documents fill up around it: it then runs more linear work before its K/V can
     go round, and the ring's steps wait for it (where its share is a sliver, refinement
     drops it and leaves the others over their targets). Levelled, the members hold alike
-    blocks and alike whole documents. Against levelling only where the last share was
-    under `refinement.SLIVER` of the mean: on the main grid of `bench/paper.py`, 7 of 36
-    configurations shorter (by up to 1.6%), none longer; on its seed-7 batches 10
-    shorter (up to 2.2%), 1 longer (0.8%). Rings of two levelled as well gained more on
-    both grids' geometric means but made 5 main-grid configurations longer (up to 0.8%)
-    and `tests/test_hetero.py`'s mixed batch 5.2% longer, so they stay as filled."""
+    blocks and alike whole documents. Rings of two stay as filled (levelled, they made
+    more configurations longer than shorter: docs/planner_evidence.md, step 2)."""
     if len(got) < 3:
         return got
     slots = sorted(got)
@@ -155,7 +151,7 @@ def _levelled(got: dict[int, float], load, speed, room, w: float, per_token: flo
 
 
 def split_to_level(batch: Batch, fill: RankFill, ranks, load, speed, min_length: float, in_water: set[int],
-                   tolerance: float = 0.02) -> None:
+                   tolerance: float = THRESHOLDS.split_tolerance) -> None:
     """Refinement of level 2: while the busiest rank of a node is over the node's mean by
     more than `tolerance` and holds only whole documents, split its largest document that
     is above the intra-node crossover with the least busy rank that holds only whole

@@ -1,26 +1,90 @@
-"""The ring traffic of a split document: every K/V and dK/dV message, step by step.
+"""A split document's ring (`Ring`), the routes of its hops across nodes (`Route`), and its
+traffic: every K/V and dK/dV message, step by step.
 
 The one walk of ring traffic (`Plan.ring_messages`, `Ring.messages` call it): the metrics,
 the routing planner, the runtime's byte prediction and the simulator all use it, or its
-O(g) forms below (`forward_link_rows`, `ring_schedule`). Part of the contract layer.
+O(g) forms below (`forward_link_rows`, `ring_schedule`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from ballonet.plan import Ring
+from ballonet.plan.layout import Segment, chunk_bounds
 
-__all__ = ["PAYLOADS", "PHASES", "RingMessage", "double_schedule", "forward_link_rows", "ring_messages",
-           "ring_schedule"]
+__all__ = ["PAYLOADS", "PHASES", "RING_COMMS", "SPLIT_KINDS", "Ring", "RingMessage", "Route", "double_schedule",
+           "forward_link_rows", "ring_messages", "ring_schedule"]
 
+SPLIT_KINDS = ("intra", "inter")
+RING_COMMS = ("ring", "allgather", "double")
 PHASES = ("forward", "backward")
 PAYLOADS = ("kv", "grad")
+
+
+@dataclass(frozen=True)
+class Ring:
+    """A split document: its ranks in ring order and its zig-zag chunks."""
+
+    doc: int
+    kind: str
+    """"intra" (one node) or "inter" (several nodes)."""
+    ranks: tuple[int, ...]
+    """Ring order: ranks[i] sends K/V to ranks[i + 1] (mod g)."""
+    bounds: tuple[int, ...]
+    """2g + 1 increasing chunk boundaries over the document, from 0 to its length."""
+    comm: str = "ring"
+    """"ring" (P2P K/V passing), "allgather" (Llama-3 style: K/V all-gathered) or "double"
+    (a ring inside each node and one across nodes between rail peers, `ring_traffic`)."""
+    groups: int = 1
+    """"double": the number of node groups k; ranks are node-major, group a is ranks
+    [a*n, (a+1)*n) (n = g // k), all on one node, each group on its own node. 1 otherwise."""
+
+    @property
+    def group_size(self) -> int:
+        """Ranks per node group (g for a ring of one group)."""
+        return len(self.ranks) // self.groups
+
+    def schedule(self) -> np.ndarray:
+        """[g, g]: the ring position whose block position i holds at step s
+        (`ring_traffic.ring_schedule`, `double_schedule` for "double")."""
+        return double_schedule(self.groups, self.group_size) if self.comm == "double" else ring_schedule(len(self.ranks))
+
+    def chunks_of(self, position: int) -> tuple[Segment, ...]:
+        """The non-empty chunks held by ring position `position`: i and 2g-1-i."""
+        g, b = len(self.ranks), self.bounds
+        pair = (Segment(self.doc, b[position], b[position + 1]),
+                Segment(self.doc, b[2 * g - 1 - position], b[2 * g - position]))
+        return tuple(s for s in pair if s.num_tokens > 0)
+
+    def block_tokens(self, position: int) -> int:
+        """Tokens (K/V rows) held by ring position `position`."""
+        return sum(s.num_tokens for s in self.chunks_of(position))
+
+    def messages(self) -> Iterator[RingMessage]:
+        """Every message of this document's attention (`ring_traffic.ring_messages`)."""
+        return ring_messages(self)
+
+    def forward_link_rows(self) -> list[tuple[int, int, int]]:
+        """(src, dst, rows): the forward K/V rows of `messages()` summed per link, in O(g)
+        (`ring_traffic.forward_link_rows`)."""
+        return forward_link_rows(self)
+
+
+@dataclass(frozen=True)
+class Route:
+    doc: int
+    src: int
+    dst: int
+    proxies: tuple[tuple[int, int], ...]
+    """(proxy on the source node, proxy on the destination node) per part."""
+
+    def part_bounds(self, rows: int) -> tuple[int, ...]:
+        """Row bounds of the parts of a message of `rows` rows: part j is rows
+        [b[j], b[j + 1]) and travels by proxies[j]."""
+        return chunk_bounds(rows, len(self.proxies))
 
 
 @dataclass(frozen=True)

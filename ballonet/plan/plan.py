@@ -27,7 +27,10 @@ cut into len(proxies) row ranges (`Route.part_bounds`, i.e. `chunk_bounds(rows, 
 part j travels src -> proxies[j][0] (intra-node) -> proxies[j][1] (across nodes,
 rail-aligned) -> dst (intra-node), each leg carrying the part's rows.
 
-Token counts here are model-free; the cost model turns them into bytes and seconds.
+Token counts here are model-free; the cost model turns them into bytes and seconds. What
+the planner decided for the model it planned for is typed fields too: each rank's memory
+(`memory_bytes`, `memory_cap`), its activation recomputation (`recompute`) and whether the
+plan is made for the attention engine (`attention_engine`).
 """
 
 from __future__ import annotations
@@ -38,122 +41,17 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING
 
-from ballonet.ring_traffic import (
-    PAYLOADS,
-    PHASES,
-    RingMessage,
-    double_schedule,
-    forward_link_rows,
-    ring_messages,
-    ring_schedule,
-)
+from ballonet.plan.layout import Segment, Transfer
+from ballonet.plan.recompute import RankRecompute, RecomputeMode
+from ballonet.plan.ring_traffic import RING_COMMS, SPLIT_KINDS, Ring, RingMessage, Route
 
-if TYPE_CHECKING:
-    import numpy as np
-
-__all__ = ["PAYLOADS", "PHASES", "RING_COMMS", "SPLIT_KINDS", "InvalidPlan", "Plan", "Ring",
-           "RingMessage", "Route", "Segment", "Transfer", "chunk_bounds", "double_schedule", "ring_schedule"]
-
-SPLIT_KINDS = ("intra", "inter")
-RING_COMMS = ("ring", "allgather", "double")
+__all__ = ["InvalidPlan", "Plan"]
 
 
 class InvalidPlan(Exception):
     """A plan that breaks the contract: a planner bug, never a user error (so not an
     `InputError`: the CLI reports it as a bug, not as bad input)."""
-
-
-class _TokenRange:
-    """Tokens [start, end) of something (fields of the dataclasses below)."""
-
-    @property
-    def num_tokens(self) -> int:
-        return self.end - self.start
-
-
-@dataclass(frozen=True)
-class Segment(_TokenRange):
-    doc: int
-    start: int
-    end: int
-
-
-@dataclass(frozen=True)
-class Ring:
-    """A split document: its ranks in ring order and its zig-zag chunks."""
-
-    doc: int
-    kind: str
-    """"intra" (one node) or "inter" (several nodes)."""
-    ranks: tuple[int, ...]
-    """Ring order: ranks[i] sends K/V to ranks[i + 1] (mod g)."""
-    bounds: tuple[int, ...]
-    """2g + 1 increasing chunk boundaries over the document, from 0 to its length."""
-    comm: str = "ring"
-    """"ring" (P2P K/V passing), "allgather" (Llama-3 style: K/V all-gathered) or "double"
-    (a ring inside each node and one across nodes between rail peers, `ring_traffic`)."""
-    groups: int = 1
-    """"double": the number of node groups k; ranks are node-major, group a is ranks
-    [a*n, (a+1)*n) (n = g // k), all on one node, each group on its own node. 1 otherwise."""
-
-    @property
-    def group_size(self) -> int:
-        """Ranks per node group (g for a ring of one group)."""
-        return len(self.ranks) // self.groups
-
-    def schedule(self) -> np.ndarray:
-        """[g, g]: the ring position whose block position i holds at step s
-        (`ring_traffic.ring_schedule`, `double_schedule` for "double")."""
-        return double_schedule(self.groups, self.group_size) if self.comm == "double" else ring_schedule(len(self.ranks))
-
-    def chunks_of(self, position: int) -> tuple[Segment, ...]:
-        """The non-empty chunks held by ring position `position`: i and 2g-1-i."""
-        g, b = len(self.ranks), self.bounds
-        pair = (Segment(self.doc, b[position], b[position + 1]),
-                Segment(self.doc, b[2 * g - 1 - position], b[2 * g - position]))
-        return tuple(s for s in pair if s.num_tokens > 0)
-
-    def block_tokens(self, position: int) -> int:
-        """Tokens (K/V rows) held by ring position `position`."""
-        return sum(s.num_tokens for s in self.chunks_of(position))
-
-    def messages(self) -> Iterator[RingMessage]:
-        """Every message of this document's attention (`ring_traffic.ring_messages`)."""
-        return ring_messages(self)
-
-    def forward_link_rows(self) -> list[tuple[int, int, int]]:
-        """(src, dst, rows): the forward K/V rows of `messages()` summed per link, in O(g)
-        (`ring_traffic.forward_link_rows`)."""
-        return forward_link_rows(self)
-
-
-@dataclass(frozen=True)
-class Transfer(_TokenRange):
-    src: int
-    dst: int
-    start: int
-    end: int
-
-
-@dataclass(frozen=True)
-class Route:
-    doc: int
-    src: int
-    dst: int
-    proxies: tuple[tuple[int, int], ...]
-    """(proxy on the source node, proxy on the destination node) per part."""
-
-    def part_bounds(self, rows: int) -> tuple[int, ...]:
-        """Row bounds of the parts of a message of `rows` rows: part j is rows
-        [b[j], b[j + 1]) and travels by proxies[j]."""
-        return chunk_bounds(rows, len(self.proxies))
-
-
-def chunk_bounds(length: int, num_chunks: int) -> tuple[int, ...]:
-    """num_chunks + 1 boundaries cutting `length` into near-equal parts (no padding)."""
-    return tuple(length * j // num_chunks for j in range(num_chunks + 1))
 
 
 def _sha(text: str) -> str:
@@ -178,8 +76,14 @@ class Plan:
     and each rank runs ready work in queue order (inter-node, intra-node, local), so local
     attention fills ring waits. False: the baselines' loop (fixed order; a ring step's
     send issued after the previous step's compute). The simulator models it."""
+    recompute: tuple[RankRecompute, ...] = ()
+    """[R] what each rank recomputes for the model the plan was made for: the cheapest
+    recomputation its tokens fit under (`cost.recompute.cheapest_per_rank`), which the
+    simulator and the trainer's `--recompute auto` run. Empty: not decided (a plan built
+    by hand); they then decide it from the plan's tokens the same way."""
     meta: dict = field(default_factory=dict, compare=False)
-    """Free-form planner facts (thresholds used, options); part of the JSON."""
+    """Free-form records of how the planner got there (options, thresholds, the candidates
+    it compared); part of the JSON, read by no code."""
 
     # ---- derived views ---------------------------------------------------------------
 
@@ -290,6 +194,11 @@ class Plan:
         self._validate_remap()
         for route in self.routes:
             self._validate_route(route)
+        _check(not self.recompute or (len(self.recompute) == n and all(
+            isinstance(m, RecomputeMode) and isinstance(k, int) and k >= 0 and (k == 0 or m != RecomputeMode.NONE)
+            for m, k in self.recompute)), f"recompute {self.recompute}: not one (mode, layers) per rank")
+        full = {m == RecomputeMode.FULL for m, _ in self.recompute}
+        _check(len(full) <= 1, "recompute: full on some ranks only (it reruns the exchanges: every rank or none)")
         if self.memory_bytes:
             for rank, (used, cap) in enumerate(zip(self.memory_bytes, self.memory_cap)):
                 _check(used <= cap, f"rank {rank}: {used / 2**30:.1f} GiB over its cap of {cap / 2**30:.1f} GiB")
@@ -379,6 +288,7 @@ class Plan:
             memory_bytes=tuple(d["memory_bytes"]),
             memory_cap=tuple(d["memory_cap"]),
             attention_engine=d["attention_engine"],
+            recompute=tuple(RankRecompute(RecomputeMode(m), k) for m, k in d.get("recompute", ())),
             meta=d["meta"],
         )
 

@@ -1,0 +1,213 @@
+"""The candidate plans of the partitioner: steps 2-4 on a level 1 (`place`, `finish`),
+each plan priced as the search compares them (`CandidateMaker`: its estimated step, and
+whether memory caps bind where that step is set)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+
+from ballonet.cost.memory import activation_bytes, recompute_layer_count
+from ballonet.cost.recompute import layers_per_rank
+from ballonet.errors import InfeasiblePlan
+from ballonet.plan import Plan
+from ballonet.plan.recompute import heaviest
+from ballonet.planning.assembly import Placement, assemble, over_cap, with_memory
+from ballonet.planning.devices import Devices
+from ballonet.planning.packing import NoRoom, apportion, lpt
+from ballonet.planning.pricing import (
+    attention_kernels,
+    crossing_exposed_seconds,
+    rank_compute_seconds,
+    rank_step_seconds,
+    remaps_inside,
+    synchronous_step_seconds,
+)
+from ballonet.planning.remap import linear_targets, node_linear_targets, plan_remap
+from ballonet.planning.zeppelin.classes import NodeLevel
+from ballonet.planning.zeppelin.node_placement import level2
+from ballonet.planning.zeppelin.refinement import refine
+from ballonet.planning.zeppelin.state import Batch, Crossover, RankFill
+from ballonet.planning.zeppelin.thresholds import THRESHOLDS
+from ballonet.specs import ModelSpec
+
+__all__ = ["Candidate", "CandidateMaker", "caps_bind", "fallback", "finish", "place"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Candidate:
+    """A plan the search compares (`CandidateMaker.make`)."""
+    plan: Plan
+    seconds: float
+    """Its estimated step."""
+    binds: bool
+    """Whether caps bind where that step is set (`caps_bind`)."""
+    kernels: tuple
+    """Its `pricing.attention_kernels`."""
+    busiest_s: float
+    """Its busiest rank's estimated step (`pricing.rank_step_seconds`)."""
+    node_floor_s: float
+    """Its busiest node's mean compute plus what its rings across nodes expose: no plan of
+    the same nodes goes below it (the keep-tokens plan's `Thresholds.keep_margin`)."""
+    dev: Devices
+    model: ModelSpec
+    """The spec it was made for (the recomputation of its caps)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CandidateMaker:
+    """What the candidate plans of one recomputation mode share: the batch, the devices
+    under that mode's caps, the plans' meta, and how they are priced."""
+    lengths: list[int]
+    dev: Devices
+    model: ModelSpec
+    """The mode's spec: `recompute` is the mode whose caps the plans are made under."""
+    crossovers: list[Crossover]
+    meta: dict
+    trim: bool
+    """Each rank recomputes as little as its tokens need (`cost.recompute.layers_per_rank`),
+    its estimate priced so (selective or linear recomputation left to the cost model)."""
+    remap: bool
+    price_linear: bool
+    routing: bool
+
+    def plan(self, placement: Placement, facts: dict, *, keep: bool, double: bool) -> Plan:
+        """Step 4 but routes and memory on `placement` (`remapped`)."""
+        return remapped(self.lengths, self.dev, placement, {**self.meta, **facts, "keep_tokens": keep, "double": double},
+                        remap=self.remap and not keep, node_remap=self.price_linear, double=double)
+
+    def make(self, placement: Placement, facts: dict, *, keep: bool, double: bool) -> Candidate | None:
+        """The plan of `placement`, priced; None when a rank is over its memory cap."""
+        plan = self.plan(placement, facts, keep=keep, double=double)
+        return None if over_cap(plan, self.dev) is not None else self.price(plan)
+
+    def price(self, plan: Plan) -> Candidate:
+        """`plan` (within its caps) with its memory and estimated step."""
+        model, dev, trim = self.model, self.dev, self.trim
+        plan = with_memory(plan, dev)
+        priced, layers = model, recompute_layer_count(model)  # the model's own, or every layer
+        if trim:
+            lin, att = plan.linear_token_counts, plan.attention_token_counts
+            layers = layers_per_rank(model, lin, dev.gpu, dev.num_ranks, att, model.recompute)
+            if layers is None:  # (the caps hold every layer's activations of the mode; rounding aside)
+                layers = [(model.recompute, model.num_layers)] * dev.num_ranks
+            mode, most = heaviest(layers)
+            mode = mode.value
+            priced = dataclasses.replace(model, recompute=mode, recompute_layers=most if mode != "none" else None)
+            used = tuple(dev.static_bytes + activation_bytes(model, a, b, m, k)
+                         for a, b, (m, k) in zip(lin, att, layers))
+            plan = dataclasses.replace(plan, memory_bytes=used, meta={
+                **plan.meta, "recompute": mode, "recompute_layers": most})
+        kernels = attention_kernels(plan, dev, priced)
+        attention, linear = rank_compute_seconds(plan, dev, priced, priced.recompute, split=True, layers=layers,
+                                                 kernels=kernels)
+        seconds, exposed = _step_seconds(plan, dev, priced, self.crossovers, (attention, linear), self.routing)
+        node = max((attention[rs] + linear[rs] + exposed[rs]).mean() for rs in dev.nodes())
+        busiest = float(seconds.max())
+        step = max(busiest, synchronous_step_seconds(plan, dev, priced, kernels, seconds, attention + linear,
+                                                     layers if trim else None))
+        return Candidate(plan=plan, seconds=step, binds=caps_bind(plan, dev, seconds), kernels=kernels,
+                         busiest_s=busiest, node_floor_s=node, dev=dev, model=model)
+
+
+def place(shared: NodeLevel, keep_tokens: bool) -> tuple[Placement, dict] | None:
+    """Steps 2-3 on `shared`: every rank keeping its tokens, or remapping inside NVLink
+    nodes; (the placement, facts for the plan's meta), or None when a greedy step finds a
+    document no room (`NoRoom`)."""
+    try:
+        return _place(shared, keep_tokens)
+    except (NoRoom, InfeasiblePlan):
+        return None
+
+
+def _place(shared: NodeLevel, keep_tokens: bool) -> tuple[Placement, dict]:
+    dev = shared.batch.dev
+    R, nodes, lengths, intra = dev.num_ranks, dev.nodes(), shared.batch.lengths, shared.intra
+    keeps = np.array([keep_tokens or not remaps_inside(g) for g in dev.gpu])
+    batch = dataclasses.replace(shared.batch, linear_on_rank=np.where(keeps, shared.rank_token, 0.0))
+    fill = RankFill(local=[[] for _ in range(R)], split_shares={}, token_room=dev.token_cap.astype(float))
+    if shared.level1 is None:  # every split document over all ranks, shares set by refinement
+        solid = [d for d in range(len(lengths)) if not intra[d]]
+        for i, docs in lpt(solid, batch.work_list, lengths, np.zeros(R), dev.speed, fill.token_room).items():
+            fill.local[i] = docs
+        fill.split_shares = {int(d): dict.fromkeys(range(R), 0.0) for d in np.nonzero(intra)[0]}
+        return refine(batch, fill), {}
+    node_load, node_docs, inter_shares = shared.level1.node_load, shared.level1.node_docs, shared.level1.shares
+    stepped: dict[float, Batch] = {}
+    for n, ranks in enumerate(nodes):
+        water = [(w, d) for d, sh in inter_shares.items() if (w := sh.get(n, 0.0)) > 0]
+        level2(batch, fill, np.array(ranks), node_load[n], node_docs.get(n, []), water,
+                batch.crossovers[dev.group[ranks[0]]].intra, stepped)
+    return refine(batch, fill), {"inter_docs": len(inter_shares)}
+
+
+def fallback(lengths: list[int], dev: Devices) -> Placement:
+    """Runs of the batch in input order, cut at speed-proportional token counts."""
+    quota = apportion(sum(lengths), dev.speed, dev.token_cap)
+    placement = Placement(num_ranks=dev.num_ranks)
+    r = 0
+    for d, L in enumerate(lengths):
+        parts, left = {}, L
+        while left:
+            while quota[r] == 0:
+                r += 1
+            take = min(left, int(quota[r]))
+            parts[r] = take
+            quota[r] -= take
+            left -= take
+        if len(parts) == 1:
+            placement.local[next(iter(parts))].append(d)
+        else:
+            placement.split[d] = parts
+    return placement
+
+
+def finish(lengths, dev: Devices, placement: Placement, meta, *, remap: bool, node_remap: bool,
+           double: bool) -> Plan:
+    """Step 4 but routes, on a placement: remap (inside nodes, or across the cluster) and
+    memory (raises `InfeasiblePlan` over a cap); the chosen plan gets its routes and is
+    validated by `zeppelin` (`bench/hill_climb.py` rebuilds moved placements with it)."""
+    return with_memory(remapped(lengths, dev, placement, meta, remap=remap, node_remap=node_remap, double=double),
+                       dev)
+
+
+def remapped(lengths, dev: Devices, placement: Placement, meta, *, remap: bool, node_remap: bool,
+             double: bool) -> Plan:
+    """`finish` but memory: the assembled plan, with its remap (inside nodes, or across the
+    cluster)."""
+    plan = assemble("zeppelin", lengths, dev, placement, double=double, attention_engine=True, meta=meta)
+    if remap:
+        counts = plan.attention_token_counts
+        nodes = [rs for rs in dev.nodes() if remaps_inside(dev.gpu[rs[0]])]
+        targets = (node_linear_targets(counts, dev.speed, dev.token_cap, nodes) if node_remap
+                   else linear_targets(sum(lengths), dev.speed, dev.token_cap))
+        plan = dataclasses.replace(plan, remap=plan_remap(list(counts), targets, dev.node))
+    return plan
+
+
+def _crossing_exposed(plan: Plan, dev: Devices, model: ModelSpec, crossovers, routing: bool) -> np.ndarray:
+    """[R] what single rings across nodes expose (`pricing.crossing_exposed_seconds`; their
+    crossing hops routed over the node's rails with `routing`)."""
+    return crossing_exposed_seconds(plan, dev, model, np.array([crossovers[g].intra_bw for g in dev.group]),
+                                    np.array([crossovers[g].crossing_bw for g in dev.group]),
+                                    np.array([crossovers[g].rails if routing else 1 for g in dev.group]))
+
+
+def _step_seconds(plan: Plan, dev: Devices, model: ModelSpec, crossovers, compute,
+                  routing: bool) -> tuple[np.ndarray, np.ndarray]:
+    """[R] what the partitioner compares its candidate plans by (`pricing.rank_step_seconds`),
+    and [R] the part of it single rings across nodes expose (`_crossing_exposed`)."""
+    exposed = _crossing_exposed(plan, dev, model, crossovers, routing)
+    start, linear = compute
+    seconds = rank_step_seconds(plan, dev, model, np.array([crossovers[g].intra_bw for g in dev.group]),
+                                (start + exposed, linear), np.array([crossovers[g].rank_nic_bw for g in dev.group]))
+    return seconds, exposed
+
+
+def caps_bind(plan: Plan, dev: Devices, seconds: np.ndarray) -> bool:
+    """Whether a rank of the node whose rank sets the estimated step (`seconds`, [R]) is
+    at its memory cap: only then can looser caps (a costlier recomputation) shorten it."""
+    ranks = dev.nodes()[dev.node[int(np.argmax(seconds))]]
+    return any(plan.memory_bytes[r] >= (1 - THRESHOLDS.cap_slack) * dev.memory_total[r] for r in ranks)

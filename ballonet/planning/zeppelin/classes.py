@@ -1,0 +1,292 @@
+"""Step 0 and step 1 of the partitioner: each document's class (local, split inside a
+node, split across nodes) and level 1, the documents' nodes (docs/design.md, section 4).
+
+`level_nodes` makes both under one recomputation's memory caps (`NodeLevel`), for the
+single rings; `doubled_level` prices the same batch once more for "double" rings across
+nodes and makes its level 1 where that sends more documents across nodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ballonet.cost.seconds import attention_work, breakeven_chunk_tokens
+from ballonet.planning.devices import Devices
+from ballonet.planning.packing import NoRoom, charge, lpt, spread
+from ballonet.planning.pricing import (
+    StepWeights,
+    inter_node_span,
+    linear_work_per_token,
+    ring_exposed_seconds,
+    step_weights,
+)
+from ballonet.planning.zeppelin.state import Batch, Crossover
+from ballonet.planning.zeppelin.thresholds import THRESHOLDS
+from ballonet.planning.zeppelin.water import split_work, water_level
+from ballonet.specs import ClusterSpec, ModelSpec
+
+__all__ = ["Level1", "NodeLevel", "classify", "crossover_lengths", "doubled_level", "level1", "level_nodes"]
+
+
+@dataclass(frozen=True)
+class Level1:
+    """Step 1's outcome: the documents' nodes."""
+    node_load: np.ndarray
+    """[nodes] attention work each node got (peak-FLOP units)."""
+    node_docs: dict[int, list[int]]
+    """Per node, the documents it holds whole (or splits over its own ranks)."""
+    shares: dict[int, dict[int, float]]
+    """Per document split across nodes, each of its nodes' attention work."""
+
+
+@dataclass(frozen=True)
+class NodeLevel:
+    """Steps 0-1 of a batch under one recomputation's memory caps: what the remap and the
+    keep-tokens plans share (neither reads `Batch.linear_on_rank`)."""
+    batch: Batch
+    rank_token: np.ndarray
+    """[R] linear work per token of each rank's GPU type (0 without `price_linear`)."""
+    intra: np.ndarray
+    level1: Level1 | None
+    """None without hierarchy (every split document over all ranks)."""
+    node_seconds: float
+    """The busiest node's step compute as level 1 left it (its attention and linear work
+    over its ranks' speed; no communication, no tensor parallelism): about what its
+    busiest rank's will be once level 2 evens the node out (0 without hierarchy)."""
+    inter: np.ndarray
+    """[D] the documents step 0 sent across nodes."""
+    weights: StepWeights
+    per_token: float
+    """Linear work per token in level 1 (0 without `price_linear`)."""
+    double: bool
+    """Priced for "double" rings across nodes (`doubled_level`)."""
+
+
+def crossover_lengths(cluster: ClusterSpec, model: ModelSpec) -> list[Crossover]:
+    """Per node group: the lengths above which a document's ring hides its transfers
+    inside a node (`intra`) and across two nodes (`inter`)."""
+    out = []
+    for g in cluster.groups:
+        ranks_per_node = g.gpus_per_node // model.tp
+        c_intra = breakeven_chunk_tokens(model, g.gpu_type, g.intra_bw)
+        c_inter = breakeven_chunk_tokens(model, g.gpu_type, g.nic_bw / g.gpus_per_nic, nic=True)
+        out.append(Crossover(intra=2 * c_intra if ranks_per_node > 1 else None, inter=2 * ranks_per_node * c_inter,
+                             intra_bw=g.intra_bw, crossing_bw=g.nic_bw,
+                             rank_nic_bw=g.nic_bw / g.gpus_per_nic,
+                             rails=max(1, min(g.gpus_per_node // g.gpus_per_nic, ranks_per_node))))
+    return out
+
+
+def classify(batch: Batch, nodes, per_token: float, weights: StepWeights, *, hierarchical: bool, double: bool,
+             routing: bool) -> tuple[np.ndarray, np.ndarray, dict[int, int]]:
+    """(intra, inter, span): masks of the documents split inside a node / across nodes
+    (module docstring), and the number of nodes of each inter-node document that pricing
+    sent there. A document whose attention plus linear work is over a node's share (and
+    that one node's memory holds) goes across nodes when the node's overload it saves is
+    more than the ring's exposed communication would cost, over as many nodes as leave the
+    least of the two (`pricing.inter_node_span`: crossing hops routed over the nodes' rails
+    with `routing`; with `double`, priced as a "double" ring, counting the tokens its node
+    must hold under binding caps). Without `price_linear` (no step weights) the crossover
+    rule alone sends it: across nodes from the inter-node crossover up."""
+    L, work, dev, crossovers = batch.length_array, batch.work, batch.dev, batch.crossovers
+    speed = dev.speed
+    rank_share = work.sum() * speed.max() / speed.sum()
+    step = work + per_token * L
+    node_speed = max(speed[rs].sum() for rs in nodes)
+    node_share = step.sum() * node_speed / speed.sum()
+    l_intra = min((t.intra for t in crossovers if t.intra), default=None)
+    l_inter = min(t.inter for t in crossovers)
+    can_intra = (L >= l_intra) if l_intra else np.zeros(len(L), dtype=bool)
+    intra = (L > dev.token_cap.max()) | ((work > rank_share) & can_intra)
+    inter, span = np.zeros(len(L), dtype=bool), {}
+    if hierarchical and len(nodes) > 1:
+        node_tokens = max(dev.token_cap[rs].sum() for rs in nodes)
+        # With `double`: under memory caps that bind, a node holds at least the tokens the
+        # other nodes cannot, so a document's node also carries that many tokens' linear
+        # work; and every document over a node's share is priced, above the crossover too.
+        least = max(float(L.sum()) - (dev.token_cap.sum() - node_tokens), 0.0) if double else 0.0
+        heavy = step + np.maximum(least - L, 0.0) * per_token > node_share
+        inter = (L > node_tokens) | (heavy & (L >= l_inter))
+        n = max(len(rs) for rs in nodes)
+        rank_nic = min(t.rank_nic_bw if double else t.crossing_bw for t in crossovers)
+        to_price = heavy & ~(L > node_tokens)
+        for d in np.nonzero(to_price)[0] if per_token > 0 else ():  # priced with `price_linear` only
+            k = inter_node_span(batch.model, batch.gpu, int(L[d]), step[d], node_share, n, len(nodes), rank_nic,
+                                node_speed, weights, min_tokens=least, fill_per_token=per_token,
+                                intra_bw=min(t.intra_bw for t in crossovers) if double else None,
+                                routed=(min(t.intra_bw for t in crossovers), min(t.rails for t in crossovers))
+                                if routing and not double else None)
+            inter[d] = k > 1
+            if k > 1:
+                span[int(d)] = k
+    return intra & ~inter, inter, span
+
+
+def level1(batch: Batch, nodes, intra, inter, span: dict[int, int], per_token: float,
+           weights: StepWeights | None, rank_token: np.ndarray) -> Level1 | None:
+    """Step 1: inter-node documents fill the nodes with most room (one priced to `span[d]`
+    nodes goes to that many, leaving them level); the rest go whole to nodes by LPT
+    (documents to split inside a node only to nodes of 2 or more ranks); a document no
+    node has memory for is spread across nodes. None when a document has no room (a
+    greedy step's `NoRoom`)."""
+    try:
+        return _level1(batch, nodes, intra, inter, span, per_token, weights, rank_token)
+    except NoRoom:
+        return None
+
+
+def _level1(batch: Batch, nodes, intra, inter, span: dict[int, int], per_token: float,
+            weights: StepWeights | None, rank_token: np.ndarray) -> Level1:
+    lengths, att, dev = batch.lengths, batch.work, batch.dev
+    work = att + per_token * batch.length_array
+    node_speed = np.array([dev.speed[rs].sum() for rs in nodes])
+    node_target = work.sum() * node_speed / node_speed.sum()
+    node_load = np.zeros(len(nodes))
+    node_room = np.array([dev.token_cap[rs].sum() for rs in nodes], dtype=float)
+    shares: dict[int, dict[int, float]] = {}
+    for d in sorted(np.nonzero(inter)[0].tolist(), key=lambda d: (-work[d], d)):
+        got = _span_nodes(node_target - node_load, node_load, node_speed, node_room, work[d], work[d] / lengths[d],
+                          span[d]) if d in span else None
+        if got is None:
+            got = spread(node_target - node_load, node_room, work[d], work[d] / lengths[d])
+        charge(got, d, work, lengths, node_load, node_room, out=shares)
+    node_token = np.array([rank_token[rs[0]] for rs in nodes])  # a node's own GPUs' linear work per token
+    per_node = _node_work(batch, nodes, weights) + node_token[:, None] * batch.length_array
+    node_docs: dict[int, list[int]] = {}
+    multi = np.array([len(rs) > 1 for rs in nodes])
+    spill: list[int] = []
+    for docs, pool in (([d for d in range(len(lengths)) if intra[d]], multi if multi.any() else ~multi),
+                       ([d for d in range(len(lengths)) if not intra[d] and not inter[d]], np.ones(len(nodes), bool))):
+        idx = np.nonzero(pool)[0]
+        sub_load, sub_room = node_load[idx], node_room[idx]
+        for i, ds in lpt(docs, per_node[idx], lengths, sub_load, node_speed[idx], sub_room, spill).items():
+            node_docs.setdefault(int(idx[i]), []).extend(ds)
+        node_load[idx], node_room[idx] = sub_load, sub_room
+    for d in spill:
+        got = spread(node_target - node_load, node_room, work[d], work[d] / lengths[d])
+        charge(got, d, work, lengths, node_load, node_room, out=shares)
+    att_shares = {d: {n: w * att[d] / work[d] for n, w in sh.items()} for d, sh in shares.items()}
+    node_att = np.array([sum(att[d] for d in node_docs.get(n, [])) for n in range(len(nodes))])
+    for sh in att_shares.values():
+        for n, w in sh.items():
+            node_att[n] += w
+    return Level1(node_load=node_att, node_docs=node_docs, shares=att_shares)
+
+
+def _span_nodes(room, load, speed, token_room, work: float, per_token: float, k: int) -> dict[int, float] | None:
+    """`work` over the `k` nodes with most room, leaving them level relative to speed
+    ({node: work}), or None when their memory cannot hold it."""
+    chosen = np.argsort(-room, kind="stable")[:k]
+    got = water_level(load[chosen], speed[chosen], np.ones(k), token_room[chosen] * per_token, work)
+    if got.sum() < work * (1 - THRESHOLDS.rounding):
+        return None
+    return {int(n): float(x) for n, x in zip(chosen, got) if x > 0}
+
+
+def _node_work(batch: Batch, nodes, weights: StepWeights | None) -> np.ndarray:
+    """[nodes, D] work of each document if it goes whole to each node: a document above
+    a rank's fair share there (and above the node group's intra-node crossover) will be
+    split over about work / share of its ranks, at their shorter blocks' efficiency, and
+    (with `weights`) its ring's exposed transfers on the node's own links are added
+    (`pricing.ring_exposed_seconds`: nothing over NVLink, much over PCIe). With `weights`,
+    one that node cannot split (below its crossover, or a node of one rank) also counts
+    the wait it leaves the node's other ranks: (work - fair share) each. On a mixed
+    cluster the same document is split more, so costs more, on slower nodes."""
+    lengths, work, dev = batch.lengths, batch.work, batch.dev
+    L = batch.length_array
+    out = np.tile(work, (len(nodes), 1))
+    rows: dict[tuple, np.ndarray] = {}  # alike nodes (most of a cluster) share one row
+    for n, rs in enumerate(nodes):
+        fair = work.sum() * dev.speed[rs].max() / dev.speed.sum()
+        cross = batch.crossovers[dev.group[rs[0]]]
+        l_intra = cross.intra if len(rs) > 1 else None
+        key = (fair, l_intra, len(rs), cross.intra_bw, dev.gpu[rs[0]].name)
+        if key not in rows:
+            row = work.copy()
+            heavy = work > fair
+            for d in np.nonzero(heavy & (L >= l_intra))[0] if l_intra is not None else ():
+                members = min(np.ceil(work[d] / fair), len(rs))
+                row[d] = max(work[d], split_work(batch.model, lengths[d], members, batch.gpu))
+                if weights is not None:
+                    exposed = ring_exposed_seconds(batch.model, dev.gpu[rs[0]], lengths[d], int(members),
+                                                   cross.intra_bw, nic=False)
+                    row[d] += exposed * dev.speed[rs].sum() / (weights.attention_step * batch.model.num_layers)
+            if weights is not None:
+                whole = heavy & ~(L >= l_intra) if l_intra is not None else heavy
+                row[whole] += (work[whole] - fair) * (len(rs) - 1)
+            rows[key] = row
+        out[n] = rows[key]
+    return out
+
+
+def level_nodes(lengths, dev: Devices, crossovers, model: ModelSpec, *, hierarchical: bool, price_linear: bool,
+                routing: bool) -> NodeLevel | None:
+    """Steps 0-1 for single rings under the caps of `model.recompute` (`NodeLevel`); None
+    when level 1 finds a document no room."""
+    R, nodes = dev.num_ranks, dev.nodes()
+    gpu = dev.gpu[int(np.argmax(dev.speed))]
+    work = attention_work(model, lengths, gpu)
+    # A document above a rank's fair share will be split over about work / share ranks,
+    # whose shorter blocks run at a lower kernel efficiency: count it at that efficiency.
+    # The share is the fastest rank's (it goes to the fastest ranks first).
+    fair = work.sum() * dev.speed.max() / dev.speed.sum()
+    for d in np.nonzero(work > fair)[0]:
+        for _ in range(THRESHOLDS.work_rounds):  # fixed point: more members, shorter blocks, more work
+            work[d] = split_work(model, lengths[d], min(np.ceil(work[d] / fair), R), gpu)
+    weights = step_weights(model, gpu, lengths, R)
+    per_token = weights.linear_per_token if price_linear else 0.0
+    tokens = sum(lengths) / R
+    by_type = {g.name: linear_work_per_token(model, g, tokens, weights.attention_step) for g in set(dev.gpu)}
+    rank_token = np.array([by_type[g.name] for g in dev.gpu]) if price_linear else np.zeros(R)
+    batch = Batch(lengths=lengths, length_array=np.asarray(lengths, dtype=float), work=work,
+                  work_list=work.tolist(), dev=dev, model=model, gpu=gpu, crossovers=crossovers,
+                  linear_on_rank=np.zeros(R))
+    classes = classify(batch, nodes, per_token, weights, hierarchical=hierarchical, double=False, routing=routing)
+    return _with_level1(batch, weights, per_token, rank_token, classes, hierarchical=hierarchical,
+                        price_linear=price_linear, double=False)
+
+
+def _with_level1(batch: Batch, weights: StepWeights, per_token: float, rank_token: np.ndarray, classes, *,
+                 hierarchical: bool, price_linear: bool, double: bool) -> NodeLevel | None:
+    """`NodeLevel` from step 0's classes ((intra, inter, span) of `classify`); None when
+    level 1 finds a document no room."""
+    nodes = batch.dev.nodes()
+    intra, inter, span = classes
+    lv = None
+    if hierarchical:
+        lv = level1(batch, nodes, intra, inter, span, per_token, weights if price_linear else None, rank_token)
+        if lv is None:
+            return None
+    return NodeLevel(batch=batch, rank_token=rank_token, intra=intra, inter=inter, level1=lv,
+                     node_seconds=_node_seconds(batch, nodes, lv, rank_token, weights) if lv else 0.0,
+                     weights=weights, per_token=per_token, double=double)
+
+
+def doubled_level(shared: NodeLevel, *, price_linear: bool, routing: bool) -> NodeLevel | None:
+    """Steps 0-1 priced for "double" rings across nodes, when that pricing sends a document
+    across nodes that single rings keep inside one (and level 1 finds it room); otherwise
+    None: where the same documents cross, double rings were never chosen, at 2.2-2.8x the
+    planning time (docs/planner_evidence.md, 'Double rings')."""
+    batch = shared.batch
+    if shared.level1 is None or batch.dev.num_nodes < 2:
+        return None
+    classes = classify(batch, batch.dev.nodes(), shared.per_token, shared.weights, hierarchical=True, double=True,
+                       routing=routing)
+    if not (classes[1] & ~shared.inter).any():
+        return None
+    return _with_level1(batch, shared.weights, shared.per_token, shared.rank_token, classes, hierarchical=True,
+                        price_linear=price_linear, double=True)
+
+
+def _node_seconds(batch: Batch, nodes, lv: Level1, rank_token: np.ndarray, weights: StepWeights) -> float:
+    """`NodeLevel.node_seconds` from level 1's node loads and the tokens each node holds."""
+    node_att, node_docs, shares = lv.node_load, lv.node_docs, lv.shares
+    lengths, work, speed = batch.lengths, batch.work, batch.dev.speed
+    tokens = np.array([float(sum(lengths[d] for d in node_docs.get(n, []))) for n in range(len(nodes))])
+    for d, sh in shares.items():
+        for n, w in sh.items():
+            tokens[n] += w * lengths[d] / work[d]
+    per_node = [(node_att[n] + rank_token[rs[0]] * tokens[n]) / speed[rs].sum() for n, rs in enumerate(nodes)]
+    return max(per_node) * weights.attention_step * batch.model.num_layers

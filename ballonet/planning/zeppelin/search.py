@@ -1,0 +1,215 @@
+"""The partitioner's search: plans for each recomputation mode, with single rings and then
+with "double" rings across nodes, each with every rank keeping its tokens and with the
+remap, keeping the plan with the shortest estimated step (docs/design.md, section 4).
+
+`CandidateSearch` walks those three axes in one loop each; every prune is a named
+predicate (`_level_too_slow`, `_level_enough`, `_costlier_mode_loses`, `_plan_looser`),
+every step that can fail returns None, and the one reason the search refuses the batch
+is kept (`refusal`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ballonet.cost.memory import BELOW, recompute_layer_count, recompute_mode
+from ballonet.errors import InfeasiblePlan, InputError
+from ballonet.plan import Plan
+from ballonet.planning.assembly import over_cap
+from ballonet.planning.devices import check_lengths, devices, infeasibility
+from ballonet.planning.pricing import rank_compute_seconds, recompute_modes
+from ballonet.planning.routing import plan_routes
+from ballonet.planning.zeppelin.candidates import Candidate, CandidateMaker, fallback, place
+from ballonet.planning.zeppelin.classes import NodeLevel, crossover_lengths, doubled_level, level_nodes
+from ballonet.planning.zeppelin.thresholds import THRESHOLDS
+from ballonet.specs import ClusterSpec, ModelSpec
+
+__all__ = ["CandidateSearch", "ZeppelinOptions", "zeppelin"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeppelinOptions:
+    """The partitioner's switches (`zeppelin`'s keyword arguments; in `plan.meta["options"]`)."""
+    routing: bool = True
+    """Route crossing ring hops over idle, rail-aligned NICs (and price them so)."""
+    remap: bool = True
+    """Remap tokens for the linear layers (off: every rank keeps its attention tokens)."""
+    hierarchical: bool = True
+    """Nodes first, then ranks (off: a document that must be split spans every rank)."""
+    assume_homogeneous: bool = False
+    """Plan as if every GPU were the first type (memory caps stay real)."""
+    price_linear: bool = True
+    """Balance nodes on attention plus linear work, remap inside nodes only, and keep every
+    rank's tokens where that prices shorter (off: attention alone, remap across the cluster)."""
+    price_recompute: bool = True
+    """Plan for each recomputation the batch fits under (off: the model's, full when unset)."""
+    double: bool = True
+    """Also plan "double" rings across nodes where that pricing sends more documents across."""
+
+    def __post_init__(self):
+        for key, value in dataclasses.asdict(self).items():
+            if not isinstance(value, bool):
+                raise InputError(f"zeppelin option {key} must be True or False, got {value!r}")
+
+
+@dataclass
+class CandidateSearch:
+    """One batch's search (`run`): its inputs, the best plan so far, every plan compared
+    (`plan.meta["candidates"]`) and why the batch was refused, if it was."""
+    lengths: list[int]
+    cluster: ClusterSpec
+    model: ModelSpec
+    options: ZeppelinOptions
+    crossovers: list = field(default_factory=list)
+    best: Candidate | None = None
+    compared: list[dict] = field(default_factory=list)
+    refusal: str | None = None
+    """The last mode's reason for no plan (a batch over every cap)."""
+
+    @property
+    def best_s(self) -> float:
+        return self.best.seconds if self.best is not None else np.inf
+
+    def run(self) -> Plan:
+        opts, model = self.options, self.model
+        self.crossovers = crossover_lengths(self.cluster, model)
+        modes = recompute_modes(model) if opts.price_recompute else (recompute_mode(model),)
+        trim = opts.price_recompute and model.recompute is None  # selective on as few layers as a plan needs
+        singles: list[tuple[CandidateMaker, NodeLevel]] = []  # each mode's single-ring level 1, for `double`
+        looser = False  # this mode is planned for its looser caps, whatever its cost on every layer
+        for i, mode in enumerate(modes):
+            maker = self._maker(dataclasses.replace(model, recompute=mode), trim and mode in BELOW)
+            if maker is None:
+                continue
+            level = level_nodes(self.lengths, maker.dev, self.crossovers, maker.model, hierarchical=opts.hierarchical,
+                                price_linear=opts.price_linear, routing=opts.routing)
+            if level is not None and self._level_too_slow(level, np.inf if looser else self.best_s):
+                break  # and costlier modes, whose caps are tighter nowhere
+            plans = self._plans(maker, level) if level is not None else []
+            if not plans and i == len(modes) - 1 and self.best is None:
+                plans = self._fallback(maker)
+            if not plans:
+                continue
+            self._compare(plans)
+            if level is not None:
+                singles.append((maker, level))
+            if i + 1 < len(modes):
+                looser = self._plan_looser(trim, modes[i + 1])
+                if not looser and self._costlier_mode_loses(plans[0], modes[i + 1]):
+                    break
+        # After the single-ring search, so that it prunes as without `double`; the most
+        # promising level 1 first, so that the others' prune meets the best plan it makes.
+        doubled = [(d, maker) for maker, level in singles if opts.double
+                   and (d := doubled_level(level, price_linear=opts.price_linear, routing=opts.routing)) is not None]
+        for level, maker in sorted(doubled, key=lambda x: x[0].node_seconds):
+            if not self._level_too_slow(level, self.best_s):
+                self._compare(self._plans(maker, level))
+        if self.best is None:
+            raise InfeasiblePlan(self.refusal)
+        best = self.best
+        plan = dataclasses.replace(best.plan, meta={**best.plan.meta, "candidates": self.compared})
+        if opts.routing:
+            plan = dataclasses.replace(plan, routes=plan_routes(plan, self.cluster, best.model, best.dev.local_index))
+        return plan.validate()
+
+    # ---- one mode ---------------------------------------------------------------------
+
+    def _maker(self, spec: ModelSpec, trim: bool) -> CandidateMaker | None:
+        """The mode's devices and plan facts; None (the reason kept) when no plan can hold
+        the batch under its caps."""
+        dev = devices(self.cluster, spec, self.options.assume_homogeneous)
+        why = infeasibility(self.lengths, dev, spec)
+        if why is not None:
+            self.refusal = why
+            return None
+        opts = self.options
+        meta = {"options": dataclasses.asdict(opts),
+                "crossover_lengths": [dataclasses.asdict(t) for t in self.crossovers],
+                "recompute": spec.recompute, "recompute_layers": recompute_layer_count(spec), "keep_tokens": False,
+                "fallback": False}
+        return CandidateMaker(lengths=self.lengths, dev=dev, model=spec, crossovers=self.crossovers, meta=meta,
+                              trim=trim, remap=opts.remap, price_linear=opts.price_linear, routing=opts.routing)
+
+    def _plans(self, maker: CandidateMaker, level: NodeLevel) -> list[Candidate]:
+        """From one level 1: every rank keeping its tokens (attention plus linear work
+        balanced per rank; when pricing may prefer it), then remapping tokens inside
+        nodes unless the first is already `_level_enough`. A plan the greedy steps cannot
+        fit is left out: [] when neither fits."""
+        out = []
+        if self.options.price_linear and self.options.remap:
+            kept = self._candidate(maker, level, keep=True)
+            if kept is not None:
+                out.append(kept)
+                if self._level_enough(kept):
+                    return out
+        remapped = self._candidate(maker, level, keep=False)
+        return out + ([remapped] if remapped is not None else [])
+
+    def _candidate(self, maker: CandidateMaker, level: NodeLevel, keep: bool) -> Candidate | None:
+        placed = place(level, keep_tokens=keep)
+        return None if placed is None else maker.make(*placed, keep=keep, double=level.double)
+
+    def _fallback(self, maker: CandidateMaker) -> list[Candidate]:
+        """A batch the greedy steps fit no way, cut in speed-proportional runs of tokens
+        (valid, not balanced; `meta["fallback"]`); [] (the reason kept) over a cap."""
+        plan = maker.plan(fallback(self.lengths, maker.dev), {"fallback": True}, keep=False, double=False)
+        why = over_cap(plan, maker.dev)
+        if why is not None:
+            self.refusal = why
+            return []
+        return [maker.price(plan)]
+
+    def _compare(self, plans: list[Candidate]) -> None:
+        for c in plans:
+            self.compared.append({"recompute": c.plan.meta["recompute"], "keep_tokens": c.plan.meta["keep_tokens"],
+                                  "recompute_layers": c.plan.meta["recompute_layers"], "estimated_step_s": c.seconds,
+                                  "double": c.plan.meta["double"]})
+            if c.seconds < self.best_s:
+                self.best = c
+
+    # ---- the prunes -------------------------------------------------------------------
+
+    @staticmethod
+    def _level_too_slow(level: NodeLevel, beat: float) -> bool:
+        """Level 1 already leaves a node slower than `beat` seconds by the node margin: no
+        plan of its nodes beats it."""
+        return level.node_seconds > (1 + THRESHOLDS.node_prune_margin) * beat
+
+    @staticmethod
+    def _level_enough(kept: Candidate) -> bool:
+        """The keep-tokens plan's busiest rank is within the keep margin of its busiest
+        node's mean compute: no plan of the same nodes goes below that mean, and the remap
+        only adds traffic."""
+        return kept.busiest_s <= (1 + THRESHOLDS.keep_margin) * kept.node_floor_s
+
+    def _plan_looser(self, trim: bool, next_mode: str) -> bool:
+        """Plan the next mode whatever its cost on every layer: selective recomputation on
+        as few layers as a plan needs costs little more than none, and where caps bind in
+        the node that sets the best plan's step its looser caps may pay (linear
+        recomputation's looser caps planned so too did not pay: docs/planner_evidence.md,
+        step 0)."""
+        return trim and next_mode == "selective" and self.best.binds
+
+    def _costlier_mode_loses(self, first: Candidate, next_mode: str) -> bool:
+        """The next mode's compute of this mode's first plan, spread over the ranks by
+        speed (on every layer), is already slower than the best plan's estimate."""
+        dev = first.dev
+        seconds = rank_compute_seconds(first.plan, dev, first.model, next_mode, kernels=first.kernels)
+        return np.average(seconds, weights=dev.speed) >= self.best_s
+
+
+def zeppelin(lengths, cluster: ClusterSpec, model: ModelSpec, *, routing: bool = True, remap: bool = True,
+             hierarchical: bool = True, assume_homogeneous: bool = False, price_linear: bool = True,
+             price_recompute: bool = True, double: bool = True) -> Plan:
+    """The Ballonet planner (`ZeppelinOptions` says what each switch does; the ablations
+    turn them off). The plan's meta says what was chosen (`recompute` and
+    `recompute_layers`, the caps it was planned under; `keep_tokens`, `double`) and among
+    which plans (`candidates`: the recomputation, its layers, keep_tokens, double and
+    estimated step seconds of each)."""
+    options = ZeppelinOptions(routing=routing, remap=remap, hierarchical=hierarchical,
+                              assume_homogeneous=assume_homogeneous, price_linear=price_linear,
+                              price_recompute=price_recompute, double=double)
+    return CandidateSearch(lengths=check_lengths(lengths), cluster=cluster, model=model, options=options).run()

@@ -1,0 +1,48 @@
+"""Every margin the partitioner decides by, with the reason it has its value (the
+measurements behind them: docs/planner_evidence.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class Thresholds:
+    keep_margin: float = 0.01
+    """The remap plan is not made when the keep-tokens plan's busiest rank is within this
+    of its busiest node's mean compute (it was never estimated faster in such cases)."""
+    cap_slack: float = 0.02
+    """A rank within this share of its memory is at its cap (`candidates.caps_bind`): only
+    then can a costlier recomputation's looser caps shorten the step."""
+    node_prune_margin: float = 0.05
+    """A recomputation mode (or a double-ring level 1) is not planned when its level 1
+    already leaves a node this much slower than the best plan so far (level 1's estimate
+    is within about 3% of its plans' estimated step)."""
+    work_rounds: int = 4
+    """Fixed-point rounds for a document over a rank's fair share: more members, shorter
+    blocks, lower kernel efficiency, more work (`classes.level_nodes`); the rounds settle
+    well before this on every grid batch."""
+    rounding: float = 1e-9
+    """Relative slack for float sums that should meet exactly (a span of nodes holds a
+    document when their water-filled shares reach its work up to this)."""
+    near_cap: float = 0.02
+    """Level 2 fills a node a second time, on work beyond the light documents' mean per
+    token, when the first fill leaves a rank with under this share of its token cap
+    (`node_placement.level2`: caps that nearly bind)."""
+    split_tolerance: float = 0.02
+    """Level 2 splits the busiest rank's largest document while that rank is over its
+    node's mean by more than this (`node_placement.split_to_level`)."""
+    sliver: float = 0.25
+    """A ring member holding under this share of the ring's mean block is a sliver and
+    leaves a ring of 3 or more (`refinement.Sweep.DROP`): the large blocks pass through it
+    hop by hop, and its short steps hide none of their transfers."""
+    grow_above: float = 1.01
+    """A split document's members take in another rank of their nodes while they end over
+    this times the cluster's mean level (`refinement.Sweep.GROW`)."""
+    settled_change: float = 1e-3
+    """A split document whose members' work per token moved by less than this (relative)
+    since it was last levelled is not levelled again (`refinement.refine`)."""
+
+
+THRESHOLDS = Thresholds()
+"""The partitioner's thresholds."""

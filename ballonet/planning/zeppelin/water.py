@@ -1,0 +1,72 @@
+"""Water-filling: the amounts that leave slots as level as their caps allow, and the work
+of a document split over several ranks (what the placement steps level)."""
+
+from __future__ import annotations
+
+from operator import itemgetter
+
+import numpy as np
+
+from ballonet.cost import hardware
+from ballonet.cost.flops import attention_flops
+from ballonet.specs import ModelSpec
+
+__all__ = ["ordered_sum", "split_work", "water_level", "water_level_list"]
+
+
+def water_level(base, speed, unit, cap, total: float) -> np.ndarray:
+    """Amounts x (sum `total`, 0 <= x <= cap) making (base + unit * x) / speed as level as
+    possible: x_i = clip((level * speed_i - base_i) / unit_i, 0, cap_i) at the one level
+    where they sum to `total` (every slot at its cap when the caps hold less)."""
+    return np.array(water_level_list(*(np.asarray(v, dtype=float).tolist() for v in (base, speed, unit, cap)), total))
+
+
+def water_level_list(b: list, s: list, u: list, c: list, total: float) -> list:
+    """`water_level` on lists (refinement calls it on rings of a few ranks, where numpy's
+    per-call cost is most of the work)."""
+    capped = [x if x > 0 else 0.0 for x in c]
+    if total <= 0 or not any(capped):
+        return [0.0] * len(b)
+    if sum(capped) <= total:
+        return capped
+    # The filled amount grows piecewise linearly with the level: slot i adds s_i / u_i per
+    # unit of level between b_i / s_i (its start) and (b_i + u_i c_i) / s_i (its cap).
+    events = []
+    for bi, si, ui, ci in zip(b, s, u, c):
+        if ci > 0:
+            rate = si / ui
+            events.append((bi / si, rate))
+            events.append(((bi + ui * ci) / si, -rate))
+    events.sort(key=itemgetter(0))
+    filled, rate, at = 0.0, 0.0, events[0][0]
+    for point, change in events:
+        more = filled + rate * (point - at)
+        if more >= total and rate > 0:
+            break
+        filled, at, rate = more, point, rate + change
+    else:  # the caps hold `total` only up to rounding
+        return capped
+    level = at + (total - filled) / rate
+    clipped = []
+    for bi, si, ui, ci in zip(b, s, u, capped):
+        x = (level * si - bi) / ui
+        clipped.append(ci if ci < x else 0.0 if x < 0.0 else x)  # min(max(x, 0.0), ci) without the calls
+    return clipped
+
+
+def ordered_sum(xs: list[float]) -> float:
+    """`np.sum(xs)`: numpy adds fewer than 8 floats in order, pairwise beyond (and `sum`
+    compensates from Python 3.12 on)."""
+    if len(xs) >= 8:
+        return float(np.sum(xs))
+    total = 0.0
+    for x in xs:
+        total += x
+    return float(total)
+
+
+def split_work(model: ModelSpec, length: int, num_members: float, gpu=None) -> float:
+    """Work of a document split over `num_members` ranks: its FLOPs at the kernel
+    efficiency of blocks of length / num_members rows (on `gpu`'s profile)."""
+    block = max(length / max(num_members, 1.0), 1.0)
+    return attention_flops(model, length) / model.tp / hardware.profile(gpu).attention_forward.at_one(block)
