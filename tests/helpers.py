@@ -328,11 +328,11 @@ def runtime_bytes(plan, model) -> dict[str, Counter]:
 
 
 def tp_groups(world: int, tp: int):
-    """The 2-D mesh of `world` gloo ranks (plan ranks x tp, a plan rank's TP ranks
-    consecutive, as inside a node), this rank's plan rank, the plan-rank group of its TP
-    index, and a second group over the same ranks (double rings' transfers across nodes)."""
-    from torch.distributed.device_mesh import init_device_mesh
+    """As `ballonet train --tp` builds them on `world` gloo ranks: the 2-D mesh (plan ranks
+    x tp, a plan rank's TP ranks consecutive, as inside a node), this rank's plan rank,
+    the plan-rank group of its TP index, and the second group over the same ranks (double
+    rings' transfers across nodes)."""
+    from ballonet.training import parallel
 
-    mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("plan", "tp"))
-    outer, _ = dist.new_subgroups_by_enumeration([list(range(t, world, tp)) for t in range(tp)])
-    return mesh, mesh.get_local_rank("plan"), mesh.get_group("plan"), outer
+    mesh = parallel.device_mesh(world, "full", torch.device("cpu"), tp)
+    return mesh, dist.get_rank() // tp, parallel.plan_group(mesh), parallel.outer_group(world, tp)

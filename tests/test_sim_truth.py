@@ -204,7 +204,7 @@ def _tp_bytes_on_ranks(rank: int, world: int, cases: list) -> list:
     for plan, spec, per_rank in cases:
         model = tensor_parallel.parallelize_transformer(Transformer(ballonet.model("tiny"), seed=1), mesh["tp"])
         model.set_recompute(*per_rank[plan_rank])
-        parallel.parallelize(model, mesh["plan"])
+        parallel.parallelize(model, mesh)
         tokens, labels = batch(plan.lengths)
         index, counter = runtime.token_index(plan, plan_rank), runtime.ByteCounter()
         with tensor_parallel.loss_context(model), tensor_parallel.count_collectives(counter):

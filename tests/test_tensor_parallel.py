@@ -79,7 +79,7 @@ def _step(model, plan: Plan, mesh, plan_rank: int, group, outer) -> tuple:
     """One forward and backward of `model` (sharded here: TP, then FSDP2 over the plan
     ranks) on this rank's tokens of `plan`'s batch -> (summed loss over the plan ranks,
     full gradients on global rank 0, else None)."""
-    parallel.parallelize(model, mesh["plan"])
+    parallel.parallelize(model, mesh)
     tokens, labels = batch(plan.lengths)
     index = runtime.token_index(plan, plan_rank)
     with tensor_parallel.loss_context(model):

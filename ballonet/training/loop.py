@@ -290,10 +290,7 @@ def _run(config: TrainConfig, group, use_cuda: bool):
     peak = metrics.peak_flops(cluster, config.calibration)
 
     # Double rings' transfers across nodes go over a second group (`runtime.attention`).
-    outer_group = None
-    if world_size > config.tp:
-        columns = [list(range(t, world_size, config.tp)) for t in range(config.tp)]  # each TP index's plan ranks
-        outer_group = dist.new_subgroups_by_enumeration(columns)[0]
+    outer_group = parallel.outer_group(world_size, config.tp)
     records = []
     batches = iter(loader)
     while step < config.steps:

@@ -62,6 +62,17 @@ def plan_group(mesh: DeviceMesh) -> dist.ProcessGroup:
     return mesh["replicate" if "replicate" in mesh.mesh_dim_names else "shard"].get_group()
 
 
+def outer_group(world_size: int, tp: int = 1) -> dist.ProcessGroup | None:
+    """A second group of each TP index's plan ranks, in plan-rank order, for "double"
+    rings' transfers across nodes (`runtime.attention`'s `outer_group`); None with one
+    plan rank. Collective: every rank builds every TP index's group."""
+    if world_size == tp:
+        return None
+    if tp == 1:
+        return dist.new_group(list(range(world_size)))
+    return dist.new_subgroups_by_enumeration([list(range(t, world_size, tp)) for t in range(tp)])[0]
+
+
 def mixed_precision(dtype: str) -> MixedPrecisionPolicy:
     """Compute in `dtype`; master weights, gradients and their reduction in fp32.
 
