@@ -269,7 +269,7 @@ def _load_toml(path: str) -> dict:
     try:
         import tomllib
     except ModuleNotFoundError:  # Python 3.10
-        import tomli as tomllib
+        import tomli as tomllib  # type: ignore[no-redef]
     try:
         with open(path, "rb") as f:
             return tomllib.load(f)

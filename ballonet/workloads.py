@@ -146,6 +146,7 @@ def _read_text(path: str) -> list[int]:
             text = line.strip()
             if not text:
                 continue
+            value: int | str
             try:
                 value = int(text)
             except ValueError:

@@ -19,16 +19,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _common import RESULTS, command, record, write_text
 
 import ballonet
 from ballonet import workloads
@@ -132,8 +133,7 @@ def _mb(x: float) -> str:
 
 def write(out_dir: str, config: dict, rows: dict) -> None:
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "attention.json"), "w") as f:
-        json.dump({"config": config, "results": rows}, f, indent=1)
+    record(config["command"], {"config": config, "results": rows}, os.path.join(out_dir, "attention.json"))
     batch = config["batches"]["wlbllm"]
     base = rows[f"wlbllm: {PLANNERS[-1]}"]["cpu_s_max"]
     lines = [
@@ -186,8 +186,7 @@ def write(out_dir: str, config: dict, rows: dict) -> None:
                 f"| {_mb(r['nic_max'])} | {r['nic_spread']:.2f} | {_mb(r['bytes_intra_node'])} "
                 f"| {_mb(r['bytes_inter_node'])} | {_mb(r['remap_bytes'])} ({_mb(r['remap_bytes_inter_node'])}) "
                 f"| {100 * r['remap_share']:.1f}% | {r['cpu_s_max']:.3f} | {'yes' if r['bytes_match_plan'] else 'NO'} |")
-    with open(os.path.join(out_dir, "attention.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_text(os.path.join(out_dir, "attention.md"), "\n".join(lines) + "\n")
 
 
 def plans_for(args) -> tuple[dict, dict]:
@@ -206,19 +205,18 @@ def plans_for(args) -> tuple[dict, dict]:
     return dict(sorted(plans.items(), key=lambda kv: kv[0].split(":")[0] != "wlbllm")), batches
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=131072)
     parser.add_argument("--scale", type=int, default=8)
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument("--out", default=RESULTS)
     args = parser.parse_args(argv)
     model = ballonet.model("tiny")
     heads = (model.num_heads, model.num_kv_heads, model.head_dim)
     plans, batches = plans_for(args)
     rows = summarise(plans, measure(plans, args.reps, heads), heads)
-    config = {"command": f"OMP_NUM_THREADS=1 python bench/attention.py --tokens {args.tokens} --scale {args.scale} "
-                         f"--reps {args.reps}",
+    config = {"command": command("attention.py", argv),
               "batches": batches, "scale": args.scale, "heads": heads, "reps": args.reps,
               "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"}
     write(args.out, config, rows)
@@ -227,4 +225,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

@@ -32,6 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import ballonet
+from _common import command, record, write_text
 from ballonet import calibration
 from ballonet.planning import plan_batch
 from ballonet.simulation import simulate
@@ -168,7 +169,7 @@ def report(results: dict, args, profile_path: str, seconds: float, command: str)
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     p.add_argument("--planners", nargs="+", default=PLANNERS)
@@ -179,17 +180,16 @@ def main() -> None:
     p.add_argument("--profile", default=None, help="a measured profile (default: calibrate now)")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "fidelity"))
     p.add_argument("--report-only", action="store_true", help="rewrite the .md from the .json of the last run")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.report_only:
         with open(args.out + ".json") as f:
             saved = json.load(f)
         results = {(int(k.split("/")[0]), k.split("/")[1]): r for k, r in saved["results"].items()}
         vars(args).update({k: v for k, v in saved["args"].items() if k != "out"})
         text = report(results, args, saved["profile"], saved["seconds"], saved["command"])
-        with open(args.out + ".md", "w") as f:
-            f.write(text)
+        write_text(args.out + ".md", text)
         print(text)
-        return
+        return 0
     t0 = time.time()
     profile_path = args.profile or os.path.join(ROOT, "bench", "results", "fidelity_profile.json")
     if not args.profile:
@@ -205,16 +205,15 @@ def main() -> None:
             r = results[n, planner]
             print(f"{n} ranks {planner:10s} compute max {r['compute_s_max']['error']:+.0%} "
                   f"mean {r['compute_s_mean']['error']:+.0%} step {r['step_s']['error']:+.0%}", flush=True)
-    seconds, command = time.time() - t0, "OMP_NUM_THREADS=1 python bench/fidelity.py " + " ".join(sys.argv[1:])
-    text = report(results, args, profile_path, seconds, command)
-    with open(args.out + ".md", "w") as f:
-        f.write(text)
-    with open(args.out + ".json", "w") as f:
-        json.dump({"command": command, "profile": profile_path,
-                   "seconds": seconds, "args": {k: v for k, v in vars(args).items() if k != "report_only"},
-                   "results": {f"{n}/{p}": r for (n, p), r in results.items()}}, f, indent=1)
+    seconds, cmd = time.time() - t0, command("fidelity.py", argv)
+    text = report(results, args, profile_path, seconds, cmd)
+    record(cmd, {"profile": profile_path, "seconds": seconds,
+                 "args": {k: v for k, v in vars(args).items() if k != "report_only"},
+                 "results": {f"{n}/{p}": r for (n, p), r in results.items()}}, args.out + ".json")
+    write_text(args.out + ".md", text)
     print(text)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

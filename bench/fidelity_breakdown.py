@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 import ballonet
+from _common import command, record, write_text
 from ballonet import calibration, runtime
 from ballonet.cost import hardware
 from ballonet.cost.flops import attention_flops, head_flops_per_token, loss_bytes_per_token
@@ -147,19 +148,21 @@ def report(results: list[dict], args, command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--profile", default=os.path.join(ROOT, "bench", "results", "fidelity_profile.json"))
     p.add_argument("--planner", default="packed_dp")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "fidelity_breakdown.md"))
-    args = p.parse_args()
+    args = p.parse_args(argv)
     args.load = os.getloadavg()[0]
     results = run_ranks(2, rank_fn, args.planner, args.profile)
-    text = report(results, args, "OMP_NUM_THREADS=1 python bench/fidelity_breakdown.py " + " ".join(sys.argv[1:]))
-    with open(args.out, "w") as f:
-        f.write(text)
+    cmd = command("fidelity_breakdown.py", argv)
+    text = report(results, args, cmd)
+    record(cmd, {"results": results}, os.path.splitext(args.out)[0] + ".json")
+    write_text(args.out, text)
     print(text)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

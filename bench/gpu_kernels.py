@@ -18,12 +18,13 @@ and backward timed separately (the evidence for the built-in GPU profiles).
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
+import sys
 import time
 
 import torch
+from _common import command, record
 
 from ballonet.runtime import kernels
 
@@ -117,13 +118,13 @@ def time_gemms(device) -> list[dict]:
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="bench/results/gpu_kernels.json")
     p.add_argument("--max-length", type=int, default=131072)
     p.add_argument("--kernels", default=None,
                    help="comma-separated GPU backends of ballonet.runtime.kernels to check and time (default: cuda)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench/gpu_kernels.py: no CUDA device")
     device = torch.device("cuda")
@@ -137,10 +138,10 @@ def main() -> None:
     result["attention"] = [row for name in names for row in time_attention(device, args.max_length, name)]
     result["gemm"] = time_gemms(device)
     result["seconds"] = time.time() - t0
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    record(command("gpu_kernels.py", argv, env=""), result, args.out)
     print(f"wrote {args.out} in {result['seconds']:.0f} s")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
-import platform
 import statistics
 import sys
 import time
+
+from _common import RESULTS, command, record, write_text
 
 from ballonet import InfeasiblePlan, plan_batch, specs, workloads
 from ballonet.simulation.simulator import simulate
@@ -151,21 +151,17 @@ def markdown(runs: list[dict], command: str, header: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args(argv)
     t = time.perf_counter()
     runs = [config(c, w, args.steps) for c in CLUSTERS for w in WORKLOADS]
-    command = "OMP_NUM_THREADS=1 python bench/hetero.py" + (f" --steps {args.steps}" if args.steps != 8 else "")
-    header = (f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.machine()}, "
-              f"Python {platform.python_version()}, {time.perf_counter() - t:.0f} s")
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "hetero.json"), "w") as f:
-        json.dump({"command": command, "runs": runs}, f, indent=1)
-    with open(os.path.join(args.out, "hetero.md"), "w") as f:
-        f.write(markdown(runs, command, header))
+    cmd = command("hetero.py", argv)
+    data = record(cmd, {"runs": runs, "seconds": time.perf_counter() - t}, os.path.join(args.out, "hetero.json"))
+    header = f"{data['date']}, {data['machine']}, {data['seconds']:.0f} s"
+    write_text(os.path.join(args.out, "hetero.md"), markdown(runs, cmd, header))
     return 0
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 import platform
 import queue
 import statistics
@@ -38,6 +39,7 @@ import torch.multiprocessing as mp
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import ballonet
+from _common import RESULTS, command, record, write_text
 from ballonet import workloads
 from ballonet.integrations import hf
 from ballonet.specs import ModelSpec
@@ -185,21 +187,21 @@ def report(batches: list, per_rank: list[list[dict]], command: str, reps: int) -
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument("--out", default=RESULTS)
     args = parser.parse_args(argv)
     batches = make_batches(args.tokens)
-    text = report(batches, measure(args.tokens, args.reps),
-                  f"OMP_NUM_THREADS=1 python bench/hf.py --tokens {args.tokens} --reps {args.reps}", args.reps)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "hf.md"), "w") as f:
-        f.write(text)
+    cmd = command("hf.py", argv)
+    results = measure(args.tokens, args.reps)
+    text = report(batches, results, cmd, args.reps)
+    record(cmd, {"results": results}, os.path.join(args.out, "hf.json"))
+    write_text(os.path.join(args.out, "hf.md"), text)
     print(text)
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

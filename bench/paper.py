@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
-import platform
 import statistics
 import sys
 import time
+
+from _common import RESULTS, command, record, write_text
 
 from ballonet import InfeasiblePlan, plan_batch, specs, workloads
 from ballonet.cost.bounds import batch_lower_bound, batch_recomputation
@@ -499,6 +499,21 @@ def _steps(configs: list[dict], key: str) -> list[str]:
     return lines
 
 
+def headline(data: dict) -> list[str]:
+    """The README's headline: a table of zeppelin against TE CP, the best baseline and the
+    batch's lower bound over the main grid (copy it to README.md after a rerun)."""
+    g = data["grid"]
+    bound = [c["results"]["zeppelin"]["ratio_to_lower_bound"] for c in g]
+    rows = [("speedup over TE CP, sized as a Megatron user sizes it", [speedup(c) for c in g], 2),
+            ("speedup over the best baseline of each configuration", [over_best(c) for c in g], 2),
+            ("speedup over CP across the whole cluster (stress case)", [speedup(c, over="te_cp_whole") for c in g], 2),
+            (f"step over the batch's lower bound ({sum(x <= BOUND_TARGET for x in bound)} of {len(g)} within "
+             f"{BOUND_TARGET}x)", bound, 3)]
+    out = [f"| zeppelin, {len(g)} configurations of {g[0]['gpus']} GPUs (`{data['command']}`) | mean | min | max |",
+           "| --- | --- | --- | --- |"]
+    return out + [f"| {name} | {_mean(xs):.{d}f}x | {min(xs):.{d}f}x | {max(xs):.{d}f}x |" for name, xs, d in rows]
+
+
 def report(data: dict) -> str:
     lines = ["# The Zeppelin paper's evaluation, simulated", "",
              f"Command: `{data['command']}` ({data['date']}, {data['machine']}, {data['seconds']:.0f} s).", "",
@@ -512,10 +527,7 @@ def report(data: dict) -> str:
     lines += [f"| {t} | {'yes' if ok else 'no'} | {m} |" + (f" {why} |" if not ok else " |")
               for t, ok, m, why in targets(data)]
     g = data["grid"]
-    lines += ["", f"Headline (main grid, {len(g)} configurations): zeppelin {_mean(speedup(c) for c in g):.2f}x over TE CP "
-                  f"sized to the batch, {_mean(over_best(c) for c in g):.2f}x over the best baseline of each "
-                  f"configuration, {_mean(speedup(c, over='te_cp_whole') for c in g):.2f}x over CP across the whole "
-                  "cluster (stress case)."]
+    lines += ["", "## Headline (the README's table)", ""] + headline(data)
     lines += ["", "Mean speedup of zeppelin over each planner (main grid): " + ", ".join(
         f"{p} {_mean(speedup(c, over=p) for c in g):.2f}x" for p in PLANNERS[1:] + ["te_cp_whole"])]
     lines += ["", "## Speedup over te_cp: main grid (4 nodes, 64K context)", ""] + _table(data["grid"], "cluster")
@@ -584,18 +596,14 @@ NOTES = [
 ]
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a smaller grid (2 models, fewer scales)")
     ap.add_argument("--steps", type=int, default=1, help="batches per configuration")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args(argv)
     t = time.perf_counter()
-    data = {"command": "OMP_NUM_THREADS=1 python bench/paper.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
-            "steps": args.steps, "notes": NOTES,
-            "length_stats": {w: length_stats(w) for w in WORKLOADS}}
+    data = {"steps": args.steps, "notes": NOTES, "length_stats": {w: length_stats(w) for w in WORKLOADS}}
     print("main grid", file=sys.stderr)
     data["grid"] = grid(args.quick, args.steps)
     print("scaling", file=sys.stderr)
@@ -615,13 +623,10 @@ def main(argv=None) -> int:
     data["ablation"] = ablation(8, "shortmix", args.steps)
     data["hop"] = hop("A", 2, "llama-3b", 65536)
     data["seconds"] = time.perf_counter() - t
-    os.makedirs(args.out, exist_ok=True)
     name = "paper_quick" if args.quick else "paper"
-    with open(os.path.join(args.out, f"{name}.json"), "w") as f:
-        json.dump(data, f, indent=1)
+    data = record(command("paper.py", argv), data, os.path.join(args.out, f"{name}.json"))
     text = report(data)
-    with open(os.path.join(args.out, f"{name}.md"), "w") as f:
-        f.write(text)
+    write_text(os.path.join(args.out, f"{name}.md"), text)
     print(text)
     return 0
 

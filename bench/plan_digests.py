@@ -13,7 +13,9 @@ the canonical JSON of those, so equal to `Plan.digest` of a plan of then), its
 `recompute` (per rank, mode and layers), and `repr` of the simulated step and lower
 bound, or the one-line reason it is infeasible: two runs of this script on two versions
 of the code give identical files when both make the same plans and simulate them alike
-(a refactoring check; rows are compared with `cmp`).
+(a refactoring check; rows are compared with `cmp`, or `--against` an earlier run's file:
+a row matches when every field the earlier row has is equal, so a field added since, such
+as `recompute`, is not compared).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import json
 import os
 import sys
 import time
+
+from _common import RESULTS, write_text
 
 from ballonet import PLANNERS, InfeasiblePlan, plan_batch, simulate, specs, workloads
 
@@ -88,13 +92,23 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=2, help="batches per configuration")
     ap.add_argument("--extra", action="store_true", help="also the other zeppelin variants paper.py plans")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "plan_digests.json"))
+    ap.add_argument("--out", default=os.path.join(RESULTS, "plan_digests.json"))
+    ap.add_argument("--against", metavar="FILE", help="an earlier run's file: count the rows that differ from it")
     args = ap.parse_args(argv)
     rows = digests(args.steps, args.extra)
-    with open(args.out, "w") as f:
-        f.write("[\n" + ",\n".join(json.dumps(r, sort_keys=True) for r in rows) + "\n]\n")
+    # No date or machine in the file (not `record`): two runs on two versions compare with `cmp`.
+    write_text(args.out, "[\n" + ",\n".join(json.dumps(r, sort_keys=True) for r in rows) + "\n]\n")
     feasible = sum("digest" in r for r in rows)
     print(f"{len(rows)} plans ({feasible} feasible) -> {args.out}")
+    if args.against:
+        with open(args.against) as f:
+            before = json.load(f)
+        differ = [(a, b) for a, b in zip(before, rows) if any(b.get(k) != v for k, v in a.items())]
+        differ += [(a, None) for a in before[len(rows):]]
+        print(f"against {args.against}: {len(before) - len(differ)} of {len(before)} rows identical")
+        for a, b in differ[:5]:
+            print(f"  {a}\n  {b}")
+        return 1 if differ else 0
     return 0
 
 

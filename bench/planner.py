@@ -35,6 +35,7 @@ import sys
 import time
 
 import numpy as np
+from _common import command, record, write_text
 
 from ballonet import PLANNERS, InfeasiblePlan, plan_batch, simulate, specs, workloads
 from ballonet.planning.devices import devices
@@ -407,16 +408,13 @@ def write(rows, by_gpus, by_docs, full, double, command: str, seconds: float, ag
               "(`time.process_time`) is the one-core figure the targets refer to. Medians of 7 runs. The plan-ms "
               "column of the planner table is one wall-clock run.", ""]
     out = os.path.join(HERE, "results")
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "planner.md"), "w") as f:
-        f.write("\n".join(lines))
-    with open(os.path.join(out, "planner.json"), "w") as f:
-        json.dump({"command": command, "quality": rows, "full_memory": full, "speed_by_gpus": by_gpus,
-                   "speed_by_documents": by_docs, "double_rings": double, "side_by_side": against,
-                   "instructions": counts}, f, indent=1)
+    record(command, {"quality": rows, "full_memory": full, "speed_by_gpus": by_gpus, "speed_by_documents": by_docs,
+                     "double_rings": double, "side_by_side": against, "instructions": counts},
+           os.path.join(out, "planner.json"))
+    write_text(os.path.join(out, "planner.md"), "\n".join(lines))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="32 and 64 GPUs only, speed up to 128 GPUs")
     parser.add_argument("--speed-only", action="store_true",
@@ -426,7 +424,7 @@ def main() -> None:
     parser.add_argument("--instructions", action="store_true",
                         help="with --against: also count both trees' instructions per plan under valgrind "
                              "(about 5 minutes)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.instructions:
         import shutil
         if not args.against:
@@ -451,12 +449,10 @@ def main() -> None:
     double = double_cost([32, 128] if args.quick else [128, 1024])
     against = side_by_side(args.against) if args.against else None
     counts = counted(args.against) if args.instructions else None
-    command = ("OMP_NUM_THREADS=1 python bench/planner.py" + (" --quick" if args.quick else "")
-               + (f" --against {args.against}" if args.against else "")
-               + (" --instructions" if args.instructions else "")
-               + (" --speed-only (quality rows from the previous full run)" if args.speed_only else ""))
-    write(rows, by_gpus, by_docs, full, double, command, time.time() - start, against, counts)
+    cmd = command("planner.py", argv) + (" (quality rows from the previous full run)" if args.speed_only else "")
+    write(rows, by_gpus, by_docs, full, double, cmd, time.time() - start, against, counts)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

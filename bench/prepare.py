@@ -26,12 +26,14 @@ import os
 import platform
 import shutil
 import statistics
+import sys
 import sysconfig
 import tempfile
 import time
 from pathlib import Path
 
 import tokenizers
+from _common import RESULTS, command, record, write_text
 
 from ballonet.training.corpus import stdlib
 from ballonet.training.prepare import PrepareConfig, prepare
@@ -126,31 +128,27 @@ def report(results: dict, command: str, path: Path, vocab: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--copies", type=int, default=2)
-    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    p.add_argument("--out", default=RESULTS)
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         path, files = write_corpus(folder, args.copies)
         tokenizer_file = train_tokenizer(files, args.vocab, folder)
         results = measure(path, tokenizer_file, folder, args.reps)
-        command = (f"OMP_NUM_THREADS=1 python bench/prepare.py --reps {args.reps} --vocab {args.vocab} "
-                   f"--copies {args.copies}")
-        text = report(results, command, path, args.vocab)
+        cmd = command("prepare.py", argv)
+        text = report(results, cmd, path, args.vocab)
     if results["prepare"]["tokens"] != results["tokenizers"]["tokens"]:
         raise SystemExit("bench/prepare.py: prepare and the library produced different token counts")
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "prepare.md"), "w") as f:
-        f.write(text)
-    with open(os.path.join(args.out, "prepare.json"), "w") as f:
-        json.dump({"command": command, "results": results}, f, indent=1)
+    record(cmd, {"results": results}, os.path.join(args.out, "prepare.json"))
+    write_text(os.path.join(args.out, "prepare.md"), text)
     print(text)
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

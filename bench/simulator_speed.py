@@ -17,6 +17,8 @@ import statistics
 import sys
 import time
 
+from _common import command, record, write_text
+
 from ballonet import plan_batch, specs, workloads
 from ballonet.simulation.simulator import simulate
 
@@ -40,7 +42,7 @@ def measure(gpus: int, planner: str, repeats: int, cp_size: int | None) -> dict:
             "tasks": sum(tl.num_tasks for _, tl, *_ in res.timelines), "documents": len(lengths)}
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gpus", type=int, nargs="+", default=[128, 1024])
     ap.add_argument("--repeats", type=int, default=3)
@@ -56,7 +58,7 @@ def main(argv=None) -> int:
             print(rows[-1], file=sys.stderr, flush=True)
     limit = {128: 2.0, 1024: 30.0}
     lines = ["# Simulator speed", "",
-             f"Command: `OMP_NUM_THREADS=1 python bench/simulator_speed.py {' '.join(argv or sys.argv[1:])}` "
+             f"Command: `{command('simulator_speed.py', argv)}` "
              f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.machine()}, "
              f"{os.cpu_count()} cores shared with other jobs, Python {platform.python_version()}).", "",
              "LLaMA-3B, cluster A, wlbllm, 16K tokens/GPU; median of "
@@ -72,9 +74,8 @@ def main(argv=None) -> int:
               "is the smallest CP degree that holds the batch (as at 128 GPUs above). One ring over all 1024 "
               "GPUs would be g^2 = 1M ring steps per pass (about 5M tasks per iteration, 8x the cp-128 case: "
               "about a minute at the per-task cost above), beyond the 30 s target."]
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write("\n".join(lines) + "\n")
+    record(command("simulator_speed.py", argv), {"rows": rows}, os.path.splitext(args.out)[0] + ".json")
+    write_text(args.out, "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

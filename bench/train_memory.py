@@ -15,6 +15,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
+from _common import command, record, write_text
 from distributed import run_ranks
 
 from ballonet.training.loop import TrainConfig, train
@@ -31,17 +32,17 @@ def _measure(rank, world_size, model, shards):
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--model", default="tiny")
     p.add_argument("--out", default=OUT)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     shards = ("none", "full")
     results = run_ranks(args.ranks, _measure, args.model, shards)[0]
     base = results["none"][0]
     lines = ["# Per-rank parameter + optimizer memory, FSDP2", "",
-             f"`python bench/train_memory.py --ranks {args.ranks} --model {args.model}` "
+             f"`{command('train_memory.py', argv, env='')}` "
              f"({args.ranks} gloo ranks on CPU, model {args.model}, fp32 weights, AdamW; "
              "largest rank's local parameter shards + optimizer states after one step).", "",
              "| --shard | param + optimizer bytes per rank | vs replicated | process peak RSS (MiB) |",
@@ -52,10 +53,11 @@ def main() -> None:
     lines += ["", f"Ideal with {args.ranks} ranks: {1 / args.ranks:.3f}; FSDP2 pads a parameter whose first "
               "dimension the ranks do not divide, which would show as more. Peak RSS is the whole process "
               "(PyTorch, the corpus, activations), not the weights alone.", ""]
-    with open(args.out, "w") as f:
-        f.write("\n".join(lines))
+    record(command("train_memory.py", argv, env=""), {"results": results}, os.path.splitext(args.out)[0] + ".json")
+    write_text(args.out, "\n".join(lines))
     print("\n".join(lines))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

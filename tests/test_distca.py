@@ -171,7 +171,7 @@ def _gloo_plans() -> dict[str, Plan]:
 
 
 def _on_ranks(rank: int, world: int, plans: dict) -> tuple[list, list]:
-    """(attention engine checks of `test_attention._check_plan`, per plan the whole
+    """(attention engine checks of `helpers.check_attention_plan`, per plan the whole
     model's loss, gradients and logits on this rank, as numpy)."""
     rows, model_out = [], []
     for name, plan in plans.items():

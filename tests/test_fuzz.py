@@ -1,27 +1,28 @@
-"""A slice of `bench/fuzz.py` in CI: the planner fuzz on a few hundred calls, and the
-bad-input sweep (in-process through `cli.main`, plus a few real subprocesses)."""
+"""A slice of the fuzz in CI: the planner fuzz (`ballonet.planning.fuzz`) on a few
+hundred calls, and `bench/fuzz.py`'s bad-input sweep (in-process through `cli.main`, plus
+a few real subprocesses)."""
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 
 from ballonet import PLANNERS, cli
+from ballonet.cost import hardware
+from ballonet.planning import fuzz as planner_fuzz
 
-_spec = importlib.util.spec_from_file_location("fuzz", Path(__file__).resolve().parents[1] / "bench" / "fuzz.py")
-fuzz = sys.modules.setdefault("fuzz", importlib.util.module_from_spec(_spec))
-_spec.loader.exec_module(fuzz)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # the sweep's cases live with its report
+import fuzz  # bench/fuzz.py, once its folder is on the path
 
 CI_CASES = [c for c in fuzz.SWEEP if c.owner == "C" and not c.slow]
 """Training-loop classes (owner D) run in the bench sweep only."""
 
 
 def test_planner_fuzz_slice_has_no_invalid_plan_crash_or_hang():
-    result = fuzz.fuzz_planners(40, seed=7, timeout_s=60)
+    result = planner_fuzz.fuzz_planners(40, seed=7, timeout_s=60)
     assert result["failures"] == []
-    assert set(fuzz.VARIANTS) == set(PLANNERS) | {"zeppelin single"}
-    for name in fuzz.VARIANTS:
+    assert set(planner_fuzz.VARIANTS) == set(PLANNERS) | {"zeppelin single"}
+    for name in planner_fuzz.VARIANTS:
         counts = result["counts"][name]
         assert sum(counts.values()) == 40 and counts.get("ok", 0) > 0, (name, counts)
 
@@ -30,13 +31,13 @@ def test_random_cases_cover_the_ranges():
     import numpy as np
 
     rng = np.random.default_rng(0)
-    cases = [fuzz.random_case(rng) for _ in range(300)]
+    cases = [planner_fuzz.random_case(rng) for _ in range(300)]
     gpus = {g.gpu for _, c, _ in cases for g in c.groups}
-    assert gpus == set(fuzz.hardware.GPUS)
-    assert {m.tp for _, _, m in cases} == set(fuzz.TP_CHOICES)
+    assert gpus == set(hardware.GPUS)
+    assert {m.tp for _, _, m in cases} == set(planner_fuzz.TP_CHOICES)
     assert any(len(c.groups) > 1 for _, c, _ in cases)
     lengths = [n for lens, _, _ in cases for n in lens]
-    assert min(lengths) == 1 and max(lengths) > 100_000 and max(lengths) <= fuzz.MAX_LENGTH
+    assert min(lengths) == 1 and max(lengths) > 100_000 and max(lengths) <= planner_fuzz.MAX_LENGTH
 
 
 @pytest.mark.parametrize("case", CI_CASES, ids=[c.name for c in CI_CASES])

@@ -182,7 +182,7 @@ def test_auto_recompute_chooses_per_rank_and_trains_exactly(tmp_path):
     """--recompute auto on 2 ranks whose memory (a cluster file's memory_gb) holds 759 of
     the tiny model's tokens without recomputation, not 808: in steps 1 and 3 the rank
     with more tokens recomputes its first layer's MLP and the other nothing (the cost
-    model's `recomputation_per_rank`), in step 2 neither; losses and parameters still
+    model's `cost.recompute.cheapest_per_rank`), in step 2 neither; losses and parameters still
     match the one-process reference. Ranks recomputing differently must not deadlock:
     a selective layer exchanges nothing."""
     cluster = tmp_path / "tight.toml"

@@ -74,7 +74,7 @@ def zigzag_flops(model: ModelSpec, bounds: tuple[int, ...]) -> np.ndarray:
     return chunk[:g] + chunk[::-1][:g]
 
 
-def kv_bytes(model: ModelSpec, rows: int) -> float:
+def kv_bytes(model: ModelSpec, rows: float) -> float:
     """K and V of `rows` tokens held by one GPU (its tp shard of the KV heads)."""
     return 2.0 * rows * model.kv_dim * model.dtype_bytes / model.tp
 

@@ -8,7 +8,9 @@ matrix). Which mode a plan takes is `recompute.py`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from ballonet.plan import RecomputeMode
 
@@ -16,6 +18,8 @@ if TYPE_CHECKING:
     from ballonet.cost.hardware import GPUType
     from ballonet.specs import ModelSpec
 
+Tokens = float | np.ndarray
+"""A token count, or an array of them (the functions here work on both)."""
 MEMORY_RESERVE = 0.90
 """Share of a GPU's memory a plan may use; the rest is allocator and library slack."""
 RECOMPUTE_MODES = tuple(m.value for m in RecomputeMode)
@@ -29,7 +33,7 @@ def recompute_mode(model: ModelSpec) -> str:
     return model.recompute or "full"
 
 
-def recompute_layer_count(model: ModelSpec, mode: str | None = None, layers: int | None = None) -> int:
+def recompute_layer_count(model: ModelSpec, mode: str | None = None, layers: Tokens | None = None) -> Any:
     """Layers that recompute under `mode` (default the model's own, with its
     `recompute_layers`): `layers` when given, else every layer; none under "none"."""
     if mode is None:
@@ -49,8 +53,8 @@ def layer_activation_elements(model: ModelSpec) -> tuple[float, float]:
     return (3 * h) + (2 * h + 4 * f), 2 * h + 2 * kv
 
 
-def activation_bytes(model: ModelSpec, linear_tokens: float, attention_tokens: float, mode: str | None = None,
-                     layers: int | None = None) -> float:
+def activation_bytes(model: ModelSpec, linear_tokens: Tokens, attention_tokens: Tokens, mode: str | None = None,
+                     layers: Tokens | None = None) -> Any:
     """Activation bytes a rank holds at the peak of the backward, all layers, with
     `linear_tokens` on the linear layout and `attention_tokens` on the attention layout,
     by recomputation `mode` (default the model's) on `layers` of them
@@ -78,7 +82,7 @@ def activation_bytes(model: ModelSpec, linear_tokens: float, attention_tokens: f
     return elements * model.dtype_bytes
 
 
-def activation_bytes_per_token(model: ModelSpec, mode: str | None = None, layers: int | None = None) -> float:
+def activation_bytes_per_token(model: ModelSpec, mode: str | None = None, layers: float | None = None) -> float:
     """`activation_bytes` of a token held on both layouts (what a planner reserves per token)."""
     return activation_bytes(model, 1, 1, mode, layers)
 
@@ -94,7 +98,7 @@ def memory_cap(model: ModelSpec, gpu: GPUType, num_dp_ranks: int) -> float:
     return gpu.memory_bytes * MEMORY_RESERVE - static_bytes(model, num_dp_ranks)
 
 
-def layer_mean(model: ModelSpec, per_layer: dict, mode: str | None, layers: int | None) -> float:
+def layer_mean(model: ModelSpec, per_layer: dict, mode: str | None, layers: float | None) -> float:
     """`per_layer[mode]` as a mean over all layers when only `layers` of them recompute
     under `mode` (`recompute_layer_count`), the others one mode below (`BELOW`)."""
     k = recompute_layer_count(model, mode, layers)

@@ -19,6 +19,7 @@ backward timed separately, settles the split: the Hopper curves below are that r
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from ballonet.calibration.profile import Curve, Profile
 
@@ -42,10 +43,10 @@ HOPPER_LINEAR = Curve(tokens=(16, 128, 512, 2048, 8192, 32768),
 
 # NCCL on NVLink, h100_nccl_perf.csv at 64 MB and above (8 GPUs): bus bandwidth over the
 # link's one-direction bandwidth, and a per-collective latency.
-_NVLINK = dict(p2p_latency_s=40e-6, p2p_efficiency=0.80, collective_latency_s=40e-6,
+_NVLINK: dict[str, Any] = dict(p2p_latency_s=40e-6, p2p_efficiency=0.80, collective_latency_s=40e-6,
                collective_efficiency={"all_gather": 0.78, "reduce_scatter": 0.685, "all_reduce": 0.94,
                                       "all_to_all": 0.80})
-_NIC = dict(nic_latency_s=10e-6, nic_efficiency=0.90)
+_NIC: dict[str, Any] = dict(nic_latency_s=10e-6, nic_efficiency=0.90)
 _COMM_ASSUMPTIONS = (
     "RDMA NICs reach 90% of line rate with 10 us a hop (typical RoCE/InfiniBand figures, not measured here)",
     "all_to_all bus efficiency taken equal to p2p (not in h100_nccl_perf.csv)",
@@ -75,7 +76,7 @@ _STEP_ASSUMPTIONS = (
 )
 
 
-def _gpu_step_terms(gpu: str) -> dict:
+def _gpu_step_terms(gpu: str) -> dict[str, Any]:
     bw = MEMORY_BW[gpu]
     return dict(elementwise=GPU_ELEMENTWISE, memory_bw=bw, framework_s_per_layer=0.0,
                 optimizer_s_per_param=ADAM_BYTES_PER_PARAM / (0.70 * bw))

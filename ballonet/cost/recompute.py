@@ -50,9 +50,11 @@ def cheapest_per_rank(model: ModelSpec, tokens_per_rank, gpus, num_dp_ranks: int
     if mode is None:
         return None
     if mode not in BELOW or model.recompute:
-        k = recompute_layer_count(model, mode, model.recompute_layers if model.recompute else None)
+        k = int(recompute_layer_count(model, mode, model.recompute_layers if model.recompute else None))
         return mode, ((mode, k),) * len(tokens_per_rank)
-    return mode, tuple(layers_per_rank(model, tokens_per_rank, gpus, num_dp_ranks, attention_tokens, mode))
+    per_rank = layers_per_rank(model, tokens_per_rank, gpus, num_dp_ranks, attention_tokens, mode)
+    assert per_rank is not None  # every rank holds its tokens under `mode` on every layer
+    return mode, tuple(per_rank)
 
 
 def layers_per_rank(model: ModelSpec, tokens_per_rank, gpus, num_dp_ranks: int, attention_tokens=None,
@@ -105,11 +107,11 @@ def plan_recompute(plan: Plan, model: ModelSpec, gpus) -> tuple[RankRecompute, .
     return per_rank_recompute(model, plan.linear_token_counts, gpus, plan.attention_token_counts)
 
 
-def recompute_attention(mode: str) -> bool:
+def recompute_attention(mode: str | None) -> bool:
     return mode == "full"
 
 
-def recompute_flops_per_token(model: ModelSpec, mode: str | None = None, layers: int | None = None) -> float:
+def recompute_flops_per_token(model: ModelSpec, mode: str | None = None, layers: float | None = None) -> float:
     """Linear FLOPs per token and layer (a mean over layers when only `layers` of them
     recompute) run again in the backward by recomputation `mode` (full recomputation also
     reruns the attention forward: `recompute_attention`)."""
@@ -119,7 +121,7 @@ def recompute_flops_per_token(model: ModelSpec, mode: str | None = None, layers:
 
 
 def recompute_elementwise_bytes_per_token(model: ModelSpec, mode: str | None = None,
-                                          layers: int | None = None) -> float:
+                                          layers: float | None = None) -> float:
     """Elementwise bytes per token and layer (a mean over layers when only `layers` of
     them recompute) run again in the backward by recomputation `mode`: "selective" reruns
     the MLP's norm and silu(gate) * up, "linear" and "full" the layer's."""

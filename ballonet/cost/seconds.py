@@ -88,7 +88,7 @@ def elementwise_time(model: ModelSpec, gpu: hardware.GPUType, num_tokens: float,
     return _per_call(per_token * np.asarray(num_tokens, dtype=float) / p.memory_bw, p.elementwise, num_tokens)
 
 
-def linear_layer_seconds(model: ModelSpec, gpu: hardware.GPUType, tokens: float, mode: str,
+def linear_layer_seconds(model: ModelSpec, gpu: hardware.GPUType, tokens: float, mode: str | None,
                          framework: bool = True, layers: int | None = None) -> tuple[float, float]:
     """(forward, backward) seconds of a rank's linear layers in one layer over `tokens`
     tokens: GEMMs, the elementwise work around them and (with `framework`) the framework's

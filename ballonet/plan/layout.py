@@ -10,6 +10,9 @@ from dataclasses import dataclass
 class _TokenRange:
     """Tokens [start, end) of something (fields of the dataclasses below)."""
 
+    start: int
+    end: int
+
     @property
     def num_tokens(self) -> int:
         return self.end - self.start

@@ -165,7 +165,7 @@ class Plan:
         n = self.num_ranks
         _check(len(self.attention) == n and len(self.nic_of_rank) == n, "per-rank tables differ in length")
         _check(all(L >= 1 for L in self.lengths), "a document has no tokens")
-        seen = [[] for _ in self.lengths]
+        seen: list[list[tuple[int, int, int]]] = [[] for _ in self.lengths]
         for rank, segs in enumerate(self.attention):
             for s in segs:
                 if not 0 <= s.doc < len(self.lengths):  # (messages built only on failure: hot loop)
@@ -248,13 +248,13 @@ class Plan:
 
     def _validate_route(self, route: Route) -> None:
         ring = self.ring_of_doc.get(route.doc)
-        _check(ring is not None and ring.kind == "inter" and ring.comm == "ring",
-               f"route for document {route.doc}, which has no inter-node ring of comm \"ring\"")
+        if ring is None or ring.kind != "inter" or ring.comm != "ring":
+            raise InvalidPlan(f"route for document {route.doc}, which has no inter-node ring of comm \"ring\"")
         g = len(ring.ranks)
         hops = {(ring.ranks[i], ring.ranks[(i + 1) % g]) for i in range(g)}
         _check((route.src, route.dst) in hops, f"route {route.src}->{route.dst} is not a hop of document {route.doc}")
         src_node, dst_node = self.node_of_rank[route.src], self.node_of_rank[route.dst]
-        _check(src_node != dst_node and route.proxies, f"route {route.src}->{route.dst} does not cross nodes")
+        _check(src_node != dst_node and bool(route.proxies), f"route {route.src}->{route.dst} does not cross nodes")
         for a, b in route.proxies:
             _check(self.node_of_rank[a] == src_node and self.node_of_rank[b] == dst_node,
                    f"route {route.src}->{route.dst}: proxy pair ({a}, {b}) on the wrong nodes")

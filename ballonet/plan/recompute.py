@@ -17,8 +17,11 @@ class RecomputeMode(str, Enum):
     LINEAR = "linear"
     FULL = "full"
 
-    __str__ = str.__str__
-    __format__ = str.__format__
+    def __str__(self) -> str:
+        return str.__str__(self)
+
+    def __format__(self, spec: str) -> str:
+        return str.__format__(self, spec)
 
 
 class RankRecompute(NamedTuple):

@@ -16,7 +16,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
+from collections import Counter, defaultdict
 
 import numpy as np
 
@@ -50,7 +50,7 @@ def _traffic(plan: Plan, model: ModelSpec) -> dict:
     direction, and per rank out/in."""
     R = plan.num_ranks
     out, inn = [0.0] * R, [0.0] * R
-    nic: Counter = Counter()
+    nic: dict[tuple[str, int], float] = defaultdict(float)
     total = {"kv": 0.0, "remap": 0.0, "inter": 0.0}
     routes = {(rt.doc, rt.src, rt.dst): rt.proxies for rt in plan.routes}
     node = plan.node_of_rank
@@ -84,7 +84,7 @@ def _allgather_traffic(plan: Plan, model: ModelSpec, ring: Ring, out, inn, nic, 
     g = len(ring.ranks)
     b = [kv_bytes(model, ring.block_tokens(i)) for i in range(g)]
     node = [plan.node_of_rank[r] for r in ring.ranks]
-    per_node: Counter = Counter()
+    per_node: dict[int, float] = defaultdict(float)
     count: Counter = Counter(node)
     for i in range(g):
         per_node[node[i]] += b[i]

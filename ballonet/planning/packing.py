@@ -4,6 +4,7 @@ integer total in proportion to weights under caps."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from heapq import heapify, heappop, heappush, heapreplace
 
 import numpy as np
@@ -21,7 +22,7 @@ class NoRoom(Exception):
         self.doc = doc
 
 
-def lpt(docs: list[int], work, lengths: list[int], load: np.ndarray, speed: np.ndarray,
+def lpt(docs: Iterable[int], work, lengths: list[int], load: np.ndarray, speed: np.ndarray,
         token_room: np.ndarray, spill: list[int] | None = None) -> dict[int, list[int]]:
     """Whole documents, largest first, each to the slot that would finish it earliest
     ((load + work) / speed) among those with memory for it; ties to the lower slot.
@@ -97,7 +98,8 @@ def spread(room: np.ndarray, token_room: np.ndarray, work: float, per_token: flo
     with most free tokens (those already taken first), as few as hold it: a document
     spilled under full caps would otherwise ring over every slot."""
     cap = np.minimum(np.maximum(room, 0.0), token_room * per_token)
-    shares, left = {}, work
+    shares: dict[int, float] = {}
+    left = work
     caps = cap.tolist()
     for i in np.argsort(-cap, kind="stable").tolist():
         if left <= 0 or caps[i] <= 0 or len(shares) == max_slots:

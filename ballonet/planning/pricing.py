@@ -217,7 +217,7 @@ def attention_kernels(plan: Plan, dev: Devices, model: ModelSpec) -> tuple[np.nd
     return rank_a, fwd, bwd
 
 
-def rank_compute_seconds(plan: Plan, dev: Devices, model: ModelSpec, mode: str, split: bool = False,
+def rank_compute_seconds(plan: Plan, dev: Devices, model: ModelSpec, mode: str | None, split: bool = False,
                          layers=None, kernels=None):
     """[R] seconds of a step's attention and linear kernels on each rank of `plan` (all
     layers, forward, backward and the recomputation `mode` reruns on `layers` of them:
@@ -269,9 +269,9 @@ def rank_step_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw: np.nd
     start = start.copy()
     for ring in plan.rings if nic_bw is not None else ():
         if ring.comm == "double":
-            r = ring.ranks[0]
+            r, nic = ring.ranks[0], np.asarray(nic_bw)
             start[list(ring.ranks)] += double_exposed_seconds(model, dev.gpu[r], plan.lengths[ring.doc], ring.groups,
-                                                              ring.group_size, link_bw[r], nic_bw[r])
+                                                              ring.group_size, link_bw[r], nic[r])
     ready = start.copy()
     for (src, dst) in plan.remap_tokens():
         ready[dst] = max(ready[dst], start[src])

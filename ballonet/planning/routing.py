@@ -57,7 +57,8 @@ def plan_routes(plan: Plan, cluster: ClusterSpec, model: ModelSpec, local_index:
         load["out", plan.nic_of_rank[src]] -= m
         load["in", plan.nic_of_rank[dst]] -= m
         src_ranks, dst_ranks = nodes[plan.node_of_rank[src]], nodes[plan.node_of_rank[dst]]
-        rails, seen = [], set()
+        rails: list[tuple[float, int, int, int]] = []
+        seen: set[tuple[int, int]] = set()
         for j in sorted(set(src_ranks) & set(dst_ranks)):
             a, b = src_ranks[j], dst_ranks[j]
             key = (plan.nic_of_rank[a], plan.nic_of_rank[b])

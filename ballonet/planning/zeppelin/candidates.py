@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ballonet.cost.memory import activation_bytes, recompute_layer_count
+from ballonet.cost.memory import activation_bytes, recompute_layer_count, recompute_mode
 from ballonet.cost.recompute import layers_per_rank
 from ballonet.errors import InfeasiblePlan
 from ballonet.plan import Plan
@@ -87,21 +87,23 @@ class CandidateMaker:
         """`plan` (within its caps) with its memory and estimated step."""
         model, dev, trim = self.model, self.dev, self.trim
         plan = with_memory(plan, dev)
+        caps = recompute_mode(model)  # the mode whose caps the plan was made under
         priced, layers = model, recompute_layer_count(model)  # the model's own, or every layer
         if trim:
             lin, att = plan.linear_token_counts, plan.attention_token_counts
-            layers = layers_per_rank(model, lin, dev.gpu, dev.num_ranks, att, model.recompute)
-            if layers is None:  # (the caps hold every layer's activations of the mode; rounding aside)
-                layers = [(model.recompute, model.num_layers)] * dev.num_ranks
-            mode, most = heaviest(layers)
-            mode = mode.value
+            per_rank = layers_per_rank(model, lin, dev.gpu, dev.num_ranks, att, caps)
+            if per_rank is None:  # (the caps hold every layer's activations of the mode; rounding aside)
+                per_rank = [(caps, model.num_layers)] * dev.num_ranks
+            heavy, most = heaviest(per_rank)
+            mode = heavy.value
             priced = dataclasses.replace(model, recompute=mode, recompute_layers=most if mode != "none" else None)
             used = tuple(dev.static_bytes + activation_bytes(model, a, b, m, k)
-                         for a, b, (m, k) in zip(lin, att, layers))
+                         for a, b, (m, k) in zip(lin, att, per_rank))
             plan = dataclasses.replace(plan, memory_bytes=used, meta={
                 **plan.meta, "recompute": mode, "recompute_layers": most})
+            layers = per_rank
         kernels = attention_kernels(plan, dev, priced)
-        attention, linear = rank_compute_seconds(plan, dev, priced, priced.recompute, split=True, layers=layers,
+        attention, linear = rank_compute_seconds(plan, dev, priced, recompute_mode(priced), split=True, layers=layers,
                                                  kernels=kernels)
         seconds, exposed = _step_seconds(plan, dev, priced, self.crossovers, (attention, linear), self.routing)
         node = max((attention[rs] + linear[rs] + exposed[rs]).mean() for rs in dev.nodes())

@@ -99,7 +99,8 @@ def node_fill(batch: Batch, target: np.ndarray, room: np.ndarray, speed: np.ndar
     targets on a few long-document tokens and the others fill up with short documents to
     their caps, under target (docs/planner_evidence.md, step 2)."""
     lengths, work = batch.lengths, batch.work
-    room, load, shares = room.astype(float), np.zeros(len(target)), {}
+    room, load = room.astype(float), np.zeros(len(target))
+    shares: dict[int, dict[int, float]] = {}
     spill: list[int] = []
     local: dict[int, list[int]] = {}
     rest = whole

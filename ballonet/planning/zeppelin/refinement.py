@@ -283,7 +283,7 @@ def _make_room(split: dict[int, dict[int, int]], room: list[int], ranks: list[in
     that ends on a rank with room (breadth first, so chains stay short), and shift one
     token along it. Raises `NoRoom` when no chain exists."""
     for _ in range(tokens):
-        came_from = {r: None for r in ranks}
+        came_from: dict[int, tuple[int, int] | None] = {r: None for r in ranks}
         frontier, end = list(ranks), None
         while frontier and end is None:
             nxt = []
@@ -306,8 +306,8 @@ def _make_room(split: dict[int, dict[int, int]], room: list[int], ranks: list[in
         if end is None:
             raise NoRoom
         r2 = end
-        while came_from[r2] is not None:  # document e moves one token from r to r2
-            r, e = came_from[r2]
+        while (step := came_from[r2]) is not None:  # document e moves one token from r to r2
+            r, e = step
             split[e][r] -= 1
             split[e][r2] += 1
             if not split[e][r]:

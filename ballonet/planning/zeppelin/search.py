@@ -191,7 +191,7 @@ class CandidateSearch:
         the node that sets the best plan's step its looser caps may pay (linear
         recomputation's looser caps planned so too did not pay: docs/planner_evidence.md,
         step 0)."""
-        return trim and next_mode == "selective" and self.best.binds
+        return trim and next_mode == "selective" and self.best is not None and self.best.binds
 
     def _costlier_mode_loses(self, first: Candidate, next_mode: str) -> bool:
         """The next mode's compute of this mode's first plan, spread over the ranks by

@@ -18,7 +18,8 @@ def water_level(base, speed, unit, cap, total: float) -> np.ndarray:
     """Amounts x (sum `total`, 0 <= x <= cap) making (base + unit * x) / speed as level as
     possible: x_i = clip((level * speed_i - base_i) / unit_i, 0, cap_i) at the one level
     where they sum to `total` (every slot at its cap when the caps hold less)."""
-    return np.array(water_level_list(*(np.asarray(v, dtype=float).tolist() for v in (base, speed, unit, cap)), total))
+    b, s, u, c = (np.asarray(v, dtype=float).tolist() for v in (base, speed, unit, cap))
+    return np.array(water_level_list(b, s, u, c, total))
 
 
 def water_level_list(b: list, s: list, u: list, c: list, total: float) -> list:
