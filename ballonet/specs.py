@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 from dataclasses import dataclass
 from functools import cached_property
@@ -19,6 +20,10 @@ from ballonet.errors import InputError
 from ballonet.paths import looks_like_path
 
 GBIT = 1e9 / 8
+MAX_GPUS = 1 << 14
+"""The most GPUs a cluster may have: planning time grows faster than the GPU count (one
+batch of 16K tokens per GPU: 0.3 s on 2048 GPUs, 3.7 s on 8192, on one CPU core), and a
+rank table of millions of GPUs would not fit in memory."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,6 +49,8 @@ class NodeGroup:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
                 raise InputError(f"node group {self.gpu!r}: {name} must be a number, got {value!r}")
+            if value is not None and not math.isfinite(value):
+                raise InputError(f"node group {self.gpu!r}: {name} must be finite, got {value!r}")
         for name in ("num_nodes", "gpus_per_node", "nics_per_node"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -89,6 +96,10 @@ class ClusterSpec:
         if not self.groups:
             raise InputError(f"cluster {self.name!r} has no node groups")
         object.__setattr__(self, "groups", tuple(self.groups))
+        num_gpus = sum(g.num_nodes * g.gpus_per_node for g in self.groups)
+        if num_gpus > MAX_GPUS:
+            raise InputError(f"cluster {self.name!r} has {num_gpus} GPUs, more than the {MAX_GPUS} Ballonet plans "
+                             f"and simulates (fewer nodes)")
 
     @cached_property
     def _rank_table(self) -> tuple[tuple[int, int, int, int], ...]:
@@ -306,7 +317,10 @@ def cluster_from_toml(path: str) -> ClusterSpec:
             parsed.append(NodeGroup(**g))
         except InputError as e:
             raise InputError(f"{path}: node_groups[{i}]: {e}") from None
-    return ClusterSpec(name=name, groups=tuple(parsed))
+    try:
+        return ClusterSpec(name=name, groups=tuple(parsed))
+    except InputError as e:
+        raise InputError(f"{path}: {e}") from None
 
 
 def cluster(name_or_path: str, num_nodes: int | None = None, **overrides) -> ClusterSpec:

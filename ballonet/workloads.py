@@ -34,6 +34,9 @@ LENGTHS_FILE_KINDS = ("a .json list of lengths, a .npy array, a .jsonl file (one
                       "input_ids or text), or text with one length per line")
 """What `load_lengths` reads (and so `plan --lengths`, `--workload` and `train --corpus`)."""
 _FIRST_CHUNK = 256
+MAX_DOCUMENTS = 1 << 20
+"""The most documents one batch may hold (a sampled batch or a `--lengths` file): a batch
+is drawn and planned in memory, and planning it takes time in proportion."""
 """Documents drawn at once when filling a batch; the chunk doubles until the budget is met."""
 
 
@@ -89,9 +92,12 @@ class Workload:
         if max_length is not None and not _is_positive_int(max_length):
             raise InputError(f"max_length must be a positive integer or None, got {max_length!r}")
         rng = np.random.default_rng(_check_seed(seed))
-        chunks, total, num_docs = [], 0, _FIRST_CHUNK
+        chunks, total, num_docs, drawn = [], 0, _FIRST_CHUNK, 0
         while total < num_tokens:
+            if drawn > MAX_DOCUMENTS:
+                raise too_many_documents(f"a batch of {num_tokens} tokens of workload {self.name!r}")
             chunk = self.sample_lengths(num_docs, rng)
+            drawn += num_docs
             if max_length is not None:
                 np.minimum(chunk, max_length, out=chunk)
             chunks.append(chunk)
@@ -100,6 +106,8 @@ class Workload:
         lengths = np.concatenate(chunks)
         ends = np.cumsum(lengths)
         last = int(np.searchsorted(ends, num_tokens))  # first document reaching the budget
+        if last + 1 > MAX_DOCUMENTS:
+            raise too_many_documents(f"a batch of {num_tokens} tokens of workload {self.name!r}")
         lengths = lengths[: last + 1]
         lengths[-1] -= ends[last] - num_tokens
         return lengths.tolist()
@@ -112,6 +120,11 @@ class Workload:
         _check_seed(seed)
         for step in range(num_steps):
             yield self.sample_batch(num_tokens, (seed, step), max_length)
+
+
+def too_many_documents(what: str) -> InputError:
+    return InputError(f"{what} holds more than {MAX_DOCUMENTS} documents, the most one batch may hold "
+                      "(fewer tokens or GPUs)")
 
 
 # ---- length files ----------------------------------------------------------------------
@@ -207,8 +220,8 @@ def _jsonl_length(row, where: str):
 def _read_npy(path: str) -> list[int]:
     try:
         array = np.load(path, allow_pickle=False)
-    except ValueError as e:
-        raise InputError(f"{path}: not a numeric .npy array ({e})") from None
+    except (ValueError, EOFError) as e:
+        raise InputError(f"{path}: not a numeric .npy array ({e or 'empty file'})") from None
     if not isinstance(array, np.ndarray) or array.ndim != 1 or array.dtype.kind not in "iuf":
         raise InputError(f"{path}: expected a 1-D integer array, got shape {getattr(array, 'shape', '?')} "
                          f"dtype {getattr(array, 'dtype', '?')}")

@@ -76,6 +76,7 @@ def test_calibrate_quick_writes_a_profile_the_other_commands_read(tmp_path, caps
     capsys.readouterr()
     p = calibration.load(str(out))
     assert p.gpu == "cpu" and p.versions["torch"] == torch.__version__ and p.machine["world_size"] == 1
+    assert p.machine["threads_per_rank"] == 1 and any("thread(s) per rank" in a for a in p.assumptions)
     assert p.attention_forward.tokens == (64, 128, 256, 512) and p.attention_backward.tokens == p.attention_forward.tokens
     assert p.attention_forward.efficiency != p.attention_backward.efficiency  # timed separately
     assert any("one process" in a for a in p.assumptions) and p.overlap_slowdown == hardware.profile("cpu").overlap_slowdown

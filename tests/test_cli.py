@@ -154,7 +154,13 @@ def test_failed_rank_line_prefers_the_rank_s_own_message(tmp_path):
     (tmp_path / "1").unlink()
     assert _failure_line(failures, str(tmp_path)) == ("ballonet train: error: rank 1 failed (exit code 2)", 1)
     failures = {0: SimpleNamespace(exitcode=-9, timestamp=3)}
-    assert _failure_line(failures, str(tmp_path)) == ("ballonet train: error: rank 0 failed (killed by signal 9)", 1)
+    assert _failure_line(failures, str(tmp_path)) == ("ballonet train: error: rank 0 died (signal 9); the others "
+                                                      "stopped", 1)
+    # A dead rank, and its peer that lost the connection in the same second: the death is the cause.
+    failures = {0: SimpleNamespace(exitcode=1, timestamp=3), 1: SimpleNamespace(exitcode=-9, timestamp=3)}
+    (tmp_path / "0").write_text("ballonet train: error: rank 0: Connection reset by peer\n")
+    assert _failure_line(failures, str(tmp_path)) == ("ballonet train: error: rank 1 died (signal 9); the others "
+                                                      "stopped", 1)
 
 
 def test_a_rank_s_bad_input_under_nproc_is_its_one_line_and_exit_2(tmp_path):

@@ -1,6 +1,7 @@
 """A slice of the fuzz in CI: the planner fuzz (`ballonet.planning.fuzz`) on a few
 hundred calls, and `bench/fuzz.py`'s bad-input sweep (in-process through `cli.main`, plus
-a few real subprocesses)."""
+a few real subprocesses); the cases that need a base, a disk, a pipe or training ranks run
+in the bench sweep only."""
 
 import sys
 from pathlib import Path
@@ -11,11 +12,11 @@ from ballonet import PLANNERS, cli
 from ballonet.cost import hardware
 from ballonet.planning import fuzz as planner_fuzz
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # the sweep's cases live with its report
-import fuzz  # bench/fuzz.py, once its folder is on the path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # the sweep lives with its report
+import sweep  # bench/sweep.py and bench/sweep_cases.py, once their folder is on the path
+from sweep_cases import SWEEP
 
-CI_CASES = [c for c in fuzz.SWEEP if c.owner == "C" and not c.slow]
-"""Training-loop classes (owner D) run in the bench sweep only."""
+CI_CASES = [c for c in SWEEP if not c.slow]
 
 
 def test_planner_fuzz_slice_has_no_invalid_plan_crash_or_hang():
@@ -42,8 +43,8 @@ def test_random_cases_cover_the_ranges():
 
 @pytest.mark.parametrize("case", CI_CASES, ids=[c.name for c in CI_CASES])
 def test_bad_input_in_process(case, tmp_path, monkeypatch, capsys):
-    fuzz._make_files(str(tmp_path), case.files)
-    before = fuzz._listing(str(tmp_path))
+    sweep.make_files(str(tmp_path), case.files)
+    before = sweep.listing(str(tmp_path))
     monkeypatch.chdir(tmp_path)
     try:
         code = cli.main(list(case.argv))
@@ -54,12 +55,18 @@ def test_bad_input_in_process(case, tmp_path, monkeypatch, capsys):
     assert code == case.exit_code, err
     if case.exit_code == 2:
         assert len(lines) == 1 and lines[0].startswith("ballonet") and "Traceback" not in err, err
-    assert fuzz._listing(str(tmp_path)) == before
+        assert case.expect in lines[0], err
+    assert sweep.listing(str(tmp_path)) == before
 
 
 @pytest.mark.parametrize("name", ["unknown flag", "cluster TOML gpu = 5", "simulate --plot a folder",
-                                  "train --nproc 0"])
+                                  "train --nproc 0", "plan --nodes 1000000", "cluster TOML nic_gbps = inf"])
 def test_bad_input_subprocess(name):
-    row = fuzz.run_case(next(c for c in fuzz.SWEEP if c.name == name))
+    row = sweep.run_case(next(c for c in SWEEP if c.name == name))
     assert row["ok"], row
     assert row["exit_code"] == 2 and row["stderr_lines"] == 1 and not row["traceback"] and not row["left_behind"]
+
+
+def test_a_closed_pipe_is_one_line_not_a_traceback():
+    row = sweep.run_case(next(c for c in SWEEP if c.pipe))
+    assert row["ok"] and sweep.outcome(row) == "ok", row

@@ -17,7 +17,8 @@ What is measured, on the device this process runs on:
    SwiGLU, residual adds, LM head and loss): its seconds beyond the GEMMs are its
    elementwise work, priced as bytes (`cost.flops.elementwise_bytes_per_token`, the
    loss's `loss_bytes_per_token`, backward 2x) over an achieved bandwidth.
-   On a CPU, seconds are the thread's CPU time (as the training loop measures compute).
+   On a CPU, seconds are the thread's CPU time (as the training loop measures compute),
+   with one thread per rank, as `ballonet train` runs (the profile's `machine` says so).
    Then the step's other costs: with world > 1, the same model wrapped by FSDP2 as the
    training loop wraps it against the bare model (framework seconds per layer), and
    AdamW's step over a rank's parameters (seconds per parameter).
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pathlib
 import platform
 import socket
 import statistics
@@ -59,6 +61,9 @@ from ballonet.calibration.measure_links import link_figures, measure_comm
 from ballonet.calibration.settings import Settings, quick
 from ballonet.cost import hardware
 from ballonet.runtime import kernels
+
+THREADS_PER_CPU_RANK = 1
+"""Threads of a CPU rank, here as in `ballonet train`: more would price kernels it never runs."""
 
 
 def _curve(tokens, effs) -> calibration.Curve:
@@ -82,6 +87,9 @@ def build_profile(s: Settings, attention: list[dict], linear: list[dict], comm: 
     launch = min(min(r["forward_s"] / r["num_docs"], r["backward_s"] / r["num_docs"]) for r in attention
                  if r["model_shape"])
     notes = [f"attention efficiency beyond {lengths[-1]} tokens taken equal to the last measured length"]
+    if device.type == "cpu":
+        notes.append(f"measured with {torch.get_num_threads()} thread(s) per rank, as `ballonet train` runs each "
+                     f"CPU rank ({THREADS_PER_CPU_RANK})")
     fields = dict(attention_forward=_curve(lengths, fwd), attention_backward=_curve(lengths, bwd),
                   attention_launch_s=launch,
                   linear=_curve([r["tokens"] for r in linear], [r["efficiency"] for r in linear]))
@@ -117,7 +125,7 @@ def _device_name(device: torch.device) -> str:
 
 def _machine(device: torch.device) -> dict:
     return {"host": socket.gethostname(), "device": _device_name(device), "platform": platform.platform(),
-            "cpu_threads": torch.get_num_threads(),
+            "threads_per_rank": torch.get_num_threads(),
             "world_size": dist.get_world_size() if dist.is_initialized() else 1}
 
 
@@ -193,15 +201,9 @@ def _progress_factory(enabled: bool):
     return factory
 
 
-def _write_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
-def plot(profile: calibration.Profile, raw: dict, path: str) -> None:
-    """Measured efficiencies (points) and the profile's curves (lines), by tokens."""
+def plot(profile: calibration.Profile, raw: dict, path: str, format: str | None = None) -> None:
+    """Measured efficiencies (points) and the profile's curves (lines), by tokens, as an
+    image of `format` (default: `path`'s suffix)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -221,28 +223,26 @@ def plot(profile: calibration.Profile, raw: dict, path: str) -> None:
     ax.set(xscale="log", xlabel="tokens per call", ylabel=f"fraction of {profile.gpu} peak", title=profile.source)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, format=format)
     plt.close(fig)
 
 
-def _summary(profile: calibration.Profile) -> list[list[str]]:
-    rows = [[f"attention L={int(t)}", f"{f:.4f}", f"{b:.4f}"] for t, f, b in
-            zip(profile.attention_forward.tokens, profile.attention_forward.efficiency,
-                profile.attention_backward.efficiency)]
-    rows += [[f"linear T={int(t)}", f"{e:.4f}", ""] for t, e in zip(profile.linear.tokens, profile.linear.efficiency)]
-    rows.append(["p2p latency / efficiency", f"{profile.p2p_latency_s * 1e6:.1f} us", f"{profile.p2p_efficiency:.3f}"])
-    return rows
-
-
-def command(args) -> int:
-    """`ballonet calibrate`: see the module docstring. Rank 0 writes and prints."""
-    import json
-
+def command(args) -> tuple[calibration.Profile, dict] | None:
+    """`ballonet calibrate`: see the module docstring. Outputs are checked before anything
+    is measured; rank 0 writes them and returns (profile, raw measurements), the other
+    ranks None."""
     from ballonet.errors import InputError
+    from ballonet.paths import OUTPUT_ROOM, check_output, plot_formats, write_atomic
 
     if args.max_length is not None and args.max_length < 64:
         raise InputError(f"--max-length must be at least 64, got {args.max_length}")
+    if args.out:  # before measuring, not after
+        check_output(args.out, "--out", min_free_bytes=OUTPUT_ROOM)
+    if args.plot:
+        check_output(args.plot, "--plot", plot_formats(), min_free_bytes=OUTPUT_ROOM)
     device = init_distributed()
+    if device.type == "cpu":
+        torch.set_num_threads(THREADS_PER_CPU_RANK)
     gpu = args.gpu or default_gpu(device)
     hardware.gpu(gpu)
     specs.model(args.model or ("llama-7b" if device.type == "cuda" else "tiny"))
@@ -258,31 +258,10 @@ def command(args) -> int:
     lead = not dist.is_initialized() or dist.get_rank() == 0
     profile, raw = run(s, device, _progress_factory(lead and not args.json))
     if not lead:
-        return 0
+        return None
     if args.out:
-        _write_atomic(args.out, profile.to_json())
+        write_atomic(args.out, lambda tmp: pathlib.Path(tmp).write_text(profile.to_json()))
     if args.plot:
-        plot(profile, raw, args.plot)
-    if args.json:
-        print(json.dumps({"profile": profile.to_dict(), "measurements": raw}, indent=1))
-    else:
-        _print_summary(profile, gpu, args.out)
-    return 0
-
-
-def _print_summary(profile: calibration.Profile, gpu: str, out: str | None) -> None:
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        for row in _summary(profile):
-            print(*row, sep="\t")
-        return
-    table = Table(title=f"calibration of {gpu}: fraction of peak", title_justify="left")
-    for col in ("what", "forward", "backward"):
-        table.add_column(col, justify="left" if col == "what" else "right")
-    for row in _summary(profile):
-        table.add_row(*row)
-    Console().print(table)
-    if out:
-        Console().print(f"wrote {out}")
+        suffix = os.path.splitext(args.plot)[1][1:].lower()
+        write_atomic(args.plot, lambda tmp: plot(profile, raw, tmp, suffix))
+    return profile, raw

@@ -207,6 +207,8 @@ def load(path: str) -> Profile:
         raise InputError(f"{path}: cannot read calibration file ({e.strerror})") from None
     except json.JSONDecodeError as e:
         raise InputError(f"{path}: malformed JSON: {e}") from None
+    except UnicodeDecodeError:
+        raise InputError(f"{path}: not a calibration profile (not UTF-8 text)") from None
     return from_dict(d, where=path)
 
 

@@ -14,6 +14,7 @@ stays fast.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from ballonet.cli import calibrate, cost, demo, plan, prepare, simulate, train
@@ -35,11 +36,18 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # a reader that left early (`| head`) is noticed here, not at exit
+        return code
     except InputError as e:
         from ballonet.training.launch import report_rank_error
 
         line = f"ballonet {args.command}: error: {e}"
         if not report_rank_error(line):
             print(line, file=sys.stderr)
+        return e.exit_code
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # what is still buffered goes nowhere
+        print(f"ballonet {args.command}: error: the output was closed before all of it was written (broken pipe)",
+              file=sys.stderr)
         return 2

@@ -4,7 +4,9 @@ built-in one (`--compare`, `ballonet.calibration.compare`)."""
 
 from __future__ import annotations
 
-from ballonet.cli.common import positive_int, subparser
+import json
+
+from ballonet.cli.common import positive_int, stdout_console, subparser
 
 
 def register(sub) -> None:
@@ -36,4 +38,39 @@ def cmd_calibrate(args) -> int:
         return 0
     from ballonet.calibration import calibrate
 
-    return calibrate.command(args)
+    measured = calibrate.command(args)
+    if measured is None:  # a rank other than 0
+        return 0
+    profile, raw = measured
+    if args.json:
+        print(json.dumps({"profile": profile.to_dict(), "measurements": raw}, indent=1))
+    else:
+        _print_summary(profile, args.out)
+    return 0
+
+
+def _summary(profile) -> list[list[str]]:
+    rows = [[f"attention L={int(t)}", f"{f:.4f}", f"{b:.4f}"] for t, f, b in
+            zip(profile.attention_forward.tokens, profile.attention_forward.efficiency,
+                profile.attention_backward.efficiency)]
+    rows += [[f"linear T={int(t)}", f"{e:.4f}", ""] for t, e in zip(profile.linear.tokens, profile.linear.efficiency)]
+    rows.append(["p2p latency / efficiency", f"{profile.p2p_latency_s * 1e6:.1f} us", f"{profile.p2p_efficiency:.3f}"])
+    return rows
+
+
+def _print_summary(profile, out: str | None) -> None:
+    try:
+        from rich.table import Table
+    except ImportError:  # a bare GPU machine
+        for row in _summary(profile):
+            print(*row, sep="\t")
+        return
+    table = Table(title=f"calibration of {profile.gpu}: fraction of peak", title_justify="left")
+    for col in ("what", "forward", "backward"):
+        table.add_column(col, justify="left" if col == "what" else "right")
+    for row in _summary(profile):
+        table.add_row(*row)
+    console = stdout_console()
+    console.print(table)
+    if out:
+        console.print(f"wrote {out}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from ballonet import specs
+from ballonet.errors import InputError
 
 
 class Parser(argparse.ArgumentParser):
@@ -62,26 +63,76 @@ def zeppelin_options(args) -> dict:
     return options
 
 
+def check_batch_fits(tokens_per_gpu: int, cluster, model, flag: str = "--tokens-per-gpu") -> None:
+    """Refuse, before a batch is drawn, one larger than the whole cluster can hold (the
+    planner's own capacity: `planning.devices`)."""
+    from ballonet.errors import InfeasiblePlan
+    from ballonet.planning.devices import check_feasible, devices
+
+    dev = devices(cluster, model)
+    check_feasible([], dev, model)  # the model state alone over a GPU's memory
+    capacity, num_tokens = int(dev.token_cap.sum()), tokens_per_gpu * cluster.num_ranks
+    if num_tokens > capacity:
+        raise InfeasiblePlan(f"{flag} {tokens_per_gpu}: a batch of {num_tokens} tokens, over the {capacity} tokens "
+                             f"the whole cluster can hold for model {model.name!r}")
+
+
 def add_calibration_arg(p) -> None:
     """--calibration FILE: price the command's GPUs with a measured profile (`ballonet
-    calibrate`). Wraps the parser's command, so call it after set_defaults(func=...)."""
+    calibrate`), those of the profile's GPU type, which the cluster must have (a profile
+    that would price nothing is refused), or those of --calibration-gpu. Wraps the
+    parser's command, so call it after set_defaults(func=...)."""
     p.add_argument("--calibration", metavar="FILE", help="calibration profile from `ballonet calibrate` "
                                                          "(default: the built-in profiles)")
+    p.add_argument("--calibration-gpu", metavar="GPU",
+                   help="with --calibration: price this GPU type of the cluster with the profile, whatever type "
+                        "it was measured on (default: the profile's own type, which the cluster must have)")
     func = p.get_default("func")
 
     def calibrated(args) -> int:
+        import dataclasses
+
         from ballonet import calibration
+        from ballonet.cost import hardware
 
         if not args.calibration:
+            if args.calibration_gpu:
+                raise InputError("--calibration-gpu needs --calibration")
             return func(args)
-        with calibration.use(calibration.load(args.calibration)):
+        profile = calibration.load(args.calibration)
+        cluster = specs.cluster(args.cluster, num_nodes=getattr(args, "nodes", None))
+        has = sorted({g.gpu for g in cluster.groups})
+        if args.calibration_gpu:
+            hardware.gpu(args.calibration_gpu)  # an unknown type fails here
+            if args.calibration_gpu not in has:
+                raise InputError(f"--calibration-gpu {args.calibration_gpu}: cluster {cluster.name!r} has no such GPU "
+                                 f"(it has {', '.join(has)})")
+            profile = dataclasses.replace(profile, gpu=args.calibration_gpu)
+        elif profile.gpu not in has:
+            raise InputError(f"--calibration {args.calibration}: a profile of {profile.gpu!r}, which cluster "
+                             f"{cluster.name!r} does not have (it has {', '.join(has)}), so it would price nothing; "
+                             f"to price one of those with it, add --calibration-gpu GPU")
+        with calibration.use(profile):
             return func(args)
 
     p.set_defaults(func=calibrated)
 
 
-def print_table(title: str, columns: list[str], rows: list[list], footer: str | None = None) -> None:
+def _broken_pipe() -> None:
+    raise BrokenPipeError
+
+
+def stdout_console():
+    """A rich console on stdout whose closed pipe (`| head`) raises BrokenPipeError for
+    `cli.main` to report, instead of rich's silent exit 1."""
     from rich.console import Console
+
+    console = Console()
+    console.on_broken_pipe = _broken_pipe
+    return console
+
+
+def print_table(title: str, columns: list[str], rows: list[list], footer: str | None = None) -> None:
     from rich.table import Table
 
     table = Table(title=title, title_justify="left")
@@ -89,7 +140,7 @@ def print_table(title: str, columns: list[str], rows: list[list], footer: str | 
         table.add_column(col, justify="left" if i == 0 else "right")
     for row in rows:
         table.add_row(*[str(x) for x in row])
-    console = Console()
+    console = stdout_console()
     console.print(table)
     if footer:
         console.print(footer)

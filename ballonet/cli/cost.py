@@ -6,7 +6,8 @@ import json
 
 from ballonet import specs
 from ballonet.cli.common import add_calibration_arg, positive_int, print_table, subparser
-from ballonet.cost.memory import BELOW
+from ballonet.cost.memory import BELOW, activation_bytes, memory_cap
+from ballonet.cost.recompute import cheapest_per_rank
 from ballonet.cost.seconds import sequence_cost
 from ballonet.errors import InputError
 
@@ -28,6 +29,14 @@ def cmd_cost(args) -> int:
     group = cluster.groups[0]
     if group.gpus_per_node % model.tp:
         raise InputError(f"--tp {model.tp} does not divide the {group.gpus_per_node} GPUs per node of {cluster.name!r}")
+    num_dp = group.num_nodes * group.gpus_per_node // model.tp
+    if cheapest_per_rank(model, [args.length], [group.gpu_type], num_dp) is None:
+        need = activation_bytes(model, args.length, args.length, "full")
+        room = memory_cap(model, group.gpu_type, num_dp)
+        raise InputError(f"--length {args.length}: one document of {args.length} tokens cannot fit one {group.gpu} "
+                         f"for {model.name}, even with full recomputation ({need / 2**30:.4g} GiB of activations, "
+                         f"{max(room, 0) / 2**30:.4g} GiB left for them); the planner splits such a document over GPUs "
+                         f"(`ballonet plan --lengths`)")
     cost = sequence_cost(model, group, args.length)
     report = {
         "model": model.name,

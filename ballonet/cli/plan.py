@@ -10,6 +10,7 @@ from ballonet.cli.common import (
     add_calibration_arg,
     add_target_args,
     add_zeppelin_options,
+    check_batch_fits,
     positive_int,
     print_table,
     subparser,
@@ -82,7 +83,10 @@ def cmd_plan(args) -> int:
     model = specs.model(args.model, **({"tp": args.tp} if args.tp else {}))
     if args.lengths:
         lengths = workloads.load_lengths(args.lengths)
+        if len(lengths) > workloads.MAX_DOCUMENTS:
+            raise workloads.too_many_documents(f"--lengths {args.lengths}")
     else:
+        check_batch_fits(args.tokens_per_gpu, cluster, model)
         lengths = workloads.get(args.workload).sample_batch(args.tokens_per_gpu * cluster.num_ranks, args.seed)
     options = zeppelin_options(args)
     start = time.perf_counter()

@@ -36,7 +36,8 @@ def cmd_prepare(args) -> int:
     config = prepare.PrepareConfig(data=args.data, out=args.out, tokenizer=args.tokenizer,
                                    text_column=args.text_column, batch_size=args.batch_size)
     columns = (TextColumn("tokenizing"), BarColumn(), DownloadColumn(), TimeRemainingColumn())
-    with Progress(*columns, console=Console(stderr=True), transient=True, disable=args.json) as bar:
+    console = Console(stderr=True)
+    with Progress(*columns, console=console, transient=True, disable=args.json or not console.is_terminal) as bar:
         task = bar.add_task("tokenizing", total=prepare.input_bytes(args.data))
         manifest = prepare.prepare(config, progress=lambda n: bar.advance(task, n))
     if args.json:

@@ -11,6 +11,7 @@ from ballonet.cli.common import (
     add_calibration_arg,
     add_target_args,
     add_zeppelin_options,
+    check_batch_fits,
     infeasible_footer,
     positive_int,
     print_table,
@@ -19,7 +20,7 @@ from ballonet.cli.common import (
     zeppelin_options,
 )
 from ballonet.errors import InputError
-from ballonet.paths import check_output, write_atomic
+from ballonet.paths import OUTPUT_ROOM, check_output, plot_formats, write_atomic
 
 
 def register(sub) -> None:
@@ -45,13 +46,6 @@ def register(sub) -> None:
                         "none for an infeasible planner)")
     p.add_argument("--json", action="store_true", help="print a JSON object with `results`")
     add_calibration_arg(p)
-
-
-def _plot_formats() -> tuple[str, ...]:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    return tuple("." + ext for ext in FigureCanvasAgg(Figure()).get_supported_filetypes())
 
 
 def _trace_paths(path: str, planners: list[str]) -> dict[str, str]:
@@ -92,11 +86,12 @@ def cmd_simulate(args) -> int:
     cluster = specs.cluster(args.cluster, num_nodes=args.nodes)
     model = specs.model(args.model, **({"tp": args.tp} if args.tp else {}))
     planners = comparison.parse_planners(args.planners)
+    check_batch_fits(args.tokens_per_gpu, cluster, model)
     traces = _trace_paths(args.trace, planners) if args.trace else {}
     for path in traces.values():
         check_output(path, "--trace")
     if args.plot:
-        check_output(args.plot, "--plot", _plot_formats())
+        check_output(args.plot, "--plot", plot_formats(), min_free_bytes=OUTPUT_ROOM)
     popts = zeppelin_options(args)
     sopts = {"engine": False} if args.no_engine else {}
     total = comparison.num_simulations(planners, args.steps)

@@ -145,6 +145,7 @@ def build_model(name: str, seed: int, device: torch.device, recompute: str = "no
     `recompute_layers` layers if given)."""
     folder = _folder(name)
     try:
+        from safetensors import SafetensorError
         from transformers import AutoConfig, AutoModelForCausalLM
 
         from ballonet.integrations import hf
@@ -167,7 +168,7 @@ def build_model(name: str, seed: int, device: torch.device, recompute: str = "no
         else:
             torch.manual_seed(seed)  # every rank draws the same weights
             model = AutoModelForCausalLM.from_config(config, **kw)
-    except (ValueError, KeyError, OSError) as e:
+    except (ValueError, KeyError, OSError, SafetensorError) as e:  # SafetensorError: a garbage weights file
         raise InputError(f"{folder}: cannot build a causal LM from it ({str(e).splitlines()[0][:200]})") from None
     cls = type(model)
     model.__class__ = type(f"Ballonet{cls.__name__}", (BallonetLoss, cls), {})

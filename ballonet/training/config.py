@@ -10,6 +10,7 @@ import ast
 import dataclasses
 import functools
 import inspect
+import math
 import typing
 from dataclasses import dataclass
 from typing import Literal
@@ -90,8 +91,11 @@ class TrainConfig:
             if value is not None and value < 1:
                 raise InputError(f"{_flag(name)} must be positive, got {value}")
         for name in ("weight_decay", "seed", "max_restarts", "checkpoint_every"):
-            if getattr(self, name) < 0:
+            if not getattr(self, name) >= 0:  # NaN included
                 raise InputError(f"{_flag(name)} must be >= 0, got {getattr(self, name)}")
+        for name in ("lr", "weight_decay", "timeout_minutes"):
+            if not math.isfinite(getattr(self, name)):
+                raise InputError(f"{_flag(name)} must be a finite number, got {getattr(self, name)}")
         for name, choices in _choices().items():
             if getattr(self, name) not in choices:
                 raise InputError(f"{_flag(name)} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")

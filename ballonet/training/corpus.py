@@ -209,13 +209,76 @@ class _PreparedNames(Sequence):
 
 
 def _read_manifest(root: Path) -> dict:
+    """The manifest, every field checked before any shard is opened: shard files are plain
+    file names inside `root` (no folder, no absolute path, no symlink out), the dtype is
+    unsigned, the vocabulary covers the largest id it states."""
     path = root / MANIFEST
     manifest = read_json_object(path, "a prepared corpus manifest")
     if manifest.get("format") != PREPARED_FORMAT:
         raise InputError(f"{path}: not a prepared corpus (format is not {PREPARED_FORMAT!r})")
     if manifest.get("version") != PREPARED_VERSION:
         raise InputError(f"{path}: version {manifest.get('version')!r}; this Ballonet reads {PREPARED_VERSION}")
+
+    def bad(field: str, what: str):
+        return InputError(f"{path}: field {field!r}: {what}")
+
+    def count(field: str, value, least: int) -> int:
+        if type(value) is not int or value < least:
+            raise bad(field, f"must be an integer >= {least}, got {value!r}")
+        return value
+
+    try:
+        dtype = np.dtype(manifest.get("dtype"))
+    except TypeError:
+        dtype = None
+    if not isinstance(manifest.get("dtype"), str) or dtype is None or dtype.kind != "u":
+        raise bad("dtype", f"must be an unsigned integer type (uint8, uint16, uint32), got {manifest.get('dtype')!r}")
+    vocab = count("vocab_size", manifest.get("vocab_size"), 1)
+    if "max_token_id" in manifest and count("max_token_id", manifest["max_token_id"], 0) >= vocab:
+        raise bad("vocab_size", f"{vocab}, but token ids reach {manifest['max_token_id']} (field 'max_token_id')")
+    shards = manifest.get("shards")
+    if not isinstance(shards, list) or not shards or not all(isinstance(x, dict) for x in shards):
+        raise bad("shards", "must be a non-empty list of objects with 'file' and 'num_tokens'")
+    real_root = os.path.realpath(root)
+    for i, shard in enumerate(shards):
+        name = shard.get("file")
+        if (not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name
+                or os.path.dirname(os.path.realpath(os.path.join(real_root, name))) != real_root):
+            raise bad(f"shards[{i}].file", f"must be a file name inside {root} (no folder, no symlink out), "
+                                           f"got {name!r}")
+        count(f"shards[{i}].num_tokens", shard.get("num_tokens"), 0)
+    sources = manifest.get("sources")
+    if not isinstance(sources, list) or not sources or not all(isinstance(x, str) for x in sources):
+        raise bad("sources", "must be a non-empty list of strings")
     return manifest
+
+
+_INDEX_COLUMNS = ("shard", "offset", "length", "source", "record")
+
+
+def _read_index(root: Path, manifest: dict) -> np.ndarray:
+    """index.npy, each row checked: its shard exists, its tokens lie inside that shard."""
+    path = root / INDEX
+    try:
+        index = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as e:
+        raise InputError(f"{path}: unreadable ({e or type(e).__name__})") from None
+    if not isinstance(index, np.ndarray) or index.ndim != 2 or index.shape[1] != 5 or index.dtype != np.int64:
+        raise InputError(f"{path}: not a document index (int64 [documents, 5])")
+    shard_tokens = np.array([s["num_tokens"] for s in manifest["shards"]], dtype=np.int64)
+    shard_T, offset_T, length_T = index[:, 0], index[:, 1], index[:, 2]
+    in_shard = (shard_T >= 0) & (shard_T < len(shard_tokens))
+    limits = {0: ~in_shard, 2: length_T < 1, 3: (index[:, 3] < 0) | (index[:, 3] >= len(manifest["sources"])),
+              4: index[:, 4] < 0}
+    limits[1] = ~limits[0] & ((offset_T < 0) | (offset_T > shard_tokens[np.where(in_shard, shard_T, 0)] - length_T))
+    for column in sorted(limits):
+        rows = np.flatnonzero(limits[column])
+        if len(rows):
+            row = int(rows[0])
+            raise InputError(f"{path}: row {row} column {column} ({_INDEX_COLUMNS[column]}): {int(index[row, column])} "
+                             f"is outside what the manifest allows (shard {int(shard_T[row])}, "
+                             f"{int(length_T[row])} tokens at offset {int(offset_T[row])})")
+    return index
 
 
 def _open_shards(root: Path, manifest: dict, index: np.ndarray) -> list[np.ndarray]:
@@ -228,30 +291,37 @@ def _open_shards(root: Path, manifest: dict, index: np.ndarray) -> list[np.ndarr
         if size != expected * dtype.itemsize or shard["num_tokens"] != expected:
             raise InputError(f"{path}: {size} bytes, the index says {expected} tokens of {dtype.name}: corrupt")
         shards.append(np.memmap(path, dtype=dtype, mode="r") if expected else np.zeros(0, dtype))
+    if "max_token_id" not in manifest:  # written before prepare recorded it: one pass over the shards
+        largest = max((int(s.max()) for s in shards if len(s)), default=0)
+        if largest >= manifest["vocab_size"]:
+            raise InputError(f"{root / MANIFEST}: field 'vocab_size': {manifest['vocab_size']}, but token ids "
+                             f"reach {largest}")
     return shards
 
 
 def from_prepared(path: str | os.PathLike) -> Corpus:
     """A folder written by `ballonet prepare`: lengths from its index, tokens read from the
-    memory-mapped shards only when asked, and only the range asked for."""
+    memory-mapped shards only when asked, and only the range asked for. Every field of the
+    manifest and every index row is checked before a shard is opened; a token id at or
+    above `vocab_size` (which a manifest could understate) is refused when it is read."""
     root = Path(path)
     manifest = _read_manifest(root)
-    try:
-        index = np.load(root / INDEX, allow_pickle=False)
-    except (OSError, ValueError) as e:
-        raise InputError(f"{root / INDEX}: unreadable ({e})") from None
-    if index.ndim != 2 or index.shape[1] != 5 or index.dtype != np.int64 or (index[:, 2] < 1).any():
-        raise InputError(f"{root / INDEX}: not a document index (int64 [documents, 5], positive lengths)")
+    index = _read_index(root, manifest)
     shards = _open_shards(root, manifest, index)
     shard_T, offset_T = index[:, 0], index[:, 1]
+    vocab_size = manifest["vocab_size"]
 
     def read_range(doc: int, start: int, end: int) -> np.ndarray:
         begin = int(offset_T[doc]) + start
-        return np.asarray(shards[shard_T[doc]][begin: begin + end - start], dtype=np.int64)
+        ids = np.asarray(shards[shard_T[doc]][begin: begin + end - start], dtype=np.int64)
+        if len(ids) and int(ids.max()) >= vocab_size:
+            raise InputError(f"{root / manifest['shards'][shard_T[doc]]['file']}: token id {int(ids.max())} of "
+                             f"document {names[doc]} is not below the manifest's vocab_size {vocab_size}")
+        return ids
 
     lengths = index[:, 2].copy()
     names = _PreparedNames(manifest["sources"], index, by_row=len(manifest["sources"]) == 1)
-    return Corpus(name=str(root), names=names, lengths=lengths, vocab_size=int(manifest["vocab_size"]),
+    return Corpus(name=str(root), names=names, lengths=lengths, vocab_size=vocab_size,
                   read=lambda doc: read_range(doc, 0, int(lengths[doc])), read_range=read_range)
 
 

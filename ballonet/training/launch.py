@@ -3,7 +3,9 @@
 The agent runs in this process (what `torchrun` does in its own), so a failed rank is an
 exception we can read rather than torchrun's traceback: a rank stopped by bad input
 writes its one-line message to `BALLONET_ERROR_DIR/<rank>` (see `report_rank_error`) and
-exits 2; the launcher prints that line once and exits 2 too.
+exits 2; the launcher prints that line once and exits 2 too. A rank that dies (killed,
+out of memory) is reported as "rank N died (signal S)", exit 1, rather than as the lost
+connection its peers saw (`_failure_line`).
 """
 
 from __future__ import annotations
@@ -58,16 +60,27 @@ def _quiet_agent():
 
 
 def _failure_line(failures: dict, folder: str) -> tuple[str, int]:
-    """The message and exit code to report for the failed ranks `failures` (rank -> ProcessFailure)."""
-    first = min(failures, key=lambda r: failures[r].timestamp)
-    for rank in [first, *sorted(failures), *sorted(int(n) for n in os.listdir(folder) if n.isdigit())]:
-        path = os.path.join(folder, str(rank))
-        if os.path.isfile(path):
-            with open(path) as f:
-                return f.read().strip(), failures[rank].exitcode if rank in failures else 2
-    code = failures[first].exitcode
-    cause = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-    return f"ballonet train: error: rank {first} failed ({cause})", 1
+    """The message and exit code to report for the failed ranks `failures` (rank ->
+    ProcessFailure), in order of cause: a rank's own bad input (its line, exit 2); a rank
+    that died by a signal (which its peers see as a lost connection: exit 1); a rank's
+    own line of another failure (a timeout, a disagreement: exit 1); an exit code."""
+    lines = {}
+    for name in os.listdir(folder):
+        if name.isdigit():
+            with open(os.path.join(folder, name)) as f:
+                lines[int(name)] = f.read().strip()
+    # First failure first; within a timestamp (whole seconds) a death before the peers it cut off.
+    order = sorted(failures, key=lambda r: (failures[r].timestamp, failures[r].exitcode >= 0, r))
+    for rank in order:
+        if rank in lines and failures[rank].exitcode == 2:
+            return lines[rank], 2
+    first = order[0]
+    if failures[first].exitcode < 0:
+        return f"ballonet train: error: rank {first} died (signal {-failures[first].exitcode}); the others stopped", 1
+    for rank in order + sorted(set(lines) - set(order)):
+        if rank in lines:
+            return lines[rank], 1
+    return f"ballonet train: error: rank {order[0]} failed (exit code {failures[order[0]].exitcode})", 1
 
 
 def launch(argv: list[str], nproc: int, max_restarts: int) -> int:

@@ -283,7 +283,16 @@ class BalancedLoader:
         for key, value in self._config().items():
             if state.get(key) != value:
                 raise InputError(f"loader state was saved with {key}={state.get(key)!r}, this loader has {value!r}")
-        self._cursor = Cursor(state["epoch"], state["position"], state["offset"], state["batch"])
+        cursor = Cursor(state["epoch"], state["position"], state["offset"], state["batch"])
+        num_docs = self.corpus.num_docs
+        if not 0 <= cursor.position <= num_docs:
+            raise InputError(f"loader state: position {cursor.position} is outside the corpus's {num_docs} documents")
+        doc = int(self._order(cursor.epoch)[cursor.position]) if cursor.position < num_docs else None
+        length = 0 if doc is None else int(self.corpus.lengths[doc])
+        if not 0 <= cursor.offset < max(length, 1):  # at the end of an epoch, offset 0
+            raise InputError(f"loader state: offset {cursor.offset} is outside the {length} tokens of the document "
+                             f"at position {cursor.position}")
+        self._cursor = cursor
 
     def _config(self) -> dict:
         return {"num_docs": self.corpus.num_docs, "num_tokens": self.corpus.num_tokens,

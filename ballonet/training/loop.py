@@ -20,6 +20,7 @@ import dataclasses
 import datetime
 import functools
 import json
+import math
 import os
 import re
 import signal
@@ -43,6 +44,8 @@ from ballonet.training.model import build_model
 
 class RankFailure(InputError):
     """A peer died, timed out or disagreed: one line on every rank instead of a hang."""
+
+    exit_code = 1  # not the user's input
 
 
 _PEER_TROUBLE = re.compile(r"disagree on the plan|another plan rank|the plan is for|[Cc]onnection|[Tt]imed? ?out|"
@@ -97,6 +100,8 @@ def preflight(config: TrainConfig, world_size: int):
                                recompute=None if config.recompute == "auto" else config.recompute,
                                recompute_layers=config.recompute_layers)
     metrics.check_budget(spec, cluster, config.global_tokens, world_size, config.shard)
+    if config.checkpoint_dir and config.checkpoint_every:
+        checkpoint.check_folder(config.checkpoint_dir, spec.num_params)
     if config.tensorboard:
         _tensorboard_writer(None)
     corpus = load_corpus(config.corpus, seed=config.seed)
@@ -279,7 +284,10 @@ def _run(config: TrainConfig, group, use_cuda: bool):
     found = checkpoint.latest(config.checkpoint_dir) if config.resume and config.checkpoint_dir else None
     if found:
         meta = checkpoint.load(found, model, optimizer, rank, group, device)
-        loader.load_state_dict(meta["loader"])
+        try:
+            loader.load_state_dict(meta["loader"])
+        except InputError as e:
+            raise InputError(f"{os.path.join(found, checkpoint.META)}: {e}") from None
         step = meta["step"]
     if rank == 0 and config.json_log:
         if step:
@@ -304,6 +312,8 @@ def _run(config: TrainConfig, group, use_cuda: bool):
         _maybe_fault(step, rank)
         recompute = _auto_recompute(model, batch.plan, spec, cluster, plan_rank) if spec.recompute is None else None
         record = _step(model, optimizer, batch, plan_rank, plan_group, device, spec, peak, step, outer_group)
+        if not math.isfinite(record["loss"]):  # the same on every rank (a reduced sum)
+            raise InputError(f"step {step}: the loss is {record['loss']}; training stopped (try a smaller --lr)")
         if recompute is not None:
             record["recompute"], record["recompute_layers_max"] = recompute
         records.append(record)

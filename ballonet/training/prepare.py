@@ -8,7 +8,8 @@ by the `tokenizers` library in batches.
 
 Output, a folder (format in `corpus.PREPARED_FORMAT`, read by `corpus.from_prepared`):
 
-    manifest.json        format, version, dtype, vocabulary, tokenizer, shards, sources
+    manifest.json        format, version, dtype, vocabulary, largest token id, tokenizer,
+                         shards, sources
     index.npy            int64 [D, 5]: shard, offset, length, source, record per document
     tokens-00000.bin     raw token ids (dtype of the manifest), documents back to back
     tokenizer.json       a copy of the tokenizer (absent for "byte")
@@ -30,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from ballonet.errors import InputError
+from ballonet.paths import check_free_space
 from ballonet.training.corpus import (
     INDEX,
     MANIFEST,
@@ -229,6 +231,7 @@ class _ShardWriter:
         self.folder, self.dtype, self.shard_tokens = folder, dtype, shard_tokens
         self.rows: list[np.ndarray] = []
         self.shard_sizes: list[int] = []
+        self.max_id = 0
         self._file = None
 
     def _open_next(self) -> None:
@@ -250,6 +253,8 @@ class _ShardWriter:
             self.shard_sizes[-1] += n
         rows[:, 3], rows[:, 4] = sources, records
         self.rows.append(rows)
+        if len(ids):
+            self.max_id = max(self.max_id, int(ids.max()))
 
     def close(self) -> np.ndarray:
         if self._file is not None:
@@ -277,7 +282,7 @@ def _write_folder(folder: Path, config: PrepareConfig, encoder: Encoder, progres
     root = Path(config.data)
     manifest = {
         "format": PREPARED_FORMAT, "version": PREPARED_VERSION, "dtype": encoder.dtype.name,
-        "vocab_size": encoder.vocab_size, "num_docs": len(index), "num_tokens": int(index[:, 2].sum()),
+        "vocab_size": encoder.vocab_size, "max_token_id": writer.max_id, "num_docs": len(index), "num_tokens": int(index[:, 2].sum()),
         "tokenizer": {"source": encoder.name, "file": TOKENIZER_FILE if encoder.file else None,
                       "add_special_tokens": config.add_special_tokens},
         "text_column": config.text_column,
@@ -295,18 +300,38 @@ def prepare(config: PrepareConfig, progress: Progress = lambda n: None) -> dict:
     if out.exists():
         raise InputError(f"{out}: already exists (prepare writes a new folder; remove it or choose another)")
     encoder = load_tokenizer(config.tokenizer, config.add_special_tokens)
-    list_sources(config.data)  # bad --data fails before a folder is made
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    sources = list_sources(config.data)  # bad --data fails before a folder is made
+    _check_room(out, sources, encoder)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    except OSError as e:
+        raise InputError(f"--out {out}: cannot make the folder ({e.strerror or e})") from None
     try:
         manifest = _write_folder(tmp, config, encoder, progress)
         os.rename(tmp, out)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):  # a disk that filled or turned read-only meanwhile
+            raise InputError(f"--out {out}: cannot write ({e.strerror or e})") from None
         raise
     return manifest
+
+
+def _check_room(out: Path, sources: list[Path], encoder: Encoder) -> None:
+    """Before any work: the folder `out` goes in is writable and, where the output's size
+    can be bounded (text input: at most one token per byte), its disk has room for it."""
+    existing = out.absolute().parent
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise InputError(f"--out {out}: {existing} is not a writable folder")
+    if sources[0].suffix != ".parquet":  # compressed: its size bounds nothing
+        num_bytes = sum(p.stat().st_size for p in sources)
+        check_free_space(str(existing), num_bytes * encoder.dtype.itemsize + (1 << 20),
+                         f"--out {out} (up to one token per input byte)")
 
 
 def input_bytes(data: str) -> int:
