@@ -3,8 +3,9 @@ and backward timed separately (the evidence for the built-in GPU profiles).
 
     python bench/gpu_kernels.py --out bench/results/gpu_kernels.json
 
-1. Each GPU backend of `ballonet.runtime.kernels` named by --kernels (default "cuda":
-   aten's FlashAttention-2 varlen) in bf16 against the fp32 "reference" on packed causal
+1. Each GPU backend of `ballonet.runtime.kernels` named by --kernels (default: the one
+   `kernels.select` picks on this GPU, the fastest installed: today "cuda", aten's
+   FlashAttention-2 varlen) in bf16 against the fp32 "reference" on packed causal
    documents, GQA and MHA: forward out and LSE, backward dq/dk/dv, max relative error.
 2. For each backend, causal varlen attention, forward alone and backward alone, CUDA events, median of
    several repeats, per document length 64 .. 128K, for two head shapes: GQA 64/4 x 128
@@ -123,12 +124,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="bench/results/gpu_kernels.json")
     p.add_argument("--max-length", type=int, default=131072)
     p.add_argument("--kernels", default=None,
-                   help="comma-separated GPU backends of ballonet.runtime.kernels to check and time (default: cuda)")
+                   help="comma-separated GPU backends of ballonet.runtime.kernels to check and time "
+                        "(default: the one kernels.select picks here)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench/gpu_kernels.py: no CUDA device")
     device = torch.device("cuda")
-    names = args.kernels.split(",") if args.kernels else ["cuda"]
+    names = args.kernels.split(",") if args.kernels else [kernels.select(None, device).name]
     t0 = time.time()
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
               "python": platform.python_version(), "date": time.strftime("%Y-%m-%d")}

@@ -5,7 +5,9 @@
 #      GPU is present);
 #   2. one-rank bf16 training of a ~1B llama-shaped model (llama3-1b) with FSDP2, under full
 #      and under linear recomputation (whose peak memory checks the cost model's count),
-#      printing tokens/s and MFU per step;
+#      printing tokens/s and MFU per step; with BALLONET_SYNC_DEBUG=error (as
+#      scripts/gpu_check.sh runs it) every step after the first runs under
+#      torch.cuda.set_sync_debug_mode("error"), so a host-device sync in a step fails it;
 # and appends the figures, with the date, to bench/results/gpu.md.
 #
 #   bash scripts/gpu_train_check.sh      # from the repository root, python on PATH
@@ -22,7 +24,7 @@ for MODE in full linear; do
 echo "== 2/2 llama3-1b, 1 rank, FSDP2, bf16, --recompute $MODE"
 LOG=$(mktemp -d)/train.jsonl
 CMD=(-m ballonet train --model llama3-1b --cluster h200-8nic --nodes 1 --dtype bf16 --recompute "$MODE"
-     --steps 6 --global-tokens 16384 --max-doc-tokens 4096 --json-log "$LOG")
+     --steps 5 --global-tokens 16384 --max-doc-tokens 4096 --json-log "$LOG")
 $PY "${CMD[@]}"
 
 $PY - "$LOG" "${CMD[*]}" <<'PY'
@@ -31,7 +33,10 @@ records = [json.loads(line) for line in open(sys.argv[1])]
 steady = records[1:] or records  # the first step pays for warm-up
 import torch
 gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU (CPU dry run)"
-lines = [f"\n## {datetime.date.today()}: {gpu}\n", f"`python {sys.argv[2]}`\n",
+import os
+debug = os.environ.get("BALLONET_SYNC_DEBUG")
+lines = [f"\n## {datetime.date.today()}: {gpu}\n",
+         f"`{'BALLONET_SYNC_DEBUG=' + debug + ' ' if debug else ''}python {sys.argv[2]}`\n",
          "| step | loss | tokens/s | MFU | peak memory GiB |", "| --- | --- | --- | --- | --- |"]
 lines += [f"| {r['step']} | {r['loss']:.4f} | {r['tokens_per_s']:.0f} | {r['mfu']:.1%} | "
           f"{r['memory_peak_bytes_max'] / 2**30:.1f} |" for r in records]

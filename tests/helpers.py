@@ -4,6 +4,7 @@ distributed results are checked against, and the checks the attention tests run 
 each imports what it shares from here.
 
     one_rank_plan, small_plan, remap_plan, make_plan, hand_plans   plans by hand
+    routed, rails_plan, tangled_plan, plans4, plans6                  routed and double rings
     attention_reference, run_attention, total_bytes, check_attention_plan
     SPEC, batch, model_reference, rank_outputs, assert_grads_close  the tiny model's
     runtime_bytes                                                   what the runtime sends
@@ -12,6 +13,7 @@ each imports what it shares from here.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import Counter
 
@@ -141,6 +143,56 @@ def hand_plans(world: int) -> dict[str, Plan]:
                 comms[d] = rng.choice(["ring", "ring", "allgather"])
         plans[f"random{seed}"] = make_plan(lengths, placement, nodes, comms, seed=seed)
     return plans
+
+
+def routed(plan: Plan, *routes: tuple[int, int, int, tuple]) -> Plan:
+    return dataclasses.replace(plan, routes=tuple(Route(doc=d, src=s, dst=t, proxies=p) for d, s, t, p in routes)).validate()
+
+
+def rails_plan() -> Plan:
+    """Document 0 (16 tokens) on the ring 0 1 2 3, four rows per rank; hops 1->2 and 3->0
+    cross nodes and go over both rails, as the planner routes them."""
+    plan = make_plan([16, 5], [(0, 1, 2, 3), 1], (0, 0, 1, 1))
+    return routed(plan, (0, 1, 2, ((0, 2), (1, 3))), (0, 3, 0, ((2, 0), (3, 1))))
+
+
+def tangled_plan() -> Plan:
+    """Every hop of three rings crosses nodes and is routed: proxies equal to the source
+    or destination or to each other, three-leg paths, parts of one row or none, ranks that
+    forward for rings they are not in, hops of one ring sharing a pair of ranks; beside an
+    unrouted all-gather ring, an intra-node ring and local documents."""
+    lengths = [37, 9, 5, 6, 11, 4, 3]
+    plan = make_plan(lengths, [(0, 2, 1, 3), (1, 3), (2, 0, 3, 1), (0, 3), (2, 3), 0, 2], (0, 0, 1, 1),
+                     comms={3: "allgather"}, seed=4)
+    return routed(plan,
+                  (0, 0, 2, ((0, 2), (1, 3))), (0, 2, 1, ((3, 1), (2, 0), (3, 0))),
+                  (0, 1, 3, ((1, 3), (0, 2))), (0, 3, 0, ((2, 1),)),
+                  (1, 1, 3, ((0, 2),)), (1, 3, 1, ((2, 0), (3, 1))),
+                  (2, 2, 0, ((2, 0), (3, 1), (2, 1))), (2, 0, 3, ((1, 2), (0, 3), (1, 3))),
+                  (2, 3, 1, ((3, 1), (3, 0), (2, 1))), (2, 1, 2, ((0, 2), (1, 3), (0, 3))))
+
+
+NODES4, NODES6 = (0, 0, 1, 1), (0, 0, 1, 1, 2, 2)
+
+
+def plans4() -> dict[str, Plan]:
+    lengths = [37, 13, 5, 20, 9, 7, 3, 11, 6]
+    placement = [(0, 1, 2, 3), (0, 2), (2, 3, 0, 1), (0, 1, 2, 3), (2, 3), 1, 3, (3, 1), (1, 2)]
+    mixed = make_plan(lengths, placement, NODES4, comms={8: "allgather"}, seed=3,
+                      groups={0: 2, 1: 2, 2: 2, 7: 2}, tokens={0: [11, 7, 12, 7], 1: [8, 5], 2: [2, 0, 3, 0]})
+    routes = (Route(doc=3, src=1, dst=2, proxies=((0, 2), (1, 3))), Route(doc=3, src=3, dst=0, proxies=((2, 0), (3, 1))))
+    return {
+        "alone": make_plan([64], [(0, 1, 2, 3)], NODES4, groups={0: 2}, tokens={0: [20, 12, 18, 14]}),
+        "mixed": mixed,
+        "mixed routed": dataclasses.replace(mixed, routes=routes).validate(),
+    }
+
+
+def plans6() -> dict[str, Plan]:
+    lengths = [45, 12, 10, 8, 15, 6, 4]
+    placement = [(0, 1, 2, 3, 4, 5), (4, 0, 2), (2, 3, 4, 5), (5, 1), (1, 3, 5), 0, 4]
+    return {"three nodes": make_plan(lengths, placement, NODES6, seed=5, groups={0: 3, 1: 3, 2: 2, 3: 2},
+                                     tokens={0: [9, 6, 8, 7, 10, 5], 1: [5, 3, 4]})}
 
 
 # ---- attention against a single-process reference -------------------------------------
@@ -334,5 +386,7 @@ def tp_groups(world: int, tp: int):
     rings' transfers across nodes)."""
     from ballonet.training import parallel
 
-    mesh = parallel.device_mesh(world, "full", torch.device("cpu"), tp)
-    return mesh, dist.get_rank() // tp, parallel.plan_group(mesh), parallel.outer_group(world, tp)
+    cpu = torch.device("cpu")
+    mesh = parallel.device_mesh(world, "full", cpu, tp)
+    plan = parallel.plan_mesh(cpu, world, tp).get_group("plan")
+    return mesh, dist.get_rank() // tp, plan, parallel.outer_group(world, tp, cpu)

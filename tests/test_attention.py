@@ -86,16 +86,16 @@ def test_wrong_shapes_are_refused():
 def test_step_calls_follow_document_offsets():
     # Length 8 over 2 ranks: chunks [0,2) [2,4) [4,6) [6,8); position 0 holds 0 and 3.
     plan = make_plan([8], [(0, 1)], (0, 0))
-    first, second = ring_meta(plan, 0, "cpu")[0], ring_meta(plan, 1, "cpu")[0]
-    assert first.rows.tolist() == [0, 1, 2, 3] and first.block_rows == (4, 4)
-    diag = first.calls[0]
+    first, second = ring_meta(plan, 0)[0], ring_meta(plan, 1)[0]
+    assert first.calls.rows.tolist() == [0, 1, 2, 3] and first.block_rows == (4, 4)
+    diag = first.calls.calls[0]
     assert diag.packing.causal and diag.packing.offsets_q == (0, 4)
     # Position 0 holding position 1's block: only its chunk [6,8) sees [2,4) and [4,6).
-    call = first.calls[1]
+    call = first.calls.calls[1]
     assert call.q_index.tolist() == [2, 3] and call.k_index.tolist() == [0, 1, 2, 3]
     assert call.packing.offsets_q == (0, 2) and call.packing.offsets_k == (0, 4) and not call.packing.causal
     # Position 1 holding position 0's block: both its chunks see [0,2), not [6,8).
-    call = second.calls[1]
+    call = second.calls.calls[1]
     assert call.q_index.tolist() == [0, 1, 2, 3] and call.k_index.tolist() == [0, 1]
 
 

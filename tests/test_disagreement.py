@@ -1,6 +1,7 @@
 """Ranks that disagree on the plan, or a peer that never comes, fail every rank with one
 clear line in seconds: the plan digest is compared before any exchange that depends on
-it, in training (`Transformer.loss`) and in the runtime API (`remap`, `attention`)."""
+it, in training (`loop._step`, `Transformer.loss`) and in the runtime API (`remap`,
+`attention`). Ranks reading different data: tests/test_groups.py."""
 
 import dataclasses
 import os

@@ -1,6 +1,6 @@
 """The engine on "double" rings (an inner ring inside each node, rounds across nodes): the
 held blocks follow `Ring.schedule`, transfers across nodes go over the second group
-(`P2P.across`) and the others over the first, and on 4 gloo ranks (2 nodes x 2) and 6
+(`P2P.outer`) and the others over the first, and on 4 gloo ranks (2 nodes x 2) and 6
 (3 nodes x 2) each rank's output and q, k, v gradients equal the single-process reference
 and the bytes sent per (src, dst) equal `routing.predicted_bytes`, beside "ring",
 "allgather", routed and local documents, with and without the second group.
@@ -8,49 +8,26 @@ and the bytes sent per (src, dst) equal `routing.predicted_bytes`, beside "ring"
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_ranks
-from helpers import H_KV, SPEC, D, H, batch, check_attention_plan, make_plan
+from helpers import NODES4, H_KV, SPEC, D, H, batch, check_attention_plan, plans4, plans6
 
-from ballonet.plan import Plan, Route
+from ballonet.plan import Plan
 from ballonet.runtime import attention, comm, token_index
-from ballonet.runtime.ring import ring_meta, ring_pass
+from ballonet.runtime.ring import ring_meta
 from ballonet.runtime.routing import relay_meta, routes_by_hop
+from ballonet.runtime.schedule import record
 from ballonet.training.model import Transformer
-
-NODES4, NODES6 = (0, 0, 1, 1), (0, 0, 1, 1, 2, 2)
-
-
-def plans4() -> dict[str, Plan]:
-    lengths = [37, 13, 5, 20, 9, 7, 3, 11, 6]
-    placement = [(0, 1, 2, 3), (0, 2), (2, 3, 0, 1), (0, 1, 2, 3), (2, 3), 1, 3, (3, 1), (1, 2)]
-    mixed = make_plan(lengths, placement, NODES4, comms={8: "allgather"}, seed=3,
-                      groups={0: 2, 1: 2, 2: 2, 7: 2}, tokens={0: [11, 7, 12, 7], 1: [8, 5], 2: [2, 0, 3, 0]})
-    routes = (Route(doc=3, src=1, dst=2, proxies=((0, 2), (1, 3))), Route(doc=3, src=3, dst=0, proxies=((2, 0), (3, 1))))
-    return {
-        "alone": make_plan([64], [(0, 1, 2, 3)], NODES4, groups={0: 2}, tokens={0: [20, 12, 18, 14]}),
-        "mixed": mixed,
-        "mixed routed": dataclasses.replace(mixed, routes=routes).validate(),
-    }
-
-
-def plans6() -> dict[str, Plan]:
-    lengths = [45, 12, 10, 8, 15, 6, 4]
-    placement = [(0, 1, 2, 3, 4, 5), (4, 0, 2), (2, 3, 4, 5), (5, 1), (1, 3, 5), 0, 4]
-    return {"three nodes": make_plan(lengths, placement, NODES6, seed=5, groups={0: 3, 1: 3, 2: 2, 3: 2},
-                                     tokens={0: [9, 6, 8, 7, 10, 5], 1: [5, 3, 4]})}
-
 
 def test_held_blocks_follow_the_schedule():
     plan = plans4()["mixed"]
     assert [r.comm for r in plan.rings] == ["double", "double", "double", "ring", "ring", "double", "allgather"]
     by_hand = {0: [0, 1, 2, 3], 1: [1, 0, 3, 2], 2: [2, 3, 0, 1], 3: [3, 2, 1, 0]}  # k = 2, n = 2
     for rank in range(4):
-        metas = {m.doc: m for m in ring_meta(plan, rank, "cpu", routes_by_hop(plan))}
+        metas = {m.doc: m for m in ring_meta(plan, rank, routes_by_hop(plan))}
         assert list(metas[0].held) == by_hand[rank] and metas[0].groups == 2
         assert metas[0].out_hop is None and metas[0].in_hop is None
         ring = metas[3]
@@ -62,32 +39,21 @@ def test_held_blocks_follow_the_schedule():
             assert all(relay_meta(plan, index, r, routes_by_hop(plan)) is None for r in range(4))
 
 
-class _Posts:
-    """A stand-in `P2P` that records which group each message would go over."""
-
-    def __init__(self, group: str, log: list):
-        self.group, self.log = group, log
-
-    def across(self) -> _Posts:
-        return _Posts("outer", self.log)
-
-    def post(self, sends, recvs) -> list:
-        self.log += [(self.group, peer) for peer, _, _ in sends + recvs]
-        return []
-
-
 def test_transfers_across_nodes_go_over_the_second_group():
-    plan = plans4()["alone"]  # one document over 2 nodes x 2 ranks
-    for rank in range(4):
-        meta = ring_meta(plan, rank, "cpu", routes_by_hop(plan))[0]
-        log: list = []
-        kv = torch.zeros(2, meta.block_rows[meta.position], H_KV, D)
-        backward = ring_pass(_Posts("group", log), meta, kv, lambda step, held: torch.zeros_like(held))
-        for _ in backward:  # a backward pass: K/V and dK/dV, round sums home
-            pass
-        assert {g for g, peer in log if NODES4[peer] != NODES4[rank]} == {"outer"}
-        assert {g for g, peer in log if NODES4[peer] == NODES4[rank]} == {"group"}
-        assert sum(g == "outer" for g, _ in log) == 4  # K/V round send and receive; dK/dV sum home, both ways
+    for name, plan in plans4().items():
+        for outer in (True, False):
+            b = record(plan, outer_group=outer)
+            seen = set()
+            for i in range(b.num_batches):
+                for peer, _, _ in b.sends[i] + b.recvs[i]:
+                    across = NODES4[peer] != NODES4[b.rank[i]]
+                    seen.add((b.group[i], across))
+            # Double rings cross nodes over the second group, when there is one; "ring" and
+            # "allgather" documents (not in "alone") cross them in the first.
+            want = {("inner", False), ("inner", True)}
+            if outer:
+                want = {("inner", False), ("across", True)} | ({("inner", True)} if name != "alone" else set())
+            assert seen == want, (name, outer, seen)
 
 
 def _check_model(name: str, plan: Plan, rank: int, outer) -> tuple:
@@ -96,21 +62,22 @@ def _check_model(name: str, plan: Plan, rank: int, outer) -> tuple:
     that did not get the second group when given it, 0)."""
     tokens, labels = batch(plan.lengths)
     idx = token_index(plan, rank)
-    runs, given, across = [], [], comm.P2P.across
+    runs, given, post = [], [], comm.P2P.post
 
-    def recorded(p2p):
-        given.append(p2p.outer is outer)
-        return across(p2p)
+    def recorded(p2p, posts):
+        if any(p.sends_across or p.recvs_across for p in posts):
+            given.append(p2p.outer is outer)
+        return post(p2p, posts)
 
     for group in (None, outer):
         model = Transformer(SPEC, seed=3)
-        comm.P2P.across = recorded
+        comm.P2P.post = recorded
         try:
             model.loss(tokens[idx], labels[idx], plan, rank, outer_group=group).backward()
         finally:
-            comm.P2P.across = across
+            comm.P2P.post = post
         runs.append([p.grad for p in model.parameters()])
-    half = len(given) // 2  # forward and backward of each layer's double rings, in each run
+    half = len(given) // 2  # rounds with transfers across nodes of each layer's double rings, in each run
     missed = sum(given[half:]) != half or any(given[:half]) or half == 0
     return (f"{name} model, second group", float(sum(not torch.equal(a, b) for a, b in zip(*runs)) + missed), 0.0)
 

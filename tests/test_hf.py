@@ -96,19 +96,25 @@ def _relative_errors(batch: Batch, state: dict, loss: float, grads: dict) -> dic
 def _check_ranks(rank: int, world_size: int, state: dict, cases: list) -> list[dict[str, float]]:
     from ballonet.runtime import comm
 
-    out, outer, across = [], dist.new_group([0, 1]), comm.P2P.across
+    out, outer, post = [], dist.new_group([0, 1]), comm.P2P.post
     for lengths, plan_fn, layout in cases:
         batch = _batch(lengths, plan_fn)
         view = rank_view(batch, rank, layout)
         model = _model(hf.ATTENTION, state)
-        given = []  # for each double ring's pass: did it get the second group
-        comm.P2P.across = lambda p2p, given=given: given.append(p2p.outer is outer) or across(p2p)
+        given = []  # for each round with a double ring's transfer across nodes: did it go over the second group
+
+        def recording(p2p, posts, given=given):
+            if any(p.sends_across or p.recvs_across for p in posts):
+                given.append(p2p.outer is outer)
+            return post(p2p, posts)
+
+        comm.P2P.post = recording
         try:
             with hf.plan_context(batch.plan, rank, outer_group=outer):
                 loss = hf.loss_sum(model, view) / view.num_valid_tokens_global
                 loss.backward()
         finally:
-            comm.P2P.across = across
+            comm.P2P.post = post
         loss = loss.detach()
         dist.all_reduce(loss)
         grads = {}
@@ -142,7 +148,7 @@ def test_two_ranks_with_remap_match_single_process_default_attention():
     for (lengths, plan_fn, layout), errors in zip(cases, run_ranks(2, _check_ranks, state, cases)[0]):
         name = f"{plan_fn.__name__}{lengths} fed the {layout} layout"
         assert errors.pop("rings") >= 1, f"{name}: no document is split over the ranks"
-        passes = errors.pop("double passes")  # forward and backward of each layer's double ring
+        passes = errors.pop("double passes")  # rounds of each layer's double ring with transfers across nodes
         assert passes > 0 if plan_fn is _double_plan else passes == 0, f"{name}: {passes} double-ring passes"
         moved = errors.pop("moved")
         assert moved > 0 or plan_fn in (_ring_plan, _double_plan), f"{name}: the remap moves no token"

@@ -17,7 +17,7 @@ from ballonet.cli import main
 from ballonet.errors import InputError
 from ballonet.plan import Plan, Ring, Segment
 from ballonet.training.corpus import from_prepared, load_corpus
-from ballonet.training.loader import IGNORE_INDEX, BalancedLoader
+from ballonet.training.loader import CONTENT_SAMPLE, IGNORE_INDEX, BalancedLoader
 from ballonet.training.prepare import PrepareConfig, prepare
 
 tokenizers = pytest.importorskip("tokenizers")
@@ -131,6 +131,8 @@ def split_first_plan(lengths):
 
 
 def test_each_rank_reads_only_its_own_tokens(tmp_path, tokenizer_dir):
+    """Its own tokens, the one token after each run (its last label), and the data check's
+    sample of its successor's share (`loader.CONTENT_SAMPLE` tokens), nothing else."""
     source = write_sources(tmp_path)["jsonl"]
     prepare(PrepareConfig(data=str(source), out=str(tmp_path / "out"), tokenizer=str(tokenizer_dir),
                           text_column="body", shard_tokens=2000))
@@ -158,9 +160,13 @@ def test_each_rank_reads_only_its_own_tokens(tmp_path, tokenizer_dir):
                 runs_ends = [i for n, i in enumerate(held)
                              if n + 1 == len(held) or held[n + 1] != i + 1 or piece[n + 1] != piece[n]]
                 expected_reads += sum(batch_labels[i] != IGNORE_INDEX for i in runs_ends)
+                # and the data check's sample of the successor's share (`loader.sample_offsets`)
+                successor = (view.plan.attention_token_counts if layout == "attention"
+                             else view.plan.linear_token_counts)[1 - rank]
+                expected_reads += min(CONTENT_SAMPLE, successor)
             assert counts["tokens"] == expected_reads, (layout, rank)
             seen.append(counts["tokens"])
-        assert sum(seen) < 1.05 * corpus.num_tokens
+        assert sum(seen) < 1.05 * corpus.num_tokens + 2 * CONTENT_SAMPLE * len(batches)
 
 
 def run_cli(capsys, *argv):

@@ -23,8 +23,11 @@ from helpers import (
     batch,
     hand_plans,
     make_plan,
+    rails_plan,
     remap_plan,
+    routed,
     run_attention,
+    tangled_plan,
     total_bytes,
 )
 
@@ -43,33 +46,6 @@ from ballonet.training.model import Transformer
 ROW = 2 * H_KV * D * 4
 """Bytes of one K/V row (K and V, fp32), and of one fp32 dK/dV row."""
 NIC_SPREAD = 1.25
-
-
-def routed(plan: Plan, *routes: tuple[int, int, int, tuple]) -> Plan:
-    return dataclasses.replace(plan, routes=tuple(Route(doc=d, src=s, dst=t, proxies=p) for d, s, t, p in routes)).validate()
-
-
-def rails_plan() -> Plan:
-    """Document 0 (16 tokens) on the ring 0 1 2 3, four rows per rank; hops 1->2 and 3->0
-    cross nodes and go over both rails, as the planner routes them."""
-    plan = make_plan([16, 5], [(0, 1, 2, 3), 1], (0, 0, 1, 1))
-    return routed(plan, (0, 1, 2, ((0, 2), (1, 3))), (0, 3, 0, ((2, 0), (3, 1))))
-
-
-def tangled_plan() -> Plan:
-    """Every hop of three rings crosses nodes and is routed: proxies equal to the source
-    or destination or to each other, three-leg paths, parts of one row or none, ranks that
-    forward for rings they are not in, hops of one ring sharing a pair of ranks; beside an
-    unrouted all-gather ring, an intra-node ring and local documents."""
-    lengths = [37, 9, 5, 6, 11, 4, 3]
-    plan = make_plan(lengths, [(0, 2, 1, 3), (1, 3), (2, 0, 3, 1), (0, 3), (2, 3), 0, 2], (0, 0, 1, 1),
-                     comms={3: "allgather"}, seed=4)
-    return routed(plan,
-                  (0, 0, 2, ((0, 2), (1, 3))), (0, 2, 1, ((3, 1), (2, 0), (3, 0))),
-                  (0, 1, 3, ((1, 3), (0, 2))), (0, 3, 0, ((2, 1),)),
-                  (1, 1, 3, ((0, 2),)), (1, 3, 1, ((2, 0), (3, 1))),
-                  (2, 2, 0, ((2, 0), (3, 1), (2, 1))), (2, 0, 3, ((1, 2), (0, 3), (1, 3))),
-                  (2, 3, 1, ((3, 1), (3, 0), (2, 1))), (2, 1, 2, ((0, 2), (1, 3), (0, 3))))
 
 
 def planner_plan(world: int) -> Plan:

@@ -38,6 +38,10 @@ def register(sub) -> None:
     add_zeppelin_options(p)
     p.add_argument("--out", default=None, help="write the plan as canonical JSON (Plan.from_json reads it)")
     p.add_argument("--json", action="store_true", help="print a JSON object: planner, valid, ranks, metrics")
+    p.add_argument("--check-schedule", action="store_true",
+                   help="record every rank's transfers of a training step on this plan (forward, full "
+                        "recomputation, backward, remaps, relays, double rings) and replay them under NCCL's "
+                        "rules; exit 1 if they would deadlock (adds \"schedule_check\" to --json)")
     add_calibration_arg(p)
 
 
@@ -96,9 +100,12 @@ def cmd_plan(args) -> int:
         text = plan.to_json()
         write_atomic(args.out, lambda tmp: _write_text(tmp, text))
     report = _plan_report(plan, cluster, model, plan_ms)
+    check = _check_schedule(plan, model) if args.check_schedule else None
+    if check is not None:
+        report["schedule_check"] = check.to_dict()
     if args.json:
         print(json.dumps(report, indent=2))
-        return 0
+        return 0 if check is None or check.completes else 1
     rows = [[r["rank"], r["node"], r["gpu"], r["tokens_attention"], f"{r['attention_cost_s'] * 1e3:.3f}",
              r["tokens_linear"], f"{r['bytes_in'] / 2**20:.1f}", f"{r['bytes_out'] / 2**20:.1f}",
              "/".join(str(r["documents"][k]) for k in ("local", "intra", "inter"))] for r in report["ranks"]]
@@ -114,4 +121,23 @@ def cmd_plan(args) -> int:
                 f"({cluster.name}), {model.name} (forward attention per layer)",
                 ["rank", "node", "gpu", "tokens", "attention ms", "linear tokens", "MiB in", "MiB out",
                  "docs local/intra/inter"], rows, footer)
+    if check is not None:
+        print(_check_line(check))
+        return 0 if check.completes else 1
     return 0
+
+
+def _check_schedule(plan, model):
+    import torch
+
+    from ballonet.runtime.schedule import check_schedule
+
+    return check_schedule(plan, kv_dtype=torch.bfloat16 if model.dtype_bytes == 2 else torch.float32,
+                          row_elems=model.num_kv_heads // model.tp * model.head_dim)
+
+
+def _check_line(check) -> str:
+    if check.completes:
+        return (f"schedule check: completes under NCCL's rules ({check.messages} messages in {check.batches} "
+                f"batches and {check.collectives} collectives on {check.ranks} ranks)")
+    return f"schedule check: FAILS: {check.reason}"

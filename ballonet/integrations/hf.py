@@ -25,6 +25,8 @@ checkpoint them with `context_fn=recompute_context` (`hf_model.enable_recompute`
 
 Before the first collective of a step, the ranks compare plan digests
 (`runtime.check_plan`): ranks holding different plans fail together instead of hanging.
+What the layers need (`runtime.step_meta`) is built once per context (or given, as the
+training loader builds it) and moved to the device in one copy; the layers copy nothing.
 """
 
 from __future__ import annotations
@@ -66,12 +68,22 @@ class _Step:
     """Where the ranks' plan digests were compared (once per context)."""
     num_pad: int = 0
     """Padding tokens after this rank's own (see `linear_logits`)."""
+    meta: runtime.StepMeta | None = None
+    """The step's metadata on the device (made at first use when not given)."""
 
-    def check(self, device: torch.device) -> None:
-        """Compare plan digests over the group once, before this context's first collective."""
+    def check(self, device: torch.device, content: tuple[bytes, bytes] | None = None) -> None:
+        """Compare plan digests (and `content`, token digests) over the group once,
+        before this context's first collective."""
         if not self.checked:
-            runtime.check_plan(self.plan, self.rank, self.group, device)
+            runtime.check_plan(self.plan, self.rank, self.group, device, content=content)
             self.checked.append(device)
+
+    def meta_on(self, device: torch.device) -> runtime.StepMeta:
+        if self.meta is None:
+            self.meta = runtime.to_device(runtime.step_meta(self.plan, self.rank), device)
+        else:
+            self.meta.check(self.plan, self.rank)
+        return self.meta
 
 
 _STEP: contextvars.ContextVar[_Step | None] = contextvars.ContextVar("ballonet_hf_step", default=None)
@@ -79,13 +91,14 @@ _STEP: contextvars.ContextVar[_Step | None] = contextvars.ContextVar("ballonet_h
 
 @contextlib.contextmanager
 def plan_context(plan: Plan, rank: int, group: dist.ProcessGroup | None = None, *, kernel: str | None = None,
-                 counter: runtime.ByteCounter | None = None,
-                 outer_group: dist.ProcessGroup | None = None) -> Iterator[_Step]:
+                 counter: runtime.ByteCounter | None = None, outer_group: dist.ProcessGroup | None = None,
+                 meta: runtime.StepMeta | None = None) -> Iterator[_Step]:
     """Run "ballonet" attention layers on `plan` as `rank` of `group` (None: the default
-    group) inside the block. `kernel`, `counter` and `outer_group` go to `runtime.attention`."""
+    group) inside the block. `kernel`, `counter` and `outer_group` go to `runtime.attention`;
+    `meta`: `runtime.step_meta(plan, rank)` on the model's device (made once here if not)."""
     if not 0 <= rank < plan.num_ranks:
         raise ValueError(f"rank {rank} outside the plan's {plan.num_ranks} ranks")
-    with _entered(_Step(plan, rank, group, kernel, counter, outer_group)) as step:
+    with _entered(_Step(plan, rank, group, kernel, counter, outer_group, meta=meta)) as step:
         yield step
 
 
@@ -128,28 +141,33 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         raise NotImplementedError("ballonet attention is causal full attention without dropout, sliding window "
                                   "or softcap")
     step.check(query.device)
+    meta = step.meta_on(query.device)
     H, K, T = query.shape[1], key.shape[1], query.shape[2] - step.num_pad
     qkv_THD = torch.cat([query[0, :, :T], key[0, :, :T], value[0, :, :T]], 0).transpose(0, 1)
     # One all-to-all for q, k and v together (layout: runtime.layout).
     qkv_att = remap(qkv_THD, step.plan, step.rank, "linear", "attention", step.group, step.counter,
-                    verify_plan=False)  # step.check compared the digest once for this context
+                    verify_plan=False, move=meta.to_attention)  # step.check compared the digest once
     q_att, k_att, v_att = (x.contiguous() for x in qkv_att.split([H, K, K], 1))
     o_att = runtime.attention(q_att, k_att, v_att, step.plan, step.rank, step.group, kernel=step.kernel,
-                              counter=step.counter, scale=scaling, verify_plan=False, outer_group=step.outer_group)
-    o_THD = remap(o_att, step.plan, step.rank, "attention", "linear", step.group, step.counter, verify_plan=False)
+                              counter=step.counter, scale=scaling, verify_plan=False, outer_group=step.outer_group,
+                              meta=meta.attention)
+    o_THD = remap(o_att, step.plan, step.rank, "attention", "linear", step.group, step.counter, verify_plan=False,
+                  move=meta.to_linear)
     if step.num_pad:  # padding attends to nothing: zeros, through which no gradient flows
         o_THD = torch.cat([o_THD, o_THD.new_zeros(step.num_pad, *o_THD.shape[1:])])
     return o_THD[None], None
 
 
 def linear_inputs(batch: RankBatch, group: dist.ProcessGroup | None = None,
-                  counter: runtime.ByteCounter | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  counter: runtime.ByteCounter | None = None, move=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(input_ids, labels, position_ids) of this rank in the plan's linear layout, each
-    [T_lin]: as read by a loader in the linear layout, or moved there (one all-to-all)."""
+    [T_lin]: as read by a loader in the linear layout, or moved there (one all-to-all;
+    `move` as in `runtime.remap`, on the CPU like the batch)."""
     if batch.layout == "linear":
         return batch.input_ids, batch.labels, batch.position_ids
     stacked_T3 = torch.stack([batch.input_ids, batch.labels, batch.position_ids], 1)
-    moved_T3 = remap(stacked_T3, batch.plan, batch.rank, "attention", "linear", group, counter)
+    moved_T3 = remap(stacked_T3, batch.plan, batch.rank, "attention", "linear", group, counter,
+                     move=move if move is not None and move.keep_src.device == stacked_T3.device else None)
     return moved_T3[:, 0], moved_T3[:, 1], moved_T3[:, 2]
 
 
@@ -185,8 +203,9 @@ def loss_sum(model: torch.nn.Module, batch: RankBatch) -> torch.Tensor:
     if batch.rank != step.rank:
         raise ValueError(f"loss_sum: the batch is rank {batch.rank}'s, the plan context rank {step.rank}'s")
     device = next(model.parameters()).device
-    step.check(device)
-    ids_T, labels_T, pos_T = (x.to(device) for x in linear_inputs(batch, step.group, step.counter))
+    step.check(device, batch.content if batch.content[0] else None)
+    meta = step.meta_on(device)  # before the layers: recomputation captures the context with it
+    ids_T, labels_T, pos_T = (x.to(device) for x in linear_inputs(batch, step.group, step.counter, meta.to_linear))
     logits_TV = linear_logits(model, ids_T, pos_T)
     loss = F.cross_entropy(logits_TV, labels_T, ignore_index=IGNORE_INDEX, reduction="sum")
     return loss.to_local() if isinstance(loss, DTensor) else loss  # tensor parallel: replicated over its group

@@ -85,20 +85,25 @@ class BallonetLoss:
     """Mixed into a Hugging Face causal LM's class: the loss the training loop calls."""
 
     def loss(self, input_ids: torch.Tensor, labels: torch.Tensor, plan: Plan, rank: int, group=None,
-             counter: runtime.ByteCounter | None = None, outer_group=None) -> torch.Tensor:
-        """`Transformer.loss`: ids and labels [T_att] in the attention layout move (with
-        their positions) to the linear layout in one all-to-all; the model runs there,
-        its attention through the plan. Returns the sum of token cross-entropies."""
+             counter: runtime.ByteCounter | None = None, outer_group=None, *, meta: runtime.StepMeta | None = None,
+             content: tuple[bytes, bytes] | None = None, verify_plan: bool = True) -> torch.Tensor:
+        """`Transformer.loss`: ids and labels [T_att] in the attention layout move to the
+        linear layout in one all-to-all; the model runs there (positions from the step's
+        metadata), its attention through the plan. Returns the sum of token
+        cross-entropies. `meta`, `content`, `verify_plan` as in `Transformer.loss`."""
         from ballonet.integrations import hf
 
-        with hf.plan_context(plan, rank, group, counter=counter, outer_group=outer_group) as step:
-            step.check(input_ids.device)
-            pos_T = runtime.position_ids(plan, rank, "attention").to(input_ids.device)
-            moved_T3 = remap(torch.stack([input_ids, labels, pos_T], 1), plan, rank, "attention", "linear", group,
-                             counter, verify_plan=False)
+        with hf.plan_context(plan, rank, group, counter=counter, outer_group=outer_group, meta=meta) as step:
+            if verify_plan:
+                step.check(input_ids.device, content)
+            else:
+                step.checked.append(input_ids.device)
+            meta = step.meta_on(input_ids.device)
+            moved_T2 = remap(torch.stack([input_ids, labels], 1), plan, rank, "attention", "linear", group,
+                             counter, verify_plan=False, move=meta.to_linear)
             # The class's own forward, not self(...): FSDP2 runs its hooks around `loss`.
-            logits_TV = hf.linear_logits(super().forward, moved_T3[:, 0], moved_T3[:, 2])
-        loss = F.cross_entropy(logits_TV, moved_T3[:, 1], ignore_index=IGNORE_INDEX, reduction="sum")
+            logits_TV = hf.linear_logits(super().forward, moved_T2[:, 0], meta.positions)
+        loss = F.cross_entropy(logits_TV, moved_T2[:, 1], ignore_index=IGNORE_INDEX, reduction="sum")
         # Replicated over the TP group; a copy, as FSDP2 warns of a view returned from its module.
         return loss.to_local().clone() if isinstance(loss, DTensor) else loss
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -39,6 +39,10 @@ class Packing:
     offsets_k: tuple[int, ...]
     """[N + 1] key row offsets, from 0 to T_k."""
     causal: bool
+    cu_seqlens_q: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    """offsets_q as an int32 tensor, made once per step with the step's metadata and
+    moved to the device with it (`with_cu_seqlens`); None: made at each call."""
+    cu_seqlens_k: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if len(self.offsets_q) != len(self.offsets_k) or self.offsets_q[0] != 0 or self.offsets_k[0] != 0:
@@ -50,6 +54,20 @@ class Packing:
     def of(lengths_q, lengths_k=None, causal: bool = True) -> Packing:
         return Packing(offsets_q=_cumsum(lengths_q), offsets_k=_cumsum(lengths_q if lengths_k is None else lengths_k),
                        causal=causal)
+
+    def with_cu_seqlens(self) -> Packing:
+        """This packing with its offsets as int32 CPU tensors (`cu_seqlens_q`, `_k`)."""
+        return Packing(offsets_q=self.offsets_q, offsets_k=self.offsets_k, causal=self.causal,
+                       cu_seqlens_q=torch.tensor(self.offsets_q, dtype=torch.int32),
+                       cu_seqlens_k=torch.tensor(self.offsets_k, dtype=torch.int32))
+
+    def device_offsets(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cu_seqlens_q, cu_seqlens_k) on `device`: the precomputed ones when they are
+        there, else made now (a host-to-device copy each)."""
+        q, k = self.cu_seqlens_q, self.cu_seqlens_k
+        if q is not None and k is not None and q.device == torch.device(device):
+            return q, k
+        return _cu(self.offsets_q, device), _cu(self.offsets_k, device)
 
     @property
     def max_q(self) -> int:
@@ -179,8 +197,8 @@ def _cuda_forward(q_THD, k_THD, v_THD, packing: Packing, scale: float):
     if q_THD.dtype == torch.float32:  # flash attention has no fp32 kernel
         return _ref_forward(q_THD, k_THD, v_THD, packing, scale)
     out_THD, lse_HT, *_ = torch.ops.aten._flash_attention_forward(
-        q_THD, k_THD, v_THD, _cu(packing.offsets_q, q_THD.device), _cu(packing.offsets_k, q_THD.device),
-        packing.max_q, packing.max_k, 0.0, packing.causal, False, scale=scale)
+        q_THD, k_THD, v_THD, *packing.device_offsets(q_THD.device), packing.max_q, packing.max_k, 0.0,
+        packing.causal, False, scale=scale)
     return out_THD, lse_HT.t()
 
 
@@ -191,7 +209,7 @@ def _cuda_backward(dout_THD, q_THD, k_THD, v_THD, out_THD, lse_TH, packing: Pack
     rng_state = torch.zeros(2, dtype=torch.uint64, device=device)  # unused: no dropout
     return torch.ops.aten._flash_attention_backward(
         dout_THD.contiguous(), q_THD, k_THD, v_THD, out_THD.contiguous(), lse_TH.t().contiguous(),
-        _cu(packing.offsets_q, device), _cu(packing.offsets_k, device), packing.max_q, packing.max_k,
+        *packing.device_offsets(device), packing.max_q, packing.max_k,
         0.0, packing.causal, rng_state, torch.empty(0, device=device), scale=scale)
 
 

@@ -22,8 +22,10 @@ import torch
 import torch.distributed as dist
 
 from ballonet.plan import Plan
-from ballonet.runtime.comm import ByteCounter, check_plan, link_bytes  # noqa: F401 - link_bytes: re-exported
+from ballonet.runtime.comm import ByteCounter, link_bytes  # noqa: F401 - link_bytes: re-exported
 from ballonet.runtime.layout import LAYOUTS
+from ballonet.runtime.plan_check import check_plan
+from ballonet.runtime.staging import to_device
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,15 +86,16 @@ def plan_move(plan: Plan, rank: int, src: str = "attention", dst: str = "linear"
 
 
 def _forward(group, x: torch.Tensor, move: Move, counter: ByteCounter | None, phase: str = "forward") -> torch.Tensor:
-    """[T_in, ...] -> [T_out, ...]; records the bytes this rank sends under `phase`."""
-    device, rest = x.device, x.shape[1:]
+    """[T_in, ...] -> [T_out, ...] (the move's index maps on x's device); records the bytes
+    this rank sends under `phase`."""
+    rest = x.shape[1:]
     out = x.new_empty((move.num_out, *rest))
-    out[move.keep_dst.to(device)] = x[move.keep_src.to(device)]
-    send = x[move.send_src.to(device)].contiguous()
+    out[move.keep_dst] = x[move.keep_src]
+    send = x[move.send_src].contiguous()
     recv = x.new_empty((sum(move.recv_splits), *rest))
     dist.all_to_all_single(recv, send, output_split_sizes=list(move.recv_splits),
                            input_split_sizes=list(move.send_splits), group=group)
-    out[move.recv_dst.to(device)] = recv
+    out[move.recv_dst] = recv
     if counter is not None:
         row_bytes = rest.numel() * x.element_size()
         for peer, rows in enumerate(move.send_splits):
@@ -117,7 +120,8 @@ class _Remap(torch.autograd.Function):
 
 
 def remap(x: torch.Tensor, plan: Plan, rank: int, src: str = "attention", dst: str = "linear",
-          group=None, counter: ByteCounter | None = None, verify_plan: bool = True) -> torch.Tensor:
+          group=None, counter: ByteCounter | None = None, verify_plan: bool = True,
+          move: Move | None = None) -> torch.Tensor:
     """Move this rank's [T_src, ...] rows from layout `src` to `dst`: [T_dst, ...].
 
     Collective: every rank of `group` (plan rank i = group rank i) must call it. Moves
@@ -126,7 +130,9 @@ def remap(x: torch.Tensor, plan: Plan, rank: int, src: str = "attention", dst: s
     A plan with one rank or no remap transfers needs no process group: `x` comes back as is.
     Every rank must call with the same plan: checked first when a process group exists
     (one all_gather, a mismatch raises RuntimeError on all), unless `verify_plan=False`
-    (a caller that checked once).
+    (a caller that checked once). `move`: `plan_move(plan, rank, src, dst)` with its index
+    maps already on x's device (`runtime.step_meta` builds it once per step); else built
+    and moved here.
     """
     _check_layouts(src, dst)
     expected = plan.attention_tokens(rank) if src == "attention" else plan.linear_tokens(rank)
@@ -137,7 +143,9 @@ def remap(x: torch.Tensor, plan: Plan, rank: int, src: str = "attention", dst: s
         check_plan(plan, rank, group, x.device)
     if plan.num_ranks == 1 or not plan.remap:
         return x
-    return _Remap.apply(x, plan_move(plan, rank, src, dst), group, counter)
+    if move is None:
+        move = to_device(plan_move(plan, rank, src, dst), x.device)
+    return _Remap.apply(x, move, group, counter)
 
 
 def predicted_bytes(plan: Plan, bytes_per_token: int, src: str = "attention") -> ByteCounter:

@@ -7,17 +7,15 @@ nodes on that rail's NICs) -> dst (combine), legs between equal ranks left out. 
 hop is one part on the path (src, dst). A part travels as two messages, its K rows and its
 V rows: each is a contiguous view, so nothing is copied to send or receive it.
 
-Per ring step, the ring members post the first leg of their outgoing hop's parts and the
-last leg of their incoming hop's (`Hop.sends`, `Hop.recvs`, called by `ring.ring_pass`);
-the ranks in between forward in a task of their own, `relay_pass`, queued right after the
-ring's task. A relay posts all receives of the step, then waits for and forwards the
-parts coming from the source node (stage 1), then those that crossed nodes (stage 2).
-
-Deadlock freedom: tasks run round-robin in the same ring order on every rank, one ring
-step per round, and a relay runs after the ring's own task, so every blocking wait is for
-a message posted at an earlier (round, ring, stage): the order is well-founded. Every leg
-of every part of every hop has its own tag (gloo matches messages by (peer, tag), in
-order), so hops that share a pair of ranks never take each other's messages.
+Per ring step, the ring members post the first leg of their outgoing hop's parts at stage
+0 and receive the last leg of their incoming hop's at the stage that leg is (`Hop.sends`,
+`Hop.recvs`, used by `ring.ring_pass`); the ranks in between forward in a task of their
+own, `relay_pass`: a part received at stage k is forwarded at stage k + 1 of the same
+step (rounds (step, payload, stage), `comm.py`), on CUDA as soon as it has arrived.
+Every leg of every part of every hop has its own tag: gloo matches messages by (peer,
+tag); NCCL ignores tags, and `comm.P2P.post` orders a round's messages to each peer by
+tag on both ends, so both match them alike. docs/design.md, section 8, gives the
+argument that this cannot deadlock.
 
 `predicted_bytes` is what the engine sends per (src, dst) pair for a plan, routes
 followed; `comm.link_bytes` and `comm.nic_bytes` turn it into link-class and NIC figures.
@@ -32,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from ballonet.plan import Plan, Ring, Route, chunk_bounds
-from ballonet.runtime.comm import GRAD_DTYPE, P2P, ByteCounter, Message, wait
+from ballonet.runtime.comm import GRAD, GRAD_DTYPE, KV, NUM_STAGES, P2P, ByteCounter, Message, Post, Sent
 
 __all__ = ["MAX_PARTS", "MAX_RANKS", "MAX_RINGS", "Hop", "Relay", "RelayMeta", "hop_paths", "message_tag",
            "predicted_bytes", "relay_meta", "relay_pass", "ring_hop", "routes_by_hop"]
@@ -95,10 +93,11 @@ class Hop:
         return [(path[1], piece, message_tag(base, self.position, j, 0))
                 for j, path in enumerate(self.paths) for piece in _pieces(buf, b[j], b[j + 1])]
 
-    def recvs(self, buf: torch.Tensor, base: int) -> list[Message]:
-        """The last leg of every part, into buf [2, rows, ...], as the hop's destination."""
+    def recvs(self, buf: torch.Tensor, base: int) -> list[tuple[int, Message]]:
+        """The last leg of every part, into buf [2, rows, ...], as the hop's destination:
+        (stage, message), the stage being the leg's index on its path."""
         b = self.bounds(buf.shape[1])
-        return [(path[-2], piece, message_tag(base, self.position, j, len(path) - 2))
+        return [(len(path) - 2, (path[-2], piece, message_tag(base, self.position, j, len(path) - 2)))
                 for j, path in enumerate(self.paths) for piece in _pieces(buf, b[j], b[j + 1])]
 
 
@@ -135,6 +134,8 @@ class RelayMeta:
     """What this rank forwards for one ring whose routed hops pass through it."""
 
     doc: int
+    index: int
+    """The ring's index in plan.rings."""
     tag: int
     """The ring's message tag base (as `RingMeta.tag`)."""
     block_rows: tuple[int, ...]
@@ -146,43 +147,46 @@ class RelayMeta:
 def relay_meta(plan: Plan, index: int, rank: int, routes: dict) -> RelayMeta | None:
     """`rank`'s forwarding for ring plan.rings[index]; None if it forwards nothing."""
     ring = plan.rings[index]
-    relays = []
-    for position in range(len(ring.ranks) if ring.comm == "ring" else 0):
-        hop = ring_hop(ring, position, routes)
+    g, relays = len(ring.ranks), []
+    for (doc, src, dst), route in routes.items():
+        if doc != ring.doc:
+            continue
+        hop = ring_hop(ring, ring.ranks.index(src), routes)
         for j, path in enumerate(hop.paths):
             relays += [Relay(hop=hop, part=j, stage=k) for k in range(1, len(path) - 1) if path[k] == rank]
     if not relays:
         return None
     relays.sort(key=lambda r: (r.stage, r.hop.position, r.part))
-    return RelayMeta(doc=ring.doc, tag=2 * index, relays=tuple(relays),
-                     block_rows=tuple(ring.block_tokens(i) for i in range(len(ring.ranks))))
+    return RelayMeta(doc=ring.doc, index=index, tag=2 * index, relays=tuple(relays),
+                     block_rows=tuple(ring.block_tokens(i) for i in range(g)))
 
 
-def relay_pass(p2p: P2P, meta: RelayMeta, like: torch.Tensor, backward: bool) -> Generator[None, None, None]:
+def relay_pass(p2p: P2P, meta: RelayMeta, like: torch.Tensor, backward: bool) -> Generator[Post, Sent, None]:
     """Forward this rank's parts of one ring's hops, in step with the ring's members: K/V
-    (dtype and row shape of `like`) at steps 0..g-2, and in the backward also fp32 dK/dV
-    at steps 1..g-1. One step per round; yields between rounds."""
+    (dtype and trailing shape of `like`, [2, 0, H_kv, D]) at steps 0..g-2, and in the
+    backward also fp32 dK/dV at steps 1..g-1; a part received at stage k - 1 of a round
+    goes on at stage k (a task for `comm.drive`)."""
     g = len(meta.block_rows)
-    forwarded: list = []
     for step in range(g):
-        wait(forwarded)
-        passes = [(meta.tag, like.dtype)] if step < g - 1 else []
+        passes = [(KV, meta.tag, like.dtype)] if step < g - 1 else []
         if backward and step >= 1:
-            passes.append((meta.tag + 1, GRAD_DTYPE))
-        held = []
-        for base, dtype in passes:
+            passes.append((GRAD, meta.tag + 1, GRAD_DTYPE))
+        for payload, base, dtype in passes:
+            bufs = []
             for relay in meta.relays:
                 b = relay.hop.bounds(meta.block_rows[(relay.hop.position - step) % g])
-                buf = like.new_empty((2, b[relay.part + 1] - b[relay.part]) + tuple(like.shape[1:]), dtype=dtype)
-                held.append((relay, base, buf, p2p.post([], relay.incoming(buf, base))))
-        forwarded = []
-        for stage in (1, 2):
-            for relay, base, buf, works in held:
-                if relay.stage == stage:
-                    wait(works)
-                    forwarded += p2p.post(relay.outgoing(buf, base), [])
-        yield
-    wait(forwarded)
+                bufs.append(p2p.empty(like, b[relay.part + 1] - b[relay.part], dtype))
+            got = {}
+            for stage in range(NUM_STAGES):
+                out = [i for i, r in enumerate(meta.relays) if r.stage == stage]
+                into = [i for i, r in enumerate(meta.relays) if r.stage == stage + 1]
+                if not out and not into:
+                    continue
+                sent = yield Post(key=(step, payload, stage),
+                                  sends=[m for i in out for m in meta.relays[i].outgoing(bufs[i], base)],
+                                  recvs=[m for i in into for m in meta.relays[i].incoming(bufs[i], base)],
+                                  after=tuple(got[i] for i in out))
+                got.update({i: sent.inner for i in into})
 
 
 # ---- predictions, from the plan alone --------------------------------------------------

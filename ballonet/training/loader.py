@@ -13,6 +13,14 @@ position) only, never on the number of ranks: runs on 1, 2 or 4 ranks see the sa
 batches, and a checkpoint made on one world size resumes on another. Batches are cut and
 planned from the corpus's document lengths alone; each rank then reads from the corpus
 only the token ranges the plan gives it (plus the one token after each, for its label).
+
+Everything else a step needs is made with it, in the prefetch thread: the layers'
+metadata (`runtime.step_meta`, once per step), staged with the tokens in one buffer for
+one copy to the device (`RankBatch.staged`), and the digests the plan check compares
+(`RankBatch.content`): of a sample of this rank's tokens, and of the same sample of its
+successor's share, which is all a rank reads besides its own tokens
+(`CONTENT_SAMPLE` tokens), so ranks that read different data fail together before the
+first exchange.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from ballonet import runtime
 from ballonet.errors import InputError
 from ballonet.plan import Plan
 from ballonet.runtime.layout import (
@@ -36,10 +45,24 @@ from ballonet.runtime.layout import (
     position_ids,
     token_index,
 )
+from ballonet.runtime.staging import Staged
 from ballonet.training.corpus import Corpus
 
 IGNORE_INDEX = -100
 """Label of a token with no next token in its document (torch cross_entropy's default)."""
+
+CONTENT_SAMPLE = 16
+"""Tokens of its successor's share a rank reads for the data check (`sample_offsets`)."""
+
+
+def sample_offsets(num_tokens: int, index: int) -> np.ndarray:
+    """The offsets, in a share of `num_tokens` tokens, that batch `index`'s data check
+    samples: `CONTENT_SAMPLE` evenly spaced (all of a smaller share), shifted from batch
+    to batch so successive steps sample other tokens."""
+    if num_tokens <= CONTENT_SAMPLE:
+        return np.arange(num_tokens)
+    shift = (index * 0.6180339887) % 1.0
+    return ((np.arange(CONTENT_SAMPLE) + shift) * num_tokens / CONTENT_SAMPLE).astype(np.int64)
 
 
 # ---- batches -------------------------------------------------------------------------
@@ -127,6 +150,18 @@ class Batch:
         return (torch.from_numpy(np.concatenate(tokens).astype(np.int64)),
                 torch.from_numpy(np.concatenate(labels).astype(np.int64)))
 
+    def read_at(self, ranges: list[tuple[int, int, int]], offsets: np.ndarray) -> np.ndarray:
+        """Token ids at `offsets` (increasing) of the concatenation of `ranges` ((piece,
+        start, end)), reading those tokens alone."""
+        out, cursor, k = [], 0, 0
+        for piece, start, end in ranges:
+            while k < len(offsets) and offsets[k] < cursor + end - start:
+                p, at = self.pieces[piece], start + int(offsets[k]) - cursor
+                out.append(self.corpus.tokens_range(p.doc, p.start + at, p.start + at + 1))
+                k += 1
+            cursor += end - start
+        return np.concatenate(out).astype(np.int64) if out else np.zeros(0, dtype=np.int64)
+
     @functools.cached_property
     def tokens_labels(self) -> tuple[torch.Tensor, torch.Tensor]:
         """([T], [T]) every token of the batch and its label: reads the whole batch, for
@@ -186,6 +221,13 @@ class RankBatch:
     """Valid labels over the whole batch: the loss denominator on every rank."""
     layout: str = "attention"
     """The plan layout these tokens are in."""
+    content: tuple[bytes, bytes] = (b"", b"")
+    """Digests of a sample of this rank's tokens and of the same sample of its successor's
+    (rank + 1 mod the plan's ranks) as this rank reads them (`sample_offsets`;
+    `runtime.check_plan` compares them)."""
+    staged: Staged | None = None
+    """(`runtime.StepMeta`, input ids, labels) in one buffer: `staged.to(device)` moves
+    the step's metadata and tokens with one copy."""
 
     @property
     def plan(self) -> Plan:
@@ -200,16 +242,24 @@ class RankBatch:
         return self.batch.plan_ms
 
 
-def rank_view(batch: Batch, rank: int, layout: str = "attention") -> RankBatch:
+def rank_view(batch: Batch, rank: int, layout: str = "attention", *, pin: bool = False) -> RankBatch:
     """`rank`'s tokens, read from the corpus: only the ranges it holds, each with the one
     token after it, so labels are right even where a document's next token lives on
-    another rank."""
-    ranges = doc_ranges(batch.plan, rank, layout)
-    input_ids, labels = batch.read(ranges)
+    another rank; with the step's metadata staged for one copy (`pin`: in page-locked
+    memory, for a GPU) and the token digests of the plan check (the successor's sampled
+    tokens are the only others read)."""
+    plan = batch.plan
+    input_ids, labels = batch.read(doc_ranges(plan, rank, layout))
+    successor = doc_ranges(plan, (rank + 1) % plan.num_ranks, layout)
+    sampled = batch.read_at(successor, sample_offsets(sum(e - s for _, s, e in successor), batch.index))
+    mine = input_ids.numpy()[sample_offsets(len(input_ids), batch.index)]
+    meta = runtime.step_meta(plan, rank)
     return RankBatch(batch=batch, rank=rank, input_ids=input_ids, labels=labels,
-                     loss_mask=labels != IGNORE_INDEX, position_ids=position_ids(batch.plan, rank, layout),
-                     token_index=token_index(batch.plan, rank, layout), doc_ids=doc_ids(batch.plan, rank, layout),
-                     num_valid_tokens_global=batch.num_valid_tokens, layout=layout)
+                     loss_mask=labels != IGNORE_INDEX, position_ids=position_ids(plan, rank, layout),
+                     token_index=token_index(plan, rank, layout), doc_ids=doc_ids(plan, rank, layout),
+                     num_valid_tokens_global=batch.num_valid_tokens, layout=layout,
+                     content=(runtime.content_digest(mine), runtime.content_digest(sampled)),
+                     staged=runtime.stage((meta, input_ids, labels), pin=pin))
 
 
 # ---- the loader ----------------------------------------------------------------------
@@ -257,7 +307,7 @@ class BalancedLoader:
         if batch.plan.num_ranks != self.world_size:
             raise ValueError(f"batch {batch.index}: the plan has {batch.plan.num_ranks} ranks, "
                              f"the loader {self.world_size}")
-        return rank_view(batch, self.rank, self.layout)
+        return rank_view(batch, self.rank, self.layout, pin=torch.cuda.is_available())
 
     def __iter__(self) -> Iterator[RankBatch]:
         with ThreadPoolExecutor(1, thread_name_prefix="ballonet-plan") as pool:

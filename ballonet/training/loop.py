@@ -16,6 +16,7 @@ once.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -48,8 +49,8 @@ class RankFailure(InputError):
     exit_code = 1  # not the user's input
 
 
-_PEER_TROUBLE = re.compile(r"disagree on the plan|another plan rank|the plan is for|[Cc]onnection|[Tt]imed? ?out|"
-                           r"[Pp]eer|[Gg]loo|NCCL")
+_PEER_TROUBLE = re.compile(r"disagree on the plan|disagree on the step's tokens|another plan rank|the plan is for|"
+                           r"[Cc]onnection|[Tt]imed? ?out|[Pp]eer|[Gg]loo|NCCL")
 """What the runtime's plan check and the communication backends say when ranks part ways."""
 
 
@@ -261,10 +262,10 @@ def _run(config: TrainConfig, group, use_cuda: bool):
     torch.manual_seed(config.seed)
 
     cluster, spec, corpus = preflight(config, world_size)
-    # A plan rank is a TP group of `tp` consecutive ranks; the plan's exchanges run over the
-    # group of this rank's TP index (`parallel.plan_group`).
+    # A plan rank is a TP group of `tp` consecutive ranks; the plan's traffic runs over the
+    # plan ranks of this rank's TP index (`Groups.plan`).
     mesh = parallel.device_mesh(world_size, config.shard, device, config.tp)
-    plan_rank, plan_group = rank // config.tp, parallel.plan_group(mesh) if config.tp > 1 else group
+    plan_rank = rank // config.tp
     plan_fn = functools.partial(ballonet.plan_batch, cluster=cluster, model=spec, planner=config.planner,
                                 **({"double": False} if config.no_double else {}))
     loader = BalancedLoader(corpus, global_tokens=config.global_tokens, plan_fn=plan_fn, rank=plan_rank,
@@ -275,6 +276,7 @@ def _run(config: TrainConfig, group, use_cuda: bool):
     if config.tp > 1:
         (tensor_parallel.parallelize_hf if hf else tensor_parallel.parallelize_transformer)(model, mesh["tp"])
     parallel.parallelize(model, mesh, config.dtype)
+    groups = _groups(group, world_size, config.tp, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
 
     step = 0
@@ -297,8 +299,6 @@ def _run(config: TrainConfig, group, use_cuda: bool):
     writer = _tensorboard_writer(config.tensorboard) if config.tensorboard and rank == 0 else None
     peak = metrics.peak_flops(cluster, config.calibration)
 
-    # Double rings' transfers across nodes go over a second group (`runtime.attention`).
-    outer_group = parallel.outer_group(world_size, config.tp)
     records = []
     batches = iter(loader)
     while step < config.steps:
@@ -311,7 +311,7 @@ def _run(config: TrainConfig, group, use_cuda: bool):
         step += 1
         _maybe_fault(step, rank)
         recompute = _auto_recompute(model, batch.plan, spec, cluster, plan_rank) if spec.recompute is None else None
-        record = _step(model, optimizer, batch, plan_rank, plan_group, device, spec, peak, step, outer_group)
+        record = _step(model, optimizer, batch, plan_rank, groups, device, spec, peak, step)
         if not math.isfinite(record["loss"]):  # the same on every rank (a reduced sum)
             raise InputError(f"step {step}: the loss is {record['loss']}; training stopped (try a smaller --lr)")
         if recompute is not None:
@@ -340,20 +340,58 @@ def _auto_recompute(model, plan, spec, cluster, rank: int) -> tuple[str, int]:
     return most.mode.value, most.layers
 
 
-def _step(model, optimizer, batch, rank: int, group, device, spec, peak: float, step: int,
-          outer_group=None) -> dict:
-    """One optimizer step on this plan rank's share of `batch` (`rank` of `group`, the
-    plan ranks of this rank's TP index); its log record over every rank. `outer_group` as
-    in `runtime.attention`."""
+@dataclasses.dataclass(frozen=True)
+class Groups:
+    """The process groups of a run, by role (`parallel.py`)."""
+
+    world: dist.ProcessGroup
+    """Every rank: metrics, checkpoints (and FSDP2's collectives, over the same ranks)."""
+    plan: dist.ProcessGroup
+    """The plan's traffic: rings, relays, remaps, the plan check (with tensor parallelism,
+    the plan ranks of this rank's TP index)."""
+    outer: dist.ProcessGroup | None
+    """Double rings' transfers across nodes."""
+
+
+def _groups(world: dist.ProcessGroup, world_size: int, tp: int, device: torch.device) -> Groups:
+    mesh = parallel.plan_mesh(device, world_size, tp)
+    return Groups(world=world, plan=mesh.get_group("plan"),
+                  outer=parallel.outer_group(world_size, tp, device) if world_size > tp else None)
+
+
+SYNC_DEBUG = "BALLONET_SYNC_DEBUG"
+"""Test hook (scripts/gpu_check.sh): "warn" or "error" runs each step after the first,
+forward, backward and optimizer step, under `torch.cuda.set_sync_debug_mode`, so a
+host-device synchronisation there warns or fails."""
+
+
+@contextlib.contextmanager
+def _sync_debug(step: int):
+    mode = os.environ.get(SYNC_DEBUG)
+    if not mode or step < 2 or not torch.cuda.is_available():
+        yield
+        return
+    torch.cuda.set_sync_debug_mode(mode)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def _step(model, optimizer, batch, rank: int, groups: Groups, device, spec, peak: float, step: int) -> dict:
+    """One optimizer step on plan rank `rank`'s share of `batch`; its log record over every rank."""
     wall, cpu = time.perf_counter(), time.thread_time()
+    meta, input_ids, labels = batch.staged.to(device)  # the step's metadata and tokens: one copy
+    if batch.plan.num_ranks > 1:  # every rank runs this plan on the same data, before the first exchange
+        runtime.check_plan(batch.plan, rank, groups.plan, device, content=batch.content)
     counter = runtime.ByteCounter()
-    with tensor_parallel.loss_context(model):
-        loss_sum = model.loss(batch.input_ids.to(device), batch.labels.to(device), batch.plan, rank, group,
-                              counter=counter, outer_group=outer_group)
+    with _sync_debug(step), tensor_parallel.loss_context(model):
+        loss_sum = model.loss(input_ids, labels, batch.plan, rank, groups.plan, counter=counter,
+                              outer_group=groups.outer, meta=meta, verify_plan=False)
         (loss_sum / batch.num_valid_tokens_global).backward()
-    compute = time.thread_time() - cpu
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+        compute = time.thread_time() - cpu
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     wall = time.perf_counter() - wall
@@ -363,8 +401,8 @@ def _step(model, optimizer, batch, rank: int, group, device, spec, peak: float, 
     values = [loss_sum.item() / spec.tp, compute, float(sum(counter.total().values())), exposed,
               float(metrics.memory_high_water(device)), float(parallel.local_parameter_bytes(model, optimizer)),
               step_cpu]
-    sums, maxes = _reduce(values, None, device)
-    world_size = dist.get_world_size()
+    sums, maxes = _reduce(values, groups.world, device)
+    world_size = dist.get_world_size(groups.world)
     num_tokens = sum(p.end - p.start for p in batch.pieces)
     return {
         "step": step,

@@ -55,7 +55,6 @@ from torch.utils.checkpoint import checkpoint
 from ballonet import runtime
 from ballonet.cost.memory import BELOW
 from ballonet.plan import Plan
-from ballonet.runtime.layout import position_ids
 from ballonet.runtime.remapping import remap
 from ballonet.specs import ModelSpec
 from ballonet.training.config import TrainConfig
@@ -83,7 +82,7 @@ def rope(x_THD: torch.Tensor, pos_T: torch.Tensor, theta: float = ROPE_THETA) ->
     """Rotary embedding, rotate-half convention, at positions within each document."""
     D, dtype = x_THD.shape[-1], torch.promote_types(x_THD.dtype, torch.float32)
     inv_freq = theta ** (-torch.arange(0, D, 2, device=x_THD.device, dtype=dtype) / D)
-    angles_TF = pos_T.to(device=x_THD.device, dtype=dtype)[:, None] * inv_freq[None]
+    angles_TF = pos_T.to(dtype)[:, None] * inv_freq[None]  # pos_T on x's device (the step's metadata)
     cos_T1D = torch.cat([angles_TF.cos()] * 2, -1)[:, None]
     sin_T1D = torch.cat([angles_TF.sin()] * 2, -1)[:, None]
     x = x_THD.to(dtype)
@@ -107,20 +106,25 @@ class Block(nn.Module):
         self.w3 = nn.Linear(C, spec.ffn_hidden, bias=False)  # up
         self.w2 = nn.Linear(spec.ffn_hidden, C, bias=False)  # down
 
-    def forward(self, x_TC, pos_T, plan: Plan, rank: int, group, attention_fn: AttentionFn, counter=None):
+    def forward(self, x_TC, pos_T, plan: Plan, rank: int, group, attention_fn: AttentionFn, counter=None,
+                meta: runtime.StepMeta | None = None):
         if self.recompute == "full" and torch.is_grad_enabled():
-            return checkpoint(self._forward, x_TC, pos_T, plan, rank, group, attention_fn, counter, use_reentrant=False)
-        return self._forward(x_TC, pos_T, plan, rank, group, attention_fn, counter)
+            return checkpoint(self._forward, x_TC, pos_T, plan, rank, group, attention_fn, counter, meta,
+                              use_reentrant=False)
+        return self._forward(x_TC, pos_T, plan, rank, group, attention_fn, counter, meta)
 
-    def _forward(self, x_TC, pos_T, plan: Plan, rank: int, group, attention_fn: AttentionFn, counter=None):
+    def _forward(self, x_TC, pos_T, plan: Plan, rank: int, group, attention_fn: AttentionFn, counter=None,
+                 meta: runtime.StepMeta | None = None):
         H, K = self.num_heads, self.num_kv_heads
         rerun = self.recompute == "linear" and torch.is_grad_enabled()  # the local pieces; not the exchanges
         qkv_THD = checkpoint(self._qkv, x_TC, pos_T, use_reentrant=False) if rerun else self._qkv(x_TC, pos_T)
-        # One all-to-all for q, k and v together.
-        qkv_att = remap(qkv_THD, plan, rank, "linear", "attention", group, counter, verify_plan=False)
+        # One all-to-all for q, k and v together; the remaps' index maps come with the step's metadata.
+        qkv_att = remap(qkv_THD, plan, rank, "linear", "attention", group, counter, verify_plan=False,
+                        move=meta.to_attention if meta is not None else None)
         q_att, k_att, v_att = qkv_att.split([H, K, K], 1)
         o_att = attention_fn(q_att.contiguous(), k_att.contiguous(), v_att.contiguous(), plan, rank, group)
-        o_THD = remap(o_att, plan, rank, "attention", "linear", group, counter, verify_plan=False)
+        o_THD = remap(o_att, plan, rank, "attention", "linear", group, counter, verify_plan=False,
+                      move=meta.to_linear if meta is not None else None)
         if rerun:
             return checkpoint(self._output, x_TC, o_THD, use_reentrant=False)
         x_TC = x_TC + self.wo(o_THD.flatten(1))
@@ -192,53 +196,69 @@ class Transformer(nn.Module):
             else:
                 p.copy_(torch.empty(p.shape).normal_(0.0, INIT_STD, generator=gen))
 
-    def _hidden(self, ids_T, plan: Plan, rank: int, group, counter=None, outer_group=None) -> torch.Tensor:
+    def _hidden(self, ids_T, plan: Plan, rank: int, group, counter=None, outer_group=None,
+                meta: runtime.StepMeta | None = None) -> torch.Tensor:
         """Token ids on the linear layout -> final normed hidden states [T_lin, C]."""
         attention_fn = self.attention_fn
         if attention_fn is None:  # the caller checked the plan: once per step, not per layer
             attention_fn = functools.partial(runtime.attention, counter=counter, verify_plan=False,
-                                             outer_group=outer_group)
-        pos_T = position_ids(plan, rank, "linear").to(ids_T.device)
+                                             outer_group=outer_group, meta=meta.attention)
         x_TC = self.embed(ids_T)
         for layer in self.layers:
-            x_TC = layer(x_TC, pos_T, plan, rank, group, attention_fn, counter)
+            x_TC = layer(x_TC, meta.positions, plan, rank, group, attention_fn, counter, meta)
         return self.norm(x_TC)
 
-    def forward(self, input_ids: torch.Tensor, plan: Plan, rank: int, group=None, outer_group=None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, plan: Plan, rank: int, group=None, outer_group=None, *,
+                meta: runtime.StepMeta | None = None, verify_plan: bool = True) -> torch.Tensor:
         """input_ids [T_att]: this rank's tokens in the attention layout (the data loader's
         order). Returns logits [T_lin, V] on the linear layout, i.e. for the tokens at
         `runtime.token_index(plan, rank, "linear")`. Collective when the plan has ranks;
-        `outer_group` as in `runtime.attention`."""
-        _check_plan_first(plan, rank, group, input_ids.device)
-        ids_T = remap(input_ids, plan, rank, "attention", "linear", group, verify_plan=False)
-        logits_TV = self.head(self._hidden(ids_T, plan, rank, group, outer_group=outer_group))
+        `outer_group` as in `runtime.attention`; `meta` and `verify_plan` as in `loss`."""
+        if verify_plan:
+            _check_plan_first(plan, rank, group, input_ids.device)
+        meta = _step_meta(meta, plan, rank, input_ids.device)
+        ids_T = remap(input_ids, plan, rank, "attention", "linear", group, verify_plan=False, move=meta.to_linear)
+        logits_TV = self.head(self._hidden(ids_T, plan, rank, group, outer_group=outer_group, meta=meta))
         return logits_TV.full_tensor() if isinstance(logits_TV, DTensor) else logits_TV
 
     def loss(self, input_ids: torch.Tensor, labels: torch.Tensor, plan: Plan, rank: int, group=None,
-             counter: runtime.ByteCounter | None = None, outer_group=None) -> torch.Tensor:
+             counter: runtime.ByteCounter | None = None, outer_group=None, *, meta: runtime.StepMeta | None = None,
+             content: tuple[bytes, bytes] | None = None, verify_plan: bool = True) -> torch.Tensor:
         """Sum of token cross-entropies over labels != IGNORE_INDEX (the loss mask), both
         given [T_att] in the attention layout. Ids and labels move to the linear layout in
         one all-to-all; the caller divides by the global number of valid labels. `counter`
         (a `runtime.ByteCounter`) records the bytes every remap and ring transfer sends;
-        `outer_group` as in `runtime.attention`."""
+        `outer_group` as in `runtime.attention`; `meta`: `runtime.step_meta(plan, rank)` on
+        the tokens' device (built here when not given: once per call, never per layer);
+        `content`: the token digests the plan check compares (`runtime.check_plan`), which
+        runs first unless `verify_plan=False` (a caller that ran it)."""
         if labels.shape != input_ids.shape:
             raise ValueError(f"labels {tuple(labels.shape)} and input_ids {tuple(input_ids.shape)} differ in shape")
-        _check_plan_first(plan, rank, group, input_ids.device)
+        if verify_plan:
+            _check_plan_first(plan, rank, group, input_ids.device, content)
+        meta = _step_meta(meta, plan, rank, input_ids.device)
         ids_labels_T2 = remap(torch.stack([input_ids, labels], 1), plan, rank, "attention", "linear", group, counter,
-                              verify_plan=False)
-        logits_TV = self.head(self._hidden(ids_labels_T2[:, 0], plan, rank, group, counter, outer_group))
+                              verify_plan=False, move=meta.to_linear)
+        logits_TV = self.head(self._hidden(ids_labels_T2[:, 0], plan, rank, group, counter, outer_group, meta))
         logits_TV = logits_TV.to(torch.promote_types(logits_TV.dtype, torch.float32))
         loss = F.cross_entropy(logits_TV, ids_labels_T2[:, 1], ignore_index=IGNORE_INDEX, reduction="sum")
         # Replicated over the TP group; a copy, as FSDP2 warns of a view returned from its module.
         return loss.to_local().clone() if isinstance(loss, DTensor) else loss
 
 
+def _step_meta(meta, plan: Plan, rank: int, device) -> runtime.StepMeta:
+    """The step's metadata, given (checked against the plan) or built and moved now."""
+    if meta is None:
+        return runtime.to_device(runtime.step_meta(plan, rank), device)
+    meta.check(plan, rank)
+    return meta
 
-def _check_plan_first(plan: Plan, rank: int, group, device) -> None:
-    """Every rank runs the same plan, checked before any exchange depends on it (a
-    one-rank plan exchanges nothing)."""
+
+def _check_plan_first(plan: Plan, rank: int, group, device, content=None) -> None:
+    """Every rank runs the same plan (and reads the same data, given `content`), checked
+    before any exchange depends on it (a one-rank plan exchanges nothing)."""
     if plan.num_ranks > 1:
-        runtime.check_plan(plan, rank, group, device)
+        runtime.check_plan(plan, rank, group, device, content=content)
 
 
 def build_model(config: TrainConfig, spec: ModelSpec, device: torch.device) -> Transformer:

@@ -1,7 +1,17 @@
 """Data parallelism from PyTorch's own engine: FSDP2 (`fully_shard`), one unit per block
-plus the root, over the plan ranks of a device mesh; with tensor parallelism each plan
-rank is a TP group (`tensor_parallel.py`, applied first) and FSDP2 shards the DTensor
-weights over the plan ranks, torchtitan's FSDP + TP composition.
+plus the root, over a device mesh of all ranks; and the plan's own process groups.
+
+Process groups by role (as torchtitan gives context parallelism a mesh dimension of its
+own): FSDP2's all-gathers and reduce-scatters run on the default group (`device_mesh`);
+the plan's traffic (rings, relays, remaps, the plan check) on a group of its own, the
+"plan" dimension of `plan_mesh`; and "double" rings' transfers across nodes on a third
+(`outer_group`). On NCCL each group has its own communicator and stream, so a ring's
+transfer never waits behind a parameter all-gather, nor an inner ring's step behind a
+transfer across nodes. Groups are made once by the training loop and passed down; no
+module keeps one.
+With tensor parallelism each plan rank is a TP group (`tensor_parallel.py`, applied
+first) and FSDP2 shards the DTensor weights over the plan ranks, torchtitan's FSDP + TP
+composition; the plan's groups are then one per TP index.
 
 The plan decides where tokens go (its attention and linear layouts); FSDP2 decides where
 weights live. The two compose because every rank runs every block on its own tokens:
@@ -50,27 +60,43 @@ def device_mesh(world_size: int, shard: str, device: torch.device, tp: int = 1) 
     return init_device_mesh(device.type, shape, mesh_dim_names=names)
 
 
-def plan_mesh(mesh: DeviceMesh) -> DeviceMesh:
+def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The dimensions of `device_mesh` over the plan ranks (all but "tp"): FSDP2's."""
     names = tuple(n for n in mesh.mesh_dim_names if n != "tp")
     return mesh[names] if len(names) < mesh.ndim else mesh
 
 
-def plan_group(mesh: DeviceMesh) -> dist.ProcessGroup:
-    """This rank's group of plan ranks (its TP index's, one rank of each plan rank, in
-    plan-rank order): where the plan's remaps, rings and relays run."""
-    return mesh["replicate" if "replicate" in mesh.mesh_dim_names else "shard"].get_group()
+def plan_mesh(device: torch.device, world_size: int, tp: int = 1) -> DeviceMesh:
+    """The mesh of the plan's traffic: one dimension, "plan", this rank's TP index's plan
+    ranks in plan-rank order (every rank when tp is 1), on a new process group warmed up
+    here. (A whole-world one-dimensional `init_device_mesh` would reuse the default group,
+    FSDP2's.)"""
+    group = _column_group(world_size, tp)
+    warm_up(group, device)
+    return DeviceMesh.from_group(group, device.type, mesh_dim_names=("plan",))
 
 
-def outer_group(world_size: int, tp: int = 1) -> dist.ProcessGroup | None:
-    """A second group of each TP index's plan ranks, in plan-rank order, for "double"
-    rings' transfers across nodes (`runtime.attention`'s `outer_group`); None with one
-    plan rank. Collective: every rank builds every TP index's group."""
-    if world_size == tp:
-        return None
+def outer_group(world_size: int, tp: int, device: torch.device) -> dist.ProcessGroup:
+    """A second group over the same ranks in the same order as `plan_mesh`'s, for double
+    rings' transfers across nodes (`runtime.attention`'s `outer_group`), warmed up here."""
+    group = _column_group(world_size, tp)
+    warm_up(group, device)
+    return group
+
+
+def _column_group(world_size: int, tp: int) -> dist.ProcessGroup:
+    """A new group of the ranks of this rank's TP index. Collective: every rank makes
+    every TP index's group (`new_group` must be called alike on all ranks)."""
     if tp == 1:
         return dist.new_group(list(range(world_size)))
     return dist.new_subgroups_by_enumeration([list(range(t, world_size, tp)) for t in range(tp)])[0]
+
+
+def warm_up(group: dist.ProcessGroup, device: torch.device) -> None:
+    """One collective of all the group's ranks: NCCL makes a group's communicator at its
+    first use, and PyTorch requires a group's first batched point-to-point call to include
+    every rank of the group; a double ring's first transfers involve only some."""
+    dist.all_reduce(torch.zeros(1, device=device), group=group)
 
 
 def mixed_precision(dtype: str) -> MixedPrecisionPolicy:
@@ -99,7 +125,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, dtype: str = "fp32",
     """Shard `model` in place with FSDP2: each block a unit (resharded after forward), the
     root (embeddings, final norm, head) a unit kept unsharded between forward and backward.
     `forward_methods` are entry points besides `forward` that run FSDP2's hooks."""
-    policy, mesh = mixed_precision(dtype), plan_mesh(mesh)  # tensor parallelism inside, done before
+    policy, mesh = mixed_precision(dtype), fsdp_mesh(mesh)  # tensor parallelism inside, done before
     for block in transformer_blocks(model):
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
