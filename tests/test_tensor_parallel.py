@@ -311,3 +311,18 @@ def test_bad_tp_combinations_are_one_line_and_exit_2(tmp_path, capsys):
         code = main(["train", *argv, "--steps", "1", "--global-tokens", "256"])
         err = capsys.readouterr().err.strip()
         assert code == 2 and message in err and len(err.splitlines()) == 1, (argv, code, err)
+
+
+def test_plan_schedule_check_passes_with_tensor_parallelism(capsys, tmp_path):
+    import json
+
+    from ballonet.cli import main
+
+    lengths = tmp_path / "lengths.json"
+    lengths.write_text(json.dumps([400_000] + [2048] * 100))
+    for tp, ranks in ((2, 16), (4, 8)):
+        args = ["plan", "--cluster", "a800-4nic", "--nodes", "4", "--model", "llama-13b", "--tp", str(tp),
+                "--lengths", str(lengths), "--check-schedule", "--json"]
+        assert main(args) == 0
+        check = json.loads(capsys.readouterr().out)["schedule_check"]
+        assert check["completes"] is True and check["messages"] > 0 and check["ranks"] == ranks, (tp, check)
