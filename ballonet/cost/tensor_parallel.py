@@ -59,12 +59,13 @@ def tp_step_collectives(model: ModelSpec, tokens: int) -> list[tuple[str, str, f
     return out + [("backward", "all_reduce", float(model.hidden * model.dtype_bytes))] * (2 * model.num_layers + 1)
 
 
-def tp_sent_bytes(model: ModelSpec, tokens: int, mode: str = "none", layers: int | None = None) -> dict:
+def tp_sent_bytes(model: ModelSpec, tokens: int, mode: str = "none",
+                  layers: int | None = None) -> dict[str, dict[str, float]]:
     """{phase: {op: bytes}} one GPU of a TP group sends in a step's tensor-parallel
     collectives (`tp_layer_seconds`' and `tp_step_collectives`'), its plan rank holding
     `tokens` on the linear layout and recomputing under `mode` on its first `layers`
     layers (the others one mode below, as `recompute_layer_count`)."""
-    out = {"forward": {}, "backward": {}}
+    out: dict[str, dict[str, float]] = {"forward": {}, "backward": {}}
     if model.tp == 1:
         return out
     n, L, buf = model.tp, model.num_layers, tp_buffer_bytes(model, tokens)
