@@ -8,6 +8,7 @@ each imports what it shares from here.
     attention_reference, run_attention, total_bytes, check_attention_plan
     SPEC, batch, model_reference, rank_outputs, assert_grads_close  the tiny model's
     runtime_bytes                                                   what the runtime sends
+    tp_groups                                                       a 2-D mesh for tensor parallelism
 """
 
 from __future__ import annotations
@@ -373,3 +374,19 @@ def runtime_bytes(plan, model) -> dict[str, Counter]:
             c["remap", a, b] += n
         out[phase] = +c
     return out
+
+
+# ---- tensor parallelism -------------------------------------------------------------------
+
+
+def tp_groups(world: int, tp: int):
+    """As `ballonet train --tp` builds them on `world` gloo ranks: the 2-D mesh (plan ranks
+    x tp, a plan rank's TP ranks consecutive, as inside a node), this rank's plan rank,
+    the plan-rank group of its TP index, and the second group over the same ranks (double
+    rings' transfers across nodes)."""
+    from ballonet.training import parallel
+
+    cpu = torch.device("cpu")
+    mesh = parallel.device_mesh(world, "full", cpu, tp)
+    plan = parallel.plan_mesh(cpu, world, tp).get_group("plan")
+    return mesh, dist.get_rank() // tp, plan, parallel.outer_group(world, tp, cpu)

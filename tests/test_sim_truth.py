@@ -5,22 +5,32 @@
   `runtime.remapping.predicted_bytes` for the remaps of q/k/v and o) for every planner;
   those predictions are checked against bytes counted on real gloo runs in
   tests/test_attention.py and tests/test_remap.py.
+* The bytes of the tensor-parallel collectives the simulator prices (`SimResult.tp_bytes`)
+  equal what DTensor sends, counted on 4 gloo ranks (tp 2 x 2 plan ranks) under every
+  recomputation mode; and what a TP rank holds beyond 1/tp of one process's is what the
+  memory model says it holds.
 * `lower_bound_s` is the same for every planner on a batch, and no planner's simulated
   step is below it.
 """
 
+import dataclasses
 from collections import Counter
 
 import pytest
-from helpers import runtime_bytes
+import torch
+from distributed import run_ranks
+from helpers import batch, runtime_bytes, tp_groups
 
 import ballonet
-from ballonet.cost import hardware
+from ballonet.cost import hardware, memory
 from ballonet.cost.bounds import batch_lower_bound, batch_recomputation
 from ballonet.cost.flops import grad_bytes
+from ballonet.plan import Plan, Segment
 from ballonet.planning import PLANNERS, plan_batch
 from ballonet.simulation import simulate
 from ballonet.specs import ClusterSpec, NodeGroup
+from ballonet.training import parallel, tensor_parallel
+from ballonet.training.model import Transformer
 
 CONFIGS = [
     # (cluster, nodes, model, lengths)
@@ -179,3 +189,128 @@ def test_elementwise_framework_and_optimizer_terms_move_the_step_by_what_the_pro
     assert results["on"].optimizer_s == pytest.approx(optimizer, rel=1e-9)
     for r in results.values():
         assert r.step_time_s >= r.lower_bound_s * (1 - 1e-12)
+
+
+# ---- tensor parallelism: simulator against DTensor -------------------------------------
+
+
+def _tp_cases() -> list:
+    """(plan, model spec) pairs at tp 2 on one node of 4 GPUs: zeppelin's plan (its plan
+    ranks hold 154 and 153 tokens: the second pads to 154), te_cp's, and each
+    recomputation mode (selective and linear on the first layer only)."""
+    cluster, spec = ballonet.cluster("cpu", num_nodes=1, gpus_per_node=4), ballonet.model("tiny", tp=2)
+    lengths = (200, 3, 5, 8, 12, 6, 30, 2, 41)
+    zeppelin, te_cp = (plan_batch(lengths, cluster, spec, p) for p in ("zeppelin", "te_cp"))
+    modes = [dict(recompute="none"), dict(recompute="selective", recompute_layers=1),
+             dict(recompute="linear", recompute_layers=1), dict(recompute="full")]
+    return [(zeppelin, dataclasses.replace(spec, **m)) for m in modes] + [(te_cp, spec)], cluster
+
+
+TP, SPEC = 2, ballonet.model("tiny")
+
+
+def _tp_on_ranks(rank: int, world: int, cases: list) -> dict:
+    """Per case, (plan rank, the bytes this rank's TP collectives sent per (phase, op)),
+    recomputing as the simulator has its plan rank recompute; and (rank 0) what a TP rank
+    holds (`_memory`)."""
+    from ballonet import runtime
+
+    mesh, plan_rank, group, outer = tp_groups(world, TP)
+    sent = []
+    for plan, spec, per_rank in cases:
+        model = tensor_parallel.parallelize_transformer(Transformer(SPEC, seed=1), mesh["tp"])
+        model.set_recompute(*per_rank[plan_rank])
+        parallel.parallelize(model, mesh)
+        tokens, labels = batch(plan.lengths)
+        index, counter = runtime.token_index(plan, plan_rank), runtime.ByteCounter()
+        with tensor_parallel.loss_context(model), tensor_parallel.count_collectives(counter):
+            model.loss(tokens[index], labels[index], plan, plan_rank, group, outer_group=outer).backward()
+        sent.append((plan_rank, dict(counter.collectives)))
+    held = _memory(mesh)
+    return {"sent": sent, "held": held if rank == 0 else None}
+
+
+def _held(model, plan: Plan) -> dict[str, int]:
+    """Per recomputation mode, bytes this rank holds for the backward (autograd's saved
+    tensors, each storage once, parameters left out) of `plan`'s batch."""
+    params = {(p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr() for p in model.parameters()}
+    tokens, labels = batch(plan.lengths)
+    out = {}
+    for mode in memory.RECOMPUTE_MODES:
+        model.set_recompute(mode)
+        held = {}
+
+        def pack(t):
+            local = t.to_local() if hasattr(t, "to_local") else t
+            local = getattr(local, "elem", local)  # an async collective's result
+            ptr = local.untyped_storage().data_ptr()
+            if ptr not in params:
+                held[ptr] = local.untyped_storage().nbytes()
+            return t
+
+        with tensor_parallel.loss_context(model), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model.loss(tokens, labels, plan, 0)
+        out[mode] = sum(held.values())
+    return out
+
+
+def _memory(mesh) -> dict:
+    """What one TP rank holds (parameters, and for the backward per layer: 3 layers less
+    2) on a one-rank plan its TP group runs alone, and the same unsharded."""
+    lengths = (300, 200, 12)
+    plan = Plan(planner="hand", lengths=lengths, node_of_rank=(0,), nic_of_rank=(0,),
+                attention=(tuple(Segment(d, 0, n) for d, n in enumerate(lengths)),))
+    out = {}
+    for tp in (1, TP):
+        held = {}
+        for layers in (2, 3):
+            model = Transformer(dataclasses.replace(SPEC, num_layers=layers), seed=3)
+            if tp > 1:
+                tensor_parallel.parallelize_transformer(model, mesh["tp"])
+            held[layers] = _held(model, plan)
+        out[tp] = {"params": parallel.local_parameter_bytes(model),
+                   "layer": {m: held[3][m] - held[2][m] for m in held[2]}}
+    return out
+
+
+
+
+def _check_memory(holds: dict) -> None:
+    """What a TP rank holds beyond 1/tp of what one process holds, for the backward per
+    layer, is what the cost model says it holds beyond 1/tp: the normed inputs that
+    sequence parallelism gathers (`cost.memory.activation_bytes`), and the rotary tables
+    (cos and sin [T, 1, D] for q and for k), which the cost model leaves out at any tp,
+    where they are held (not recomputed). Parameters: 1/tp of each but the norms'."""
+    T, D, fp32 = 512, SPEC.head_dim, 4
+    layer = {tp: dataclasses.replace(SPEC, tp=tp) for tp in (1, TP)}
+
+    def model_per_layer(spec, mode):
+        return (memory.activation_bytes(dataclasses.replace(spec, num_layers=3), T, T, mode)
+                - memory.activation_bytes(dataclasses.replace(spec, num_layers=2), T, T, mode))
+
+    for mode in memory.RECOMPUTE_MODES:
+        held = holds[TP]["layer"][mode] - holds[1]["layer"][mode] / TP
+        rope = 4 * D * T * fp32 * (1 - 1 / TP) if mode in ("none", "selective") else 0
+        model = model_per_layer(layer[TP], mode) - model_per_layer(layer[1], mode) / TP
+        assert held == pytest.approx(model + rope, abs=1e-6), (mode, held, model, rope)
+    assert holds[TP]["layer"]["none"] < holds[1]["layer"]["none"] * 0.6
+    norms = (2 * 3 + 1) * SPEC.hidden * fp32
+    assert holds[TP]["params"] == (holds[1]["params"] - norms) / TP + norms
+
+
+@pytest.mark.slow
+def test_simulator_and_memory_model_price_what_tensor_parallelism_sends_and_holds():
+    cases, cluster = _tp_cases()
+    results = [simulate(plan, cluster, spec) for plan, spec in cases]
+    assert cases[0][0].linear_token_counts == (154, 153)
+    assert [r.recompute_per_rank[0] for r in results] == [("none", 0), ("selective", 1), ("linear", 1), ("full", 2),
+                                                          ("none", 0)]
+    runs = run_ranks(4, _tp_on_ranks, [(p, s, r.recompute_per_rank) for (p, s), r in zip(cases, results)],
+                     timeout=600)
+    for run in runs:
+        for (plan, spec), res, (plan_rank, counted) in zip(cases, results, run["sent"]):
+            simulated = {(phase, op): n for phase, c in res.tp_bytes.items() for (op, r), n in c.items()
+                         if r == plan_rank}
+            assert counted == simulated, (spec.recompute, plan.planner, plan_rank)
+    assert runs[0]["sent"][1][1] != runs[0]["sent"][0][1]  # recomputation reruns gathers
+    _check_memory(runs[0]["held"])

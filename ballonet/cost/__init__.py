@@ -6,6 +6,7 @@
     memory.py     what a rank holds, by recomputation mode, and its cap
     recompute.py  which recomputation a plan takes, per rank, and what it reruns
     seconds.py    calibrated seconds of kernels and links; break-even chunks; one document's cost
+    tensor_parallel.py  the tensor-parallel collectives of a step: bytes and seconds
     bounds.py     the batch lower bound no plan can beat
 
 Closed forms first, calibration second (`ballonet.calibration` measures a profile). Pure

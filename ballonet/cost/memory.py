@@ -62,18 +62,24 @@ def activation_bytes(model: ModelSpec, linear_tokens: Tokens, attention_tokens: 
     layer's tensors; "selective" recomputes the MLP's intermediates (keeps its input);
     "linear" keeps the layer's input, the attention output back on the linear layout and
     q, k, v and the attention output on the attention layout; "full" keeps each layer's
-    input plus one layer's tensors while it is recomputed."""
+    input plus one layer's tensors while it is recomputed.
+
+    With tensor parallelism a GPU holds 1/tp of each tensor (its heads, its FFN columns,
+    its shard of the sequence), except the two normed inputs: sequence parallelism
+    all-gathers them before the projections, which keep them whole on every GPU of the
+    TP group (`training/tensor_parallel.py`)."""
     k = recompute_layer_count(model, mode, layers)
     mode = mode or recompute_mode(model)
-    h, f, n = model.hidden, model.ffn_hidden, model.num_layers
+    h, f, n, tp = model.hidden, model.ffn_hidden, model.num_layers, model.tp
     lin, att = layer_activation_elements(model)
-    one_layer = lin * linear_tokens + att * attention_tokens
+    normed = 2 * h  # of `lin`: the attention's and the MLP's normed inputs
+    one_layer = ((lin - normed) * linear_tokens + att * attention_tokens) / tp + normed * linear_tokens
     if mode == "full":
-        return (n * h * linear_tokens + one_layer) * model.dtype_bytes / model.tp
-    kept = {"none": one_layer, "selective": one_layer - (h + 4 * f) * linear_tokens,
-            "linear": 2 * h * linear_tokens + att * attention_tokens}
+        return (n * h * linear_tokens / tp + one_layer) * model.dtype_bytes
+    kept = {"none": one_layer, "selective": one_layer - (h + 4 * f / tp) * linear_tokens,
+            "linear": (2 * h * linear_tokens + att * attention_tokens) / tp}
     elements = n * kept[mode] if mode not in BELOW else k * kept[mode] + (n - k) * kept[BELOW[mode]]
-    return elements * model.dtype_bytes / model.tp
+    return elements * model.dtype_bytes
 
 
 def activation_bytes_per_token(model: ModelSpec, mode: str | None = None, layers: float | None = None) -> float:

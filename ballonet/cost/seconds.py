@@ -132,8 +132,13 @@ def collective_time(op: str, num_bytes: float, num_ranks: int, bandwidth: float,
     if num_ranks <= 1 or num_bytes <= 0:
         return 0.0
     p = hardware.profile(gpu)
-    factor = (2 if op == "all_reduce" else 1) * (num_ranks - 1) / num_ranks
-    return p.collective_latency_s + factor * num_bytes / (bandwidth * p.collective_efficiency[op])
+    return p.collective_latency_s + bus_bytes(op, num_bytes, num_ranks) / (bandwidth * p.collective_efficiency[op])
+
+
+def bus_bytes(op: str, num_bytes: float, num_ranks: int) -> float:
+    """Bytes each of `num_ranks` GPUs sends in a ring collective of a `num_bytes` buffer
+    (nccl-tests' bus bytes): (n-1)/n of it, twice that for all_reduce."""
+    return (2 if op == "all_reduce" else 1) * (num_ranks - 1) * num_bytes / num_ranks
 
 
 def grad_allreduce_parts(model: ModelSpec, group: NodeGroup, num_nodes: int) -> tuple[float, float]:

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from ballonet import runtime
 from ballonet.plan import Plan
@@ -206,7 +207,8 @@ def loss_sum(model: torch.nn.Module, batch: RankBatch) -> torch.Tensor:
     meta = step.meta_on(device)  # before the layers: recomputation captures the context with it
     ids_T, labels_T, pos_T = (x.to(device) for x in linear_inputs(batch, step.group, step.counter, meta.to_linear))
     logits_TV = linear_logits(model, ids_T, pos_T)
-    return F.cross_entropy(logits_TV, labels_T, ignore_index=IGNORE_INDEX, reduction="sum")
+    loss = F.cross_entropy(logits_TV, labels_T, ignore_index=IGNORE_INDEX, reduction="sum")
+    return loss.to_local() if isinstance(loss, DTensor) else loss  # tensor parallel: replicated over its group
 
 
 AttentionInterface.register(ATTENTION, attention_forward)

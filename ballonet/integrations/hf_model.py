@@ -16,6 +16,9 @@ input is the normed hidden state, which the model's layer computes outside `mlp`
 layer keeps `hidden` elements a token more than the cost model's "selective" (which
 reruns the norm too, as `ballonet.llama` does): 8.5% of what that frees, on llama-7b.
 The recomputation runs inside the plan context of the forward (`hf.recompute_context`).
+With tensor parallelism (`training.tensor_parallel.parallelize_hf`) the `mlp`'s input is
+gathered by a hook outside its checkpoint: "selective" keeps that gathered input whole and
+reruns no collective (the built-in model's "selective" reruns the gather instead).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from ballonet import runtime
@@ -104,7 +108,9 @@ class BallonetLoss:
                              counter, verify_plan=False, move=meta.to_linear)
             # The class's own forward, not self(...): FSDP2 runs its hooks around `loss`.
             logits_TV = hf.linear_logits(super().forward, moved_T2[:, 0], meta.positions)
-        return F.cross_entropy(logits_TV, moved_T2[:, 1], ignore_index=IGNORE_INDEX, reduction="sum")
+        loss = F.cross_entropy(logits_TV, moved_T2[:, 1], ignore_index=IGNORE_INDEX, reduction="sum")
+        # Replicated over the TP group; a copy, as FSDP2 warns of a view returned from its module.
+        return loss.to_local().clone() if isinstance(loss, DTensor) else loss
 
 
 def recomputed_modules(model: nn.Module, recompute: str, layers: int | None = None) -> list[nn.Module]:

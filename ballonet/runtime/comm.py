@@ -67,12 +67,19 @@ class ByteCounter:
 
     forward: Counter = field(default_factory=Counter)
     backward: Counter = field(default_factory=Counter)
+    collectives: Counter = field(default_factory=Counter)
+    """Bytes this rank sends in tensor-parallel collectives, per (phase, op) (ring
+    algorithm: an all-gather's or reduce-scatter's (n-1)/n of the whole buffer)."""
 
     def add(self, phase: str, src: int, dst: int, num_bytes: int) -> None:
         getattr(self, phase)[src, dst] += num_bytes
 
+    def add_collective(self, phase: str, op: str, num_bytes: int) -> None:
+        self.collectives[phase, op] += num_bytes
+
     def merge(self, other: ByteCounter) -> ByteCounter:
-        return ByteCounter(forward=self.forward + other.forward, backward=self.backward + other.backward)
+        return ByteCounter(forward=self.forward + other.forward, backward=self.backward + other.backward,
+                           collectives=self.collectives + other.collectives)
 
     def total(self) -> Counter:
         return self.forward + self.backward

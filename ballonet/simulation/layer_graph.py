@@ -120,6 +120,8 @@ class LayerGraph:
     linear_s: list
     """Per rank, (forward, backward) seconds of its linear layers (backward: with recomputation)."""
     tp_s: list
+    """Per rank, (forward, backward) seconds of its tensor-parallel collectives (backward:
+    with the recomputation's reruns)."""
     recompute: str = "none"
     """With "full", the backward reruns each attention kernel's forward before it."""
     grad_bucket: tuple = (0.0, 0.0)
@@ -439,7 +441,7 @@ class LayerGraph:
         out = []
         for r in range(self.plan.num_ranks):
             t = self.compute(r, self.linear_s[r][self.backward], "linear", (0, 0, 1), [ready[r]], "linear")
-            out.append(self.compute(r, self.tp_s[r], "tp", (0, 1, 1), [t], "tp collectives"))
+            out.append(self.compute(r, self.tp_s[r][self.backward], "tp", (0, 1, 1), [t], "tp collectives"))
         return self.remap_all_to_all(out, reverse=True, name="remap back")
 
     def data_parallel(self) -> list:

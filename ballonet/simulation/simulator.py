@@ -11,7 +11,10 @@ What is simulated (`timeline.py` has the event model, `fabric.py` the links,
 * Forward layer: attention (every split document's ring steps, every local document),
   then the remap all-to-all to the linear layout, the linear layers (QKV, O, MLP), the
   tensor-parallel collectives (tp > 1, sequence parallel: 2 all-gathers and 2
-  reduce-scatters over NVLink), and the remap back. Backward mirrors it in reverse.
+  reduce-scatters over NVLink; the backward also the gathers its recomputation reruns),
+  and the remap back. Backward mirrors it in reverse. The head adds the embedding's and
+  the head's collectives, the loss's all-reduces and the norms' gradient all-reduces
+  (`cost.tensor_parallel.tp_step_collectives`), exposed.
 * Split documents that share the same ring of ranks run as one ring, as TransformerEngine
   does for packed sequences: per step one kernel on each rank and one K/V transfer.
   Ring step s of position i computes its zig-zag chunks against the block of position
@@ -76,7 +79,6 @@ from ballonet.cost.flops import (
     LINEAR_BACKWARD_FACTOR,
     attention_flops,
     head_flops_per_token,
-    hidden_bytes,
     linear_flops_per_token,
     loss_bytes_per_token,
 )
@@ -90,6 +92,7 @@ from ballonet.cost.seconds import (
     linear_layer_seconds,
     optimizer_time,
 )
+from ballonet.cost.tensor_parallel import tp_layer_seconds, tp_sent_bytes, tp_step_collectives
 from ballonet.plan import Plan
 from ballonet.plan.recompute import heaviest
 from ballonet.simulation import ping_pong
@@ -133,6 +136,9 @@ class SimResult:
     bytes_sent: dict = field(default_factory=dict, repr=False, compare=False)
     """Bytes of one layer, "forward" and "backward": Counter of (class, src, dst), class
     "kv", "grad" (dK/dV), "remap" or "allreduce"."""
+    tp_bytes: dict = field(default_factory=dict, repr=False, compare=False)
+    """Bytes of the step's tensor-parallel collectives, "forward" and "backward": Counter
+    of (op, rank), what each GPU of plan rank `rank`'s TP group sends."""
     timelines: tuple = field(default=(), repr=False, compare=False)
     """(name, Timeline, start, finish, Fabric) of the simulated forward and backward layer."""
 
@@ -265,12 +271,8 @@ def simulate(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, routing: boo
     mode = heaviest(chosen).mode.value
     linear_s = [linear_layer_seconds(model, fabric.gpu[r], tokens[r], m)
                 for r, (m, _) in enumerate(per_rank)]
-    tp_s = [0.0] * R
-    if model.tp > 1:
-        for r in range(R):
-            nbytes = hidden_bytes(model, tokens[r])
-            tp_s[r] = 2 * sum(collective_time(op, nbytes, model.tp, fabric.intra_bw[r], fabric.gpu[r])
-                              for op in ("all_gather", "reduce_scatter"))
+    tp_s = [tp_layer_seconds(model, tokens[r], fabric.intra_bw[r], fabric.gpu[r], m)
+            for r, (m, _) in enumerate(per_rank)]
     routes = {}
     if routing:
         for route in plan.routes:
@@ -283,31 +285,33 @@ def simulate(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, routing: boo
     bucket = tuple(x * BACKWARD_DP for x in bucket)
     fwd, fwd_compute, fwd_end, fwd_att, fwd_slow, fwd_rec, fwd_sent = _pass(common, False, forward_dp)
     bwd, bwd_compute, bwd_end, bwd_att, bwd_slow, bwd_rec, bwd_sent = _pass(common, True, bucket)
-    runs = _runs_of_layers(model, fabric, tokens, per_rank, linear_s)
-    if runs != [(L, linear_s)]:  # one backward graph per run of alike layers, weighted by its length
+    runs = _runs_of_layers(model, fabric, tokens, per_rank, linear_s, tp_s)
+    if runs != [(L, linear_s, tp_s)]:  # one backward graph per run of alike layers, weighted by its length
         passes = []
-        for n, lin in runs:
-            if lin == linear_s:
+        for n, lin, tp in runs:
+            if lin == linear_s and tp == tp_s:
                 passes.append((n, (bwd, bwd_compute, bwd_end, bwd_att, bwd_slow)))
             else:
-                passes.append((n, _pass({**common, "linear_s": lin}, True, bucket)[:5]))
+                passes.append((n, _pass({**common, "linear_s": lin, "tp_s": tp}, True, bucket)[:5]))
         bwd = sum(n * p[0] for n, p in passes) / L
         bwd_compute, bwd_end, bwd_att, bwd_slow = ([sum(n * p[i][r] for n, p in passes) / L for r in range(R)]
                                                    for i in range(1, 5))
     slow = [a + b for a, b in zip(fwd_slow, bwd_slow)]
 
     head = [_head_seconds(model, fabric.gpu[r], n) for r, n in enumerate(tokens)]
+    head_tp = [sum(collective_time(op, nbytes, model.tp, fabric.intra_bw[r], fabric.gpu[r])
+                   for _, op, nbytes in tp_step_collectives(model, n)) for r, n in enumerate(tokens)]
     optimizer = [optimizer_time(model, fabric.gpu[r], R) for r in range(R)]
     grad = grad_allreduce_time(model, cluster)
     grad_exposed = grad / L if overlap_grad_allreduce else grad  # the last layer's bucket
     layers = max(L * (fwd_end[r] + bwd_end[r] + slow[r]) for r in range(R))
     layers = max(layers, L * (fwd + bwd))
     # The optimizer steps after the last gradient bucket is reduced.
-    step = layers + max(head) + grad_exposed + max(optimizer)
+    step = layers + max(h + t for h, t in zip(head, head_tp)) + grad_exposed + max(optimizer)
 
     compute = [L * (fwd_compute[r] + bwd_compute[r]) + head[r] + optimizer[r]  # slowdown: exposed
                for r in range(R)]
-    busy_end = [L * (fwd_end[r] + bwd_end[r] + slow[r]) + head[r] + optimizer[r] for r in range(R)]
+    busy_end = [L * (fwd_end[r] + bwd_end[r] + slow[r]) + head[r] + head_tp[r] + optimizer[r] for r in range(R)]
     exposed = [busy_end[r] - compute[r] + grad_exposed for r in range(R)]
     idle = [step - compute[r] - exposed[r] for r in range(R)]
     peaks = [fabric.gpu[r].peak_flops for r in range(R)]
@@ -327,38 +331,43 @@ def simulate(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, routing: boo
         layer_forward_s=fwd, layer_backward_s=bwd, head_s=max(head), grad_allreduce_s=grad,
         grad_allreduce_exposed_s=grad_exposed, optimizer_s=max(optimizer),
         bytes_sent={"forward": fwd_sent, "backward": bwd_sent},
+        tp_bytes=_tp_bytes(model, tokens, per_rank),
         timelines=(fwd_rec, bwd_rec))
 
 
-def _runs_of_layers(model: ModelSpec, fabric: Fabric, tokens: list, per_rank, linear_s: list) -> list[tuple[int, list]]:
-    """(layers, [R] linear seconds forward and backward) of each run of alike layers in the
-    backward: layer l on rank r recomputes as its mode (`linear_s`) if r recomputes more
-    than l layers (`per_rank`: (mode, layers)), else as the mode below (`cost.memory.BELOW`)."""
+def _runs_of_layers(model: ModelSpec, fabric: Fabric, tokens: list, per_rank, linear_s: list,
+                    tp_s: list) -> list[tuple[int, list, list]]:
+    """(layers, [R] linear seconds forward and backward, [R] the same of the TP collectives)
+    of each run of alike layers in the backward: layer l on rank r recomputes as its mode
+    (`linear_s`, `tp_s`) if r recomputes more than l layers (`per_rank`: (mode, layers)),
+    else as the mode below (`cost.memory.BELOW`)."""
     below = {}
     cuts = sorted({0, model.num_layers, *(k for _, k in per_rank)})
     runs = []
     for lo, hi in itertools.pairwise(cuts):
-        lin = list(linear_s)
+        lin, tp = list(linear_s), list(tp_s)
         for r, (m, k) in enumerate(per_rank):
             if k <= lo and m in BELOW:
                 if (r, m) not in below:
-                    below[r, m] = linear_layer_seconds(model, fabric.gpu[r], tokens[r], BELOW[m])
-                lin[r] = below[r, m]
-        runs.append((hi - lo, lin))
+                    gpu, mode = fabric.gpu[r], BELOW[m]
+                    below[r, m] = (linear_layer_seconds(model, gpu, tokens[r], mode),
+                                   tp_layer_seconds(model, tokens[r], fabric.intra_bw[r], gpu, mode))
+                lin[r], tp[r] = below[r, m]
+        runs.append((hi - lo, lin, tp))
     if len(runs) <= MAX_RUNS:
         return runs
     # Too many distinct runs to simulate each (large clusters): consecutive runs merged into
-    # MAX_RUNS of about equal layers, each rank's linear seconds their average over the
-    # merged layers (its total kept exactly).
+    # MAX_RUNS of about equal layers, each rank's linear and TP seconds their average over
+    # the merged layers (its total kept exactly).
     merged, layers, target = [], 0, model.num_layers / MAX_RUNS
     group: list = []
-    for n, lin in runs:
-        group.append((n, lin))
-        layers += n
-        if layers >= target * (len(merged) + 1) or (n, lin) == runs[-1]:
-            total = sum(k for k, _ in group)
-            merged.append((total, [tuple(sum(k * x[r][i] for k, x in group) / total for i in range(2))
-                                   for r in range(len(linear_s))]))
+    for i, run in enumerate(runs):
+        group.append(run)
+        layers += run[0]
+        if layers >= target * (len(merged) + 1) or i == len(runs) - 1:
+            total = sum(n for n, _, _ in group)
+            merged.append((total, *([tuple(sum(n * x[j][r][i] for n, *x in group) / total for i in range(2))
+                                     for r in range(len(linear_s))] for j in range(2))))
             group = []
     return merged
 
@@ -372,6 +381,17 @@ FORWARD_DP = 0.5
 BACKWARD_DP = 1.5
 """A layer's backward runs beside a bf16 all-gather and an fp32 reduce-scatter (FSDP2's
 `reduce_dtype`): half an all-reduce, plus twice half."""
+
+
+def _tp_bytes(model: ModelSpec, tokens: list, per_rank) -> dict:
+    """{phase: Counter of (op, rank)}: bytes each GPU of rank r's TP group sends in the
+    step's tensor-parallel collectives (`cost.tensor_parallel.tp_sent_bytes`)."""
+    out = {"forward": Counter(), "backward": Counter()}
+    for r, (n, (mode, layers)) in enumerate(zip(tokens, per_rank)):
+        for phase, sent in tp_sent_bytes(model, n, mode, layers).items():
+            for op, nbytes in sent.items():
+                out[phase][op, r] += nbytes
+    return out
 
 
 def _bucket(model: ModelSpec, cluster: ClusterSpec, num_layers: int) -> tuple[float, float]:

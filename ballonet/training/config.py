@@ -61,8 +61,11 @@ class TrainConfig:
     """Cluster preset or TOML file giving the (emulated) topology."""
     nodes: int = 1
     """Nodes the ranks are spread over (ranks per node = world size / nodes)."""
+    tp: int = 1
+    """Tensor-parallel degree: each plan rank is a group of tp ranks of one node holding the same tokens, the
+    model's heads and FFN split over them (PyTorch DTensor); the ranks, and those of a node, a multiple of it."""
     shard: Literal["full", "none"] = "full"
-    """FSDP2 parameter sharding over the ranks: full (ZeRO-3 style) or none (replicated)."""
+    """FSDP2 parameter sharding over the plan ranks: full (ZeRO-3 style) or none (replicated)."""
     dtype: Literal["fp32", "bf16"] = "fp32"
     """Compute dtype (bf16: bf16 compute, fp32 master weights and gradient reduction)."""
     recompute: Literal["none", "selective", "linear", "full", "auto"] = "none"
@@ -111,7 +114,7 @@ class TrainConfig:
     """Ranks per node; with --nproc, defaults to nproc / nodes."""
 
     def __post_init__(self):
-        for name in ("global_tokens", "steps", "nodes", "log_every", "max_doc_tokens", "nproc", "gpus_per_node",
+        for name in ("global_tokens", "steps", "nodes", "tp", "log_every", "max_doc_tokens", "nproc", "gpus_per_node",
                      "recompute_layers", "grad_accum", "keep_checkpoints", "vocab_size", "eval_tokens"):
             value = getattr(self, name)
             if value is not None and value < 1:

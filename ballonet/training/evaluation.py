@@ -25,6 +25,7 @@ from ballonet.errors import InputError
 from ballonet.plan import Plan
 from ballonet.training.config import TrainConfig
 from ballonet.training.corpus import Corpus, load_corpus
+from ballonet.training import tensor_parallel
 from ballonet.training.loader import BalancedLoader, RankBatch
 
 _HOLD_OUT_STREAM = 0x5EED_E7A1
@@ -98,8 +99,10 @@ def evaluate(model, batches: Iterable[RankBatch], rank: int, group, device: torc
     with torch.no_grad():
         for batch in batches:
             meta, input_ids, labels = batch.staged.to(device)
-            loss_sum += model.loss(input_ids, labels, batch.plan, rank, group, outer_group=outer_group, meta=meta,
-                                   content=batch.content).double()  # the plan and data checked first
+            with tensor_parallel.loss_context(model):
+                loss = model.loss(input_ids, labels, batch.plan, rank, group, outer_group=outer_group, meta=meta,
+                                  content=batch.content)  # the plan and data checked first
+            loss_sum += loss.double()
             valid += batch.batch.num_valid_tokens  # this (micro-)batch's own
     for module in model.modules():  # no backward resharded what the forward gathered (the root keeps it)
         if isinstance(module, FSDPModule):

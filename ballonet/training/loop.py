@@ -39,7 +39,7 @@ from ballonet.cost.recompute import plan_recompute
 from ballonet.errors import InputError
 from ballonet.integrations import hf_model
 from ballonet.plan.recompute import heaviest
-from ballonet.training import checkpoint, config_file, evaluation, export, logs, metrics, optim, parallel
+from ballonet.training import checkpoint, config_file, evaluation, export, logs, metrics, optim, parallel, tensor_parallel
 from ballonet.training.config import TrainConfig
 from ballonet.training.corpus import Corpus
 from ballonet.training.loader import BalancedLoader, Cursor, document_order, take_pieces
@@ -168,19 +168,26 @@ def _run(config: TrainConfig, group, use_cuda: bool):
 
     cluster, spec, corpus = preflight(config, world_size)
     corpus, eval_corpus = evaluation.split_corpora(config, corpus)
+    # A plan rank is a TP group of `tp` consecutive ranks; the plan's traffic runs over the
+    # plan ranks of this rank's TP index (`Groups.plan`).
+    mesh = parallel.device_mesh(world_size, config.shard, device, config.tp)
+    plan_rank, num_plan_ranks = rank // config.tp, world_size // config.tp
     plan_fn = functools.partial(_plan, metrics.plan_profile(cluster, config.calibration), cluster=cluster,
                                 model=spec, planner=config.planner, **({"double": False} if config.no_double else {}))
-    loader = BalancedLoader(corpus, global_tokens=config.global_tokens, plan_fn=plan_fn, rank=rank,
-                            world_size=world_size, seed=config.seed, max_doc_tokens=config.max_doc_tokens,
+    loader = BalancedLoader(corpus, global_tokens=config.global_tokens, plan_fn=plan_fn, rank=plan_rank,
+                            world_size=num_plan_ranks, seed=config.seed, max_doc_tokens=config.max_doc_tokens,
                             grad_accum=config.grad_accum)
     eval_set = None if eval_corpus is None else functools.partial(
         evaluation.eval_batches, eval_corpus, num_tokens=evaluation.eval_tokens(config),
-        global_tokens=config.global_tokens, plan_fn=plan_fn, rank=rank, world_size=world_size,
+        global_tokens=config.global_tokens, plan_fn=plan_fn, rank=plan_rank, world_size=num_plan_ranks,
         max_doc_tokens=config.max_doc_tokens, grad_accum=config.grad_accum)
+    hf = hf_model.is_hf(config.model)
     model = (hf_model.build_model(config.model, config.seed, device, config.recompute, config.recompute_layers)
-             if hf_model.is_hf(config.model) else build_model(config, spec, device))
-    parallel.parallelize(model, parallel.device_mesh(world_size, config.shard, device), config.dtype)
-    groups = _groups(group, world_size, device)
+             if hf else build_model(config, spec, device))
+    if config.tp > 1:
+        (tensor_parallel.parallelize_hf if hf else tensor_parallel.parallelize_transformer)(model, mesh["tp"])
+    parallel.parallelize(model, mesh, config.dtype)
+    groups = _groups(group, world_size, config.tp, device)
     optimizer = optim.build_optimizer(model, config.lr, config.weight_decay)
 
     step = 0
@@ -213,7 +220,7 @@ def _run(config: TrainConfig, group, use_cuda: bool):
 
     records = []
     batches = iter(loader)
-    auto = functools.partial(_auto_recompute, model, spec=spec, cluster=cluster, rank=rank) \
+    auto = functools.partial(_auto_recompute, model, spec=spec, cluster=cluster, rank=plan_rank) \
         if spec.recompute is None else None
     while step < config.steps:
         try:
@@ -225,13 +232,13 @@ def _run(config: TrainConfig, group, use_cuda: bool):
             raise _unplannable(e, step + 1, loader, corpus, config) from None
         step += 1
         _maybe_fault(step, rank)
-        record = _step(model, optimizer, micro, rank, groups, device, spec, peak, step, config.max_grad_norm, auto)
+        record = _step(model, optimizer, micro, plan_rank, groups, device, spec, peak, step, config.max_grad_norm, auto)
         if not math.isfinite(record["loss"]):  # the same on every rank (a reduced sum)
             raise InputError(f"step {step}: the loss is {record['loss']}; training stopped (try a smaller --lr)")
         scheduler.step()
         if eval_set is not None and step % config.eval_every == 0:
-            record.update(evaluation.evaluate(model, eval_set(), rank, groups.plan, device, groups.outer,
-                                              groups.world))
+            # Reduced over the plan ranks: with tensor parallelism every TP rank holds the same sum.
+            record.update(evaluation.evaluate(model, eval_set(), plan_rank, groups.plan, device, groups.outer))
         records.append(record)
         if rank == 0:
             logs.write(config, record, writer)
@@ -262,7 +269,7 @@ def _auto_recompute(model, plan, *, spec, cluster, rank: int) -> tuple[str, int]
     first layers as this rank's own tokens need). Every rank reads the same plan, so a
     "full" step (whose exchanges rerun in the backward) is full on all of them. -> (mode,
     the most layers any rank recomputes)."""
-    per_rank = plan_recompute(plan, spec, [cluster.gpu_of(r) for r in range(plan.num_ranks)])
+    per_rank = plan_recompute(plan, spec, [cluster.gpu_of(r * spec.tp) for r in range(plan.num_ranks)])
     mode, layers = per_rank[rank]
     model.set_recompute(mode.value, layers)
     most = heaviest(per_rank)
@@ -289,15 +296,16 @@ class Groups:
     world: dist.ProcessGroup
     """Every rank: metrics, checkpoints (and FSDP2's collectives, over the same ranks)."""
     plan: dist.ProcessGroup
-    """The plan's traffic: rings, relays, remaps, the plan check."""
+    """The plan's traffic: rings, relays, remaps, the plan check (with tensor parallelism,
+    the plan ranks of this rank's TP index)."""
     outer: dist.ProcessGroup | None
     """Double rings' transfers across nodes."""
 
 
-def _groups(world: dist.ProcessGroup, world_size: int, device: torch.device) -> Groups:
-    mesh = parallel.plan_mesh(device, world_size)
+def _groups(world: dist.ProcessGroup, world_size: int, tp: int, device: torch.device) -> Groups:
+    mesh = parallel.plan_mesh(device, world_size, tp)
     return Groups(world=world, plan=mesh.get_group("plan"),
-                  outer=parallel.outer_group(mesh, device) if world_size > 1 else None)
+                  outer=parallel.outer_group(world_size, tp, device) if world_size > tp else None)
 
 
 SYNC_DEBUG = "BALLONET_SYNC_DEBUG"
@@ -321,11 +329,11 @@ def _sync_debug(step: int):
 
 def _step(model, optimizer, micro: list, rank: int, groups: Groups, device, spec, peak: float, step: int,
           max_grad_norm: float | None = None, auto_recompute=None) -> dict:
-    """One optimizer step on this rank's share of a global batch, given as its micro-batches
-    `micro` (one without --grad-accum; each one's loss over the global batch's valid
-    labels, so their gradients add up to the global batch's); its log record. The
-    gradient is clipped to `max_grad_norm` if given; `auto_recompute(plan)` sets each
-    micro-batch's recomputation (--recompute auto)."""
+    """One optimizer step on plan rank `rank`'s share of a global batch, given as its
+    micro-batches `micro` (one without --grad-accum; each one's loss over the global
+    batch's valid labels, so their gradients add up to the global batch's); its log record
+    over every rank. The gradient is clipped to `max_grad_norm` if given;
+    `auto_recompute(plan)` sets each micro-batch's recomputation (--recompute auto)."""
     wall, cpu = time.perf_counter(), time.thread_time()
     counter = runtime.ByteCounter()
     loss_sum, recomputes = torch.zeros((), dtype=torch.float64, device=device), []
@@ -335,7 +343,7 @@ def _step(model, optimizer, micro: list, rank: int, groups: Groups, device, spec
             runtime.check_plan(batch.plan, rank, groups.plan, device, content=batch.content)
         if auto_recompute is not None:
             recomputes.append(auto_recompute(batch.plan))
-        with _sync_debug(step):
+        with _sync_debug(step), tensor_parallel.loss_context(model):
             part = model.loss(input_ids, labels, batch.plan, rank, groups.plan, counter=counter,
                               outer_group=groups.outer, meta=meta, verify_plan=False)
             (part / batch.num_valid_tokens_global).backward()
@@ -351,10 +359,11 @@ def _step(model, optimizer, micro: list, rank: int, groups: Groups, device, spec
     wall = time.perf_counter() - wall
     step_cpu = time.thread_time() - cpu
     exposed = max(wall - step_cpu, 0.0)
-    world_size = dist.get_world_size(groups.world)
-    values = [loss_sum.item(), compute, float(sum(counter.total().values())), exposed,
+    world_rank, world_size = dist.get_rank(groups.world), dist.get_world_size(groups.world)
+    # Over every rank: a TP group's ranks hold the same loss, each counts its 1/tp of it.
+    values = [loss_sum.item() / spec.tp, compute, float(sum(counter.total().values())), exposed,
               float(metrics.memory_high_water(device)), float(parallel.local_parameter_bytes(model, optimizer)),
-              step_cpu] + [compute if r == rank else 0.0 for r in range(world_size)]  # summed: each rank's compute
+              step_cpu] + [compute if r == world_rank else 0.0 for r in range(world_size)]  # summed: each rank's compute
     sums, maxes = _reduce(values, groups.world, device)
     pieces = [p for batch in micro for p in batch.pieces]
     num_tokens = sum(p.end - p.start for p in pieces)

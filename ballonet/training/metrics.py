@@ -74,18 +74,20 @@ def memory_high_water(device: torch.device) -> int:
 
 
 def training_bytes_per_token(model: ModelSpec) -> float:
-    """Activation bytes a rank holds per token of its share: the cost model's, under the
-    spec's recomputation and dtype (`cost.memory.activation_bytes_per_token`), plus the fp32
-    logits around the loss."""
-    return activation_bytes_per_token(model) + LOGIT_COPIES * 4 * model.vocab_size
+    """Activation bytes a GPU holds per token of its plan rank's share: the cost model's,
+    under the spec's recomputation, dtype and tensor parallelism
+    (`cost.memory.activation_bytes_per_token`), plus the fp32 logits around the loss (its
+    1/tp of the vocabulary with tensor parallelism)."""
+    return activation_bytes_per_token(model) + LOGIT_COPIES * 4 * model.vocab_size / model.tp
 
 
 def check_budget(model: ModelSpec, cluster: ClusterSpec, global_tokens: int, world_size: int, shard: str) -> None:
-    """Refuse, before any batch is built, a global batch whose even share per rank cannot
-    fit the smallest device's memory (fp32 weights, gradients and Adam states included,
-    sharded or not): a lower bound, as a plan's busiest rank holds more."""
-    tokens_per_rank = math.ceil(global_tokens / world_size)
-    weights = model.num_params * (4 + 4 + 8) / (world_size if shard == "full" else 1)
+    """Refuse, before any batch is built, a global batch whose even share per plan rank
+    cannot fit the smallest device's memory (fp32 weights, gradients and Adam states
+    included, sharded or not, split over a plan rank's `model.tp` ranks): a lower bound, as
+    a plan's busiest rank holds more."""
+    tokens_per_rank = math.ceil(global_tokens / (world_size // model.tp))
+    weights = model.num_params * (4 + 4 + 8) / (world_size if shard == "full" else model.tp)
     need = tokens_per_rank * training_bytes_per_token(model) + weights
     have = min(g.gpu_type.memory_bytes for g in cluster.groups)
     if need > have:

@@ -29,8 +29,14 @@ balanced (QKV+O are 33% of llama-7b's linear FLOPs, 19% of llama3-8b's) and leav
 residual stream on the linear layout, so the only other move is the token ids (and
 labels) once per step, 8 bytes a token each.
 
+With tensor parallelism (`tensor_parallel.parallelize_transformer`) the same code runs on
+DTensors: the residual stream is sharded over the TP group's sequence, a block's head
+counts are this TP rank's, and the remaps and the attention move and attend with its
+heads only, over the plan-rank group of its TP index.
+
 Legend: T tokens of this rank (T_lin linear layout, T_att attention layout), C hidden,
-H query heads, K KV heads, D head dim, V vocabulary.
+H query heads, K KV heads, D head dim, V vocabulary (with tensor parallelism, H and K
+are this TP rank's heads).
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from ballonet import runtime
@@ -156,8 +163,6 @@ class Transformer(nn.Module):
     def __init__(self, spec: ModelSpec, *, seed: int = 0, attention_fn: AttentionFn | None = None,
                  recompute: Recompute = "none"):
         super().__init__()
-        if spec.tp != 1:
-            raise ValueError(f"model {spec.name!r}: tensor parallelism (tp={spec.tp}) is not implemented")
         self.spec = spec
         self.attention_fn = attention_fn
         self.embed = nn.Embedding(spec.vocab_size, spec.hidden)
@@ -170,9 +175,11 @@ class Transformer(nn.Module):
     def set_recompute(self, recompute: Recompute, layers: int | None = None) -> None:
         """Recompute as `recompute` from the next forward on ("selective": on the first
         `layers` blocks, every block when None, the others none; "linear": on the first
-        `layers`, the others selective). Ranks may differ in these: a selective or linear
-        block reruns only its own local work, no collective; "full" reruns a block's remap
-        and attention exchanges, so every rank must choose it alike."""
+        `layers`, the others selective). Plan ranks may differ in these: a selective or
+        linear block reruns only its own local work, no exchange between plan ranks (with
+        tensor parallelism, its TP group's gathers, which all of the group choose alike:
+        they hold the same plan rank); "full" reruns a block's remap and attention
+        exchanges, so every rank must choose it alike."""
         if recompute not in typing.get_args(Recompute):
             raise ValueError(f"recompute must be one of {typing.get_args(Recompute)}, got {recompute!r}")
         first = len(self.layers) if layers is None else layers
@@ -211,7 +218,8 @@ class Transformer(nn.Module):
             _check_plan_first(plan, rank, group, input_ids.device)
         meta = _step_meta(meta, plan, rank, input_ids.device)
         ids_T = remap(input_ids, plan, rank, "attention", "linear", group, verify_plan=False, move=meta.to_linear)
-        return self.head(self._hidden(ids_T, plan, rank, group, outer_group=outer_group, meta=meta))
+        logits_TV = self.head(self._hidden(ids_T, plan, rank, group, outer_group=outer_group, meta=meta))
+        return logits_TV.full_tensor() if isinstance(logits_TV, DTensor) else logits_TV
 
     def loss(self, input_ids: torch.Tensor, labels: torch.Tensor, plan: Plan, rank: int, group=None,
              counter: runtime.ByteCounter | None = None, outer_group=None, *, meta: runtime.StepMeta | None = None,
@@ -233,7 +241,9 @@ class Transformer(nn.Module):
                               verify_plan=False, move=meta.to_linear)
         logits_TV = self.head(self._hidden(ids_labels_T2[:, 0], plan, rank, group, counter, outer_group, meta))
         logits_TV = logits_TV.to(torch.promote_types(logits_TV.dtype, torch.float32))
-        return F.cross_entropy(logits_TV, ids_labels_T2[:, 1], ignore_index=IGNORE_INDEX, reduction="sum")
+        loss = F.cross_entropy(logits_TV, ids_labels_T2[:, 1], ignore_index=IGNORE_INDEX, reduction="sum")
+        # Replicated over the TP group; a copy, as FSDP2 warns of a view returned from its module.
+        return loss.to_local().clone() if isinstance(loss, DTensor) else loss
 
 
 def _step_meta(meta, plan: Plan, rank: int, device) -> runtime.StepMeta:

@@ -9,6 +9,9 @@ the plan's traffic (rings, relays, remaps, the plan check) on a group of its own
 transfer never waits behind a parameter all-gather, nor an inner ring's step behind a
 transfer across nodes. Groups are made once by the training loop and passed down; no
 module keeps one.
+With tensor parallelism each plan rank is a TP group (`tensor_parallel.py`, applied
+first) and FSDP2 shards the DTensor weights over the plan ranks, torchtitan's FSDP + TP
+composition; the plan's groups are then one per TP index.
 
 The plan decides where tokens go (its attention and linear layouts); FSDP2 decides where
 weights live. The two compose because every rank runs every block on its own tokens:
@@ -41,32 +44,52 @@ from torch.distributed.fsdp import (
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def device_mesh(world_size: int, shard: str, device: torch.device) -> DeviceMesh:
-    """All ranks as one shard dimension ("full"), or as replicas of one-rank shards ("none")."""
-    if shard == "full":
-        return init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
-    if shard == "none":
-        return init_device_mesh(device.type, (world_size, 1), mesh_dim_names=("replicate", "shard"))
-    raise ValueError(f"shard must be 'full' or 'none', got {shard!r}")
+def device_mesh(world_size: int, shard: str, device: torch.device, tp: int = 1) -> DeviceMesh:
+    """All ranks as one shard dimension ("full"), or as replicas of one-rank shards ("none");
+    with tensor parallelism (`tp` > 1) each of those is a plan rank of `tp` consecutive
+    ranks (one node's, as torchtitan lays out TP), the innermost dimension "tp"."""
+    if world_size % tp:
+        raise ValueError(f"{world_size} ranks are not a multiple of tp={tp}")
+    dims = {"full": (("shard",), (world_size // tp,)),
+            "none": (("replicate", "shard"), (world_size // tp, 1))}
+    if shard not in dims:
+        raise ValueError(f"shard must be 'full' or 'none', got {shard!r}")
+    names, shape = dims[shard]
+    if tp > 1:
+        names, shape = names + ("tp",), shape + (tp,)
+    return init_device_mesh(device.type, shape, mesh_dim_names=names)
 
 
-def plan_mesh(device: torch.device, world_size: int) -> DeviceMesh:
-    """The mesh of the plan's traffic: one dimension, "plan", every rank in plan-rank
-    order, on a new process group warmed up here. (A whole-world one-dimensional
-    `init_device_mesh` would reuse the default group, FSDP2's. With tensor parallelism
-    this becomes `init_device_mesh(type, (world_size // tp, tp), mesh_dim_names=("plan",
-    "tp"))`, whose "plan" groups are groups of their own.)"""
-    group = dist.new_group(list(range(world_size)))
+def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The dimensions of `device_mesh` over the plan ranks (all but "tp"): FSDP2's."""
+    names = tuple(n for n in mesh.mesh_dim_names if n != "tp")
+    return mesh[names] if len(names) < mesh.ndim else mesh
+
+
+def plan_mesh(device: torch.device, world_size: int, tp: int = 1) -> DeviceMesh:
+    """The mesh of the plan's traffic: one dimension, "plan", this rank's TP index's plan
+    ranks in plan-rank order (every rank when tp is 1), on a new process group warmed up
+    here. (A whole-world one-dimensional `init_device_mesh` would reuse the default group,
+    FSDP2's.)"""
+    group = _column_group(world_size, tp)
     warm_up(group, device)
     return DeviceMesh.from_group(group, device.type, mesh_dim_names=("plan",))
 
 
-def outer_group(mesh: DeviceMesh, device: torch.device) -> dist.ProcessGroup:
-    """A second group over the "plan" ranks in their order, for double rings' transfers
-    across nodes (`runtime.attention`'s `outer_group`), warmed up here."""
-    group = dist.new_group(dist.get_process_group_ranks(mesh.get_group("plan")))
+def outer_group(world_size: int, tp: int, device: torch.device) -> dist.ProcessGroup:
+    """A second group over the same ranks in the same order as `plan_mesh`'s, for double
+    rings' transfers across nodes (`runtime.attention`'s `outer_group`), warmed up here."""
+    group = _column_group(world_size, tp)
     warm_up(group, device)
     return group
+
+
+def _column_group(world_size: int, tp: int) -> dist.ProcessGroup:
+    """A new group of the ranks of this rank's TP index. Collective: every rank makes
+    every TP index's group (`new_group` must be called alike on all ranks)."""
+    if tp == 1:
+        return dist.new_group(list(range(world_size)))
+    return dist.new_subgroups_by_enumeration([list(range(t, world_size, tp)) for t in range(tp)])[0]
 
 
 def warm_up(group: dist.ProcessGroup, device: torch.device) -> None:
@@ -102,7 +125,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, dtype: str = "fp32",
     """Shard `model` in place with FSDP2: each block a unit (resharded after forward), the
     root (embeddings, final norm, head) a unit kept unsharded between forward and backward.
     `forward_methods` are entry points besides `forward` that run FSDP2's hooks."""
-    policy = mixed_precision(dtype)
+    policy, mesh = mixed_precision(dtype), fsdp_mesh(mesh)  # tensor parallelism inside, done before
     for block in transformer_blocks(model):
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)

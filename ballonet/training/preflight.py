@@ -12,7 +12,7 @@ import os
 import ballonet
 from ballonet.errors import InputError
 from ballonet.integrations import hf_model
-from ballonet.training import checkpoint, evaluation, logs, metrics, parallel
+from ballonet.training import checkpoint, evaluation, logs, metrics, parallel, tensor_parallel
 from ballonet.training.config import TrainConfig
 from ballonet.training.corpus import load_corpus
 
@@ -55,6 +55,7 @@ def preflight(config: TrainConfig, world_size: int):
         if is_hf:
             raise InputError(f"--vocab-size is for the built-in model; {config.model}'s config.json sets its own")
         spec = dataclasses.replace(spec, vocab_size=config.vocab_size)
+    _check_tp(config, world_size, spec)
     if config.recompute not in hf_model.RECOMPUTE and hf_model.is_hf(config.model):
         choices = ", ".join(hf_model.RECOMPUTE)
         raise InputError(f"--recompute {config.recompute}: not for a Hugging Face model ({config.model}), whose "
@@ -64,7 +65,7 @@ def preflight(config: TrainConfig, world_size: int):
                          f"{spec.num_layers} layers")
     # The planner and the cost model price what this run does: its dtype and recomputation
     # (auto: None, the cheapest each plan fits under).
-    spec = dataclasses.replace(spec, dtype_bytes=parallel.DTYPES[config.dtype].itemsize,
+    spec = dataclasses.replace(spec, tp=config.tp, dtype_bytes=parallel.DTYPES[config.dtype].itemsize,
                                recompute=None if config.recompute == "auto" else config.recompute,
                                recompute_layers=config.recompute_layers)
     metrics.check_budget(spec, cluster, config.global_tokens, world_size, config.shard)
@@ -86,7 +87,18 @@ def preflight(config: TrainConfig, world_size: int):
         raise InputError(f"--grad-accum {config.grad_accum}: micro-batches of --global-tokens "
                          f"{config.global_tokens} / {config.grad_accum} tokens hold less than one token per rank "
                          f"({world_size} ranks)")
-    ballonet.plan_batch([1] * world_size, cluster, spec, planner=config.planner)  # a bad planner fails here
+    ballonet.plan_batch([1] * (world_size // config.tp), cluster, spec, planner=config.planner)  # a bad planner fails
     metrics.peak_flops(cluster, config.calibration)  # a bad profile fails here
     metrics.plan_profile(cluster, config.calibration)
     return cluster, spec, corpus
+
+
+def _check_tp(config: TrainConfig, world_size: int, spec: ballonet.ModelSpec) -> None:
+    """--tp: a TP group is `tp` ranks of one node, and `tp` divides the model's heads."""
+    if world_size % config.tp:
+        raise InputError(f"{world_size} ranks are not a multiple of --tp {config.tp}")
+    per_node = world_size // config.nodes
+    if per_node % config.tp:
+        raise InputError(f"--tp {config.tp} does not divide the {per_node} ranks of a node (--nodes {config.nodes}): "
+                         "a tensor-parallel group must sit inside one node")
+    tensor_parallel.check_heads(spec.name, spec.num_heads, spec.num_kv_heads, config.tp)
