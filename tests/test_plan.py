@@ -100,7 +100,8 @@ def test_recompute_is_typed_checked_and_round_trips():
 def test_rank_hardware_by_hand():
     from ballonet.cost import hardware
     from ballonet.errors import InputError
-    from ballonet.specs import cluster, rank_hardware
+    from ballonet.planning.devices import rank_hardware
+    from ballonet.specs import cluster
 
     # h800 nodes: 8 GPUs, one NIC each; h20 nodes: 8 GPUs, two per NIC. tp = 2: plan rank r
     # is GPUs 2r and 2r + 1, four ranks per node.

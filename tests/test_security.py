@@ -14,7 +14,7 @@ import pytest
 
 import ballonet
 from ballonet import cli
-from ballonet.training import checkpoint
+from ballonet.training import safe_dcp
 from ballonet.training.corpus import from_prepared, load_corpus
 from ballonet.training.loop import TrainConfig, train
 
@@ -81,7 +81,7 @@ def test_metadata_unpickler_refuses_the_dotted_global_and_plain_reduce(clean_che
                     reduce_payload(command, 4)):
         (step / ".metadata").write_bytes(payload)
         with pytest.raises(ballonet.InputError, match=r"\.metadata: not a checkpoint's metadata") as e:
-            checkpoint.read_safe_metadata(step / ".metadata", step)
+            safe_dcp.read_safe_metadata(step / ".metadata", step)
         assert "\n" not in str(e.value)
         assert not marker.exists(), payload
 
@@ -104,7 +104,7 @@ def test_a_payload_in_any_file_of_a_checkpoint_is_one_line_exit_2_and_runs_nothi
         case.mkdir()
         ck, step = _copy(clean_checkpoint, case)
         if name == ITEMS:
-            for info in checkpoint.read_safe_metadata(step / ".metadata", step).storage_data.values():
+            for info in safe_dcp.read_safe_metadata(step / ".metadata", step).storage_data.values():
                 if info.length >= len(payload):
                     with open(step / info.relative_path, "r+b") as f:
                         f.seek(info.offset)
@@ -135,7 +135,7 @@ def test_the_issue_reproduction_through_the_real_command_line(clean_checkpoint, 
 
 def test_metadata_storage_items_stay_inside_the_checkpoint_folder(clean_checkpoint, tmp_path):
     ck, step = _copy(clean_checkpoint, tmp_path)
-    metadata = checkpoint.read_safe_metadata(step / ".metadata", step)  # the clean one loads
+    metadata = safe_dcp.read_safe_metadata(step / ".metadata", step)  # the clean one loads
     clean = (step / ".metadata").read_bytes()
     outside = tmp_path / "outside.bin"
     shutil.copy(next(step.glob("*.distcp")), outside)
@@ -150,7 +150,7 @@ def test_metadata_storage_items_stay_inside_the_checkpoint_folder(clean_checkpoi
         setattr(bad.storage_data[index], field, value)
         (step / ".metadata").write_bytes(pickle.dumps(bad, protocol=2))
         with pytest.raises(ballonet.InputError, match=message):
-            checkpoint.read_safe_metadata(step / ".metadata", step)
+            safe_dcp.read_safe_metadata(step / ".metadata", step)
 
 
 def test_checkpoint_fields_are_checked_before_anything_is_loaded(clean_checkpoint, tmp_path, capsys):
@@ -280,4 +280,4 @@ def test_training_on_a_traversing_corpus_exits_2_with_one_line(prepared, tmp_pat
 
 
 def test_the_allow_list_is_exact_classes_never_a_module():
-    assert all(isinstance(c, type) for c in checkpoint.SAFE_GLOBALS)
+    assert all(isinstance(c, type) for c in safe_dcp.SAFE_GLOBALS)

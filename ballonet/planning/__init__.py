@@ -19,7 +19,8 @@ from ballonet.planning.baselines import BASELINES
 from ballonet.planning.distca import distca
 from ballonet.planning.magi import magi
 from ballonet.planning.zeppelin import zeppelin
-from ballonet.specs import ClusterSpec, ModelSpec, rank_hardware
+from ballonet.planning.devices import rank_hardware
+from ballonet.specs import ClusterSpec, ModelSpec
 
 __all__ = ["PLANNERS", "plan_batch"]
 

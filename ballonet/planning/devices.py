@@ -2,7 +2,7 @@
 how many tokens it may hold), and the input checks every planner runs first.
 
 A plan rank is one GPU, or with tensor parallelism (`model.tp`) a group of `tp`
-consecutive GPUs of one node holding the same tokens (`specs.rank_hardware`).
+consecutive GPUs of one node holding the same tokens (`rank_hardware`).
 """
 
 from __future__ import annotations
@@ -16,9 +16,57 @@ import numpy as np
 from ballonet.cost import hardware
 from ballonet.cost.memory import MEMORY_RESERVE, activation_bytes_per_token, static_bytes
 from ballonet.errors import InfeasiblePlan, InputError
-from ballonet.specs import ClusterSpec, ModelSpec, rank_hardware
+from ballonet.specs import ClusterSpec, ModelSpec
 
-__all__ = ["Devices", "check_feasible", "check_lengths", "devices"]
+__all__ = ["Devices", "RankHardware", "check_feasible", "check_lengths", "devices", "rank_hardware"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankHardware:
+    """Per plan rank of a cluster at tensor-parallel degree `tp`: a plan rank is `tp`
+    consecutive GPUs of one node holding the same tokens (one GPU when tp = 1)."""
+    tp: int
+    node: tuple[int, ...]
+    nic: tuple[int, ...]
+    """The NIC of the rank's first GPU (GPU-NIC affinity)."""
+    nics: tuple[tuple[int, ...], ...]
+    """Every NIC the rank's GPUs reach (a TP group sends its shards through all of them)."""
+    local_index: tuple[int, ...]
+    """Index of the rank inside its node (for rail alignment)."""
+    group: tuple[int, ...]
+    """Node-group index (`ClusterSpec.groups`)."""
+    gpu: tuple[hardware.GPUType, ...]
+    intra_bw: tuple[float, ...]
+    """Bytes/s one direction of the rank's intra-node link."""
+    nic_bw: tuple[float, ...]
+    """Bytes/s of one of its NICs."""
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.node)
+
+
+@functools.lru_cache(maxsize=32)
+def rank_hardware(cluster: ClusterSpec, tp: int = 1) -> RankHardware:
+    """The plan ranks of `cluster` at tensor-parallel degree `tp`; `InputError` when `tp`
+    does not divide a node's GPUs."""
+    for g in cluster.groups:
+        if g.gpus_per_node % tp:
+            raise InputError(f"tp={tp} does not divide the {g.gpus_per_node} GPUs per node of {g.gpu!r} nodes")
+    firsts = range(0, cluster.num_ranks, tp)
+    group_index = {id(g): i for i, g in enumerate(cluster.groups)}
+    groups = [cluster.group_of(x) for x in firsts]
+    return RankHardware(
+        tp=tp,
+        node=tuple(cluster.node_of(x) for x in firsts),
+        nic=tuple(cluster.nic_of(x) for x in firsts),
+        nics=tuple(tuple(sorted({cluster.nic_of(x + k) for k in range(tp)})) for x in firsts),
+        local_index=tuple(cluster.local_index(x) // tp for x in firsts),
+        group=tuple(group_index[id(g)] for g in groups),
+        gpu=tuple(g.gpu_type for g in groups),
+        intra_bw=tuple(g.intra_bw for g in groups),
+        nic_bw=tuple(g.nic_bw for g in groups),
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -27,7 +27,8 @@ from ballonet.plan import Plan, Ring
 from ballonet.plan.recompute import heaviest
 from ballonet.planning.devices import devices
 from ballonet.planning.pricing import rank_compute_seconds
-from ballonet.specs import ClusterSpec, ModelSpec, rank_hardware
+from ballonet.planning.devices import rank_hardware
+from ballonet.specs import ClusterSpec, ModelSpec
 
 __all__ = ["plan_metrics", "rank_attention_seconds", "rank_bytes", "rank_classes", "rank_step_compute_seconds"]
 

@@ -19,7 +19,8 @@ from collections import defaultdict
 from ballonet.cost.flops import kv_bytes
 from ballonet.cost.seconds import p2p_time
 from ballonet.plan import Plan, Route
-from ballonet.specs import ClusterSpec, ModelSpec, rank_hardware
+from ballonet.planning.devices import rank_hardware
+from ballonet.specs import ClusterSpec, ModelSpec
 
 __all__ = ["plan_routes"]
 

@@ -5,6 +5,7 @@ links and NICs (`fabric.py`) and runs it on the event engine (`timeline.py`);
 `comparison.compare` runs several planners on the same sampled batches.
 """
 
-from ballonet.simulation.simulator import SimResult, simulate
+from ballonet.simulation.result import SimResult
+from ballonet.simulation.simulator import simulate
 
 __all__ = ["SimResult", "simulate"]

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from ballonet import workloads
 from ballonet.errors import InfeasiblePlan, InputError
 from ballonet.planning import PLANNERS, plan_batch
-from ballonet.simulation.simulator import SimResult, simulate
+from ballonet.simulation.result import SimResult
+from ballonet.simulation.simulator import simulate
 from ballonet.specs import ClusterSpec, ModelSpec
 
 REFERENCE = "te_cp"

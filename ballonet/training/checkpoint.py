@@ -19,13 +19,10 @@ With DCP's `async_save` the shards are staged to CPU memory and written by a bac
 thread over a gloo group of their own, while training goes on; the steps after the
 writing (metadata, rename, `latest`) wait for it (`PendingSave.wait`).
 
-Loading never executes code from the checkpoint, by construction: DCP's `.metadata` (a
-pickle) is written in pickle protocol 2 and read by torch's own weights-only unpickler
-(`torch._weights_only_unpickler`), which resolves a global only by its exact "module.name"
-among torch's defaults and DCP's metadata classes (`SAFE_GLOBALS`: never a dotted name
-through a module's attributes) and calls nothing else; every storage item must lie inside
-a plain file of the checkpoint folder. Tensors and non-tensor items go through
-`torch.load(weights_only=True)`; step, loader state and RNG are JSON, checked field by
+Loading never executes code from the checkpoint, by construction (`safe_dcp.py`: DCP's
+`.metadata` read by torch's weights-only unpickler with DCP's classes as exact safe
+globals, every storage item inside a plain file of the folder, non-tensor items through
+`torch.load(weights_only=True)`); step, loader state and RNG are JSON, checked field by
 field. Shards reassemble on any world size (DCP reshards DTensors), so a run saved on 4
 ranks resumes on 2; RNG states are restored only on the world size that saved them.
 """
@@ -34,153 +31,30 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import io
 import json
 import os
-import pathlib
-import pickle
 import shutil
 import warnings
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ballonet.errors import InputError
 from ballonet.training.config_file import RESOLVED
+from ballonet.training.safe_dcp import (
+    DCP_METADATA, SafeLoadPlanner, SafeReader, SafeWriter, fsync_path, last_line, read_safe_metadata, write_durably)
 
 LATEST = "latest"
 META = "ballonet.json"
 FORMAT = "ballonet-dcp-2"
 """2: `.metadata` in pickle protocol 2, read weights-only (1, before it, was read by a
 module-wide allow-list that a dotted global name could escape: refused)."""
-DCP_METADATA = ".metadata"
-METADATA_PROTOCOL = 2
-"""The only pickle protocol torch's weights-only unpickler reads."""
-SAFE_GLOBALS = (
-    dcp_metadata.Metadata, dcp_metadata.MetadataIndex, dcp_metadata.StorageMeta, dcp_metadata.TensorStorageMetadata,
-    dcp_metadata.TensorProperties, dcp_metadata.ChunkStorageMetadata, dcp_metadata.BytesStorageMetadata,
-    dcp_metadata._MEM_FORMAT_ENCODING, _StorageInfo, type(pathlib.Path()),
-)
-"""What DCP's metadata holds besides torch's weights-only defaults (tensors' sizes, dtypes,
-layouts): its dataclasses, the memory-format enum, the storage record of each item, and the
-checkpoint's path."""
-
-
-def _metadata_error(path, reason: str) -> InputError:
-    return InputError(f"{path}: not a checkpoint's metadata that is safe to load ({reason})")
-
-
-def read_safe_metadata(path, folder) -> dcp_metadata.Metadata:
-    """DCP's `Metadata` from the file `path` through torch's weights-only unpickler, its
-    storage items checked to lie inside plain files of `folder`. InputError otherwise."""
-    from torch import _weights_only_unpickler
-
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as e:
-        raise _metadata_error(path, e.strerror or type(e).__name__) from None
-    if data[:2] != bytes([pickle.PROTO[0], METADATA_PROTOCOL]):
-        raise _metadata_error(path, f"not pickle protocol {METADATA_PROTOCOL}, the only one Ballonet writes and reads")
-    try:
-        with torch.serialization.safe_globals(list(SAFE_GLOBALS)):
-            metadata = _weights_only_unpickler.load(io.BytesIO(data), encoding="utf-8")
-    except Exception as e:  # noqa: BLE001 - the unpickler refuses with many exception types
-        raise _metadata_error(path, _last_line(e)) from None
-    if type(metadata) is not dcp_metadata.Metadata or not isinstance(metadata.storage_data, dict):
-        raise _metadata_error(path, f"holds a {type(metadata).__name__}, not DCP's Metadata with storage_data")
-    _check_storage(metadata.storage_data, path, folder)
-    return metadata
-
-
-def _check_storage(storage: dict, path, folder) -> None:
-    """Every item of `storage` (MetadataIndex -> _StorageInfo) inside a plain file of `folder`."""
-    root = os.path.realpath(folder)
-    sizes: dict[str, int] = {}
-    for index, info in storage.items():
-        if type(info) is not _StorageInfo or type(index) is not dcp_metadata.MetadataIndex:
-            raise _metadata_error(path, f"a storage item of type {type(info).__name__}")
-        name = info.relative_path
-        if name not in sizes:
-            if (not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name
-                    or os.path.dirname(os.path.realpath(os.path.join(root, name))) != root):
-                raise _metadata_error(path, f"storage file {name!r} is not a file name inside {folder}")
-            full = os.path.join(root, name)
-            if not os.path.isfile(full):
-                raise _metadata_error(path, f"storage file {name!r} is missing from {folder}")
-            sizes[name] = os.path.getsize(full)
-        offset, length = info.offset, info.length
-        if (type(offset) is not int or type(length) is not int or offset < 0 or length < 0
-                or offset + length > sizes[name]):
-            raise _metadata_error(path, f"item {index.fqn!r}: bytes [{offset!r}, +{length!r}) outside {name} "
-                                        f"({sizes[name]} bytes)")
-        descriptors = info.transform_descriptors
-        if descriptors is not None and not all(isinstance(d, str) for d in descriptors):
-            raise _metadata_error(path, f"item {index.fqn!r}: transform descriptors are not strings")
-
-
-class SafeReader(dcp.FileSystemReader):
-    """A FileSystemReader reading `.metadata` weights-only (`read_safe_metadata`). Its
-    `read_metadata` takes no rank: DCP then never falls back to per-rank metadata files
-    (which Ballonet does not write) after logging the first failure with a traceback."""
-
-    def read_metadata(self):
-        metadata = read_safe_metadata(self._get_metadata_path(), self.path)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = dcp.metadata.StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-class SafeWriter(dcp.FileSystemWriter):
-    """A FileSystemWriter whose `.metadata` is in pickle protocol 2, which `SafeReader` reads
-    (DCP writes its default protocol, which the weights-only unpickler does not read)."""
-
-    def finish(self, metadata, results) -> None:
-        super().finish(metadata, results)  # completes `metadata` (storage items) and writes it
-        per_rank = not getattr(self, "use_collectives", True) and self.rank is not None
-        path = self._get_metadata_path(self.rank if per_rank else None)
-        write_durably(str(path), pickle.dumps(metadata, protocol=METADATA_PROTOCOL))
-
-
-class SafeLoadPlanner(DefaultLoadPlanner):
-    """Non-tensor items (optimizer hyperparameters) through the weights-only unpickler."""
-
-    def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        loaded = torch.load(value, weights_only=True)
-        if self.flatten_state_dict:
-            from torch.distributed.checkpoint._nested_dict import set_element
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = loaded
 
 
 # ---- files -----------------------------------------------------------------------------
-
-
-def _fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_durably(path: str, data: str | bytes) -> None:
-    """Write, fsync, rename over `path`, fsync the folder: all or nothing."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data.encode() if isinstance(data, str) else data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_path(os.path.dirname(path) or ".")
 
 
 def clean_stale(folder: str) -> None:
@@ -362,7 +236,7 @@ def _failing_save(folder: str, tmp: str, step: int, rank: int):
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise InputError(f"--checkpoint-dir {folder}: cannot write the checkpoint of step {step} "
-                         f"({_last_line(e)})") from None
+                         f"({last_line(e)})") from None
 
 
 class PendingSave:
@@ -375,7 +249,7 @@ class PendingSave:
         try:
             self._future.result()
         except (OSError, CheckpointException) as e:
-            raise InputError(f"cannot write a checkpoint ({_last_line(e)})") from None
+            raise InputError(f"cannot write a checkpoint ({last_line(e)})") from None
         return self._finish()
 
 
@@ -390,7 +264,7 @@ def _publish(folder: str, name: str, tmp: str, meta: dict, keep: int, protect: s
             os.remove(os.path.join(folder, LATEST))
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _fsync_path(folder)
+    fsync_path(folder)
     write_durably(os.path.join(folder, LATEST), name)
     for other in prunable(folder, name, keep, protect):
         shutil.rmtree(os.path.join(folder, other), ignore_errors=True)
@@ -420,24 +294,12 @@ def load(path: str, model, optimizer, rank: int, group, device) -> dict:
             dcp.load(state, storage_reader=SafeReader(path), planner=SafeLoadPlanner(), process_group=group,
                      no_dist=group is None)
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP gathers every rank's failure
-        raise InputError(f"{path}: corrupt or foreign checkpoint ({_last_line(e)})") from None
+        raise InputError(f"{path}: corrupt or foreign checkpoint ({last_line(e)})") from None
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     world = 1 if group is None else dist.get_world_size(group)
     if meta.get("world_size") == world and len(meta.get("rng", [])) == world:
         _set_rng(meta["rng"][rank], device, os.path.join(path, META))
     return meta
-
-
-_BOILERPLATE = ("Weights only load failed", "Check the documentation of torch.load", "Please file an issue")
-"""torch.load's lines around the reason a weights-only load failed (one of them advises
-loading the file unsafely)."""
-
-
-def _last_line(e: BaseException) -> str:
-    """The innermost message of a (possibly DCP-wrapped, multi-line) exception, one line."""
-    lines = [line.strip() for line in str(e).splitlines()
-             if line.strip() and not line.strip().startswith(_BOILERPLATE)]
-    return (lines[-1] if lines else type(e).__name__)[:300]
 
 
 def _barrier(group) -> None:

@@ -7,7 +7,7 @@ batch of one sequence is), SwiGLU and GQA are Llama's, so the logits agree (fp32
 tested). A Hugging Face model (`--model hf:DIR`) keeps its own config and weight names.
 
 No pickle on the way: DCP's `.metadata` goes through torch's weights-only unpickler
-(`checkpoint.read_safe_metadata`: DCP's own metadata classes only), only the model's
+(`safe_dcp.read_safe_metadata`: DCP's own metadata classes only), only the model's
 tensors are read (`dcp.load` into tensors
 shaped from that metadata; the optimizer's pickled items are never touched), and the
 weights are written with safetensors.
@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from ballonet.errors import InputError
 from ballonet.paths import write_atomic
 from ballonet.specs import ModelSpec
-from ballonet.training import checkpoint
+from ballonet.training import checkpoint, safe_dcp
 from ballonet.training.model import NORM_EPS, ROPE_THETA
 
 WEIGHTS = "model.safetensors"
@@ -59,7 +59,7 @@ def step_folder(path: str) -> str:
 def read_model_state(path: str) -> dict[str, torch.Tensor]:
     """The model's full (unsharded) tensors of checkpoint `path`, by parameter name; one
     process, any world size the checkpoint was saved on."""
-    metadata = checkpoint.read_safe_metadata(os.path.join(path, checkpoint.DCP_METADATA), path)  # weights-only
+    metadata = safe_dcp.read_safe_metadata(os.path.join(path, safe_dcp.DCP_METADATA), path)  # weights-only
     prefix = "model."
     shapes = {key[len(prefix):]: item for key, item in metadata.state_dict_metadata.items()
               if key.startswith(prefix) and isinstance(item, TensorStorageMetadata)}
@@ -70,8 +70,8 @@ def read_model_state(path: str) -> dict[str, torch.Tensor]:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
             warnings.filterwarnings("ignore", message="Detected pickle protocol")  # the refusal says it
-            dcp.load({"model": state}, storage_reader=checkpoint.SafeReader(path),
-                     planner=checkpoint.SafeLoadPlanner(), no_dist=True)
+            dcp.load({"model": state}, storage_reader=safe_dcp.SafeReader(path),
+                     planner=safe_dcp.SafeLoadPlanner(), no_dist=True)
     except Exception as e:  # noqa: BLE001 - DCP wraps every failure in its own exception
         raise InputError(f"{path}: corrupt or foreign checkpoint ({_last_line(e)})") from None
     return state
