@@ -29,7 +29,7 @@ from ballonet.training import loop
 from ballonet.training.config import TrainConfig
 from ballonet.training.prepare import PrepareConfig, prepare
 from tests.distributed import run_ranks
-from tests.test_prepare import train_tokenizer, write_sources
+from tests.text_sources import train_tokenizer, write_sources
 
 RTOL = 1e-4
 RECOMPUTE_RTOL = 1e-5
@@ -109,14 +109,22 @@ def _relative_error(a: dict, b: dict) -> tuple[float, str]:
 
 
 def _counted_runs(rank: int, world_size: int, configs: list[TrainConfig]) -> list:
-    """Per config: (losses, parameters, bytes sent per step, calls) where calls counts the
+    """Per config, every step planned as without recomputation: (losses, parameters, bytes
+    sent per step, calls) where calls counts the
     forward calls of every layer's attention (its q projection) and MLP (its down
     projection), by pre-hooks: the recomputation stops right after its last saved tensor,
     before a forward hook of the module computing it would run."""
     out = []
+
+    def as_without_recompute(*args, model, _plan=loop._plan, **kwargs):
+        # Every mode's steps laid out as without recomputation (the planner prices a mode's
+        # recomputation and may shift a ring's shares by a token), so their bytes compare.
+        return _plan(*args, model=dataclasses.replace(model, recompute="none", recompute_layers=None), **kwargs)
+
     for cfg in configs:
         calls = {"attention": 0, "mlp": 0}
-        with mock.patch.object(hf_model, "build_model", _counting(hf_model.build_model, calls)):
+        with mock.patch.object(hf_model, "build_model", _counting(hf_model.build_model, calls)), \
+                mock.patch.object(loop, "_plan", as_without_recompute):
             records, model = loop.train_model(cfg)
         out.append(([r["loss"] for r in records], _parameters(model), [r["bytes_sent"] for r in records], calls))
     return out

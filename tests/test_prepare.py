@@ -7,8 +7,6 @@ Python standard library's modules (nothing downloaded).
 
 import dataclasses
 import json
-import sysconfig
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,51 +19,12 @@ from ballonet.training.loader import CONTENT_SAMPLE, IGNORE_INDEX, BalancedLoade
 from ballonet.training.prepare import PrepareConfig, prepare
 
 tokenizers = pytest.importorskip("tokenizers")
-
-STDLIB = Path(sysconfig.get_paths()["stdlib"])
-TEXT_FILES = sorted((STDLIB / "json").glob("*.py")) + sorted((STDLIB / "email").glob("_*.py"))
-
-
-def train_tokenizer(folder: Path, vocab_size: int = 600) -> Path:
-    """A byte-level BPE trained on the text files, with a BOS, saved as folder/tokenizer.json."""
-    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = tokenizers.trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>"],
-                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
-    tok.train([str(p) for p in TEXT_FILES], trainer)
-    tok.post_processor = tokenizers.processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
-    tok.save(str(folder / "tokenizer.json"))
-    return folder
+from tests.text_sources import texts, train_tokenizer, write_sources  # noqa: E402 - after the skip: needs tokenizers
 
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory):
     return train_tokenizer(tmp_path_factory.mktemp("tokenizer"))
-
-
-def texts() -> list[str]:
-    """The documents: the text files, cut into pieces of varied size, one of them empty."""
-    out = []
-    for i, path in enumerate(TEXT_FILES):
-        text = path.read_text()
-        out += [text[: 500 + 300 * i], text[500 + 300 * i:], ""]
-    return out
-
-
-def write_sources(tmp_path) -> dict[str, Path]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    docs = texts()
-    jsonl = tmp_path / "docs.jsonl"
-    jsonl.write_text("".join(json.dumps({"id": i, "body": t}) + "\n" for i, t in enumerate(docs)))
-    parquet = tmp_path / "docs.parquet"
-    pq.write_table(pa.table({"id": list(range(len(docs))), "body": docs}), parquet, row_group_size=5)
-    folder = tmp_path / "folder"
-    for i, t in enumerate(docs):
-        (folder / f"sub{i % 2}").mkdir(parents=True, exist_ok=True)
-        (folder / f"sub{i % 2}" / f"{i:03d}.txt").write_text(t)
-    return {"jsonl": jsonl, "parquet": parquet, "folder": folder}
 
 
 def folder_order(docs: list[str]) -> list[str]:
