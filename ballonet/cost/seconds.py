@@ -151,6 +151,33 @@ def grad_allreduce_parts(model: ModelSpec, group: NodeGroup, num_nodes: int) -> 
     return intra, (2 * (k - 1) / k * total / n if k > 1 else 0.0)
 
 
+DP_FORWARD_SHARE = 0.5
+"""A layer's forward runs beside one bf16 parameter all-gather: half an all-reduce's traffic."""
+DP_BACKWARD_SHARE = 1.5
+"""A layer's backward runs beside a bf16 all-gather and an fp32 reduce-scatter (FSDP2's
+`reduce_dtype`): half an all-reduce, plus twice half."""
+DP_PIECES = 8
+"""The pieces a layer's data-parallel collectives reach the links in (NCCL's chunks): CP
+transfers on their own process group queue between them."""
+
+
+def dp_layer_parts(model: ModelSpec, cluster: ClusterSpec) -> tuple[float, float]:
+    """One layer's share of a bf16 gradient all-reduce, for the slowest node group:
+    (intra-node seconds, bytes a GPU sends across nodes); a layer's forward runs beside
+    `DP_FORWARD_SHARE` of it, its backward beside `DP_BACKWARD_SHARE`."""
+    parts = [grad_allreduce_parts(model, g, cluster.num_nodes) for g in cluster.groups]
+    return (max(x[0] for x in parts) / model.num_layers, max(x[1] for x in parts) / model.num_layers)
+
+
+def dp_piece_seconds(model: ModelSpec, group: NodeGroup, num_nodes: int) -> tuple[float, float]:
+    """(forward, backward) seconds one piece of a layer's data-parallel collectives holds a
+    GPU's NIC share of `group` (its NIC at line rate over the GPUs it serves): a ring hop
+    across nodes queued behind it waits that long."""
+    nic = grad_allreduce_parts(model, group, num_nodes)[1] / model.num_layers / DP_PIECES
+    per_s = group.nic_bw / group.gpus_per_nic
+    return DP_FORWARD_SHARE * nic / per_s, DP_BACKWARD_SHARE * nic / per_s
+
+
 def grad_allreduce_time(model: ModelSpec, cluster: ClusterSpec) -> float:
     """Hierarchical all-reduce of one GPU's gradients alone on the links: reduce-scatter
     inside each node, all-reduce of each shard across nodes over the NICs (a NIC shared

@@ -41,7 +41,7 @@ from ballonet.cost.flops import (
 )
 from ballonet.cost.memory import BELOW, RECOMPUTE_MODES, recompute_layer_count, recompute_mode
 from ballonet.cost.recompute import recompute_attention
-from ballonet.cost.seconds import attention_seconds, collective_time, linear_layer_seconds, p2p_time
+from ballonet.cost.seconds import DP_PIECES, attention_seconds, collective_time, linear_layer_seconds, p2p_time
 from ballonet.plan import Plan
 from ballonet.planning.devices import Devices
 from ballonet.specs import ModelSpec
@@ -120,13 +120,17 @@ def crossing_seconds(nbytes: float, nic_bw: float, intra_bw: float, rails: int, 
 
 
 def ring_exposed_seconds(model: ModelSpec, gpu: hardware.GPUType, length: int, members: int, bandwidth: float,
-                         nic: bool = True, routed: tuple[float, int] | None = None) -> float:
+                         nic: bool = True, routed: tuple[float, int] | None = None,
+                         dp_piece: tuple[float, float] = (0.0, 0.0)) -> float:
     """Seconds a ring of `members` ranks over a document of `length` tokens leaves its
     transfers exposed in a step (all layers), when each hop runs at `bandwidth` (the
     slowest hop: a NIC with `nic`, else NVLink or PCIe; with `routed` = (intra-node
     bandwidth, rails), a NIC hop routed over idle rails, `crossing_seconds`) and nothing
     else fills the wait: per ring step, the forward's K/V transfer and the backward's K/V
-    plus dK/dV (fp32) beyond that step's compute."""
+    plus dK/dV (fp32) beyond that step's compute. With `dp_piece` (forward, backward
+    seconds of `cost.seconds.dp_piece_seconds`), the NIC hops of a pass's first
+    `DP_PIECES` steps each also wait for a piece of the layer's data-parallel collectives,
+    which reach the NICs at the start of the layer (as the simulator queues them)."""
     block = max(length // members, 1)
     flops = block_flops(model, block, block)
 
@@ -134,21 +138,28 @@ def ring_exposed_seconds(model: ModelSpec, gpu: hardware.GPUType, length: int, m
         if nic and routed is not None:
             return crossing_seconds(nbytes, bandwidth, routed[0], routed[1], gpu)
         return p2p_time(nbytes, bandwidth, nic, gpu)
-    fwd = hop(kv_bytes(model, block)) - attention_seconds(model, gpu, flops, block, launch_floor=True)
-    bwd = hop(kv_bytes(model, block) + kv_grad_bytes(model, block)) \
-        - attention_seconds(model, gpu, flops, block, backward=True, launch_floor=True)
+
+    def exposed(transfer: float, compute: float, piece: float) -> float:
+        queued = min(DP_PIECES, members - 1) if nic else 0
+        return queued * max(transfer + piece - compute, 0.0) + (members - 1 - queued) * max(transfer - compute, 0.0)
+    fwd = exposed(hop(kv_bytes(model, block)), attention_seconds(model, gpu, flops, block, launch_floor=True),
+                  dp_piece[0])
+    bwd = exposed(hop(kv_bytes(model, block) + kv_grad_bytes(model, block)),
+                  attention_seconds(model, gpu, flops, block, backward=True, launch_floor=True), dp_piece[1])
     redo = 2 if recompute_attention(recompute_mode(model)) else 1
-    return model.num_layers * (members - 1) * (redo * max(fwd, 0.0) + max(bwd, 0.0))
+    return model.num_layers * (redo * fwd + bwd)
 
 
 def double_exposed_seconds(model: ModelSpec, gpu: hardware.GPUType, length: int, groups: int, group_size: int,
-                           intra_bw: float, nic_bw: float) -> float:
+                           intra_bw: float, nic_bw: float, dp_piece: tuple[float, float] = (0.0, 0.0)) -> float:
     """Seconds a "double" ring (`ring_traffic.double_schedule`: `groups` nodes of
     `group_size` ranks) over a document of `length` tokens leaves its transfers exposed in
     a step (all layers), nothing else filling the wait: per inner step the K/V (backward:
     plus dK/dV) over NVLink beyond that step's compute, as `ring_exposed_seconds`; per
-    round one block over a NIC beyond the round's compute; in the backward each node's sum
-    of a round's block home over a NIC, hidden by the next round's compute but the last."""
+    round one block over a NIC beyond the round's compute, the first `DP_PIECES` rounds
+    behind a piece of the data-parallel collectives (`dp_piece`, as there); in the
+    backward each node's sum of a round's block home over a NIC, hidden by the next
+    round's compute but the last."""
     k, n = groups, group_size
     block = max(length // (k * n), 1)
     flops = block_flops(model, block, block)
@@ -157,19 +168,23 @@ def double_exposed_seconds(model: ModelSpec, gpu: hardware.GPUType, length: int,
     kv, grad = kv_bytes(model, block), kv_grad_bytes(model, block)
     inner_f = max(p2p_time(kv, intra_bw, False, gpu) - fwd_c, 0.0) if n > 1 else 0.0
     inner_b = max(p2p_time(kv + grad, intra_bw, False, gpu) - bwd_c, 0.0) if n > 1 else 0.0
-    out_f = max(p2p_time(kv, nic_bw, True, gpu) - n * fwd_c, 0.0)
-    out_b = max(p2p_time(kv, nic_bw, True, gpu) - n * bwd_c, 0.0)
+    queued = min(DP_PIECES, k - 1)
+
+    def rounds(compute: float, piece: float) -> float:
+        out = p2p_time(kv, nic_bw, True, gpu)
+        return queued * max(out + piece - n * compute, 0.0) + (k - 1 - queued) * max(out - n * compute, 0.0)
     home = p2p_time(grad, nic_bw, True, gpu)
     redo = 2 if recompute_attention(recompute_mode(model)) else 1
-    forward = k * (n - 1) * inner_f + (k - 1) * out_f
-    backward = k * (n - 1) * inner_b + (k - 1) * out_b + (k - 2) * max(home - n * bwd_c, 0.0) + home
+    forward = k * (n - 1) * inner_f + rounds(fwd_c, dp_piece[0])
+    backward = k * (n - 1) * inner_b + rounds(bwd_c, dp_piece[1]) + (k - 2) * max(home - n * bwd_c, 0.0) + home
     return model.num_layers * (redo * forward + backward)
 
 
 def inter_node_span(model: ModelSpec, gpu: hardware.GPUType, length: int, step_work: float, node_share: float,
                     ranks_per_node: int, num_nodes: int, bandwidth: float, node_speed: float,
                     weights: StepWeights, min_tokens: float = 0.0, fill_per_token: float = 0.0,
-                    intra_bw: float | None = None, routed: tuple[float, int] | None = None) -> int:
+                    intra_bw: float | None = None, routed: tuple[float, int] | None = None,
+                    dp_piece: tuple[float, float] = (0.0, 0.0)) -> int:
     """How many nodes a document whose step work (attention plus linear, `StepWeights`
     units) is over a node's share runs fastest on: 1 (kept in one node) or k >= 2 (a ring
     over k whole nodes), whichever leaves the least of the busiest node's overload (its
@@ -188,8 +203,10 @@ def inter_node_span(model: ModelSpec, gpu: hardware.GPUType, length: int, step_w
         if k == 1:
             return overload
         if intra_bw is not None:
-            return overload + double_exposed_seconds(model, gpu, length, k, ranks_per_node, intra_bw, bandwidth)
-        return overload + ring_exposed_seconds(model, gpu, length, k * ranks_per_node, bandwidth, routed=routed)
+            return overload + double_exposed_seconds(model, gpu, length, k, ranks_per_node, intra_bw, bandwidth,
+                                                     dp_piece)
+        return overload + ring_exposed_seconds(model, gpu, length, k * ranks_per_node, bandwidth, routed=routed,
+                                               dp_piece=dp_piece)
 
     return min(range(1, max(most, 1) + 1), key=lambda k: (cost(k), k))
 
@@ -252,7 +269,7 @@ def rank_compute_seconds(plan: Plan, dev: Devices, model: ModelSpec, mode: str |
 
 def rank_step_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw: np.ndarray,
                       compute: tuple[np.ndarray, np.ndarray] | None = None,
-                      nic_bw: np.ndarray | None = None) -> np.ndarray:
+                      nic_bw: np.ndarray | None = None, dp_piece: np.ndarray | None = None) -> np.ndarray:
     """[R] a step's seconds per rank as the partitioner compares plans (under
     `model.recompute`): a rank's linear layers start once its own attention and that of
     every rank remapping tokens to it are done (the remap is a meeting point); then the
@@ -271,8 +288,9 @@ def rank_step_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw: np.nd
     for ring in plan.rings if nic_bw is not None else ():
         if ring.comm == "double":
             r, nic = ring.ranks[0], np.asarray(nic_bw)
+            piece = (0.0, 0.0) if dp_piece is None else tuple(dp_piece[r])
             start[list(ring.ranks)] += double_exposed_seconds(model, dev.gpu[r], plan.lengths[ring.doc], ring.groups,
-                                                              ring.group_size, link_bw[r], nic[r])
+                                                              ring.group_size, link_bw[r], nic[r], piece)
     ready = start.copy()
     for (src, dst) in plan.remap_tokens():
         ready[dst] = max(ready[dst], start[src])
@@ -317,7 +335,7 @@ def synchronous_step_seconds(plan: Plan, dev: Devices, model: ModelSpec, kernels
 
 
 def crossing_exposed_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw: np.ndarray, nic_bw: np.ndarray,
-                             rails: np.ndarray) -> np.ndarray:
+                             rails: np.ndarray, dp_piece: np.ndarray | None = None) -> np.ndarray:
     """[R] what each member of a single ring across nodes leaves exposed in a step (its
     ring's `ring_exposed_seconds`, crossing hops at `nic_bw` routed over `rails`, 1:
     direct), as level 1 priced it (`inter_node_span`)."""
@@ -325,8 +343,10 @@ def crossing_exposed_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw
     for ring in plan.rings:
         if ring.comm == "ring" and ring.kind == "inter":
             r = ring.ranks[0]
+            piece = (0.0, 0.0) if dp_piece is None else tuple(dp_piece[r])
             out[list(ring.ranks)] += ring_exposed_seconds(model, dev.gpu[r], plan.lengths[ring.doc], len(ring.ranks),
-                                                          nic_bw[r], routed=(link_bw[r], int(rails[r])))
+                                                          nic_bw[r], routed=(link_bw[r], int(rails[r])),
+                                                          dp_piece=piece)
     return out
 
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from ballonet.cost import hardware
 from ballonet.cost.flops import ATTENTION_BACKWARD_FACTOR, attention_flops, kv_bytes, kv_grad_bytes, remap_bytes
-from ballonet.cost.seconds import attention_seconds
+from ballonet.cost.seconds import DP_PIECES, attention_seconds
 from ballonet.plan import Plan, chunk_bounds
 from ballonet.simulation import ring_patterns
 from ballonet.simulation.fabric import Fabric
@@ -307,12 +307,12 @@ class LayerGraph:
         R = self.plan.num_ranks
         for r in range(R):
             links, t = (r, R + r), None
-            for _ in range(NUM_BUCKET_PIECES if intra_s > 0 else 0):
-                t = self.tl.add(intra_s / NUM_BUCKET_PIECES, links=links, after=[t],
+            for _ in range(DP_PIECES if intra_s > 0 else 0):
+                t = self.tl.add(intra_s / DP_PIECES, links=links, after=[t],
                                 label=("send", r, "data-parallel collectives"))
             peer = self.fabric.nic_peer(r)
-            for _ in range(NUM_BUCKET_PIECES if nic_bytes > 0 and peer is not None else 0):
-                t = self.transfer(r, peer, nic_bytes / NUM_BUCKET_PIECES, [t], "data-parallel collectives",
+            for _ in range(DP_PIECES if nic_bytes > 0 and peer is not None else 0):
+                t = self.transfer(r, peer, nic_bytes / DP_PIECES, [t], "data-parallel collectives",
                                   "allreduce")
             ends.append(t)
         return ends
@@ -336,6 +336,3 @@ class LayerGraph:
         self.fix_order()
         return [self.tl.join([a, b]) for a, b in zip(ends, dp)]
 
-
-NUM_BUCKET_PIECES = 8
-"""Pieces the data-parallel collectives' traffic is cut into (links serve transfers in order)."""

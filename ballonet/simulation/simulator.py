@@ -83,9 +83,11 @@ from ballonet.cost.flops import (
 from ballonet.cost.memory import BELOW
 from ballonet.cost.recompute import per_rank_recompute
 from ballonet.cost.seconds import (
+    DP_BACKWARD_SHARE,
+    DP_FORWARD_SHARE,
     collective_time,
+    dp_layer_parts,
     elementwise_time,
-    grad_allreduce_parts,
     grad_allreduce_time,
     linear_layer_seconds,
     optimizer_time,
@@ -179,11 +181,11 @@ def simulate(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, routing: boo
         for route in plan.routes:
             routes.setdefault((route.src, route.dst), route.proxies)
     L = model.num_layers
-    bucket = _bucket(model, cluster, L) if overlap_grad_allreduce else (0.0, 0.0)
+    bucket = dp_layer_parts(model, cluster) if overlap_grad_allreduce else (0.0, 0.0)
     common = dict(plan=plan, model=model, fabric=fabric, engine=engine, routes=routes, remap=moves,
                   linear_s=linear_s, tp_s=tp_s, recompute=mode, cp_group=cp_group)
-    forward_dp = tuple(x * FORWARD_DP for x in bucket)
-    bucket = tuple(x * BACKWARD_DP for x in bucket)
+    forward_dp = tuple(x * DP_FORWARD_SHARE for x in bucket)
+    bucket = tuple(x * DP_BACKWARD_SHARE for x in bucket)
     fwd, fwd_compute, fwd_end, fwd_att, fwd_slow, fwd_rec, fwd_sent = _pass(common, False, forward_dp)
     bwd, bwd_compute, bwd_end, bwd_att, bwd_slow, bwd_rec, bwd_sent = _pass(common, True, bucket)
     runs = _runs_of_layers(model, fabric, tokens, per_rank, linear_s, tp_s)
@@ -277,13 +279,6 @@ MAX_RUNS = 6
 """The most backward passes one step simulates (`_runs_of_layers`)."""
 
 
-FORWARD_DP = 0.5
-"""A layer's forward runs beside one bf16 parameter all-gather: half an all-reduce's traffic."""
-BACKWARD_DP = 1.5
-"""A layer's backward runs beside a bf16 all-gather and an fp32 reduce-scatter (FSDP2's
-`reduce_dtype`): half an all-reduce, plus twice half."""
-
-
 def _tp_bytes(model: ModelSpec, tokens: list, per_rank) -> dict:
     """{phase: Counter of (op, rank)}: bytes each GPU of rank r's TP group sends in the
     step's tensor-parallel collectives (`cost.tensor_parallel.tp_sent_bytes`)."""
@@ -293,10 +288,3 @@ def _tp_bytes(model: ModelSpec, tokens: list, per_rank) -> dict:
             for op, nbytes in sent.items():
                 out[phase][op, r] += nbytes
     return out
-
-
-def _bucket(model: ModelSpec, cluster: ClusterSpec, num_layers: int) -> tuple[float, float]:
-    """One layer's share of a bf16 gradient all-reduce, for the slowest node group:
-    (intra-node seconds, bytes a GPU sends across nodes)."""
-    parts = [grad_allreduce_parts(model, g, cluster.num_nodes) for g in cluster.groups]
-    return max(p[0] for p in parts) / num_layers, max(p[1] for p in parts) / num_layers

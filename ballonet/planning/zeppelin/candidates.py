@@ -195,7 +195,8 @@ def _crossing_exposed(plan: Plan, dev: Devices, model: ModelSpec, crossovers, ro
     crossing hops routed over the node's rails with `routing`)."""
     return crossing_exposed_seconds(plan, dev, model, np.array([crossovers[g].intra_bw for g in dev.group]),
                                     np.array([crossovers[g].crossing_bw for g in dev.group]),
-                                    np.array([crossovers[g].rails if routing else 1 for g in dev.group]))
+                                    np.array([crossovers[g].rails if routing else 1 for g in dev.group]),
+                                    np.array([crossovers[g].dp_piece for g in dev.group]))
 
 
 def _step_seconds(plan: Plan, dev: Devices, model: ModelSpec, crossovers, compute,
@@ -205,7 +206,8 @@ def _step_seconds(plan: Plan, dev: Devices, model: ModelSpec, crossovers, comput
     exposed = _crossing_exposed(plan, dev, model, crossovers, routing) + ring_wait_seconds(plan, dev, model)
     start, linear = compute
     seconds = rank_step_seconds(plan, dev, model, np.array([crossovers[g].intra_bw for g in dev.group]),
-                                (start + exposed, linear), np.array([crossovers[g].rank_nic_bw for g in dev.group]))
+                                (start + exposed, linear), np.array([crossovers[g].rank_nic_bw for g in dev.group]),
+                                np.array([crossovers[g].dp_piece for g in dev.group]))
     return seconds, exposed
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ballonet.cost.seconds import attention_work, breakeven_chunk_tokens
+from ballonet.cost.seconds import attention_work, breakeven_chunk_tokens, dp_piece_seconds
 from ballonet.planning.devices import Devices
 from ballonet.planning.packing import NoRoom, charge, lpt, spread
 from ballonet.planning.pricing import (
@@ -75,7 +75,8 @@ def crossover_lengths(cluster: ClusterSpec, model: ModelSpec) -> list[Crossover]
         out.append(Crossover(intra=2 * c_intra if ranks_per_node > 1 else None, inter=2 * ranks_per_node * c_inter,
                              intra_bw=g.intra_bw, crossing_bw=g.nic_bw,
                              rank_nic_bw=g.nic_bw / g.gpus_per_nic,
-                             rails=max(1, min(g.gpus_per_node // g.gpus_per_nic, ranks_per_node))))
+                             rails=max(1, min(g.gpus_per_node // g.gpus_per_nic, ranks_per_node)),
+                             dp_piece=dp_piece_seconds(model, g, cluster.num_nodes)))
     return out
 
 
@@ -117,7 +118,8 @@ def classify(batch: Batch, nodes, per_token: float, weights: StepWeights, *, hie
                                 node_speed, weights, min_tokens=least, fill_per_token=per_token,
                                 intra_bw=min(t.intra_bw for t in crossovers) if double else None,
                                 routed=(min(t.intra_bw for t in crossovers), min(t.rails for t in crossovers))
-                                if routing and not double else None)
+                                if routing and not double else None,
+                                dp_piece=max(t.dp_piece for t in crossovers))
             inter[d] = k > 1
             if k > 1:
                 span[int(d)] = k
@@ -265,16 +267,17 @@ def _with_level1(batch: Batch, weights: StepWeights, per_token: float, rank_toke
 
 
 def doubled_level(shared: NodeLevel, *, price_linear: bool, routing: bool) -> NodeLevel | None:
-    """Steps 0-1 priced for "double" rings across nodes, when that pricing sends a document
-    across nodes that single rings keep inside one (and level 1 finds it room); otherwise
-    None: where the same documents cross, double rings were never chosen, at 2.2-2.8x the
-    planning time (docs/planner_evidence.md, 'Double rings')."""
+    """Steps 0-1 priced for "double" rings across nodes, when that pricing sends any
+    document across nodes (and level 1 finds it room); otherwise None. Also where single
+    rings send the same documents across: at 256-1024 GPUs a long document's single ring
+    over 16-32 ranks exposes its crossing hops, which its estimate underprices, and the
+    double ring's plan simulates 3-14% shorter (docs/planner_evidence.md, 'Double rings')."""
     batch = shared.batch
     if shared.level1 is None or batch.dev.num_nodes < 2:
         return None
     classes = classify(batch, batch.dev.nodes(), shared.per_token, shared.weights, hierarchical=True, double=True,
                        routing=routing)
-    if not (classes[1] & ~shared.inter).any():
+    if not classes[1].any():
         return None
     return _with_level1(batch, shared.weights, shared.per_token, shared.rank_token, classes, hierarchical=True,
                         price_linear=price_linear, double=True)

@@ -36,6 +36,9 @@ class Crossover:
     rails: int = 1
     """Distinct NICs a node's ranks reach: the most proxy pairs a routed crossing hop
     spreads over (`pricing.crossing_seconds`)."""
+    dp_piece: tuple[float, float] = (0.0, 0.0)
+    """(forward, backward) seconds a piece of a layer's data-parallel collectives holds a
+    rank's NIC share (`cost.seconds.dp_piece_seconds`): a crossing hop behind one waits."""
 
 
 @dataclass(frozen=True)
