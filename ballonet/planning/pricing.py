@@ -127,10 +127,9 @@ def ring_exposed_seconds(model: ModelSpec, gpu: hardware.GPUType, length: int, m
     slowest hop: a NIC with `nic`, else NVLink or PCIe; with `routed` = (intra-node
     bandwidth, rails), a NIC hop routed over idle rails, `crossing_seconds`) and nothing
     else fills the wait: per ring step, the forward's K/V transfer and the backward's K/V
-    plus dK/dV (fp32) beyond that step's compute. With `dp_piece` (forward, backward
-    seconds of `cost.seconds.dp_piece_seconds`), the NIC hops of a pass's first
-    `DP_PIECES` steps each also wait for a piece of the layer's data-parallel collectives,
-    which reach the NICs at the start of the layer (as the simulator queues them)."""
+    plus dK/dV (fp32) beyond that step's compute; a NIC hop of a pass's first `DP_PIECES`
+    steps also waits behind a piece of the layer's data-parallel collectives, queued at
+    its start (`dp_piece`: forward, backward seconds, `cost.seconds.dp_piece_seconds`)."""
     block = max(length // members, 1)
     flops = block_flops(model, block, block)
 
@@ -156,10 +155,9 @@ def double_exposed_seconds(model: ModelSpec, gpu: hardware.GPUType, length: int,
     `group_size` ranks) over a document of `length` tokens leaves its transfers exposed in
     a step (all layers), nothing else filling the wait: per inner step the K/V (backward:
     plus dK/dV) over NVLink beyond that step's compute, as `ring_exposed_seconds`; per
-    round one block over a NIC beyond the round's compute, the first `DP_PIECES` rounds
-    behind a piece of the data-parallel collectives (`dp_piece`, as there); in the
-    backward each node's sum of a round's block home over a NIC, hidden by the next
-    round's compute but the last."""
+    round one block over a NIC beyond the round's compute (the first `DP_PIECES` behind a
+    `dp_piece`, as there); in the backward each node's sum of a round's block home over a
+    NIC, hidden by the next round's compute but the last."""
     k, n = groups, group_size
     block = max(length // (k * n), 1)
     flops = block_flops(model, block, block)
