@@ -203,7 +203,7 @@ def test_every_planner_completes(cluster, nodes, workload, tokens):
 
 def test_routed_and_double_ring_zeppelin_plans_complete():
     routed = ballonet.plan_batch(workloads.get("wlbllm").sample_batch(16384 * 64, 1),
-                                 ballonet.cluster("h800-8nic", num_nodes=8), LLAMA)
+                                 ballonet.cluster("h800-8nic", num_nodes=8), LLAMA, double=False)
     double = ballonet.plan_batch(workloads.get("prolong").sample_batch(4096 * 256, 0),
                                  ballonet.cluster("h800-8nic", num_nodes=32), LLAMA)
     assert routed.routes and any(r.comm == "double" for r in double.rings)
@@ -215,7 +215,7 @@ def test_routed_and_double_ring_zeppelin_plans_complete():
 
 def test_1024_ranks_complete_in_seconds():
     cluster = ballonet.cluster("h800+h20", num_nodes=64)
-    plan = ballonet.plan_batch(workloads.get("prolong").sample_batch(1024 * cluster.num_ranks, 0), cluster, LLAMA)
+    plan = ballonet.plan_batch(workloads.get("wlbllm").sample_batch(1024 * cluster.num_ranks, 0), cluster, LLAMA)
     assert plan.num_ranks == 1024 and any(r.comm == "double" for r in plan.rings)
     start = time.perf_counter()
     check = check_schedule(plan)
