@@ -270,8 +270,8 @@ def doubled_level(shared: NodeLevel, *, price_linear: bool, routing: bool) -> No
     """Steps 0-1 priced for "double" rings across nodes, when that pricing sends any
     document across nodes (and level 1 finds it room); otherwise None. Also where single
     rings send the same documents across: at 256-1024 GPUs a long document's single ring
-    over 16-32 ranks exposes its crossing hops, which its estimate underprices, and the
-    double ring's plan simulates 3-14% shorter (docs/planner_evidence.md, 'Double rings')."""
+    over 16-32 ranks exposes its crossing hops, which its estimate underprices (two scale-grid
+    configurations 1.06x and 1.17x faster with double rings; docs/planner_evidence.md)."""
     batch = shared.batch
     if shared.level1 is None or batch.dev.num_nodes < 2:
         return None
