@@ -9,9 +9,11 @@ within 1e-4 relative:
   document whole, attention per document), under zeppelin's and te_cp's plans and hand
   plans with double rings across nodes and routed hops;
 * training (`train_model`, as `ballonet train --tp 2` runs it): the losses of 3 steps and
-  the parameters after them equal the same run in one process, under zeppelin and te_cp,
-  sharded or replicated weights, with recomputation, for the built-in model, Llama (4
-  ranks) and Qwen3 (8 ranks).
+  the parameters after them equal the same run in one process, under zeppelin and te_cp
+  (4 ranks), sharded or replicated weights, with recomputation, for the built-in model,
+  Llama (4 ranks) and Qwen3 (8 ranks).
+
+On 8 ranks the Hugging Face step is Qwen3's alone (Llama's runs on 4).
 
 Each spawned group runs all its checks (a spawn of 8 ranks costs about a minute on 2
 cores). What TP sends and holds is checked against the cost model in
@@ -205,10 +207,10 @@ def test_four_ranks_tp2_match_one_process(tmp_path):
 
 @pytest.mark.slow
 def test_eight_ranks_tp2_on_two_nodes_match_one_process(tmp_path):
-    plans, folders = four_rank_plans(), _hf_folders(tmp_path)
+    plans, folders = four_rank_plans(), {"qwen3": _hf_folders(tmp_path)["qwen3"]}
     assert {r.kind for r in plans["te_cp"].rings} == {"inter"} and plans["double, routed"].routes
     run = dict(TRAIN, tp=TP, nodes=2)
-    configs = [dict(run, planner="zeppelin"), dict(run, planner="te_cp"), dict(run, model=f"hf:{folders['qwen3']}")]
+    configs = [dict(run, planner="zeppelin"), dict(run, model=f"hf:{folders['qwen3']}")]
     results = run_ranks(8, _ranks, plans, folders, "double, routed", configs, timeout=1200)
     _check(results, plans, folders, "double, routed", configs)
 

@@ -311,8 +311,8 @@ def test_killed_rank_restarts_from_checkpoint_without_losing_documents(tmp_path)
 
 
 def test_bad_input_is_one_line_and_exit_2(tmp_path):
-    empty = tmp_path / "empty"
-    empty.mkdir()
+    # Through the command line: a corpus line, a check on the ranks, a checkpoint file
+    # (the configuration's own checks are the next test's, in this process).
     not_jsonl = tmp_path / "notes.jsonl"
     not_jsonl.write_text('{"text": "fine"}\nthis is not json\n')
     ckpt, step2 = _checkpoint(tmp_path)
@@ -321,11 +321,6 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
     cases = [
         (["train", "--corpus", str(not_jsonl)], "notes.jsonl:2"),
         (["train", "--nproc", "4", "--global-tokens", "3"], "smaller than one token per rank"),
-        (["train", "--seed", "-1"], "--seed"),
-        (["train", "--recompute", "selective", "--recompute-layers", "0"], "--recompute-layers must be positive"),
-        (["train", "--recompute-layers", "2"], "--recompute-layers needs --recompute selective"),
-        (["train", "--recompute", "selective", "--recompute-layers", "3"], "--recompute-layers 3: model 'tiny' has 2 layers"),
-        (["train", "--json-log", str(empty)], "is a folder"),
         (["train", "--checkpoint-dir", str(ckpt), "--resume", "--steps", "3"], str(step2)),
     ]
     for args, message in cases:
@@ -355,6 +350,7 @@ def test_bad_configs_are_refused_with_one_line_before_any_work(tmp_path):
         (dict(weight_decay=-1.0), "--weight-decay"),
         (dict(seed=-1), "--seed"),
         (dict(recompute_layers=1), "--recompute-layers needs --recompute selective"),
+        (dict(recompute="selective", recompute_layers=0), "--recompute-layers must be positive"),
         (dict(no_double=True, planner="te_cp"), "--no-double needs --planner zeppelin"),
         (dict(recompute="selective", recompute_layers=3), "--recompute-layers 3: model 'tiny' has 2 layers"),
         (dict(max_restarts=-1), "--max-restarts"),

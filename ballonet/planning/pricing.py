@@ -33,7 +33,6 @@ from ballonet.cost import hardware
 from ballonet.cost.flops import (
     attention_flops,
     block_flops,
-    hidden_bytes,
     kv_bytes,
     kv_grad_bytes,
     remap_bytes,
@@ -41,7 +40,8 @@ from ballonet.cost.flops import (
 )
 from ballonet.cost.memory import BELOW, RECOMPUTE_MODES, recompute_layer_count, recompute_mode
 from ballonet.cost.recompute import recompute_attention
-from ballonet.cost.seconds import DP_PIECES, attention_seconds, collective_time, linear_layer_seconds, p2p_time
+from ballonet.cost.seconds import DP_PIECES, attention_seconds, linear_layer_seconds, p2p_time
+from ballonet.cost.tensor_parallel import tp_layer_seconds
 from ballonet.plan import Plan
 from ballonet.planning.devices import Devices
 from ballonet.specs import ModelSpec
@@ -49,8 +49,7 @@ from ballonet.specs import ModelSpec
 __all__ = ["StepWeights", "attention_kernels", "crossing_exposed_seconds", "crossing_seconds", "double_exposed_seconds",
            "inter_node_span", "linear_work_per_token", "rank_compute_seconds", "rank_remap_seconds",
            "rank_step_seconds", "rank_tp_seconds", "recompute_modes", "remaps_inside", "ring_exposed_seconds",
-           "ring_wait_seconds",
-           "step_weights", "synchronous_step_seconds"]
+           "ring_wait_seconds", "step_weights", "synchronous_step_seconds"]
 
 
 def recompute_modes(model: ModelSpec) -> tuple[str, ...]:
@@ -70,9 +69,10 @@ class StepWeights:
     again under full recomputation."""
 
 
-def step_weights(model: ModelSpec, gpu: hardware.GPUType, lengths, num_ranks: int) -> StepWeights:
+def step_weights(model: ModelSpec, gpu: hardware.GPUType, lengths, num_ranks: int, tp_bw: float) -> StepWeights:
     """`StepWeights` on `gpu` under `model.recompute`, at the batch's mean tokens per rank
-    (for the GEMMs' efficiency) and its token-weighted mean document length."""
+    (for the GEMMs' efficiency) and its token-weighted mean document length; `tp_bw`: the
+    links of its TP group (`linear_work_per_token`)."""
     L = np.asarray(lengths, dtype=float)
     if not L.size:
         return StepWeights(linear_per_token=0.0, attention_step=1.0)
@@ -83,17 +83,22 @@ def step_weights(model: ModelSpec, gpu: hardware.GPUType, lengths, num_ranks: in
     attention = 1 + attention_seconds(model, gpu, flops, typical, backward=True, launch_floor=True) / forward
     attention += 1 if recompute_attention(mode) else 0
     tokens = L.sum() / max(num_ranks, 1)
-    return StepWeights(linear_per_token=linear_work_per_token(model, gpu, tokens, attention), attention_step=attention)
+    return StepWeights(linear_per_token=linear_work_per_token(model, gpu, tokens, attention, tp_bw),
+                       attention_step=attention)
 
 
-def linear_work_per_token(model: ModelSpec, gpu: hardware.GPUType, tokens: float, attention_step: float) -> float:
+def linear_work_per_token(model: ModelSpec, gpu: hardware.GPUType, tokens: float, attention_step: float,
+                          tp_bw: float) -> float:
     """One token's linear layers over a step on `gpu` (GEMMs and elementwise work, forward,
-    backward and the recomputation of `model.recompute`, at `tokens` tokens a call), in
-    forward-attention work units: seconds times the GPU's peak over `attention_step`."""
+    backward and the recomputation of `model.recompute`, at `tokens` tokens a call) and,
+    with tensor parallelism, its sequence-parallel collectives over the TP group's links
+    of `tp_bw` bytes/s (on the compute stream, so as dear as compute), in forward-attention
+    work units: seconds times the GPU's peak over `attention_step`."""
     if tokens <= 0:
         return 0.0
-    seconds = sum(linear_layer_seconds(model, gpu, tokens, recompute_mode(model),
-                                       framework=False, layers=recompute_layer_count(model)))
+    mode = recompute_mode(model)
+    seconds = sum(linear_layer_seconds(model, gpu, tokens, mode, framework=False, layers=recompute_layer_count(model)))
+    seconds += sum(tp_layer_seconds(model, int(tokens), tp_bw, gpu, mode))
     return seconds * gpu.peak_flops / tokens / attention_step
 
 
@@ -375,16 +380,11 @@ def ring_wait_seconds(plan: Plan, dev: Devices, model: ModelSpec) -> np.ndarray:
 
 
 def rank_tp_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw: np.ndarray) -> np.ndarray:
-    """[R] a step's tensor-parallel collectives per rank (all layers, forward and backward):
-    two all-gathers and two reduce-scatters of its tokens' hidden states per pass."""
-    if model.tp == 1:
-        return np.zeros(plan.num_ranks)
-    out = np.zeros(plan.num_ranks)
-    for r, n in enumerate(plan.linear_token_counts):
-        nbytes = hidden_bytes(model, n)
-        out[r] = 2 * sum(collective_time(op, nbytes, model.tp, link_bw[r], dev.gpu[r])
-                         for op in ("all_gather", "reduce_scatter"))
-    return 2 * model.num_layers * out
+    """[R] a step's tensor-parallel collectives per rank (all layers, forward, backward and
+    the reruns of `model.recompute`: `cost.tensor_parallel.tp_layer_seconds`)."""
+    mode = recompute_mode(model)
+    return model.num_layers * np.array([sum(tp_layer_seconds(model, n, link_bw[r], dev.gpu[r], mode))
+                                        for r, n in enumerate(plan.linear_token_counts)])
 
 
 def rank_remap_seconds(plan: Plan, model: ModelSpec, link_bw: np.ndarray) -> np.ndarray:

@@ -237,11 +237,13 @@ def level_nodes(lengths, dev: Devices, crossovers, model: ModelSpec, *, hierarch
     for d in np.nonzero(work > fair)[0]:
         for _ in range(THRESHOLDS.work_rounds):  # fixed point: more members, shorter blocks, more work
             work[d] = split_work(model, lengths[d], min(np.ceil(work[d] / fair), R), gpu)
-    weights = step_weights(model, gpu, lengths, R)
+    tp_bw = [crossovers[g].intra_bw for g in dev.group]  # a TP group's GPUs share a node
+    weights = step_weights(model, gpu, lengths, R, tp_bw[int(np.argmax(dev.speed))])
     per_token = weights.linear_per_token if price_linear else 0.0
     tokens = sum(lengths) / R
-    by_type = {g.name: linear_work_per_token(model, g, tokens, weights.attention_step) for g in set(dev.gpu)}
-    rank_token = np.array([by_type[g.name] for g in dev.gpu]) if price_linear else np.zeros(R)
+    by_group = {g: linear_work_per_token(model, dev.gpu[r], tokens, weights.attention_step, tp_bw[r])
+                for r, g in enumerate(dev.group)}
+    rank_token = np.array([by_group[g] for g in dev.group]) if price_linear else np.zeros(R)
     batch = Batch(lengths=lengths, length_array=np.asarray(lengths, dtype=float), work=work,
                   work_list=work.tolist(), dev=dev, model=model, gpu=gpu, crossovers=crossovers,
                   linear_on_rank=np.zeros(R))
