@@ -34,6 +34,7 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 
 from _common import RESULTS, command, record, write_text
+from paper_traces import over_bound, worst
 from paper_report import (
     BOUND_TARGET,
     CLUSTERS,
@@ -144,7 +145,7 @@ PRICING = {  # ablation of what the partitioner prices: name -> zeppelin options
         {"price_recompute": False, "double": False},
     "+ recomputation (plans for each mode that fits, keeps the best)": {"double": False},
     "+ double rings (the default: where pricing a ring across nodes as a ring in each node with rounds "
-    "between rail peers sends more documents across nodes, those plans compared too)": {},
+    "between rail peers sends any document across nodes, those plans compared too)": {},
 }
 
 
@@ -240,28 +241,6 @@ def more_memory(grid_data: list[dict], steps: int) -> list[dict]:
                      "more_memory_ratio": statistics.mean(r.step_time_s for r in res) / bound,
                      "more_memory_recompute": "/".join(sorted({r.recompute for r in res}))})
     return rows
-
-
-def worst(grid_data: list[dict], out_dir: str) -> dict:
-    """The main-grid configuration where zeppelin is furthest from the batch's lower bound:
-    its breakdown, and a Chrome trace of its first batch (one layer forward and backward)."""
-    cfg = max(grid_data, key=lambda c: c["results"]["zeppelin"]["ratio_to_lower_bound"])
-    c = specs.cluster(CLUSTERS[cfg["cluster"]], num_nodes=cfg["gpus"] // 8)
-    m = specs.model(cfg["model"], tp=cfg["tp"])
-    batch = next(iter(workloads.get(cfg["workload"]).batches(cfg["tokens_per_gpu"] * c.num_ranks, 0, 1,
-                                                             cfg["max_length"])))
-    plan = plan_batch(batch, c, m, "zeppelin")
-    res = simulate(plan, c, m)
-    path = os.path.join(out_dir, "paper_worst_trace.json")
-    res.to_chrome_trace(path)
-    n = len(res.compute_s)
-    return {"cluster": cfg["cluster"], "model": cfg["model"], "tp": cfg["tp"], "workload": cfg["workload"],
-            "trace": os.path.relpath(path, os.path.dirname(os.path.dirname(out_dir))),
-            "step_time_s": res.step_time_s, "lower_bound_s": res.lower_bound_s, "recompute": res.recompute,
-            "batch_recompute": batch_recomputation(batch, c, m)[0],
-            "compute_max_s": max(res.compute_s), "compute_mean_s": sum(res.compute_s) / n,
-            "exposed_mean_s": sum(res.exposed_comm_s) / n, "idle_mean_s": sum(res.idle_s) / n,
-            "grad_allreduce_exposed_s": res.grad_allreduce_exposed_s, "head_s": res.head_s}
 
 
 def mixed(steps: int) -> list[dict]:
@@ -382,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     data["settings"] = sensitivity(data["grid"])
     os.makedirs(args.out, exist_ok=True)
     data["worst"] = worst(data["grid"], args.out)
+    over_bound(data, args.out)
     data["ablation"] = ablation(8, "shortmix", args.steps)
     data["hop"] = hop("A", 2, "llama-3b", 65536)
     data["seconds"] = time.perf_counter() - t

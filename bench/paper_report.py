@@ -76,8 +76,7 @@ def _grid_targets(g: list[dict], label: str, why_bound: str = "") -> list[tuple[
                 f"{len(g) - len(far)} of {len(g)} within; worst {max(bound):.3f}x, median "
                 f"{statistics.median(bound):.3f}x",
                 "over: " + "; ".join(f"{_name(c)} {c['results']['zeppelin']['ratio_to_lower_bound']:.3f}x "
-                                     f"({_breakdown(c)})" for c in far[:10]) + (" ..." if len(far) > 10 else "")
-                + ". " + why_bound))
+                                     f"({_breakdown(c)}{_traced(c)})" for c in far) + ". " + why_bound))
     return out
 
 
@@ -87,6 +86,16 @@ def _breakdown(c: dict) -> str:
     return (f"zeppelin exposed communication {z['exposed_comm_share']:.0%} of the step, attention imbalance "
             f"{z['attention_imbalance']:.2f}; {best_baseline(c)} {b['exposed_comm_share']:.0%}, "
             f"{b['attention_imbalance']:.2f}")
+
+
+def _traced(c: dict) -> str:
+    """Where the configuration's trace is and what it shows (`paper_traces.over_bound`)."""
+    t = c.get("over_bound")
+    if not t:
+        return ""
+    return (f"; first batch: busiest rank's compute {t['compute_max_s']:.2f} s, mean {t['compute_mean_s']:.2f} s, "
+            f"exposed communication {t['exposed_mean_s']:.2f} s and idle {t['idle_mean_s']:.2f} s on the mean rank, "
+            f"recomputation {t['recompute']} (the bound: {t['batch_recompute']}), trace `{t['trace']}`")
 
 
 def _why_bound(data: dict) -> str:
@@ -124,7 +133,7 @@ def targets(data: dict) -> list[tuple[str, bool, str, str]]:
         out.append((f"zeppelin within {BOUND_TARGET}x of the bound on the mixed-GPU presets", not far,
                     ", ".join(f"{_name(c)} {c['results']['zeppelin']['ratio_to_lower_bound']:.3f}x" for c in m),
                     "the bound spreads work over the GPUs by their speed for each kind of work at once; "
-                    + "; ".join(f"{_name(c)}: {_breakdown(c)}" for c in far)))
+                    + "; ".join(f"{_name(c)}: {_breakdown(c)}{_traced(c)}" for c in far)))
     by_cluster = {cl: _mean(speedup(c) for c in g if c["cluster"] == cl) for cl in CLUSTERS}
     te_by_cluster = {cl: _mean(c["results"]["te_cp"]["exposed_comm_share"] for c in g if c["cluster"] == cl)
                      for cl in CLUSTERS}

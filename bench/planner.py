@@ -132,8 +132,8 @@ def speed(gpu_counts: list[int]) -> tuple[list[dict], list[dict]]:
 
 
 DOUBLE_CASE = ("h800-8nic", "llama-3b")
-"""Where zeppelin's double-ring pass runs (its pricing sends more documents across nodes
-than single rings' on these wlbllm batches), unlike on `CLUSTER` and `MODEL`."""
+"""Where zeppelin's double-ring pass runs and plans double rings (its pricing sends
+documents across nodes on these wlbllm batches)."""
 
 
 def double_cost(gpu_counts: list[int]) -> list[dict]:
@@ -375,9 +375,9 @@ def write(rows, by_gpus, by_docs, full, double, command: str, seconds: float, ag
               f"{r['plan_cpu_ms']:.1f} |" for r in by_docs]
     cl, mdl = DOUBLE_CASE
     lines += ["", f"## Where double rings are planned ({cl}, {mdl}, wlbllm, 16K tokens per GPU)", "",
-              "On these batches pricing a ring across nodes as a double ring sends more documents across nodes "
-              "than single rings do, so zeppelin plans those modes again (`zeppelin.classes.doubled_level`); on the batches "
-              "above it does not, and plans only once. CPU ms, median of 7; step simulated.", "",
+              "On these batches pricing a ring across nodes as a double ring sends documents across nodes, so "
+              "zeppelin plans those modes again (`zeppelin.classes.doubled_level`). CPU ms, median of 7; step "
+              "simulated.", "",
               "| GPUs | documents | single rings only: CPU ms | default: CPU ms | ratio | double rings in the plan "
               "| candidate plans | step, single rings only (s) | step, default (s) |",
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]

@@ -3,7 +3,7 @@ node, split across nodes) and level 1, the documents' nodes (docs/design.md, sec
 
 `level_nodes` makes both under one recomputation's memory caps (`NodeLevel`), for the
 single rings; `doubled_level` prices the same batch once more for "double" rings across
-nodes and makes its level 1 where that sends more documents across nodes.
+nodes and makes its level 1 where that sends any document across nodes.
 """
 
 from __future__ import annotations

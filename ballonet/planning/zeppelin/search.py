@@ -47,7 +47,7 @@ class ZeppelinOptions:
     price_recompute: bool = True
     """Plan for each recomputation the batch fits under (off: the model's, full when unset)."""
     double: bool = True
-    """Also plan "double" rings across nodes where that pricing sends more documents across."""
+    """Also plan "double" rings across nodes where that pricing sends any document across."""
 
     def __post_init__(self):
         for key, value in dataclasses.asdict(self).items():
