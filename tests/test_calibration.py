@@ -137,6 +137,7 @@ def _calibrate_on_ranks(rank: int, world: int):
     return profile, raw
 
 
+@pytest.mark.slow
 def test_calibrate_on_two_gloo_ranks_measures_the_links():
     (profile, raw), _ = run_ranks(2, _calibrate_on_ranks)
     built_in = hardware.profile("cpu")

@@ -49,6 +49,7 @@ def _disagree(rank, world_size):
     return results
 
 
+@pytest.mark.slow
 def test_disagreeing_ranks_fail_every_rank_in_seconds():
     for rank, results in enumerate(run_ranks(4, _disagree, timeout=3 * LIMIT_S)):
         for where, (message, seconds) in results.items():

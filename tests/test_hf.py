@@ -136,6 +136,7 @@ def _remap_plan(lengths: tuple[int, ...]) -> Plan:
     return dataclasses.replace(plan, remap=(Transfer(1, 0, held[1] - surplus, held[1]),)).validate()
 
 
+@pytest.mark.slow
 def test_two_ranks_with_remap_match_single_process_default_attention():
     """Linear layers token-balanced (the remap moves tokens) and a document split over the
     ranks (also as a double ring across two nodes, every pass of it over the second group
@@ -193,6 +194,7 @@ def _disagree(rank: int, world_size: int, cases: tuple[str, ...]) -> list[str]:
     return out
 
 
+@pytest.mark.slow
 def test_ranks_that_disagree_on_the_plan_all_fail_fast():
     cases = {"other_plan": "disagree on the plan", "call_as_rank_0": "another plan rank"}
     for rank, results in enumerate(run_ranks(2, _disagree, tuple(cases), timeout=120)):

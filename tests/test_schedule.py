@@ -213,6 +213,7 @@ def test_routed_and_double_ring_zeppelin_plans_complete():
         assert check.completes, check.reason
 
 
+@pytest.mark.slow
 def test_1024_ranks_complete_in_seconds():
     cluster = ballonet.cluster("h800+h20", num_nodes=64)
     plan = ballonet.plan_batch(workloads.get("wlbllm").sample_batch(1024 * cluster.num_ranks, 0), cluster, LLAMA)

@@ -115,6 +115,7 @@ def _assert_matches(run, reference, tol=1e-4):
         assert np.abs(params[name] - p.numpy()).max() <= tol, name
 
 
+@pytest.mark.slow
 def test_fsdp_losses_and_parameters_match_one_process_on_2_and_4_ranks():
     # On 4 ranks, full sharding (the default) also holds about a quarter of the weights
     # per rank that replicated weights (shard "none") hold.
@@ -156,6 +157,7 @@ def _mixed_recompute_grads(rank, world_size, config, recompute_of_rank):
     return _first_step_grads(config, rank, world_size, recompute_of_rank)
 
 
+@pytest.mark.slow
 def test_ranks_recomputing_differently_get_the_reference_gradients():
     """On 2 ranks (zeppelin: remap and a ring), rank 0 recomputes the linear layers of its
     first block (the second selectively) and rank 1 only its first block's MLP: selective
@@ -174,6 +176,7 @@ def _auto_runs(rank, world_size, config):
     return [r["loss"] for r in records], params, records, [block.recompute for block in model.layers]
 
 
+@pytest.mark.slow
 def test_auto_recompute_chooses_per_rank_and_trains_exactly(tmp_path):
     """--recompute auto on 2 ranks whose memory (a cluster file's memory_gb) holds 759 of
     the tiny model's tokens without recomputation: zeppelin's plans hold 728/808, 777/759
@@ -215,6 +218,7 @@ def _read_log(path):
         return [json.loads(line) for line in f]
 
 
+@pytest.mark.slow
 def test_resume_gives_identical_losses_and_ledger(tmp_path):
     straight, resumed = run_ranks(2, _resume_runs, str(tmp_path))[0]
     assert [r["step"] for r in resumed] == list(range(1, 11))
@@ -235,6 +239,7 @@ def _train_configs(rank, world_size, configs):
     return [train(TrainConfig(**c)) for c in configs]
 
 
+@pytest.mark.slow
 def test_resume_on_another_world_size_continues_the_ledger(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     common = dict(BASE, nodes=1, checkpoint_dir=ckpt)
@@ -306,6 +311,7 @@ def test_killed_rank_restarts_from_checkpoint_without_losing_documents(tmp_path)
 # ---- bad input -------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_bad_input_is_one_line_and_exit_2(tmp_path):
     # Through the command line: a corpus line, a check on the ranks, a checkpoint file
     # (the configuration's own checks are the next test's, in this process).
