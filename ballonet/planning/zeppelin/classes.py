@@ -241,9 +241,8 @@ def level_nodes(lengths, dev: Devices, crossovers, model: ModelSpec, *, hierarch
     weights = step_weights(model, gpu, lengths, R, tp_bw[int(np.argmax(dev.speed))])
     per_token = weights.linear_per_token if price_linear else 0.0
     tokens = sum(lengths) / R
-    first = {g: r for r, g in reversed(list(enumerate(dev.group)))}  # each node group's first rank
     by_group = {g: linear_work_per_token(model, dev.gpu[r], tokens, weights.attention_step, tp_bw[r])
-                for g, r in first.items()}
+                for g, r in ((g, dev.group.index(g)) for g in set(dev.group))}  # at each group's first rank
     rank_token = np.array([by_group[g] for g in dev.group]) if price_linear else np.zeros(R)
     batch = Batch(lengths=lengths, length_array=np.asarray(lengths, dtype=float), work=work,
                   work_list=work.tolist(), dev=dev, model=model, gpu=gpu, crossovers=crossovers,
