@@ -1,11 +1,12 @@
 """Fidelity of the simulator against the real runtime on this CPU machine, plan for plan.
 
     OMP_NUM_THREADS=1 python bench/fidelity.py [--ranks 2 4] [--kinds short long] [--steps 6]
-        [--planners ...] [--profile FILE]
+        [--rounds 3] [--planners ...] [--profile FILE]
 
 1. Calibrate this machine for each world size (`ballonet calibrate` under torchrun on that
    many gloo ranks, lengths up to the longest document of the batches: 4 ranks on 2 cores
-   compute slower than 2), unless --profile names a profile already measured.
+   compute slower than 2), just before that world size's runs, unless --profile names a
+   profile already measured.
 2. For each batch kind, world size and planner, train the tiny model for --steps real steps
    with that profile (`ballonet train --calibration PROFILE --json-log`, so the run plans
    with it), 2 ranks on one emulated node, 4 ranks on two. Kinds: "short" (the stdlib
@@ -18,8 +19,15 @@
    courtesies of docs/design.md section 10); compare each rank's predicted compute (forward
    and backward, without the optimizer step) with its measured CPU time, and the step.
 
+4. Repeat 1-3 --rounds times, each round calibrated afresh and its planners in a rotated
+   order: on a shared machine a neighbour's burst moves one run's CPU times (and one
+   calibration's) by as much as the target, so each rank's error is the median over the
+   rounds of that round's error (its own profile against its own run), and the report says
+   how many single rounds met the target and each round's worst error.
+
 Targets: per-rank compute within 15%, step within 25%, planners in the same order.
-Writes bench/results/fidelity.md and fidelity.json, with the machine's load.
+Writes bench/results/fidelity.md and fidelity.json, with the machine's load; the profiles
+in bench/results/fidelity_profiles/.
 """
 
 from __future__ import annotations
@@ -113,6 +121,7 @@ def predict(record: dict, nproc: int, config: TrainConfig, profile, cluster, spe
 
 
 def compare(records: list[dict], nproc: int, config: TrainConfig, profile) -> dict:
+    """One run against its simulation: per rank, and the step, averaged over the steps."""
     rows = []
     cluster, spec, _ = preflight(config, nproc)
     for rec in records[1:]:  # the first step warms up allocators and kernels
@@ -134,6 +143,26 @@ def compare(records: list[dict], nproc: int, config: TrainConfig, profile) -> di
 
 def _err(pred: float, meas: float) -> dict:
     return {"predicted": float(pred), "measured": float(meas), "error": float(pred / meas - 1)}
+
+
+def combine(rounds: list[dict]) -> dict:
+    """The rounds of one (kind, ranks, planner): each figure, and each error, the median over
+    the rounds (an error is a round's own prediction against its own measurement); the
+    rounds kept under "rounds"."""
+    def med(xs):
+        return np.median(np.asarray(xs, dtype=float), axis=0).tolist()
+    out = {"rounds": rounds, "rings": statistics.mean(r["rings"] for r in rounds),
+           "per_rank": {k: med([r["per_rank"][k] for r in rounds]) for k in ("predicted", "measured", "error")}}
+    for key in ("compute_s_max", "cpu_s_max", "step_s"):
+        out[key] = {k: med([r[key][k] for r in rounds]) for k in ("predicted", "measured", "error")}
+    return out
+
+
+def rotated(planners: list[str], by: int) -> list[str]:
+    """`planners` started at position `by`: round r runs them in another order, so a slow
+    spell of the machine falls on other planners each round."""
+    by %= len(planners)
+    return planners[by:] + planners[:by]
 
 
 def step_key(nproc: int) -> str:
@@ -165,14 +194,30 @@ def _pairs(results: dict, kind: str, nproc: int, key: str) -> tuple[int, int, li
     return agree, total, wrong
 
 
+def _worst(errors: list[float]) -> float:
+    return max(errors, key=abs)
+
+
+def _met(result: dict) -> bool:
+    """Every rank's compute error of `result` (a run, or the median of its rounds) within the target."""
+    return abs(_worst(result["per_rank"]["error"])) <= TARGETS["compute"]
+
+
+def _load(loads: list[float]) -> str:
+    return f"{min(loads):.1f}-{max(loads):.1f} (median {statistics.median(loads):.1f})" if loads else "not recorded"
+
+
 def report(results: dict, args, profile_path: str, seconds: float, command: str) -> str:
     cores = os.cpu_count()
+    rounds = max(len(r.get("rounds", [r])) for r in results.values())
     lines = ["# Simulator fidelity on this CPU machine (tiny model, gloo ranks, the plans that trained)", "",
              f"Command: `{command}` ({seconds:.0f} s). Profiles: "
              + ", ".join(f"`{os.path.relpath(p.strip(), ROOT)}`" for p in profile_path.split(","))
-             + " (`ballonet calibrate` on as many gloo ranks as the run has, this machine); every run plans with "
-             "its world size's (`ballonet train --calibration`) "
-             "and every simulated plan is the one the step trained on (digest checked). "
+             + (" (given with --profile: every run plans with it" if args.profile else
+                " (`ballonet calibrate` on as many gloo ranks as the run has, this machine, just before that world "
+                "size's runs; every run plans with its round's and world size's")
+             + ", `ballonet train --calibration`), and every simulated plan is the one the step trained on (digest "
+             "checked). "
              f"{args.steps} steps per run, the first left out. Batch kinds: " + "; ".join(
                  f"{k}: {v['global_tokens']} tokens a step, documents cut at {v['max_doc_tokens']}"
                  + (" (stdlib sources)" if v["corpus"] == "stdlib" else " (4K-12K-token documents among short ones)")
@@ -183,31 +228,48 @@ def report(results: dict, args, profile_path: str, seconds: float, command: str)
              f"step target is judged on wall time where each rank has a core, on step (CPU) where ranks outnumber "
              f"this machine's {cores} cores. Targets: every rank's compute within {TARGETS['compute']:.0%}, step "
              f"within {TARGETS['step']:.0%}. distca and magi are simulated as the runtime runs them (whole-block "
-             "all-gathers, one batch). Load average (1 min) before each run (other jobs share this machine): "
-             f"{', '.join(f'{x:.1f}' for x in args.load)}.", ""]
+             "all-gathers, one batch). "
+             + (f"{rounds} rounds{'' if args.profile else ', each calibrated afresh'}, planners in a rotated order; "
+                "every figure and every error "
+                "is the median over the rounds of that round's own (its profile against its run); \"rounds met\" "
+                "counts the single rounds whose every rank was within the target, \"round worsts\" gives each "
+                "round's worst rank in the order the rounds ran. " if rounds > 1 else "")
+             + "Load average (1 min) before the runs (other jobs share this machine): "
+             f"{_load(args.load)}.", ""]
     for kind in args.kinds:
         lines += [f"## {kind} batches", "",
                   "| ranks | planner | rings a step | per-rank compute pred / meas (s) | errors | worst | compute met | "
-                  "compute max err | step (wall) pred / meas (s) | err | step (CPU) pred / meas (s) | err | step met |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  + ("rounds met | round worsts | " if rounds > 1 else "")
+                  + "compute max err | step (wall) pred / meas (s) | err | step (CPU) pred / meas (s) | err | "
+                  "step met |",
+                  "| --- | --- | --- | --- | --- | --- | --- | " + ("--- | --- | " if rounds > 1 else "")
+                  + "--- | --- | --- | --- | --- | --- |"]
         for (k, n, planner), r in sorted(results.items()):
             if k != kind:
                 continue
             pr = r["per_rank"]
-            worst = max(pr["error"], key=abs)
+            worst = _worst(pr["error"])
             cells = ", ".join(f"{a:.3f}/{b:.3f}" for a, b in zip(pr["predicted"], pr["measured"]))
             errs = ", ".join(f"{e:+.0%}" for e in pr["error"])
-            met = "yes" if abs(worst) <= TARGETS["compute"] else "no"
+            met = "yes" if _met(r) else "no"
+            each = r.get("rounds", [r])
+            worsts = ", ".join(f"{_worst(x['per_rank']['error']):+.0%}" for x in each)
+            spread = f"{sum(_met(x) for x in each)} of {len(each)} | {worsts} | " if rounds > 1 else ""
             wall, cpu = r["step_s"], r["cpu_s_max"]
             judge = wall if step_key(n) == "step_s" else cpu
-            lines.append(f"| {n} | {planner} | {r['rings']:.1f} | {cells} | {errs} | {worst:+.0%} | {met} | "
+            lines.append(f"| {n} | {planner} | {r['rings']:.1f} | {cells} | {errs} | {worst:+.0%} | {met} | {spread}"
                          f"{r['compute_s_max']['error']:+.0%} | {wall['predicted']:.3f} / {wall['measured']:.3f} | "
                          f"{wall['error']:+.0%} | {cpu['predicted']:.3f} / {cpu['measured']:.3f} | {cpu['error']:+.0%} "
                          f"| {'yes' if abs(judge['error']) <= TARGETS['step'] else 'no'} "
                          f"({'wall' if step_key(n) == 'step_s' else 'CPU'}) |")
-        within = [abs(max(r["per_rank"]["error"], key=abs)) <= TARGETS["compute"]
-                  for (k, _, _), r in results.items() if k == kind]
-        lines += ["", f"Every rank's compute within {TARGETS['compute']:.0%}: {sum(within)} of {len(within)} runs."]
+        mine = [r for (k, _, _), r in results.items() if k == kind]
+        within = sum(_met(r) for r in mine)
+        line = f"Every rank's compute within {TARGETS['compute']:.0%}: {within} of {len(mine)} runs"
+        if rounds > 1:
+            single = [sum(_met(r["rounds"][i]) for r in mine) for i in range(rounds)]
+            line += " (median of the rounds); in single rounds: " + ", ".join(
+                f"round {i + 1} {m} of {len(mine)}" for i, m in enumerate(single))
+        lines += ["", line + "."]
         for n in sorted({n for k, n, _ in results if k == kind}):
             key = step_key(n)
             agree, total, wrong = _pairs(results, kind, n, key)
@@ -225,10 +287,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--planners", nargs="+", default=PLANNERS)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--profile", default=None, help="a measured profile (default: calibrate now)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds of every run, each calibrated afresh (errors: the median over the rounds)")
+    p.add_argument("--profile", default=None, help="a measured profile for every run (default: calibrate each round)")
+    p.add_argument("--profiles", default=None,
+                   help="folder for the profiles each round calibrates (default: fidelity_profiles beside --out)")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "fidelity"))
     p.add_argument("--report-only", action="store_true", help="rewrite the .md from the .json of the last run")
     args = p.parse_args(argv)
+    if args.rounds < 1 or args.steps < 2:
+        p.error(f"--rounds must be at least 1 and --steps at least 2 (the first step is left out), got "
+                f"{args.rounds} and {args.steps}")
+    args.profiles = args.profiles or os.path.join(os.path.dirname(os.path.abspath(args.out)), "fidelity_profiles")
     if args.report_only:
         with open(args.out + ".json") as f:
             saved = json.load(f)
@@ -242,27 +312,32 @@ def main(argv: list[str] | None = None) -> int:
     logs = tempfile.mkdtemp(prefix="ballonet-fidelity-")
     long_file = os.path.join(logs, "long_lengths.txt")
     long_lengths(long_file, args.seed)
-    paths = {n: args.profile or os.path.join(ROOT, "bench", "results", f"fidelity_profile_{n}.json")
-             for n in args.ranks}
-    if not args.profile:
-        for n, path in paths.items():
-            calibrate(path, max(KINDS[k]["max_doc_tokens"] for k in args.kinds), n)
-    profiles = {n: calibration.load(path) for n, path in paths.items()}
-    results = {}
-    args.load = []
-    for kind in args.kinds:
-        spec = {**KINDS[kind], "corpus": long_file if KINDS[kind]["corpus"] == "LONG" else KINDS[kind]["corpus"]}
+    specs_by_kind = {kind: {**KINDS[kind], "corpus": long_file if KINDS[kind]["corpus"] == "LONG"
+                            else KINDS[kind]["corpus"]} for kind in args.kinds}
+    max_length = max(KINDS[k]["max_doc_tokens"] for k in args.kinds)
+    runs: dict = {}
+    paths, args.load = [], []
+    for r in range(args.rounds):
         for n in args.ranks:
-            for planner in args.planners:
-                args.load.append(os.getloadavg()[0])
-                config = run_config(n, planner, spec, args, paths[n])
-                records = train(n, config, os.path.join(logs, f"{kind}_{planner}_{n}.jsonl"))
-                r = results[kind, n, planner] = compare(records, n, config, profiles[n])
-                print(f"{kind} {n} ranks {planner:12s} per-rank compute "
-                      f"{', '.join(f'{e:+.0%}' for e in r['per_rank']['error'])} step {r['step_s']['error']:+.0%}",
-                      flush=True)
+            path = args.profile or os.path.join(args.profiles, f"round{r + 1}_{n}ranks.json")
+            if not args.profile:
+                os.makedirs(args.profiles, exist_ok=True)
+                calibrate(path, max_length, n)
+            paths.append(path)
+            profile = calibration.load(path)
+            for kind in args.kinds:
+                for planner in rotated(args.planners, r * len(args.planners) // args.rounds):
+                    args.load.append(os.getloadavg()[0])
+                    config = run_config(n, planner, specs_by_kind[kind], args, path)
+                    records = train(n, config, os.path.join(logs, f"{kind}_{planner}_{n}_{r}.jsonl"))
+                    res = compare(records, n, config, profile)
+                    runs.setdefault((kind, n, planner), []).append(res)
+                    print(f"round {r + 1} {kind} {n} ranks {planner:12s} per-rank compute "
+                          f"{', '.join(f'{e:+.0%}' for e in res['per_rank']['error'])} "
+                          f"step {res['step_s']['error']:+.0%}", flush=True)
+    results = {key: combine(rs) for key, rs in runs.items()}
     seconds, cmd = time.time() - t0, command("fidelity.py", argv)
-    profile_path = ", ".join(paths[n] for n in args.ranks)
+    profile_path = ", ".join(dict.fromkeys(paths))
     text = report(results, args, profile_path, seconds, cmd)
     record(cmd, {"profile": profile_path, "seconds": seconds,
                  "args": {k: v for k, v in vars(args).items() if k != "report_only"},
