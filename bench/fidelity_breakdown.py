@@ -2,9 +2,11 @@
 profile's price of each piece (the question behind bench/fidelity.py's errors).
 
     python bench/fidelity_breakdown.py --profile bench/results/fidelity_profile.json [--planner packed_dp]
+        [--ranks 2] [--lengths 2048,1024,...]
 
-On 2 gloo ranks, one batch planned as bench/fidelity.py plans it, each rank times (CPU
-time of its thread, median of 5, after a warm-up):
+On 2 gloo ranks on one node (or 4 on two, as bench/fidelity.py runs them), one batch
+planned with the profile as bench/fidelity.py plans it, each rank times (CPU time of its
+thread, median of 5, after a warm-up):
 
 * attention: the runtime engine on the rank's own documents (a one-rank plan), forward
   and backward, times the model's layers;
@@ -112,11 +114,13 @@ def _price(rank: int, plan: Plan, spec, cluster) -> dict:
             "simulated compute (no optimizer)": res.compute_s[rank] - res.optimizer_s}
 
 
-def rank_fn(rank: int, world: int, planner: str, profile_path: str) -> dict:
+def rank_fn(rank: int, world: int, planner: str, profile_path: str, lengths: list[int]) -> dict:
     torch.manual_seed(rank)
     spec = ballonet.model("tiny")
-    cluster = ballonet.cluster("cpu", num_nodes=1, gpus_per_node=world)
-    plan = plan_batch(LENGTHS, cluster, spec, planner)
+    nodes = 1 if world <= 2 else 2
+    cluster = ballonet.cluster("cpu", num_nodes=nodes, gpus_per_node=world // nodes)
+    with calibration.use(calibration.load(profile_path)):
+        plan = plan_batch(lengths, cluster, spec, planner)
     measured = _measure(rank, plan, spec, with_table=rank == 0)
     with calibration.use(calibration.load(profile_path)):
         priced = _price(rank, plan, spec, cluster)
@@ -124,9 +128,10 @@ def rank_fn(rank: int, world: int, planner: str, profile_path: str) -> dict:
 
 
 def report(results: list[dict], args, command: str) -> str:
-    lines = ["# Where a step's compute goes (CPU, tiny model, 2 gloo ranks)", "",
+    lines = [f"# Where a step's compute goes (CPU, tiny model, {args.ranks} gloo ranks)", "",
              f"Command: `{command}`. Profile: `{os.path.relpath(args.profile, ROOT)}`. Planner {args.planner}, "
-             f"one batch of {sum(LENGTHS)} tokens ({len(LENGTHS)} documents). CPU seconds of each rank's thread, "
+             f"one batch of {sum(args.lengths)} tokens ({len(args.lengths)} documents). CPU seconds of each rank's "
+             "thread, "
              f"median of 5. Load average at the start: {args.load:.1f}.", "",
              "| rank | piece | measured (s) | priced (s) | priced / measured |", "| --- | --- | --- | --- | --- |"]
     for rank, r in enumerate(results):
@@ -143,8 +148,8 @@ def report(results: list[dict], args, command: str) -> str:
                  p["simulated compute (no optimizer)"])]
         for name, meas, priced in rows:
             lines.append(f"| {rank} | {name} | {meas:.4f} | {priced:.4f} | {priced / meas:.2f} |")
-    lines += ["", "Rank 0's FSDP2 step under torch.profiler (ops by self CPU time; the profiler adds its own "
-              "overhead):", "", "```", results[0]["measured"]["table"].rstrip(), "```"]
+    lines += ["", "Rank 0's FSDP2 step under torch.profiler (ops by self CPU time, which is the profiler's wall "
+              "clock: FSDP's collectives include their wait for other ranks; the profiler adds its own overhead):", "", "```", results[0]["measured"]["table"].rstrip(), "```"]
     return "\n".join(lines) + "\n"
 
 
@@ -152,10 +157,16 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--profile", default=os.path.join(ROOT, "bench", "results", "fidelity_profile.json"))
     p.add_argument("--planner", default="packed_dp")
+    p.add_argument("--ranks", type=int, default=2, choices=[2, 4], help="gloo ranks: 2 on one node, 4 on two")
+    p.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="the batch's document lengths, comma-separated")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "fidelity_breakdown.md"))
     args = p.parse_args(argv)
+    try:
+        args.lengths = [int(x) for x in args.lengths.split(",")]
+    except ValueError:
+        p.error(f"--lengths must be comma-separated integers, got {args.lengths!r}")
     args.load = os.getloadavg()[0]
-    results = run_ranks(2, rank_fn, args.planner, args.profile)
+    results = run_ranks(args.ranks, rank_fn, args.planner, args.profile, args.lengths)
     cmd = command("fidelity_breakdown.py", argv)
     text = report(results, args, cmd)
     record(cmd, {"results": results}, os.path.splitext(args.out)[0] + ".json")
