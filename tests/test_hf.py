@@ -137,16 +137,20 @@ def _remap_plan(lengths: tuple[int, ...]) -> Plan:
 
 
 @pytest.mark.slow
-def test_two_ranks_with_remap_match_single_process_default_attention():
+def test_two_ranks_match_single_process_default_attention_and_fail_fast_on_a_disagreeing_plan():
     """Linear layers token-balanced (the remap moves tokens) and a document split over the
     ranks (also as a double ring across two nodes, every pass of it over the second group
     `plan_context` is given): loss and every gradient equal the one-process model's, fed
-    either layout."""
+    either layout. Then, in the same two ranks, rank 1 holds another plan or claims to be
+    rank 0: the model call fails on every rank, in seconds, before any remap or ring
+    transfer (`_disagree`)."""
     state = _model("sdpa").state_dict()
     cases = [((37, 11, 20), _ring_plan, "attention"), ((37, 11, 40), _remap_plan, "attention"),
              ((37, 11, 40), _remap_plan, "linear"), ((600, 40, 17, 90, 5), _zeppelin_plan, "linear"),
              ((37, 11, 20), _double_plan, "attention")]
-    for (lengths, plan_fn, layout), errors in zip(cases, run_ranks(2, _check_ranks, state, cases)[0]):
+    disagree = {"other_plan": "disagree on the plan", "call_as_rank_0": "another plan rank"}
+    runs = run_ranks(2, _check_then_disagree, state, cases, tuple(disagree), timeout=300)
+    for (lengths, plan_fn, layout), errors in zip(cases, runs[0][0]):
         name = f"{plan_fn.__name__}{lengths} fed the {layout} layout"
         assert errors.pop("rings") >= 1, f"{name}: no document is split over the ranks"
         passes = errors.pop("double passes")  # rounds of each layer's double ring with transfers across nodes
@@ -155,6 +159,10 @@ def test_two_ranks_with_remap_match_single_process_default_attention():
         assert moved > 0 or plan_fn in (_ring_plan, _double_plan), f"{name}: the remap moves no token"
         worst = max(errors, key=errors.get)
         assert errors[worst] <= RTOL, f"{name}: {worst} off by {errors[worst]:.2e} relative"
+    for rank, (_, results) in enumerate(runs):
+        for (how, message), result in zip(disagree.items(), results):
+            assert message in result, f"{how}, rank {rank}: {result}"
+            assert float(result.split()[0]) < 60, f"{how}, rank {rank} took {result.split()[0]} s to fail"
 
 
 def test_recompute_context_enters_the_forward_plan_context_again():
@@ -194,13 +202,9 @@ def _disagree(rank: int, world_size: int, cases: tuple[str, ...]) -> list[str]:
     return out
 
 
-@pytest.mark.slow
-def test_ranks_that_disagree_on_the_plan_all_fail_fast():
-    cases = {"other_plan": "disagree on the plan", "call_as_rank_0": "another plan rank"}
-    for rank, results in enumerate(run_ranks(2, _disagree, tuple(cases), timeout=120)):
-        for (how, message), result in zip(cases.items(), results):
-            assert message in result, f"{how}, rank {rank}: {result}"
-            assert float(result.split()[0]) < 60, f"{how}, rank {rank} took {result.split()[0]} s to fail"
+def _check_then_disagree(rank: int, world_size: int, state: dict, cases: list, disagree: tuple[str, ...]):
+    """`_check_ranks`, then `_disagree`, in one spawn of two ranks."""
+    return _check_ranks(rank, world_size, state, cases), _disagree(rank, world_size, disagree)
 
 
 @pytest.mark.slow
