@@ -203,6 +203,24 @@ def _met(result: dict) -> bool:
     return abs(_worst(result["per_rank"]["error"])) <= TARGETS["compute"]
 
 
+LIGHT = 0.8
+"""A rank predicted to compute under this share of its run's busiest rank is a light rank."""
+
+
+def _by_load(runs: list[dict]) -> tuple[list[float], list[float]]:
+    """The per-rank errors of `runs`, split into light ranks' (`LIGHT`) and the others'."""
+    light, busy = [], []
+    for r in runs:
+        top = max(r["per_rank"]["predicted"])
+        for pred, err in zip(r["per_rank"]["predicted"], r["per_rank"]["error"]):
+            (light if pred < LIGHT * top else busy).append(err)
+    return light, busy
+
+
+def _median_pct(errors: list[float]) -> str:
+    return f"{statistics.median(errors):+.0%} ({len(errors)} rank{'' if len(errors) == 1 else 's'})" if errors else "none"
+
+
 def _load(loads: list[float]) -> str:
     return f"{min(loads):.1f}-{max(loads):.1f} (median {statistics.median(loads):.1f})" if loads else "not recorded"
 
@@ -270,6 +288,10 @@ def report(results: dict, args, profile_path: str, seconds: float, command: str)
             line += " (median of the rounds); in single rounds: " + ", ".join(
                 f"round {i + 1} {m} of {len(mine)}" for i, m in enumerate(single))
         lines += ["", line + "."]
+        for n in sorted({n for k, n, _ in results if k == kind}):
+            light, busy = _by_load([r for (k, m, _), r in results.items() if k == kind and m == n])
+            lines.append(f"On {n} ranks, median error of the ranks with under {LIGHT:.0%} of their run's busiest "
+                         f"rank's predicted compute: {_median_pct(light)}; of the others: {_median_pct(busy)}.")
         for n in sorted({n for k, n, _ in results if k == kind}):
             key = step_key(n)
             agree, total, wrong = _pairs(results, kind, n, key)
