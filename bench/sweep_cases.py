@@ -161,6 +161,29 @@ def _plant(name: str, payload: bytes):
     return edit
 
 
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP metadata in any pickle protocol, its globals limited to what that metadata holds
+    (`safe_dcp.SAFE_GLOBALS`, torch's dtypes, layouts (by name: `_get_layout`), memory
+    formats and `torch.Size`, an OrderedDict): for a metadata file an older Ballonet wrote, which `read_safe_metadata`
+    (one protocol) refuses."""
+
+    def find_class(self, module: str, name: str):
+        import collections
+
+        import torch
+
+        from ballonet.training.safe_dcp import SAFE_GLOBALS
+
+        allowed = {(g.__module__, g.__qualname__): g for g in (*SAFE_GLOBALS, torch.Size, collections.OrderedDict,
+                                                               torch.serialization._get_layout)}
+        if (module, name) in allowed:
+            return allowed[module, name]
+        value = getattr(torch, name, None) if module == "torch" else None
+        if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+            return value
+        raise pickle.UnpicklingError(f"{module}.{name} is not in DCP metadata's allowed globals")
+
+
 def _plant_items(payload: bytes):
     """The payload at the start of every stored item of the data files (each as long as
     it), where the metadata says each item lies, the files' sizes kept: whichever item is
@@ -172,9 +195,9 @@ def _plant_items(payload: bytes):
         step = os.path.join(folder, STEP)
         try:
             metadata = read_safe_metadata(os.path.join(step, ".metadata"), step)
-        except InputError:  # written by an older ballonet (--source) a moment ago by this sweep
+        except InputError:  # written by an older ballonet (--source), perhaps in another pickle protocol
             with open(os.path.join(step, ".metadata"), "rb") as f:
-                metadata = pickle.load(f)
+                metadata = _MetadataUnpickler(f).load()
         for info in metadata.storage_data.values():
             if info.length >= len(payload):
                 with open(os.path.join(step, info.relative_path), "r+b") as f:
