@@ -5,6 +5,8 @@ measured steps); these tests check the format, what is measured and where it goe
 """
 
 import json
+import resource
+import statistics
 
 import pytest
 import torch
@@ -129,17 +131,52 @@ def test_calibrate_prices_gemms_elementwise_work_and_the_optimizer_from_its_timi
     assert "fsdp_s" not in step and any("framework" in a and "one process" in a for a in profile.assumptions)
 
 
+def _second_allocation_faults(numel: int) -> tuple[int, int]:
+    """(minor page faults of allocating and filling `numel` floats after the same was freed, pages),
+    after a smaller allocation has paid the process's first-allocation faults."""
+    for _ in range(2):
+        torch.ones(numel // 8)
+    torch.ones(numel)
+    before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    torch.ones(numel)
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before, numel * 4 // resource.getpagesize()
+
+
 def _calibrate_on_ranks(rank: int, world: int):
     from ballonet.calibration import calibrate
+    from ballonet.training import host
 
+    took = host.setup_cpu_rank()  # as `ballonet calibrate` and `ballonet train` run a CPU rank
+    faults = _second_allocation_faults(6 << 20)  # 24 MiB: mapped afresh each time by glibc's defaults
     s = calibrate.quick(calibrate.Settings(gpu="cpu", model="tiny"))
     profile, raw = calibrate.run(s, torch.device("cpu"))
-    return profile, raw
+    # median_rank on rows whose times differ by rank, then with rank 1 on another device type
+    rows = [{"length": 64, "forward_s": 1.0 + rank, "backward_s": 2.0 * rank, "model_shape": True}]
+    step = {"fsdp_extra_s": 0.1 * (1 - rank), "optimizer_s": 0.5 + rank, "local_params": 7}
+    alike = calibrate.median_rank(rows, [{"model_s": 3.0 - rank}], step, "cpu")
+    apart = calibrate.median_rank(rows, [{"model_s": 3.0 - rank}], step, f"device {rank}")
+    return profile, raw, (took, torch.get_num_threads(), faults), alike, apart
 
 
 @pytest.mark.slow
-def test_calibrate_on_two_gloo_ranks_measures_the_links():
-    (profile, raw), _ = run_ranks(2, _calibrate_on_ranks)
+def test_calibrate_on_two_gloo_ranks_as_train_runs_them_measures_the_links_and_keeps_the_median_rank():
+    results = run_ranks(2, _calibrate_on_ranks)
+    (profile, raw, (took, threads, (faults, pages)), alike, apart) = results[0]
+    # Each rank runs as a training rank: one thread, and freed memory is mapped again without faults.
+    assert took and threads == 1 and faults < pages // 10, (took, threads, faults, pages)
+    # Each timing the median over the ranks (of 2: their mean), counts and flags as measured;
+    # ranks of another device type left out.
+    assert raw["ranks"] == 2 and alike["ranks"] == 2 and apart["ranks"] == 1
+    assert alike["attention"] == [{"length": 64, "forward_s": 1.5, "backward_s": 1.0, "model_shape": True}]
+    assert alike["linear"] == [{"model_s": 2.5}] and apart["linear"] == [{"model_s": 3.0}]
+    assert alike["step"] == {"fsdp_extra_s": 0.05, "optimizer_s": 1.0, "local_params": 7}
+    assert apart["attention"] == [{"length": 64, "forward_s": 1.0, "backward_s": 0.0, "model_shape": True}]
+    assert any("median of 2 ranks" in a for a in profile.assumptions)
+    own = raw["per_rank"]  # the profile's figures are the ranks' medians
+    assert [r["linear"][0]["tokens"] for r in own] == [64, 64] and raw["linear"][0]["efficiency"] == pytest.approx(
+        statistics.median(r["linear"][0]["efficiency"] for r in own))
+    assert profile.attention_forward.efficiency[0] == pytest.approx(
+        statistics.median(r["attention"][0]["forward_efficiency"] for r in own))
     built_in = hardware.profile("cpu")
     assert [r["bytes"] for r in raw["comm"]["p2p"]] == [2**10, 2**16, 2**20]
     assert all(r["seconds"] > 0 for op in ("p2p", "all_to_all", "all_reduce") for r in raw["comm"][op])
@@ -151,7 +188,8 @@ def test_calibrate_on_two_gloo_ranks_measures_the_links():
     assert set(profile.collective_efficiency) == set(calibration.COLLECTIVES)
     step = raw["step"]
     assert min(step["fsdp_s"], step["bare_s"]) > 0
-    assert profile.framework_s_per_layer == pytest.approx(max(step["fsdp_extra_s"], 0) / 2)  # 2 layers
+    assert all(r["step"]["framework_s_per_layer"] == max(r["step"]["fsdp_extra_s"], 0) / 2 for r in own)  # 2 layers
+    assert profile.framework_s_per_layer == pytest.approx(statistics.median(r["step"]["framework_s_per_layer"] for r in own))
     assert step["local_params"] < ballonet.model("tiny").num_params  # FSDP2 shards them over the 2 ranks
     assert profile.optimizer_s_per_param == pytest.approx(step["optimizer_s"] / step["local_params"])
     calibration.from_dict(json.loads(profile.to_json()))  # valid

@@ -29,6 +29,10 @@ What is measured, on the device this process runs on:
    alone and while the largest all-reduce runs beside it (compute seconds lost per second
    of overlapping communication).
 
+Under torchrun every rank measures items 1 and 2 at the same time, and the profile takes
+the median of the ranks' timings of each point (`median_rank`): on a shared host one
+rank's point moves by 20-50% between runs. Each rank runs as `ballonet train` runs a CPU rank
+(`training.host`).
 Items 1 and 2 are `measure_compute.py`, item 3 `measure_links.py`; this module builds the
 profile and runs the command. Peak FLOP/s and nominal link bandwidths are the GPU type's
 (`cost.hardware.GPUS`) and the cluster preset's NIC rate, so efficiencies are fractions of
@@ -61,9 +65,7 @@ from ballonet.calibration.measure_links import link_figures, measure_comm
 from ballonet.calibration.settings import Settings, quick
 from ballonet.cost import hardware
 from ballonet.runtime import kernels
-
-THREADS_PER_CPU_RANK = 1
-"""Threads of a CPU rank, here as in `ballonet train`: more would price kernels it never runs."""
+from ballonet.training import host
 
 
 def _curve(tokens, effs) -> calibration.Curve:
@@ -73,7 +75,7 @@ def _curve(tokens, effs) -> calibration.Curve:
 
 
 def build_profile(s: Settings, attention: list[dict], linear: list[dict], comm: dict | None,
-                  device: torch.device, step: dict | None = None) -> calibration.Profile:
+                  device: torch.device, step: dict | None = None, ranks: int = 1) -> calibration.Profile:
     """The profile: attention curves of the model's head shape, the GEMM and elementwise curves,
     the framework and optimizer figures (`step`), link figures."""
     base = hardware.profile(s.gpu)
@@ -89,7 +91,9 @@ def build_profile(s: Settings, attention: list[dict], linear: list[dict], comm: 
     notes = [f"attention efficiency beyond {lengths[-1]} tokens taken equal to the last measured length"]
     if device.type == "cpu":
         notes.append(f"measured with {torch.get_num_threads()} thread(s) per rank, as `ballonet train` runs each "
-                     f"CPU rank ({THREADS_PER_CPU_RANK})")
+                     f"CPU rank ({host.THREADS_PER_CPU_RANK})")
+    if ranks > 1:
+        notes.append(f"compute timings: each point the median of {ranks} ranks measuring it at the same time")
     fields = dict(attention_forward=_curve(lengths, fwd), attention_backward=_curve(lengths, bwd),
                   attention_launch_s=launch,
                   linear=_curve([r["tokens"] for r in linear], [r["efficiency"] for r in linear]))
@@ -163,7 +167,32 @@ def run(s: Settings, device: torch.device, progress_factory=None) -> tuple[calib
     step = measure_step(s, device, dtype)
     comm = measure_comm(s, device, advance) if multi else None
     raw = {"attention": attention, "linear": linear, "step": step, "comm": comm, "settings": dataclasses.asdict(s)}
-    return build_profile(s, attention, linear, comm, device, step), raw
+    if multi:
+        raw.update(median_rank(attention, linear, step, _device_name(device)))
+    return build_profile(s, raw["attention"], raw["linear"], comm, device, raw["step"], raw.get("ranks", 1)), raw
+
+
+def median_rank(attention: list[dict], linear: list[dict], step: dict, device_name: str) -> dict:
+    """Every rank measured the same points at the same time; each timing, and each figure
+    derived from one, becomes the median of the ranks on this rank's device type (of an
+    even number, the mean of the middle two): on a shared CPU host one rank's point moves
+    by 20-50% between runs minutes apart, the median of the ranks much less. Collective;
+    returns the rows (`attention`, `linear`, `step`), each rank's own (`per_rank`) and how
+    many ranks they were taken over (`ranks`)."""
+    mine = {"device": device_name, "attention": attention, "linear": linear, "step": step}
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    alike = [{k: v for k, v in r.items() if k != "device"} for r in every if r["device"] == device_name]
+
+    def median(values: list):
+        first = values[0]
+        if isinstance(first, dict):
+            return {k: median([v[k] for v in values]) for k in first}
+        if isinstance(first, list):
+            return [median(list(v)) for v in zip(*values)]
+        return statistics.median(values) if isinstance(first, float) else first  # counts, lengths, flags: alike
+
+    return {**median(alike), "per_rank": alike, "ranks": len(alike)}
 
 
 def init_distributed() -> torch.device:
@@ -242,7 +271,7 @@ def command(args) -> tuple[calibration.Profile, dict] | None:
         check_output(args.plot, "--plot", plot_formats(), min_free_bytes=OUTPUT_ROOM)
     device = init_distributed()
     if device.type == "cpu":
-        torch.set_num_threads(THREADS_PER_CPU_RANK)
+        host.setup_cpu_rank()  # as `ballonet train` runs a CPU rank
     gpu = args.gpu or default_gpu(device)
     hardware.gpu(gpu)
     specs.model(args.model or ("llama-7b" if device.type == "cuda" else "tiny"))

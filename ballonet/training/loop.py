@@ -39,7 +39,8 @@ from ballonet.cost.recompute import plan_recompute
 from ballonet.errors import InputError
 from ballonet.integrations import hf_model
 from ballonet.plan.recompute import heaviest
-from ballonet.training import checkpoint, config_file, evaluation, export, logs, metrics, optim, parallel, tensor_parallel
+from ballonet.training import (checkpoint, config_file, evaluation, export, host, logs, metrics, optim, parallel,
+                               tensor_parallel)
 from ballonet.training.config import TrainConfig
 from ballonet.training.corpus import Corpus
 from ballonet.training.loader import BalancedLoader, Cursor, document_order, take_pieces
@@ -163,7 +164,7 @@ def _run(config: TrainConfig, group, use_cuda: bool):
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     if not use_cuda:
-        torch.set_num_threads(1)
+        host.setup_cpu_rank()
     torch.manual_seed(config.seed)
 
     cluster, spec, corpus = preflight(config, world_size)
