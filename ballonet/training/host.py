@@ -28,9 +28,9 @@ def setup_cpu_rank() -> bool:
     threshold is free, and serves blocks above its mmap threshold (both adjusted as the
     process runs) with fresh mappings. A rank whose batches change shape every step then
     faults its activations in again each step, which a calibration repeating one shape
-    never pays: on the lightly loaded ranks of a 4-rank long-document run, 3,900-5,500
-    minor faults and 10-18 ms of system time per forward and backward with the defaults,
-    7-127 faults with these settings (bench/results/host_allocator.md). Tensors up to 32
+    never pays: on the lightly loaded ranks of a 4-rank long-document run, 5,200-6,200
+    minor faults and 9-18 ms of system time per forward and backward with the defaults,
+    7-423 faults with these settings (bench/results/host_allocator.md). Tensors up to 32
     MiB now come from the heap, and up to 1 GiB of freed heap stays mapped. Other C
     libraries: threads only."""
     torch.set_num_threads(THREADS_PER_CPU_RANK)
