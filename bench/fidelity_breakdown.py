@@ -11,8 +11,10 @@ thread, median of 5, after a warm-up):
 * attention: the runtime engine on the rank's own documents (a one-rank plan), forward
   and backward, times the model's layers;
 * the model without its attention core on the rank's tokens (GEMMs, elementwise, head, loss);
-* the whole model (`training.model.Transformer`) on the real plan: bare, then wrapped by
-  FSDP2 as the training loop wraps it; the difference is the framework's work;
+* the whole model (`training.model.Transformer`) on the real plan, bare and wrapped by
+  FSDP2 as the training loop wraps it, timed alternately (`calibration.measure_compute.
+  paired_s`, as calibrate times the same difference): the median of their paired
+  differences is the framework's work (two separate medians differ by more than it);
 * a torch.profiler table of the FSDP2 step on rank 0 (ops by self CPU time).
 
 and the profile's price of the same pieces (`ballonet.cost`, as the simulator adds them).
@@ -37,6 +39,7 @@ import torch.distributed as dist
 import ballonet
 from _common import command, record, write_text
 from ballonet import calibration, runtime
+from ballonet.calibration.measure_compute import paired_s
 from ballonet.cost import hardware
 from ballonet.cost.flops import attention_flops, head_flops_per_token, loss_bytes_per_token
 from ballonet.cost.seconds import attention_seconds, elementwise_time, framework_time, linear_time
@@ -85,10 +88,11 @@ def _measure(rank: int, plan: Plan, spec, with_table: bool) -> dict:
     no_core = Transformer(spec, attention_fn=lambda q, k, v, *_: q)
     out["model without attention"] = _median_s(lambda: no_core.loss(ids, ids, _one_rank([T]), 0).backward())
     bare = Transformer(spec)
-    out["bare model, real plan"] = _median_s(lambda: bare.loss(ids, ids, plan, rank).backward())
     fsdp = Transformer(spec)
     parallel.parallelize(fsdp, parallel.device_mesh(dist.get_world_size(), "full", torch.device("cpu")))
-    out["FSDP2 model, real plan"] = _median_s(lambda: fsdp.loss(ids, ids, plan, rank).backward())
+    out["FSDP2 model, real plan"], out["bare model, real plan"], out["framework"] = paired_s(
+        lambda: fsdp.loss(ids, ids, plan, rank).backward(), lambda: bare.loss(ids, ids, plan, rank).backward(),
+        torch.device("cpu"), 5)
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:  # on every rank: FSDP2's collectives need all
@@ -115,6 +119,9 @@ def _price(rank: int, plan: Plan, spec, cluster) -> dict:
 
 
 def rank_fn(rank: int, world: int, planner: str, profile_path: str, lengths: list[int]) -> dict:
+    from ballonet.training import host
+
+    host.setup_cpu_rank()  # as `ballonet train` runs a CPU rank
     torch.manual_seed(rank)
     spec = ballonet.model("tiny")
     nodes = 1 if world <= 2 else 2
@@ -139,10 +146,8 @@ def report(results: list[dict], args, command: str) -> str:
         rows = [("attention (engine, fwd+bwd, all layers)", m["attention"], p["attention"]),
                 ("model without attention (GEMMs, elementwise, head, loss)", m["model without attention"],
                  p["model without attention"]),
-                ("framework: FSDP2 model - bare model", m["FSDP2 model, real plan"] - m["bare model, real plan"],
-                 p["framework"]),
-                ("sum of the three pieces", m["attention"] + m["model without attention"]
-                 + m["FSDP2 model, real plan"] - m["bare model, real plan"],
+                ("framework: FSDP2 model - bare model (paired)", m["framework"], p["framework"]),
+                ("sum of the three pieces", m["attention"] + m["model without attention"] + m["framework"],
                  p["attention"] + p["model without attention"] + p["framework"]),
                 ("FSDP2 model on the real plan (the loop's compute)", m["FSDP2 model, real plan"],
                  p["simulated compute (no optimizer)"])]

@@ -5,6 +5,7 @@ measured steps); these tests check the format, what is measured and where it goe
 """
 
 import json
+import platform
 import resource
 import statistics
 
@@ -162,8 +163,12 @@ def _calibrate_on_ranks(rank: int, world: int):
 def test_calibrate_on_two_gloo_ranks_as_train_runs_them_measures_the_links_and_keeps_the_median_rank():
     results = run_ranks(2, _calibrate_on_ranks)
     (profile, raw, (took, threads, (faults, pages)), alike, apart) = results[0]
-    # Each rank runs as a training rank: one thread, and freed memory is mapped again without faults.
-    assert took and threads == 1 and faults < pages // 10, (took, threads, faults, pages)
+    # Each rank runs as a training rank: one thread, and (glibc) freed memory is mapped again without faults.
+    assert threads == 1
+    if platform.libc_ver()[0] == "glibc":
+        assert took and faults < pages // 10, (took, faults, pages)
+    else:
+        assert not took
     # Each timing the median over the ranks (of 2: their mean), counts and flags as measured;
     # ranks of another device type left out.
     assert raw["ranks"] == 2 and alike["ranks"] == 2 and apart["ranks"] == 1
