@@ -182,6 +182,11 @@ def test_failed_rank_line_prefers_the_rank_s_own_message(tmp_path):
     (tmp_path / "0").write_text("ballonet train: error: rank 0: Connection reset by peer\n")
     assert _failure_line(failures, str(tmp_path)) == ("ballonet train: error: rank 1 died (signal 9); the others "
                                                       "stopped", 1)
+    # ... and the peer the agent stopped (SIGTERM) before it noticed, recorded in the same second.
+    failures = {0: SimpleNamespace(exitcode=-15, timestamp=3), 1: SimpleNamespace(exitcode=-9, timestamp=3)}
+    (tmp_path / "0").unlink()
+    assert _failure_line(failures, str(tmp_path)) == ("ballonet train: error: rank 1 died (signal 9); the others "
+                                                      "stopped", 1)
 
 
 def test_a_rank_s_bad_input_under_nproc_is_its_one_line_and_exit_2(tmp_path):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import sys
 import tempfile
 
@@ -69,8 +70,12 @@ def _failure_line(failures: dict, folder: str) -> tuple[str, int]:
         if name.isdigit():
             with open(os.path.join(folder, name)) as f:
                 lines[int(name)] = f.read().strip()
-    # First failure first; within a timestamp (whole seconds) a death before the peers it cut off.
-    order = sorted(failures, key=lambda r: (failures[r].timestamp, failures[r].exitcode >= 0, r))
+    # First failure first; within a timestamp (whole seconds) a death before the peers it cut
+    # off, and before the ranks the agent then stopped with SIGTERM (which it records too).
+    def cut_off(code: int) -> bool:
+        return code >= 0 or code == -signal.SIGTERM
+
+    order = sorted(failures, key=lambda r: (failures[r].timestamp, cut_off(failures[r].exitcode), r))
     for rank in order:
         if rank in lines and failures[rank].exitcode == 2:
             return lines[rank], 2
