@@ -27,7 +27,9 @@
 
 Targets: per-rank compute within 15%, step within 25%, planners in the same order.
 Writes bench/results/fidelity.md and fidelity.json, with the machine's load; the profiles
-in bench/results/fidelity_profiles/.
+in bench/results/fidelity_profiles/. bench/fidelity_paired.py measures the simulator's
+error without the machine's drift between a calibration and a run (both in the same
+processes).
 """
 
 from __future__ import annotations
@@ -112,12 +114,17 @@ def predict(record: dict, nproc: int, config: TrainConfig, profile, cluster, spe
     if plan.digest != record["plan_digest"]:
         raise SystemExit(f"{config.planner} on {nproc} ranks, step {record['step']}: the plan made again differs "
                          "from the one that trained")
-    plan = dataclasses.replace(plan, meta={**plan.meta, "kv_prefix": False, "ping_pong": False})  # as run here
     with calibration.use(profile):
-        res = simulate(plan, cluster, spec)
+        res = simulate(as_run(plan), cluster, spec)
     compute = [c - res.optimizer_s for c in res.compute_s]  # the loop's compute: no optimizer step
     return {"compute_s": compute, "cpu_s_max": max(res.compute_s), "step_s": res.step_time_s,
             "rings": len(plan.rings)}
+
+
+def as_run(plan):
+    """`plan` as the runtime runs it here: distca and magi without the courtesies of
+    docs/design.md section 10 (K/V sent once per shard, ping-pong)."""
+    return dataclasses.replace(plan, meta={**plan.meta, "kv_prefix": False, "ping_pong": False})
 
 
 def compare(records: list[dict], nproc: int, config: TrainConfig, profile) -> dict:
