@@ -28,6 +28,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import ballonet
 from ballonet.integrations import hf
+from ballonet.training import host
 from ballonet.training.corpus import stdlib
 from ballonet.training.loader import BalancedLoader
 
@@ -52,7 +53,7 @@ def all_reduce_grads(model: torch.nn.Module) -> None:
 
 
 def train(rank: int, args: argparse.Namespace, init_file: str) -> None:
-    torch.set_num_threads(1)
+    host.setup_cpu_rank()  # as `ballonet train` runs a CPU rank: one thread, freed memory kept
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE)
     cluster = ballonet.cluster("cpu", num_nodes=1, gpus_per_node=WORLD_SIZE)
     plan_fn = functools.partial(ballonet.plan_batch, cluster=cluster, model=ballonet.model("tiny"), planner="zeppelin")
