@@ -1,11 +1,15 @@
-"""Spawn gloo ranks on CPU, run one function in each, collect what each returns.
+"""Start gloo ranks on CPU, run one function in each, collect what each returns.
 
     results = run_ranks(4, check_fn, arg1, arg2)   # [check_fn(rank, 4, arg1, arg2) per rank]
 
 `fn` must be a module-level (picklable) function and its result must pickle. Each rank
 runs with one thread, inside `init_process_group("gloo")` (default group = all ranks).
 If any rank raises (or the ranks outlive `timeout`), the others are stopped and
-`RankFailed` carries each failing rank's traceback. A spawn costs 2-5 s: put many
+`RankFailed` carries each failing rank's traceback. Ranks are not forked from the
+caller (a pytest worker that has run torch, and may hold threads): they come from a
+fork server, a fresh process that has only imported `PRELOAD`, so a rank starts as a
+spawned one would without importing torch and Ballonet again (2-4 s a rank; the test
+suite's wall time halved). A group still costs its process group's start: put many
 checks in one function.
 """
 
@@ -41,9 +45,17 @@ def _entry(rank: int, world_size: int, init_file: str, fn, args: tuple, results)
             dist.destroy_process_group()
 
 
+PRELOAD = ["torch", "torch.distributed", "numpy", "ballonet", "ballonet.training.loop", "ballonet.training.model"]
+"""What the fork server imports once. It runs no torch op, so it starts no OpenMP pool; with
+OMP_NUM_THREADS=1 (the README's test command) it holds no thread at all, else only numpy's
+OpenBLAS pool, which OpenBLAS shuts down before a fork."""
+
+
 def run_ranks(world_size: int, fn, *args, timeout: float = 300.0) -> list:
-    """[fn(rank, world_size, *args) for rank in range(world_size)], each in its own process."""
-    ctx = mp.get_context("spawn")
+    """[fn(rank, world_size, *args) for rank in range(world_size)], each in its own process
+    (from the fork server, see the module docstring)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         procs = [ctx.Process(target=_entry, args=(rank, world_size, os.path.join(tmp, "store"), fn, args, results),
