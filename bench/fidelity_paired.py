@@ -9,7 +9,7 @@ bench/fidelity.py, the fidelity record, compares `ballonet train` runs against a
 comparison carries two errors of the machine's besides the simulator's: its speed drifts
 (the same work in the same processes takes 25-50% longer for tens of seconds at a time,
 both cores alike, steal time near 0) and a fresh process can run some 10% slower than
-another started beside it. Here --ranks spawned gloo ranks stay up for the whole bench,
+another started beside it. Here --ranks gloo ranks (`tests.distributed.run_ranks`) stay up for the whole bench,
 and each round
 
 1. calibrates compute as `ballonet calibrate` does (`calibration.measure_compute`:

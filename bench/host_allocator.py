@@ -3,7 +3,7 @@ settings `ballonet train` and `ballonet calibrate` give a CPU rank (`training.ho
 
     OMP_NUM_THREADS=1 python bench/host_allocator.py [--ranks 4] [--steps 8] [--groups 3]
 
-Each group spawns --ranks gloo ranks (2 emulated nodes from 4 ranks) that train the tiny
+Each group starts --ranks gloo ranks (2 emulated nodes from 4 ranks) that train the tiny
 model as the training loop does (FSDP2, AdamW, gradients set to None after each step) on
 the batches `ballonet train` takes from bench/fidelity.py's long documents (16384 tokens a
 step, seed 0), planned by packed_dp: one rank holds the long documents, the others short
