@@ -30,9 +30,10 @@ What is measured, on the device this process runs on:
    of overlapping communication).
 
 The points of items 1 and 2 are timed in `Settings.passes` sweeps over all of them, a
-point's figure the median of its timings over the sweeps (`measure_compute.in_passes`):
-on a shared host the machine's speed drifts for tens of seconds at a time, longer than
-one point takes. Under torchrun every rank measures items 1 and 2 at the same time, and
+point's figure the mean over the sweeps of its median in each (`measure_compute.in_passes`,
+`over_passes`): on a shared host the machine's speed drifts for tens of seconds at a
+time, longer than one point takes, and a training step meets the slow spells at their
+share of the time. Under torchrun every rank measures items 1 and 2 at the same time, and
 the profile takes the median of the ranks' timings of each point (`median_rank`): on a
 shared host one rank's point moves by 20-50% between runs. Each rank runs as `ballonet
 train` runs a CPU rank (`training.host`).

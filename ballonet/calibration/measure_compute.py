@@ -91,9 +91,19 @@ def in_passes(points: list, passes: int) -> list[tuple[int, object]]:
     passes alternately forward and backward over `points`. On a shared host the machine's
     speed drifts by tens of percent over tens of seconds (bench/results/fidelity_paired.md),
     longer than one point takes: a point timed in one go carries the speed of its moment,
-    while its timings spread over `passes` sweeps of the whole calibration give each point
-    the calibration's typical speed, and a slow spell no longer bends the curves."""
+    while its timings spread over `passes` sweeps of the whole calibration sample the
+    machine over the calibration's whole span (`over_passes` averages them)."""
     return [(p, x) for p in range(passes) for x in (points if p % 2 == 0 else points[::-1])]
+
+
+def over_passes(times: list[float], passes: int) -> float:
+    """A point's figure from its timings in pass order (as many a pass): the mean over the
+    passes of each pass's median. The median drops a single slow call; the mean over the
+    passes keeps the slow spells at their share of the time, as a training step, which
+    sums its kernels' times, meets them (the median of all timings would price the
+    machine's fast spells only)."""
+    per = len(times) // passes
+    return statistics.fmean(statistics.median(times[p * per:(p + 1) * per]) for p in range(passes))
 
 
 def lengths(max_length: int) -> list[int]:
@@ -105,8 +115,8 @@ def lengths(max_length: int) -> list[int]:
 
 
 def measure_attention(s: Settings, device: torch.device, dtype: torch.dtype, progress=None) -> list[dict]:
-    """One row per (shape, length): forward and backward seconds (medians of
-    `s.repeats` timings over `s.passes` sweeps, `in_passes`) of a pack of documents through the
+    """One row per (shape, length): forward and backward seconds (`s.repeats` timings
+    over `s.passes` sweeps, `in_passes`, averaged by `over_passes`) of a pack of documents through the
     runtime's attention engine on a one-rank plan (its kernel, index bookkeeping and
     merges: what a rank's local documents cost in training)."""
     peak = hardware.gpu(s.gpu).peak_flops
@@ -132,7 +142,7 @@ def measure_attention(s: Settings, device: torch.device, dtype: torch.dtype, pro
     rows = []
     for (heads, kv_heads, dim), L in points:
         n = max(1, s.pack_tokens // L)
-        fwd, bwd = (statistics.median(t) for t in times[(heads, kv_heads, dim), L])
+        fwd, bwd = (over_passes(t, s.passes) for t in times[(heads, kv_heads, dim), L])
         flops = 2.0 * heads * dim * L * (L + 1) * n
         rows.append({"heads": heads, "kv_heads": kv_heads, "head_dim": dim,
                      "model_shape": (heads, kv_heads, dim) == own, "length": L, "num_docs": n,
@@ -164,8 +174,8 @@ def _model_step(model, ids, plan):
 
 
 def measure_linear(s: Settings, device: torch.device, dtype: torch.dtype, progress=None) -> list[dict]:
-    """One row per token count: forward+backward seconds (medians over `s.passes` sweeps,
-    `in_passes`, each timing the two alternately) of the model's GEMMs alone (each
+    """One row per token count: forward+backward seconds (`s.passes` sweeps, `in_passes`,
+    each timing the two alternately; `over_passes`) of the model's GEMMs alone (each
     layer's QKV, O and MLP, the LM head) and of the model without its attention core
     (embedding, norms, RoPE, SwiGLU, residual adds, LM head and loss), at most 2 layers.
     GEMM efficiency = 3 * GEMM FLOPs / (seconds * peak); the rest of the model's seconds is
@@ -191,7 +201,8 @@ def measure_linear(s: Settings, device: torch.device, dtype: torch.dtype, progre
     rows = []
     for T in s.linear_tokens:
         a, b = times[T]
-        whole, gemm, rest = statistics.median(a), statistics.median(b), statistics.median(x - y for x, y in zip(a, b))
+        whole, gemm = over_passes(a, s.passes), over_passes(b, s.passes)
+        rest = over_passes([x - y for x, y in zip(a, b)], s.passes)
         rest = max(rest, 0.01 * whole)  # noisy timings: the rest is never taken below 1%
         rows.append({"tokens": T, "gemm_s": gemm, "model_s": whole, "efficiency": flops_per_token * T / (gemm * peak),
                      "elementwise_s": rest, "elementwise_bytes_per_s": bytes_per_token * T / rest})

@@ -18,7 +18,7 @@ class Settings:
     linear_tokens: tuple[int, ...] = (64, 256, 1024, 4096, 16384)
     message_bytes: tuple[int, ...] = tuple(2**k for k in range(10, 25, 2))
     repeats: int = 6
-    """Timings of each point in all (their median is the point's figure)."""
+    """Timings of each point in all (`measure_compute.over_passes` makes its figure)."""
     passes: int = 3
     """Sweeps over the attention and linear points, each timing a point `per_pass` times
     (`measure_compute.in_passes`)."""
