@@ -6,7 +6,6 @@ measured steps); these tests check the format, what is measured and where it goe
 
 import ctypes
 import ctypes.util
-import dataclasses
 import json
 import platform
 import statistics
@@ -132,35 +131,6 @@ def test_calibrate_prices_gemms_elementwise_work_and_the_optimizer_from_its_timi
     assert profile.optimizer_s_per_param == pytest.approx(step["optimizer_s"] / step["local_params"])
     assert profile.framework_s_per_layer == hardware.profile("cpu").framework_s_per_layer  # no FSDP2 alone
     assert "fsdp_s" not in step and any("framework" in a and "one process" in a for a in profile.assumptions)
-
-
-def test_calibration_times_its_points_in_passes_and_averages_each_points_pass_medians(monkeypatch):
-    """Every point is timed once per pass, the passes alternately forward and backward over
-    the points, warm-up only in the first; a point's figure is the mean over the passes of
-    its median in each: a slow call inside a pass is dropped, a slow pass counts at its share."""
-    from ballonet.calibration import measure_compute
-    from ballonet.calibration.settings import Settings, quick
-
-    assert measure_compute.in_passes([1, 2, 3], 3) == [(0, 1), (0, 2), (0, 3), (1, 3), (1, 2), (1, 1),
-                                                      (2, 1), (2, 2), (2, 3)]
-    s = dataclasses.replace(quick(Settings(gpu="cpu", model="tiny")), max_length=128, repeats=5, passes=3)
-    assert s.per_pass == 2
-    with pytest.raises(ValueError, match="passes"):
-        Settings(gpu="cpu", model="tiny", passes=0)
-    calls = []
-
-    def fake_times(fn, device, repeats, wall=False, warm=True):
-        slow = len(calls) // 4 == 1  # the second pass (2 lengths x forward, backward a pass) is slow
-        calls.append((repeats, warm))
-        return [10.0 if slow else 1.0] * repeats
-
-    monkeypatch.setattr(measure_compute, "SHAPES", {"cpu": ()})
-    monkeypatch.setattr(measure_compute, "times_s", fake_times)
-    rows = measure_compute.measure_attention(s, torch.device("cpu"), torch.float32)
-    assert [r["length"] for r in rows] == [64, 128]
-    assert calls == [(2, True)] * 4 + [(2, False)] * 8  # 3 passes x 2 lengths x (forward, backward)
-    assert all(r["forward_s"] == r["backward_s"] == pytest.approx(4.0) for r in rows)  # (1 + 10 + 1) / 3
-    assert measure_compute.over_passes([1.0, 9.0, 1.0, 2.0, 2.0, 2.0, 3.0, 3.0, 3.0], 3) == pytest.approx(2.0)
 
 
 class _Mallinfo2(ctypes.Structure):

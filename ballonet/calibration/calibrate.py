@@ -29,14 +29,10 @@ What is measured, on the device this process runs on:
    alone and while the largest all-reduce runs beside it (compute seconds lost per second
    of overlapping communication).
 
-The points of items 1 and 2 are timed in `Settings.passes` sweeps over all of them, a
-point's figure the mean over the sweeps of its median in each (`measure_compute.in_passes`,
-`over_passes`): on a shared host the machine's speed drifts for tens of seconds at a
-time, longer than one point takes, and a training step meets the slow spells at their
-share of the time. Under torchrun every rank measures items 1 and 2 at the same time, and
-the profile takes the median of the ranks' timings of each point (`median_rank`): on a
-shared host one rank's point moves by 20-50% between runs. Each rank runs as `ballonet
-train` runs a CPU rank (`training.host`).
+Under torchrun every rank measures items 1 and 2 at the same time, and the profile takes
+the median of the ranks' timings of each point (`median_rank`): on a shared host one
+rank's point moves by 20-50% between runs. Each rank runs as `ballonet train` runs a CPU rank
+(`training.host`).
 Items 1 and 2 are `measure_compute.py`, item 3 `measure_links.py`; this module builds the
 profile and runs the command. Peak FLOP/s and nominal link bandwidths are the GPU type's
 (`cost.hardware.GPUS`) and the cluster preset's NIC rate, so efficiencies are fractions of
@@ -163,7 +159,7 @@ def run(s: Settings, device: torch.device, progress_factory=None) -> tuple[calib
     """Measure and return (profile, raw measurements). Collective under torchrun."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     multi = dist.is_initialized() and dist.get_world_size() > 1
-    total = (s.passes * (len(attention_shapes(s, device)) * len(lengths(s.max_length)) + len(s.linear_tokens))
+    total = (len(attention_shapes(s, device)) * len(lengths(s.max_length)) + len(s.linear_tokens)
              + (len(s.message_bytes) if multi else 0))
     advance = progress_factory(total) if progress_factory else None
     attention = measure_attention(s, device, dtype, advance)

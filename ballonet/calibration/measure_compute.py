@@ -43,11 +43,10 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def times_s(fn, device: torch.device, repeats: int, wall: bool = False, warm: bool = True) -> list[float]:
-    """Seconds of `repeats` calls of `fn` (after a warm-up call with `warm`): on a CPU the
-    calling thread's CPU time (what a rank's compute costs whatever else shares the cores,
-    as the training loop measures it), on a GPU (or with `wall`) wall time after a
-    synchronize."""
+def median_s(fn, device: torch.device, repeats: int, wall: bool = False, warm: bool = True) -> float:
+    """Median seconds of `fn` after a warm-up: on a CPU the calling thread's CPU time (what
+    a rank's compute costs whatever else shares the cores, as the training loop measures
+    it), on a GPU (or with `wall`) wall time after a synchronize."""
     clock = time.perf_counter if wall or device.type == "cuda" else time.thread_time
     if warm:
         fn()
@@ -58,52 +57,19 @@ def times_s(fn, device: torch.device, repeats: int, wall: bool = False, warm: bo
         fn()
         sync(device)
         times.append(clock() - start)
-    return times
-
-
-def median_s(fn, device: torch.device, repeats: int, wall: bool = False, warm: bool = True) -> float:
-    """Median of `times_s`."""
-    return statistics.median(times_s(fn, device, repeats, wall, warm))
-
-
-def paired_times(fn_a, fn_b, device: torch.device, repeats: int, warm: bool = True) -> tuple[list, list]:
-    """Seconds of `fn_a` and of `fn_b`, timed alternately `repeats` times each, so that a
-    change in the machine's speed (other jobs on a shared host) falls on both alike; CPU
-    time on a CPU, as `times_s`."""
-    if warm:
-        fn_a(), fn_b()
-    a, b = [], []
-    for _ in range(repeats):
-        a += times_s(fn_a, device, 1, warm=False)
-        b += times_s(fn_b, device, 1, warm=False)
-    return a, b
+    return statistics.median(times)
 
 
 def paired_s(fn_a, fn_b, device: torch.device, repeats: int) -> tuple[float, float, float]:
-    """(median seconds of `fn_a`, of `fn_b`, median of their paired differences a - b)
-    from `paired_times`."""
-    a, b = paired_times(fn_a, fn_b, device, repeats)
+    """(median seconds of `fn_a`, of `fn_b`, median of their paired differences a - b),
+    the two timed alternately so that a change in the machine's speed (other jobs on a
+    shared host) falls on both alike; CPU time on a CPU, as `median_s`."""
+    fn_a(), fn_b()
+    a, b = [], []
+    for _ in range(repeats):
+        a.append(median_s(fn_a, device, 1, warm=False))
+        b.append(median_s(fn_b, device, 1, warm=False))
     return statistics.median(a), statistics.median(b), statistics.median(x - y for x, y in zip(a, b))
-
-
-def in_passes(points: list, passes: int) -> list[tuple[int, object]]:
-    """(pass, point) in the order a calibration times them: every point once per pass, the
-    passes alternately forward and backward over `points`. On a shared host the machine's
-    speed drifts by tens of percent over tens of seconds (bench/results/fidelity_paired.md),
-    longer than one point takes: a point timed in one go carries the speed of its moment,
-    while its timings spread over `passes` sweeps of the whole calibration sample the
-    machine over the calibration's whole span (`over_passes` averages them)."""
-    return [(p, x) for p in range(passes) for x in (points if p % 2 == 0 else points[::-1])]
-
-
-def over_passes(times: list[float], passes: int) -> float:
-    """A point's figure from its timings in pass order (as many a pass): the mean over the
-    passes of each pass's median. The median drops a single slow call; the mean over the
-    passes keeps the slow spells at their share of the time, as a training step, which
-    sums its kernels' times, meets them (the median of all timings would price the
-    machine's fast spells only)."""
-    per = len(times) // passes
-    return statistics.fmean(statistics.median(times[p * per:(p + 1) * per]) for p in range(passes))
 
 
 def lengths(max_length: int) -> list[int]:
@@ -115,39 +81,32 @@ def lengths(max_length: int) -> list[int]:
 
 
 def measure_attention(s: Settings, device: torch.device, dtype: torch.dtype, progress=None) -> list[dict]:
-    """One row per (shape, length): forward and backward seconds (`s.repeats` timings
-    over `s.passes` sweeps, `in_passes`, averaged by `over_passes`) of a pack of documents through the
-    runtime's attention engine on a one-rank plan (its kernel, index bookkeeping and
-    merges: what a rank's local documents cost in training)."""
+    """One row per (shape, length): forward and backward seconds of a pack of documents
+    through the runtime's attention engine on a one-rank plan (its kernel, index
+    bookkeeping and merges: what a rank's local documents cost in training)."""
+    rows = []
     peak = hardware.gpu(s.gpu).peak_flops
     own = attention_shapes(s, device)[0]
-    points = [(shape, L) for shape in attention_shapes(s, device) for L in lengths(s.max_length)]
-    times: dict = {x: ([], []) for x in points}
-    for p, ((heads, kv_heads, dim), L) in in_passes(points, s.passes):
-        n = max(1, s.pack_tokens // L)
-        plan = Plan(planner="calibrate", lengths=(L,) * n, node_of_rank=(0,), nic_of_rank=(0,),
-                    attention=(tuple(Segment(d, 0, L) for d in range(n)),))
-        q = torch.randn(n * L, heads, dim, device=device, dtype=dtype, requires_grad=True)
-        k, v = (torch.randn(n * L, kv_heads, dim, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
-        fwd, bwd = times[(heads, kv_heads, dim), L]
-        with torch.no_grad():
-            fwd += times_s(lambda: runtime.attention(q, k, v, plan, 0, verify_plan=False), device, s.per_pass,
-                           warm=p == 0)
-        out = runtime.attention(q, k, v, plan, 0, verify_plan=False)
-        dout = torch.randn_like(out)
-        bwd += times_s(lambda: torch.autograd.backward(out, dout, retain_graph=True), device, s.per_pass,
-                       warm=p == 0)
-        if progress:
-            progress()
-    rows = []
-    for (heads, kv_heads, dim), L in points:
-        n = max(1, s.pack_tokens // L)
-        fwd, bwd = (over_passes(t, s.passes) for t in times[(heads, kv_heads, dim), L])
-        flops = 2.0 * heads * dim * L * (L + 1) * n
-        rows.append({"heads": heads, "kv_heads": kv_heads, "head_dim": dim,
-                     "model_shape": (heads, kv_heads, dim) == own, "length": L, "num_docs": n,
-                     "forward_s": fwd, "backward_s": bwd, "forward_efficiency": flops / (fwd * peak),
-                     "backward_efficiency": 2.5 * flops / (bwd * peak)})
+    for heads, kv_heads, dim in attention_shapes(s, device):
+        for L in lengths(s.max_length):
+            n = max(1, s.pack_tokens // L)
+            plan = Plan(planner="calibrate", lengths=(L,) * n, node_of_rank=(0,), nic_of_rank=(0,),
+                        attention=(tuple(Segment(d, 0, L) for d in range(n)),))
+            q = torch.randn(n * L, heads, dim, device=device, dtype=dtype, requires_grad=True)
+            k, v = (torch.randn(n * L, kv_heads, dim, device=device, dtype=dtype, requires_grad=True)
+                    for _ in range(2))
+            with torch.no_grad():
+                fwd = median_s(lambda: runtime.attention(q, k, v, plan, 0, verify_plan=False), device, s.repeats)
+            out = runtime.attention(q, k, v, plan, 0, verify_plan=False)
+            dout = torch.randn_like(out)
+            bwd = median_s(lambda: torch.autograd.backward(out, dout, retain_graph=True), device, s.repeats)
+            flops = 2.0 * heads * dim * L * (L + 1) * n
+            rows.append({"heads": heads, "kv_heads": kv_heads, "head_dim": dim,
+                         "model_shape": (heads, kv_heads, dim) == own, "length": L, "num_docs": n,
+                         "forward_s": fwd, "backward_s": bwd, "forward_efficiency": flops / (fwd * peak),
+                         "backward_efficiency": 2.5 * flops / (bwd * peak)})
+            if progress:
+                progress()
     return rows
 
 
@@ -174,8 +133,7 @@ def _model_step(model, ids, plan):
 
 
 def measure_linear(s: Settings, device: torch.device, dtype: torch.dtype, progress=None) -> list[dict]:
-    """One row per token count: forward+backward seconds (`s.passes` sweeps, `in_passes`,
-    each timing the two alternately; `over_passes`) of the model's GEMMs alone (each
+    """One row per token count: forward+backward seconds of the model's GEMMs alone (each
     layer's QKV, O and MLP, the LM head) and of the model without its attention core
     (embedding, norms, RoPE, SwiGLU, residual adds, LM head and loss), at most 2 layers.
     GEMM efficiency = 3 * GEMM FLOPs / (seconds * peak); the rest of the model's seconds is
@@ -189,23 +147,16 @@ def measure_linear(s: Settings, device: torch.device, dtype: torch.dtype, progre
                            + head_flops_per_token(spec))
     bytes_per_token = (1 + ELEMENTWISE_BACKWARD_FACTOR) * (
         spec.num_layers * elementwise_bytes_per_token(spec) + loss_bytes_per_token(spec))
-    times: dict = {T: ([], []) for T in s.linear_tokens}
-    for p, T in in_passes(list(s.linear_tokens), s.passes):
-        ids = torch.randint(0, spec.vocab_size, (T,), device=device)
-        whole, gemm = paired_times(_model_step(model, ids, _one_rank_plan(T)), _gemms(model, T, device, dtype),
-                                   device, s.per_pass, warm=p == 0)
-        times[T][0].extend(whole)
-        times[T][1].extend(gemm)
-        if progress:
-            progress()
     rows = []
     for T in s.linear_tokens:
-        a, b = times[T]
-        whole, gemm = over_passes(a, s.passes), over_passes(b, s.passes)
-        rest = over_passes([x - y for x, y in zip(a, b)], s.passes)
+        ids = torch.randint(0, spec.vocab_size, (T,), device=device)
+        whole, gemm, rest = paired_s(_model_step(model, ids, _one_rank_plan(T)), _gemms(model, T, device, dtype),
+                                      device, s.repeats)
         rest = max(rest, 0.01 * whole)  # noisy timings: the rest is never taken below 1%
         rows.append({"tokens": T, "gemm_s": gemm, "model_s": whole, "efficiency": flops_per_token * T / (gemm * peak),
                      "elementwise_s": rest, "elementwise_bytes_per_s": bytes_per_token * T / rest})
+        if progress:
+            progress()
     return rows
 
 

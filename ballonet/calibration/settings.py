@@ -17,25 +17,11 @@ class Settings:
     pack_tokens: int = 16384
     linear_tokens: tuple[int, ...] = (64, 256, 1024, 4096, 16384)
     message_bytes: tuple[int, ...] = tuple(2**k for k in range(10, 25, 2))
-    repeats: int = 6
-    """Timings of each point in all (`measure_compute.over_passes` makes its figure)."""
-    passes: int = 3
-    """Sweeps over the attention and linear points, each timing a point `per_pass` times
-    (`measure_compute.in_passes`)."""
-
-    def __post_init__(self):
-        if self.repeats < 1 or self.passes < 1:
-            raise ValueError(f"repeats and passes must be positive, got {self.repeats} and {self.passes}")
-
-    @property
-    def per_pass(self) -> int:
-        """Timings of a point in each pass: `repeats` over the passes, rounded up."""
-        return -(-self.repeats // self.passes)
+    repeats: int = 5
 
 
 def quick(settings: Settings) -> Settings:
-    """A run of seconds (tests, smoke checks): short lengths, few sizes, 2 repeats in one pass."""
+    """A run of seconds (tests, smoke checks): short lengths, few sizes, 2 repeats."""
     return dataclasses.replace(settings, max_length=min(settings.max_length, 512), pack_tokens=1024,
-                               linear_tokens=(64, 512), message_bytes=(2**10, 2**16, 2**20), repeats=2,
-                               passes=1)
+                               linear_tokens=(64, 512), message_bytes=(2**10, 2**16, 2**20), repeats=2)
 
