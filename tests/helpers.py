@@ -9,10 +9,13 @@ each imports what it shares from here.
     SPEC, batch, model_reference, rank_outputs, assert_grads_close  the tiny model's
     runtime_bytes                                                   what the runtime sends
     tp_groups                                                       a 2-D mesh for tensor parallelism
+    mallinfo2                                                       glibc's heap accounting
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import dataclasses
 import random
 from collections import Counter
@@ -390,3 +393,20 @@ def tp_groups(world: int, tp: int):
     mesh = parallel.device_mesh(world, "full", cpu, tp)
     plan = parallel.plan_mesh(cpu, world, tp).get_group("plan")
     return mesh, dist.get_rank() // tp, plan, parallel.outer_group(world, tp, cpu)
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+def mallinfo2() -> _Mallinfo2 | None:
+    """glibc's accounting of this process's heap (`mallinfo2`, glibc 2.33+; None without):
+    `arena` bytes the heap holds, `fordblks` of them free, `hblkhd` bytes mapped apart."""
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is None or not hasattr(libc, "mallinfo2"):
+        return None
+    libc.mallinfo2.restype = _Mallinfo2
+    return libc.mallinfo2()

@@ -4,8 +4,6 @@ Speed figures are never asserted here (bench/fidelity.py compares predictions wi
 measured steps); these tests check the format, what is measured and where it goes.
 """
 
-import ctypes
-import ctypes.util
 import json
 import platform
 import statistics
@@ -20,6 +18,7 @@ from ballonet.cost import hardware
 from ballonet.cost.seconds import attention_seconds
 from ballonet.errors import InputError
 from tests.distributed import run_ranks
+from tests.helpers import mallinfo2
 
 
 def _profile_dict() -> dict:
@@ -133,12 +132,6 @@ def test_calibrate_prices_gemms_elementwise_work_and_the_optimizer_from_its_timi
     assert "fsdp_s" not in step and any("framework" in a and "one process" in a for a in profile.assumptions)
 
 
-class _Mallinfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
-                 "keepcost")]
-
-
 def _heap_keeps(numel: int) -> tuple[int, int] | None:
     """(bytes glibc mapped afresh for a tensor of `numel` floats, bytes free in its heap once
     the tensor is gone), from glibc's own accounting (`mallinfo2`, glibc 2.33+; None before).
@@ -146,15 +139,13 @@ def _heap_keeps(numel: int) -> tuple[int, int] | None:
     `setup_cpu_rank`'s settings the block comes from the heap and stays there, free. (Counting
     page faults when the block is taken again was flaky: any small allocation in between,
     from another thread or the interpreter, can split the freed block.)"""
-    libc = ctypes.CDLL(ctypes.util.find_library("c"))
-    if not hasattr(libc, "mallinfo2"):
+    if mallinfo2() is None:
         return None
-    libc.mallinfo2.restype = _Mallinfo2
-    before = libc.mallinfo2().hblkhd
+    before = mallinfo2().hblkhd
     t = torch.ones(numel)
-    mapped = libc.mallinfo2().hblkhd - before
+    mapped = mallinfo2().hblkhd - before
     del t
-    return mapped, libc.mallinfo2().fordblks
+    return mapped, mallinfo2().fordblks
 
 
 def _calibrate_on_ranks(rank: int, world: int):

@@ -1,6 +1,7 @@
 """How a CPU rank's process runs, the same under `ballonet train` and `ballonet calibrate`
-(so that a calibration prices the process that trains): one compute thread, and the host
-allocator told to keep freed memory for the next step."""
+(so that a calibration prices the process that trains): one compute thread, the host
+allocator told to keep freed memory for the next step, and (training) its heap faulted in
+before the first step."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import ctypes
 import ctypes.util
 
 import torch
+
+from ballonet.cost import memory
+from ballonet.specs import ModelSpec
 
 THREADS_PER_CPU_RANK = 1
 """Compute threads of a CPU rank: more would oversubscribe the cores the other ranks use
@@ -19,6 +23,8 @@ M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_MAX = 32 << 20
 """glibc's upper limit for M_MMAP_THRESHOLD on 64-bit hosts (4 * 1024 * 1024 * sizeof(long))."""
 TRIM_THRESHOLD = 1 << 30
+HEAP_BLOCK = 8 << 20
+"""`warm_heap`'s blocks: below MMAP_THRESHOLD_MAX, so they come from the heap."""
 
 
 def setup_cpu_rank() -> bool:
@@ -41,3 +47,27 @@ def setup_cpu_rank() -> bool:
     except (OSError, AttributeError, TypeError):  # no libc found, or not glibc (musl, macOS)
         return False
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+
+
+def step_heap_bytes(model: ModelSpec, tokens: int, param_bytes: int) -> int:
+    """The heap a training step on `tokens` tokens may take, with a margin: 3x the
+    activation bytes it keeps without recomputation (`cost.memory`; a cold step of the tiny
+    model took 1.8-2.2x: the activations, their gradients in the backward, the kernels'
+    temporaries) and 3x `param_bytes` (the parameters' gradients, AdamW's two moments)."""
+    return int(3 * memory.activation_bytes_per_token(model, "none") * tokens + 3 * param_bytes)
+
+
+def warm_heap(num_bytes: int) -> int:
+    """Touch `num_bytes` of heap (at most TRIM_THRESHOLD) and free it, kept mapped under
+    `setup_cpu_rank`'s settings: -> the bytes touched.
+
+    Why: with the settings a rank faults a page in once, but does so in every step whose
+    batch needs more memory than any step before it, and a rank's first step (the one the
+    fidelity bench leaves out) may be its smallest. flops_dp's lighter rank on 2 ranks
+    (bench/fidelity.py's long batches) faulted 31,000 pages in step 2, 79 ms of system
+    time in a 0.67 s forward and backward, a one-off cost of the process that no
+    calibration repeating one shape sees; warmed, 2-8 faults."""
+    count = min(num_bytes, TRIM_THRESHOLD) // HEAP_BLOCK
+    blocks = [torch.zeros(HEAP_BLOCK, dtype=torch.uint8) for _ in range(count)]  # zeroed: every page written
+    del blocks
+    return count * HEAP_BLOCK

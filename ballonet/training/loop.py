@@ -163,8 +163,7 @@ def train_model(config: TrainConfig):
 def _run(config: TrainConfig, group, use_cuda: bool):
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
-    if not use_cuda:
-        host.setup_cpu_rank()
+    heap_kept = not use_cuda and host.setup_cpu_rank()
     torch.manual_seed(config.seed)
 
     cluster, spec, corpus = preflight(config, world_size)
@@ -190,6 +189,9 @@ def _run(config: TrainConfig, group, use_cuda: bool):
     parallel.parallelize(model, mesh, config.dtype)
     groups = _groups(group, world_size, config.tp, device)
     optimizer = optim.build_optimizer(model, config.lr, config.weight_decay)
+    if heap_kept:  # a micro-batch's heap faulted in now, not in whichever step first needs it
+        host.warm_heap(host.step_heap_bytes(spec, config.global_tokens // config.grad_accum,
+                                            parallel.local_parameter_bytes(model)))
 
     step = 0
     if config.checkpoint_dir and rank == 0:
