@@ -63,7 +63,8 @@ def plan_profile(cluster: ClusterSpec, profile_path: str | None):
 
 
 def memory_high_water(device: torch.device) -> int:
-    """Peak bytes: allocated by the CUDA caching allocator, or the process's peak RSS on CPU."""
+    """Peak bytes: allocated by the CUDA caching allocator, or the process's peak RSS on CPU
+    (with the heap a CPU rank warms before its first step, `host.warm_heap`)."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
