@@ -59,8 +59,9 @@ class TrainConfig:
     """Seed of the weights, the document order and synthetic tokens (>= 0)."""
     cluster: str = "cpu"
     """Cluster preset or TOML file giving the (emulated) topology."""
-    nodes: int = 1
-    """Nodes the ranks are spread over (ranks per node = world size / nodes)."""
+    nodes: int | None = None
+    """Nodes the ranks are spread over (ranks per node = world size / nodes; default 1); a cluster file of several
+    node groups sets its own, which this must then equal."""
     tp: int = 1
     """Tensor-parallel degree: each plan rank is a group of tp ranks of one node holding the same tokens, the
     model's heads and FFN split over them (PyTorch DTensor); the ranks, and those of a node, a multiple of it."""
@@ -91,6 +92,9 @@ class TrainConfig:
     """Write checkpoints in the background (DCP's async_save): training goes on while the shards are written."""
     resume: bool = False
     """Continue from the last checkpoint in --checkpoint-dir."""
+    lease: str | None = None
+    """File saying whether the cluster's loaned node groups (`loaned = true`) are `lent` (or no file) or
+    `reclaimed`: the job saves and goes on over the ranks it allows (needs --checkpoint-dir)."""
     eval_every: int = 0
     """Steps between evaluations of the held-out loss (0: never); the JSON log line of that step carries
     eval_loss."""
@@ -137,6 +141,8 @@ class TrainConfig:
             raise InputError("--checkpoint-every needs --checkpoint-dir")
         if self.resume and not self.checkpoint_dir:
             raise InputError("--resume needs --checkpoint-dir")
+        if self.lease and not self.checkpoint_dir:
+            raise InputError("--lease needs --checkpoint-dir (the job saves there before its ranks change)")
         if not self.lr > 0:
             raise InputError(f"--lr must be positive, got {self.lr}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:

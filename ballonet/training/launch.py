@@ -6,19 +6,37 @@ writes its one-line message to `BALLONET_ERROR_DIR/<rank>` (see `report_rank_err
 exits 2; the launcher prints that line once and exits 2 too. A rank that dies (killed,
 out of memory) is reported as "rank N died (signal S)", exit 1, rather than as the lost
 connection its peers saw (`_failure_line`).
+
+Ranks start as `python -P -m ballonet` (Python's safe path: the working directory is
+not on `sys.path`, so a `./ballonet/` folder there cannot stand in for the package).
+
+A run that stops at a step boundary (`lease.py`) leaves its reason for the launcher
+(`report_rank_stop`) and exits 0, so the agent does not spend a restart on it. A loan
+that ends or begins starts the job again over the ranks the lease allows, resuming from
+the step just saved; a preemption (SIGTERM or SIGINT to this process or to a rank: the
+agent passes a signal on to the ranks and waits `SHUTDOWN_S` for them) is one line and
+exit code `lease.PREEMPTED_EXIT`, for a scheduler to requeue on.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
 import sys
 import tempfile
 
+from ballonet.training import lease
+
 ERROR_DIR_ENV = "BALLONET_ERROR_DIR"
 """Set by `launch` for its ranks: where a rank leaves the line of its bad-input error."""
+STOP = "stop"
+"""The file in ERROR_DIR where rank 0 says why and after which step the run stopped."""
+SHUTDOWN_S = 120
+"""How long the agent waits, after passing a signal on, for the ranks to finish their
+step and save, before it kills them."""
 
 
 def report_rank_error(line: str) -> bool:
@@ -32,6 +50,31 @@ def report_rank_error(line: str) -> bool:
         f.write(line)
     os.replace(tmp, os.path.join(folder, rank))
     return True
+
+
+def report_rank_stop(stopped: lease.Stopped) -> bool:
+    """Under `launch`, rank 0 leaves why the run stopped for the launcher; returns whether
+    the rank is under `launch` (then it exits 0)."""
+    folder, rank = os.environ.get(ERROR_DIR_ENV), os.environ.get("RANK")
+    if not folder or rank is None or not os.path.isdir(folder):
+        return False
+    if rank == "0":
+        tmp = os.path.join(folder, f".{STOP}.tmp")
+        with open(tmp, "w") as f:
+            json.dump({"reason": stopped.reason, "step": stopped.step, "saved": stopped.saved}, f)
+        os.replace(tmp, os.path.join(folder, STOP))
+    return True
+
+
+def stop_line(stop: dict | None, signal_name: str | None) -> str:
+    """The launcher's one line after a preemption."""
+    by = f" by {signal_name}" if signal_name else ""
+    if stop is None:
+        return (f"ballonet train: preempted{by}: the ranks did not stop at a step boundary within {SHUTDOWN_S} s; "
+                f"the last checkpoint stands (exit {lease.PREEMPTED_EXIT})")
+    saved = (f"saved it in {stop['saved']}; run again with --resume to continue" if stop["saved"]
+             else "nothing saved (no --checkpoint-dir)")
+    return f"ballonet train: preempted{by} after step {stop['step']}: {saved} (exit {lease.PREEMPTED_EXIT})"
 
 
 @contextlib.contextmanager
@@ -88,24 +131,59 @@ def _failure_line(failures: dict, folder: str) -> tuple[str, int]:
     return f"ballonet train: error: rank {order[0]} failed (exit code {failures[order[0]].exitcode})", 1
 
 
-def launch(argv: list[str], nproc: int, max_restarts: int) -> int:
+def _with_resume(argv: list[str]) -> list[str]:
+    return argv if "--resume" in argv else [*argv, "--resume"]
+
+
+def launch(argv: list[str], nproc: int, max_restarts: int, lease_file: str | None = None,
+           own_ranks: int | None = None) -> int:
     """Run `ballonet train argv` on `nproc` local ranks under torchrun's agent; returns the
-    exit code (2 and the rank's one line when a rank stopped on bad input)."""
+    exit code (2 and the rank's one line when a rank stopped on bad input). With
+    `lease_file`: on `nproc` ranks while it says lent, on `own_ranks` (the groups not
+    loaned) while reclaimed, started again from the step saved at each change."""
+    state = lease.LENT
+    while True:
+        if lease_file:
+            state = lease.read_lease(lease_file) or state
+        ranks = own_ranks if lease_file and state == lease.RECLAIMED and own_ranks else nproc
+        code, stop, signal_name = _launch_once(argv, ranks, max_restarts)
+        if stop is None and signal_name is None:
+            return code
+        if stop is not None and stop["reason"] == "lease":
+            print(f"ballonet train: the lease changed; step {stop['step']} saved, starting again", file=sys.stderr,
+                  flush=True)
+            argv = _with_resume(argv)
+            continue
+        print(stop_line(stop, signal_name), file=sys.stderr)
+        return lease.PREEMPTED_EXIT
+
+
+def _launch_once(argv: list[str], nproc: int, max_restarts: int) -> tuple[int, dict | None, str | None]:
+    """One run of the agent: (exit code, the ranks' stop record if they stopped, the
+    signal this process got if any)."""
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
     args = torchrun.parse_args(["--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
                                 "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
-                                "--monitor-interval", "0.5", "-m", "ballonet", "train", *argv])
+                                "--monitor-interval", "0.5", "--shutdown-timeout", str(SHUTDOWN_S),
+                                "-m", "ballonet", "train", *argv])
+    code, signal_name = 0, None
     with tempfile.TemporaryDirectory(prefix="ballonet-errors-") as folder:
         env = {ERROR_DIR_ENV: folder, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         try:
             with _environ(**env), _quiet_agent():
                 config, cmd, cmd_args = torchrun.config_from_args(args)
-                elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
+                elastic_launch(config=config, entrypoint=cmd)("-P", *cmd_args)
         except ChildFailedError as e:
             line, code = _failure_line(e.failures, folder)
             print(line, file=sys.stderr)
-            return code
-    return 0
+        except SignalException as e:
+            signal_name = signal.Signals(e.sigval).name
+        stop = None
+        if os.path.exists(os.path.join(folder, STOP)):
+            with open(os.path.join(folder, STOP)) as f:
+                stop = json.load(f)
+    return code, stop, signal_name

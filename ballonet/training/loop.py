@@ -15,7 +15,8 @@ held-out loss.
 Checkpoints (`checkpoint.py`) are sharded, atomic and safe to load. With `--resume`, a
 restarted job (by hand or by torchrun's `--max-restarts`) continues from the last one,
 on the same or another world size; the JSON log is cut back to it so every step appears
-once (`logs.py`).
+once (`logs.py`). After every step the ranks agree whether to stop there (`lease.py`: a
+signal, a loan that ends or begins): they save that step and raise `lease.Stopped`.
 """
 
 from __future__ import annotations
@@ -39,10 +40,11 @@ from ballonet.cost.recompute import plan_recompute
 from ballonet.errors import InputError
 from ballonet.integrations import hf_model
 from ballonet.plan.recompute import heaviest
-from ballonet.training import (checkpoint, config_file, evaluation, export, host, logs, metrics, optim, parallel,
-                               tensor_parallel)
+from ballonet.training import (checkpoint, config_file, evaluation, export, host, lease, logs, metrics, optim,
+                               parallel, tensor_parallel)
 from ballonet.training.config import TrainConfig
 from ballonet.training.corpus import Corpus
+from ballonet.training.launch import ERROR_DIR_ENV
 from ballonet.training.loader import BalancedLoader, Cursor, document_order, take_pieces
 from ballonet.training.model import build_model
 from ballonet.training.preflight import preflight
@@ -167,6 +169,7 @@ def _run(config: TrainConfig, group, use_cuda: bool):
     torch.manual_seed(config.seed)
 
     cluster, spec, corpus = preflight(config, world_size)
+    _check_placement(cluster, rank, group, use_cuda)
     corpus, eval_corpus = evaluation.split_corpora(config, corpus)
     # A plan rank is a TP group of `tp` consecutive ranks; the plan's traffic runs over the
     # plan ranks of this rank's TP index (`Groups.plan`).
@@ -221,7 +224,8 @@ def _run(config: TrainConfig, group, use_cuda: bool):
     writer = logs.tensorboard_writer(config.tensorboard) if config.tensorboard and rank == 0 else None
     peak = metrics.peak_flops(cluster, config.calibration)
 
-    records = []
+    records, stop = [], None
+    boundary = lease.StepBoundary(config.lease, lease.members_state(cluster), group, device)
     batches = iter(loader)
     auto = functools.partial(_auto_recompute, model, spec=spec, cluster=cluster, rank=plan_rank) \
         if spec.recompute is None else None
@@ -247,13 +251,51 @@ def _run(config: TrainConfig, group, use_cuda: bool):
             logs.write(config, record, writer)
         if saver and config.checkpoint_every and step % config.checkpoint_every == 0:
             saver.save(step, model, optimizer, loader.state_dict(), model_meta)
-    if saver and records and saver.last_step != step:  # the final step, always
+        stop = boundary.check()
+        if stop:
+            break
+    boundary.close()
+    if saver and records and saver.last_step != step:  # the final step (or the one stopped after), always
         saver.save(step, model, optimizer, loader.state_dict(), model_meta)
     if saver:
         saver.close()
     if writer is not None:
         writer.close()
+    if stop:
+        raise lease.Stopped(stop, step, config.checkpoint_dir)
     return records, model
+
+
+def _placement_problem(cluster, rank: int, use_cuda: bool) -> str | None:
+    """What is wrong with where this rank runs, if anything: under torchrun (not our
+    launcher, which emulates nodes on one machine), its node's ranks (LOCAL_WORLD_SIZE)
+    against its node group's GPUs per node (--nodes); on a GPU, the device it found
+    against its group's GPU type (a "cpu" group is emulated and runs anywhere)."""
+    group = cluster.group_of(rank)
+    index = cluster.groups.index(group)
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if local and not os.environ.get(ERROR_DIR_ENV) and int(local) != group.gpus_per_node:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if len(cluster.groups) == 1:
+            return (f"--nodes {cluster.num_nodes}: torchrun runs {world} ranks as {local} per node "
+                    f"(LOCAL_WORLD_SIZE), so {world // int(local)} nodes; give --nodes {world // int(local)}")
+        return (f"rank {rank}: torchrun runs {local} ranks on its node (LOCAL_WORLD_SIZE), cluster "
+                f"{cluster.name!r} {group.gpus_per_node} (node group {index}, {group.gpu})")
+    if use_cuda and group.gpu != "cpu":
+        found = torch.cuda.get_device_name()
+        if not re.search(rf"\b{re.escape(group.gpu)}\b", found, re.IGNORECASE):
+            return (f"rank {rank}: cluster {cluster.name!r} puts it on a {group.gpu} (node group {index}), but its "
+                    f"device is a {found}")
+    return None
+
+
+def _check_placement(cluster, rank: int, group, use_cuda: bool) -> None:
+    """`_placement_problem` of every rank, raised on every rank together (the first)."""
+    problems: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(problems, _placement_problem(cluster, rank, use_cuda), group=group)
+    first = next((p for p in problems if p), None)
+    if first:
+        raise InputError(first)
 
 
 def _plan(profile, lengths, **options):
@@ -372,6 +414,7 @@ def _step(model, optimizer, micro: list, rank: int, groups: Groups, device, spec
     num_tokens = sum(p.end - p.start for p in pieces)
     record = {
         "step": step,
+        "world_size": world_size,
         "loss": sums[0] / micro[0].num_valid_tokens_global,
         "lr": lr,
         "grad_norm": grad_norm.item(),

@@ -1,0 +1,108 @@
+"""When a run stops at a step boundary to be started again: a loan that ends or begins
+(`--lease FILE`) and preemption (SIGTERM or SIGINT).
+
+A cluster file may mark node groups `loaned` (inference nodes lent to training). The
+lease FILE, written by whoever lends them, holds `reclaimed` (the lender wants them back)
+or `lent` (absent: lent). The ranks a job runs on are what torch's rendezvous formed:
+every group's GPUs, or, while reclaimed, the other groups' (`specs.job_cluster`). After
+every step each rank reads the lease and notes any signal; one all-reduce makes the
+answer the same on every rank, so all of them stop after the same step, save it (DCP,
+resharded on load) and exit. Then the job starts again over the ranks the lease allows
+(our launcher, `launch.py`, or torchrun's elastic agent: `docs/design.md`), resumes from
+that save on the new world size, and trains the same global batches in the same order.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import threading
+
+import torch
+import torch.distributed as dist
+
+from ballonet.errors import InputError
+
+LENT, RECLAIMED = "lent", "reclaimed"
+PREEMPTED_EXIT = 75
+"""The exit code of a job preempted after saving (EX_TEMPFAIL: try again), for a
+scheduler to requeue on."""
+LEASE_EXIT = 76
+"""A rank's exit code under bare torchrun when the lease changes the job's members: its
+agent restarts the workers (`--max-restarts`) over the nodes then in the rendezvous."""
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_MAX_BYTES = 64
+
+
+def read_lease(path: str) -> str | None:
+    """`lent` or `reclaimed` (an absent file: lent); None while the file is empty (being
+    written). Anything else, or a file that is not a regular file, is one line."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return LENT
+    except OSError as e:
+        raise InputError(f"--lease {path}: cannot read it ({e.strerror})") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise InputError(f"--lease {path}: not a regular file")
+        data = os.read(fd, _MAX_BYTES)
+    finally:
+        os.close(fd)
+    text = data.decode("utf-8", "replace").strip()
+    if not text:
+        return None
+    if text not in (LENT, RECLAIMED):
+        raise InputError(f"--lease {path}: holds {text[:32]!r}; it must say {LENT!r} or {RECLAIMED!r}")
+    return text
+
+
+def members_state(cluster) -> str:
+    """The lease state a job over `cluster` (`specs.job_cluster`'s answer) runs under: its
+    loaned groups are members only while lent."""
+    return LENT if cluster.has_loans else RECLAIMED
+
+
+class Stopped(Exception):
+    """Every rank stopped after step `step` and saved it (if it has a checkpoint folder)."""
+
+    def __init__(self, reason: str, step: int, saved: str | None):
+        super().__init__(f"{reason} after step {step}")
+        self.reason, self.step, self.saved = reason, step, saved
+
+    @property
+    def exit_code(self) -> int:
+        return LEASE_EXIT if self.reason == "lease" else PREEMPTED_EXIT
+
+
+class StepBoundary:
+    """After each step: stop here? The same answer on every rank of `group` (an all-reduce
+    of what each rank saw: a signal, a lease that disagrees with the members). SIGTERM and
+    SIGINT only set a flag while the run is on (`close` puts the old handlers back)."""
+
+    def __init__(self, lease: str | None, members: str, group, device: torch.device):
+        self.lease, self.members, self.group, self.device = lease, members, group, device
+        self.signal: int | None = None
+        self._old: dict = {}
+        if threading.current_thread() is threading.main_thread():
+            for s in SIGNALS:
+                self._old[s] = signal.signal(s, self._note)
+
+    def _note(self, signum, frame) -> None:
+        self.signal = signum
+
+    def check(self) -> str | None:
+        """Collective: "preempted", "lease" or None."""
+        state = read_lease(self.lease) if self.lease else None
+        seen = torch.tensor([self.signal is not None, state not in (None, self.members)], dtype=torch.float32,
+                            device=self.device)
+        if dist.get_world_size(self.group) > 1:
+            dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=self.group)
+        preempted, lease = seen.tolist()
+        return "preempted" if preempted else "lease" if lease else None
+
+    def close(self) -> None:
+        for s, handler in self._old.items():
+            signal.signal(s, handler)
+        self._old = {}
