@@ -62,23 +62,29 @@ def _when(log, condition, action, timeout=240.0):
     return thread, seen
 
 
-def _train(*args):
+def _train(*args, cwd):
+    """`ballonet train ARGS` as a user runs it (the installed command), from `cwd`."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.Popen([sys.executable, "-m", "ballonet", "train", *args], env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    command = os.path.join(os.path.dirname(sys.executable), "ballonet")
+    return subprocess.Popen([command, "train", *args], env=env, text=True, cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
 
 
 @pytest.mark.slow
 def test_a_reclaimed_group_leaves_and_comes_back_and_a_preempted_job_resumes_exactly(tmp_path):
     cluster, lease, log = tmp_path / "two.toml", tmp_path / "lease", tmp_path / "log.jsonl"
     cluster.write_text(TWO_GROUPS)
+    fake = tmp_path / "ballonet"  # the ranks start as `python -P`: a folder of the working directory is not imported
+    fake.mkdir()
+    (fake / "__init__.py").write_text(f"open({str(tmp_path / 'imported')!r}, 'w').close()\n")
+    (fake / "__main__.py").write_text("raise SystemExit(3)\n")
     steps = 12
     args = ["--cluster", str(cluster), "--lease", str(lease), "--checkpoint-dir", str(tmp_path / "ckpt"),
             "--steps", str(steps), "--json-log", str(log), "--global-tokens", str(BASE["global_tokens"]),
             "--max-doc-tokens", str(BASE["max_doc_tokens"]), "--seed", str(BASE["seed"]), "--log-every", "100"]
 
     # 4 ranks; reclaimed after step 2; then SIGTERM to the launcher (what a scheduler sends) on 2 ranks
-    job = _train(*args)
+    job = _train(*args, cwd=tmp_path)
     reclaim, reclaimed = _when(log, lambda rs: len(rs) >= 2, lambda: lease.write_text("reclaimed\n"))
     preempt, preempted = _when(log, lambda rs: rs and rs[-1]["world_size"] == 2, lambda: job.send_signal(signal.SIGTERM))
     out, err = job.communicate(timeout=300)  # a hang guard: about 20 s alone on a loaded 2-core machine
@@ -91,12 +97,13 @@ def test_a_reclaimed_group_leaves_and_comes_back_and_a_preempted_job_resumes_exa
     assert stopped_at <= preempted["step"] + 2 < steps
 
     # requeued: --resume on 2 ranks (still reclaimed), lent again after one more step: 4 ranks to the end
-    job = _train(*args, "--resume")
+    job = _train(*args, "--resume", cwd=tmp_path)
     lend, lent = _when(log, lambda rs: rs[-1]["step"] > stopped_at, lambda: lease.write_text("lent\n"))
     out, err = job.communicate(timeout=300)
     lend.join()
     assert job.returncode == 0, err[-3000:]
 
+    assert not (tmp_path / "imported").exists()
     records = _log(log)
     assert [r["step"] for r in records] == list(range(1, steps + 1))
     sizes = [r["world_size"] for r in records]

@@ -194,8 +194,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "given override it")
     for f in dataclasses.fields(TrainConfig):
         help_text = docs.get(f.name, "").replace("%", "%%")
-        if hints[f.name] is bool:
-            p.add_argument(_flag(f.name), action="store_true", default=argparse.SUPPRESS, help=help_text)
+        if hints[f.name] is bool:  # --x and --no-x (`no_x`: --no-x and --x), so a config file's true can be undone
+            if f.name.startswith("no_"):
+                p.add_argument(_flag(f.name), action="store_true", default=argparse.SUPPRESS, help=help_text)
+                p.add_argument(_flag(f.name[3:]), dest=f.name, action="store_false", default=argparse.SUPPRESS,
+                               help=f"undo {_flag(f.name)} (a config file's)")
+            else:
+                p.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                               help=help_text)
             continue
         if f.default is not None:
             help_text += f" (default: {str(f.default).replace('%', '%%')})"

@@ -276,9 +276,10 @@ def _placement_problem(cluster, rank: int, use_cuda: bool) -> str | None:
     local = os.environ.get("LOCAL_WORLD_SIZE")
     if local and not os.environ.get(ERROR_DIR_ENV) and int(local) != group.gpus_per_node:
         world = int(os.environ.get("WORLD_SIZE", "1"))
+        nodes = max(world // int(local), 1)
         if len(cluster.groups) == 1:
             return (f"--nodes {cluster.num_nodes}: torchrun runs {world} ranks as {local} per node "
-                    f"(LOCAL_WORLD_SIZE), so {world // int(local)} nodes; give --nodes {world // int(local)}")
+                    f"(LOCAL_WORLD_SIZE), so {nodes} node{'s' * (nodes > 1)}; give --nodes {nodes}")
         return (f"rank {rank}: torchrun runs {local} ranks on its node (LOCAL_WORLD_SIZE), cluster "
                 f"{cluster.name!r} {group.gpus_per_node} (node group {index}, {group.gpu})")
     if use_cuda and group.gpu != "cpu":
