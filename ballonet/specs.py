@@ -262,9 +262,10 @@ CLUSTERS: dict[str, ClusterSpec] = {
         # Training nodes plus inference nodes loaned at off-peak hours (issue: heterogeneous
         # clusters). Inference nodes typically carry fewer, slower NICs.
         ClusterSpec(name="h800+h20", groups=(_group("h800", num_nodes=2, nics_per_node=8, nic_gbps=400),
-                                             _group("h20", num_nodes=2, nics_per_node=4, nic_gbps=200))),
+                                             _group("h20", num_nodes=2, nics_per_node=4, nic_gbps=200, loaned=True))),
         ClusterSpec(name="a800+l40s", groups=(_group("a800", num_nodes=2, nics_per_node=4, nic_gbps=200),
-                                              _group("l40s", num_nodes=2, nics_per_node=2, nic_gbps=200))),
+                                              _group("l40s", num_nodes=2, nics_per_node=2, nic_gbps=200,
+                                                     loaned=True))),
         # Emulated runs on CPU processes (gloo): small nodes, one "NIC" per GPU.
         ClusterSpec(name="cpu", groups=(_group("cpu", num_nodes=2, gpus_per_node=2, nics_per_node=2, nic_gbps=10),)),
     ]
