@@ -19,9 +19,6 @@ import signal
 import stat
 import threading
 
-import torch
-import torch.distributed as dist
-
 from ballonet.errors import InputError
 
 LENT, RECLAIMED = "lent", "reclaimed"
@@ -76,13 +73,12 @@ class Stopped(Exception):
         return LEASE_EXIT if self.reason == "lease" else PREEMPTED_EXIT
 
 
-class StepBoundary:
-    """After each step: stop here? The same answer on every rank of `group` (an all-reduce
-    of what each rank saw: a signal, a lease that disagrees with the members). SIGTERM and
-    SIGINT only set a flag while the run is on (`close` puts the old handlers back)."""
+class Signals:
+    """While open: SIGTERM and SIGINT only note which came (`signal`); `close` puts the old
+    handlers back. Opened as a rank starts, so a signal during the set-up waits for the
+    first step boundary too."""
 
-    def __init__(self, lease: str | None, members: str, group, device: torch.device):
-        self.lease, self.members, self.group, self.device = lease, members, group, device
+    def __init__(self):
         self.signal: int | None = None
         self._old: dict = {}
         if threading.current_thread() is threading.main_thread():
@@ -92,17 +88,32 @@ class StepBoundary:
     def _note(self, signum, frame) -> None:
         self.signal = signum
 
+    def close(self) -> None:
+        for s, handler in self._old.items():
+            signal.signal(s, handler)
+        self._old = {}
+
+
+class StepBoundary:
+    """After each step: stop here? The same answer on every rank of `group` (an all-reduce
+    of what each rank saw: a signal (`signals`, or `preempt_file`, the launcher's), a
+    lease that disagrees with the members)."""
+
+    def __init__(self, signals: Signals, lease: str | None, members: str, group, device,
+                 preempt_file: str | None = None):
+        self.signals, self.lease, self.members, self.group, self.device = signals, lease, members, group, device
+        self.preempt_file = preempt_file
+
     def check(self) -> str | None:
         """Collective: "preempted", "lease" or None."""
+        import torch
+        import torch.distributed as dist
+
         state = read_lease(self.lease) if self.lease else None
-        seen = torch.tensor([self.signal is not None, state not in (None, self.members)], dtype=torch.float32,
+        signalled = self.signals.signal is not None or bool(self.preempt_file and os.path.exists(self.preempt_file))
+        seen = torch.tensor([signalled, state not in (None, self.members)], dtype=torch.float32,
                             device=self.device)
         if dist.get_world_size(self.group) > 1:
             dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=self.group)
         preempted, lease = seen.tolist()
         return "preempted" if preempted else "lease" if lease else None
-
-    def close(self) -> None:
-        for s, handler in self._old.items():
-            signal.signal(s, handler)
-        self._old = {}

@@ -44,7 +44,7 @@ from ballonet.training import (checkpoint, config_file, evaluation, export, host
                                parallel, tensor_parallel)
 from ballonet.training.config import TrainConfig
 from ballonet.training.corpus import Corpus
-from ballonet.training.launch import ERROR_DIR_ENV
+from ballonet.training.launch import ERROR_DIR_ENV, preempt_file
 from ballonet.training.loader import BalancedLoader, Cursor, document_order, take_pieces
 from ballonet.training.model import build_model
 from ballonet.training.preflight import preflight
@@ -139,6 +139,14 @@ def train(config: TrainConfig) -> list[dict]:
 
 def train_model(config: TrainConfig):
     """`train`, also returning the trained (FSDP2-sharded) model."""
+    signals = lease.Signals()
+    try:
+        return _train_model(config, signals)
+    finally:
+        signals.close()
+
+
+def _train_model(config: TrainConfig, signals: lease.Signals):
     owns_group = not dist.is_initialized()
     use_cuda = torch.cuda.is_available()
     if owns_group:
@@ -152,7 +160,7 @@ def train_model(config: TrainConfig):
                               f"{os.environ.get('WORLD_SIZE', '1')} ranks within --timeout-minutes "
                               f"{config.timeout_minutes:g} ({_one_line(e)})") from None
     try:
-        return _run(config, dist.group.WORLD, use_cuda)
+        return _run(config, dist.group.WORLD, use_cuda, signals)
     except RuntimeError as e:
         if isinstance(e, dist.DistError) or _PEER_TROUBLE.search(str(e)):
             raise RankFailure(f"rank {dist.get_rank()}: {_one_line(e)}") from e
@@ -162,7 +170,7 @@ def train_model(config: TrainConfig):
             dist.destroy_process_group()
 
 
-def _run(config: TrainConfig, group, use_cuda: bool):
+def _run(config: TrainConfig, group, use_cuda: bool, signals: lease.Signals):
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     heap_kept = not use_cuda and host.setup_cpu_rank()
@@ -225,7 +233,7 @@ def _run(config: TrainConfig, group, use_cuda: bool):
     peak = metrics.peak_flops(cluster, config.calibration)
 
     records, stop = [], None
-    boundary = lease.StepBoundary(config.lease, lease.members_state(cluster), group, device)
+    boundary = lease.StepBoundary(signals, config.lease, lease.members_state(cluster), group, device, preempt_file())
     batches = iter(loader)
     auto = functools.partial(_auto_recompute, model, spec=spec, cluster=cluster, rank=plan_rank) \
         if spec.recompute is None else None
@@ -254,7 +262,6 @@ def _run(config: TrainConfig, group, use_cuda: bool):
         stop = boundary.check()
         if stop:
             break
-    boundary.close()
     if saver and records and saver.last_step != step:  # the final step (or the one stopped after), always
         saver.save(step, model, optimizer, loader.state_dict(), model_meta)
     if saver:
