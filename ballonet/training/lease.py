@@ -64,13 +64,18 @@ def members_state(cluster) -> str:
 class Stopped(Exception):
     """Every rank stopped after step `step` and saved it (if it has a checkpoint folder)."""
 
-    def __init__(self, reason: str, step: int, saved: str | None):
+    def __init__(self, reason: str, step: int, saved: str | None, leaves: bool = False):
         super().__init__(f"{reason} after step {step}")
-        self.reason, self.step, self.saved = reason, step, saved
+        self.reason, self.step, self.saved, self.leaves = reason, step, saved, leaves
 
     @property
     def exit_code(self) -> int:
-        return LEASE_EXIT if self.reason == "lease" else PREEMPTED_EXIT
+        """Under bare torchrun: a rank of a reclaimed group exits 0 (its agent finishes,
+        its node goes back), the others 76 (their agents restart them over the nodes in the
+        next rendezvous); a preempted rank 75."""
+        if self.reason == "lease":
+            return 0 if self.leaves else LEASE_EXIT
+        return PREEMPTED_EXIT
 
 
 class Signals:

@@ -269,7 +269,8 @@ def _run(config: TrainConfig, group, use_cuda: bool, signals: lease.Signals):
     if writer is not None:
         writer.close()
     if stop:
-        raise lease.Stopped(stop, step, config.checkpoint_dir)
+        leaves = cluster.group_of(rank).loaned and lease.members_state(cluster) == lease.LENT
+        raise lease.Stopped(stop, step, config.checkpoint_dir, leaves=leaves)
     return records, model
 
 
