@@ -149,7 +149,8 @@ def markdown(runs: list[list[dict]], cmd: str, header: str) -> str:
              "then the save of that step (DCP, every rank its shards; `latest` points at it); then the ranks exit "
              "(the loaned ranks' processes gone); then the restart on the new members (the launcher starts them, "
              "torchrun's c10d rendezvous, imports, the model built, the checkpoint loaded and resharded, the first "
-             "batch planned and trained). This machine runs other work too (2 cores): the figures are noisy.", "",
+             "batch planned and trained). This machine runs other work too (the load average above): the figures are noisy, and the "
+             "restart (process start-up, imports, on CPUs that other work shares) is most of it.", "",
              "| change | step in flight | saved | loaned ranks gone | all ranks gone | new members' first step logged |"
              " steps after the write (at most) |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
@@ -178,14 +179,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=RESULTS)
     args = p.parse_args(argv)
-    t = time.perf_counter()
+    t, load = time.perf_counter(), [os.getloadavg()[0]]
     runs = []
     for _ in range(args.repeats):
         with tempfile.TemporaryDirectory(prefix="ballonet-lease-") as folder:
             runs.append(one_run(folder))
+        load.append(os.getloadavg()[0])
     cmd = command("lease.py", argv)
-    data = record(cmd, {"runs": runs, "seconds": time.perf_counter() - t}, os.path.join(args.out, "lease.json"))
-    header = f"{data['date']}, {data['machine']}, {data['seconds']:.0f} s"
+    data = record(cmd, {"runs": runs, "seconds": time.perf_counter() - t, "load_average": load},
+                  os.path.join(args.out, "lease.json"))
+    header = (f"{data['date']}, {data['machine']}, {data['seconds']:.0f} s; load average "
+              f"{min(load):.0f}-{max(load):.0f} on its 2 cores, other work included")
     write_text(os.path.join(args.out, "lease.md"), markdown(runs, cmd, header))
     return 0
 
