@@ -14,7 +14,8 @@ from ballonet.runtime.engine import merge
 from ballonet.runtime.kernels import Packing
 
 D = 8
-BACKENDS = ["cpu", "reference"] + (["cuda"] if torch.cuda.is_available() else [])
+GPU_BACKENDS = [n for n in ("cuda", "flash_attn", "fa4") if torch.cuda.is_available() and kernels.installed(n)]
+BACKENDS = ["cpu", "reference"] + GPU_BACKENDS
 
 
 def dense(q, k, v, packing: Packing, scale: float):
@@ -56,8 +57,8 @@ CASES = {
 def test_forward_and_backward_match_dense(backend, heads, case):
     packing = CASES[case]
     kernel, scale = kernels.select(backend), kernels.default_scale(D)
-    device = "cuda" if backend == "cuda" else "cpu"
-    dtype = torch.bfloat16 if backend == "cuda" else torch.float32
+    device = "cuda" if backend in GPU_BACKENDS else "cpu"
+    dtype = torch.bfloat16 if backend in GPU_BACKENDS else torch.float32
     q, k, v, dout = _inputs(packing.offsets_q[-1], packing.offsets_k[-1], heads, dtype)
     leaves = [x.double().requires_grad_() for x in (q, k, v)]
     want_out, want_lse = dense(*leaves, packing, scale)
@@ -197,9 +198,11 @@ def _fake_flash_modules() -> dict[str, types.ModuleType]:
             "flash_attn.cute.interface": fa4}
 
 
-@pytest.mark.parametrize("backend", ["cpu", "reference"])
-def test_the_cpu_backends_meet_the_contract(backend):
-    assert kernel_contract.check(kernels.select(backend)) == []
+@pytest.mark.parametrize("backend", ["cpu", "reference"] + GPU_BACKENDS)
+def test_the_backends_installed_meet_the_contract(backend):
+    on_gpu = backend in GPU_BACKENDS
+    assert kernel_contract.check(kernels.select(backend), "cuda" if on_gpu else "cpu",
+                                 torch.bfloat16 if on_gpu else torch.float32) == []
 
 
 @pytest.mark.parametrize("backend", ["flash_attn", "fa4"])
