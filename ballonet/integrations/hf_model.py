@@ -199,20 +199,22 @@ def load_shards(model: nn.Module, name: str) -> None:
     tied = getattr(model, "all_tied_weights_keys", None) or {}  # a tied weight untied (by --tp) reads its source
     try:
         files = _weight_files(folder)
-        files.update({key: files[source] for key, source in tied.items() if key not in files and source in files})
-        missing = [key for key, _ in model.named_parameters() if key not in files]
+        where = {key: (file, key) for key, file in files.items()}  # a parameter's file and stored name
+        where.update({key: (files[source], source) for key, source in tied.items()
+                      if key not in files and source in files})
+        missing = [key for key, _ in model.named_parameters() if key not in where]
         if missing:
             raise InputError(f"{folder}: the weights have no tensor {missing[0]!r} ({len(missing)} of the model's "
                              "parameters missing)")
         handles: dict[Path, typing.Any] = {}
         with contextlib.ExitStack() as stack:
             for key, p in model.named_parameters():
-                if files[key] not in handles:
-                    handles[files[key]] = stack.enter_context(safe_open(files[key], framework="pt"))
-                stored = handles[files[key]].get_slice(key if key not in tied or key in handles[files[key]].keys()
-                                                        else tied[key])
+                file, stored_name = where[key]
+                if file not in handles:
+                    handles[file] = stack.enter_context(safe_open(file, framework="pt"))
+                stored = handles[file].get_slice(stored_name)
                 if tuple(stored.get_shape()) != tuple(p.shape):
-                    raise InputError(f"{files[key]}: tensor {key!r} has shape {tuple(stored.get_shape())}, "
+                    raise InputError(f"{file}: tensor {stored_name!r} has shape {tuple(stored.get_shape())}, "
                                      f"the model's {tuple(p.shape)}")
                 local = p.to_local() if isinstance(p, DTensor) else p
                 local.copy_(stored[local_box(p)])
