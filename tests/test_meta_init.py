@@ -170,6 +170,9 @@ def test_weights_that_do_not_match_the_model_are_one_line(tmp_path):
         with pytest.raises(InputError, match=message.replace("(", r"\(").replace(")", r"\)")) as e:
             hf_model.load_shards(model, f"hf:{folder}")
         assert "\n" not in str(e.value)
+    (tmp_path / "one_file" / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00garbage!")
+    with pytest.raises(InputError, match="cannot read its weights"):
+        hf_model.load_shards(model, f"hf:{folder}")
     (tmp_path / "one_file" / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "../x"}}))
     with pytest.raises(InputError, match="field 'weight_map'"):
         hf_model.load_shards(model, f"hf:{folder}")
