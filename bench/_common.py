@@ -22,7 +22,8 @@ ROOT = os.path.dirname(HERE)
 
 
 def command(script: str, argv: list[str] | None, env: str = "OMP_NUM_THREADS=1 ") -> str:
-    """The command line that reproduces this run: `env python bench/<script> <argv>`."""
+    """The command line that reproduces this run: `env python bench/<script> <argv>` (`script`
+    relative to bench/, e.g. "investigations/host_allocator.py")."""
     args = sys.argv[1:] if argv is None else argv
     return " ".join([f"{env}python bench/{script}", *args]).rstrip()
 

@@ -27,7 +27,7 @@
 
 Targets: per-rank compute within 15%, step within 25%, planners in the same order.
 Writes bench/results/fidelity.md and fidelity.json, with the machine's load; the profiles
-in bench/results/fidelity_profiles/. bench/fidelity_paired.py measures the simulator's
+in bench/results/fidelity_profiles/. bench/investigations/fidelity_paired.py measures the simulator's
 error without the machine's drift between a calibration and a run (both in the same
 processes).
 """

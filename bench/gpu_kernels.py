@@ -3,9 +3,11 @@ and backward timed separately (the evidence for the built-in GPU profiles).
 
     python bench/gpu_kernels.py --out bench/results/gpu_kernels.json
 
-1. Each GPU backend of `ballonet.runtime.kernels` named by --kernels (default: the one
-   `kernels.select` picks on this GPU, the fastest installed: today "cuda", aten's
-   FlashAttention-2 varlen) in bf16 against the fp32 "reference" on packed causal
+1. Each GPU backend of `ballonet.runtime.kernels` named by --kernels (default: every one
+   installed here: "cuda", aten's FlashAttention-2 varlen, and with the `gpu` extra
+   "flash_attn" (flash-attn 2.8) and "fa4" (flash-attn-4, Hopper and Blackwell)) held to
+   the seam's contract (`runtime.kernel_contract.check`, bf16: shapes, the LSE and its
+   -inf on rows without keys), then in bf16 against the fp32 "reference" on packed causal
    documents, GQA and MHA: forward out and LSE, backward dq/dk/dv, max relative error.
 2. For each backend, causal varlen attention, forward alone and backward alone, CUDA events, median of
    several repeats, per document length 64 .. 128K, for two head shapes: GQA 64/4 x 128
@@ -27,7 +29,7 @@ import time
 import torch
 from _common import command, record
 
-from ballonet.runtime import kernels
+from ballonet.runtime import kernel_contract, kernels
 
 
 def _time_ms(fn, repeats: int = 7, warmup: int = 2) -> tuple[float, float]:
@@ -125,15 +127,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-length", type=int, default=131072)
     p.add_argument("--kernels", default=None,
                    help="comma-separated GPU backends of ballonet.runtime.kernels to check and time "
-                        "(default: the one kernels.select picks here)")
+                        "(default: every one installed here)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench/gpu_kernels.py: no CUDA device")
     device = torch.device("cuda")
-    names = args.kernels.split(",") if args.kernels else [kernels.select(None, device).name]
+    names = args.kernels.split(",") if args.kernels else [n for n in ("cuda", "flash_attn", "fa4")
+                                                          if kernels.installed(n)]
     t0 = time.time()
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
               "python": platform.python_version(), "date": time.strftime("%Y-%m-%d")}
+    result["selected"] = kernels.select(None, device).name
+    result["contract"] = {name: kernel_contract.check(kernels.select(name), device, torch.bfloat16) for name in names}
+    for name, problems in result["contract"].items():
+        print(f"contract {name}: " + ("; ".join(problems) if problems else "met"), flush=True)
     result["exactness"] = [row for name in names for row in check_exactness(device, name)]
     for r in result["exactness"]:
         print("exactness", r, flush=True)
@@ -142,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     result["seconds"] = time.time() - t0
     record(command("gpu_kernels.py", argv, env=""), result, args.out)
     print(f"wrote {args.out} in {result['seconds']:.0f} s")
-    return 0
+    return 1 if any(result["contract"].values()) else 0
 
 
 if __name__ == "__main__":

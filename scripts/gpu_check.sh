@@ -4,9 +4,12 @@
 #
 #   bash scripts/gpu_check.sh [OUT_DIR]      # default OUT_DIR: bench/results/gpu_check
 #
-#   1. kernels: tests/test_kernels.py on CUDA, then bench/gpu_kernels.py with the fastest
-#      installed backend (`kernels.select`): exactness against the fp32 reference,
-#      forward and backward timed, GEMMs -> OUT_DIR/gpu_kernels.json;
+#   0. the kernel seam's tests on CUDA (tests/test_kernels.py: every installed GPU
+#      backend, "cuda" and with the `gpu` extra "flash_attn" and "fa4", against dense
+#      float64 attention and held to runtime/kernel_contract.py; `select`'s pick);
+#   1. kernels: bench/gpu_kernels.py with every installed GPU backend: the contract,
+#      exactness against the fp32 reference, forward and backward timed, GEMMs ->
+#      OUT_DIR/gpu_kernels.json (and which backend `kernels.select` picks here);
 #   2. training: one-rank bf16 FSDP2 training of llama3-1b (full and linear
 #      recomputation) with every step after the first under
 #      torch.cuda.set_sync_debug_mode("error") (BALLONET_SYNC_DEBUG): a host-device
@@ -35,6 +38,8 @@ part() {  # part NAME COMMAND...: run it, note a failure, go on
     "$@" || failed+=("$name")
     echo "== $name: $((SECONDS - start)) s"
 }
+"$PY" -c 'from ballonet.runtime import kernels; print("kernels installed:", [n for n in kernels.KERNELS if kernels.installed(n)])'
+part "0/3 kernel seam tests" "$PY" -m pytest -q -n 0 -p no:cacheprovider tests/test_kernels.py
 part "1/3 kernels" "$PY" bench/gpu_kernels.py --max-length 32768 --out "$OUT/gpu_kernels.json"
 part "2/3 training under the sync debug mode" env BALLONET_SYNC_DEBUG=error bash scripts/gpu_train_check.sh
 part "3/3 each rank of a 32-GPU plan against the simulator" "$PY" bench/rank_replay.py --cluster h200-8nic \

@@ -53,7 +53,8 @@ OpenBLAS pool, which OpenBLAS shuts down before a fork."""
 
 def run_ranks(world_size: int, fn, *args, timeout: float = 300.0) -> list:
     """[fn(rank, world_size, *args) for rank in range(world_size)], each in its own process
-    (from the fork server, see the module docstring)."""
+    (from the fork server, see the module docstring). `timeout` is a hang guard, not a
+    speed claim: callers give at least 5x their ranks' time on a loaded machine."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     results = ctx.Queue()

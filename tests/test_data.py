@@ -257,6 +257,7 @@ def test_next_batch_is_planned_in_the_background():
 
     batches = iter(BalancedLoader(from_lengths([50] * 10), global_tokens=100, plan_fn=plan_fn))
     first = next(batches)
+    # A hang guard: planning 100 tokens takes milliseconds; 10 s only bounds a thread never started.
     assert planned.wait(timeout=10), "batch 1 was not planned while batch 0 was in use"
     assert first.batch.index == 0 and first.plan_ms >= 0
     assert all(name.startswith("ballonet-plan") for name in threads)

@@ -1,4 +1,4 @@
-"""`simulation.hill_climb` (run by `bench/hill_climb.py`): the placement it climbs from is
+"""`simulation.hill_climb` (run by `bench/investigations/hill_climb.py`): the placement it climbs from is
 the plan's own, and a climb only ever keeps a valid plan that simulates no slower."""
 
 import dataclasses
@@ -12,7 +12,7 @@ from ballonet import InfeasiblePlan, plan_batch, specs, workloads
 from ballonet.simulation import hill_climb
 from ballonet.simulation.simulator import simulate
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "hill_climb.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "investigations" / "hill_climb.py"
 
 
 @pytest.mark.parametrize("cluster, model, workload, kind", [

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import math
+import sys
+import types
+
 import pytest
 import torch
 
-from ballonet.runtime import kernels
+from ballonet.runtime import kernel_contract, kernels
 from ballonet.runtime.engine import merge
 from ballonet.runtime.kernels import Packing
 
 D = 8
-BACKENDS = ["cpu", "reference"] + (["cuda"] if torch.cuda.is_available() else [])
+GPU_BACKENDS = [n for n in ("cuda", "flash_attn", "fa4") if torch.cuda.is_available() and kernels.installed(n)]
+BACKENDS = ["cpu", "reference"] + GPU_BACKENDS
 
 
 def dense(q, k, v, packing: Packing, scale: float):
@@ -52,8 +57,8 @@ CASES = {
 def test_forward_and_backward_match_dense(backend, heads, case):
     packing = CASES[case]
     kernel, scale = kernels.select(backend), kernels.default_scale(D)
-    device = "cuda" if backend == "cuda" else "cpu"
-    dtype = torch.bfloat16 if backend == "cuda" else torch.float32
+    device = "cuda" if backend in GPU_BACKENDS else "cpu"
+    dtype = torch.bfloat16 if backend in GPU_BACKENDS else torch.float32
     q, k, v, dout = _inputs(packing.offsets_q[-1], packing.offsets_k[-1], heads, dtype)
     leaves = [x.double().requires_grad_() for x in (q, k, v)]
     want_out, want_lse = dense(*leaves, packing, scale)
@@ -91,6 +96,9 @@ def test_key_blocks_merge_and_split_gradients_exactly(backend):
 
 def test_select(monkeypatch):
     monkeypatch.delenv(kernels.ENV_VAR, raising=False)
+    monkeypatch.setattr(kernels, "installed", lambda name: name not in kernels.PACKAGES)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    kernels._gpu_default.cache_clear()
     assert kernels.select().name == "cpu"
     assert kernels.select(device=torch.device("cuda")).name == "cuda"
     assert kernels.select("reference", torch.device("cpu")).name == "reference"
@@ -99,6 +107,149 @@ def test_select(monkeypatch):
     assert kernels.select("cpu").name == "cpu"
     with pytest.raises(ValueError, match="unknown attention kernel"):
         kernels.select("flash3")
+    with pytest.raises(ValueError, match=r"attention kernel 'fa4' needs the flash-attn-4 package"):
+        kernels.select("fa4")
+    kernels._gpu_default.cache_clear()
+
+
+@pytest.mark.parametrize("capability, packages, picked, said", [
+    ((9, 0), {"flash_attn", "fa4"}, "fa4", None),
+    ((10, 0), {"fa4"}, "fa4", None),
+    ((8, 0), {"flash_attn", "fa4"}, "flash_attn", None),  # fa4 is for Hopper and Blackwell
+    ((9, 0), {"flash_attn"}, "flash_attn", "flash-attn-4 not installed, using 'flash_attn'"),
+    ((9, 0), set(), "cuda", "flash-attn-4 and flash-attn not installed, using 'cuda'"),
+    ((8, 6), set(), "cuda", "flash-attn not installed, using 'cuda'"),
+])
+def test_a_gpu_gets_the_fastest_installed_backend_and_a_fallback_is_said_once(
+        monkeypatch, caplog, capability, packages, picked, said):
+    monkeypatch.delenv(kernels.ENV_VAR, raising=False)
+    monkeypatch.setattr(kernels, "installed", lambda name: name not in kernels.PACKAGES or name in packages)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    kernels._gpu_default.cache_clear()
+    with caplog.at_level("WARNING", logger=kernels.__name__):
+        names = {kernels.select(device=torch.device("cuda")).name for _ in range(3)}
+    kernels._gpu_default.cache_clear()
+    assert names == {picked}
+    warnings = [r.getMessage() for r in caplog.records if r.name == kernels.__name__]
+    assert warnings == ([] if said is None else [warnings[0]]) and (said is None or said in warnings[0]), warnings
+
+
+def test_a_package_backend_is_installed_when_its_module_imports(monkeypatch):
+    for module in ("flash_attn", "flash_attn.flash_attn_interface", "flash_attn.cute"):
+        monkeypatch.setitem(sys.modules, module, None)  # import raises ImportError
+    assert not kernels.installed("flash_attn") and not kernels.installed("fa4")
+    assert kernels.installed("cuda") and kernels.installed("reference")
+    fake = _fake_flash_modules()
+    for module, obj in fake.items():
+        monkeypatch.setitem(sys.modules, module, obj)
+    assert kernels.installed("flash_attn") and kernels.installed("fa4")
+
+
+# ---- the contract a backend meets, and the flash-attn adapters against fakes ------------
+
+
+def _flash_forward(q, k, v, cu_q, cu_k, causal, scale):
+    """What flash-attn's varlen forward returns (its documented conventions, computed by
+    the reference here): out, and the LSE as [H, T] with +inf on a row without keys."""
+    packing = Packing(offsets_q=tuple(cu_q.tolist()), offsets_k=tuple(cu_k.tolist()), causal=causal)
+    out, lse = kernels.KERNELS["reference"].forward(q, k, v, packing, scale)
+    return out, lse.masked_fill(lse == float("-inf"), float("inf")).t().contiguous()
+
+
+def _flash_backward(dout, q, k, v, out, lse_HT, cu_q, cu_k, causal, scale):
+    assert lse_HT.shape == q.shape[1::-1] and not bool((lse_HT == float("-inf")).any()), "FA's LSE: [H, T], +inf"
+    packing = Packing(offsets_q=tuple(cu_q.tolist()), offsets_k=tuple(cu_k.tolist()), causal=causal)
+    lse = lse_HT.t().masked_fill(lse_HT.t() == float("inf"), float("-inf"))
+    return [g.to(q.dtype) for g in kernels.KERNELS["reference"].backward(dout, q, k, v, out, lse, packing, scale)]
+
+
+def _fake_flash_modules() -> dict[str, types.ModuleType]:
+    """Stand-ins for flash-attn 2.8 (`flash_attn_varlen_func(..., return_attn_probs=True)`
+    and `flash_attn_interface._flash_attn_varlen_backward`, writing dq/dk/dv in place) and
+    flash-attn-4 (`flash_attn.cute.interface._flash_attn_fwd/_bwd`), with their signatures."""
+    fa, fa2, cute, fa4 = (types.ModuleType(n) for n in ("flash_attn", "flash_attn.flash_attn_interface",
+                                                         "flash_attn.cute", "flash_attn.cute.interface"))
+
+    def varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=None, causal=False,
+                    return_attn_probs=False):
+        assert dropout_p == 0.0 and return_attn_probs and max_q == int((cu_q[1:] - cu_q[:-1]).max())
+        out, lse = _flash_forward(q, k, v, cu_q, cu_k, causal, softmax_scale)
+        return out, lse, None
+
+    def varlen_backward(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal,
+                        window_left, window_right, softcap, alibi_slopes, deterministic, rng_state=None):
+        assert (dropout_p, window_left, window_right, softcap, alibi_slopes) == (0.0, -1, -1, 0.0, None)
+        for got, want in zip((dq, dk, dv), _flash_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale)):
+            got.copy_(want)
+        return torch.empty(0)
+
+    def fwd(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, return_lse):
+        out, lse = _flash_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale)
+        return out, lse, None, None, None
+
+    def bwd(q, k, v, out, dout, lse, *, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+            max_seqlen_k):
+        return tuple(_flash_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale))
+
+    fa.flash_attn_varlen_func, fa2._flash_attn_varlen_backward = varlen_func, varlen_backward
+    fa4._flash_attn_fwd, fa4._flash_attn_bwd = fwd, bwd
+    fa.flash_attn_interface, fa.cute, cute.interface = fa2, cute, fa4
+    return {"flash_attn": fa, "flash_attn.flash_attn_interface": fa2, "flash_attn.cute": cute,
+            "flash_attn.cute.interface": fa4}
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"] + GPU_BACKENDS)
+def test_the_backends_installed_meet_the_contract(backend):
+    on_gpu = backend in GPU_BACKENDS
+    assert kernel_contract.check(kernels.select(backend), "cuda" if on_gpu else "cpu",
+                                 torch.bfloat16 if on_gpu else torch.float32) == []
+
+
+@pytest.mark.parametrize("backend", ["flash_attn", "fa4"])
+def test_the_flash_attn_adapters_meet_the_contract_on_fakes_of_the_packages(monkeypatch, backend):
+    """The adapters' glue (the LSE's layout and its +inf, argument order, GQA gradients)
+    against stand-ins with flash-attn's conventions; the kernels themselves run only on a
+    GPU (scripts/gpu_check.sh)."""
+    for module, obj in _fake_flash_modules().items():
+        monkeypatch.setitem(sys.modules, module, obj)
+    assert kernel_contract.check(kernels.select(backend), dtype=torch.bfloat16) == []
+
+
+def _fake(name, forward=None, backward=None):
+    ref = kernels.KERNELS["reference"]
+    return kernels.Kernel(name=name, forward=forward or ref.forward, backward=backward or ref.backward)
+
+
+def test_backends_that_break_the_contract_are_caught():
+    ref = kernels.KERNELS["reference"]
+
+    def fa_layout(*args):  # flash-attn's own [H, T] LSE, handed through unchanged
+        out, lse = ref.forward(*args)
+        return out, lse.t().contiguous()
+
+    def log2(*args):
+        out, lse = ref.forward(*args)
+        return out, lse / math.log(2)
+
+    def plus_inf(*args):  # flash-attn's +inf on rows without keys
+        out, lse = ref.forward(*args)
+        return out, lse.masked_fill(lse == float("-inf"), float("inf"))
+
+    def gqa_expanded(dout, q, k, v, *rest):  # dk/dv per query head, not summed per K/V head
+        return ref.backward(dout, q, k.repeat_interleave(q.shape[1] // k.shape[1], 1),
+                            v.repeat_interleave(q.shape[1] // v.shape[1], 1), *rest)
+
+    def half_scale(*args):
+        return ref.backward(*args[:-1], args[-1] / 2)
+
+    cases = {"lse (": fa_layout, "lse off by": log2, "without keys is not -inf": plus_inf}
+    for what, forward in cases.items():
+        problems = kernel_contract.check(_fake(what, forward=forward))
+        assert problems and all(what in p for p in problems), (what, problems)
+    problems = kernel_contract.check(_fake("g", backward=gqa_expanded))
+    assert problems and all("4/2 heads: dk (" in p or "4/2 heads: dv (" in p for p in problems), problems
+    assert all("heads: d" in p for p in kernel_contract.check(_fake("s", backward=half_scale)))
+    assert kernel_contract.check(_fake("conforming")) == []
 
 
 def test_packing_validation():

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 
 import pytest
 import torch
@@ -214,14 +213,14 @@ def test_routed_and_double_ring_zeppelin_plans_complete():
 
 
 @pytest.mark.slow
-def test_1024_ranks_complete_in_seconds():
+def test_1024_ranks_complete():
+    # How long the check takes, 32 to 1024 ranks, is bench/schedule_check.py's figure
+    # (bench/results/schedule_check.md), not a test's: a loaded machine cannot fail this.
     cluster = ballonet.cluster("h800+h20", num_nodes=64)
     plan = ballonet.plan_batch(workloads.get("wlbllm").sample_batch(1024 * cluster.num_ranks, 0), cluster, LLAMA)
     assert plan.num_ranks == 1024 and any(r.comm == "double" for r in plan.rings)
-    start = time.perf_counter()
     check = check_schedule(plan)
     assert check.completes and check.ranks == 1024 and check.messages > 10_000, check
-    assert time.perf_counter() - start < 60  # about 3 s on a loaded 2-core VM
 
 
 # ---- the recording sees every byte -------------------------------------------------------

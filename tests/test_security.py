@@ -173,7 +173,7 @@ def test_checkpoint_fields_are_checked_before_anything_is_loaded(clean_checkpoin
         start = time.perf_counter()
         code, lines = _resume(ck, capsys)
         assert code == 2 and len(lines) == 1 and message in lines[0], (change, lines)
-        assert time.perf_counter() - start < 60
+        assert time.perf_counter() - start < 60  # a hang guard: 0.1 s alone per case (0.84 s for all 8)
 
 
 # ---- prepared corpora --------------------------------------------------------------------

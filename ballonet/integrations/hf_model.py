@@ -23,7 +23,9 @@ reruns no collective (the built-in model's "selective" reruns the gather instead
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import typing
 from pathlib import Path
 
 import torch
@@ -39,7 +41,7 @@ from ballonet.plan import Plan
 from ballonet.runtime.remapping import remap
 from ballonet.specs import ModelSpec
 from ballonet.training.loader import IGNORE_INDEX
-from ballonet.training.parallel import transformer_blocks
+from ballonet.training.parallel import local_box, transformer_blocks
 
 PREFIX = "hf:"
 CONFIG = "config.json"
@@ -148,11 +150,84 @@ def _checkpointed(forward, *args, **kwargs):
     return checkpoint(forward, *args, use_reentrant=False, context_fn=hf.recompute_context, **kwargs)
 
 
+def has_weights(name: str) -> bool:
+    """Whether `hf:DIR` holds safetensors weights (else it is initialised from the seed)."""
+    folder = _folder(name)
+    return any((folder / w).is_file() for w in WEIGHTS)
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Modules built here register their parameters on the meta device; their buffers (the
+    rotary embedding's inverse frequencies) stay real, computed as the model computes them."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        if param is not None and not param.is_meta:  # one already there (a tied weight) is kept as it is
+            param = nn.Parameter(param.to("meta"), param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def _weight_files(folder: Path) -> dict[str, Path]:
+    """Each tensor name of the folder's safetensors weights, and the file holding it."""
+    index = folder / WEIGHTS[1]
+    if not index.is_file():
+        from safetensors import safe_open
+
+        with safe_open(folder / WEIGHTS[0], framework="pt") as f:
+            return {key: folder / WEIGHTS[0] for key in f.keys()}
+    weight_map = read_json_object(index, "a safetensors index").get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) and "/" not in v and v not in ("", ".", "..")
+                                                   for v in weight_map.values()):
+        raise InputError(f"{index}: field 'weight_map' must map tensor names to file names in this folder")
+    return {key: folder / file for key, file in weight_map.items()}
+
+
+@torch.no_grad()
+def load_shards(model: nn.Module, name: str) -> None:
+    """Fill `model`'s parameters (sharded, materialised with `to_empty`) from the weights in
+    `hf:DIR`, each rank reading only its own shard of each tensor (`safe_open(...).get_slice`)."""
+    from safetensors import SafetensorError, safe_open
+
+    folder = _folder(name)
+    tied = getattr(model, "all_tied_weights_keys", None) or {}  # a tied weight untied (by --tp) reads its source
+    try:
+        files = _weight_files(folder)
+        where = {key: (file, key) for key, file in files.items()}  # a parameter's file and stored name
+        where.update({key: (files[source], source) for key, source in tied.items()
+                      if key not in files and source in files})
+        missing = [key for key, _ in model.named_parameters() if key not in where]
+        if missing:
+            raise InputError(f"{folder}: the weights have no tensor {missing[0]!r} ({len(missing)} of the model's "
+                             "parameters missing)")
+        handles: dict[Path, typing.Any] = {}
+        with contextlib.ExitStack() as stack:
+            for key, p in model.named_parameters():
+                file, stored_name = where[key]
+                if file not in handles:
+                    handles[file] = stack.enter_context(safe_open(file, framework="pt"))
+                stored = handles[file].get_slice(stored_name)
+                if tuple(stored.get_shape()) != tuple(p.shape):
+                    raise InputError(f"{file}: tensor {stored_name!r} has shape {tuple(stored.get_shape())}, "
+                                     f"the model's {tuple(p.shape)}")
+                local = p.to_local() if isinstance(p, DTensor) else p
+                local.copy_(stored[local_box(p)])
+    except (OSError, SafetensorError) as e:
+        raise InputError(f"{folder}: cannot read its weights ({str(e).splitlines()[0][:200]})") from None
+
+
 def build_model(name: str, seed: int, device: torch.device, recompute: str = "none",
                 recompute_layers: int | None = None) -> torch.nn.Module:
     """The causal LM of `hf:DIR` with attn_implementation="ballonet", fp32, on `device`,
     with activation recomputation `recompute` (`enable_recompute`; "selective" on the first
-    `recompute_layers` layers if given)."""
+    `recompute_layers` layers if given). On the meta device (`device` "meta") its parameters
+    hold nothing until `load_shards` reads each rank's shards (`training.build`)."""
     folder = _folder(name)
     try:
         from safetensors import SafetensorError
@@ -172,7 +247,10 @@ def build_model(name: str, seed: int, device: torch.device, recompute: str = "no
         raise InputError(f"{folder / pickled[0]}: pickled weights are not loaded (unpickling can run code); "
                          "save them as model.safetensors (save_pretrained(..., safe_serialization=True))")
     try:
-        if has_weights:
+        if device.type == "meta":
+            with _parameters_on_meta():
+                model = AutoModelForCausalLM.from_config(config, **kw)
+        elif has_weights:
             model = AutoModelForCausalLM.from_pretrained(folder, config=config, local_files_only=True,
                                                          use_safetensors=True, **kw)  # never a pickled .bin
         else:
@@ -183,4 +261,4 @@ def build_model(name: str, seed: int, device: torch.device, recompute: str = "no
     cls = type(model)
     model.__class__ = type(f"Ballonet{cls.__name__}", (BallonetLoss, cls), {})
     enable_recompute(model, recompute, recompute_layers)
-    return model.to(device)
+    return model if device.type == "meta" else model.to(device)

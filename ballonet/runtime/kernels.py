@@ -13,13 +13,22 @@ then P = exp(S - lse) is the true attention matrix and the gradients of one call
 exactly its share (the rule ring attention relies on).
 
 Backends, one signature each, picked once per call by `select`:
-  cpu        a loop over sequences calling aten's CPU flash-attention kernels
-  cuda       aten's flash-attention varlen kernels (bf16/fp16; fp32 falls back to reference)
-  reference  plain PyTorch math in fp32, any device; the independent check in tests
+  cpu         a loop over sequences calling aten's CPU flash-attention kernels
+  cuda        aten's flash-attention varlen kernels (bf16/fp16; fp32 falls back to reference)
+  flash_attn  the flash-attn package's FlashAttention-2 varlen kernels (`pip install
+              'ballonet[gpu]'`; bf16/fp16, head size a multiple of 8)
+  fa4         FlashAttention-4, `flash_attn.cute` (CuTe DSL; Hopper and Blackwell)
+  reference   plain PyTorch math in fp32, any device; the independent check in tests
+On a GPU `select` takes the first installed of fa4 (compute capability 9.0 or more),
+flash_attn and cuda, and says once which it fell back from. `kernel_contract.check`
+holds a backend to these shapes and this LSE against the reference.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
+import logging
 import math
 import os
 from dataclasses import dataclass, field
@@ -213,17 +222,117 @@ def _cuda_backward(dout_THD, q_THD, k_THD, v_THD, out_THD, lse_TH, packing: Pack
         0.0, packing.causal, rng_state, torch.empty(0, device=device), scale=scale)
 
 
+# ---- flash_attn and fa4: the flash-attn packages, when installed -----------------------
+# Both keep the LSE as [H, T] and write +inf for a row without keys (so that exp(S - lse)
+# is 0 in their backward); the seam's LSE is [T, H] and -inf there (`merge` adds it as 0).
+
+
+def _lse_from_flash(lse_HT: torch.Tensor) -> torch.Tensor:
+    return lse_HT.t().float().masked_fill(lse_HT.t() == float("inf"), float("-inf"))
+
+
+def _lse_to_flash(lse_TH: torch.Tensor) -> torch.Tensor:
+    return lse_TH.t().masked_fill(lse_TH.t() == float("-inf"), float("inf")).contiguous()
+
+
+def _fa2_forward(q_THD, k_THD, v_THD, packing: Packing, scale: float):
+    if q_THD.dtype == torch.float32:
+        return _ref_forward(q_THD, k_THD, v_THD, packing, scale)
+    from flash_attn import flash_attn_varlen_func
+
+    out_THD, lse_HT, _ = flash_attn_varlen_func(
+        q_THD, k_THD, v_THD, *packing.device_offsets(q_THD.device), packing.max_q, packing.max_k,
+        dropout_p=0.0, softmax_scale=scale, causal=packing.causal, return_attn_probs=True)
+    return out_THD, _lse_from_flash(lse_HT)
+
+
+def _fa2_backward(dout_THD, q_THD, k_THD, v_THD, out_THD, lse_TH, packing: Packing, scale: float):
+    if q_THD.dtype == torch.float32:
+        return _ref_backward(dout_THD, q_THD, k_THD, v_THD, out_THD, lse_TH, packing, scale)
+    from flash_attn.flash_attn_interface import _flash_attn_varlen_backward
+
+    dq, dk, dv = torch.empty_like(q_THD), torch.empty_like(k_THD), torch.empty_like(v_THD)
+    _flash_attn_varlen_backward(
+        dout_THD.contiguous(), q_THD, k_THD, v_THD, out_THD.contiguous(), _lse_to_flash(lse_TH), dq, dk, dv,
+        *packing.device_offsets(q_THD.device), packing.max_q, packing.max_k, 0.0, scale, packing.causal,
+        -1, -1, 0.0, None, False, None)
+    return dq, dk, dv
+
+
+def _fa4_forward(q_THD, k_THD, v_THD, packing: Packing, scale: float):
+    if q_THD.dtype == torch.float32:
+        return _ref_forward(q_THD, k_THD, v_THD, packing, scale)
+    from flash_attn.cute.interface import _flash_attn_fwd
+
+    cu_q, cu_k = packing.device_offsets(q_THD.device)
+    out_THD, lse_HT, *_ = _flash_attn_fwd(
+        q_THD, k_THD, v_THD, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=packing.max_q,
+        max_seqlen_k=packing.max_k, softmax_scale=scale, causal=packing.causal, return_lse=True)
+    return out_THD, _lse_from_flash(lse_HT)
+
+
+def _fa4_backward(dout_THD, q_THD, k_THD, v_THD, out_THD, lse_TH, packing: Packing, scale: float):
+    if q_THD.dtype == torch.float32:
+        return _ref_backward(dout_THD, q_THD, k_THD, v_THD, out_THD, lse_TH, packing, scale)
+    from flash_attn.cute.interface import _flash_attn_bwd
+
+    cu_q, cu_k = packing.device_offsets(q_THD.device)
+    dq, dk, dv = _flash_attn_bwd(
+        q_THD, k_THD, v_THD, out_THD.contiguous(), dout_THD.contiguous(), _lse_to_flash(lse_TH),
+        softmax_scale=scale, causal=packing.causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+        max_seqlen_q=packing.max_q, max_seqlen_k=packing.max_k)[:3]
+    return dq, dk, dv
+
+
 KERNELS = {
     "cpu": Kernel(name="cpu", forward=_cpu_forward, backward=_cpu_backward),
     "cuda": Kernel(name="cuda", forward=_cuda_forward, backward=_cuda_backward),
+    "flash_attn": Kernel(name="flash_attn", forward=_fa2_forward, backward=_fa2_backward),
+    "fa4": Kernel(name="fa4", forward=_fa4_forward, backward=_fa4_backward),
     "reference": Kernel(name="reference", forward=_ref_forward, backward=_ref_backward),
 }
+PACKAGES = {"flash_attn": ("flash_attn.flash_attn_interface", "flash-attn"), "fa4": ("flash_attn.cute", "flash-attn-4")}
+"""The module a package backend imports, and the package that installs it."""
+
+
+def installed(name: str) -> bool:
+    """Whether backend `name` can run here: always for aten's and the reference, for
+    flash_attn and fa4 when their module imports (its CUDA library found)."""
+    if name not in PACKAGES:
+        return name in KERNELS
+    try:
+        importlib.import_module(PACKAGES[name][0])
+    except (ImportError, OSError):
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_default(capability: tuple[int, int]) -> str:
+    """The first installed of fa4 (capability 9.0 or more), flash_attn and cuda; a fallback
+    is said once per process and GPU kind (the cache)."""
+    wanted = (["fa4"] if capability >= (9, 0) else []) + ["flash_attn", "cuda"]
+    name = next(n for n in wanted if installed(n))
+    if name != wanted[0]:
+        missing = " and ".join(PACKAGES[n][1] for n in wanted[:wanted.index(name)])
+        logging.getLogger(__name__).warning(
+            "attention kernel: %s not installed, using %r; pip install 'ballonet[gpu]' for the faster kernels",
+            missing, name)
+    return name
 
 
 def select(name: str | None = None, device: torch.device | None = None) -> Kernel:
     """The kernel named `name`, else the one named by $BALLONET_ATTENTION_KERNEL, else the
-    default for `device` ("cuda" on a GPU, "cpu" otherwise)."""
-    name = name or os.environ.get(ENV_VAR) or ("cuda" if device is not None and device.type == "cuda" else "cpu")
+    default for `device` (on a GPU the fastest installed, see the module docstring; "cpu"
+    otherwise). A named package backend that is not installed is a ValueError."""
+    if not name:
+        name = os.environ.get(ENV_VAR)
+    if not name:
+        on_gpu = device is not None and device.type == "cuda"
+        name = _gpu_default(torch.cuda.get_device_capability(device)) if on_gpu else "cpu"
     if name not in KERNELS:
         raise ValueError(f"unknown attention kernel {name!r}; choose one of {sorted(KERNELS)}")
+    if not installed(name):
+        raise ValueError(f"attention kernel {name!r} needs the {PACKAGES[name][1]} package "
+                         "(pip install 'ballonet[gpu]')")
     return KERNELS[name]

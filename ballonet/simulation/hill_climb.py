@@ -1,5 +1,5 @@
 """Hill-climbing a plan's placement under the simulator: how much of the distance to the
-lower bound a partitioner's greedy steps leave (`bench/hill_climb.py` runs it).
+lower bound a partitioner's greedy steps leave (`bench/investigations/hill_climb.py` runs it).
 
 From a zeppelin plan, a random move is kept when the simulated step gets shorter. Moves:
 a whole document to another rank, two whole documents swapped, or 16 to 1024 tokens of a

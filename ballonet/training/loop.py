@@ -46,7 +46,7 @@ from ballonet.training.config import TrainConfig
 from ballonet.training.corpus import Corpus
 from ballonet.training.launch import ERROR_DIR_ENV, preempt_file
 from ballonet.training.loader import BalancedLoader, Cursor, document_order, take_pieces
-from ballonet.training.model import build_model
+from ballonet.training.build import build_sharded_model
 from ballonet.training.preflight import preflight
 
 
@@ -192,12 +192,7 @@ def _run(config: TrainConfig, group, use_cuda: bool, signals: lease.Signals):
         evaluation.eval_batches, eval_corpus, num_tokens=evaluation.eval_tokens(config),
         global_tokens=config.global_tokens, plan_fn=plan_fn, rank=plan_rank, world_size=num_plan_ranks,
         max_doc_tokens=config.max_doc_tokens, grad_accum=config.grad_accum)
-    hf = hf_model.is_hf(config.model)
-    model = (hf_model.build_model(config.model, config.seed, device, config.recompute, config.recompute_layers)
-             if hf else build_model(config, spec, device))
-    if config.tp > 1:
-        (tensor_parallel.parallelize_hf if hf else tensor_parallel.parallelize_transformer)(model, mesh["tp"])
-    parallel.parallelize(model, mesh, config.dtype)
+    model = build_sharded_model(config, spec, mesh, device)  # on meta, split, then each rank's shards
     groups = _groups(group, world_size, config.tp, device)
     optimizer = optim.build_optimizer(model, config.lr, config.weight_decay)
     if heap_kept:  # a micro-batch's heap faulted in now, not in whichever step first needs it

@@ -59,6 +59,7 @@ from ballonet.runtime.remapping import remap
 from ballonet.specs import ModelSpec
 from ballonet.training.config import TrainConfig
 from ballonet.training.loader import IGNORE_INDEX
+from ballonet.training.parallel import local_box
 
 ROPE_THETA = 10000.0
 NORM_EPS = 1e-5
@@ -170,7 +171,8 @@ class Transformer(nn.Module):
         self.set_recompute(recompute, spec.recompute_layers)
         self.norm = nn.RMSNorm(spec.hidden, eps=NORM_EPS)
         self.head = nn.Linear(spec.hidden, spec.vocab_size, bias=False)
-        self.reset_parameters(seed)
+        if self.head.weight.device.type != "meta":  # on meta: drawn after sharding (`training.build`)
+            self.reset_parameters(seed)
 
     def set_recompute(self, recompute: Recompute, layers: int | None = None) -> None:
         """Recompute as `recompute` from the next forward on ("selective": on the first
@@ -188,13 +190,18 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, seed: int) -> None:
-        """Norm weights 1, every other weight N(0, INIT_STD^2), drawn in parameter order."""
+        """Norm weights 1, every other weight N(0, INIT_STD^2), drawn whole on the CPU in
+        parameter order, one parameter at a time. A sharded parameter (a DTensor: FSDP2,
+        tensor parallelism) keeps only its own shard of each draw: a model sharded on the
+        meta device and materialised with `to_empty` gets the weights of one built whole,
+        holding no more than its shards and one whole parameter."""
         gen = torch.Generator().manual_seed(seed)
         for p in self.parameters():
+            local = p.to_local() if isinstance(p, DTensor) else p
             if p.dim() == 1:
-                p.fill_(1.0)
+                local.fill_(1.0)
             else:
-                p.copy_(torch.empty(p.shape).normal_(0.0, INIT_STD, generator=gen))
+                local.copy_(torch.empty(p.shape).normal_(0.0, INIT_STD, generator=gen)[local_box(p)])
 
     def _hidden(self, ids_T, plan: Plan, rank: int, group, counter=None, outer_group=None,
                 meta: runtime.StepMeta | None = None) -> torch.Tensor:
@@ -262,8 +269,12 @@ def _check_plan_first(plan: Plan, rank: int, group, device, content=None) -> Non
 
 
 def build_model(config: TrainConfig, spec: ModelSpec, device: torch.device) -> Transformer:
-    """The model a training run trains: the loop's one place to build it (weights from
-    `config.seed`, the same on every rank), before sharding."""
+    """The model a training run trains (weights from `config.seed`, the same on every
+    rank), whole, before sharding; on the meta device (`device` "meta") it holds no
+    weights until `training.build` shards it and draws them."""
     # --recompute auto starts with none; `loop._auto_recompute` sets it each step.
     recompute = "none" if config.recompute == "auto" else config.recompute
+    if device.type == "meta":
+        with torch.device("meta"):
+            return Transformer(spec, seed=config.seed, recompute=recompute)
     return Transformer(spec, seed=config.seed, recompute=recompute).to(device)

@@ -30,16 +30,24 @@ nothing (`set_gradient_divide_factor(1.0)`, as a plain SUM).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.fsdp import (
     FSDPModule,
     MixedPrecisionPolicy,
     fully_shard,
     register_fsdp_forward_method,
 )
+
+from ballonet.cost.memory import MEMORY_RESERVE
+from ballonet.specs import ModelSpec
+from ballonet.training.metrics import training_bytes_per_token
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -150,3 +158,34 @@ def local_parameter_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | N
             total += sum(local(t).numel() * t.element_size() for t in state.values()
                          if isinstance(t, torch.Tensor) and t.dim() > 0)
     return total
+
+
+def local_box(p: torch.Tensor) -> tuple[slice, ...]:
+    """Where this rank's shard of `p` sits in the whole tensor: one slice a dimension (the
+    whole of each for a tensor that is not a DTensor). As DCP finds it, so FSDP2's Shard(0),
+    tensor parallelism's and their composition (strided shards) all agree with `to_local`."""
+    if not isinstance(p, DTensor):
+        return tuple(slice(0, n) for n in p.shape)
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape))
+
+
+def rank_bytes(model: ModelSpec, num_ranks: int, tokens_per_rank: float) -> float:
+    """Bytes a GPU holds training `model` (its dtype, recomputation and `tp`) under
+    `parallelize` with shard "full" over `num_ranks` GPUs: fp32 weights, gradients and
+    Adam's two moments sharded (16 bytes a parameter over all the GPUs); in the compute
+    dtype the root's embedding and head whole from forward to backward (the root is not
+    resharded after forward) and two blocks gathered at once (FSDP2 prefetches the next);
+    and the activations of `tokens_per_rank` tokens (`metrics.training_bytes_per_token`)."""
+    embed_head = 2 * model.vocab_size * model.hidden
+    block = (model.num_params - embed_head) / model.num_layers
+    gathered = (embed_head + 2 * block) * model.dtype_bytes / model.tp
+    return model.num_params * 16 / num_ranks + gathered + tokens_per_rank * training_bytes_per_token(model)
+
+
+def fewest_gpus(model: ModelSpec, gpu_memory_bytes: float, tokens_per_gpu: float) -> int | None:
+    """The fewest GPUs of `gpu_memory_bytes` each (the cost model's MEMORY_RESERVE of it
+    used) that train `model` at `tokens_per_gpu` tokens a GPU (`rank_bytes`); None when no
+    count does (the unsharded part alone is too much: fewer tokens or recomputation)."""
+    room = gpu_memory_bytes * MEMORY_RESERVE - (rank_bytes(model, 1, tokens_per_gpu) - model.num_params * 16)
+    return math.ceil(model.num_params * 16 / room) if room > 0 else None

@@ -171,7 +171,7 @@ def finish(lengths, dev: Devices, placement: Placement, meta, *, remap: bool, no
            double: bool) -> Plan:
     """Step 4 but routes, on a placement: remap (inside nodes, or across the cluster) and
     memory (raises `InfeasiblePlan` over a cap); the chosen plan gets its routes and is
-    validated by `zeppelin` (`bench/hill_climb.py` rebuilds moved placements with it)."""
+    validated by `zeppelin` (`bench/investigations/hill_climb.py` rebuilds moved placements with it)."""
     return with_memory(remapped(lengths, dev, placement, meta, remap=remap, node_remap=node_remap, double=double),
                        dev)
 

@@ -2,7 +2,7 @@
 `ballonet train` and `ballonet calibrate` give a CPU rank (`training.host`), and with the
 settings and the heap warmed as `ballonet train` warms it before its first step.
 
-    OMP_NUM_THREADS=1 python bench/host_allocator.py [--ranks 4] [--steps 8] [--groups 3]
+    OMP_NUM_THREADS=1 python bench/investigations/host_allocator.py [--ranks 4] [--steps 8] [--groups 3]
 
 Each group starts --ranks gloo ranks (2 emulated nodes from 4 ranks) that train the tiny
 model as the training loop does (FSDP2, AdamW, gradients set to None after each step) on
@@ -29,8 +29,9 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(BENCH)
+sys.path[1:1] = [ROOT, BENCH]  # after this folder: the checkout (ballonet, tests), bench/ (_common, fidelity)
 
 import numpy as np
 import torch
@@ -160,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             groups.append({"arm": arm, "ranks": run_ranks(args.ranks, rank_fn, arm, lengths)})
     taken = all(s["settings_taken"] for g in groups if g["arm"] != "defaults" for r in g["ranks"] for s in r)
     rows = summarize(groups, args.ranks)
-    cmd, seconds = command("host_allocator.py", argv), time.time() - t0
+    cmd, seconds = command("investigations/host_allocator.py", argv), time.time() - t0
     record(cmd, {"rows": rows, "groups": groups, "load": args.load, "seconds": seconds}, args.out + ".json")
     text = report(rows, args, cmd, seconds, taken)
     write_text(args.out + ".md", text)

@@ -1,7 +1,7 @@
 """Where a training step's compute goes on this CPU, measured piece by piece against the
 profile's price of each piece (the question behind bench/fidelity.py's errors).
 
-    python bench/fidelity_breakdown.py --profile bench/results/fidelity_profile.json [--planner packed_dp]
+    python bench/investigations/fidelity_breakdown.py --profile bench/results/fidelity_profile.json [--planner packed_dp]
         [--ranks 2] [--lengths 2048,1024,...]
 
 On 2 gloo ranks on one node (or 4 on two, as bench/fidelity.py runs them), one batch
@@ -29,8 +29,9 @@ import statistics
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(BENCH)
+sys.path[1:1] = [ROOT, BENCH]  # after this folder: the checkout (ballonet, tests), bench/ (_common, fidelity)
 
 import numpy as np
 import torch
@@ -172,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--lengths must be comma-separated integers, got {args.lengths!r}")
     args.load = os.getloadavg()[0]
     results = run_ranks(args.ranks, rank_fn, args.planner, args.profile, args.lengths)
-    cmd = command("fidelity_breakdown.py", argv)
+    cmd = command("investigations/fidelity_breakdown.py", argv)
     text = report(results, args, cmd)
     record(cmd, {"results": results}, os.path.splitext(args.out)[0] + ".json")
     write_text(args.out, text)

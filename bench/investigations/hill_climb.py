@@ -1,6 +1,6 @@
 """How much of zeppelin's distance to the lower bound its placement heuristic leaves.
 
-    OMP_NUM_THREADS=1 python bench/hill_climb.py [--cluster B] [--model llama-3b] [--tp 1]
+    OMP_NUM_THREADS=1 python bench/investigations/hill_climb.py [--cluster B] [--model llama-3b] [--tp 1]
         [--workload shortmix] [--steps 2] [--moves 4000] [--seed 0] [--out bench/results]
 
 Starts from zeppelin's plan of each batch of one main-grid configuration of
@@ -24,6 +24,9 @@ import os
 import statistics
 import sys
 import time
+
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, BENCH)  # after this folder: bench/ (_common)
 
 from _common import RESULTS, command, record, write_text
 
@@ -89,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  batch {i}: {start.step_time_s:.4f} -> {end.step_time_s:.4f} s ({kept} moves kept)",
               file=sys.stderr, flush=True)
     bound = statistics.mean(r["lower_bound_s"] for r in rows)
-    data = record(command("hill_climb.py", argv), {
+    data = record(command("investigations/hill_climb.py", argv), {
         "configuration": {"cluster": cluster, "model": model, "tp": tp, "workload": workload, "gpus": c.num_ranks},
         "moves": args.moves, "seed": args.seed, "batches": rows,
         "ratio_to_lower_bound": statistics.mean(r["step_s"] for r in rows) / bound,

@@ -1,7 +1,7 @@
 """The simulator against the runtime with this machine's drift taken out: each round
 calibrates and trains in the same processes, within two minutes.
 
-    OMP_NUM_THREADS=1 python bench/fidelity_paired.py [--ranks 2] [--planners flops_dp ...]
+    OMP_NUM_THREADS=1 python bench/investigations/fidelity_paired.py [--ranks 2] [--planners flops_dp ...]
         [--rounds 5] [--steps 6]
 
 bench/fidelity.py, the fidelity record, compares `ballonet train` runs against a profile
@@ -37,8 +37,9 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(BENCH)
+sys.path[1:1] = [ROOT, BENCH]  # after this folder: the checkout (ballonet, tests), bench/ (_common, fidelity)
 
 import torch
 
@@ -164,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     per_rank = run_ranks(args.ranks, rank_fn, cluster, spec, args.planners, args.rounds, batches(args.steps),
                          timeout=7200)
     rows = summarize(per_rank, args.planners)
-    cmd, seconds = command("fidelity_paired.py", argv), time.time() - t0
+    cmd, seconds = command("investigations/fidelity_paired.py", argv), time.time() - t0
     record(cmd, {"rows": rows, "per_rank": per_rank, "load": args.load, "seconds": seconds}, args.out + ".json")
     text = report(rows, per_rank, args, cmd, seconds)
     write_text(args.out + ".md", text)

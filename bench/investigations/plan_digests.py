@@ -1,6 +1,6 @@
 """Every plan of `bench/paper.py`'s main grid, by digest, with its simulated step.
 
-    OMP_NUM_THREADS=1 python bench/plan_digests.py [--steps 2] [--extra] [--out bench/results/plan_digests.json]
+    OMP_NUM_THREADS=1 python bench/investigations/plan_digests.py [--steps 2] [--extra] [--out bench/results/plan_digests.json]
 
 The main grid is 36 configurations (3 clusters x 4 models x 3 workloads, 4 nodes, 16K
 tokens a GPU, 64K context); each of `--steps` batches is planned by 11 planners: the 9 of
@@ -26,6 +26,9 @@ import json
 import os
 import sys
 import time
+
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, BENCH)  # after this folder: bench/ (_common)
 
 from _common import RESULTS, write_text
 

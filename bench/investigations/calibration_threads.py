@@ -1,6 +1,6 @@
 """Does `ballonet calibrate --quick` price the linear layers as a 2-rank training step runs them?
 
-    python bench/calibration_threads.py [--repeats 3] [--global-tokens 1024] [--source DIR]
+    python bench/investigations/calibration_threads.py [--repeats 3] [--global-tokens 1024] [--source DIR]
 
 1. `python -m ballonet calibrate --quick --out P.json`, `--repeats` times, in the
    environment as given (no OMP_NUM_THREADS: the README's command), from the source tree
@@ -33,6 +33,9 @@ import subprocess
 import sys
 import tempfile
 import time
+
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, BENCH)  # after this folder: bench/ (_common)
 
 from _common import HERE, ROOT, record, write_text
 
@@ -120,7 +123,7 @@ def _stamp(command: str, seconds: float) -> str:
 def report(result: dict) -> str:
     out = ["# Calibration under training's threading", "", result["stamp"], "",
            "`calibrate --quick` (the README's command, no OMP_NUM_THREADS) against the linear layers of a 2-rank "
-           "training step (`bench/calibration_threads.py`, see its docstring for the method). Efficiency: FLOPs "
+           "training step (`bench/investigations/calibration_threads.py`, see its docstring for the method). Efficiency: FLOPs "
            "(forward + 2x backward) over thread CPU seconds and the `cpu` type's nominal peak "
            f"({result['peak'] / 1e12:g} TFLOP/s), at {result['tokens']:.0f} tokens per call.", "",
            "| source | calibrate threads | calibrate linear eff. (median) | training linear eff. (median of ranks x "
@@ -157,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
               "sources": {name: {"path": path, "calibrate": [calibrate_once(path, tokens) for _ in range(args.repeats)]}
                           for name, path in sources.items()}}
     # quoted (not `_common.command`): --source values hold spaces
-    cmd = "python " + shlex.join(["bench/calibration_threads.py", *(sys.argv[1:] if argv is None else argv)])
+    cmd = "python " + shlex.join(["bench/investigations/calibration_threads.py",
+                                  *(sys.argv[1:] if argv is None else argv)])
     result["stamp"] = _stamp(cmd, time.perf_counter() - start)
     text = report(result)
     record(cmd, result, args.out + ".json")
