@@ -12,10 +12,11 @@ import threading
 import time
 
 import pytest
+import torch
 from distributed import run_ranks
 from test_train import BASE, _ledger_reference, _reference_run
 
-from ballonet.training.lease import LEASE_EXIT, PREEMPTED_EXIT, Stopped, read_lease
+from ballonet.training.lease import LEASE_EXIT, PREEMPTED_EXIT, Signals, StepBoundary, Stopped, read_lease
 from ballonet.training.loop import TrainConfig, train
 
 TWO_GROUPS = """
@@ -131,14 +132,28 @@ def _preempt_a_rank(rank, world_size, tmp):
         stopped = (e.reason, e.step, e.exit_code)
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the run's handler is gone
     rest = train(TrainConfig(**config, resume=True))
-    return stopped, [r["step"] for r in rest]
+    # a lease only rank 1 cannot read fails both ranks at the same boundary, not rank 1 alone
+    lease = os.path.join(tmp, f"lease{rank}")
+    with open(lease, "w") as f:
+        f.write("lent" if rank == 0 else "borrowed")
+    signals = Signals()
+    try:
+        StepBoundary(signals, lease, "lent", torch.distributed.group.WORLD, torch.device("cpu")).check()
+        failed = None
+    except ValueError as e:
+        failed = str(e)
+    finally:
+        signals.close()
+    return stopped, [r["step"] for r in rest], failed
 
 
 @pytest.mark.slow
 def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step_and_resume_is_exact(tmp_path):
     results = run_ranks(2, _preempt_a_rank, str(tmp_path))
-    (reason, step, code), rest = results[0]
-    assert results[1] == results[0] and reason == "preempted" and code == PREEMPTED_EXIT
+    (reason, step, code), rest, failed = results[0]
+    assert results[1][:2] == results[0][:2] and reason == "preempted" and code == PREEMPTED_EXIT
+    assert failed == "--lease: another rank could not read it".replace("--lease", f"--lease {tmp_path}/lease0")
+    assert results[1][2].endswith("lease1: holds 'borrowed'; it must say 'lent' or 'reclaimed'")
     assert 2 <= step <= 4 and rest == list(range(step + 1, 7))
     records = _log(tmp_path / "log.jsonl")
     assert [r["step"] for r in records] == list(range(1, 7)) and {r["world_size"] for r in records} == {2}
@@ -150,7 +165,7 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step_and_resume_is
 def test_the_lease_file_is_read_strictly(tmp_path):
     path = tmp_path / "lease"
     assert read_lease(str(path)) == "lent"  # no file: lent
-    for text, state in (("reclaimed\n", "reclaimed"), (" lent ", "lent"), ("", None)):
+    for text, state in (("reclaimed\n", "reclaimed"), (" lent ", "lent"), ("", None), ("recl", None)):
         path.write_text(text)
         assert read_lease(str(path)) == state
     path.write_text("maybe")

@@ -33,8 +33,9 @@ _MAX_BYTES = 64
 
 
 def read_lease(path: str) -> str | None:
-    """`lent` or `reclaimed` (an absent file: lent); None while the file is empty (being
-    written). Anything else, or a file that is not a regular file, is one line."""
+    """`lent` or `reclaimed` (an absent file: lent); None while the file is empty or holds
+    the start of one of them (being written). Anything else, or a file that is not a
+    regular file, is one line."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
@@ -48,8 +49,8 @@ def read_lease(path: str) -> str | None:
     finally:
         os.close(fd)
     text = data.decode("utf-8", "replace").strip()
-    if not text:
-        return None
+    if not text or (LENT.startswith(text) or RECLAIMED.startswith(text)) and text not in (LENT, RECLAIMED):
+        return None  # being written
     if text not in (LENT, RECLAIMED):
         raise InputError(f"--lease {path}: holds {text[:32]!r}; it must say {LENT!r} or {RECLAIMED!r}")
     return text
@@ -114,11 +115,17 @@ class StepBoundary:
         import torch
         import torch.distributed as dist
 
-        state = read_lease(self.lease) if self.lease else None
+        state, error = None, None
+        try:
+            state = read_lease(self.lease) if self.lease else None
+        except InputError as e:  # raised on every rank together, below
+            error = e
         signalled = self.signals.signal is not None or bool(self.preempt_file and os.path.exists(self.preempt_file))
-        seen = torch.tensor([signalled, state not in (None, self.members)], dtype=torch.float32,
+        seen = torch.tensor([signalled, state not in (None, self.members), error is not None], dtype=torch.float32,
                             device=self.device)
         if dist.get_world_size(self.group) > 1:
             dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=self.group)
-        preempted, lease = seen.tolist()
+        preempted, lease, failed = seen.tolist()
+        if failed:
+            raise error or InputError(f"--lease {self.lease}: another rank could not read it")
         return "preempted" if preempted else "lease" if lease else None
