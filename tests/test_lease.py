@@ -22,17 +22,16 @@ from ballonet.training.loop import TrainConfig, train
 TWO_GROUPS = """
 name = "lent-two"
 [[node_groups]]
-gpu = "cpu"
+gpu = "h800"
 gpus_per_node = 2
 nics_per_node = 2
-nic_gbps = 10
 [[node_groups]]
-gpu = "cpu"
+gpu = "h20"
 gpus_per_node = 2
 nics_per_node = 2
-nic_gbps = 10
 loaned = true
 """
+"""Two GPU types (emulated on CPU ranks: the plans give the H800 ranks more work)."""
 
 
 def _log(path) -> list[dict]:

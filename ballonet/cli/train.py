@@ -1,4 +1,6 @@
-"""`ballonet train`: run the training loop under torchrun, or launch it with `--nproc N`."""
+"""`ballonet train`: run the training loop under torchrun, or launch it with `--nproc N` (a
+cluster file of several node groups: one rank per GPU of them; with `--lease`, over the
+ranks the lease allows, started again at each change)."""
 
 from __future__ import annotations
 

@@ -58,7 +58,8 @@ class TrainConfig:
     seed: int = 0
     """Seed of the weights, the document order and synthetic tokens (>= 0)."""
     cluster: str = "cpu"
-    """Cluster preset or TOML file giving the (emulated) topology."""
+    """Cluster preset or TOML file giving the (emulated) topology; a file of several node groups runs one rank per
+    GPU of them (or of its groups not loaned)."""
     nodes: int | None = None
     """Nodes the ranks are spread over (ranks per node = world size / nodes; default 1); a cluster file of several
     node groups sets its own, which this must then equal."""
