@@ -161,6 +161,11 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step_and_resume_is
     assert all(abs(r["loss"] - y) <= 1e-4 * y for r, y in zip(records, reference, strict=True))
 
 
+def test_a_lease_needs_a_loaned_group(tmp_path):
+    with pytest.raises(ValueError, match="cluster 'cpu' has no node group with loaned = true"):
+        train(TrainConfig(**BASE, steps=1, lease=str(tmp_path / "lease"), checkpoint_dir=str(tmp_path / "ck")))
+
+
 def test_the_lease_file_is_read_strictly(tmp_path):
     path = tmp_path / "lease"
     assert read_lease(str(path)) == "lent"  # no file: lent

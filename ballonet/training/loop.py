@@ -177,6 +177,8 @@ def _run(config: TrainConfig, group, use_cuda: bool, signals: lease.Signals):
     torch.manual_seed(config.seed)
 
     cluster, spec, corpus = preflight(config, world_size)
+    if config.lease and not ballonet.cluster(config.cluster).has_loans:
+        raise InputError(f"--lease {config.lease}: cluster {cluster.name!r} has no node group with loaned = true")
     _check_placement(cluster, rank, group, use_cuda)
     corpus, eval_corpus = evaluation.split_corpora(config, corpus)
     # A plan rank is a TP group of `tp` consecutive ranks; the plan's traffic runs over the
