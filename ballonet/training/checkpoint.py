@@ -45,7 +45,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from ballonet.errors import InputError
 from ballonet.training.config_file import RESOLVED
 from ballonet.training.safe_dcp import (
-    DCP_METADATA, SafeLoadPlanner, SafeReader, SafeWriter, fsync_path, last_line, read_safe_metadata, write_durably)
+    DCP_METADATA, SafeLoadPlanner, SafeReader, SafeWriter, check_tensors, expected_tensors, fsync_path, last_line,
+    read_safe_metadata, write_durably)
 
 LATEST = "latest"
 META = "ballonet.json"
@@ -104,12 +105,12 @@ def read_meta(path: str) -> dict:
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise InputError(f"{meta_path}: not a {FORMAT} checkpoint")
 
-    def count(where: str, value, least: int) -> None:
-        if type(value) is not int or value < least:
-            raise InputError(f"{meta_path}: field {where!r} must be an integer >= {least}, got {value!r}")
+    def count(where: str, value, least: int, most: int = MAX_COUNT) -> None:
+        if type(value) is not int or not least <= value <= most:
+            raise InputError(f"{meta_path}: field {where!r} must be an integer from {least} to {most}, got {value!r}")
 
     count("step", meta.get("step"), 1)
-    count("world_size", meta.get("world_size"), 1)
+    count("world_size", meta.get("world_size"), 1, MAX_WORLD)
     loader = meta.get("loader")
     if not isinstance(loader, dict):
         raise InputError(f"{meta_path}: field 'loader' must be an object, got {loader!r}")
@@ -118,6 +119,41 @@ def read_meta(path: str) -> dict:
     rng = meta.get("rng")
     if not isinstance(rng, list) or not all(isinstance(r, str) for r in rng):
         raise InputError(f"{meta_path}: field 'rng' must be a list of strings")
+    return meta
+
+
+MAX_COUNT = 2**53
+"""The largest step or loader position a `ballonet.json` may hold (exact in JSON)."""
+MAX_WORLD = 1 << 20
+
+
+def resume_path(folder: str, resume_from: str | None) -> str | None:
+    """The checkpoint a run resumes from: `resume_from` (a step of `folder`, or a
+    checkpoint's folder), or the one `latest` names (None if the folder holds none).
+    InputError naming what is missing."""
+    if resume_from is None:
+        return latest(folder)
+    if resume_from.isdigit():
+        if len(resume_from) > 16:
+            raise InputError(f"--resume-from {resume_from}: not a step")
+        path = os.path.join(folder, f"step-{int(resume_from):08d}")
+        if not os.path.isfile(os.path.join(path, META)):
+            steps = sorted(n for n in os.listdir(folder) if n.startswith("step-")) if os.path.isdir(folder) else []
+            raise InputError(f"--resume-from {resume_from}: {folder} holds no complete checkpoint of that step "
+                             f"(it holds {', '.join(steps) or 'none'})")
+        return path
+    if not os.path.isdir(resume_from) or not os.path.isfile(os.path.join(resume_from, META)):
+        raise InputError(f"--resume-from {resume_from}: not a step nor a checkpoint's folder (no {META})")
+    return resume_from
+
+
+def check_resumable(path: str, steps: int) -> dict:
+    """`read_meta` of the checkpoint a run resumes from, refusing one past the run's
+    `steps` (it would train nothing)."""
+    meta = read_meta(path)
+    if meta["step"] > steps:
+        raise InputError(f"{path}: the checkpoint is at step {meta['step']}, past --steps {steps}; give --steps "
+                         f"above {meta['step']} to train on from it")
     return meta
 
 
@@ -285,9 +321,10 @@ def load(path: str, model, optimizer, rank: int, group, device) -> dict:
     """Collective: restore model and optimizer shards from checkpoint `path` (any world
     size) and RNG (same world size); returns its metadata (step, loader state)."""
     meta = read_meta(path)
-    read_safe_metadata(os.path.join(path, DCP_METADATA), path)  # refused here in one line, before DCP logs it
+    metadata = read_safe_metadata(os.path.join(path, DCP_METADATA), path)  # refused here, before DCP logs it
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optimizer": optim_sd}
+    check_tensors(metadata, expected_tensors(state), path, scope=("model.", "optimizer."))
     try:
         with warnings.catch_warnings():  # torch.load's warning on a crafted item: the refusal says it
             warnings.filterwarnings("ignore", message="Detected pickle protocol")

@@ -163,10 +163,12 @@ class TrainConfig:
                  (self.no_double and self.planner != "zeppelin", f"--no-double needs --planner zeppelin, got "
                                                                  f"{self.planner!r}"),
                  (bool(self.min_lr) and self.lr_decay == "constant", "--min-lr needs --lr-decay linear or cosine")]
-        for name in ("checkpoint_every", "resume", "async_checkpoint"):
+        for name in ("checkpoint_every", "async_checkpoint"):
             needs.append((bool(getattr(self, name)) and not self.checkpoint_dir, f"{_flag(name)} needs --checkpoint-dir"))
-        if self.resume_from is not None and not self.checkpoint_dir and self.resume_from.isdigit():
-            needs.append((True, f"--resume-from {self.resume_from} (a step) needs --checkpoint-dir"))
+        needs.append((self.resume and self.resume_from is None and not self.checkpoint_dir,
+                      "--resume needs --checkpoint-dir"))
+        needs.append((self.resume_from is not None and self.resume_from.isdigit() and not self.checkpoint_dir,
+                      f"--resume-from {self.resume_from} (a step) needs --checkpoint-dir"))
         for name in ("gpus_per_node", "max_restarts"):
             needs.append((bool(getattr(self, name)) and self.nproc is None, f"{_flag(name)} needs --nproc"))
         for name in ("eval_corpus", "eval_tokens"):

@@ -198,7 +198,7 @@ def _run(config: TrainConfig, group, use_cuda: bool):
         checkpoint.clean_stale(config.checkpoint_dir)
         config_file.write_resolved(config, config.checkpoint_dir)
     dist.barrier(group)
-    found = checkpoint.latest(config.checkpoint_dir) if config.resume and config.checkpoint_dir else None
+    found = checkpoint.resume_path(config.checkpoint_dir or "", config.resume_from) if config.resume else None
     if found:
         meta = checkpoint.load(found, model, optimizer, rank, group, device)
         try:

@@ -35,10 +35,10 @@ def _check_paths(config: TrainConfig) -> None:
             raise InputError(f"--json-log {config.json_log}: folder {parent} does not exist")
     if config.checkpoint_dir and os.path.exists(config.checkpoint_dir) and not os.path.isdir(config.checkpoint_dir):
         raise InputError(f"--checkpoint-dir {config.checkpoint_dir}: is a file, not a folder")
-    if config.resume and config.checkpoint_dir:
-        path = checkpoint.latest(config.checkpoint_dir)  # a foreign folder or dangling pointer fails here
+    if config.resume:  # a foreign folder, a dangling pointer or a step past --steps fails here
+        path = checkpoint.resume_path(config.checkpoint_dir or "", config.resume_from)
         if path:
-            checkpoint.read_meta(path)
+            checkpoint.check_resumable(path, config.steps)
 
 
 def preflight(config: TrainConfig, world_size: int):
