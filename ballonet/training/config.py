@@ -193,6 +193,20 @@ class TrainConfig:
         return first, last
 
 
+PER_PROCESS = ("nproc", "max_restarts", "gpus_per_node", "timeout_minutes", "json_log", "tensorboard", "wandb",
+               "log_every", "profile_steps")
+"""Fields that change no rank's work: the launcher's, and rank 0's logging. Every other
+field, resolved, is compared across the ranks before the first step (`preflight.agree`)."""
+MAY_CHANGE_ON_RESUME = PER_PROCESS + ("steps", "resume", "resume_from", "checkpoint_every", "keep_checkpoints",
+                                      "async_checkpoint", "eval_every")
+"""Fields a resumed run may set anew and still be the same run (its JSON log goes on)."""
+
+
+def run_fields(config: TrainConfig, leave_out: tuple[str, ...]) -> dict:
+    """{field: value} of `config` but `leave_out`, in declaration order."""
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name not in leave_out}
+
+
 MAX_INT = 2**53
 """The largest integer a field takes (what a JSON reader holds exactly; past it a count
 is a mistake, and torch's seeds, timedeltas and counters overflow)."""

@@ -213,12 +213,7 @@ def _run(config: TrainConfig, group, use_cuda: bool):
     saver = _checkpointer(config, rank, group, device, found, world_size)
     hf_config = hf_model.config_dict(config.model) if hf_model.is_hf(config.model) else None
     model_meta = {"model": export.model_meta(spec, hf_config, config.max_doc_tokens or config.global_tokens)}
-    if rank == 0 and config.json_log:
-        if step:
-            logs.trim(config.json_log, step)
-        elif os.path.exists(config.json_log):
-            os.remove(config.json_log)
-    writer = logs.tensorboard_writer(config.tensorboard) if config.tensorboard and rank == 0 else None
+    writer = logs.StepLog(config, step) if rank == 0 else None
     peak = metrics.peak_flops(cluster, config.calibration)
 
     records = []

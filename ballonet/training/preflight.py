@@ -71,8 +71,7 @@ def preflight(config: TrainConfig, world_size: int):
     metrics.check_budget(spec, cluster, config.global_tokens, world_size, config.shard)
     if config.checkpoint_dir:  # the last step is saved whatever --checkpoint-every
         checkpoint.check_folder(config.checkpoint_dir, spec.num_params, config.keep_checkpoints)
-    if config.tensorboard:
-        logs.tensorboard_writer(None)
+    logs.check_outputs(config)  # the JSON log is this run's, the optional loggers installed
     corpus = load_corpus(config.corpus, seed=config.seed)
     if corpus.vocab_size > spec.vocab_size:
         fix = ("a model whose config.json has a larger vocab_size" if is_hf else
