@@ -74,3 +74,30 @@ def test_a_log_that_is_a_symlink_is_refused(tmp_path, capsys, flag):
     link.symlink_to(target)
     assert cli.main([*RUN, flag, str(link)]) == 2
     _err_line(capsys)
+
+
+def test_two_ranks_started_with_different_lr_fail_together_before_the_first_step(tmp_path):
+    """Issue 47.5: two ranks started by hand (torchrun's environment, no launcher), one
+    with another --lr, trained on (loss 9.39 against 5.56). Now both stop before the first
+    step, each with the same one line naming the setting, exit 2."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank, lr in enumerate(["3e-3", "1e-2"]):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, "-m", "ballonet", *RUN, "--lr", lr, "--timeout-minutes", "2"],
+                                      env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    results = [p.communicate(timeout=300) for p in procs]  # hang guard: the runs end in seconds
+    for p, (out, err) in zip(procs, results):
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert p.returncode == 2 and len(lines) == 1, (p.returncode, err[-2000:])
+        assert "ranks disagree on the run's settings: --lr (ranks [0] | [1]" in lines[0], lines
+        assert "step 1/" not in out

@@ -45,7 +45,7 @@ from ballonet.training.config import TrainConfig
 from ballonet.training.corpus import Corpus
 from ballonet.training.loader import BalancedLoader, Cursor, document_order, take_pieces
 from ballonet.training.model import build_model
-from ballonet.training.preflight import preflight
+from ballonet.training.preflight import agree, preflight
 
 
 class RankFailure(InputError):
@@ -167,6 +167,7 @@ def _run(config: TrainConfig, group, use_cuda: bool):
     torch.manual_seed(config.seed)
 
     cluster, spec, corpus = preflight(config, world_size)
+    agree(config, group, device)  # every rank runs with the same settings, or all fail here
     corpus, eval_corpus = evaluation.split_corpora(config, corpus)
     # A plan rank is a TP group of `tp` consecutive ranks; the plan's traffic runs over the
     # plan ranks of this rank's TP index (`Groups.plan`).
