@@ -17,7 +17,11 @@ one the run resumed from). A save killed at any point leaves `latest` naming a c
 checkpoint; stale `.tmp-*` folders are removed when the next run starts (`clean_stale`).
 With DCP's `async_save` the shards are staged to CPU memory and written by a background
 thread over a gloo group of their own, while training goes on; the steps after the
-writing (metadata, rename, `latest`) wait for it (`PendingSave.wait`).
+writing (metadata, rename, `latest`) follow at the first step boundary where every rank's
+part is written (`Checkpointer.poll`), so a save counts as soon as it is complete. A save
+that fails (a full disk: said so in words, whichever exception reported it) is one line,
+on every rank, at that boundary; its `.tmp-` folder is removed and `latest` still names
+the last complete checkpoint.
 
 Loading never executes code from the checkpoint, by construction (`safe_dcp.py`: DCP's
 `.metadata` read by torch's weights-only unpickler with DCP's classes as exact safe
@@ -31,6 +35,8 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import errno
+import functools
 import json
 import os
 import shutil
@@ -258,34 +264,53 @@ def save(folder: str, step: int, model, optimizer, loader_state: dict, rank: int
                 return os.path.join(folder, name)
 
         if async_group is not None:
-            return PendingSave(dcp.async_save(state, storage_writer=writer, process_group=async_group), finish)
+            future = dcp.async_save(state, storage_writer=writer, process_group=async_group)
+            return PendingSave(future, finish, functools.partial(_failing_save, folder, tmp, step, rank))
         dcp.save(state, storage_writer=writer, process_group=group, no_dist=group is None)
     return finish()
 
 
 @contextlib.contextmanager
 def _failing_save(folder: str, tmp: str, step: int, rank: int):
-    """OSError and DCP's failures of a save as one InputError line, its folder removed."""
+    """A save's failures (OSError, DCP's, torch's writer's "unexpected pos" on a full disk)
+    as one InputError line, its temporary folder removed."""
     try:
         yield
-    except (OSError, CheckpointException) as e:
+    except (OSError, RuntimeError, CheckpointException) as e:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise InputError(f"--checkpoint-dir {folder}: cannot write the checkpoint of step {step} "
-                         f"({last_line(e)})") from None
+                         f"({_reason(e, folder)}); the last complete checkpoint stays the latest") from None
+
+
+def _reason(e: BaseException, folder: str) -> str:
+    """Why a save failed, in words: a full disk says so whatever exception reported it."""
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        free = None
+    if getattr(e, "errno", None) == errno.ENOSPC or (free is not None and free < FULL_BYTES):
+        return f"the disk is full: No space left on device, {free if free is not None else 0} bytes free"
+    return last_line(e)
+
+
+FULL_BYTES = 1 << 20
+"""Free bytes under which a failed save is put down to a full disk."""
 
 
 class PendingSave:
     """A checkpoint being written in the background; `wait()` (collective) publishes it."""
 
-    def __init__(self, future, finish):
-        self._future, self._finish = future, finish
+    def __init__(self, future, finish, failing):
+        self._future, self._finish, self._failing = future, finish, failing
+
+    def done(self) -> bool:
+        """Whether this rank's part is written (or failed): `wait` would not block."""
+        return self._future.done()
 
     def wait(self) -> str:
-        try:
+        with self._failing():
             self._future.result()
-        except (OSError, CheckpointException) as e:
-            raise InputError(f"cannot write a checkpoint ({last_line(e)})") from None
         return self._finish()
 
 
@@ -346,8 +371,10 @@ def _barrier(group) -> None:
 
 class Checkpointer:
     """A run's saves into `folder`: the newest `keep` checkpoints stay (and `protect`, the
-    one the run resumed from); with `async_group` each save is written in the background,
-    published when the next one starts or at `close()` (collective, on every rank)."""
+    one the run resumed from). With `async_group` each save is written in the background
+    and published at the first `poll()` (the loop's, after each step) that finds every
+    rank's part written, or failed: a failure is reported there, on every rank together,
+    not at the next save; `close()` waits for the last one (all collective)."""
 
     def __init__(self, folder: str, rank: int, group, device, *, keep: int, protect: str | None = None,
                  async_group=None):
@@ -355,6 +382,11 @@ class Checkpointer:
         self.keep, self.protect, self.async_group = keep, protect, async_group
         self.last_step: int | None = None
         self._pending: PendingSave | None = None
+        # The ranks agree that a background save is done over a gloo group of their own: no
+        # device synchronisation, and not DCP's group, which its thread is using.
+        self._poll_group = None
+        if async_group is not None and group is not None:
+            self._poll_group = dist.new_group(dist.get_process_group_ranks(group), backend="gloo")
 
     def save(self, step: int, model, optimizer, loader_state: dict, meta: dict | None = None) -> None:
         self.close()
@@ -363,6 +395,16 @@ class Checkpointer:
         if isinstance(saved, PendingSave):
             self._pending = saved
         self.last_step = step
+
+    def poll(self) -> None:
+        """Collective while a save is pending: publish it if every rank's part is done."""
+        if self._pending is None:
+            return
+        done = torch.tensor([int(self._pending.done())], dtype=torch.int32)
+        if self._poll_group is not None:
+            dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self._poll_group)
+        if done.item():
+            self.close()
 
     def close(self) -> None:
         """Publish the save still being written, if any."""

@@ -243,6 +243,8 @@ def _run(config: TrainConfig, group, use_cuda: bool):
             logs.write(config, record, writer)
         if saver and config.checkpoint_every and step % config.checkpoint_every == 0:
             saver.save(step, model, optimizer, loader.state_dict(), model_meta)
+        elif saver:
+            saver.poll()  # a background save is published as soon as every rank has written it
     if saver and records and saver.last_step != step:  # the final step, always
         saver.save(step, model, optimizer, loader.state_dict(), model_meta)
     if saver:
