@@ -187,15 +187,17 @@ def check_nesting(value, where) -> None:
             raise InputError(f"{where}: number {v} is not finite")
 
 
-def loads_json(text: str | bytes, where, what: str = "JSON") -> object:
-    """The JSON value of `text` (from `where`, a path or "path:line"), bounded: one
-    InputError "{where}: not {what} (...)" on malformed, deep or out-of-range input."""
+def loads_json(text: str | bytes, where, what: str = "JSON", line_numbers: bool = True) -> object:
+    """The JSON value of `text` (from `where`, a path, or "path:line" with `line_numbers`
+    False), bounded: one InputError naming `where` on malformed, deep or out-of-range input."""
     try:
         value = json.loads(text, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_parse_constant)
     except _Refused as e:
         raise InputError(f"{where}: not {what} ({e})") from None
     except json.JSONDecodeError as e:
-        raise InputError(f"{where}: not {what} (malformed JSON: {e.msg} at line {e.lineno} column {e.colno})") from None
+        if line_numbers:
+            raise InputError(f"{where}:{e.lineno}: malformed JSON ({e.msg}; not {what})") from None
+        raise InputError(f"{where}: not {what}: malformed JSON ({e.msg})") from None
     except UnicodeDecodeError:
         raise InputError(f"{where}: not {what} (not UTF-8 text)") from None
     except RecursionError:
