@@ -163,7 +163,7 @@ def _number(where: str, value) -> float:
     return float(value)
 
 
-def from_dict(d: dict, where: str = "calibration") -> Profile:
+def from_dict(d, where: str = "calibration") -> Profile:
     """A validated `Profile` from its JSON form; InputError names the first bad field."""
     if not isinstance(d, dict):
         raise InputError(f"{where}: a profile must be a JSON object")
