@@ -15,6 +15,7 @@ import io
 import os
 import pathlib
 import pickle
+import pickletools
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -22,6 +23,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
+from ballonet import user_files
 from ballonet.errors import InputError
 
 DCP_METADATA = ".metadata"
@@ -46,13 +48,10 @@ def read_safe_metadata(path, folder) -> dcp_metadata.Metadata:
     storage items checked to lie inside plain files of `folder`. InputError otherwise."""
     from torch import _weights_only_unpickler
 
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as e:
-        raise _metadata_error(path, e.strerror or type(e).__name__) from None
+    data = user_files.read_bytes(path, "metadata", folder, what="a checkpoint's metadata")
     if data[:2] != bytes([pickle.PROTO[0], METADATA_PROTOCOL]):
         raise _metadata_error(path, f"not pickle protocol {METADATA_PROTOCOL}, the only one Ballonet writes and reads")
+    _check_globals(data, path)
     try:
         with torch.serialization.safe_globals(list(SAFE_GLOBALS)):
             metadata = _weights_only_unpickler.load(io.BytesIO(data), encoding="utf-8")
@@ -62,6 +61,29 @@ def read_safe_metadata(path, folder) -> dcp_metadata.Metadata:
         raise _metadata_error(path, f"holds a {type(metadata).__name__}, not DCP's Metadata with storage_data")
     _check_storage(metadata.storage_data, path, folder)
     return metadata
+
+
+_OPCODES_REFUSED = frozenset({"STACK_GLOBAL", "INST", "OBJ", "EXT1", "EXT2", "EXT4", "PERSID", "BINPERSID"})
+
+
+def _check_globals(data: bytes, path) -> None:
+    """Every global the pickle names is one DCP's metadata holds (`SAFE_GLOBALS`, torch's
+    dtypes, `torch.Size`, the layout getter), checked by reading its opcodes, before
+    anything is unpickled: torch's weights-only defaults (`bytearray`, for one, which a
+    40-byte file can ask for 3 GB of) are never called."""
+    allowed = {f"{g.__module__} {g.__qualname__}" for g in (*SAFE_GLOBALS, torch.Size,
+                                                              torch.serialization._get_layout)}
+    try:
+        for op, arg, _ in pickletools.genops(data):
+            if op.name in _OPCODES_REFUSED:
+                raise _metadata_error(path, f"opcode {op.name}, which DCP's metadata never holds")
+            if op.name == "GLOBAL" and arg not in allowed and not (
+                    arg.startswith("torch ") and isinstance(getattr(torch, arg[6:], None), torch.dtype)):
+                raise _metadata_error(path, f"global {arg.replace(' ', '.')!r} is not one DCP's metadata holds")
+    except InputError:
+        raise
+    except ValueError as e:  # a malformed pickle
+        raise _metadata_error(path, str(e)[:200]) from None
 
 
 def _check_storage(storage: dict, path, folder) -> None:
