@@ -163,7 +163,7 @@ def _parse_int(text: str) -> int:
 def _parse_float(text: str) -> float:
     value = float(text.replace("_", ""))
     if not math.isfinite(value):
-        raise _Refused(f"number {text} is not finite")
+        raise _Refused(f"number {text} must be finite")
     return value
 
 
@@ -184,7 +184,7 @@ def check_nesting(value, where) -> None:
         elif isinstance(v, int) and not isinstance(v, bool) and abs(v) > INT64_MAX:
             raise InputError(f"{where}: integer {v if abs(v) < 10**40 else '(over 40 digits)'} is outside int64")
         elif isinstance(v, float) and not math.isfinite(v):
-            raise InputError(f"{where}: number {v} is not finite")
+            raise InputError(f"{where}: number {v} must be finite")
 
 
 def loads_json(text: str | bytes, where, what: str = "JSON", line_numbers: bool = True) -> object:
@@ -210,7 +210,7 @@ def loads_json(text: str | bytes, where, what: str = "JSON", line_numbers: bool 
 
 def read_json(path, kind: str = "json", folder=None, what: str = "JSON") -> object:
     """The JSON value in the file `path` (through `read_bytes`, bounded as `loads_json`)."""
-    return loads_json(read_bytes(path, kind, folder, what), path, what)
+    return loads_json(read_text(path, kind, folder, what), path, what)
 
 
 def loads_toml(text: str, where, what: str = "TOML") -> dict:
