@@ -48,6 +48,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from ballonet import user_files
 from ballonet.errors import InputError
 from ballonet.training.config_file import RESOLVED
 from ballonet.training.safe_dcp import (
@@ -71,7 +72,7 @@ def clean_stale(folder: str) -> None:
     for name in os.listdir(folder):
         path = os.path.join(folder, name)
         if name.startswith(".tmp-") or name == f"{LATEST}.tmp":
-            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+            shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
 
 
 def latest(folder: str) -> str | None:
@@ -80,19 +81,16 @@ def latest(folder: str) -> str | None:
     if not os.path.isdir(folder):
         return None
     pointer = os.path.join(folder, LATEST)
-    if not os.path.exists(pointer):
+    if not os.path.lexists(pointer):
         foreign = sorted(n for n in os.listdir(folder) if not n.startswith(".") and n != RESOLVED)
         if foreign:
             raise InputError(f"{folder}: not a ballonet checkpoint folder (no '{LATEST}' file, holds {foreign[0]!r})")
         return None
-    try:
-        with open(pointer, encoding="utf-8") as f:
-            name = f.read().strip()
-    except (OSError, UnicodeDecodeError) as e:
-        raise InputError(f"{pointer}: unreadable ({e})") from None
+    name = user_files.read_text(pointer, "pointer", folder, what="a checkpoint pointer").strip()
     path = os.path.join(folder, name)
-    if os.sep in name or not name.startswith("step-") or not os.path.isfile(os.path.join(path, META)):
+    if os.sep in name or not name.startswith("step-") or not os.path.lexists(os.path.join(path, META)):
         raise InputError(f"{pointer}: names {name!r}, which is not a complete checkpoint in {folder}")
+    user_files.inside(folder, path)
     return path
 
 
@@ -100,11 +98,7 @@ def read_meta(path: str) -> dict:
     """The checkpoint's `ballonet.json`, each field checked (step, world size, loader
     position, RNG states); InputError naming the file and the field otherwise."""
     meta_path = os.path.join(path, META)
-    try:
-        with open(meta_path, encoding="utf-8") as f:
-            meta = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise InputError(f"{meta_path}: corrupt checkpoint metadata ({e})") from None
+    meta = user_files.read_json(meta_path, "json", path, what="checkpoint metadata")
     if isinstance(meta, dict) and meta.get("format") == "ballonet-dcp-1":
         raise InputError(f"{meta_path}: saved by an earlier Ballonet (ballonet-dcp-1), whose checkpoint metadata "
                          f"is not loaded (reading it safely needs {FORMAT}); start the run again")

@@ -17,6 +17,7 @@ import os
 import pathlib
 import pickle
 import pickletools
+import zipfile
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -24,6 +25,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
+from ballonet import user_files
 from ballonet.errors import InputError
 
 DCP_METADATA = ".metadata"
@@ -61,11 +63,7 @@ def read_safe_metadata(path, folder) -> dcp_metadata.Metadata:
     storage items checked to lie inside plain files of `folder`. InputError otherwise."""
     from torch import _weights_only_unpickler
 
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as e:
-        raise _metadata_error(path, e.strerror or type(e).__name__) from None
+    data = user_files.read_bytes(path, "metadata", folder, what="a checkpoint's metadata")
     if data[:2] != bytes([pickle.PROTO[0], METADATA_PROTOCOL]):
         raise _metadata_error(path, f"not pickle protocol {METADATA_PROTOCOL}, the only one Ballonet writes and reads")
     _check_opcodes(data, path)
@@ -224,12 +222,35 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     """Non-tensor items (optimizer hyperparameters) through the weights-only unpickler."""
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        _check_plain_item(value, read_item.dest_index.fqn)
         loaded = torch.load(value, weights_only=True)
         if self.flatten_state_dict:
             from torch.distributed.checkpoint._nested_dict import set_element
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
         else:
             self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+MAX_ITEM_PICKLE = 16 << 20
+"""Bytes of one non-tensor item's pickle (a few hundred, for an optimizer's hyperparameters)."""
+
+
+def _check_plain_item(value: io.BytesIO, fqn: str) -> None:
+    """A non-tensor item is `torch.save`'s zip of plain values (numbers, strings, lists:
+    what an optimizer's hyperparameters are): a pickle naming any global (`bytearray`,
+    which would allocate what it is asked) is refused before `torch.load` reads it."""
+    try:
+        with zipfile.ZipFile(value) as z:
+            pickles = [i for i in z.infolist() if i.filename.endswith("data.pkl")]
+            if len(pickles) != 1 or pickles[0].file_size > MAX_ITEM_PICKLE:
+                raise ValueError("not one torch.save pickle of plain values")
+            ops = {op.name for op, _, _ in pickletools.genops(z.read(pickles[0]))}
+    except (zipfile.BadZipFile, ValueError, EOFError, OSError) as e:
+        raise InputError(f"item {fqn!r}: not a plain value ({str(e)[:120]})") from None
+    named = ops & {"GLOBAL", "STACK_GLOBAL", "INST", "OBJ", "REDUCE", "EXT1", "EXT2", "EXT4", "PERSID", "BINPERSID"}
+    if named:
+        raise InputError(f"item {fqn!r}: not a plain value (its pickle calls {sorted(named)[0]})")
+    value.seek(0)
 
 
 # ---- files and errors ------------------------------------------------------------------
