@@ -12,7 +12,8 @@ not make.
   `--out` as it was and no temporary folder behind.
 - The tokenizer's files (`tokenizer.json`, ...) of the corpus folder the run trained on
   (its `config.toml` in the checkpoint folder says which) or of `--tokenizer`, and a
-  `generation_config.json`, so that `AutoTokenizer` and `generate` load the folder.
+  `generation_config.json`, so that `AutoTokenizer` and `generate` load the folder. Every
+  file is read through `user_files` (regular files, capped, links only inside the folder).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import os
 import shutil
 from collections.abc import Callable
 
+from ballonet import user_files
 from ballonet.errors import InputError
 from ballonet.training.config_file import RESOLVED
 
@@ -31,7 +33,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.json", "merges.txt", "added_tokens.json")
 """The files of a Hugging Face tokenizer, as `save_pretrained` writes them."""
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".index.json")
-MAX_MARKER_BYTES = 1 << 20
 
 
 def check_out(out: str, overwrite: bool) -> None:
@@ -52,14 +53,11 @@ def check_out(out: str, overwrite: bool) -> None:
 
 def _earlier_files(out: str) -> set[str]:
     """The files the export that wrote `out` listed in its marker (none if unreadable)."""
-    marker = os.path.join(out, MARKER)
     try:
-        if os.path.islink(marker) or not os.path.isfile(marker) or os.path.getsize(marker) > MAX_MARKER_BYTES:
-            return set()
-        with open(marker, encoding="utf-8") as f:
-            files = json.load(f).get("files", [])
-    except (OSError, ValueError, AttributeError, RecursionError):
+        record = user_files.read_json(os.path.join(out, MARKER), "json", out, what="an export's record")
+    except InputError:
         return set()
+    files = record.get("files") if isinstance(record, dict) else None
     return {n for n in files if isinstance(n, str) and os.sep not in n} if isinstance(files, list) else set()
 
 
@@ -141,12 +139,11 @@ def generation_config(config: dict) -> dict:
 def _corpus_folder(step_path: str) -> str | None:
     """The corpus folder the run that wrote checkpoint `step_path` trained on, from the
     `config.toml` beside it (None if it trained on no folder, or says nothing)."""
-    from ballonet.specs import load_toml
-
     resolved = os.path.join(os.path.dirname(os.path.abspath(step_path)), RESOLVED)
-    if not os.path.isfile(resolved):
+    if not os.path.lexists(resolved):
         return None
-    corpus = load_toml(resolved, "resolved config").get("corpus")
+    user_files.inside(os.path.dirname(resolved), resolved)
+    corpus = user_files.read_toml(resolved, "resolved config").get("corpus")
     return corpus if isinstance(corpus, str) and os.path.isdir(corpus) else None
 
 
@@ -155,7 +152,8 @@ def tokenizer_files(tokenizer: str | None, step_path: str) -> list[str]:
     InputError if it holds none), or of the corpus folder the checkpoint's run trained on
     (none there: none). Regular files only, never through a symlink."""
     if tokenizer is not None:
-        if os.path.isfile(tokenizer) and not os.path.islink(tokenizer):
+        if not os.path.isdir(tokenizer):
+            user_files.check(tokenizer, "tokenizer", what="a tokenizer")  # a FIFO, a device: one line
             return [tokenizer]
         found = _regular(tokenizer)
         if not found:
@@ -166,10 +164,13 @@ def tokenizer_files(tokenizer: str | None, step_path: str) -> list[str]:
 
 
 def _regular(folder: str) -> list[str]:
-    if not os.path.isdir(folder) or os.path.islink(folder):
-        return []
+    """The tokenizer files in `folder`, each a regular file within the size cap, a link
+    only inside the folder (`user_files`' policy)."""
     paths = [os.path.join(folder, n) for n in TOKENIZER_FILES]
-    return [p for p in paths if os.path.isfile(p) and not os.path.islink(p)]
+    found = [p for p in paths if os.path.lexists(p)]
+    for p in found:
+        user_files.check(p, "tokenizer", folder, what="a tokenizer file")
+    return found
 
 
 def copy_tokenizer(sources: list[str], folder: str, config: dict) -> None:
@@ -177,7 +178,9 @@ def copy_tokenizer(sources: list[str], folder: str, config: dict) -> None:
     tokenizer_config.json (the fast tokenizer class, the model's context)."""
     for src in sources:
         target = os.path.basename(src) if os.path.basename(src) in TOKENIZER_FILES else "tokenizer.json"
-        shutil.copyfile(src, os.path.join(folder, target), follow_symlinks=False)
+        data = user_files.read_bytes(src, "tokenizer", what="a tokenizer file")
+        with open(os.path.join(folder, target), "wb") as f:
+            f.write(data)
     names = {os.path.basename(s) for s in sources}
     if sources and "tokenizer_config.json" not in names:
         settings = {"tokenizer_class": "PreTrainedTokenizerFast"}

@@ -20,6 +20,7 @@ import math
 import os
 import time
 
+from ballonet import user_files
 from ballonet.errors import InputError
 from ballonet.training.config import MAY_CHANGE_ON_RESUME, TrainConfig, run_fields
 from ballonet.training.safe_dcp import write_durably
@@ -37,36 +38,38 @@ def run_id(config: TrainConfig) -> str:
     return hashlib.blake2b(json.dumps(fields, sort_keys=True).encode(), digest_size=8).hexdigest()
 
 
-def _records(path: str) -> list[tuple[int, str, dict | None]]:
-    """(line number, line, record or None if not JSON) of each non-empty line."""
-    with open(path, encoding="utf-8", errors="replace") as f:
-        return [(i + 1, line, _parse(line)) for i, line in enumerate(f) if line.strip()]
-
-
-def _parse(line: str) -> dict | None:
+def _parse(line: str, where: str) -> dict | None:
+    """The JSON object on a log line (bounded: `user_files.loads_json`), None if it is not one."""
     try:
-        record = json.loads(line)
-    except (ValueError, RecursionError):
+        record = user_files.loads_json(line, where, "a JSON log record", line_numbers=False)
+    except InputError:
         return None
     return record if isinstance(record, dict) else None
+
+
+def _lines(path: str):
+    """The log's non-empty lines, numbered, through the one door (a regular file)."""
+    with user_files.text_lines(path, "data", what="a JSON log") as f:
+        try:
+            yield from ((i + 1, line) for i, line in enumerate(f) if line.strip())
+        except UnicodeDecodeError:
+            raise InputError(f"--json-log {path}: not the JSON log of this run (not UTF-8 text); give a new "
+                             "file") from None
 
 
 def check_log(config: TrainConfig) -> None:
     """Before the run: `--json-log` is absent, empty, or a Ballonet log of this run
     (its first record's `run`; `trim` checks every record). InputError otherwise."""
     path = config.json_log
-    if not path or not os.path.exists(path):
+    if not path or not os.path.lexists(path):
         return
-    if os.path.islink(path) or not os.path.isfile(path):
-        raise InputError(f"--json-log {path}: exists and is not a regular file; give a new file")
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            first = next((line for line in f if line.strip()), None)
-    except OSError as e:
-        raise InputError(f"--json-log {path}: cannot read it ({e.strerror})") from None
+    if os.path.islink(path):
+        raise InputError(f"--json-log {path}: is a symbolic link; give a new file (nothing is written through a "
+                         "link)")
+    first = next(_lines(path), None)
     if first is None:
         return
-    record = _parse(first)
+    record = _parse(first[1], f"{path}:{first[0]}")
     if record is None or "step" not in record or record.get("run") != run_id(config):
         raise InputError(f"--json-log {path}: exists and is not the JSON log of this run (not replaced, not "
                          "appended to); give a new file")
@@ -77,9 +80,10 @@ def trim(path: str, last_step: int, run: str) -> None:
     line (a run killed mid-write) is dropped; a record of another run is refused."""
     if not os.path.exists(path):
         return
-    lines = _records(path)
+    lines = list(_lines(path))
     kept = []
-    for n, (number, line, record) in enumerate(lines):
+    for n, (number, line) in enumerate(lines):
+        record = _parse(line, f"{path}:{number}")
         if record is None:
             if n == len(lines) - 1:
                 break
