@@ -101,3 +101,29 @@ def test_two_ranks_started_with_different_lr_fail_together_before_the_first_step
         assert p.returncode == 2 and len(lines) == 1, (p.returncode, err[-2000:])
         assert "ranks disagree on the run's settings: --lr (ranks [0] | [1]" in lines[0], lines
         assert "step 1/" not in out
+
+
+def test_json_output_is_strict_a_non_finite_result_is_one_line(capsys, monkeypatch):
+    """Issue 47.6: huge or tiny profile values wrote Infinity/NaN into JSON output. The
+    readers refuse such profiles (test_user_files.py); every writer is strict too: a cost
+    that comes out infinite (forced here) is one line, exit 2, no Infinity printed."""
+    import dataclasses
+
+    from ballonet.cli import cost as cost_cli
+
+    real = cost_cli.sequence_cost
+
+    def infinite(*args, **kwargs):
+        return dataclasses.replace(real(*args, **kwargs), attention_time_s=float("inf"))
+
+    monkeypatch.setattr(cost_cli, "sequence_cost", infinite)
+    assert cli.main(["cost", "--length", "4096", "--json"]) == 2
+    captured = capsys.readouterr()
+    assert "Infinity" not in captured.out
+    assert "a number JSON cannot hold" in _err_line_of(captured.err)
+
+
+def _err_line_of(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, lines
+    return lines[0]

@@ -312,7 +312,7 @@ def _publish(folder: str, name: str, tmp: str, meta: dict, keep: int, protect: s
     """Rank 0, every shard written: add the metadata, rename the folder into place, point
     `latest` at it, then prune."""
     final = os.path.join(folder, name)
-    write_durably(os.path.join(tmp, META), json.dumps(meta))
+    write_durably(os.path.join(tmp, META), json.dumps(meta, allow_nan=False))
     previous = latest(folder)
     if os.path.exists(final):  # a run restarted without --resume reached this step again
         if previous == final:
