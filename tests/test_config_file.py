@@ -75,6 +75,7 @@ def test_options_that_do_nothing_alone_are_refused_in_one_line(tmp_path):
              (["--max-restarts", "1"], "--max-restarts needs --nproc"),
              (["--warmup-steps", "30", "--steps", "20"], "--warmup-steps 30 is over --steps 20"),
              (["--eval-every", "50", "--steps", "20"], "--eval-every 50 is over --steps 20"),
+             (["--checkpoint-every", "50", "--checkpoint-dir", "ck"], "--checkpoint-every 50 is over --steps 20"),
              (["--resume-from", "4"], "needs --checkpoint-dir"),
              (["--profile-steps", "3"], "--profile-steps must be A:B"),
              (["--profile-steps", "5:30"], "1 <= A <= B <= --steps 20"),

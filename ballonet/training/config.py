@@ -175,7 +175,9 @@ class TrainConfig:
             needs.append((bool(getattr(self, name)) and not self.eval_every, f"{_flag(name)} needs --eval-every"))
         needs += [(self.warmup_steps > self.steps, f"--warmup-steps {self.warmup_steps} is over --steps {self.steps}"),
                   (self.eval_every > self.steps, f"--eval-every {self.eval_every} is over --steps {self.steps}: "
-                                                 "no evaluation would run")]
+                                                 "no evaluation would run"),
+                  (self.checkpoint_every > self.steps, f"--checkpoint-every {self.checkpoint_every} is over --steps "
+                                                       f"{self.steps} (the last step is saved anyway)")]
         for wrong, message in needs:
             if wrong:
                 raise InputError(message)
