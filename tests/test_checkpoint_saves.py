@@ -83,30 +83,28 @@ def test_a_real_full_disk_on_a_tmpfs(tmp_path, monkeypatch):
         subprocess.run(["umount", str(disk)], check=False)
 
 
-def test_an_async_save_counts_as_soon_as_written_and_resume_from_picks_a_step(tmp_path):
+def test_an_async_save_counts_as_soon_as_written_and_resume_from_picks_a_step(tmp_path, capsys):
     """Killed (SIGKILL, `BALLONET_FAULT`) as step 6 begins, two steps after the async save
     of step 3 began: `latest` names step 3 (it named nothing before: the save was published
     only when the next one began), and --resume goes on from it; --resume-from 3 after a
-    finished run of 6 steps resumes from step 3 too."""
+    finished run of 6 steps resumes from step 3 too; a step with no checkpoint is one line."""
+    from ballonet import cli
+
     ck, log = tmp_path / "ck", tmp_path / "log.jsonl"
     # Steps of 4096 tokens (~0.5 s each here): the tiny model's save is written within one.
-    args = [sys.executable, "-m", "ballonet", "train", "--global-tokens", "4096", "--max-doc-tokens", "1024",
-            "--steps", "6", "--checkpoint-every", "3", "--checkpoint-dir", str(ck), "--async-checkpoint",
-            "--json-log", str(log)]
+    args = ["train", "--global-tokens", "4096", "--max-doc-tokens", "1024", "--steps", "6", "--checkpoint-every", "3",
+            "--checkpoint-dir", str(ck), "--async-checkpoint", "--json-log", str(log)]
     env = dict(os.environ, OMP_NUM_THREADS="1", BALLONET_FAULT="6:0")
-    killed = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300, check=False)
+    killed = subprocess.run([sys.executable, "-m", "ballonet", *args], env=env, capture_output=True, text=True,
+                            timeout=300, check=False)
     assert killed.returncode == -9, killed.stderr[-2000:]
     assert (ck / "latest").read_text() == "step-00000003"
-    env.pop("BALLONET_FAULT")
-    resumed = subprocess.run([*args, "--resume"], env=env, capture_output=True, text=True, timeout=300, check=False)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert "resumed from step 3" in resumed.stdout
+    assert cli.main([*args, "--resume"]) == 0
+    assert "resumed from step 3" in capsys.readouterr().out
     assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [1, 2, 3, 4, 5, 6]
     assert (ck / "latest").read_text() == "step-00000006"
-    again = subprocess.run([*args, "--resume-from", "3"], env=env, capture_output=True, text=True, timeout=300,
-                           check=False)
-    assert again.returncode == 0 and "resumed from step 3" in again.stdout, again.stderr[-2000:]
+    assert cli.main([*args, "--resume-from", "3"]) == 0
+    assert "resumed from step 3" in capsys.readouterr().out
     assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [1, 2, 3, 4, 5, 6]
-    missing = subprocess.run([*args, "--resume-from", "5"], env=env, capture_output=True, text=True, timeout=300,
-                             check=False)
-    assert missing.returncode == 2 and "holds no complete checkpoint of that step" in missing.stderr, missing.stderr
+    assert cli.main([*args, "--resume-from", "5"]) == 2
+    assert "holds no complete checkpoint of that step" in capsys.readouterr().err
