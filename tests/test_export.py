@@ -155,6 +155,13 @@ def test_export_writes_a_whole_folder_with_its_tokenizer_and_never_over_foreign_
         text).ids
     GenerationConfig.from_pretrained(out)
     assert main(["export", "--checkpoint", str(ckpt), "--out", str(out)]) == 0  # an earlier export: replaced
+    assert main(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "given"), "--tokenizer",
+                 str(tok_dir / "tokenizer.json")]) == 0  # --tokenizer: the file given
+    assert (tmp_path / "given" / "tokenizer.json").read_bytes() == (tok_dir / "tokenizer.json").read_bytes()
+    os.mkfifo(tmp_path / "fifo")
+    assert main(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "never"), "--tokenizer",
+                 str(tmp_path / "fifo")]) == 2  # not a regular file: one line, at once, nothing written
+    assert "named pipe" in capsys.readouterr().err and not (tmp_path / "never").exists()
 
     foreign = tmp_path / "foreign"
     foreign.mkdir()
