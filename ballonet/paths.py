@@ -13,13 +13,13 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 from ballonet.errors import InputError
+from ballonet.user_files import read_json
 
 
 def looks_like_path(text: str, suffixes: tuple[str, ...] | None = None) -> bool:
@@ -91,12 +91,10 @@ def write_atomic(path: str, write: Callable[[str], None]) -> None:
         raise
 
 
-def read_json_object(path: Path, what: str) -> dict:
-    """The object in the JSON file `path`; InputError "{path}: not {what} (...)" otherwise."""
-    try:
-        value = json.loads(Path(path).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise InputError(f"{path}: not {what} ({getattr(e, 'strerror', None) or getattr(e, 'msg', None) or e})") from None
+def read_json_object(path: Path, what: str, folder=None) -> dict:
+    """The object in the JSON file `path` (in the user's `folder`, if given: `user_files`);
+    InputError "{path}: not {what} (...)" otherwise."""
+    value = read_json(path, "json", folder, what)
     if not isinstance(value, dict):
         raise InputError(f"{path}: not {what} (not a JSON object)")
     return value

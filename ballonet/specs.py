@@ -19,6 +19,7 @@ from typing import Any
 
 from ballonet.cost import hardware
 from ballonet.errors import InputError
+from ballonet.user_files import read_toml
 from ballonet.paths import looks_like_path
 
 GBIT = 1e9 / 8
@@ -296,20 +297,9 @@ MODELS: dict[str, ModelSpec] = {
 
 
 def load_toml(path: str, kind: str = "cluster file") -> dict:
-    """A TOML file's table; one-line InputError naming the file and `kind` otherwise."""
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        import tomli as tomllib  # type: ignore[no-redef]
-    try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
-    except OSError as e:
-        raise InputError(f"{path}: cannot read {kind} ({e.strerror})") from None
-    except UnicodeDecodeError:
-        raise InputError(f"{path}: not a TOML {kind} (not UTF-8 text)") from None
-    except tomllib.TOMLDecodeError as e:
-        raise InputError(f"{path}: malformed TOML: {e}") from None
+    """A TOML file's table (read through `user_files`: a regular file, bounded); one-line
+    InputError naming the file and `kind` otherwise."""
+    return read_toml(path, kind)
 
 
 def cluster_from_toml(path: str) -> ClusterSpec:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ballonet import user_files
 from ballonet.errors import InputError
 from ballonet.paths import looks_like_path
 
@@ -134,71 +135,73 @@ def load_lengths(path: str) -> list[int]:
     """Document lengths from a file, by extension: `.json` (a list of integers), `.jsonl`
     or `.ndjson` (one object per line with `length`, `input_ids` or `text`; text counts
     UTF-8 bytes, as the byte-level tokenizer does), `.npy` (a 1-D array), anything else:
-    text, one length per line. Blank lines are skipped."""
+    text, one length per line. Blank lines are skipped. Read through `user_files` (a
+    regular file, at most LIMITS["lengths"] bytes)."""
     path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise InputError(f"{path}: no such lengths file" if not os.path.exists(path) else f"{path}: not a file")
+    if not os.path.lexists(path):
+        raise InputError(f"{path}: no such lengths file")
+    if os.path.isdir(path):
+        raise InputError(f"{path}: not a file (a folder)")
     suffix = os.path.splitext(path)[1].lower()
     readers = {".json": _read_json, ".npy": _read_npy, **{s: _read_jsonl for s in JSONL_SUFFIXES}}
-    reader = readers.get(suffix, _read_text)
-    try:
-        lengths = reader(path)
-    except OSError as e:
-        raise InputError(f"{path}: cannot read lengths file ({e.strerror or e})") from None
-    except UnicodeDecodeError:
-        raise InputError(f"{path}: not UTF-8 text") from None
+    lengths = readers.get(suffix, _read_text)(path)
     if not lengths:
         raise InputError(f"{path}: no lengths in file")
+    if len(lengths) > MAX_FILE_DOCUMENTS:
+        raise InputError(f"{path}: {len(lengths)} lengths, more than the {MAX_FILE_DOCUMENTS} a lengths file may hold")
     return lengths
+
+
+MAX_FILE_DOCUMENTS = 100_000_000
+"""Lengths in one lengths file (a sample to draw batches from; 800 MB as int64)."""
 
 
 def _read_text(path: str) -> list[int]:
     lengths = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            text = line.strip()
-            if not text:
-                continue
-            value: int | str
-            try:
-                value = int(text)
-            except ValueError:
-                value = text
-            lengths.append(_length(value, f"{path}:{line_no}", shown=text))
+    text = user_files.read_text(path, "lengths", what="a lengths file")
+    for line_no, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line:
+            continue
+        value: int | str
+        try:
+            value = int(line) if len(line) <= user_files.MAX_INT_DIGITS else line
+        except ValueError:
+            value = line
+        lengths.append(_length(value, f"{path}:{line_no}", shown=line[:40]))
     return lengths
 
 
 def _read_json(path: str) -> list[int]:
-    with open(path, encoding="utf-8") as f:
-        try:
-            data = json.load(f)
-        except json.JSONDecodeError as e:
-            raise InputError(f"{path}:{e.lineno}: malformed JSON ({e.msg})") from None
+    data = user_files.read_json(path, "lengths", what="a lengths file")
     if not isinstance(data, list):
         raise InputError(f"{path}: expected a JSON list of lengths, got a {type(data).__name__}")
     return [_length(value, f"{path}[{i}]") for i, value in enumerate(data)]
 
 
-def read_jsonl(path, row_value: Callable[[object, str], object]) -> list:
+MAX_LINE = 256 << 20
+"""Bytes of one JSON Lines line (one document)."""
+
+
+def read_jsonl(path, row_value: Callable[[object, str], object], folder=None) -> list:
     """`row_value(row, where)` of each non-blank line of a JSON Lines file, `where` being
     "path:line". The one JSONL reader: lengths files here, corpora in `training.corpus`.
-    Malformed lines and non-UTF-8 bytes are one-line InputErrors naming the line."""
+    Read through `user_files` (a regular file; each line bounded as `loads_json` bounds
+    JSON, at most MAX_LINE bytes). Malformed lines and non-UTF-8 bytes are one-line
+    InputErrors naming the line."""
     values = []
-    try:
-        with open(path, encoding="utf-8") as f:
-            for line_no, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                where = f"{path}:{line_no}"
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise InputError(f"{where}: not JSON Lines: malformed JSON ({e.msg})") from None
-                values.append(row_value(row, where))
-    except UnicodeDecodeError:
-        raise InputError(f"{path}: not JSON Lines (not UTF-8 text)") from None
-    except OSError as e:
-        raise InputError(f"{path}: cannot read ({e.strerror or e})") from None
+    with user_files.open_file(path, "data", folder, what="a JSON Lines file") as f:
+        for line_no, line in enumerate(iter(lambda: f.readline(MAX_LINE + 1), b""), 1):
+            where = f"{path}:{line_no}"
+            if len(line) > MAX_LINE:
+                raise InputError(f"{where}: a line over {MAX_LINE} bytes")
+            if not line.strip():
+                continue
+            try:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError:
+                raise InputError(f"{path}: not JSON Lines (not UTF-8 text)") from None
+            values.append(row_value(user_files.loads_json(text, where, "JSON Lines", line_numbers=False), where))
     return values
 
 
@@ -218,10 +221,11 @@ def _jsonl_length(row, where: str):
 
 
 def _read_npy(path: str) -> list[int]:
-    try:
-        array = np.load(path, allow_pickle=False)
-    except (ValueError, EOFError) as e:
-        raise InputError(f"{path}: not a numeric .npy array ({e or 'empty file'})") from None
+    with user_files.open_file(path, "lengths", what="a lengths file") as f:
+        try:
+            array = np.load(f, allow_pickle=False)
+        except (OSError, ValueError, EOFError) as e:
+            raise InputError(f"{path}: not a numeric .npy array ({str(e)[:120] or 'empty file'})") from None
     if not isinstance(array, np.ndarray) or array.ndim != 1 or array.dtype.kind not in "iuf":
         raise InputError(f"{path}: expected a 1-D integer array, got shape {getattr(array, 'shape', '?')} "
                          f"dtype {getattr(array, 'dtype', '?')}")

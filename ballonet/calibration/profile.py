@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ballonet.errors import InputError
+from ballonet.user_files import read_json
 
 SCHEMA_VERSION = 2
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
@@ -134,7 +135,7 @@ class Profile:
         return dataclasses.asdict(self)
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=1, sort_keys=True)
+        return json.dumps(self.to_dict(), indent=1, sort_keys=True, allow_nan=False)
 
 
 _SCALARS = ("attention_launch_s", "p2p_latency_s", "p2p_efficiency", "nic_latency_s", "nic_efficiency",
@@ -142,15 +143,27 @@ _SCALARS = ("attention_launch_s", "p2p_latency_s", "p2p_efficiency", "nic_latenc
 _CURVES = ("attention_forward", "attention_backward", "linear", "elementwise")
 
 
+_RANGES = {"efficiency": (1e-6, 100.0), "memory_bw": (1e3, 1e17), "tokens": (1.0, 1e12), "": (0.0, 1e6)}
+"""What a profile's figures may be, by the end of their name ("" for the rest: seconds
+and slowdowns): a zero or tiny efficiency or bandwidth, or a huge figure, would price a
+step at Infinity or NaN, which strict JSON cannot hold."""
+
+
 def _number(where: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value):
         raise InputError(f"{where} must be a number, got {value!r}")
     if value < 0:
         raise InputError(f"{where} must not be negative, got {value!r}")
+    name = where.rsplit("'", 2)[-2] if where.endswith("'") else where
+    lo, hi = next(r for end, r in _RANGES.items() if end in name)
+    if value <= 0 < lo:
+        raise InputError(f"{where} must be positive, got {value!r}")
+    if not lo <= value <= hi:
+        raise InputError(f"{where} must lie in [{lo:g}, {hi:g}], got {value!r}")
     return float(value)
 
 
-def from_dict(d: dict, where: str = "calibration") -> Profile:
+def from_dict(d, where: str = "calibration") -> Profile:
     """A validated `Profile` from its JSON form; InputError names the first bad field."""
     if not isinstance(d, dict):
         raise InputError(f"{where}: a profile must be a JSON object")
@@ -191,7 +204,13 @@ def from_dict(d: dict, where: str = "calibration") -> Profile:
         if op not in coll:
             raise InputError(f"{where}: field 'collective_efficiency.{op}' is missing")
         coll[op] = _number(f"{where}: field 'collective_efficiency.{op}'", coll[op])
-    kw["assumptions"] = tuple(kw.get("assumptions", ()))
+    assumptions = kw.get("assumptions", [])
+    if not isinstance(assumptions, list) or not all(isinstance(a, str) for a in assumptions):
+        raise InputError(f"{where}: field 'assumptions' must be a list of strings")
+    kw["assumptions"] = tuple(assumptions)
+    for name in ("machine", "versions"):
+        if not isinstance(kw.get(name, {}), dict):
+            raise InputError(f"{where}: field {name!r} must be an object")
     for name in ("gpu", "source"):
         if not isinstance(kw[name], str) or not kw[name]:
             raise InputError(f"{where}: field {name!r} must be a non-empty string")
@@ -199,17 +218,8 @@ def from_dict(d: dict, where: str = "calibration") -> Profile:
 
 
 def load(path: str) -> Profile:
-    """Read and validate a profile file."""
-    try:
-        with open(path) as f:
-            d = json.load(f)
-    except OSError as e:
-        raise InputError(f"{path}: cannot read calibration file ({e.strerror})") from None
-    except json.JSONDecodeError as e:
-        raise InputError(f"{path}: malformed JSON: {e}") from None
-    except UnicodeDecodeError:
-        raise InputError(f"{path}: not a calibration profile (not UTF-8 text)") from None
-    return from_dict(d, where=path)
+    """Read (through `user_files`: a regular file, bounded JSON) and validate a profile file."""
+    return from_dict(read_json(path, "json", what="a calibration profile"), where=path)
 
 
 _OVERRIDES: contextvars.ContextVar[dict | None] = contextvars.ContextVar("ballonet_calibration", default=None)

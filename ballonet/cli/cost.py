@@ -39,7 +39,7 @@ def cmd_cost(args) -> int:
     if args.json:
         out = reports[0] if len(reports) == 1 else {"model": model.name, "cluster": cluster.name,
                                                     "length": args.length, "gpus": reports}
-        print(json.dumps(out, indent=2))
+        print(json.dumps(out, indent=2, allow_nan=False))
         return 0
     for group, report in zip(groups, reports):
         _print(args, cluster, model, group, report)

@@ -25,6 +25,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import io
+import os
+import sys
 import typing
 from pathlib import Path
 
@@ -34,7 +37,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from ballonet import runtime
+from ballonet import runtime, user_files
 from ballonet.errors import InputError
 from ballonet.paths import read_json_object
 from ballonet.plan import Plan
@@ -59,13 +62,42 @@ def _folder(name: str) -> Path:
     folder = Path(name[len(PREFIX):] if is_hf(name) else name)
     if not folder.is_dir():
         raise InputError(f"--model {name}: {folder} is not a folder (hf:DIR needs a Hugging Face model folder)")
-    if not (folder / CONFIG).is_file():
+    if not os.path.lexists(folder / CONFIG):
         raise InputError(f"{folder}: no {CONFIG} in this folder (hf:DIR needs a Hugging Face model folder)")
     return folder
 
 
 def _read_config(folder: Path) -> dict:
-    return read_json_object(folder / CONFIG, "a JSON model config")
+    """config.json, and every file transformers would read checked through `user_files`
+    (regular files inside the folder); a config naming custom code (`auto_map`) is refused
+    before transformers sees it: Ballonet never runs code from a model folder."""
+    config = read_json_object(folder / CONFIG, "a JSON model config", folder=folder)
+    if "auto_map" in config:
+        raise InputError(f"{folder / CONFIG}: names custom code (auto_map), which Ballonet never runs; use a model "
+                         "type transformers ships")
+    shards: list[str] = []
+    if os.path.lexists(folder / WEIGHTS[1]):
+        index = user_files.read_json(folder / WEIGHTS[1], "json", folder, what="a safetensors index")
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) and f and "/" not in f and f != ".."
+                                                        for f in weight_map.values()):
+            raise InputError(f"{folder / WEIGHTS[1]}: not a safetensors index (no weight_map of file names)")
+        shards = sorted(set(weight_map.values()))
+    for name in (CONFIG, "generation_config.json", *WEIGHTS, *PICKLED, *shards):
+        if os.path.lexists(folder / name) or name in shards:
+            user_files.check(folder / name, "data", folder, what="a model file")
+    return config
+
+
+@contextlib.contextmanager
+def _no_prompt():
+    """transformers' calls with an empty standard input: no question ever reaches the user."""
+    stdin = sys.stdin
+    sys.stdin = io.StringIO("")
+    try:
+        yield
+    finally:
+        sys.stdin = stdin
 
 
 def config_dict(name: str) -> dict:
@@ -236,9 +268,11 @@ def build_model(name: str, seed: int, device: torch.device, recompute: str = "no
         from ballonet.integrations import hf
     except ImportError:
         raise InputError("--model hf:DIR needs transformers: pip install 'ballonet[hf]'") from None
+    _read_config(folder)
     try:
-        config = AutoConfig.from_pretrained(folder, local_files_only=True)
-    except (ValueError, KeyError, OSError) as e:
+        with _no_prompt():
+            config = AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
+    except (ValueError, KeyError, OSError, EOFError) as e:
         raise InputError(f"{folder / CONFIG}: transformers cannot read it ({str(e).splitlines()[0][:200]})") from None
     kw = {"attn_implementation": hf.ATTENTION, "dtype": torch.float32}
     has_weights = any((folder / w).is_file() for w in WEIGHTS)
@@ -247,16 +281,18 @@ def build_model(name: str, seed: int, device: torch.device, recompute: str = "no
         raise InputError(f"{folder / pickled[0]}: pickled weights are not loaded (unpickling can run code); "
                          "save them as model.safetensors (save_pretrained(..., safe_serialization=True))")
     try:
-        if device.type == "meta":
-            with _parameters_on_meta():
-                model = AutoModelForCausalLM.from_config(config, **kw)
-        elif has_weights:
-            model = AutoModelForCausalLM.from_pretrained(folder, config=config, local_files_only=True,
-                                                         use_safetensors=True, **kw)  # never a pickled .bin
-        else:
-            torch.manual_seed(seed)  # every rank draws the same weights
-            model = AutoModelForCausalLM.from_config(config, **kw)
-    except (ValueError, KeyError, OSError, SafetensorError) as e:  # SafetensorError: a garbage weights file
+        with _no_prompt():
+            if device.type == "meta":
+                with _parameters_on_meta():
+                    model = AutoModelForCausalLM.from_config(config, trust_remote_code=False, **kw)
+            elif has_weights:
+                model = AutoModelForCausalLM.from_pretrained(folder, config=config, local_files_only=True,
+                                                             use_safetensors=True, trust_remote_code=False,
+                                                             **kw)  # never a pickled .bin
+            else:
+                torch.manual_seed(seed)  # every rank draws the same weights
+                model = AutoModelForCausalLM.from_config(config, trust_remote_code=False, **kw)
+    except (ValueError, KeyError, OSError, EOFError, SafetensorError) as e:  # SafetensorError: a garbage weights file
         raise InputError(f"{folder}: cannot build a causal LM from it ({str(e).splitlines()[0][:200]})") from None
     cls = type(model)
     model.__class__ = type(f"Ballonet{cls.__name__}", (BallonetLoss, cls), {})

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ballonet import user_files
 from ballonet.errors import InputError
 from ballonet.paths import read_json_object
 from ballonet.workloads import JSONL_SUFFIXES, load_lengths, read_jsonl
@@ -113,45 +114,50 @@ def from_jsonl(path: str | os.PathLike, tokenizer: ByteTokenizer = ByteTokenizer
     docs = [d for _, d in rows]
     vocab = max([int(d.max()) + 1 for d in docs if not isinstance(d, int)] + [tokenizer.vocab_size])
 
-    def read(doc: int) -> np.ndarray:
+    def read_range(doc: int, start: int, end: int) -> np.ndarray:
         d = docs[doc]
-        return _random_tokens(seed, doc, d, tokenizer.vocab_size) if isinstance(d, int) else d
+        return _random_tokens(seed, doc, start, end, tokenizer.vocab_size) if isinstance(d, int) else d[start:end]
 
-    return _corpus(str(path), [w for w, _ in rows], [d if isinstance(d, int) else len(d) for d in docs], vocab, read)
-
-
-def _random_tokens(seed: int, doc: int, length: int, vocab_size: int) -> np.ndarray:
-    return np.random.default_rng([seed, doc]).integers(0, vocab_size, length, dtype=np.int64)
+    lengths = [d if isinstance(d, int) else len(d) for d in docs]
+    corpus = _corpus(str(path), [w for w, _ in rows], lengths, vocab, lambda doc: read_range(doc, 0, lengths[doc]))
+    return dataclasses.replace(corpus, read_range=read_range)
 
 
-def _walk(root: Path, suffix: str, exclude: frozenset[str]) -> list[Path]:
-    """Files under `root` ending in `suffix`, skipping folders named in `exclude`, sorted
-    by relative path (so document ids do not depend on the file system's order)."""
-    found = []
-    for folder, subdirs, files in os.walk(root):
-        subdirs[:] = [d for d in subdirs if d not in exclude and not d.startswith(".")]
-        found += [Path(folder, f) for f in files if f.endswith(suffix) and not f.startswith(".")]
-    return sorted(found, key=lambda p: p.relative_to(root).as_posix())
+SYNTHETIC_BLOCK = 1 << 16
+"""Tokens of a synthetic document drawn from one seed: a read draws only the blocks it
+covers, so a document of 2e8 tokens costs a step no more than its slice."""
 
 
-def _read_bytes(path: Path) -> np.ndarray:
-    try:
-        return np.fromfile(path, dtype=np.uint8).astype(np.int64)
-    except OSError as e:
-        raise InputError(f"{path}: cannot read ({e.strerror})") from None
+def _random_tokens(seed: int, doc: int, start: int, end: int, vocab_size: int) -> np.ndarray:
+    """Tokens [start, end) of synthetic document `doc`: block b from the seed (seed, doc, b)."""
+    B = SYNTHETIC_BLOCK
+    blocks = [np.random.default_rng([seed, doc, b]).integers(0, vocab_size, B, dtype=np.int64)
+              for b in range(start // B, -(-end // B))]
+    out = np.concatenate(blocks) if blocks else np.zeros(0, np.int64)
+    return out[start % B: start % B + end - start]
+
+
+def _read_bytes(path: Path, root: Path, size: int) -> np.ndarray:
+    data = user_files.read_bytes(path, "document", root, what="a corpus document")
+    if len(data) != size:
+        raise InputError(f"{path}: changed while in use ({len(data)} bytes, was {size})")
+    return np.frombuffer(data, dtype=np.uint8).astype(np.int64)
 
 
 def from_text_dir(path: str | os.PathLike, suffix: str = "", exclude=()) -> Corpus:
     """Each file under `path` (recursively, hidden ones skipped) is a document of byte
-    tokens, read when needed. Its id is its rank in the sorted relative paths."""
+    tokens, read when needed. Its id is its rank in the sorted relative paths. Every file
+    is read through `user_files`: a regular file, inside `path` (a symlink out of it, a
+    dangling or looping one, a FIFO, is one line)."""
     root = Path(path)
     if not root.is_dir():
         raise InputError(f"{root}: not a folder")
-    sized = [(p, p.stat().st_size) for p in _walk(root, suffix, frozenset(exclude))]
-    files = [p for p, size in sized if size > 0]
-    names = [p.relative_to(root).as_posix() for p in files]
-    lengths = [size for _, size in sized if size > 0]
-    return _corpus(str(root), names, lengths, 256, lambda doc: _read_bytes(files[doc]))
+    sized = [(Path(p), user_files.check(p, "document", root, what="a corpus document").st_size)
+             for p in user_files.files_under(root, suffix, frozenset(exclude))]
+    files = [(p, size) for p, size in sized if size > 0]
+    names = [p.relative_to(root).as_posix() for p, _ in files]
+    return _corpus(str(root), names, [size for _, size in files], 256,
+                   lambda doc: _read_bytes(files[doc][0], root, files[doc][1]))
 
 
 STDLIB_EXCLUDE = frozenset({"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"})
@@ -172,10 +178,12 @@ def from_lengths(lengths, seed: int = 0, vocab_size: int = 256, name: str = "syn
         if n < 1:
             raise InputError(f"{name}: document {doc} has length {n}; lengths must be positive")
 
-    def read(doc: int) -> np.ndarray:
-        return _random_tokens(seed, doc, lengths[doc], vocab_size)
+    def read_range(doc: int, start: int, end: int) -> np.ndarray:
+        return _random_tokens(seed, doc, start, end, vocab_size)
 
-    return _corpus(name, [f"{name}[{i}]" for i in range(len(lengths))], lengths, vocab_size, read)
+    corpus = _corpus(name, [f"{name}[{i}]" for i in range(len(lengths))], lengths, vocab_size,
+                     lambda doc: read_range(doc, 0, lengths[doc]))
+    return dataclasses.replace(corpus, read_range=read_range)
 
 
 # ---- prepared corpora (written by `ballonet prepare`, training/prepare.py) -------------
@@ -213,7 +221,7 @@ def _read_manifest(root: Path) -> dict:
     file names inside `root` (no folder, no absolute path, no symlink out), the dtype is
     unsigned, the vocabulary covers the largest id it states."""
     path = root / MANIFEST
-    manifest = read_json_object(path, "a prepared corpus manifest")
+    manifest = read_json_object(path, "a prepared corpus manifest", folder=root)
     if manifest.get("format") != PREPARED_FORMAT:
         raise InputError(f"{path}: not a prepared corpus (format is not {PREPARED_FORMAT!r})")
     if manifest.get("version") != PREPARED_VERSION:
@@ -231,7 +239,7 @@ def _read_manifest(root: Path) -> dict:
         dtype = np.dtype(manifest.get("dtype"))
     except TypeError:
         dtype = None
-    if not isinstance(manifest.get("dtype"), str) or dtype is None or dtype.kind != "u":
+    if not isinstance(manifest.get("dtype"), str) or dtype is None or dtype.kind != "u" or dtype.itemsize > 4:
         raise bad("dtype", f"must be an unsigned integer type (uint8, uint16, uint32), got {manifest.get('dtype')!r}")
     vocab = count("vocab_size", manifest.get("vocab_size"), 1)
     if "max_token_id" in manifest and count("max_token_id", manifest["max_token_id"], 0) >= vocab:
@@ -259,10 +267,11 @@ _INDEX_COLUMNS = ("shard", "offset", "length", "source", "record")
 def _read_index(root: Path, manifest: dict) -> np.ndarray:
     """index.npy, each row checked: its shard exists, its tokens lie inside that shard."""
     path = root / INDEX
-    try:
-        index = np.load(path, allow_pickle=False)
-    except (OSError, ValueError, EOFError) as e:
-        raise InputError(f"{path}: unreadable ({e or type(e).__name__})") from None
+    with user_files.open_file(path, "index", root, what="a prepared corpus index") as f:
+        try:
+            index = np.load(f, allow_pickle=False)
+        except (OSError, ValueError, EOFError) as e:
+            raise InputError(f"{path}: unreadable ({str(e)[:120] or type(e).__name__})") from None
     if not isinstance(index, np.ndarray) or index.ndim != 2 or index.shape[1] != 5 or index.dtype != np.int64:
         raise InputError(f"{path}: not a document index (int64 [documents, 5])")
     shard_tokens = np.array([s["num_tokens"] for s in manifest["shards"]], dtype=np.int64)
@@ -287,10 +296,11 @@ def _open_shards(root: Path, manifest: dict, index: np.ndarray) -> list[np.ndarr
     for i, shard in enumerate(manifest["shards"]):
         path = root / shard["file"]
         expected = int(index[index[:, 0] == i, 2].sum())
-        size = path.stat().st_size if path.is_file() else -1
-        if size != expected * dtype.itemsize or shard["num_tokens"] != expected:
-            raise InputError(f"{path}: {size} bytes, the index says {expected} tokens of {dtype.name}: corrupt")
-        shards.append(np.memmap(path, dtype=dtype, mode="r") if expected else np.zeros(0, dtype))
+        with user_files.open_file(path, "data", root, what="a token shard") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size != expected * dtype.itemsize or shard["num_tokens"] != expected:
+                raise InputError(f"{path}: {size} bytes, the index says {expected} tokens of {dtype.name}: corrupt")
+            shards.append(np.memmap(f, dtype=dtype, mode="r") if expected else np.zeros(0, dtype))
     if "max_token_id" not in manifest:  # written before prepare recorded it: one pass over the shards
         largest = max((int(s.max()) for s in shards if len(s)), default=0)
         if largest >= manifest["vocab_size"]:
@@ -338,9 +348,13 @@ def load_corpus(spec: str, seed: int = 0) -> Corpus:
     if spec == "stdlib":
         return stdlib()
     path = Path(spec)
-    if (path / MANIFEST).is_file():
+    if os.path.lexists(path / MANIFEST):
         return from_prepared(path)
     if path.is_dir():
+        prepared = sorted(n for n in os.listdir(path) if n == INDEX or (n.startswith("tokens-") and n.endswith(".bin")))
+        if prepared:
+            raise InputError(f"{path}: holds {prepared[0]} but no {MANIFEST}: a prepared corpus without its manifest "
+                             "(prepare it again), not a folder of text files")
         return from_text_dir(path)
     if not path.is_file():
         raise InputError(f"corpus {spec!r}: no such file or folder (use {CORPUS_KINDS})")

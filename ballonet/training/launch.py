@@ -138,7 +138,16 @@ def _failure_line(failures: dict, folder: str) -> tuple[str, int]:
 
 
 def _with_resume(argv: list[str]) -> list[str]:
-    return argv if "--resume" in argv else [*argv, "--resume"]
+    """`argv` resuming from the latest checkpoint (the one just saved), not a --resume-from."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--resume-from":
+            skip = True
+        elif not a.startswith("--resume-from="):
+            out.append(a)
+    return [*out, "--resume"]
 
 
 class _Preemption:

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ballonet import user_files
 from ballonet.errors import InputError
 from ballonet.paths import check_free_space
 from ballonet.training.corpus import (
@@ -39,7 +40,6 @@ from ballonet.training.corpus import (
     PREPARED_VERSION,
     TOKENIZER_FILE,
     ByteTokenizer,
-    _walk,
     shard_name,
 )
 
@@ -82,6 +82,8 @@ class Encoder:
     """texts -> (flat token ids, [len(texts)] lengths)."""
     file: Path | None = None
     """The tokenizer.json it came from."""
+    text: str | None = None
+    """That file's text, as read (copied into the prepared folder)."""
 
     @property
     def dtype(self) -> np.dtype:
@@ -108,24 +110,25 @@ def load_tokenizer(spec: str, add_special_tokens: bool = True) -> Encoder:
     """"byte", a tokenizer.json file, or a folder with one. InputError names the path."""
     if spec == "byte":
         return Encoder("byte", ByteTokenizer().vocab_size, _encode_bytes)
-    path = Path(spec)
+    path, folder = Path(spec), None
     if path.is_dir():
-        if not (path / TOKENIZER_FILE).is_file():
+        if not os.path.lexists(path / TOKENIZER_FILE):
             raise InputError(f"{path}: no {TOKENIZER_FILE} in this folder (a Hugging Face tokenizer folder has one)")
-        path = path / TOKENIZER_FILE
-    elif not path.is_file():
+        path, folder = path / TOKENIZER_FILE, path
+    elif not os.path.lexists(path):
         raise InputError(f"tokenizer {spec!r}: no such file or folder (use 'byte', a tokenizer.json or its folder)")
+    text = user_files.read_text(path, "tokenizer", folder, what="a Hugging Face tokenizer file")
     try:
         from tokenizers import Tokenizer
     except ImportError:
         raise InputError("a Hugging Face tokenizer needs the tokenizers library: pip install 'ballonet[data]'") from None
     try:
-        tokenizer = Tokenizer.from_file(str(path))
+        tokenizer = Tokenizer.from_str(text)
     except Exception as e:  # noqa: BLE001 - the library raises plain Exception on bad files
         reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
         raise InputError(f"{path}: not a Hugging Face tokenizer file ({reason})") from None
     vocab = tokenizer.get_vocab_size(with_added_tokens=True)
-    encoder = Encoder(str(path), vocab, None, path)  # type: ignore[arg-type]
+    encoder = Encoder(str(path), vocab, None, path, text)  # type: ignore[arg-type]
     return dataclasses.replace(encoder, encode=hf_encode_fn(tokenizer, add_special_tokens, encoder.dtype))
 
 
@@ -138,15 +141,18 @@ Batch = tuple[list[int], list[int], list[str]]
 
 def _jsonl_batches(path: Path, source: int, column: str, size: int, progress: Progress) -> Iterator[Batch]:
     records, texts = [], []
-    with open(path, "rb") as f:
-        for lineno, line in enumerate(f, start=1):
+    with user_files.open_file(path, "data", what="a JSON Lines file") as f:
+        for lineno, line in enumerate(iter(lambda: f.readline(MAX_LINE + 1), b""), start=1):
             progress(len(line))
+            if len(line) > MAX_LINE:
+                raise InputError(f"{path}:{lineno}: a line over {MAX_LINE} bytes")
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise InputError(f"{path}:{lineno}: not JSON Lines (not JSON)") from None
+                record = user_files.loads_json(line.decode("utf-8"), f"{path}:{lineno}", "JSON Lines",
+                                               line_numbers=False)
+            except UnicodeDecodeError:
+                raise InputError(f"{path}:{lineno}: not JSON Lines (not UTF-8 text)") from None
             text = record.get(column) if isinstance(record, dict) else None
             if not isinstance(text, str):
                 raise InputError(f"{path}:{lineno}: expected an object with {column!r} (a string)")
@@ -164,6 +170,7 @@ def _parquet_batches(path: Path, source: int, column: str, size: int, progress: 
         import pyarrow.parquet as pq
     except ImportError:
         raise InputError(f"{path}: reading Parquet needs pyarrow: pip install 'ballonet[data]'") from None
+    user_files.check(path, "data", what="a Parquet file")
     try:
         file = pq.ParquetFile(path)
     except Exception as e:  # noqa: BLE001 - pyarrow's errors are many
@@ -185,25 +192,30 @@ def _parquet_batches(path: Path, source: int, column: str, size: int, progress: 
             yield [source] * len(kept), [r for r, _ in kept], [t for _, t in kept]
 
 
-def _folder_batches(files: list[Path], size: int, progress: Progress) -> Iterator[Batch]:
+def _folder_batches(root: Path, files: list[Path], size: int, progress: Progress) -> Iterator[Batch]:
     for start in range(0, len(files), size):
         texts = []
         for path in files[start: start + size]:
-            data = path.read_bytes()
+            data = user_files.read_bytes(path, "document", root, what="a text file")
             progress(len(data))
             texts.append(data.decode("utf-8", errors="replace"))
         yield list(range(start, start + len(texts))), [0] * len(texts), texts
+
+
+MAX_LINE = 256 << 20
+"""Bytes of one JSON Lines line (one document)."""
 
 
 def list_sources(data: str) -> list[Path]:
     """The input files, in document order."""
     path = Path(data)
     if path.is_dir():
-        files = [p for p in _walk(path, "", frozenset()) if p.stat().st_size > 0]
+        files = [Path(p) for p in user_files.files_under(path)
+                 if user_files.check(p, "document", path, what="a text file").st_size > 0]
         if not files:
             raise InputError(f"{path}: no non-empty file in this folder")
         return files
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise InputError(f"--data {data!r}: no such file or folder (use a .jsonl or .parquet file, or a folder of "
                          "text files)")
     return [path]
@@ -213,7 +225,7 @@ def text_batches(data: str, column: str, size: int, progress: Progress = lambda 
     """Batches of texts from `data` (see the module docstring), each with its source."""
     sources = list_sources(data)
     if Path(data).is_dir():
-        yield from _folder_batches(sources, size, progress)
+        yield from _folder_batches(Path(data), sources, size, progress)
     elif sources[0].suffix == ".parquet":
         yield from _parquet_batches(sources[0], 0, column, size, progress)
     else:
@@ -277,8 +289,8 @@ def _write_folder(folder: Path, config: PrepareConfig, encoder: Encoder, progres
     if not len(index):
         raise InputError(f"{config.data}: no document has any text")
     np.save(folder / INDEX, index)
-    if encoder.file is not None:
-        shutil.copyfile(encoder.file, folder / TOKENIZER_FILE)
+    if encoder.text is not None:
+        (folder / TOKENIZER_FILE).write_text(encoder.text, encoding="utf-8")
     root = Path(config.data)
     manifest = {
         "format": PREPARED_FORMAT, "version": PREPARED_VERSION, "dtype": encoder.dtype.name,
@@ -289,7 +301,7 @@ def _write_folder(folder: Path, config: PrepareConfig, encoder: Encoder, progres
         "shards": [{"file": shard_name(i), "num_tokens": n} for i, n in enumerate(writer.shard_sizes)],
         "sources": [p.relative_to(root).as_posix() if root.is_dir() else str(p) for p in list_sources(config.data)],
     }
-    (folder / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=1, allow_nan=False) + "\n")
     return manifest
 
 
