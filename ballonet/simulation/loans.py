@@ -27,7 +27,7 @@ from ballonet.specs import ClusterSpec, ModelSpec
 RESTART_S = 60.0
 """Assumed seconds from the last rank's exit to the new members' first step, less the
 load and the plan: processes and CUDA started, the rendezvous, NCCL's communicators, the
-model built (CPU gloo ranks of the tiny model took 12-18 s on a loaded 2-core machine:
+model built (CPU gloo ranks of the tiny model took 8-12 s on a loaded 2-core machine:
 `bench/results/lease.md`)."""
 CHECKPOINT_BYTES_PER_PARAM = 12
 
