@@ -1,7 +1,9 @@
 """What is being trained and on what: `ClusterSpec`, `ModelSpec`, and their presets.
 
 A cluster is a list of node groups; every node of a group is alike (GPU type, GPUs per
-node, intra-node link, NICs). Ranks are numbered node by node, group by group. GPU j of a
+node, intra-node link, NICs). Ranks are numbered node by node, group by group. A group
+may be `loaned` (inference nodes lent to training while serving is quiet): a job runs
+over every group, or over the others while the loan is reclaimed (`job_cluster`). GPU j of a
 node with m NICs reaches NIC j * m // gpus_per_node, so with 8 GPUs and 4 NICs, GPUs 0
 and 1 share NIC 0 (the static NIC-GPU affinity that routing works around).
 """
@@ -41,11 +43,16 @@ class NodeGroup:
     memory_gb: float | None = None
     """Override of the GPU type's memory in GB (1e9 bytes): a variant of the type (an
     A100 of 40 GB, an H100 NVL of 94 GB), or memory held back for other work."""
+    loaned: bool = False
+    """Nodes lent by another service (inference) that may take them back: `ballonet train
+    --lease FILE` trains without them while FILE says `reclaimed`."""
 
     def __post_init__(self):
         if not isinstance(self.gpu, str):
             raise InputError(f"node group: gpu must be a GPU type name (a string), got {self.gpu!r}")
         hardware.gpu(self.gpu)
+        if not isinstance(self.loaned, bool):
+            raise InputError(f"node group {self.gpu!r}: loaned must be true or false, got {self.loaned!r}")
         for name in ("nic_gbps", "intra_link_bw", "memory_gb"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
@@ -155,6 +162,17 @@ class ClusterSpec:
             out[row[1]].append(r)
         return out
 
+    @property
+    def has_loans(self) -> bool:
+        return any(g.loaned for g in self.groups)
+
+    def without_loaned(self) -> ClusterSpec:
+        """The cluster while its loaned groups are reclaimed: the other groups, in order."""
+        own = tuple(g for g in self.groups if not g.loaned)
+        if not own:
+            raise InputError(f"cluster {self.name!r}: every node group is loaned; at least one must be the job's own")
+        return dataclasses.replace(self, groups=own)
+
     def with_nodes(self, num_nodes: int) -> ClusterSpec:
         """The same cluster with `num_nodes` nodes of its first group (homogeneous presets)."""
         if len(self.groups) != 1:
@@ -245,9 +263,10 @@ CLUSTERS: dict[str, ClusterSpec] = {
         # Training nodes plus inference nodes loaned at off-peak hours (issue: heterogeneous
         # clusters). Inference nodes typically carry fewer, slower NICs.
         ClusterSpec(name="h800+h20", groups=(_group("h800", num_nodes=2, nics_per_node=8, nic_gbps=400),
-                                             _group("h20", num_nodes=2, nics_per_node=4, nic_gbps=200))),
+                                             _group("h20", num_nodes=2, nics_per_node=4, nic_gbps=200, loaned=True))),
         ClusterSpec(name="a800+l40s", groups=(_group("a800", num_nodes=2, nics_per_node=4, nic_gbps=200),
-                                              _group("l40s", num_nodes=2, nics_per_node=2, nic_gbps=200))),
+                                              _group("l40s", num_nodes=2, nics_per_node=2, nic_gbps=200,
+                                                     loaned=True))),
         # Emulated runs on CPU processes (gloo): small nodes, one "NIC" per GPU.
         ClusterSpec(name="cpu", groups=(_group("cpu", num_nodes=2, gpus_per_node=2, nics_per_node=2, nic_gbps=10),)),
     ]
@@ -286,7 +305,7 @@ def load_toml(path: str, kind: str = "cluster file") -> dict:
 def cluster_from_toml(path: str) -> ClusterSpec:
     """A cluster file: `name = "..."` and one `[[node_groups]]` table per group, with the
     fields of `NodeGroup` (gpu, num_nodes, gpus_per_node, nics_per_node, nic_gbps,
-    intra_link_bw, memory_gb)."""
+    intra_link_bw, memory_gb, loaned)."""
     data = load_toml(path)
     groups = data.get("node_groups")
     if not isinstance(groups, list) or not groups:
@@ -317,15 +336,21 @@ def cluster_from_toml(path: str) -> ClusterSpec:
 def cluster(name_or_path: str, num_nodes: int | None = None, **overrides) -> ClusterSpec:
     """A preset by name or a TOML file by path. A preset wins over a local file of the same
     name unless the argument looks like a path (a separator or a .toml suffix: `./h200-8nic`).
-    `num_nodes` and `overrides` (fields of `NodeGroup`, such as `gpus_per_node=2`) apply to
-    every node group."""
+    `num_nodes` (`--nodes`) sets the nodes of a one-group cluster; a cluster of several node
+    groups sets its nodes per group, and `num_nodes`, if given, must be their sum.
+    `overrides` (fields of `NodeGroup`, such as `gpus_per_node=2`) apply to every group."""
     if name_or_path in CLUSTERS and not looks_like_path(name_or_path, (".toml",)):
         spec = CLUSTERS[name_or_path]
     elif looks_like_path(name_or_path, (".toml",)) or os.path.exists(name_or_path):
         spec = cluster_from_toml(name_or_path)
     else:
         raise InputError(f"unknown cluster {name_or_path!r}; presets: {', '.join(CLUSTERS)} (or a .toml file)")
-    if num_nodes is not None:
+    if num_nodes is not None and len(spec.groups) > 1:
+        if num_nodes != spec.num_nodes:
+            raise InputError(f"--nodes {num_nodes}: cluster {spec.name!r} has {len(spec.groups)} node groups of "
+                             f"{spec.num_nodes} nodes in all ({_group_counts(spec)}); set nodes per group in a "
+                             f"cluster file")
+    elif num_nodes is not None:
         overrides["num_nodes"] = num_nodes
     if overrides:
         known = {f.name for f in dataclasses.fields(NodeGroup)}
@@ -334,6 +359,34 @@ def cluster(name_or_path: str, num_nodes: int | None = None, **overrides) -> Clu
             raise InputError(f"unknown cluster field {bad[0]!r}; known: {', '.join(sorted(known))}")
         spec = dataclasses.replace(spec, groups=tuple(dataclasses.replace(g, **overrides) for g in spec.groups))
     return spec
+
+
+def _group_counts(spec: ClusterSpec) -> str:
+    return " + ".join(f"{g.num_nodes} x {g.gpus_per_node} {g.gpu}" + (" loaned" if g.loaned else "")
+                      for g in spec.groups)
+
+
+def job_cluster(name_or_path: str, world_size: int, num_nodes: int | None = None) -> ClusterSpec:
+    """The topology a training job of `world_size` ranks runs on. One node group: its nodes
+    are `num_nodes` (default 1) of world_size / num_nodes ranks each, as the job is launched.
+    Several groups: the file's nodes and GPUs, as they are (`num_nodes`, if given, must be
+    their sum); the job has as many ranks as the groups have GPUs, or, while the loaned
+    groups are reclaimed, as many as the others have (the members torch's rendezvous
+    formed decide which)."""
+    spec = cluster(name_or_path)
+    if len(spec.groups) == 1:
+        nodes = num_nodes or 1
+        if world_size % nodes:
+            raise InputError(f"{world_size} ranks cannot be spread evenly over --nodes {nodes}")
+        return cluster(name_or_path, num_nodes=nodes, gpus_per_node=world_size // nodes)
+    cluster(name_or_path, num_nodes=num_nodes)  # a --nodes that disagrees with the groups fails here
+    if world_size == spec.num_ranks:
+        return spec
+    if spec.has_loans and world_size == spec.without_loaned().num_ranks:
+        return spec.without_loaned()
+    own = f", {spec.without_loaned().num_ranks} without its loaned groups" if spec.has_loans else ""
+    raise InputError(f"cluster {spec.name!r} has {spec.num_ranks} GPUs in its node groups ({_group_counts(spec)}"
+                     f"{own}), the job {world_size} ranks")
 
 
 def model_from_toml(path: str) -> ModelSpec:

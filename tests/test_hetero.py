@@ -5,6 +5,7 @@ never from the planner under test.
 """
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -222,3 +223,21 @@ def test_pcie_nodes_keep_their_tokens_and_balance_attention_plus_linear():
     assert compute.max() / compute.mean() < 1.05
     for name in ("te_cp", "hybrid_dp", "wlb_llm", "megatron_hcp"):
         assert res.step_time_s <= simulate(plan_batch(lengths, cluster, model, planner=name), cluster, model).step_time_s
+
+
+def test_cost_prices_each_gpu_type_of_a_mixed_cluster(tmp_path, capsys):
+    def cost(*argv):
+        assert main(["cost", "--length", "32768", "--json", *argv]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    mixed = cost("--cluster", "h800+h20")
+    assert [g["gpu"] for g in mixed["gpus"]] == ["h800", "h20"]
+    # each type as a one-type cluster of its group's nodes prices it
+    for gpu, nics, gbps in (("h800", 8, 400), ("h20", 4, 200)):
+        alone = tmp_path / f"{gpu}.toml"
+        alone.write_text(f'[[node_groups]]\ngpu = "{gpu}"\nnum_nodes = 2\nnics_per_node = {nics}\nnic_gbps = {gbps}\n')
+        expected = dict(cost("--cluster", str(alone)), cluster="h800+h20")
+        assert next(g for g in mixed["gpus"] if g["gpu"] == gpu) == expected
+        assert cost("--cluster", "h800+h20", "--gpu", gpu) == expected
+    assert main(["cost", "--length", "1024", "--cluster", "h800+h20", "--gpu", "a100"]) == 2
+    assert "--gpu a100: cluster 'h800+h20' has no such GPU (it has h800, h20)" in capsys.readouterr().err

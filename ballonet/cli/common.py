@@ -36,7 +36,9 @@ def subparser(sub, name: str, func, help: str, description: str) -> argparse.Arg
 def add_target_args(p) -> None:
     """--cluster, --nodes, --model, --tp: what is planned or simulated."""
     p.add_argument("--cluster", default="h200-8nic", help=f"cluster preset ({', '.join(specs.CLUSTERS)}) or TOML file")
-    p.add_argument("--nodes", type=positive_int, default=None, help="number of nodes (default: the preset's)")
+    p.add_argument("--nodes", type=positive_int, default=None,
+                   help="number of nodes (default: the preset's); a cluster of several node groups sets its nodes "
+                        "per group, and --nodes, if given, must be their sum")
     p.add_argument("--model", default="llama-7b", help=f"model preset ({', '.join(specs.MODELS)})")
     p.add_argument("--tp", type=positive_int, default=None, help="tensor-parallel degree (default: the preset's)")
 

@@ -53,6 +53,14 @@ def register(sub) -> None:
                    help="write a Chrome/Perfetto trace of the first batch (out.json; out.PLANNER.json for several; "
                         "none for an infeasible planner)")
     p.add_argument("--json", action="store_true", help="print a JSON object with `results`")
+    p.add_argument("--loan-schedule", metavar="FILE", default=None,
+                   help="instead: tokens zeppelin trains over a period (TOML: lent = [[0, 8], [20, 24]] hours, "
+                        "hours = 24) in which the cluster's loaned node groups are lent, reclaimed the other hours, "
+                        "against its own groups alone; each change priced (the step in flight, a save and a load at "
+                        "the checkpoint's size and the NICs' rate, --restart-s, the new plan)")
+    p.add_argument("--restart-s", type=float, default=None,
+                   help="with --loan-schedule: seconds a restart takes besides the load and the plan (default: "
+                        "60, an assumption)")
     add_calibration_arg(p)
 
 
@@ -71,6 +79,10 @@ def cmd_simulate(args) -> int:
 
     cluster = specs.cluster(args.cluster, num_nodes=args.nodes)
     model = specs.model(args.model, **({"tp": args.tp} if args.tp else {}))
+    if args.loan_schedule:
+        return _loan_day(args, cluster, model)
+    if args.restart_s is not None:
+        raise InputError("--restart-s needs --loan-schedule")
     planners = comparison.parse_planners(args.planners)
     check_batch_fits(args.tokens_per_gpu, cluster, model)
     traces = _trace_paths(args.trace, planners) if args.trace else {}
@@ -112,4 +124,42 @@ def cmd_simulate(args) -> int:
                            "ratio_to_lower_bound"]) for r in rows]
     print_table(title, ["planner", "step s", "vs te_cp", "MFU", "attn imbalance", "exposed comm",
                         "step / bound"], table, infeasible_footer(rows))
+    return 0
+
+
+def _loan_day(args, cluster, model) -> int:
+    """--loan-schedule: the period's tokens with the loans and without, each change priced."""
+    import math
+
+    from ballonet.simulation import loans
+
+    schedule = loans.read_schedule(args.loan_schedule)
+    restart_s = loans.RESTART_S if args.restart_s is None else args.restart_s
+    if not (math.isfinite(restart_s) and restart_s >= 0):
+        raise InputError(f"--restart-s must be a number >= 0, got {args.restart_s}")
+    if not cluster.has_loans:
+        raise InputError(f"--loan-schedule: cluster {cluster.name!r} has no node group with loaned = true")
+    own = cluster.without_loaned()
+    check_batch_fits(args.tokens_per_gpu * cluster.num_ranks // own.num_ranks, own, model)
+    sampler = workloads.get(args.workload)
+    batches = [sampler.sample_batch(args.tokens_per_gpu * cluster.num_ranks, args.seed + i, max_length=args.max_length)
+               for i in range(args.steps)]
+    options = zeppelin_options(args)
+    day = loans.day(schedule, model, loans.membership(cluster, model, batches, **options),
+                    loans.membership(own, model, batches, **options), sum(batches[0]), restart_s)
+    if args.json:
+        print(json.dumps({"cluster": cluster.name, "model": model.name, "workload": args.workload,
+                          "tokens_per_gpu": args.tokens_per_gpu, "steps": args.steps, "seed": args.seed,
+                          "restart_s": restart_s, **day.to_dict()}, indent=2))
+        return 0
+    rows = [[f"{t.hour:g} h", t.to, f"{t.step_in_flight_s:.2f}", f"{t.save_s:.2f}", f"{t.restart_s:.1f}",
+             f"{t.load_s:.2f}", f"{t.plan_s:.3f}", f"{t.downtime_s:.1f}", f"{t.lender_wait_s:.2f}"]
+            for t in day.transitions]
+    footer = (f"{schedule.lent_hours():g} of {schedule.hours:g} hours lent; step {day.full.step_s:.2f} s on "
+              f"{cluster.num_ranks} GPUs, {day.own.step_s:.2f} s on the {own.num_ranks} of its own groups, "
+              f"{day.tokens_per_step} tokens a step\ntokens: {day.tokens_with_loans:.4g} with the loans, "
+              f"{day.tokens_alone:.4g} on its own groups alone ({day.tokens_with_loans / day.tokens_alone - 1:+.1%})")
+    print_table(f"zeppelin, {model.name} on {cluster.name}, {args.workload}: the changes of {args.loan_schedule}",
+                ["at", "to", "step in flight s", "save s", "restart s", "load s", "plan s", "downtime s",
+                 "lender waits s"], rows, footer)
     return 0

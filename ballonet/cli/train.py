@@ -1,8 +1,11 @@
-"""`ballonet train`: run the training loop under torchrun, or launch it with `--nproc N`."""
+"""`ballonet train`: run the training loop under torchrun, or launch it with `--nproc N` (a
+cluster file of several node groups: one rank per GPU of them; with `--lease`, over the
+ranks the lease allows, started again at each change)."""
 
 from __future__ import annotations
 
 import os
+import sys
 
 from ballonet.cli.common import subparser
 from ballonet.errors import InputError
@@ -40,19 +43,51 @@ def _check_outputs(config) -> None:
         raise InputError(f"--checkpoint-dir {config.checkpoint_dir}: is a file; give a folder")
 
 
+def _ranks(config) -> tuple[int | None, int | None]:
+    """(ranks to launch, or None for this process alone; with --lease, the ranks of the
+    groups not loaned). A cluster of several node groups runs one rank per GPU of them."""
+    from ballonet import specs
+    from ballonet.training import lease
+
+    cluster = specs.cluster(config.cluster)
+    nproc = config.nproc if config.nproc is not None or len(cluster.groups) == 1 else cluster.num_ranks
+    if not config.lease:
+        return nproc, None
+    if not cluster.has_loans:
+        raise InputError(f"--lease {config.lease}: cluster {cluster.name!r} has no node group with loaned = true")
+    lease.read_lease(config.lease)  # a file that is not a lease fails here
+    if nproc not in (None, cluster.num_ranks):
+        raise InputError(f"--lease: --nproc {nproc}, but cluster {cluster.name!r}'s node groups have "
+                         f"{cluster.num_ranks} GPUs (the job runs on all of them while they are lent)")
+    return cluster.num_ranks, cluster.without_loaned().num_ranks
+
+
 def cmd_train(args) -> int:
     from ballonet.training import config as train_config
-    from ballonet.training.launch import launch
+    from ballonet.training import lease
+    from ballonet.training.launch import launch, report_rank_stop
     from ballonet.training.loop import preflight, train
 
     config = train_config.config_from_args(args)  # defaults < --config FILE < the flags given
     _check_outputs(config)
-    if config.nproc is not None and "RANK" not in os.environ:
-        if config.gpus_per_node and config.gpus_per_node * config.nodes != config.nproc:
-            raise InputError(f"--nodes {config.nodes} x --gpus-per-node {config.gpus_per_node} != "
-                             f"--nproc {config.nproc}")
-        preflight(config, config.nproc)  # bad input fails before any launch
-        argv = args.argv[args.argv.index("train") + 1:]
-        return launch(_strip_launch_flags(argv), config.nproc, config.max_restarts)
-    train(config)
+    if "RANK" not in os.environ:
+        nproc, own = _ranks(config)
+        if nproc is not None:
+            if config.gpus_per_node and config.gpus_per_node * (config.nodes or 1) != nproc:
+                raise InputError(f"--nodes {config.nodes or 1} x --gpus-per-node {config.gpus_per_node} != "
+                                 f"--nproc {nproc}")
+            for ranks in (nproc, own):  # bad input fails before any launch, on every membership
+                if ranks:
+                    preflight(config, ranks)
+            argv = args.argv[args.argv.index("train") + 1:]
+            return launch(_strip_launch_flags(argv), nproc, config.max_restarts, config.lease, own)
+    try:
+        train(config)
+    except lease.Stopped as e:
+        if report_rank_stop(e):
+            return 0
+        if os.environ.get("RANK", "0") == "0":
+            print(f"ballonet train: stopped ({e.reason}) after step {e.step}"
+                  + (f", saved in {e.saved}" if e.saved else ", nothing saved (no --checkpoint-dir)"), file=sys.stderr)
+        return e.exit_code
     return 0

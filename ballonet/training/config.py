@@ -59,9 +59,11 @@ class TrainConfig:
     seed: int = 0
     """Seed of the weights, the document order and synthetic tokens (>= 0)."""
     cluster: str = "cpu"
-    """Cluster preset or TOML file giving the (emulated) topology."""
-    nodes: int = 1
-    """Nodes the ranks are spread over (ranks per node = world size / nodes)."""
+    """Cluster preset or TOML file giving the (emulated) topology; a file of several node groups runs one rank per
+    GPU of them (or of its groups not loaned)."""
+    nodes: int | None = None
+    """Nodes the ranks are spread over (ranks per node = world size / nodes; default 1); a cluster file of several
+    node groups sets its own, which this must then equal."""
     tp: int = 1
     """Tensor-parallel degree: each plan rank is a group of tp ranks of one node holding the same tokens, the
     model's heads and FFN split over them (PyTorch DTensor); the ranks, and those of a node, a multiple of it."""
@@ -95,6 +97,9 @@ class TrainConfig:
     resume_from: str | None = None
     """Continue from a chosen checkpoint: a step of --checkpoint-dir (its step-N folder) or a checkpoint folder's
     path (implies --resume)."""
+    lease: str | None = None
+    """File saying whether the cluster's loaned node groups (`loaned = true`) are `lent` (or no file) or
+    `reclaimed`: the job saves and goes on over the ranks it allows (needs --checkpoint-dir)."""
     eval_every: int = 0
     """Steps between evaluations of the held-out loss (0: never); the JSON log line of that step carries
     eval_loss."""
@@ -167,6 +172,8 @@ class TrainConfig:
             needs.append((bool(getattr(self, name)) and not self.checkpoint_dir, f"{_flag(name)} needs --checkpoint-dir"))
         needs.append((self.resume and self.resume_from is None and not self.checkpoint_dir,
                       "--resume needs --checkpoint-dir"))
+        needs.append((bool(self.lease) and not self.checkpoint_dir,
+                      "--lease needs --checkpoint-dir (the job saves there before its ranks change)"))
         needs.append((self.resume_from is not None and self.resume_from.isdigit() and not self.checkpoint_dir,
                       f"--resume-from {self.resume_from} (a step) needs --checkpoint-dir"))
         for name in ("gpus_per_node", "max_restarts"):
@@ -252,8 +259,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "given override it")
     for f in dataclasses.fields(TrainConfig):
         help_text = docs.get(f.name, "").replace("%", "%%")
-        if hints[f.name] is bool:
-            p.add_argument(_flag(f.name), action="store_true", default=argparse.SUPPRESS, help=help_text)
+        if hints[f.name] is bool:  # --x and --no-x (`no_x`: --no-x and --x), so a config file's true can be undone
+            if f.name.startswith("no_"):
+                p.add_argument(_flag(f.name), action="store_true", default=argparse.SUPPRESS, help=help_text)
+                p.add_argument(_flag(f.name[3:]), dest=f.name, action="store_false", default=argparse.SUPPRESS,
+                               help=f"undo {_flag(f.name)} (a config file's)")
+            else:
+                p.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                               help=help_text)
             continue
         if f.default is not None:
             help_text += f" (default: {str(f.default).replace('%', '%%')})"

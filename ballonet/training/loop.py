@@ -15,7 +15,8 @@ held-out loss.
 Checkpoints (`checkpoint.py`) are sharded, atomic and safe to load. With `--resume`, a
 restarted job (by hand or by torchrun's `--max-restarts`) continues from the last one,
 on the same or another world size; the JSON log is cut back to it so every step appears
-once (`logs.py`).
+once (`logs.py`). After every step the ranks agree whether to stop there (`lease.py`: a
+signal, a loan that ends or begins): they save that step and raise `lease.Stopped`.
 """
 
 from __future__ import annotations
@@ -39,10 +40,11 @@ from ballonet.cost.recompute import plan_recompute
 from ballonet.errors import InputError
 from ballonet.integrations import hf_model
 from ballonet.plan.recompute import heaviest
-from ballonet.training import (checkpoint, config_file, evaluation, export, host, logs, metrics, optim, parallel,
-                               tensor_parallel)
+from ballonet.training import (checkpoint, config_file, evaluation, export, host, lease, logs, metrics, optim,
+                               parallel, tensor_parallel)
 from ballonet.training.config import TrainConfig
 from ballonet.training.corpus import Corpus
+from ballonet.training.launch import ERROR_DIR_ENV, preempt_file
 from ballonet.training.loader import BalancedLoader, Cursor, document_order, take_pieces
 from ballonet.training.build import build_sharded_model
 from ballonet.training.preflight import agree, preflight
@@ -137,6 +139,14 @@ def train(config: TrainConfig) -> list[dict]:
 
 def train_model(config: TrainConfig):
     """`train`, also returning the trained (FSDP2-sharded) model."""
+    signals = lease.Signals()
+    try:
+        return _train_model(config, signals)
+    finally:
+        signals.close()
+
+
+def _train_model(config: TrainConfig, signals: lease.Signals):
     owns_group = not dist.is_initialized()
     use_cuda = torch.cuda.is_available()
     if owns_group:
@@ -150,7 +160,7 @@ def train_model(config: TrainConfig):
                               f"{os.environ.get('WORLD_SIZE', '1')} ranks within --timeout-minutes "
                               f"{config.timeout_minutes:g} ({_one_line(e)})") from None
     try:
-        return _run(config, dist.group.WORLD, use_cuda)
+        return _run(config, dist.group.WORLD, use_cuda, signals)
     except RuntimeError as e:
         if isinstance(e, dist.DistError) or _PEER_TROUBLE.search(str(e)):
             raise RankFailure(f"rank {dist.get_rank()}: {_one_line(e)}") from e
@@ -160,7 +170,7 @@ def train_model(config: TrainConfig):
             dist.destroy_process_group()
 
 
-def _run(config: TrainConfig, group, use_cuda: bool):
+def _run(config: TrainConfig, group, use_cuda: bool, signals: lease.Signals):
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     heap_kept = not use_cuda and host.setup_cpu_rank()
@@ -168,6 +178,9 @@ def _run(config: TrainConfig, group, use_cuda: bool):
 
     cluster, spec, corpus = preflight(config, world_size)
     agree(config, group, device)  # every rank runs with the same settings, or all fail here
+    if config.lease and not ballonet.cluster(config.cluster).has_loans:
+        raise InputError(f"--lease {config.lease}: cluster {cluster.name!r} has no node group with loaned = true")
+    _check_placement(cluster, rank, group, use_cuda)
     corpus, eval_corpus = evaluation.split_corpora(config, corpus)
     # A plan rank is a TP group of `tp` consecutive ranks; the plan's traffic runs over the
     # plan ranks of this rank's TP index (`Groups.plan`).
@@ -212,7 +225,8 @@ def _run(config: TrainConfig, group, use_cuda: bool):
     writer = logs.StepLog(config, step) if rank == 0 else None
     peak = metrics.peak_flops(cluster, config.calibration)
 
-    records = []
+    records, stop = [], None
+    boundary = lease.StepBoundary(signals, config.lease, lease.members_state(cluster), group, device, preempt_file())
     batches = iter(loader)
     auto = functools.partial(_auto_recompute, model, spec=spec, cluster=cluster, rank=plan_rank) \
         if spec.recompute is None else None
@@ -240,13 +254,52 @@ def _run(config: TrainConfig, group, use_cuda: bool):
             saver.save(step, model, optimizer, loader.state_dict(), model_meta)
         elif saver:
             saver.poll()  # a background save is published as soon as every rank has written it
-    if saver and records and saver.last_step != step:  # the final step, always
+        stop = boundary.check()
+        if stop:
+            break
+    if saver and records and saver.last_step != step:  # the final step (or the one stopped after), always
         saver.save(step, model, optimizer, loader.state_dict(), model_meta)
     if saver:
         saver.close()
     if writer is not None:
         writer.close()
+    if stop:
+        leaves = cluster.group_of(rank).loaned and lease.members_state(cluster) == lease.LENT
+        raise lease.Stopped(stop, step, config.checkpoint_dir, leaves=leaves)
     return records, model
+
+
+def _placement_problem(cluster, rank: int, use_cuda: bool) -> str | None:
+    """What is wrong with where this rank runs, if anything: under torchrun (not our
+    launcher, which emulates nodes on one machine), its node's ranks (LOCAL_WORLD_SIZE)
+    against its node group's GPUs per node (--nodes); on a GPU, the device it found
+    against its group's GPU type (a "cpu" group is emulated and runs anywhere)."""
+    group = cluster.group_of(rank)
+    index = cluster.groups.index(group)
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if local and not os.environ.get(ERROR_DIR_ENV) and int(local) != group.gpus_per_node:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        nodes = max(world // int(local), 1)
+        if len(cluster.groups) == 1:
+            return (f"--nodes {cluster.num_nodes}: torchrun runs {world} ranks as {local} per node "
+                    f"(LOCAL_WORLD_SIZE), so {nodes} node{'s' * (nodes > 1)}; give --nodes {nodes}")
+        return (f"rank {rank}: torchrun runs {local} ranks on its node (LOCAL_WORLD_SIZE), cluster "
+                f"{cluster.name!r} {group.gpus_per_node} (node group {index}, {group.gpu})")
+    if use_cuda and group.gpu != "cpu":
+        found = torch.cuda.get_device_name()
+        if not re.search(rf"\b{re.escape(group.gpu)}\b", found, re.IGNORECASE):
+            return (f"rank {rank}: cluster {cluster.name!r} puts it on a {group.gpu} (node group {index}), but its "
+                    f"device is a {found}")
+    return None
+
+
+def _check_placement(cluster, rank: int, group, use_cuda: bool) -> None:
+    """`_placement_problem` of every rank, raised on every rank together (the first)."""
+    problems: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(problems, _placement_problem(cluster, rank, use_cuda), group=group)
+    first = next((p for p in problems if p), None)
+    if first:
+        raise InputError(first)
 
 
 def _plan(profile, lengths, **options):
@@ -365,6 +418,7 @@ def _step(model, optimizer, micro: list, rank: int, groups: Groups, device, spec
     num_tokens = sum(p.end - p.start for p in pieces)
     record = {
         "step": step,
+        "world_size": world_size,
         "loss": sums[0] / micro[0].num_valid_tokens_global,
         "lr": lr,
         "grad_norm": grad_norm.item(),

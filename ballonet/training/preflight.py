@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import ballonet
+from ballonet import specs
 from ballonet.errors import InputError
 from ballonet.integrations import hf_model
 from ballonet.training import checkpoint, evaluation, logs, metrics, parallel, tensor_parallel
@@ -25,12 +26,7 @@ from ballonet.training.corpus import load_corpus
 
 
 def _cluster(config: TrainConfig, world_size: int) -> ballonet.ClusterSpec:
-    if world_size % config.nodes:
-        raise InputError(f"{world_size} ranks cannot be spread evenly over --nodes {config.nodes}")
-    spec = ballonet.cluster(config.cluster, num_nodes=config.nodes, gpus_per_node=world_size // config.nodes)
-    if spec.num_ranks != world_size:
-        raise InputError(f"cluster {spec.name!r} has {spec.num_ranks} ranks, the job {world_size}")
-    return spec
+    return specs.job_cluster(config.cluster, world_size, config.nodes)
 
 
 def _check_paths(config: TrainConfig) -> None:
@@ -62,7 +58,7 @@ def preflight(config: TrainConfig, world_size: int):
         if is_hf:
             raise InputError(f"--vocab-size is for the built-in model; {config.model}'s config.json sets its own")
         spec = dataclasses.replace(spec, vocab_size=config.vocab_size)
-    _check_tp(config, world_size, spec)
+    _check_tp(config, world_size, spec, cluster)
     if config.recompute not in hf_model.RECOMPUTE and hf_model.is_hf(config.model):
         choices = ", ".join(hf_model.RECOMPUTE)
         raise InputError(f"--recompute {config.recompute}: not for a Hugging Face model ({config.model}), whose "
@@ -99,14 +95,14 @@ def preflight(config: TrainConfig, world_size: int):
     return cluster, spec, corpus
 
 
-def _check_tp(config: TrainConfig, world_size: int, spec: ballonet.ModelSpec) -> None:
+def _check_tp(config: TrainConfig, world_size: int, spec: ballonet.ModelSpec, cluster: ballonet.ClusterSpec) -> None:
     """--tp: a TP group is `tp` ranks of one node, and `tp` divides the model's heads."""
     if world_size % config.tp:
         raise InputError(f"{world_size} ranks are not a multiple of --tp {config.tp}")
-    per_node = world_size // config.nodes
-    if per_node % config.tp:
-        raise InputError(f"--tp {config.tp} does not divide the {per_node} ranks of a node (--nodes {config.nodes}): "
-                         "a tensor-parallel group must sit inside one node")
+    for per_node in sorted({g.gpus_per_node for g in cluster.groups}):
+        if per_node % config.tp:
+            raise InputError(f"--tp {config.tp} does not divide the {per_node} ranks of a node (--nodes "
+                             f"{cluster.num_nodes}): a tensor-parallel group must sit inside one node")
     tensor_parallel.check_heads(spec.name, spec.num_heads, spec.num_kv_heads, config.tp)
 
 

@@ -1,0 +1,131 @@
+"""When a run stops at a step boundary to be started again: a loan that ends or begins
+(`--lease FILE`) and preemption (SIGTERM or SIGINT).
+
+A cluster file may mark node groups `loaned` (inference nodes lent to training). The
+lease FILE, written by whoever lends them, holds `reclaimed` (the lender wants them back)
+or `lent` (absent: lent). The ranks a job runs on are what torch's rendezvous formed:
+every group's GPUs, or, while reclaimed, the other groups' (`specs.job_cluster`). After
+every step each rank reads the lease and notes any signal; one all-reduce makes the
+answer the same on every rank, so all of them stop after the same step, save it (DCP,
+resharded on load) and exit. Then the job starts again over the ranks the lease allows
+(our launcher, `launch.py`, or torchrun's elastic agent: `docs/design.md`), resumes from
+that save on the new world size, and trains the same global batches in the same order.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import threading
+
+from ballonet.errors import InputError
+
+LENT, RECLAIMED = "lent", "reclaimed"
+PREEMPTED_EXIT = 75
+"""The exit code of a job preempted after saving (EX_TEMPFAIL: try again), for a
+scheduler to requeue on."""
+LEASE_EXIT = 76
+"""A rank's exit code under bare torchrun when the lease changes the job's members: its
+agent restarts the workers (`--max-restarts`) over the nodes then in the rendezvous."""
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_MAX_BYTES = 64
+
+
+def read_lease(path: str) -> str | None:
+    """`lent` or `reclaimed` (an absent file: lent); None while the file is empty or holds
+    the start of one of them (being written). Anything else, or a file that is not a
+    regular file, is one line."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return LENT
+    except OSError as e:
+        raise InputError(f"--lease {path}: cannot read it ({e.strerror})") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise InputError(f"--lease {path}: not a regular file")
+        data = os.read(fd, _MAX_BYTES)
+    finally:
+        os.close(fd)
+    text = data.decode("utf-8", "replace").strip()
+    if not text or (LENT.startswith(text) or RECLAIMED.startswith(text)) and text not in (LENT, RECLAIMED):
+        return None  # being written
+    if text not in (LENT, RECLAIMED):
+        raise InputError(f"--lease {path}: holds {text[:32]!r}; it must say {LENT!r} or {RECLAIMED!r}")
+    return text
+
+
+def members_state(cluster) -> str:
+    """The lease state a job over `cluster` (`specs.job_cluster`'s answer) runs under: its
+    loaned groups are members only while lent."""
+    return LENT if cluster.has_loans else RECLAIMED
+
+
+class Stopped(Exception):
+    """Every rank stopped after step `step` and saved it (if it has a checkpoint folder)."""
+
+    def __init__(self, reason: str, step: int, saved: str | None, leaves: bool = False):
+        super().__init__(f"{reason} after step {step}")
+        self.reason, self.step, self.saved, self.leaves = reason, step, saved, leaves
+
+    @property
+    def exit_code(self) -> int:
+        """Under bare torchrun: a rank of a reclaimed group exits 0 (its agent finishes,
+        its node goes back), the others 76 (their agents restart them over the nodes in the
+        next rendezvous); a preempted rank 75."""
+        if self.reason == "lease":
+            return 0 if self.leaves else LEASE_EXIT
+        return PREEMPTED_EXIT
+
+
+class Signals:
+    """While open: SIGTERM and SIGINT only note which came (`signal`); `close` puts the old
+    handlers back. Opened as a rank starts, so a signal during the set-up waits for the
+    first step boundary too."""
+
+    def __init__(self):
+        self.signal: int | None = None
+        self._old: dict = {}
+        if threading.current_thread() is threading.main_thread():
+            for s in SIGNALS:
+                self._old[s] = signal.signal(s, self._note)
+
+    def _note(self, signum, frame) -> None:
+        self.signal = signum
+
+    def close(self) -> None:
+        for s, handler in self._old.items():
+            signal.signal(s, handler)
+        self._old = {}
+
+
+class StepBoundary:
+    """After each step: stop here? The same answer on every rank of `group` (an all-reduce
+    of what each rank saw: a signal (`signals`, or `preempt_file`, the launcher's), a
+    lease that disagrees with the members)."""
+
+    def __init__(self, signals: Signals, lease: str | None, members: str, group, device,
+                 preempt_file: str | None = None):
+        self.signals, self.lease, self.members, self.group, self.device = signals, lease, members, group, device
+        self.preempt_file = preempt_file
+
+    def check(self) -> str | None:
+        """Collective: "preempted", "lease" or None."""
+        import torch
+        import torch.distributed as dist
+
+        state, error = None, None
+        try:
+            state = read_lease(self.lease) if self.lease else None
+        except InputError as e:  # raised on every rank together, below
+            error = e
+        signalled = self.signals.signal is not None or bool(self.preempt_file and os.path.exists(self.preempt_file))
+        seen = torch.tensor([signalled, state not in (None, self.members), error is not None], dtype=torch.float32,
+                            device=self.device)
+        if dist.get_world_size(self.group) > 1:
+            dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=self.group)
+        preempted, lease, failed = seen.tolist()
+        if failed:
+            raise error or InputError(f"--lease {self.lease}: another rank could not read it")
+        return "preempted" if preempted else "lease" if lease else None

@@ -1,0 +1,182 @@
+"""Loans and preemption: a job whose loaned node group is reclaimed goes on over the other
+group and takes it back when lent again; a job preempted by a signal saves the step it was
+on and exits for a requeue; in every case the steps are those of one process on the same
+global batches (losses within 1e-4, the same documents in the same order)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from distributed import run_ranks
+from test_train import BASE, _ledger_reference, _reference_run
+
+from ballonet.training.lease import LEASE_EXIT, PREEMPTED_EXIT, Signals, StepBoundary, Stopped, read_lease
+from ballonet.training.loop import TrainConfig, train
+
+TWO_GROUPS = """
+name = "lent-two"
+[[node_groups]]
+gpu = "h800"
+gpus_per_node = 2
+nics_per_node = 2
+[[node_groups]]
+gpu = "h20"
+gpus_per_node = 2
+nics_per_node = 2
+loaned = true
+"""
+"""Two GPU types (emulated on CPU ranks: the plans give the H800 ranks more work)."""
+
+
+def _log(path) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        lines = f.read().splitlines()
+    return [json.loads(line) for line in lines if line.endswith("}")]
+
+
+def _when(log, condition, action, timeout=240.0):
+    """In the background: once the JSON log's records satisfy `condition`, run
+    `action()` and note the last step logged then."""
+    seen = {}
+
+    def watch():
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            records = _log(log)
+            if condition(records):
+                seen["step"] = records[-1]["step"]
+                action()
+                return
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread, seen
+
+
+def _train(*args, cwd):
+    """`ballonet train ARGS` as a user runs it (the installed command), from `cwd`."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    command = os.path.join(os.path.dirname(sys.executable), "ballonet")
+    return subprocess.Popen([command, "train", *args], env=env, text=True, cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+
+
+@pytest.mark.slow
+def test_a_reclaimed_group_leaves_and_comes_back_and_a_preempted_job_resumes_exactly(tmp_path):
+    cluster, lease, log = tmp_path / "two.toml", tmp_path / "lease", tmp_path / "log.jsonl"
+    cluster.write_text(TWO_GROUPS)
+    fake = tmp_path / "ballonet"  # the ranks start as `python -P`: a folder of the working directory is not imported
+    fake.mkdir()
+    (fake / "__init__.py").write_text(f"open({str(tmp_path / 'imported')!r}, 'w').close()\n")
+    (fake / "__main__.py").write_text("raise SystemExit(3)\n")
+    steps = 12
+    args = ["--cluster", str(cluster), "--lease", str(lease), "--checkpoint-dir", str(tmp_path / "ckpt"),
+            "--steps", str(steps), "--json-log", str(log), "--global-tokens", str(BASE["global_tokens"]),
+            "--max-doc-tokens", str(BASE["max_doc_tokens"]), "--seed", str(BASE["seed"]), "--log-every", "100"]
+
+    # 4 ranks; reclaimed after step 2; then SIGTERM to the launcher (what a scheduler sends) on 2 ranks
+    job = _train(*args, cwd=tmp_path)
+    reclaim, reclaimed = _when(log, lambda rs: len(rs) >= 2, lambda: lease.write_text("reclaimed\n"))
+    preempt, preempted = _when(log, lambda rs: rs and rs[-1]["world_size"] == 2, lambda: job.send_signal(signal.SIGTERM))
+    out, err = job.communicate(timeout=300)  # a hang guard: about 20 s alone on a loaded 2-core machine
+    reclaim.join(), preempt.join()
+    assert job.returncode == PREEMPTED_EXIT, err[-3000:]
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    stopped_at = _log(log)[-1]["step"]
+    assert last.startswith(f"ballonet train: preempted by SIGTERM after step {stopped_at}: saved it in"), last
+    assert stopped_at <= preempted["step"] + 2 < steps
+
+    # requeued: --resume on 2 ranks (still reclaimed), lent again after one more step: 4 ranks to the end
+    job = _train(*args, "--resume", cwd=tmp_path)
+    lend, lent = _when(log, lambda rs: rs[-1]["step"] > stopped_at, lambda: lease.write_text("lent\n"))
+    out, err = job.communicate(timeout=300)
+    lend.join()
+    assert job.returncode == 0, err[-3000:]
+
+    assert not (tmp_path / "imported").exists()
+    records = _log(log)
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    sizes = [r["world_size"] for r in records]
+    first_two, back = sizes.index(2) + 1, len(sizes) - sizes[::-1].index(2) + 1  # steps, 1-based
+    assert sizes == [4] * (first_two - 1) + [2] * (back - first_two) + [4] * (steps - back + 1), sizes
+    assert first_two <= reclaimed["step"] + 3  # the loaned ranks left within two steps of the lease saying so
+    assert back <= lent["step"] + 3 and back <= steps  # and came back within two steps of `lent`
+    assert [r["ledger"] for r in records] == _ledger_reference(steps, **BASE)  # nothing lost, nothing twice
+    reference = _reference_run(steps, **BASE)[0]
+    losses = [r["loss"] for r in records]
+    assert all(abs(x - y) <= 1e-4 * y for x, y in zip(losses, reference, strict=True)), (losses, reference)
+
+
+def _preempt_a_rank(rank, world_size, tmp):
+    """Rank 1 gets SIGTERM once step 2 is logged; every rank stops after the same step and
+    saves it; then a resumed run finishes the job."""
+    log = os.path.join(tmp, "log.jsonl")
+    config = dict(BASE, steps=6, checkpoint_dir=os.path.join(tmp, "ckpt"), json_log=log)
+    if rank == 1:
+        _when(log, lambda rs: len(rs) >= 2, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    try:
+        train(TrainConfig(**config))
+        stopped = None
+    except Stopped as e:
+        stopped = (e.reason, e.step, e.exit_code)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the run's handler is gone
+    rest = train(TrainConfig(**config, resume=True))
+    # a lease only rank 1 cannot read fails both ranks at the same boundary, not rank 1 alone
+    lease = os.path.join(tmp, f"lease{rank}")
+    with open(lease, "w") as f:
+        f.write("lent" if rank == 0 else "borrowed")
+    signals = Signals()
+    try:
+        StepBoundary(signals, lease, "lent", torch.distributed.group.WORLD, torch.device("cpu")).check()
+        failed = None
+    except ValueError as e:
+        failed = str(e)
+    finally:
+        signals.close()
+    return stopped, [r["step"] for r in rest], failed
+
+
+@pytest.mark.slow
+def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step_and_resume_is_exact(tmp_path):
+    results = run_ranks(2, _preempt_a_rank, str(tmp_path))
+    (reason, step, code), rest, failed = results[0]
+    assert results[1][:2] == results[0][:2] and reason == "preempted" and code == PREEMPTED_EXIT
+    assert failed == "--lease: another rank could not read it".replace("--lease", f"--lease {tmp_path}/lease0")
+    assert results[1][2].endswith("lease1: holds 'borrowed'; it must say 'lent' or 'reclaimed'")
+    assert 2 <= step <= 4 and rest == list(range(step + 1, 7))
+    records = _log(tmp_path / "log.jsonl")
+    assert [r["step"] for r in records] == list(range(1, 7)) and {r["world_size"] for r in records} == {2}
+    assert [r["ledger"] for r in records] == _ledger_reference(6, **BASE)
+    reference = _reference_run(6, **BASE)[0]
+    assert all(abs(r["loss"] - y) <= 1e-4 * y for r, y in zip(records, reference, strict=True))
+
+
+def test_a_lease_needs_a_loaned_group(tmp_path):
+    with pytest.raises(ValueError, match="cluster 'cpu' has no node group with loaned = true"):
+        train(TrainConfig(**BASE, steps=1, lease=str(tmp_path / "lease"), checkpoint_dir=str(tmp_path / "ck")))
+
+
+def test_the_lease_file_is_read_strictly(tmp_path):
+    path = tmp_path / "lease"
+    assert read_lease(str(path)) == "lent"  # no file: lent
+    for text, state in (("reclaimed\n", "reclaimed"), (" lent ", "lent"), ("", None), ("recl", None)):
+        path.write_text(text)
+        assert read_lease(str(path)) == state
+    path.write_text("maybe")
+    with pytest.raises(ValueError, match="must say 'lent' or 'reclaimed'"):
+        read_lease(str(path))
+    os.remove(path)
+    os.mkfifo(path)  # never opened for a blocking read
+    with pytest.raises(ValueError, match="not a regular file"):
+        read_lease(str(path))
+    assert LEASE_EXIT != PREEMPTED_EXIT
