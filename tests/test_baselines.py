@@ -15,7 +15,7 @@ from ballonet.plan import Plan, Ring, Segment, Transfer, chunk_bounds
 from ballonet.planning.magi import dispatch
 from ballonet.planning.wlb_llm import per_sequence
 from ballonet.simulation import simulate
-from ballonet.simulation.comparison import compare, degrees
+from ballonet.simulation.comparison import budgets, compare, degrees
 from ballonet.simulation.layer_graph import prefix_rows
 from ballonet.specs import ClusterSpec, NodeGroup
 
@@ -64,6 +64,20 @@ def test_tuned_comparison_runs_each_degree_baseline_at_its_fastest_degree():
         assert d in degrees(16) and rows[name].step_time_s == pytest.approx(min(every))
     assert rows["packed_dp"].options == {}
     assert np.isfinite(rows["te_cp"].speedup_vs_te_cp)
+
+
+def test_tuned_comparison_runs_each_budget_baseline_at_its_fastest_budget():
+    # largest first: the power of two holding the longest document whole, down to 1024
+    assert budgets([[5000, 30], [8192]]) == [8192, 4096, 2048, 1024] and budgets([[8193]])[0] == 16384
+    cluster, model = specs.cluster("h800-8nic", num_nodes=2), specs.model("llama-3b")
+    rows = {r.planner: r for r in compare(cluster, model, "prolong", 8192, ["megatron_hcp", "hybrid_dp"],
+                                          max_length=32768, tune=True)}
+    batch = next(iter(workloads.get("prolong").batches(8192 * 16, 0, 1, 32768)))
+    for name in ("megatron_hcp", "hybrid_dp"):
+        every = {b: simulate(plan_batch(batch, cluster, model, name, rank_tokens=b), cluster, model).step_time_s
+                 for b in budgets([batch])}
+        assert rows[name].options["rank_tokens"] in every
+        assert rows[name].step_time_s == pytest.approx(min(every.values())), every
 
 
 def test_magi_dispatch_by_hand_and_its_plans():

@@ -21,17 +21,35 @@ from ballonet.specs import ClusterSpec, ModelSpec
 
 REFERENCE = "te_cp"
 
-TUNABLE = {"te_cp": "cp_size", "llama_cp": "cp_size", "wlb_llm": "cp_size", "magi": "cp_size"}
-"""Baselines with a degree their users set per job: with `tune`, the comparison runs each
-at the fastest of `degrees` (mean simulated step over the same batches; smallest first,
-stopping after two in a row slower than the best), as a user tuning the job would."""
+TUNABLE = {"te_cp": "cp_size", "llama_cp": "cp_size", "wlb_llm": "cp_size", "magi": "cp_size",
+           "hybrid_dp": "rank_tokens", "megatron_hcp": "rank_tokens"}
+"""Baselines with a setting their users fix per job: a CP degree, or a rank's token budget
+(Megatron-Core's `max_seqlen_per_dp_cp_rank`, ByteScale's per-rank capacity). With
+`tune`, the comparison runs each at the fastest of its grid (`grid`: mean simulated step
+over the same batches; in the grid's order, stopping after two in a row slower than the
+best), as a user tuning the job would."""
 MAX_DEGREE = 64
 """The largest CP degree tried (context-parallel groups beyond 64 GPUs are not used in practice)."""
+MIN_BUDGET = 1024
+"""The smallest per-rank token budget tried."""
 
 
 def degrees(num_ranks: int) -> list[int]:
     """CP degrees tried when tuning: the powers of two that divide the ranks, up to `MAX_DEGREE`."""
     return [d for d in (1 << k for k in range(num_ranks.bit_length())) if num_ranks % d == 0 and d <= MAX_DEGREE]
+
+
+def budgets(batches: list) -> list[int]:
+    """Per-rank token budgets tried when tuning, largest first: the powers of two from the
+    one that holds the batches' longest document whole (no document split: as CP degree 1)
+    down to `MIN_BUDGET` (more documents split over more ranks, as higher degrees)."""
+    top = max(1, max((max(b) for b in batches if len(b)), default=1) - 1).bit_length()
+    return [1 << k for k in range(top, MIN_BUDGET.bit_length() - 2, -1)]
+
+
+def grid(name: str, batches: list, num_ranks: int) -> list[int]:
+    """The values of `TUNABLE[name]` tried, in the order a user would try them."""
+    return degrees(num_ranks) if TUNABLE[name] == "cp_size" else budgets(batches)
 
 
 def planner_names() -> list[str]:
@@ -114,11 +132,11 @@ def _run(name: str, batches: list, cluster: ClusterSpec, model: ModelSpec, popts
 
 def _tuned(name: str, batches: list, cluster: ClusterSpec, model: ModelSpec, sopts: dict,
            progress, plan_seconds: list) -> tuple[list[SimResult] | str, dict]:
-    """The planner at the degrees of `degrees`, smallest first, until two in a row are
-    slower than the best so far (a user's search): the fastest feasible by mean step, with
-    its options."""
+    """The planner at the values of its `grid`, in order, until two in a row are slower
+    than the best so far (a user's search): the fastest feasible by mean step, with its
+    options."""
     best, best_opts, reason, worse = None, {}, "", 0
-    for d in degrees(cluster.num_ranks // model.tp):
+    for d in grid(name, batches, cluster.num_ranks // model.tp):
         opts = {TUNABLE[name]: d}
         seconds: list = []
         res = _run(name, batches, cluster, model, opts, sopts, None, seconds)
@@ -134,7 +152,7 @@ def _tuned(name: str, batches: list, cluster: ClusterSpec, model: ModelSpec, sop
                 break
     if progress:
         progress(len(batches))
-    return (best, best_opts) if best is not None else (reason or f"{name}: no degree plans the batches", {})
+    return (best, best_opts) if best is not None else (reason or f"{name}: no {TUNABLE[name]} plans the batches", {})
 
 
 def compare(cluster: ClusterSpec, model: ModelSpec, workload: str, tokens_per_gpu: int, planners: list[str], *,
@@ -142,7 +160,7 @@ def compare(cluster: ClusterSpec, model: ModelSpec, workload: str, tokens_per_gp
             sim_options: dict | None = None, tune: bool = False, progress=None) -> list[Row]:
     """One Row per planner. `planner_options` apply to "zeppelin" only (its ablations),
     `sim_options` (`simulate`'s keywords) to every planner alike; with `tune`, the
-    baselines of `TUNABLE` run at their fastest degree; `progress(advance)` is called
+    baselines of `TUNABLE` run at their fastest setting; `progress(advance)` is called
     after each planner's batches."""
     wl = workloads.get(workload)
     batches = list(wl.batches(tokens_per_gpu * cluster.num_ranks, seed, steps, max_length))
