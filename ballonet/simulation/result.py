@@ -3,6 +3,7 @@ bound, per-rank breakdown, bytes and timelines, as a dict or a Chrome trace."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 
@@ -62,6 +63,25 @@ class SimResult:
     def exposed_comm_share(self) -> float:
         return sum(self.exposed_comm_s) / len(self.exposed_comm_s) / self.step_time_s
 
+    @staticmethod
+    def weighted(results: list[SimResult], weights: list[float], *, num_tokens: int,
+                 lower_bound_s: float) -> SimResult:
+        """Several steps that together train one batch of `num_tokens` tokens (a planner that
+        defers documents, `planning.wlb_llm.outlier_steps`), as one: times, per-rank
+        figures and MFU the steps' weighted sums (MFU by time), the batch's own bound;
+        recomputation, bytes and timelines those of the first step."""
+        def total(get) -> float:
+            return sum(w * get(r) for r, w in zip(results, weights))
+
+        step = total(lambda r: r.step_time_s)
+        per_rank = {k: tuple(total(lambda r, i=i, k=k: getattr(r, k)[i]) for i in range(len(results[0].compute_s)))
+                    for k in ("compute_s", "exposed_comm_s", "idle_s", "attention_s")}
+        scalars = {k: total(lambda r, k=k: getattr(r, k))
+                   for k in ("compute_bound_s", "layer_forward_s", "layer_backward_s", "head_s", "grad_allreduce_s",
+                             "grad_allreduce_exposed_s", "optimizer_s")}
+        return dataclasses.replace(results[0], num_tokens=num_tokens, step_time_s=step, lower_bound_s=lower_bound_s,
+                                   mfu=total(lambda r: r.mfu * r.step_time_s) / step, **per_rank, **scalars)
+
     def to_dict(self) -> dict:
         keys = ("planner", "num_gpus", "num_tokens", "step_time_s", "lower_bound_s", "compute_bound_s", "recompute",
                 "recompute_layers", "mfu", "layer_forward_s",
@@ -76,21 +96,27 @@ class SimResult:
 
     def to_chrome_trace(self, path: str) -> None:
         """Chrome trace-event JSON of one forward and one backward layer (Perfetto opens it):
-        a process per rank, a thread for its compute stream and one per link it sends on."""
+        a process per rank, a thread for its compute stream and one per link it sends on (more
+        lanes where transfers share the link), a transfer shown from ready to done."""
         events, offset, threads = [], 0.0, {}  # threads: (pid, thread name) -> tid
         for name, tl, start, finish, fabric in self.timelines:
-            for task in range(tl.num_tasks):
+            lanes: dict = {}  # (pid, link name) -> end of each lane's last transfer
+            for task in sorted(range(tl.num_tasks), key=lambda t: (start[t], t)):
                 kind, rank, what = tl.label[task]
                 if kind == "join":
                     continue
                 if tl.stream[task] >= 0:
                     pid, thread = rank, "compute"
-                else:
+                else:  # from ready to done, in the first free lane of its link (links share)
                     link = tl.links[task][0]
                     pid, thread = fabric.link_owner(link), fabric.link_name(link)
+                    ends = lanes.setdefault((pid, thread), [])
+                    lane = next((i for i, e in enumerate(ends) if e <= start[task]), len(ends))
+                    ends[lane:lane + 1] = [finish[task]]
+                    thread += f" #{lane + 1}" if lane else ""
                 tid = threads.setdefault((pid, thread), len(threads))
                 events.append({"name": _text(what), "cat": f"{name} {kind}", "ph": "X", "pid": pid, "tid": tid,
-                               "ts": (offset + start[task]) * 1e6, "dur": tl.duration[task] * 1e6})
+                               "ts": (offset + start[task]) * 1e6, "dur": (finish[task] - start[task]) * 1e6})
             offset += max(finish, default=0.0)
         for r in range(len(self.compute_s)):
             events.append({"name": "process_name", "ph": "M", "pid": r, "tid": 0, "args": {"name": f"rank {r}"}})
