@@ -7,6 +7,7 @@ tokens fail together with one line (issue 33), the same tokens train."""
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import numpy as np
@@ -35,17 +36,33 @@ def _groups_used(rank: int, world: int, corpora: list[str]) -> dict:
             return originals[name](*args, **kwargs)
         return call
 
+    import ballonet.training.loop as loop
+
+    agree = loop.agree
+
+    def agree_marked(*args, **kwargs):  # the settings check: a world collective, not the plan's traffic
+        first = len(events)
+        try:
+            return agree(*args, **kwargs)
+        finally:
+            events[first:] = [("settings", g) for _, g in events[first:]]
+
     for name in originals:
         setattr(dist, name, wrap(name))
+    loop.agree = agree_marked
     start, failure = time.monotonic(), ""
     try:
-        train(TrainConfig(model="tiny", corpus=corpora[rank], global_tokens=1024, seed=3, steps=2, nodes=2,
+        # Every rank names the same corpus, data.jsonl, in a folder of its own: the settings
+        # agree, and only the data check can see that the tokens differ.
+        os.chdir(corpora[rank])
+        train(TrainConfig(model="tiny", corpus="data.jsonl", global_tokens=1024, seed=3, steps=2, nodes=2,
                           planner="distca"))
     except RankFailure as e:
         failure = str(e)
     finally:
         for name, fn in originals.items():
             setattr(dist, name, fn)
+        loop.agree = agree
     made = [g for what, g in events if what == "new_group"]
     first_use = {id(g): next((what for what, h in events if h is g and what != "new_group"), None) for g in made}
     plan_traffic = [(what, g) for what, g in events if what in ("p2p", "all_to_all_single", "all_gather")]
@@ -58,15 +75,16 @@ def _groups_used(rank: int, world: int, corpora: list[str]) -> dict:
 
 
 def _corpora(folder) -> list[str]:
-    """Two JSON Lines corpora with the same document lengths, every token of the second
-    one higher than the first's."""
+    """Two folders holding a JSON Lines corpus `data.jsonl` each, with the same document
+    lengths, every token of the second one higher than the first's."""
     rng = np.random.default_rng(0)
     docs = [rng.integers(0, 256, n).tolist() for n in (300, 120, 500, 260, 90, 410, 333, 150)]
     paths = []
     for name, shift in (("a", 0), ("b", 1)):
-        path = folder / f"{name}.jsonl"
+        (folder / name).mkdir()
+        path = folder / name / "data.jsonl"
         path.write_text("".join(json.dumps({"input_ids": [(t + shift) % 256 for t in d]}) + "\n" for d in docs))
-        paths.append(str(path))
+        paths.append(str(path.parent))
     return paths
 
 

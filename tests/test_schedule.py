@@ -216,7 +216,8 @@ def test_routed_and_double_ring_zeppelin_plans_complete():
 def test_1024_ranks_complete():
     # How long the check takes, 32 to 1024 ranks, is bench/schedule_check.py's figure
     # (bench/results/schedule_check.md), not a test's: a loaded machine cannot fail this.
-    cluster = ballonet.cluster("h800+h20", num_nodes=64)
+    mixed = ballonet.cluster("h800+h20")  # a file's groups are used as written: each made 64 nodes here
+    cluster = dataclasses.replace(mixed, groups=tuple(dataclasses.replace(g, num_nodes=64) for g in mixed.groups))
     plan = ballonet.plan_batch(workloads.get("wlbllm").sample_batch(1024 * cluster.num_ranks, 0), cluster, LLAMA)
     assert plan.num_ranks == 1024 and any(r.comm == "double" for r in plan.rings)
     check = check_schedule(plan)
