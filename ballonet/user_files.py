@@ -187,9 +187,10 @@ def check_nesting(value, where) -> None:
             raise InputError(f"{where}: number {v} must be finite")
 
 
-def loads_json(text: str | bytes, where, what: str = "JSON", line_numbers: bool = True) -> object:
-    """The JSON value of `text` (from `where`, a path, or "path:line" with `line_numbers`
-    False), bounded: one InputError naming `where` on malformed, deep or out-of-range input."""
+def loads_json(text: str | bytes, where, what: str = "JSON", line_numbers: bool = False) -> object:
+    """The JSON value of `text` (from `where`, a path or "path:line"), bounded: one
+    InputError naming `where` (and the line of a syntax error, with `line_numbers`) on
+    malformed, deep or out-of-range input."""
     try:
         value = json.loads(text, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_parse_constant)
     except _Refused as e:
@@ -208,9 +209,9 @@ def loads_json(text: str | bytes, where, what: str = "JSON", line_numbers: bool 
     return value
 
 
-def read_json(path, kind: str = "json", folder=None, what: str = "JSON") -> object:
-    """The JSON value in the file `path` (through `read_bytes`, bounded as `loads_json`)."""
-    return loads_json(read_text(path, kind, folder, what), path, what)
+def read_json(path, kind: str = "json", folder=None, what: str = "JSON", line_numbers: bool = False) -> object:
+    """The JSON value in the file `path` (through `read_text`, bounded as `loads_json`)."""
+    return loads_json(read_text(path, kind, folder, what), path, what, line_numbers)
 
 
 def loads_toml(text: str, where, what: str = "TOML") -> dict:

@@ -173,7 +173,7 @@ def _read_text(path: str) -> list[int]:
 
 
 def _read_json(path: str) -> list[int]:
-    data = user_files.read_json(path, "lengths", what="a lengths file")
+    data = user_files.read_json(path, "lengths", what="a lengths file", line_numbers=True)
     if not isinstance(data, list):
         raise InputError(f"{path}: expected a JSON list of lengths, got a {type(data).__name__}")
     return [_length(value, f"{path}[{i}]") for i, value in enumerate(data)]
@@ -201,7 +201,7 @@ def read_jsonl(path, row_value: Callable[[object, str], object], folder=None) ->
                 text = line.decode("utf-8")
             except UnicodeDecodeError:
                 raise InputError(f"{path}: not JSON Lines (not UTF-8 text)") from None
-            values.append(row_value(user_files.loads_json(text, where, "JSON Lines", line_numbers=False), where))
+            values.append(row_value(user_files.loads_json(text, where, "JSON Lines"), where))
     return values
 
 
