@@ -221,11 +221,7 @@ def _jsonl_length(row, where: str):
 
 
 def _read_npy(path: str) -> list[int]:
-    with user_files.open_file(path, "lengths", what="a lengths file") as f:
-        try:
-            array = np.load(f, allow_pickle=False)
-        except (OSError, ValueError, EOFError) as e:
-            raise InputError(f"{path}: not a numeric .npy array ({str(e)[:120] or 'empty file'})") from None
+    array = user_files.load_npy(path, "lengths", what="a numeric .npy array")
     if not isinstance(array, np.ndarray) or array.ndim != 1 or array.dtype.kind not in "iuf":
         raise InputError(f"{path}: expected a 1-D integer array, got shape {getattr(array, 'shape', '?')} "
                          f"dtype {getattr(array, 'dtype', '?')}")
