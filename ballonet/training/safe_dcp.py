@@ -165,10 +165,10 @@ def _check_plain_item(value: io.BytesIO, fqn: str) -> None:
                 raise ValueError("not one torch.save pickle of plain values")
             ops = {op.name for op, _, _ in pickletools.genops(z.read(pickles[0]))}
     except (zipfile.BadZipFile, ValueError, EOFError, OSError) as e:
-        raise InputError(f"item {fqn!r}: not a plain value ({str(e)[:120]})") from None
+        raise pickle.UnpicklingError(f"item {fqn!r}: not a plain value ({str(e)[:120]})") from None
     named = ops & {"GLOBAL", "STACK_GLOBAL", "INST", "OBJ", "REDUCE", "EXT1", "EXT2", "EXT4", "PERSID", "BINPERSID"}
     if named:
-        raise InputError(f"item {fqn!r}: not a plain value (its pickle calls {sorted(named)[0]})")
+        raise pickle.UnpicklingError(f"item {fqn!r}: not a plain value (its pickle calls {sorted(named)[0]})")
     value.seek(0)
 
 
