@@ -36,7 +36,7 @@ def test_the_resolved_config_reads_back_as_it_was(tmp_path):
     path = config_file.write_resolved(config, str(tmp_path / "ck"))
     assert path == str(tmp_path / "ck" / "config.toml")
     assert _resolve("--config", path) == config
-    assert TrainConfig(**config_file.read_config_file(path)) == config
+    assert TrainConfig(**config_file.read_config_file(path, TrainConfig)) == config
     assert "max_doc_tokens" not in open(path).read()  # unset fields are left out (TOML has no null)
 
 
@@ -65,6 +65,35 @@ def test_schedule_settings_are_checked():
                             (dict(eval_corpus="stdlib"), "--eval-corpus needs --eval-every")]:
         with pytest.raises(ballonet.InputError, match=message):
             TrainConfig(**kwargs)
+
+
+def test_options_that_do_nothing_alone_are_refused_in_one_line(tmp_path):
+    """Issue 47.6: each of these was accepted without a word; from the flags and from a
+    --config file alike, one line, exit 2."""
+    cases = [(["--async-checkpoint"], "--async-checkpoint needs --checkpoint-dir"),
+             (["--gpus-per-node", "2"], "--gpus-per-node needs --nproc"),
+             (["--max-restarts", "1"], "--max-restarts needs --nproc"),
+             (["--warmup-steps", "30", "--steps", "20"], "--warmup-steps 30 is over --steps 20"),
+             (["--eval-every", "50", "--steps", "20"], "--eval-every 50 is over --steps 20"),
+             (["--checkpoint-every", "50", "--checkpoint-dir", "ck"], "--checkpoint-every 50 is over --steps 20"),
+             (["--resume-from", "4"], "needs --checkpoint-dir"),
+             (["--profile-steps", "3"], "--profile-steps must be A:B"),
+             (["--profile-steps", "5:30"], "1 <= A <= B <= --steps 20"),
+             (["--seed", str(2**80)], "--seed must be at most"),
+             (["--timeout-minutes", "1e12"], "--timeout-minutes must be positive and at most")]
+    for argv, message in cases:
+        with pytest.raises(ballonet.InputError, match=message) as e:
+            _resolve(*argv)
+        assert "\n" not in str(e.value)
+    path = tmp_path / "run.toml"
+    path.write_text("async_checkpoint = true\n")
+    with pytest.raises(ballonet.InputError, match="--async-checkpoint needs --checkpoint-dir"):
+        _resolve("--config", str(path))
+    config = _resolve("--checkpoint-dir", str(tmp_path), "--resume-from", "4", "--profile-steps", "2:3")
+    assert config.resume and config.profile_range() == (2, 3)
+    from ballonet.cli import main
+
+    assert main(["train", "--async-checkpoint"]) == 2
 
 
 def test_a_model_toml_sets_size_and_vocabulary(tmp_path):

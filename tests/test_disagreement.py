@@ -14,6 +14,7 @@ from distributed import run_ranks
 from helpers import remap_plan
 
 from ballonet import runtime
+from ballonet.errors import InputError
 from ballonet.training.loop import RankFailure, TrainConfig, train
 
 LIMIT_S = 60.0
@@ -30,7 +31,7 @@ def _expect_failure(fn) -> tuple[str, float]:
     start = time.monotonic()
     try:
         fn()
-    except (RuntimeError, RankFailure) as e:
+    except (RuntimeError, InputError) as e:  # RankFailure, and the settings check's InputError
         return str(e), time.monotonic() - start
     return "", time.monotonic() - start
 
@@ -53,7 +54,9 @@ def _disagree(rank, world_size):
 def test_disagreeing_ranks_fail_every_rank_in_seconds():
     for rank, results in enumerate(run_ranks(4, _disagree, timeout=3 * LIMIT_S)):
         for where, (message, seconds) in results.items():
-            assert "disagree on the plan" in message, (rank, where, message)
+            # ranks started with different planners stop at the settings check, before any plan
+            expected = "disagree on the run's settings: --planner" if where == "training" else "disagree on the plan"
+            assert expected in message, (rank, where, message)
             assert len(message.splitlines()) == 1, message
             assert seconds < LIMIT_S, (rank, where, seconds)
 

@@ -118,3 +118,77 @@ def test_export_refuses_bad_checkpoints_in_one_line(tmp_path, capsys):
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and any(m in err for m in message.split("|")), err
     assert not marker.exists() and not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_export_writes_a_whole_folder_with_its_tokenizer_and_never_over_foreign_files(tmp_path, capsys):
+    """Issues 47.4 and 50.6, one trained run: the exported folder holds the corpus's
+    tokenizer (AutoTokenizer loads it and encodes as the corpus's tokenizer does) and a
+    generation config; a folder of other files is refused unless --overwrite, which
+    replaces its stale weights and keeps the rest; a symlinked --out is refused; a full
+    disk (simulated: the weights' writer raises ENOSPC) leaves --out as it was."""
+    import errno
+
+    pytest.importorskip("tokenizers")
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from ballonet.training.prepare import PrepareConfig, prepare
+    from tests.text_sources import train_tokenizer, write_sources
+
+    (tmp_path / "tok").mkdir()
+    tok_dir = train_tokenizer(tmp_path / "tok", vocab_size=300)
+    corpus = tmp_path / "corpus"
+    prepare(PrepareConfig(data=str(write_sources(tmp_path)["jsonl"]), out=str(corpus), tokenizer=str(tok_dir),
+                          text_column="body"))
+    ckpt = tmp_path / "ckpt"
+    train_model(TrainConfig(**dict(BASE, steps=1, corpus=str(corpus)), vocab_size=300, checkpoint_dir=str(ckpt)))
+    capsys.readouterr()
+
+    out = tmp_path / "hf"
+    assert main(["export", "--checkpoint", str(ckpt), "--out", str(out)]) == 0
+    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
+            "tokenizer_config.json", "ballonet-export.json"} == set(os.listdir(out))
+    text = "def main():\n    return 0\n"
+    loaded = AutoTokenizer.from_pretrained(out)
+    import tokenizers
+
+    assert loaded(text)["input_ids"] == tokenizers.Tokenizer.from_file(str(tok_dir / "tokenizer.json")).encode(
+        text).ids
+    GenerationConfig.from_pretrained(out)
+    assert main(["export", "--checkpoint", str(ckpt), "--out", str(out)]) == 0  # an earlier export: replaced
+    assert main(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "given"), "--tokenizer",
+                 str(tok_dir / "tokenizer.json")]) == 0  # --tokenizer: the file given
+    assert (tmp_path / "given" / "tokenizer.json").read_bytes() == (tok_dir / "tokenizer.json").read_bytes()
+    os.mkfifo(tmp_path / "fifo")
+    assert main(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "never"), "--tokenizer",
+                 str(tmp_path / "fifo")]) == 2  # not a regular file: one line, at once, nothing written
+    assert "named pipe" in capsys.readouterr().err and not (tmp_path / "never").exists()
+
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "README.md").write_text("mine")
+    (foreign / "pytorch_model.bin").write_bytes(b"stale")
+    assert main(["export", "--checkpoint", str(ckpt), "--out", str(foreign)]) == 2
+    assert "holds files that no export wrote" in capsys.readouterr().err
+    assert sorted(os.listdir(foreign)) == ["README.md", "pytorch_model.bin"]
+    link = tmp_path / "link"
+    link.symlink_to(foreign)
+    assert main(["export", "--checkpoint", str(ckpt), "--out", str(link), "--overwrite"]) == 2
+    assert "is a symlink" in capsys.readouterr().err
+
+    from safetensors import torch as safetensors_torch
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with mock.patch.object(safetensors_torch, "save_file", full_disk):
+        assert main(["export", "--checkpoint", str(ckpt), "--out", str(foreign), "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "No space left on device" in err
+    assert sorted(os.listdir(foreign)) == ["README.md", "pytorch_model.bin"]  # as it was
+    assert not [n for n in os.listdir(tmp_path) if ".export-" in n]  # no temporary folder left
+
+    assert main(["export", "--checkpoint", str(ckpt), "--out", str(foreign), "--overwrite"]) == 0
+    names = set(os.listdir(foreign))
+    assert "README.md" in names and "pytorch_model.bin" not in names and "model.safetensors" in names
+    assert (foreign / "README.md").read_text() == "mine"
+    AutoModelForCausalLM.from_pretrained(foreign)

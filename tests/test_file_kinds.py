@@ -60,7 +60,7 @@ def test_train_takes_a_text_lengths_file(tmp_path, monkeypatch, capsys):
     path = _write(tmp_path / "lens.txt", "txt")
     monkeypatch.chdir(tmp_path)
     assert cli.main(["train", "--corpus", path, "--steps", "1", "--global-tokens", "256"]) == 0
-    assert "step    1" in capsys.readouterr().out
+    assert "step 1/1  elapsed" in capsys.readouterr().out
 
 
 def test_a_text_file_of_prose_is_refused_naming_the_line(tmp_path):

@@ -75,3 +75,14 @@ def test_clipping_matches_torch_and_measures_without_clipping():
     for p, t in zip(params, twins):
         assert torch.allclose(p.grad, t.grad, rtol=1e-6, atol=0)
     assert torch.cat([p.grad.flatten() for p in params]).norm().item() == pytest.approx(1.0, rel=1e-5)
+
+
+def test_a_far_resume_sets_the_schedule_at_once():
+    """Issue 47.3: a `ballonet.json` step of 1e12 stepped the scheduler one step at a time
+    (a hang); the schedule is now closed form. The hang guard: a loop of 1e12 steps takes
+    hours, the closed form microseconds."""
+    opt = _optimizer()
+    optim.lr_scheduler(opt, lr=1e-2, steps=10**12 + 10, warmup_steps=3, decay="linear", min_lr=1e-3,
+                       start_step=10**12)
+    assert optim.current_lr(opt) == pytest.approx(_closed_form(10**12 + 1, lr=1e-2, steps=10**12 + 10, warmup=3,
+                                                               decay="linear", min_lr=1e-3), rel=1e-9)

@@ -164,7 +164,7 @@ NAMED = {
     "corpus .jsonl": ("c.jsonl", load_corpus),
     "cluster TOML": ("c.toml", specs.cluster_from_toml),
     "model TOML": ("m.toml", specs.model_from_toml),
-    "--config TOML": ("run.toml", read_config_file),
+    "--config TOML": ("run.toml", lambda path: read_config_file(path, TrainConfig)),
     "--calibration": ("p.json", profile.load),
     "prepare --data .jsonl": ("d.jsonl", lambda p: list(prepare.text_batches(p, "text", 8))),
     "prepare --tokenizer": ("tokenizer.json", prepare.load_tokenizer),
@@ -198,7 +198,7 @@ JSON_READERS = {
     "prepare .jsonl": lambda t, p: (p / "d.jsonl", lambda f: list(prepare.text_batches(str(f), "text", 8)),
                                     '{"text": %s}' % t),
 }
-TOML_READERS = {"cluster": specs.cluster_from_toml, "model": specs.model_from_toml, "--config": read_config_file}
+TOML_READERS = {"cluster": specs.cluster_from_toml, "model": specs.model_from_toml, "--config": lambda path: read_config_file(path, TrainConfig)}
 
 
 @pytest.mark.parametrize("text", [DEEP_JSON, BIG_JSON, "[1e999]", "[NaN]", "[99999999999999999999]"],

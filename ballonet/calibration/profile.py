@@ -135,7 +135,7 @@ class Profile:
         return dataclasses.asdict(self)
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=1, sort_keys=True)
+        return json.dumps(self.to_dict(), indent=1, sort_keys=True, allow_nan=False)
 
 
 _SCALARS = ("attention_launch_s", "p2p_latency_s", "p2p_efficiency", "nic_latency_s", "nic_efficiency",

@@ -49,6 +49,12 @@ def main(argv: list[str] | None = None) -> int:
         if not report_rank_error(line):
             print(line, file=sys.stderr)
         return e.exit_code
+    except ValueError as e:  # json.dumps(..., allow_nan=False): every JSON output is strict
+        if "not JSON compliant" not in str(e):
+            raise
+        print(f"ballonet {args.command}: error: the result holds a number JSON cannot hold (NaN or Infinity), "
+              "which strict parsers refuse; check the inputs' values", file=sys.stderr)
+        return 2
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # what is still buffered goes nowhere
         print(f"ballonet {args.command}: error: the output was closed before all of it was written (broken pipe)",

@@ -43,7 +43,7 @@ def cmd_calibrate(args) -> int:
         return 0
     profile, raw = measured
     if args.json:
-        print(json.dumps({"profile": profile.to_dict(), "measurements": raw}, indent=1))
+        print(json.dumps({"profile": profile.to_dict(), "measurements": raw}, indent=1, allow_nan=False))
     else:
         _print_summary(profile, args.out)
     return 0

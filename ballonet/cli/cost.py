@@ -55,7 +55,7 @@ def cmd_cost(args) -> int:
         "breakeven_chunk_tokens": cost.breakeven_chunk_tokens,
     }
     if args.json:
-        print(json.dumps(report, indent=2))
+        print(json.dumps(report, indent=2, allow_nan=False))
         return 0
     att_share = cost.attention_time_s / (cost.attention_time_s + cost.linear_time_s)
     partial = cost.recompute in BELOW

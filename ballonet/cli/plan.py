@@ -104,7 +104,7 @@ def cmd_plan(args) -> int:
     if check is not None:
         report["schedule_check"] = check.to_dict()
     if args.json:
-        print(json.dumps(report, indent=2))
+        print(json.dumps(report, indent=2, allow_nan=False))
         return 0 if check is None or check.completes else 1
     rows = [[r["rank"], r["node"], r["gpu"], r["tokens_attention"], f"{r['attention_cost_s'] * 1e3:.3f}",
              r["tokens_linear"], f"{r['bytes_in'] / 2**20:.1f}", f"{r['bytes_out'] / 2**20:.1f}",

@@ -41,7 +41,7 @@ def cmd_prepare(args) -> int:
         task = bar.add_task("tokenizing", total=prepare.input_bytes(args.data))
         manifest = prepare.prepare(config, progress=lambda n: bar.advance(task, n))
     if args.json:
-        print(json.dumps({"out": args.out, **manifest}, indent=2))
+        print(json.dumps({"out": args.out, **manifest}, indent=2, allow_nan=False))
     else:
         print(f"{args.out}: {manifest['num_docs']} documents, {manifest['num_tokens']} tokens "
               f"({manifest['dtype']}, vocabulary {manifest['vocab_size']}) in {len(manifest['shards'])} shard(s)")

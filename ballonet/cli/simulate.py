@@ -106,7 +106,7 @@ def cmd_simulate(args) -> int:
     if args.json:
         print(json.dumps({"cluster": cluster.name, "num_gpus": cluster.num_ranks, "model": model.name,
                           "workload": args.workload, "tokens_per_gpu": args.tokens_per_gpu, "steps": args.steps,
-                          "seed": args.seed, "results": [r.to_dict() for r in rows]}, indent=2))
+                          "seed": args.seed, "results": [r.to_dict() for r in rows]}, indent=2, allow_nan=False))
         return 0
     table = [row_cells(r, ["step_time_s", "speedup_vs_te_cp", "mfu", "attention_imbalance", "exposed_comm_share",
                            "ratio_to_lower_bound"]) for r in rows]

@@ -19,14 +19,15 @@ def register(sub) -> None:
 
 
 def _strip_launch_flags(argv: list[str]) -> list[str]:
-    """The `train` arguments each torchrun rank gets: without --nproc / --max-restarts."""
+    """The `train` arguments each torchrun rank gets: without --nproc / --max-restarts /
+    --gpus-per-node (the launcher's)."""
     out, skip = [], False
     for a in argv:
         if skip:
             skip = False
-        elif a in ("--nproc", "--max-restarts"):
+        elif a in ("--nproc", "--max-restarts", "--gpus-per-node"):
             skip = True
-        elif not a.startswith(("--nproc=", "--max-restarts=")):
+        elif not a.startswith(("--nproc=", "--max-restarts=", "--gpus-per-node=")):
             out.append(a)
     return out
 

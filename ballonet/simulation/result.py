@@ -98,7 +98,7 @@ class SimResult:
             events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": thread}})
         with open(path, "w") as f:
             json.dump({"traceEvents": events, "displayTimeUnit": "ms",
-                       "metadata": {"planner": self.planner, "step_time_s": self.step_time_s}}, f)
+                       "metadata": {"planner": self.planner, "step_time_s": self.step_time_s}}, f, allow_nan=False)
 
 
 def _text(name) -> str:

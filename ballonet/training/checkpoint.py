@@ -17,7 +17,11 @@ one the run resumed from). A save killed at any point leaves `latest` naming a c
 checkpoint; stale `.tmp-*` folders are removed when the next run starts (`clean_stale`).
 With DCP's `async_save` the shards are staged to CPU memory and written by a background
 thread over a gloo group of their own, while training goes on; the steps after the
-writing (metadata, rename, `latest`) wait for it (`PendingSave.wait`).
+writing (metadata, rename, `latest`) follow at the first step boundary where every rank's
+part is written (`Checkpointer.poll`), so a save counts as soon as it is complete. A save
+that fails (a full disk: said so in words, whichever exception reported it) is one line,
+on every rank, at that boundary; its `.tmp-` folder is removed and `latest` still names
+the last complete checkpoint.
 
 Loading never executes code from the checkpoint, by construction (`safe_dcp.py`: DCP's
 `.metadata` read by torch's weights-only unpickler with DCP's classes as exact safe
@@ -31,6 +35,8 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import errno
+import functools
 import json
 import os
 import shutil
@@ -46,7 +52,8 @@ from ballonet import user_files
 from ballonet.errors import InputError
 from ballonet.training.config_file import RESOLVED
 from ballonet.training.safe_dcp import (
-    DCP_METADATA, SafeLoadPlanner, SafeReader, SafeWriter, fsync_path, last_line, read_safe_metadata, write_durably)
+    DCP_METADATA, SafeLoadPlanner, SafeReader, SafeWriter, check_tensors, expected_tensors, fsync_path, last_line,
+    read_safe_metadata, write_durably)
 
 LATEST = "latest"
 META = "ballonet.json"
@@ -98,12 +105,12 @@ def read_meta(path: str) -> dict:
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise InputError(f"{meta_path}: not a {FORMAT} checkpoint")
 
-    def count(where: str, value, least: int) -> None:
-        if type(value) is not int or value < least:
-            raise InputError(f"{meta_path}: field {where!r} must be an integer >= {least}, got {value!r}")
+    def count(where: str, value, least: int, most: int = MAX_COUNT) -> None:
+        if type(value) is not int or not least <= value <= most:
+            raise InputError(f"{meta_path}: field {where!r} must be an integer from {least} to {most}, got {value!r}")
 
     count("step", meta.get("step"), 1)
-    count("world_size", meta.get("world_size"), 1)
+    count("world_size", meta.get("world_size"), 1, MAX_WORLD)
     loader = meta.get("loader")
     if not isinstance(loader, dict):
         raise InputError(f"{meta_path}: field 'loader' must be an object, got {loader!r}")
@@ -112,6 +119,41 @@ def read_meta(path: str) -> dict:
     rng = meta.get("rng")
     if not isinstance(rng, list) or not all(isinstance(r, str) for r in rng):
         raise InputError(f"{meta_path}: field 'rng' must be a list of strings")
+    return meta
+
+
+MAX_COUNT = 2**53
+"""The largest step or loader position a `ballonet.json` may hold (exact in JSON)."""
+MAX_WORLD = 1 << 20
+
+
+def resume_path(folder: str, resume_from: str | None) -> str | None:
+    """The checkpoint a run resumes from: `resume_from` (a step of `folder`, or a
+    checkpoint's folder), or the one `latest` names (None if the folder holds none).
+    InputError naming what is missing."""
+    if resume_from is None:
+        return latest(folder)
+    if resume_from.isdigit():
+        if len(resume_from) > 16:
+            raise InputError(f"--resume-from {resume_from}: not a step")
+        path = os.path.join(folder, f"step-{int(resume_from):08d}")
+        if not os.path.isfile(os.path.join(path, META)):
+            steps = sorted(n for n in os.listdir(folder) if n.startswith("step-")) if os.path.isdir(folder) else []
+            raise InputError(f"--resume-from {resume_from}: {folder} holds no complete checkpoint of that step "
+                             f"(it holds {', '.join(steps) or 'none'})")
+        return path
+    if not os.path.isdir(resume_from) or not os.path.isfile(os.path.join(resume_from, META)):
+        raise InputError(f"--resume-from {resume_from}: not a step nor a checkpoint's folder (no {META})")
+    return resume_from
+
+
+def check_resumable(path: str, steps: int) -> dict:
+    """`read_meta` of the checkpoint a run resumes from, refusing one past the run's
+    `steps` (it would train nothing)."""
+    meta = read_meta(path)
+    if meta["step"] > steps:
+        raise InputError(f"{path}: the checkpoint is at step {meta['step']}, past --steps {steps}; give --steps "
+                         f"above {meta['step']} to train on from it")
     return meta
 
 
@@ -216,34 +258,53 @@ def save(folder: str, step: int, model, optimizer, loader_state: dict, rank: int
                 return os.path.join(folder, name)
 
         if async_group is not None:
-            return PendingSave(dcp.async_save(state, storage_writer=writer, process_group=async_group), finish)
+            future = dcp.async_save(state, storage_writer=writer, process_group=async_group)
+            return PendingSave(future, finish, functools.partial(_failing_save, folder, tmp, step, rank))
         dcp.save(state, storage_writer=writer, process_group=group, no_dist=group is None)
     return finish()
 
 
 @contextlib.contextmanager
 def _failing_save(folder: str, tmp: str, step: int, rank: int):
-    """OSError and DCP's failures of a save as one InputError line, its folder removed."""
+    """A save's failures (OSError, DCP's, torch's writer's "unexpected pos" on a full disk)
+    as one InputError line, its temporary folder removed."""
     try:
         yield
-    except (OSError, CheckpointException) as e:
+    except (OSError, RuntimeError, CheckpointException) as e:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise InputError(f"--checkpoint-dir {folder}: cannot write the checkpoint of step {step} "
-                         f"({last_line(e)})") from None
+                         f"({_reason(e, folder)}); the last complete checkpoint stays the latest") from None
+
+
+def _reason(e: BaseException, folder: str) -> str:
+    """Why a save failed, in words: a full disk says so whatever exception reported it."""
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        free = None
+    if getattr(e, "errno", None) == errno.ENOSPC or (free is not None and free < FULL_BYTES):
+        return f"the disk is full: No space left on device, {free if free is not None else 0} bytes free"
+    return last_line(e)
+
+
+FULL_BYTES = 1 << 20
+"""Free bytes under which a failed save is put down to a full disk."""
 
 
 class PendingSave:
     """A checkpoint being written in the background; `wait()` (collective) publishes it."""
 
-    def __init__(self, future, finish):
-        self._future, self._finish = future, finish
+    def __init__(self, future, finish, failing):
+        self._future, self._finish, self._failing = future, finish, failing
+
+    def done(self) -> bool:
+        """Whether this rank's part is written (or failed): `wait` would not block."""
+        return self._future.done()
 
     def wait(self) -> str:
-        try:
+        with self._failing():
             self._future.result()
-        except (OSError, CheckpointException) as e:
-            raise InputError(f"cannot write a checkpoint ({last_line(e)})") from None
         return self._finish()
 
 
@@ -251,7 +312,7 @@ def _publish(folder: str, name: str, tmp: str, meta: dict, keep: int, protect: s
     """Rank 0, every shard written: add the metadata, rename the folder into place, point
     `latest` at it, then prune."""
     final = os.path.join(folder, name)
-    write_durably(os.path.join(tmp, META), json.dumps(meta))
+    write_durably(os.path.join(tmp, META), json.dumps(meta, allow_nan=False))
     previous = latest(folder)
     if os.path.exists(final):  # a run restarted without --resume reached this step again
         if previous == final:
@@ -279,9 +340,10 @@ def load(path: str, model, optimizer, rank: int, group, device) -> dict:
     """Collective: restore model and optimizer shards from checkpoint `path` (any world
     size) and RNG (same world size); returns its metadata (step, loader state)."""
     meta = read_meta(path)
-    read_safe_metadata(os.path.join(path, DCP_METADATA), path)  # refused here in one line, before DCP logs it
+    metadata = read_safe_metadata(os.path.join(path, DCP_METADATA), path)  # refused here, before DCP logs it
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optimizer": optim_sd}
+    check_tensors(metadata, expected_tensors(state), path, scope=("model.", "optimizer."))
     try:
         with warnings.catch_warnings():  # torch.load's warning on a crafted item: the refusal says it
             warnings.filterwarnings("ignore", message="Detected pickle protocol")
@@ -303,8 +365,10 @@ def _barrier(group) -> None:
 
 class Checkpointer:
     """A run's saves into `folder`: the newest `keep` checkpoints stay (and `protect`, the
-    one the run resumed from); with `async_group` each save is written in the background,
-    published when the next one starts or at `close()` (collective, on every rank)."""
+    one the run resumed from). With `async_group` each save is written in the background
+    and published at the first `poll()` (the loop's, after each step) that finds every
+    rank's part written, or failed: a failure is reported there, on every rank together,
+    not at the next save; `close()` waits for the last one (all collective)."""
 
     def __init__(self, folder: str, rank: int, group, device, *, keep: int, protect: str | None = None,
                  async_group=None):
@@ -312,6 +376,11 @@ class Checkpointer:
         self.keep, self.protect, self.async_group = keep, protect, async_group
         self.last_step: int | None = None
         self._pending: PendingSave | None = None
+        # The ranks agree that a background save is done over a gloo group of their own: no
+        # device synchronisation, and not DCP's group, which its thread is using.
+        self._poll_group = None
+        if async_group is not None and group is not None:
+            self._poll_group = dist.new_group(dist.get_process_group_ranks(group), backend="gloo")
 
     def save(self, step: int, model, optimizer, loader_state: dict, meta: dict | None = None) -> None:
         self.close()
@@ -320,6 +389,16 @@ class Checkpointer:
         if isinstance(saved, PendingSave):
             self._pending = saved
         self.last_step = step
+
+    def poll(self) -> None:
+        """Collective while a save is pending: publish it if every rank's part is done."""
+        if self._pending is None:
+            return
+        done = torch.tensor([int(self._pending.done())], dtype=torch.int32)
+        if self._poll_group is not None:
+            dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self._poll_group)
+        if done.item():
+            self.close()
 
     def close(self) -> None:
         """Publish the save still being written, if any."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ballonet.errors import InputError
+from ballonet.training.config_file import read_config_file
 
 
 @dataclass(kw_only=True)
@@ -91,6 +92,9 @@ class TrainConfig:
     """Write checkpoints in the background (DCP's async_save): training goes on while the shards are written."""
     resume: bool = False
     """Continue from the last checkpoint in --checkpoint-dir."""
+    resume_from: str | None = None
+    """Continue from a chosen checkpoint: a step of --checkpoint-dir (its step-N folder) or a checkpoint folder's
+    path (implies --resume)."""
     eval_every: int = 0
     """Steps between evaluations of the held-out loss (0: never); the JSON log line of that step carries
     eval_loss."""
@@ -105,6 +109,11 @@ class TrainConfig:
     """Also log the step metrics to this TensorBoard folder (needs the `tb` extra)."""
     log_every: int = 1
     """Steps between printed log lines."""
+    profile_steps: str | None = None
+    """A:B: trace steps A to B (1-based, inclusive) with torch.profiler into a Chrome trace beside --json-log (or in
+    the working folder), rank 0."""
+    wandb: str | None = None
+    """Also log the step metrics to this Weights & Biases project (needs the `wandb` extra)."""
     # Read by the launcher (`ballonet train --nproc`), not by the loop:
     nproc: int | None = None
     """Launch this many ranks with torchrun (otherwise: one process, or torchrun's ranks)."""
@@ -123,32 +132,87 @@ class TrainConfig:
                      "eval_every"):
             if not getattr(self, name) >= 0:  # NaN included
                 raise InputError(f"{_flag(name)} must be >= 0, got {getattr(self, name)}")
+        for f in dataclasses.fields(self):
+            name, value = f.name, getattr(self, f.name)
+            if type(value) is int and value > MAX_INT:
+                raise InputError(f"{_flag(name)} must be at most {MAX_INT}, got {value}")
         for name in ("lr", "weight_decay", "timeout_minutes", "min_lr", "max_grad_norm"):
             if getattr(self, name) is not None and not math.isfinite(getattr(self, name)):
                 raise InputError(f"{_flag(name)} must be a finite number, got {getattr(self, name)}")
         for name, choices in _choices().items():
             if getattr(self, name) not in choices:
                 raise InputError(f"{_flag(name)} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
-        if self.recompute_layers is not None and self.recompute not in ("selective", "linear"):
-            raise InputError("--recompute-layers needs --recompute selective or linear")
-        if self.no_double and self.planner != "zeppelin":
-            raise InputError(f"--no-double needs --planner zeppelin, got {self.planner!r}")
-        if self.checkpoint_every and not self.checkpoint_dir:
-            raise InputError("--checkpoint-every needs --checkpoint-dir")
-        if self.resume and not self.checkpoint_dir:
-            raise InputError("--resume needs --checkpoint-dir")
+        if not 0 < self.timeout_minutes <= MAX_TIMEOUT_MINUTES:
+            raise InputError(f"--timeout-minutes must be positive and at most {MAX_TIMEOUT_MINUTES} (a year), "
+                             f"got {self.timeout_minutes}")
         if not self.lr > 0:
             raise InputError(f"--lr must be positive, got {self.lr}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise InputError(f"--max-grad-norm must be positive, got {self.max_grad_norm}")
-        if self.min_lr and self.lr_decay == "constant":
-            raise InputError("--min-lr needs --lr-decay linear or cosine")
         if self.min_lr > self.lr:
             raise InputError(f"--min-lr {self.min_lr} is above --lr {self.lr}")
-        if (self.eval_corpus or self.eval_tokens) and not self.eval_every:
-            raise InputError(f"{'--eval-corpus' if self.eval_corpus else '--eval-tokens'} needs --eval-every")
-        if not self.timeout_minutes > 0:
-            raise InputError(f"--timeout-minutes must be positive, got {self.timeout_minutes}")
+        if self.resume_from is not None:
+            self.resume = True
+        self._check_pairs()
+        self.profile_range()
+
+    def _check_pairs(self) -> None:
+        """Options that do nothing alone, or nothing within the run's --steps."""
+        needs = [(self.recompute_layers is not None and self.recompute not in ("selective", "linear"),
+                  "--recompute-layers needs --recompute selective or linear"),
+                 (self.no_double and self.planner != "zeppelin", f"--no-double needs --planner zeppelin, got "
+                                                                 f"{self.planner!r}"),
+                 (bool(self.min_lr) and self.lr_decay == "constant", "--min-lr needs --lr-decay linear or cosine")]
+        for name in ("checkpoint_every", "async_checkpoint"):
+            needs.append((bool(getattr(self, name)) and not self.checkpoint_dir, f"{_flag(name)} needs --checkpoint-dir"))
+        needs.append((self.resume and self.resume_from is None and not self.checkpoint_dir,
+                      "--resume needs --checkpoint-dir"))
+        needs.append((self.resume_from is not None and self.resume_from.isdigit() and not self.checkpoint_dir,
+                      f"--resume-from {self.resume_from} (a step) needs --checkpoint-dir"))
+        for name in ("gpus_per_node", "max_restarts"):
+            needs.append((bool(getattr(self, name)) and self.nproc is None, f"{_flag(name)} needs --nproc"))
+        for name in ("eval_corpus", "eval_tokens"):
+            needs.append((bool(getattr(self, name)) and not self.eval_every, f"{_flag(name)} needs --eval-every"))
+        needs += [(self.warmup_steps > self.steps, f"--warmup-steps {self.warmup_steps} is over --steps {self.steps}"),
+                  (self.eval_every > self.steps, f"--eval-every {self.eval_every} is over --steps {self.steps}: "
+                                                 "no evaluation would run"),
+                  (self.checkpoint_every > self.steps, f"--checkpoint-every {self.checkpoint_every} is over --steps "
+                                                       f"{self.steps} (the last step is saved anyway)")]
+        for wrong, message in needs:
+            if wrong:
+                raise InputError(message)
+
+    def profile_range(self) -> tuple[int, int] | None:
+        """--profile-steps A:B as (A, B), checked: 1 <= A <= B <= --steps."""
+        if self.profile_steps is None:
+            return None
+        parts = self.profile_steps.split(":")
+        if len(parts) != 2 or not all(p.strip().isdigit() and len(p.strip()) < 19 for p in parts):
+            raise InputError(f"--profile-steps must be A:B (steps, e.g. 3:5), got {self.profile_steps!r}")
+        first, last = int(parts[0]), int(parts[1])
+        if not 1 <= first <= last <= self.steps:
+            raise InputError(f"--profile-steps {self.profile_steps}: needs 1 <= A <= B <= --steps {self.steps}")
+        return first, last
+
+
+PER_PROCESS = ("nproc", "max_restarts", "gpus_per_node", "timeout_minutes", "json_log", "tensorboard", "wandb",
+               "log_every", "profile_steps")
+"""Fields that change no rank's work: the launcher's, and rank 0's logging. Every other
+field, resolved, is compared across the ranks before the first step (`preflight.agree`)."""
+MAY_CHANGE_ON_RESUME = PER_PROCESS + ("steps", "resume", "resume_from", "checkpoint_every", "keep_checkpoints",
+                                      "async_checkpoint", "eval_every")
+"""Fields a resumed run may set anew and still be the same run (its JSON log goes on)."""
+
+
+def run_fields(config: TrainConfig, leave_out: tuple[str, ...]) -> dict:
+    """{field: value} of `config` but `leave_out`, in declaration order."""
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name not in leave_out}
+
+
+MAX_INT = 2**53
+"""The largest integer a field takes (what a JSON reader holds exactly; past it a count
+is a mistake, and torch's seeds, timedeltas and counters overflow)."""
+MAX_TIMEOUT_MINUTES = 525_600.0
 
 
 def _flag(name: str) -> str:
@@ -200,9 +264,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def config_from_args(args) -> TrainConfig:
     """The run's config: each field's default, overridden by `--config FILE`'s values,
     overridden by the flags given."""
-    from ballonet.training.config_file import read_config_file
-
     names = {f.name for f in dataclasses.fields(TrainConfig)}
-    values = read_config_file(args.config) if getattr(args, "config", None) else {}
+    values = read_config_file(args.config, TrainConfig) if getattr(args, "config", None) else {}
     values.update({k: v for k, v in vars(args).items() if k in names})
     return TrainConfig(**values)

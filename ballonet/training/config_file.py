@@ -3,7 +3,8 @@
 The file holds any `TrainConfig` field by its name (`global_tokens = 8192`,
 `lr_decay = "cosine"`; a dashed name as the flag spells it works too); unset fields keep
 their defaults and the flags given on the command line override the file
-(`config.config_from_args`). A run with `--checkpoint-dir` writes its resolved config
+(`config.config_from_args`, which imports this module: this one knows no TrainConfig).
+A run with `--checkpoint-dir` writes its resolved config
 there as `config.toml` (`write_resolved`), which `--config` reads back as it was.
 No torch import.
 """
@@ -19,7 +20,6 @@ from typing import Literal
 from ballonet.errors import InputError
 from ballonet.paths import write_atomic
 from ballonet.specs import load_toml
-from ballonet.training.config import TrainConfig
 
 RESOLVED = "config.toml"
 """The resolved config's name in a checkpoint folder."""
@@ -36,11 +36,12 @@ def _expected(hint) -> tuple[type, ...]:
     return (int, float) if float in types else types
 
 
-def read_config_file(path: str) -> dict:
-    """{field: value} of a config file, each value checked against its field's type; one
-    line naming the file and the key on anything else."""
+def read_config_file(path: str, config_class: type) -> dict:
+    """{field: value} of a config file for the dataclass `config_class` (`TrainConfig`),
+    each value checked against its field's type; one line naming the file and the key on
+    anything else."""
     data = load_toml(path, "config file")
-    hints = typing.get_type_hints(TrainConfig)
+    hints = typing.get_type_hints(config_class)
     values = {}
     for key, value in data.items():
         name = key.replace("-", "_")
@@ -65,7 +66,7 @@ def _toml_value(value) -> str:
     return json.dumps(value)  # a JSON string is a TOML basic string
 
 
-def to_toml(config: TrainConfig) -> str:
+def to_toml(config) -> str:
     """Every field that is set, one `name = value` line each (unset fields are left out:
     TOML has no null, and their default is unset)."""
     lines = ["# The resolved config of a ballonet train run; `ballonet train --config` reads it back."]
@@ -76,7 +77,7 @@ def to_toml(config: TrainConfig) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_resolved(config: TrainConfig, folder: str) -> str:
+def write_resolved(config, folder: str) -> str:
     """Write `config` to `folder/config.toml` (whole or not at all); returns its path."""
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, RESOLVED)

@@ -15,19 +15,16 @@ weights are written with safetensors.
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ballonet.errors import InputError
-from ballonet.paths import write_atomic
 from ballonet.specs import ModelSpec
-from ballonet.training import checkpoint, safe_dcp
-from ballonet.training.model import NORM_EPS, ROPE_THETA
+from ballonet.training import checkpoint, export_folder as output, safe_dcp
+from ballonet.training.model import NORM_EPS, ROPE_THETA, Transformer
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
@@ -56,16 +53,73 @@ def step_folder(path: str) -> str:
     return found
 
 
-def read_model_state(path: str) -> dict[str, torch.Tensor]:
+MAX_DIM = 1 << 24
+"""The largest dimension (vocabulary, hidden size, layers, ...) a recorded model may have."""
+
+
+def _built_in_spec(model: dict, where: str) -> ModelSpec:
+    """The built-in model `ballonet.json` records, each field an integer in range."""
+    fields = ("num_layers", "hidden", "num_heads", "num_kv_heads", "ffn_hidden", "vocab_size",
+              "max_position_embeddings")
+    for f in fields:
+        value = model.get(f)
+        if type(value) is not int or not 1 <= value <= MAX_DIM:
+            raise InputError(f"{where}: field 'model.{f}' must be an integer from 1 to {MAX_DIM}, got {value!r}")
+    name = model.get("name")
+    if not isinstance(name, str) or not name or len(name) > 200:
+        raise InputError(f"{where}: field 'model.name' must be a model's name, got {name!r}")
+    try:
+        return ModelSpec(name=name, **{f: model[f] for f in fields[:-1]})
+    except InputError as e:
+        raise InputError(f"{where}: field 'model': {e}") from None
+
+
+def _hf_config(model: dict, where: str):
+    """The transformers config of a Hugging Face model `ballonet.json` records (its
+    `model_type` one transformers knows: no code from anywhere)."""
+    from transformers import AutoConfig
+
+    config = model.get("config")
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        raise InputError(f"{where}: field 'model.config' must be a config.json object with a model_type")
+    rest = {k: v for k, v in config.items() if k not in ("model_type", "auto_map")}
+    try:
+        return AutoConfig.for_model(config["model_type"], **rest)
+    except Exception as e:  # noqa: BLE001 - transformers' configs refuse with many exception types
+        raise InputError(f"{where}: field 'model.config': transformers cannot build it ({_last_line(e)})") from None
+
+
+def model_tensors(model: dict, where: str) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """{name: (size, dtype)} of the model `ballonet.json` records, as the checkpoint names
+    its tensors ("model." + the parameter's name), from the model built on the meta device
+    (nothing allocated)."""
+    try:
+        with torch.device("meta"):
+            if model["kind"] == "ballonet":
+                built = Transformer(_built_in_spec(model, where))
+            else:
+                from transformers import AutoModelForCausalLM
+
+                built = AutoModelForCausalLM.from_config(_hf_config(model, where), trust_remote_code=False)
+    except InputError:
+        raise
+    except Exception as e:  # noqa: BLE001 - an HF model class refusing its config
+        raise InputError(f"{where}: field 'model': cannot build the recorded model ({_last_line(e)})") from None
+    return {f"model.{name}": (t.shape, t.dtype) for name, t in built.state_dict().items()}
+
+
+def read_model_state(path: str, model: dict) -> dict[str, torch.Tensor]:
     """The model's full (unsharded) tensors of checkpoint `path`, by parameter name; one
-    process, any world size the checkpoint was saved on."""
+    process, any world size the checkpoint was saved on. Every tensor is checked against
+    the model `model` (`ballonet.json`'s record: `model_tensors`) before any is allocated."""
     metadata = safe_dcp.read_safe_metadata(os.path.join(path, safe_dcp.DCP_METADATA), path)  # weights-only
     prefix = "model."
-    shapes = {key[len(prefix):]: item for key, item in metadata.state_dict_metadata.items()
-              if key.startswith(prefix) and isinstance(item, TensorStorageMetadata)}
-    if not shapes:
-        raise InputError(f"{path}: the checkpoint holds no model tensors")
-    state = {name: torch.empty(item.size, dtype=item.properties.dtype) for name, item in shapes.items()}
+    expected = model_tensors(model, os.path.join(path, checkpoint.META))
+    tied = f"{prefix}lm_head.weight"
+    if model["kind"] == "hf" and tied not in metadata.state_dict_metadata:
+        expected.pop(tied, None)  # a tied head, not stored (the embedding's)
+    safe_dcp.check_tensors(metadata, expected, path, scope=(prefix,))
+    state = {name[len(prefix):]: torch.empty(size, dtype=dtype) for name, (size, dtype) in expected.items()}
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
@@ -115,41 +169,43 @@ def llama_config(model: dict) -> dict:
     return config.to_dict()
 
 
-def export(checkpoint_path: str, out: str) -> dict:
-    """Write `out/config.json` and `out/model.safetensors` from the checkpoint at
-    `checkpoint_path` (`step_folder`); returns a summary (step, kind, parameters)."""
+def export(checkpoint_path: str, out: str, *, overwrite: bool = False, tokenizer: str | None = None) -> dict:
+    """Write `out/config.json`, `out/model.safetensors`, `out/generation_config.json` and
+    the tokenizer's files (`tokenizer`, or those of the corpus the run trained on:
+    `tokenizer_files`) from the checkpoint at `checkpoint_path` (`step_folder`), all at
+    once (`output.replace_folder`); returns a summary (step, kind, parameters, files)."""
     try:
         from safetensors.torch import save_file
         import transformers  # noqa: F401 - the config's class
     except ImportError:
         raise InputError("ballonet export needs transformers and safetensors: pip install 'ballonet[hf]'") from None
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise InputError(f"--out {out}: is a file; give a folder")
+    output.check_out(out, overwrite)
     path = step_folder(checkpoint_path)
     meta = checkpoint.read_meta(path)
     model = meta.get("model")
     if not isinstance(model, dict) or model.get("kind") not in ("ballonet", "hf"):
         raise InputError(f"{os.path.join(path, checkpoint.META)}: records no model (a checkpoint written before "
                          "export existed); train on from it with --resume to write one that does")
-    state = read_model_state(path)
+    sources = output.tokenizer_files(tokenizer, path)
+    state = read_model_state(path, model)
     if model["kind"] == "ballonet":
         config, tensors = llama_config(model), {llama_name(n): t for n, t in state.items()}
     else:
         config, tensors = dict(model["config"]), dict(state)
+        config.pop("auto_map", None)  # never code from anywhere
         if config.get("tie_word_embeddings") and "lm_head.weight" in tensors:
             del tensors["lm_head.weight"]  # the embedding's, tied again on loading
-    os.makedirs(out, exist_ok=True)
     contiguous = {name: t.contiguous() for name, t in sorted(tensors.items())}
-    write_atomic(os.path.join(out, WEIGHTS), lambda tmp: save_file(contiguous, tmp, metadata={"format": "pt"}))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(os.path.join(out, WEIGHTS), 0o666 & ~umask)  # safetensors creates its file private
 
-    def write_config(tmp: str) -> None:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(config, f, indent=2, sort_keys=True)
+    def write(folder: str) -> None:
+        save_file(contiguous, os.path.join(folder, WEIGHTS), metadata={"format": "pt"})
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(os.path.join(folder, WEIGHTS), 0o666 & ~umask)  # safetensors creates its file private
+        output.write_json(os.path.join(folder, CONFIG), config)
+        output.write_json(os.path.join(folder, output.GENERATION), output.generation_config(config))
+        output.copy_tokenizer(sources, folder, config)
 
-    write_atomic(os.path.join(out, CONFIG), write_config)
+    written = output.replace_folder(out, write, {"checkpoint": os.path.abspath(path), "step": meta.get("step")})
     return {"checkpoint": path, "step": meta.get("step"), "kind": model["kind"], "out": out,
-            "num_parameters": sum(t.numel() for t in tensors.values())}
-
+            "num_parameters": sum(t.numel() for t in tensors.values()), "files": written}

@@ -45,7 +45,7 @@ from ballonet.training.config import TrainConfig
 from ballonet.training.corpus import Corpus
 from ballonet.training.loader import BalancedLoader, Cursor, document_order, take_pieces
 from ballonet.training.model import build_model
-from ballonet.training.preflight import preflight
+from ballonet.training.preflight import agree, preflight
 
 
 class RankFailure(InputError):
@@ -167,6 +167,7 @@ def _run(config: TrainConfig, group, use_cuda: bool):
     torch.manual_seed(config.seed)
 
     cluster, spec, corpus = preflight(config, world_size)
+    agree(config, group, device)  # every rank runs with the same settings, or all fail here
     corpus, eval_corpus = evaluation.split_corpora(config, corpus)
     # A plan rank is a TP group of `tp` consecutive ranks; the plan's traffic runs over the
     # plan ranks of this rank's TP index (`Groups.plan`).
@@ -198,7 +199,7 @@ def _run(config: TrainConfig, group, use_cuda: bool):
         checkpoint.clean_stale(config.checkpoint_dir)
         config_file.write_resolved(config, config.checkpoint_dir)
     dist.barrier(group)
-    found = checkpoint.latest(config.checkpoint_dir) if config.resume and config.checkpoint_dir else None
+    found = checkpoint.resume_path(config.checkpoint_dir or "", config.resume_from) if config.resume else None
     if found:
         meta = checkpoint.load(found, model, optimizer, rank, group, device)
         try:
@@ -213,12 +214,7 @@ def _run(config: TrainConfig, group, use_cuda: bool):
     saver = _checkpointer(config, rank, group, device, found, world_size)
     hf_config = hf_model.config_dict(config.model) if hf_model.is_hf(config.model) else None
     model_meta = {"model": export.model_meta(spec, hf_config, config.max_doc_tokens or config.global_tokens)}
-    if rank == 0 and config.json_log:
-        if step:
-            logs.trim(config.json_log, step)
-        elif os.path.exists(config.json_log):
-            os.remove(config.json_log)
-    writer = logs.tensorboard_writer(config.tensorboard) if config.tensorboard and rank == 0 else None
+    writer = logs.StepLog(config, step) if rank == 0 else None
     peak = metrics.peak_flops(cluster, config.calibration)
 
     records = []
@@ -247,6 +243,8 @@ def _run(config: TrainConfig, group, use_cuda: bool):
             logs.write(config, record, writer)
         if saver and config.checkpoint_every and step % config.checkpoint_every == 0:
             saver.save(step, model, optimizer, loader.state_dict(), model_meta)
+        elif saver:
+            saver.poll()  # a background save is published as soon as every rank has written it
     if saver and records and saver.last_step != step:  # the final step, always
         saver.save(step, model, optimizer, loader.state_dict(), model_meta)
     if saver:

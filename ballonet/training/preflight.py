@@ -2,18 +2,25 @@
 (`preflight`): the topology, the model and its memory budget, the corpus and its
 vocabulary, the evaluation set, the checkpoint folder, the planner and the calibration
 profile. Bad input is one InputError line, raised on the launcher before torchrun starts
-(`ballonet train --nproc`) and again on every rank."""
+(`ballonet train --nproc`) and again on every rank. Then, on the ranks, before the first
+step, `agree`: every rank runs with the same settings (ranks started by hand with another
+`--lr` trained on, each its own model)."""
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
+
+import torch
+import torch.distributed as dist
 
 import ballonet
 from ballonet.errors import InputError
 from ballonet.integrations import hf_model
 from ballonet.training import checkpoint, evaluation, logs, metrics, parallel, tensor_parallel
-from ballonet.training.config import TrainConfig
+from ballonet.training.config import PER_PROCESS, TrainConfig, run_fields
 from ballonet.training.corpus import load_corpus
 
 
@@ -35,10 +42,10 @@ def _check_paths(config: TrainConfig) -> None:
             raise InputError(f"--json-log {config.json_log}: folder {parent} does not exist")
     if config.checkpoint_dir and os.path.exists(config.checkpoint_dir) and not os.path.isdir(config.checkpoint_dir):
         raise InputError(f"--checkpoint-dir {config.checkpoint_dir}: is a file, not a folder")
-    if config.resume and config.checkpoint_dir:
-        path = checkpoint.latest(config.checkpoint_dir)  # a foreign folder or dangling pointer fails here
+    if config.resume:  # a foreign folder, a dangling pointer or a step past --steps fails here
+        path = checkpoint.resume_path(config.checkpoint_dir or "", config.resume_from)
         if path:
-            checkpoint.read_meta(path)
+            checkpoint.check_resumable(path, config.steps)
 
 
 def preflight(config: TrainConfig, world_size: int):
@@ -71,8 +78,7 @@ def preflight(config: TrainConfig, world_size: int):
     metrics.check_budget(spec, cluster, config.global_tokens, world_size, config.shard)
     if config.checkpoint_dir:  # the last step is saved whatever --checkpoint-every
         checkpoint.check_folder(config.checkpoint_dir, spec.num_params, config.keep_checkpoints)
-    if config.tensorboard:
-        logs.tensorboard_writer(None)
+    logs.check_outputs(config)  # the JSON log is this run's, the optional loggers installed
     corpus = load_corpus(config.corpus, seed=config.seed)
     if corpus.vocab_size > spec.vocab_size:
         fix = ("a model whose config.json has a larger vocab_size" if is_hf else
@@ -102,3 +108,26 @@ def _check_tp(config: TrainConfig, world_size: int, spec: ballonet.ModelSpec) ->
         raise InputError(f"--tp {config.tp} does not divide the {per_node} ranks of a node (--nodes {config.nodes}): "
                          "a tensor-parallel group must sit inside one node")
     tensor_parallel.check_heads(spec.name, spec.num_heads, spec.num_kv_heads, config.tp)
+
+
+def agree(config: TrainConfig, group, device: torch.device) -> None:
+    """Collective, before the first step: every rank of `group` resolved the same settings
+    (each `TrainConfig` field but `PER_PROCESS`: the learning rate and its schedule,
+    clipping, accumulation, dtype, recomputation, seed, data, model, planner, ...). One
+    all_gather of a digest per field; every rank decides from the same rows, so ranks that
+    disagree fail together, each with the same one line naming the fields."""
+    fields = run_fields(config, PER_PROCESS)
+    words = [int.from_bytes(hashlib.blake2b(json.dumps(v).encode(), digest_size=8).digest(), "little", signed=True)
+             for v in fields.values()]
+    mine = torch.tensor(words, dtype=torch.int64, device=device)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, mine, group=group)
+    rows = torch.stack(everyone).cpu()
+    differ = [i for i in range(len(words)) if bool((rows[:, i] != rows[0, i]).any())]
+    if differ:
+        names = list(fields)
+        column = rows[:, differ[0]].tolist()
+        sets = sorted({tuple(r for r, v in enumerate(column) if v == value) for value in column})
+        raise InputError(f"ranks disagree on the run's settings: {', '.join('--' + names[i].replace('_', '-') for i in differ)} "
+                         f"(ranks {' | '.join(str(list(s)) for s in sets)} were started with different values); start "
+                         "every rank with the same flags")

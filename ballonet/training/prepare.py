@@ -300,7 +300,7 @@ def _write_folder(folder: Path, config: PrepareConfig, encoder: Encoder, progres
         "shards": [{"file": shard_name(i), "num_tokens": n} for i, n in enumerate(writer.shard_sizes)],
         "sources": [p.relative_to(root).as_posix() if root.is_dir() else str(p) for p in list_sources(config.data)],
     }
-    (folder / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=1, allow_nan=False) + "\n")
     return manifest
 
 

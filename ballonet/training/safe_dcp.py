@@ -12,6 +12,7 @@ else; every storage item must lie inside a plain file of the checkpoint folder
 from __future__ import annotations
 
 import io
+import math
 import os
 import pathlib
 import pickle
@@ -38,6 +39,19 @@ SAFE_GLOBALS = (
 """What DCP's metadata holds besides torch's weights-only defaults (tensors' sizes, dtypes,
 layouts): its dataclasses, the memory-format enum, the storage record of each item, and the
 checkpoint's path."""
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32)
+"""The dtypes a checkpoint's tensor may have (weights and AdamW's states; never a quantised,
+complex or bool tensor)."""
+GLOBALS = frozenset({f"{c.__module__} {c.__qualname__}" for c in SAFE_GLOBALS}
+                    | {"torch Size", "torch.serialization _get_layout", "collections OrderedDict"}
+                    | {f"torch {str(d).removeprefix('torch.')}" for d in DTYPES})
+"""Every global a `.metadata` Ballonet writes names ("module name", pickle's GLOBAL opcode),
+checked on the opcodes before anything is unpickled: no other callable (`bytearray(3e9)`,
+which torch's weights-only unpickler allows, included) is ever called."""
+_REFUSED_OPS = frozenset({"STACK_GLOBAL", "INST", "OBJ", "EXT1", "EXT2", "EXT4", "PERSID", "BINPERSID"})
+"""Opcodes that name a callable other than by GLOBAL (protocol 2 writes none of them)."""
+MAX_DIMS = 8
+MAX_ELEMENTS = 1 << 40
 
 
 def _metadata_error(path, reason: str) -> InputError:
@@ -52,7 +66,7 @@ def read_safe_metadata(path, folder) -> dcp_metadata.Metadata:
     data = user_files.read_bytes(path, "metadata", folder, what="a checkpoint's metadata")
     if data[:2] != bytes([pickle.PROTO[0], METADATA_PROTOCOL]):
         raise _metadata_error(path, f"not pickle protocol {METADATA_PROTOCOL}, the only one Ballonet writes and reads")
-    _check_globals(data, path)
+    _check_opcodes(data, path)
     try:
         with torch.serialization.safe_globals(list(SAFE_GLOBALS)):
             metadata = _weights_only_unpickler.load(io.BytesIO(data), encoding="utf-8")
@@ -64,27 +78,94 @@ def read_safe_metadata(path, folder) -> dcp_metadata.Metadata:
     return metadata
 
 
-_OPCODES_REFUSED = frozenset({"STACK_GLOBAL", "INST", "OBJ", "EXT1", "EXT2", "EXT4", "PERSID", "BINPERSID"})
-
-
-def _check_globals(data: bytes, path) -> None:
-    """Every global the pickle names is one DCP's metadata holds (`SAFE_GLOBALS`, torch's
-    dtypes, `torch.Size`, the layout getter), checked by reading its opcodes, before
-    anything is unpickled: torch's weights-only defaults (`bytearray`, for one, which a
-    40-byte file can ask for 3 GB of) are never called."""
-    allowed = {f"{g.__module__} {g.__qualname__}" for g in (*SAFE_GLOBALS, torch.Size,
-                                                              torch.serialization._get_layout)}
+def _check_opcodes(data: bytes, path) -> None:
+    """Walk the pickle's opcodes without running any: every global one of `GLOBALS`."""
     try:
         for op, arg, _ in pickletools.genops(data):
-            if op.name in _OPCODES_REFUSED:
-                raise _metadata_error(path, f"opcode {op.name}, which DCP's metadata never holds")
-            if op.name == "GLOBAL" and arg not in allowed and not (
-                    arg.startswith("torch ") and isinstance(getattr(torch, arg[6:], None), torch.dtype)):
-                raise _metadata_error(path, f"global {arg.replace(' ', '.')!r} is not one DCP's metadata holds")
-    except InputError:
-        raise
-    except ValueError as e:  # a malformed pickle
-        raise _metadata_error(path, str(e)[:200]) from None
+            if op.name in _REFUSED_OPS or (op.name == "GLOBAL" and arg not in GLOBALS):
+                raise _metadata_error(path, f"calls {arg or op.name!r}, which no checkpoint's metadata holds")
+    except (ValueError, EOFError) as e:  # genops on a torn or malformed pickle
+        raise _metadata_error(path, f"malformed pickle ({e})") from None
+
+
+def check_tensors(metadata: dcp_metadata.Metadata, expected: dict[str, tuple[torch.Size, torch.dtype]], path,
+                  scope: tuple[str, ...]) -> None:
+    """Before anything is allocated: every tensor item of `metadata` is well formed (a
+    dtype of `DTYPES`, integer sizes, chunks inside it covering each element exactly once,
+    each chunk's bytes stored), and the items under the prefixes `scope` are exactly
+    `expected` ({flattened name: (size, dtype)}, the state the run builds), sizes and
+    dtypes equal. InputError naming `path` and the item otherwise."""
+    items = metadata.state_dict_metadata
+    if not isinstance(items, dict):
+        raise _metadata_error(path, "no table of items")
+    for fqn, item in items.items():
+        if not isinstance(fqn, str):
+            raise _metadata_error(path, f"an item named {fqn!r}")
+        if type(item) is dcp_metadata.TensorStorageMetadata:
+            _check_tensor(fqn, item, metadata.storage_data, path)
+        elif type(item) is dcp_metadata.BytesStorageMetadata:
+            if dcp_metadata.MetadataIndex(fqn) not in metadata.storage_data:
+                raise _metadata_error(path, f"item {fqn!r} has no stored bytes")
+        else:
+            raise _metadata_error(path, f"item {fqn!r} of type {type(item).__name__}")
+    for fqn, (size, dtype) in expected.items():
+        item = items.get(fqn)
+        if type(item) is not dcp_metadata.TensorStorageMetadata:
+            raise InputError(f"{path}: the checkpoint has no tensor {fqn!r}, which this model has (a checkpoint of "
+                             "another model?)")
+        if tuple(item.size) != tuple(size) or item.properties.dtype != dtype:
+            raise InputError(f"{path}: tensor {fqn!r} is {item.properties.dtype} {list(item.size)} in the checkpoint, "
+                             f"{dtype} {list(size)} in this model (a checkpoint of another model?)")
+    for fqn, item in items.items():
+        if fqn.startswith(scope) and fqn not in expected and type(item) is dcp_metadata.TensorStorageMetadata:
+            raise InputError(f"{path}: the checkpoint holds tensor {fqn!r}, which this model has not (a checkpoint "
+                             "of another model?)")
+
+
+def expected_tensors(state_dict: dict) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """{flattened name, as DCP's metadata names it: (global size, dtype)} of every tensor
+    (DTensors included) of a state dict."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    flat, _ = flatten_state_dict(state_dict)
+    return {fqn: (t.shape, t.dtype) for fqn, t in flat.items() if isinstance(t, torch.Tensor)}
+
+
+def _ints(value, ndim: int) -> bool:
+    return isinstance(value, tuple) and len(value) == ndim and all(type(v) is int for v in value)
+
+
+def _check_tensor(fqn: str, item, storage: dict, path) -> None:
+    properties, size, chunks = item.properties, item.size, item.chunks
+    dtype = getattr(properties, "dtype", None)
+    if type(properties) is not dcp_metadata.TensorProperties or dtype not in DTYPES:
+        raise _metadata_error(path, f"tensor {fqn!r} has dtype {dtype!r}, not one of "
+                                    f"{', '.join(str(d) for d in DTYPES)}")
+    if not isinstance(size, tuple) or len(size) > MAX_DIMS or not _ints(size, len(size)) or min(size, default=0) < 0 \
+            or math.prod(size) > MAX_ELEMENTS:
+        raise _metadata_error(path, f"tensor {fqn!r} has size {size!r}")
+    if not isinstance(chunks, list) or not chunks:
+        raise _metadata_error(path, f"tensor {fqn!r} has no chunks (its values are stored nowhere)")
+    boxes, total = [], 0
+    for chunk in chunks:
+        if (type(chunk) is not dcp_metadata.ChunkStorageMetadata or not _ints(chunk.offsets, len(size))
+                or not _ints(chunk.sizes, len(size))
+                or any(o < 0 or n < 0 or o + n > s for o, n, s in zip(chunk.offsets, chunk.sizes, size))):
+            raise _metadata_error(path, f"tensor {fqn!r} has a chunk outside its size {list(size)}")
+        volume = math.prod(chunk.sizes)
+        if volume:
+            stored = storage.get(dcp_metadata.MetadataIndex(fqn, torch.Size(chunk.offsets)))
+            if stored is None or stored.length < volume * dtype.itemsize:
+                raise _metadata_error(path, f"tensor {fqn!r}: a chunk at {list(chunk.offsets)} has "
+                                            f"{'no' if stored is None else 'too few'} stored bytes")
+            boxes.append((chunk.offsets, chunk.sizes))
+        total += volume
+    for i, (a_off, a_size) in enumerate(boxes):
+        for b_off, b_size in boxes[i + 1:]:
+            if all(ao < bo + bs and bo < ao + az for ao, az, bo, bs in zip(a_off, a_size, b_off, b_size)):
+                raise _metadata_error(path, f"tensor {fqn!r} has overlapping chunks")
+    if total != math.prod(size):
+        raise _metadata_error(path, f"tensor {fqn!r}: its chunks hold {total} of its {math.prod(size)} elements")
 
 
 def _check_storage(storage: dict, path, folder) -> None:
