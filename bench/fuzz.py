@@ -159,7 +159,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="sweep the ballonet of this source tree (e.g. an older commit's, to see the cases fail there)")
     p.add_argument("--issue-33-only", action="store_true", help="sweep issue 33's classes only")
     p.add_argument("--issue-47-only", action="store_true", help="sweep issue 47's classes only")
-    p.add_argument("--only", default=None, help="sweep only the cases whose name holds this text")
+    p.add_argument("--only", action="append", default=None,
+                   help="rerun only the cases whose name holds this text (repeatable); their rows replace those "
+                        "of the last run, the rest are kept, and the stamp says so")
     p.add_argument("--no-sweep", action="store_true", help="keep the sweep of the last run (in OUT.json)")
     p.add_argument("--no-planners", action="store_true", help="keep the planner fuzz of the last run (in OUT.json)")
     p.add_argument("--out", default=os.path.join(HERE, "results", "fuzz"), help="OUT.md and OUT.json")
@@ -176,9 +178,14 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_sweep:
         start = time.perf_counter()
         cases = ISSUE_33 if args.issue_33_only else ISSUE_47 if args.issue_47_only else SWEEP + ISSUE_47
-        cases = [c for c in cases if args.only is None or args.only in c.name]
+        cases = [c for c in cases if args.only is None or any(text in c.name for text in args.only)]
         rows = sweep(cases, args.sweep_timeout, os.path.abspath(args.source) if args.source else sweep_module.ROOT)
-        results["sweep"] = {"rows": rows, "stamp": _stamp(cmd, time.perf_counter() - start), "source": args.source}
+        stamp = _stamp(cmd, time.perf_counter() - start)
+        if args.only and "sweep" in results:
+            rerun = {r["name"]: r for r in rows}
+            rows = [rerun.pop(r["name"], r) for r in results["sweep"]["rows"]] + list(rerun.values())
+            stamp = f"{results['sweep']['stamp']} Then {len(cases)} cases rerun: {stamp}"
+        results["sweep"] = {"rows": rows, "stamp": stamp, "source": args.source}
     report = write_report(results)
     record(cmd, results, args.out + ".json")
     write_text(args.out + ".md", report)

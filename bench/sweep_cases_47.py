@@ -217,7 +217,7 @@ CODE = [
       expect="bytearray"),
     c("code", ".metadata names builtins.eval", *RESUME, base="checkpoint",
       edit=write(os.path.join(STEP, ".metadata"), b"\x80\x02cbuiltins\neval\nX\x0b\x00\x00\x00touch PWNED\x85R."),
-      expect="builtins.eval"),
+      expect="eval"),
     c("code", "export of a .metadata calling bytearray", *EXPORT, base="checkpoint",
       edit=write(os.path.join(STEP, ".metadata"), b"\x80\x02c__builtin__\nbytearray\nJ\x00^\xd0\xb2\x85R."),
       expect="bytearray"),
@@ -408,11 +408,14 @@ TRACEBACK = [
       "t.json", files=[("d.jsonl", '{"text": "hi"}\n'), ("t.json", DEEP_JSON)], expect="t.json"),
     # issue47b's: crafted DCP metadata in export
     c("traceback", "(issue) export: a tensor size of 1e12", *EXPORT, base="checkpoint",
-      edit=dcp_metadata(lambda m, torch: _set(_embedding(m), "size", torch.Size([10**12, 64]))), expect=".metadata"),
+      edit=dcp_metadata(lambda m, torch: _set(_embedding(m), "size", torch.Size([10**12, 64]))),
+      expect="checkpoint's metadata"),
     c("traceback", "(issue) export: a negative tensor size", *EXPORT, base="checkpoint",
-      edit=dcp_metadata(lambda m, torch: _set(_embedding(m), "size", torch.Size([-5, 64]))), expect=".metadata"),
+      edit=dcp_metadata(lambda m, torch: _set(_embedding(m), "size", torch.Size([-5, 64]))),
+      expect="checkpoint's metadata"),
     c("traceback", "(issue) export: a qint8 tensor", *EXPORT, base="checkpoint",
-      edit=dcp_metadata(lambda m, torch: _set(_embedding(m).properties, "dtype", torch.qint8)), expect=".metadata"),
+      edit=dcp_metadata(lambda m, torch: _set(_embedding(m).properties, "dtype", torch.qint8)),
+      expect="checkpoint's metadata"),
 ]
 
 SILENT = [
@@ -438,12 +441,13 @@ SILENT = [
       expect="--async-checkpoint"),
     c("silent", "(issue) --gpus-per-node without --nproc", *TRAIN, "--gpus-per-node", "2", expect="--gpus-per-node"),
     c("silent", "(issue) export: ballonet.json vocab_size -5", *EXPORT, base="checkpoint",
-      edit=json_edit(os.path.join(STEP, "ballonet.json"), lambda d: d.__setitem__("vocab_size", -5)),
+      edit=json_edit(os.path.join(STEP, "ballonet.json"), lambda d: d["model"].__setitem__("vocab_size", -5)),
       expect="vocab_size"),
     c("silent", "(issue) export: a tensor with no chunks", *EXPORT, base="checkpoint",
-      edit=dcp_metadata(lambda m, torch: _set(_embedding(m), "chunks", [])), expect=".metadata"),
+      edit=dcp_metadata(lambda m, torch: _set(_embedding(m), "chunks", [])), expect="checkpoint's metadata"),
     c("silent", "(issue) export: a bool dtype lie", *EXPORT, base="checkpoint",
-      edit=dcp_metadata(lambda m, torch: _set(_embedding(m).properties, "dtype", torch.bool)), expect=".metadata"),
+      edit=dcp_metadata(lambda m, torch: _set(_embedding(m).properties, "dtype", torch.bool)),
+      expect="checkpoint's metadata"),
     c("silent", "(issue) export --out an earlier export: no stale pytorch_model.bin", *EXPORT, base="checkpoint",
       edit=lambda f: (os.makedirs(os.path.join(f, "out")), _export_marker(f)), exit_code=0,
       after=_absent("out/pytorch_model.bin")),
@@ -454,7 +458,8 @@ DISK = [
       base="checkpoint", disk="full", expect="disk"),
     c("disk", "prepare --out on a full disk", "prepare", "--data", "d.jsonl", "--out", "disk/c",
       files=[("d.jsonl", '{"text": "hello"}\n')], disk="full", expect="free on its disk"),
-    c("disk", "train --json-log on a full disk", *TRAIN, "--json-log", "disk/log.jsonl", disk="full", expect="disk"),
+    c("disk", "train --json-log on a full disk", *TRAIN, "--json-log", "disk/log.jsonl", disk="full",
+      expect="No space left"),
 ]
 
 

@@ -84,6 +84,8 @@ def _check_opcodes(data: bytes, path) -> None:
         for op, arg, _ in pickletools.genops(data):
             if op.name in _REFUSED_OPS or (op.name == "GLOBAL" and arg not in GLOBALS):
                 raise _metadata_error(path, f"calls {arg or op.name!r}, which no checkpoint's metadata holds")
+    except InputError:  # a ValueError too: the refusal above, said once
+        raise
     except (ValueError, EOFError) as e:  # genops on a torn or malformed pickle
         raise _metadata_error(path, f"malformed pickle ({e})") from None
 
