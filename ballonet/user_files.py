@@ -143,6 +143,34 @@ def read_text(path, kind: str, folder=None, what: str = "text") -> str:
         raise InputError(f"{path}: not {what} (not UTF-8 text)") from None
 
 
+def load_npy(path, kind: str, folder=None, what: str = "a .npy array"):
+    """The array in the .npy file `path` (a regular file, see `open_file`), its header
+    checked against the file's size before numpy allocates anything: a 100-byte file
+    whose header claims 10^12 elements is one line, not a MemoryError. Pickled objects
+    are never loaded."""
+    import numpy as np
+    from numpy.lib import format as npy
+
+    with open_file(path, kind, folder, what) as f:
+        size = os.fstat(f.fileno()).st_size
+        try:
+            version = npy.read_magic(f)
+            header = npy.read_array_header_1_0 if version == (1, 0) else npy.read_array_header_2_0
+            shape, _, dtype = header(f)
+            if dtype.hasobject:
+                raise InputError(f"{path}: not {what} (it holds Python objects, which are never unpickled)")
+            data = math.prod(shape) * dtype.itemsize
+            if f.tell() + data != size:
+                raise InputError(f"{path}: not {what} (its header says {data:,} bytes of data for shape "
+                                 f"{shape}, the file holds {size - f.tell():,})")
+            f.seek(0)
+            return np.load(f, allow_pickle=False)
+        except InputError:
+            raise
+        except (ValueError, EOFError, OSError, TypeError) as e:
+            raise InputError(f"{path}: not {what} ({str(e)[:120] or type(e).__name__})") from None
+
+
 # ---- bounded JSON and TOML -----------------------------------------------------------------
 
 
@@ -187,9 +215,10 @@ def check_nesting(value, where) -> None:
             raise InputError(f"{where}: number {v} must be finite")
 
 
-def loads_json(text: str | bytes, where, what: str = "JSON", line_numbers: bool = True) -> object:
-    """The JSON value of `text` (from `where`, a path, or "path:line" with `line_numbers`
-    False), bounded: one InputError naming `where` on malformed, deep or out-of-range input."""
+def loads_json(text: str | bytes, where, what: str = "JSON", line_numbers: bool = False) -> object:
+    """The JSON value of `text` (from `where`, a path or "path:line"), bounded: one
+    InputError naming `where` (and the line of a syntax error, with `line_numbers`) on
+    malformed, deep or out-of-range input."""
     try:
         value = json.loads(text, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_parse_constant)
     except _Refused as e:
@@ -208,9 +237,9 @@ def loads_json(text: str | bytes, where, what: str = "JSON", line_numbers: bool 
     return value
 
 
-def read_json(path, kind: str = "json", folder=None, what: str = "JSON") -> object:
-    """The JSON value in the file `path` (through `read_bytes`, bounded as `loads_json`)."""
-    return loads_json(read_text(path, kind, folder, what), path, what)
+def read_json(path, kind: str = "json", folder=None, what: str = "JSON", line_numbers: bool = False) -> object:
+    """The JSON value in the file `path` (through `read_text`, bounded as `loads_json`)."""
+    return loads_json(read_text(path, kind, folder, what), path, what, line_numbers)
 
 
 def loads_toml(text: str, where, what: str = "TOML") -> dict:

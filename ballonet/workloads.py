@@ -173,7 +173,7 @@ def _read_text(path: str) -> list[int]:
 
 
 def _read_json(path: str) -> list[int]:
-    data = user_files.read_json(path, "lengths", what="a lengths file")
+    data = user_files.read_json(path, "lengths", what="a lengths file", line_numbers=True)
     if not isinstance(data, list):
         raise InputError(f"{path}: expected a JSON list of lengths, got a {type(data).__name__}")
     return [_length(value, f"{path}[{i}]") for i, value in enumerate(data)]
@@ -201,7 +201,7 @@ def read_jsonl(path, row_value: Callable[[object, str], object], folder=None) ->
                 text = line.decode("utf-8")
             except UnicodeDecodeError:
                 raise InputError(f"{path}: not JSON Lines (not UTF-8 text)") from None
-            values.append(row_value(user_files.loads_json(text, where, "JSON Lines", line_numbers=False), where))
+            values.append(row_value(user_files.loads_json(text, where, "JSON Lines"), where))
     return values
 
 
@@ -221,11 +221,7 @@ def _jsonl_length(row, where: str):
 
 
 def _read_npy(path: str) -> list[int]:
-    with user_files.open_file(path, "lengths", what="a lengths file") as f:
-        try:
-            array = np.load(f, allow_pickle=False)
-        except (OSError, ValueError, EOFError) as e:
-            raise InputError(f"{path}: not a numeric .npy array ({str(e)[:120] or 'empty file'})") from None
+    array = user_files.load_npy(path, "lengths", what="a numeric .npy array")
     if not isinstance(array, np.ndarray) or array.ndim != 1 or array.dtype.kind not in "iuf":
         raise InputError(f"{path}: expected a 1-D integer array, got shape {getattr(array, 'shape', '?')} "
                          f"dtype {getattr(array, 'dtype', '?')}")

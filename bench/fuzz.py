@@ -1,6 +1,7 @@
 """Fuzz: random planner calls, and a sweep of bad command lines through the real CLI.
 
     OMP_NUM_THREADS=1 python bench/fuzz.py [--cases 10000] [--seed 0] [--no-sweep] [--no-planners]
+        [--issue-47-only]
 
 Planner fuzz (issue 16): `--cases` random cases of `ballonet.planning.fuzz` (its
 docstring says what they are and what counts as a failure); every planner plans every
@@ -15,6 +16,12 @@ made by the real CLI; read-only and full disks are tmpfs mounts. The report coun
 payloads that ran, tracebacks, hangs (over --sweep-timeout) and silent wrong answers
 (exit 0 where a refusal was due). `--source DIR` sweeps another tree's ballonet (an
 older commit, to see the cases fail there). Writes bench/results/fuzz.md and fuzz.json.
+
+Issue 47's cases (`sweep_cases_47.ISSUE_47`, by class: code run from a folder, files
+outside read or replaced, hangs and memory blow-ups, tracebacks, silent wrong answers, a
+full disk) are held to two more bounds: each ends within 20 s and under 1.5 GB of peak
+resident memory over its whole process tree (`peak_rss.py`), else it is a hang; a file
+it guards must be unchanged (else "file replaced").
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import sweep as sweep_module
 from _common import HERE, command, record, write_text
 from sweep import outcome, sweep
 from sweep_cases import ISSUE_33, SWEEP
+from sweep_cases_47 import CLASSES, ISSUE_47
 
 from ballonet.planning.fuzz import fuzz_planners
 
@@ -90,17 +98,44 @@ def _sweep_section(result: dict) -> list[str]:
         mine = Counter(outcome(r) for r in rows if r.get("issue") == number)
         out.append(f"| {number}. {title} | {sum(mine.values())} | {mine['ok']} | {mine['payload ran']} | "
                    f"{mine['traceback']} | {mine['hang']} | {mine['silent wrong answer']} | {mine['failed']} |")
-    out += ["| 8. calibrate's threading | see `calibration_threads.md` | | | | | | |", "",
-            "| issue 33 | class | command | exit | expected | stderr lines | left behind | s | outcome | message |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for r in sorted(rows, key=lambda r: (r.get("issue") or 99)):
+    out += ["| 8. calibrate's threading | see `calibration_threads.md` | | | | | | |", ""]
+    out += _issue_47_table(rows)
+    out += ["",
+            "| issue (class) | case | command | exit | expected | stderr lines | left behind | s | CPU s | peak MB | "
+            "outcome | message |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in sorted(rows, key=lambda r: (r.get("issue") or 99, r.get("klass") or "")):
         env = f"{r['env']} " if r.get("env") else ""
         disk = f" (disk/ {r['disk']})" if r.get("disk") else ""
-        out.append(f"| {r.get('issue') or '-'} | {_md_cell(r['name'])} | `{env}ballonet {_md_cell(r['argv'])}`{disk} | "
+        out.append(f"| {r.get('issue') or ('47 ' + r['klass'] if r.get('klass') else '-')} | {_md_cell(r['name'])} | `{env}ballonet {_md_cell(r['argv'])}`{disk} | "
                    f"{r['exit_code']} | {r['expected']} | {r['stderr_lines']} | "
-                   f"{_md_cell(', '.join(r['left_behind']) or '-')} | {r.get('seconds', '-')} | {outcome(r)} | "
+                   f"{_md_cell(', '.join(r['left_behind']) or '-')} | {r.get('seconds', '-')} | {r.get('cpu_s', '-')} | {r.get('peak_mb', '-')} | {outcome(r)} | "
                    f"{_md_cell(r['message'][:240])} |")
     return out + [""]
+
+
+def _issue_47_table(rows: list[dict]) -> list[str]:
+    mine = [r for r in rows if r.get("klass")]
+    if not mine:
+        return []
+    kinds = ("ok", "payload ran", "file replaced", "hang", "traceback", "silent wrong answer", "failed")
+    out = ["### Issue 47, by class", "",
+           f"Each case within {sweep_module.MAX_SECONDS:.0f} CPU seconds and {sweep_module.MAX_RSS_MB} MB of peak "
+           "RSS (its whole process tree), and killed (a hang) at the sweep's timeout; `(issue)` in a case's name "
+           "marks the issue's own reproductions, the rest are this sweep's own. The last columns: the most CPU "
+           "seconds, wall seconds and peak MB of any case of the class (wall seconds are mostly waiting for one "
+           "of the 2 shared cores).", "",
+           "| class | cases | " + " | ".join(kinds) + " | CPU s | wall s | peak MB |",
+           "|" + " --- |" * (len(kinds) + 5)]
+    for key, title in CLASSES.items():
+        rs = [r for r in mine if r["klass"] == key]
+        n = Counter(outcome(r) for r in rs)
+        cpu = max((r.get("cpu_s") or 0 for r in rs), default=0)
+        wall = max((r.get("seconds") or 0 for r in rs), default=0)
+        peak = max((r.get("peak_mb") or 0 for r in rs), default=0)
+        out.append(f"| {title} | {len(rs)} | " + " | ".join(str(n[k]) for k in kinds) + f" | {cpu} | {wall} | {peak} |")
+    n = Counter(outcome(r) for r in mine)
+    out.append(f"| all | {len(mine)} | " + " | ".join(str(n[k]) for k in kinds) + " | | | |")
+    return out
 
 
 def write_report(results: dict) -> str:
@@ -123,6 +158,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--source", default=None,
                    help="sweep the ballonet of this source tree (e.g. an older commit's, to see the cases fail there)")
     p.add_argument("--issue-33-only", action="store_true", help="sweep issue 33's classes only")
+    p.add_argument("--issue-47-only", action="store_true", help="sweep issue 47's classes only")
+    p.add_argument("--only", action="append", default=None,
+                   help="rerun only the cases whose name holds this text (repeatable); their rows replace those "
+                        "of the last run, the rest are kept, and the stamp says so")
     p.add_argument("--no-sweep", action="store_true", help="keep the sweep of the last run (in OUT.json)")
     p.add_argument("--no-planners", action="store_true", help="keep the planner fuzz of the last run (in OUT.json)")
     p.add_argument("--out", default=os.path.join(HERE, "results", "fuzz"), help="OUT.md and OUT.json")
@@ -138,9 +177,15 @@ def main(argv: list[str] | None = None) -> int:
         results["planners"]["stamp"] = _stamp(cmd, time.perf_counter() - start)
     if not args.no_sweep:
         start = time.perf_counter()
-        cases = ISSUE_33 if args.issue_33_only else SWEEP
+        cases = ISSUE_33 if args.issue_33_only else ISSUE_47 if args.issue_47_only else SWEEP + ISSUE_47
+        cases = [c for c in cases if args.only is None or any(text in c.name for text in args.only)]
         rows = sweep(cases, args.sweep_timeout, os.path.abspath(args.source) if args.source else sweep_module.ROOT)
-        results["sweep"] = {"rows": rows, "stamp": _stamp(cmd, time.perf_counter() - start), "source": args.source}
+        stamp = _stamp(cmd, time.perf_counter() - start)
+        if args.only and "sweep" in results:
+            rerun = {r["name"]: r for r in rows}
+            rows = [rerun.pop(r["name"], r) for r in results["sweep"]["rows"]] + list(rerun.values())
+            stamp = f"{results['sweep']['stamp']} Then {len(cases)} cases rerun: {stamp}"
+        results["sweep"] = {"rows": rows, "stamp": stamp, "source": args.source}
     report = write_report(results)
     record(cmd, results, args.out + ".json")
     write_text(args.out + ".md", report)

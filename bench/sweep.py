@@ -12,9 +12,11 @@ a case over the timeout is a hang. The cases are in `sweep_cases.py`.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -57,6 +59,15 @@ class Case:
     pipe: str | None = None
     """A shell command the standard output is piped into (`head -c 300`)."""
     env: tuple[tuple[str, str], ...] = ()
+    klass: str | None = None
+    """The class of issue 47 (`sweep_cases_47.CLASSES`) the case belongs to, if any."""
+    stdin: str = ""
+    """What the command reads on its standard input (`y` to a prompt that must never come)."""
+    guard: tuple[str, ...] = ()
+    """Files (of the case's folder) that must be byte for byte the same after the run."""
+    after: Callable[[str], str | None] | None = None
+    """Run on the case's folder after the run: what is wrong with what it left (a silent
+    wrong answer), or None."""
 
 
 def case(name, *argv, files=(), **kw) -> Case:
@@ -132,9 +143,20 @@ def _unshare() -> list[str] | None:
     return None
 
 
+PEAK_RSS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peak_rss.py")
+MAX_SECONDS, MAX_RSS_MB = 20.0, 1536
+"""Issue 47's bounds on every case: it ends within 20 s and under 1.5 GB (else a hang).
+The seconds are CPU seconds of the whole tree: on this shared 2-core machine (load 15-20
+while the sweep ran) wall-clock time is mostly waiting for a core; a case that blocks (a
+FIFO) spends no CPU and is caught by the kill at the sweep's timeout instead."""
+
+
 def _command(case: Case, unshare: list[str] | None) -> tuple[list[str], bool]:
-    """(argv to run, whether it runs under a shell script that reports disk/ in .disk_listing)."""
-    ballonet = [sys.executable, "-m", "ballonet", *case.argv]
+    """(argv to run, whether it runs under a shell script that reports disk/ in .disk_listing).
+    The command runs under `peak_rss.py`, which writes the peak RSS of the whole process
+    tree to .peak_rss; `-P` as the `ballonet` script runs (the working folder is not on
+    the import path)."""
+    ballonet = [sys.executable, PEAK_RSS, ".peak_rss", sys.executable, "-P", "-m", "ballonet", *case.argv]
     if case.pipe:
         return ["bash", "-c", f'"$@" | {case.pipe} > /dev/null; exit ${{PIPESTATUS[0]}}', "bash", *ballonet], False
     if case.disk:
@@ -163,17 +185,23 @@ def run_case(case: Case, timeout_s: float = 120.0, bases: Bases | None = None, u
             case.edit(folder)
         if case.disk:
             os.makedirs(os.path.join(folder, "disk"), exist_ok=True)
+        guarded = {name: _digest(os.path.join(folder, name)) for name in case.guard}
         before = listing(folder)
         argv, reports_disk = _command(case, unshare)
         start = time.perf_counter()
+        proc = subprocess.Popen(argv, cwd=folder, env=_env(case.env, source), stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         try:
-            r = subprocess.run(argv, cwd=folder, env=_env(case.env, source), capture_output=True, text=True,
-                               timeout=timeout_s, check=False)
-            code, stderr = r.returncode, r.stderr
-        except subprocess.TimeoutExpired as e:
-            err = e.stderr or ""
-            code, stderr = "timeout", err.decode(errors="replace") if isinstance(err, bytes) else err
+            _, stderr = proc.communicate(case.stdin, timeout=timeout_s)
+            code = proc.returncode
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the whole tree: ranks included
+            _, stderr = proc.communicate()
+            code = "timeout"
         seconds = time.perf_counter() - start
+        peak_mb, cpu_s = _read_and_remove(os.path.join(folder, ".peak_rss"))
+        replaced = [name for name, digest in guarded.items() if _digest(os.path.join(folder, name)) != digest]
+        wrong = case.after(folder) if case.after and code == 0 else None
         disk_left = []
         if reports_disk and os.path.exists(os.path.join(folder, ".disk_listing")):
             with open(os.path.join(folder, ".disk_listing")) as f:
@@ -183,9 +211,31 @@ def run_case(case: Case, timeout_s: float = 120.0, bases: Bases | None = None, u
     lines = [line for line in stderr.splitlines() if line.strip()]
     message = lines[-1] if lines else ""
     ok = (code == case.exit_code and (len(lines) == 1 if case.exit_code else True) and not (left and code)
-          and case.expect in message)
+          and case.expect in message and not replaced and not wrong
+          and (case.klass is None or ((cpu_s or 0) <= MAX_SECONDS and (peak_mb or 0) <= MAX_RSS_MB)))
     return {**row, "exit_code": code, "stderr_lines": len(lines), "message": message, "left_behind": left,
-            "traceback": "Traceback" in stderr, "ok": ok, "seconds": round(seconds, 1)}
+            "traceback": "Traceback" in stderr, "ok": ok, "seconds": round(seconds, 1), "peak_mb": peak_mb, "cpu_s": cpu_s,
+            "replaced": replaced, "wrong": wrong, "klass": case.klass}
+
+
+def _digest(path: str) -> str | None:
+    if not os.path.lexists(path):
+        return None
+    if os.path.isdir(path) and not os.path.islink(path):
+        return json.dumps(sorted(listing(path)))
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _read_and_remove(path: str) -> tuple[int | None, float | None]:
+    """The peak RSS in MB and the CPU seconds that peak_rss.py wrote (None if it was killed first)."""
+    try:
+        with open(path) as f:
+            kib, cpu = f.read().split()
+        os.remove(path)
+        return int(kib) // 1024, float(cpu)
+    except (OSError, ValueError):
+        return None, None
 
 
 def outcome(row: dict) -> str:
@@ -197,11 +247,14 @@ def outcome(row: dict) -> str:
         return "not run"
     if "PWNED" in row["left_behind"]:
         return "payload ran"
-    if row["exit_code"] == "timeout":
+    if row.get("replaced"):
+        return "file replaced"
+    if row["exit_code"] == "timeout" or (row.get("klass") and ((row.get("cpu_s") or 0) > MAX_SECONDS
+                                                               or (row.get("peak_mb") or 0) > MAX_RSS_MB)):
         return "hang"
     if row["traceback"]:
         return "traceback"
-    if row["exit_code"] == 0 and row["expected"] != 0:
+    if (row["exit_code"] == 0 and row["expected"] != 0) or row.get("wrong"):
         return "silent wrong answer"
     return "failed"
 

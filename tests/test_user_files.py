@@ -7,6 +7,7 @@ import contextlib
 import io
 import json
 import os
+import pickle
 import resource
 import shutil
 import signal
@@ -248,7 +249,7 @@ def test_a_checkpoint_item_naming_a_global_is_refused_before_torch_load():
     plain.seek(0)
     hostile.seek(0)
     safe_dcp._check_plain_item(plain, "optimizer.param_groups")
-    with pytest.raises(InputError, match="not a plain value"):
+    with pytest.raises(pickle.UnpicklingError, match="not a plain value"):
         safe_dcp._check_plain_item(hostile, "optimizer.param_groups")
 
 
@@ -311,3 +312,21 @@ def test_a_npy_lengths_file_and_a_jsonl_length_are_bounded(tmp_path):
     # the slice is the same tokens as the block it lies in, drawn whole
     assert np.array_equal(corpus.tokens_range(0, 0, SYNTHETIC_BLOCK + 5)[SYNTHETIC_BLOCK:],
                           corpus.tokens_range(0, SYNTHETIC_BLOCK, SYNTHETIC_BLOCK + 5))
+
+
+def test_a_npy_header_is_checked_against_the_file_before_numpy_allocates(tmp_path):
+    from numpy.lib import format as npy
+
+    for shape, descr, match in (((10**12,), "<i8", "header says"), ((1,), "|O", "Python objects")):
+        path = tmp_path / "l.npy"
+        with open(path, "wb") as f:
+            npy.write_array_header_1_0(f, {"descr": descr, "fortran_order": False, "shape": shape})
+            f.write(b"\0" * 16)
+        refused(lambda: workloads.load_lengths(str(path)), match)
+
+
+def test_an_integer_flag_over_int64_is_one_line(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["simulate", "--planners", "zeppelin", "--max-length", "9" * 30])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and "below 2^63" in err[0], err

@@ -7,6 +7,7 @@ import argparse
 
 from ballonet import specs
 from ballonet.errors import InputError
+from ballonet.user_files import INT64_MAX
 
 
 class Parser(argparse.ArgumentParser):
@@ -23,6 +24,8 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    if value > INT64_MAX:
+        raise argparse.ArgumentTypeError(f"expected a positive integer below 2^63, got {text!r}")
     return value
 
 

@@ -91,13 +91,21 @@ def _read_config(folder: Path) -> dict:
 
 @contextlib.contextmanager
 def _no_prompt():
-    """transformers' calls with an empty standard input: no question ever reaches the user."""
-    stdin = sys.stdin
+    """transformers' calls with an empty standard input (no question ever reaches the
+    user), its warnings, load report and progress bars off (a refusal is one line)."""
+    from transformers.utils import logging
+
+    stdin, verbosity, bars = sys.stdin, logging.get_verbosity(), logging.is_progress_bar_enabled()
     sys.stdin = io.StringIO("")
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
     try:
         yield
     finally:
         sys.stdin = stdin
+        logging.set_verbosity(verbosity)
+        if bars:
+            logging.enable_progress_bar()
 
 
 def config_dict(name: str) -> dict:
@@ -282,18 +290,23 @@ def build_model(name: str, seed: int, device: torch.device, recompute: str = "no
                          "save them as model.safetensors (save_pretrained(..., safe_serialization=True))")
     try:
         with _no_prompt():
+            missing: list[str] = []  # load_shards checks the meta path's tensors itself
             if device.type == "meta":
                 with _parameters_on_meta():
                     model = AutoModelForCausalLM.from_config(config, trust_remote_code=False, **kw)
             elif has_weights:
-                model = AutoModelForCausalLM.from_pretrained(folder, config=config, local_files_only=True,
-                                                             use_safetensors=True, trust_remote_code=False,
-                                                             **kw)  # never a pickled .bin
+                model, info = AutoModelForCausalLM.from_pretrained(
+                    folder, config=config, local_files_only=True, use_safetensors=True,  # never a pickled .bin
+                    trust_remote_code=False, output_loading_info=True, **kw)
+                missing = sorted(info.get("missing_keys") or ())
             else:
                 torch.manual_seed(seed)  # every rank draws the same weights
                 model = AutoModelForCausalLM.from_config(config, trust_remote_code=False, **kw)
     except (ValueError, KeyError, OSError, EOFError, SafetensorError) as e:  # SafetensorError: a garbage weights file
         raise InputError(f"{folder}: cannot build a causal LM from it ({str(e).splitlines()[0][:200]})") from None
+    if has_weights and missing:  # transformers would initialise them at random, with only a warning
+        raise InputError(f"{folder}: its weights lack {len(missing)} of the model's tensors ({missing[0]}, ...): "
+                         "stored under other names, or absent")
     cls = type(model)
     model.__class__ = type(f"Ballonet{cls.__name__}", (BallonetLoss, cls), {})
     enable_recompute(model, recompute, recompute_layers)

@@ -267,11 +267,7 @@ _INDEX_COLUMNS = ("shard", "offset", "length", "source", "record")
 def _read_index(root: Path, manifest: dict) -> np.ndarray:
     """index.npy, each row checked: its shard exists, its tokens lie inside that shard."""
     path = root / INDEX
-    with user_files.open_file(path, "index", root, what="a prepared corpus index") as f:
-        try:
-            index = np.load(f, allow_pickle=False)
-        except (OSError, ValueError, EOFError) as e:
-            raise InputError(f"{path}: unreadable ({str(e)[:120] or type(e).__name__})") from None
+    index = user_files.load_npy(path, "index", root, what="a prepared corpus index")
     if not isinstance(index, np.ndarray) or index.ndim != 2 or index.shape[1] != 5 or index.dtype != np.int64:
         raise InputError(f"{path}: not a document index (int64 [documents, 5])")
     shard_tokens = np.array([s["num_tokens"] for s in manifest["shards"]], dtype=np.int64)

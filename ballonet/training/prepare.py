@@ -149,8 +149,7 @@ def _jsonl_batches(path: Path, source: int, column: str, size: int, progress: Pr
             if not line.strip():
                 continue
             try:
-                record = user_files.loads_json(line.decode("utf-8"), f"{path}:{lineno}", "JSON Lines",
-                                               line_numbers=False)
+                record = user_files.loads_json(line.decode("utf-8"), f"{path}:{lineno}", "JSON Lines")
             except UnicodeDecodeError:
                 raise InputError(f"{path}:{lineno}: not JSON Lines (not UTF-8 text)") from None
             text = record.get(column) if isinstance(record, dict) else None

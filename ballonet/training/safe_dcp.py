@@ -84,6 +84,8 @@ def _check_opcodes(data: bytes, path) -> None:
         for op, arg, _ in pickletools.genops(data):
             if op.name in _REFUSED_OPS or (op.name == "GLOBAL" and arg not in GLOBALS):
                 raise _metadata_error(path, f"calls {arg or op.name!r}, which no checkpoint's metadata holds")
+    except InputError:  # a ValueError too: the refusal above, said once
+        raise
     except (ValueError, EOFError) as e:  # genops on a torn or malformed pickle
         raise _metadata_error(path, f"malformed pickle ({e})") from None
 
@@ -246,10 +248,10 @@ def _check_plain_item(value: io.BytesIO, fqn: str) -> None:
                 raise ValueError("not one torch.save pickle of plain values")
             ops = {op.name for op, _, _ in pickletools.genops(z.read(pickles[0]))}
     except (zipfile.BadZipFile, ValueError, EOFError, OSError) as e:
-        raise InputError(f"item {fqn!r}: not a plain value ({str(e)[:120]})") from None
+        raise pickle.UnpicklingError(f"item {fqn!r}: not a plain value ({str(e)[:120]})") from None
     named = ops & {"GLOBAL", "STACK_GLOBAL", "INST", "OBJ", "REDUCE", "EXT1", "EXT2", "EXT4", "PERSID", "BINPERSID"}
     if named:
-        raise InputError(f"item {fqn!r}: not a plain value (its pickle calls {sorted(named)[0]})")
+        raise pickle.UnpicklingError(f"item {fqn!r}: not a plain value (its pickle calls {sorted(named)[0]})")
     value.seek(0)
 
 
