@@ -127,3 +127,27 @@ def _err_line_of(err: str) -> str:
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1, lines
     return lines[0]
+
+
+def test_a_log_line_is_appended_whole_or_not_at_all(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    from ballonet.training import logs
+
+    path = tmp_path / "log.jsonl"
+    logs.append_whole(str(path), b'{"step": 1}\n')
+    real_write = os.write
+
+    def full_disk(fd, data):  # half the line goes out, then the disk is full
+        if len(data) > 4:
+            return real_write(fd, bytes(data[: len(data) // 2]))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", full_disk)
+    with pytest.raises(OSError):
+        logs.append_whole(str(path), b'{"step": 2, "loss": 5.5}\n')
+    assert path.read_bytes() == b'{"step": 1}\n'  # cut back to the last whole line
+    with pytest.raises(OSError):
+        logs.append_whole(str(tmp_path / "new.jsonl"), b'{"step": 1}\n')
+    assert not (tmp_path / "new.jsonl").exists()  # a log this call made is removed

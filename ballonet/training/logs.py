@@ -150,6 +150,27 @@ def _clock(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
+def append_whole(path: str, data: bytes) -> None:
+    """Appends `data` to `path` whole or not at all: on a failed write (a full disk) the file
+    is cut back to where it was, and removed if this call made it. Never through a symlink."""
+    created = not os.path.lexists(path)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    try:
+        start = os.lseek(fd, 0, os.SEEK_END)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        except OSError:
+            os.ftruncate(fd, start)
+            if created:
+                os.unlink(path)
+            raise
+    finally:
+        os.close(fd)
+
+
 class StepLog:
     """Rank 0's loggers for a run starting after `start_step` steps (0, or the checkpoint's)."""
 
@@ -202,9 +223,9 @@ class StepLog:
                       step_time_s=now - self.last, eta_s=elapsed / max(done, 1) * (total - step), run=self.run)
         self.last = now
         if self.config.json_log:
+            line = json.dumps({k: _strict(v) for k, v in record.items()}, allow_nan=False) + "\n"
             try:
-                with open(self.config.json_log, "a", encoding="utf-8") as f:
-                    f.write(json.dumps({k: _strict(v) for k, v in record.items()}, allow_nan=False) + "\n")
+                append_whole(self.config.json_log, line.encode("utf-8"))
             except OSError as e:
                 raise InputError(f"--json-log {self.config.json_log}: cannot write step {step} "
                                  f"({e.strerror})") from None
