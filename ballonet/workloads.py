@@ -185,7 +185,7 @@ MAX_LINE = 256 << 20
 
 def read_jsonl(path, row_value: Callable[[object, str], object], folder=None) -> list:
     """`row_value(row, where)` of each non-blank line of a JSON Lines file, `where` being
-    "path:line". The one JSONL reader: lengths files here, corpora in `training.corpus`.
+    "path:line". The one JSONL reader: lengths files here, corpora in `training.data.corpus`.
     Read through `user_files` (a regular file; each line bounded as `loads_json` bounds
     JSON, at most MAX_LINE bytes). Malformed lines and non-UTF-8 bytes are one-line
     InputErrors naming the line."""

@@ -1,4 +1,4 @@
-"""An unmodified HF model with and without the remap, against `ballonet.training.model`.
+"""An unmodified HF model with and without the remap, against `ballonet.training.parallelism.model`.
 
     OMP_NUM_THREADS=1 python bench/hf.py [--tokens 16384] [--reps 3] [--out bench/results]
 
@@ -11,7 +11,7 @@ on 2 gloo ranks (`cpu` cluster, one node), the same model shape (fp32, sizes in
   (what the adapter did before it remapped);
 * `hf`: the same model on the plan: q, k, v remapped to the attention layout and o back
   inside the attention call, every linear layer on the token-balanced linear layout;
-* `ballonet`: `ballonet.training.model.Transformer`: attention on the plan, linear layers on the
+* `ballonet`: `ballonet.training.parallelism.model.Transformer`: attention on the plan, linear layers on the
   token-balanced linear layout (remapped after QKV and before the output projection).
 
 Per rank: the median over `--reps` runs of the main thread's CPU time (time.thread_time:
@@ -43,9 +43,9 @@ from _common import RESULTS, command, record, write_text
 from ballonet import workloads
 from ballonet.integrations import hf
 from ballonet.specs import ModelSpec
-from ballonet.training.corpus import from_lengths
-from ballonet.training.loader import Batch, Piece, RankBatch, build_batch, rank_view
-from ballonet.training.model import Transformer
+from ballonet.training.data.corpus import from_lengths
+from ballonet.training.data.loader import Batch, Piece, RankBatch, build_batch, rank_view
+from ballonet.training.parallelism.model import Transformer
 
 WORLD = 2
 SPEC = ModelSpec(name="bench-hf", num_layers=2, hidden=256, num_heads=8, num_kv_heads=4, ffn_hidden=704,
@@ -148,7 +148,7 @@ def report(batches: list, per_rank: list[list[dict]], command: str, reps: int) -
         f"{SPEC.num_kv_heads} KV heads, FFN {SPEC.ffn_hidden}, vocabulary {SPEC.vocab_size}, fp32; "
         f"`hf` = transformers `LlamaForCausalLM` with attn_implementation=\"ballonet\" (remapped inside the "
         "attention call), `hf_no_remap` = the same on the plan without its remap transfers, `ballonet` = "
-        "`ballonet.training.model.Transformer`. Plans: `zeppelin`, cluster `cpu` (1 node x 2 gloo ranks).  ",
+        "`ballonet.training.parallelism.model.Transformer`. Plans: `zeppelin`, cluster `cpu` (1 node x 2 gloo ranks).  ",
         f"Forward + backward of the summed token loss; median of {reps} runs of each rank's main-thread CPU "
         "time, the models alternating.  ",
         f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
@@ -182,7 +182,7 @@ def report(batches: list, per_rank: list[list[dict]], command: str, reps: int) -
               f"Without the remap, the attention layout's token imbalance (max/mean of its linear tokens: "
               f"{min(token_ratios):.2f} to {max(token_ratios):.2f} here) is what the HF model's linear layers "
               "lose; with it, the unmodified HF model runs its linear layers on the same balanced layout as "
-              "`ballonet.training.model`. What remains between them is per-token overhead of the two "
+              "`ballonet.training.parallelism.model`. What remains between them is per-token overhead of the two "
               "implementations and the extra position ids moved by the HF loss."]
     return "\n".join(lines) + "\n"
 

@@ -9,7 +9,7 @@ Side by side, alternating within each repetition, wall-clock seconds:
 
 * `tokenizers`: read the file, `json.loads` each line, `Tokenizer.encode_batch_fast` on
   batches of 1024 texts (the ids are kept as the library returns them);
-* `prepare`: `ballonet.training.prepare.prepare` (what `ballonet prepare` runs): the same
+* `prepare`: `ballonet.training.data.prepare.prepare` (what `ballonet prepare` runs): the same
   reading and encoding, plus the ids flattened to numpy, the shards and index written, the
   folder renamed into place;
 * `prepare byte`: the same with the byte tokenizer (no `tokenizers` at all), for scale.
@@ -35,8 +35,8 @@ from pathlib import Path
 import tokenizers
 from _common import RESULTS, command, record, write_text
 
-from ballonet.training.corpus import stdlib
-from ballonet.training.prepare import PrepareConfig, prepare
+from ballonet.training.data.corpus import stdlib
+from ballonet.training.data.prepare import PrepareConfig, prepare
 
 BATCH = 1024
 TARGET = 1.5

@@ -13,7 +13,7 @@ rank, on this one device:
   rank's tokens, with the rank's metadata (`runtime.step_meta`, moved in one copy) and
   a stand-in for its peers that sends nothing (received blocks are left as allocated):
   every kernel call, index map and merge the rank runs, none of the waiting;
-* linear: one of the model's blocks (`training.model.Block`, its attention the identity)
+* linear: one of the model's blocks (`training.parallelism.model.Block`, its attention the identity)
   forward and backward on the rank's tokens of the linear layout.
 
 Each timed as the median of `--repeats` after a warm-up (CUDA events on a GPU), against
@@ -42,7 +42,7 @@ from ballonet import runtime, workloads
 from ballonet.plan import Plan, Segment
 from ballonet.runtime import engine, kernels
 from ballonet.runtime.comm import Pending, Sent
-from ballonet.training.model import Block
+from ballonet.training.parallelism.model import Block
 
 
 class LocalComm:

@@ -172,7 +172,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
         import torch
 
-        from ballonet.training.safe_dcp import SAFE_GLOBALS
+        from ballonet.training.checkpoints.safe_dcp import SAFE_GLOBALS
 
         allowed = {(g.__module__, g.__qualname__): g for g in (*SAFE_GLOBALS, torch.Size, collections.OrderedDict,
                                                                torch.serialization._get_layout)}
@@ -190,7 +190,7 @@ def _plant_items(payload: bytes):
     read first is a payload."""
     def edit(folder: str) -> None:
         from ballonet.errors import InputError
-        from ballonet.training.checkpoint import read_safe_metadata
+        from ballonet.training.checkpoints.checkpoint import read_safe_metadata
 
         step = os.path.join(folder, STEP)
         try:

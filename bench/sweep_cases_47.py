@@ -160,7 +160,7 @@ def dcp_metadata(change):
     def edit(folder: str) -> None:
         import torch
 
-        from ballonet.training.safe_dcp import METADATA_PROTOCOL, read_safe_metadata
+        from ballonet.training.checkpoints.safe_dcp import METADATA_PROTOCOL, read_safe_metadata
 
         step = os.path.join(folder, STEP)
         metadata = read_safe_metadata(os.path.join(step, ".metadata"), step)

@@ -28,9 +28,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import ballonet
 from ballonet.integrations import hf
-from ballonet.training import host
-from ballonet.training.corpus import stdlib
-from ballonet.training.loader import BalancedLoader
+from ballonet.training.jobs import host
+from ballonet.training.data.corpus import stdlib
+from ballonet.training.data.loader import BalancedLoader
 
 WORLD_SIZE = 2
 

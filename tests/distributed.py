@@ -45,7 +45,7 @@ def _entry(rank: int, world_size: int, init_file: str, fn, args: tuple, results)
             dist.destroy_process_group()
 
 
-PRELOAD = ["torch", "torch.distributed", "numpy", "ballonet", "ballonet.training.loop", "ballonet.training.model"]
+PRELOAD = ["torch", "torch.distributed", "numpy", "ballonet", "ballonet.training.loop", "ballonet.training.parallelism.model"]
 """What the fork server imports once. It runs no torch op, so it starts no OpenMP pool; with
 OMP_NUM_THREADS=1 (the README's test command) it holds no thread at all, else only numpy's
 OpenBLAS pool, which OpenBLAS shuts down before a fork."""

@@ -29,7 +29,7 @@ from ballonet.plan import Plan, Ring, Route, Segment, Transfer, chunk_bounds
 from ballonet.planning.assembly import zigzag_bounds
 from ballonet.runtime import ByteCounter, attention, remapping, routing, token_index
 from ballonet.runtime.routing import predicted_bytes
-from ballonet.training.model import IGNORE_INDEX, NORM_EPS, ROPE_THETA, Transformer
+from ballonet.training.parallelism.model import IGNORE_INDEX, NORM_EPS, ROPE_THETA, Transformer
 
 H, H_KV, D = 4, 2, 8
 """Attention tests' heads, KV heads and head dim."""
@@ -387,7 +387,7 @@ def tp_groups(world: int, tp: int):
     x tp, a plan rank's TP ranks consecutive, as inside a node), this rank's plan rank,
     the plan-rank group of its TP index, and the second group over the same ranks (double
     rings' transfers across nodes)."""
-    from ballonet.training import parallel
+    from ballonet.training.parallelism import parallel
 
     cpu = torch.device("cpu")
     mesh = parallel.device_mesh(world, "full", cpu, tp)

@@ -13,7 +13,7 @@ import pytest
 
 import ballonet
 from ballonet import cli, paths
-from ballonet.training import checkpoint
+from ballonet.training.checkpoints import checkpoint
 
 
 def _full(*args, **kwargs):
@@ -60,7 +60,7 @@ def test_a_checkpoint_save_on_a_full_disk_is_one_line_and_keeps_the_last_one(tmp
 
 
 def test_prepare_on_a_disk_that_fills_leaves_no_folder(tmp_path, monkeypatch):
-    from ballonet.training import prepare
+    from ballonet.training.data import prepare
 
     data = tmp_path / "d.jsonl"
     data.write_text('{"text": "hello"}\n')

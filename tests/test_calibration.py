@@ -150,7 +150,7 @@ def _heap_keeps(numel: int) -> tuple[int, int] | None:
 
 def _calibrate_on_ranks(rank: int, world: int):
     from ballonet.calibration import calibrate
-    from ballonet.training import host
+    from ballonet.training.jobs import host
 
     took = host.setup_cpu_rank()  # as `ballonet calibrate` and `ballonet train` run a CPU rank
     kept = _heap_keeps(6 << 20)  # 24 MiB

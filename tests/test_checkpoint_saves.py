@@ -20,7 +20,7 @@ from unittest import mock
 import pytest
 
 import ballonet
-from ballonet.training import checkpoint, safe_dcp
+from ballonet.training.checkpoints import checkpoint, safe_dcp
 from ballonet.training.config import TrainConfig
 from ballonet.training.loop import train
 

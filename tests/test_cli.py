@@ -167,7 +167,7 @@ def test_every_planner_infeasible_is_one_line_and_exit_2(tmp_path, monkeypatch, 
 def test_failed_rank_line_prefers_the_rank_s_own_message(tmp_path):
     from types import SimpleNamespace
 
-    from ballonet.training.launch import _failure_line
+    from ballonet.training.jobs.launch import _failure_line
 
     failures = {1: SimpleNamespace(exitcode=2, timestamp=10), 0: SimpleNamespace(exitcode=-15, timestamp=11)}
     (tmp_path / "1").write_text("ballonet train: error: the cause\n")

@@ -9,14 +9,14 @@ import pytest
 
 from ballonet.errors import InputError
 from ballonet.plan import Plan, Ring, Segment
-from ballonet.training.corpus import (
+from ballonet.training.data.corpus import (
     ByteTokenizer,
     from_jsonl,
     from_lengths,
     from_text_dir,
     load_corpus,
 )
-from ballonet.training.loader import IGNORE_INDEX, BalancedLoader, Piece
+from ballonet.training.data.loader import IGNORE_INDEX, BalancedLoader, Piece
 
 
 def round_robin(world_size):

@@ -26,7 +26,7 @@ from ballonet.planning.devices import devices
 from ballonet.planning.metrics import plan_metrics
 from ballonet.simulation import simulate
 from ballonet.specs import ClusterSpec, NodeGroup
-from ballonet.training.model import Transformer
+from ballonet.training.parallelism.model import Transformer
 
 GPUS = ["h200", "h800", "a800", "h20", "l40s"]
 

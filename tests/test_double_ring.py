@@ -20,7 +20,7 @@ from ballonet.runtime import attention, comm, token_index
 from ballonet.runtime.ring import ring_meta
 from ballonet.runtime.routing import relay_meta, routes_by_hop
 from ballonet.runtime.schedule import record
-from ballonet.training.model import Transformer
+from ballonet.training.parallelism.model import Transformer
 
 def test_held_blocks_follow_the_schedule():
     plan = plans4()["mixed"]

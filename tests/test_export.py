@@ -25,7 +25,7 @@ from ballonet.cli import main
 from ballonet.plan import Plan, Segment
 from ballonet.training.config import TrainConfig
 from ballonet.training.loop import train_model
-from ballonet.training.model import Transformer
+from ballonet.training.parallelism.model import Transformer
 
 BASE = dict(corpus="stdlib", global_tokens=1024, max_doc_tokens=512, lr=1e-2, steps=2, seed=5)
 
@@ -131,7 +131,7 @@ def test_export_writes_a_whole_folder_with_its_tokenizer_and_never_over_foreign_
     pytest.importorskip("tokenizers")
     from transformers import AutoTokenizer, GenerationConfig
 
-    from ballonet.training.prepare import PrepareConfig, prepare
+    from ballonet.training.data.prepare import PrepareConfig, prepare
     from tests.text_sources import train_tokenizer, write_sources
 
     (tmp_path / "tok").mkdir()

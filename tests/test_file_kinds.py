@@ -9,7 +9,7 @@ import pytest
 
 from ballonet import cli, workloads
 from ballonet.errors import InputError
-from ballonet.training.corpus import ByteTokenizer, load_corpus
+from ballonet.training.data.corpus import ByteTokenizer, load_corpus
 
 LENGTHS = [17, 5, 300, 42, 1, 64]
 

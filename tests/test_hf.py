@@ -25,8 +25,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import ballonet
 from ballonet.integrations import hf
 from ballonet.plan import Plan, Ring, Segment, Transfer, chunk_bounds
-from ballonet.training.corpus import from_lengths
-from ballonet.training.loader import Batch, Piece, build_batch, rank_view
+from ballonet.training.data.corpus import from_lengths
+from ballonet.training.data.loader import Batch, Piece, build_batch, rank_view
 from tests.distributed import run_ranks
 
 RTOL = 1e-4

@@ -27,7 +27,7 @@ from ballonet.errors import InputError
 from ballonet.integrations import hf_model
 from ballonet.training import loop
 from ballonet.training.config import TrainConfig
-from ballonet.training.prepare import PrepareConfig, prepare
+from ballonet.training.data.prepare import PrepareConfig, prepare
 from tests.distributed import run_ranks
 from tests.text_sources import train_tokenizer, write_sources
 

@@ -1,4 +1,4 @@
-"""`training.host`: how a CPU rank's process runs (its allocator settings are checked on
+"""`training.jobs.host`: how a CPU rank's process runs (its allocator settings are checked on
 spawned ranks, here and in test_calibration.py, where a fresh process can take them)."""
 
 import ctypes
@@ -7,8 +7,8 @@ import platform
 import pytest
 import torch
 
-from ballonet.training import host
-from ballonet.training.model import Transformer
+from ballonet.training.jobs import host
+from ballonet.training.parallelism.model import Transformer
 from tests.distributed import run_ranks
 from tests.helpers import SPEC, batch, mallinfo2, one_rank_plan
 

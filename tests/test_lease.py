@@ -16,7 +16,7 @@ import torch
 from distributed import run_ranks
 from test_train import BASE, _ledger_reference, _reference_run
 
-from ballonet.training.lease import LEASE_EXIT, PREEMPTED_EXIT, Signals, StepBoundary, Stopped, read_lease
+from ballonet.training.jobs.lease import LEASE_EXIT, PREEMPTED_EXIT, Signals, StepBoundary, Stopped, read_lease
 from ballonet.training.loop import TrainConfig, train
 
 TWO_GROUPS = """

@@ -11,7 +11,7 @@ from helpers import SPEC, assert_grads_close, batch, model_reference, one_rank_p
 import ballonet
 from ballonet import runtime
 from ballonet.plan import Plan
-from ballonet.training.model import IGNORE_INDEX, Transformer
+from ballonet.training.parallelism.model import IGNORE_INDEX, Transformer
 
 # ---- an independent model_reference: one document at a time ------------------------------
 

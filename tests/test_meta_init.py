@@ -1,5 +1,5 @@
 """Big models: a rank builds the model on the meta device, splits it and materialises only
-its own shards (`training.build.build_sharded_model`).
+its own shards (`training.parallelism.build.build_sharded_model`).
 
 * The weights are today's, seed for seed: the built-in model's every parameter equals the
   whole-model init (drawn again here as it was written before meta-device init: one
@@ -22,10 +22,10 @@ import torch
 from distributed import run_ranks
 
 import ballonet
-from ballonet.training import parallel
-from ballonet.training.build import build_sharded_model
+from ballonet.training.parallelism import parallel
+from ballonet.training.parallelism.build import build_sharded_model
 from ballonet.training.config import TrainConfig
-from ballonet.training.model import Transformer
+from ballonet.training.parallelism.model import Transformer
 
 SEED = 7
 CPU = torch.device("cpu")
@@ -139,7 +139,7 @@ def test_a_ranks_peak_memory_while_setting_up_is_near_its_shard():
 
 def test_fewest_gpus_is_the_fewest_count_whose_share_fits():
     from ballonet.cost import hardware
-    from ballonet.training.parallel import fewest_gpus, rank_bytes
+    from ballonet.training.parallelism.parallel import fewest_gpus, rank_bytes
 
     h100 = hardware.gpu("h100").memory_bytes
     for name in ("llama-7b", "llama-30b"):

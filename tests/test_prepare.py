@@ -14,9 +14,9 @@ import pytest
 from ballonet.cli import main
 from ballonet.errors import InputError
 from ballonet.plan import Plan, Ring, Segment
-from ballonet.training.corpus import from_prepared, load_corpus
-from ballonet.training.loader import CONTENT_SAMPLE, IGNORE_INDEX, BalancedLoader
-from ballonet.training.prepare import PrepareConfig, prepare
+from ballonet.training.data.corpus import from_prepared, load_corpus
+from ballonet.training.data.loader import CONTENT_SAMPLE, IGNORE_INDEX, BalancedLoader
+from ballonet.training.data.prepare import PrepareConfig, prepare
 
 tokenizers = pytest.importorskip("tokenizers")
 from tests.text_sources import texts, train_tokenizer, write_sources  # noqa: E402 - after the skip: needs tokenizers

@@ -9,8 +9,8 @@ from helpers import SPEC, one_rank_plan
 from torch.utils.checkpoint import checkpoint
 
 import ballonet
-from ballonet.training import model as model_module
-from ballonet.training.model import IGNORE_INDEX, Transformer
+from ballonet.training.parallelism import model as model_module
+from ballonet.training.parallelism.model import IGNORE_INDEX, Transformer
 
 
 def _batch():

@@ -41,7 +41,7 @@ from ballonet.runtime.routing import (
     relay_meta,
     routes_by_hop,
 )
-from ballonet.training.model import Transformer
+from ballonet.training.parallelism.model import Transformer
 
 ROW = 2 * H_KV * D * 4
 """Bytes of one K/V row (K and V, fp32), and of one fp32 dK/dV row."""

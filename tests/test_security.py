@@ -14,8 +14,8 @@ import pytest
 
 import ballonet
 from ballonet import cli
-from ballonet.training import safe_dcp
-from ballonet.training.corpus import from_prepared, load_corpus
+from ballonet.training.checkpoints import safe_dcp
+from ballonet.training.data.corpus import from_prepared, load_corpus
 from ballonet.training.loop import TrainConfig, train
 
 TRAIN = ["train", "--steps", "3", "--global-tokens", "512", "--max-doc-tokens", "256"]
@@ -181,7 +181,7 @@ def test_checkpoint_fields_are_checked_before_anything_is_loaded(clean_checkpoin
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
-    from ballonet.training.prepare import PrepareConfig, prepare
+    from ballonet.training.data.prepare import PrepareConfig, prepare
 
     root = tmp_path_factory.mktemp("corpus")
     data = root / "docs.jsonl"

@@ -29,8 +29,8 @@ from ballonet.plan import Plan, Segment
 from ballonet.planning import PLANNERS, plan_batch
 from ballonet.simulation import simulate
 from ballonet.specs import ClusterSpec, NodeGroup
-from ballonet.training import parallel, tensor_parallel
-from ballonet.training.model import Transformer
+from ballonet.training.parallelism import parallel, tensor_parallel
+from ballonet.training.parallelism.model import Transformer
 
 CONFIGS = [
     # (cluster, nodes, model, lengths)

@@ -27,10 +27,10 @@ import ballonet
 from ballonet import runtime
 from ballonet.runtime import engine, remapping, step
 from ballonet.runtime.staging import _leaves, stage
-from ballonet.training import loader as loader_module
-from ballonet.training.corpus import load_corpus
-from ballonet.training.loader import BalancedLoader
-from ballonet.training.model import Transformer
+from ballonet.training.data import loader as loader_module
+from ballonet.training.data.corpus import load_corpus
+from ballonet.training.data.loader import BalancedLoader
+from ballonet.training.parallelism.model import Transformer
 
 
 def test_a_tree_moves_in_one_copy():

@@ -1,4 +1,4 @@
-"""Tensor parallelism (`training/tensor_parallel.py`) against one process.
+"""Tensor parallelism (`training/parallelism/tensor_parallel.py`) against one process.
 
 On 4 gloo ranks (tp 2 x 2 plan ranks) and on 8 (tp 2 x 4 plan ranks, two emulated
 nodes), with FSDP2 over the plan ranks and TP inside (torchtitan's composition), fp32,
@@ -36,9 +36,9 @@ import ballonet
 from ballonet import runtime
 from ballonet.errors import InputError
 from ballonet.plan import Plan, Route
-from ballonet.training import parallel, tensor_parallel
+from ballonet.training.parallelism import parallel, tensor_parallel
 from ballonet.training.loop import TrainConfig, train_model
-from ballonet.training.model import Transformer
+from ballonet.training.parallelism.model import Transformer
 
 TP = 2
 SPEC = ballonet.model("tiny")

@@ -17,10 +17,10 @@ from distributed import run_ranks
 
 import ballonet
 from ballonet.plan import Plan, Segment
-from ballonet.training.corpus import load_corpus
-from ballonet.training.loader import BalancedLoader
+from ballonet.training.data.corpus import load_corpus
+from ballonet.training.data.loader import BalancedLoader
 from ballonet.training.loop import TrainConfig, train, train_model
-from ballonet.training.model import Transformer
+from ballonet.training.parallelism.model import Transformer
 
 STEPS = 5
 BASE = dict(model="tiny", corpus="stdlib", global_tokens=1536, max_doc_tokens=1024, lr=3e-3, seed=3)
@@ -68,9 +68,9 @@ def _reference_run(steps, **config):
 def _first_step_grads(config: dict, rank: int, world_size: int, recompute_of_rank=None) -> dict:
     """Gradients of the first batch's mean loss, unsharded, as the loop computes them
     (`recompute_of_rank`: each rank's (mode, layers) for `Transformer.set_recompute`)."""
-    from ballonet.training import parallel
+    from ballonet.training.parallelism import parallel
     from ballonet.training.loop import preflight
-    from ballonet.training.model import build_model
+    from ballonet.training.parallelism.model import build_model
 
     tc = TrainConfig(**config)
     cluster, spec, corpus = preflight(tc, world_size)
@@ -451,7 +451,7 @@ def test_non_tensor_checkpoint_items_load_weights_only(tmp_path):
     import pickle
     from types import SimpleNamespace
 
-    from ballonet.training.checkpoint import SafeLoadPlanner
+    from ballonet.training.checkpoints.checkpoint import SafeLoadPlanner
 
     marker = tmp_path / "pwned"
 

@@ -27,11 +27,11 @@ from distributed import run_ranks
 
 import ballonet
 from ballonet.plan import Plan, Segment
-from ballonet.training.checkpoint import prunable
-from ballonet.training.corpus import load_corpus
-from ballonet.training.loader import BalancedLoader
+from ballonet.training.checkpoints.checkpoint import prunable
+from ballonet.training.data.corpus import load_corpus
+from ballonet.training.data.loader import BalancedLoader
 from ballonet.training.loop import TrainConfig, train_model
-from ballonet.training.model import Transformer
+from ballonet.training.parallelism.model import Transformer
 
 BASE = dict(model="tiny", corpus="stdlib", global_tokens=1536, max_doc_tokens=1024, lr=3e-3, seed=3)
 SCHEDULE = dict(warmup_steps=2, lr_decay="cosine", min_lr=3e-4, max_grad_norm=0.5)
@@ -165,7 +165,7 @@ def test_pruning_keeps_the_newest_and_the_one_resumed_from(tmp_path):
 
 
 def test_micro_batches_hold_every_piece_once_with_even_tokens():
-    from ballonet.training.accumulation import micro_batches
+    from ballonet.training.data.accumulation import micro_batches
 
     lengths = [900, 30, 400, 400, 120, 50, 36, 10]
     groups = micro_batches(lengths, 3)

@@ -23,9 +23,10 @@ from ballonet.calibration import profile
 from ballonet.cost.profiles import PROFILES
 from ballonet.errors import InputError
 from ballonet.integrations import hf_model
-from ballonet.training import checkpoint, prepare, safe_dcp
+from ballonet.training.checkpoints import checkpoint, safe_dcp
+from ballonet.training.data import prepare
 from ballonet.training.config_file import read_config_file
-from ballonet.training.corpus import from_prepared, from_text_dir, load_corpus
+from ballonet.training.data.corpus import from_prepared, from_text_dir, load_corpus
 from ballonet.training.loop import TrainConfig, train
 
 HF_CONFIG = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
@@ -301,7 +302,7 @@ def test_the_command_line_says_one_line_and_exits_2(tmp_path, monkeypatch, capsy
 
 
 def test_a_npy_lengths_file_and_a_jsonl_length_are_bounded(tmp_path):
-    from ballonet.training.corpus import SYNTHETIC_BLOCK
+    from ballonet.training.data.corpus import SYNTHETIC_BLOCK
 
     path = tmp_path / "c.jsonl"
     path.write_text(json.dumps({"length": 200_000_000}) + "\n")

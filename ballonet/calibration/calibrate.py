@@ -10,7 +10,7 @@ What is measured, on the device this process runs on:
    as a pack of max(1, pack_tokens // L) documents, as a rank's local documents run. Efficiency = FLOPs / (seconds * peak), FLOPs
    2*H*D*L*(L+1) forward and 2.5x that backward (`cost.flops`).
 2. By tokens per rank, forward and backward of the model's GEMMs alone (each layer's
-   QKV/O/MLP weights and the LM head of `training.model.Transformer` with at most 2
+   QKV/O/MLP weights and the LM head of `training.parallelism.model.Transformer` with at most 2
    layers): efficiency = 3 * GEMM FLOPs / (seconds * peak), the same for forward and
    backward (the backward's 2x FLOPs at the forward's efficiency is what the cost model
    assumes); and of the model without its attention core (embedding, norms, RoPE,
@@ -32,7 +32,7 @@ What is measured, on the device this process runs on:
 Under torchrun every rank measures items 1 and 2 at the same time, and the profile takes
 the median of the ranks' timings of each point (`median_rank`): on a shared host one
 rank's point moves by 20-50% between runs. Each rank runs as `ballonet train` runs a CPU rank
-(`training.host`).
+(`training.jobs.host`).
 Items 1 and 2 are `measure_compute.py`, item 3 `measure_links.py`; this module builds the
 profile and runs the command. Peak FLOP/s and nominal link bandwidths are the GPU type's
 (`cost.hardware.GPUS`) and the cluster preset's NIC rate, so efficiencies are fractions of
@@ -65,7 +65,7 @@ from ballonet.calibration.measure_links import link_figures, measure_comm
 from ballonet.calibration.settings import Settings, quick
 from ballonet.cost import hardware
 from ballonet.runtime import kernels
-from ballonet.training import host
+from ballonet.training.jobs import host
 
 
 def _curve(tokens, effs) -> calibration.Curve:

@@ -138,7 +138,7 @@ def measure_linear(s: Settings, device: torch.device, dtype: torch.dtype, progre
     (embedding, norms, RoPE, SwiGLU, residual adds, LM head and loss), at most 2 layers.
     GEMM efficiency = 3 * GEMM FLOPs / (seconds * peak); the rest of the model's seconds is
     its elementwise work, as achieved bytes/s over 3x the forward bytes (`cost.flops`)."""
-    from ballonet.training.model import Transformer
+    from ballonet.training.parallelism.model import Transformer
 
     spec = _calibration_model(s)
     model = Transformer(spec, attention_fn=lambda q, k, v, *_: q).to(device=device, dtype=dtype)  # no attention core
@@ -163,11 +163,11 @@ def measure_linear(s: Settings, device: torch.device, dtype: torch.dtype, progre
 def measure_step(s: Settings, device: torch.device, dtype: torch.dtype) -> dict:
     """What a training step costs besides the model's kernels, on the world's ranks: the
     model without its attention core wrapped by FSDP2 as the training loop wraps it
-    (`training.parallel`) against the bare model, on the same tokens (framework seconds
+    (`training.parallelism.parallel`) against the bare model, on the same tokens (framework seconds
     per layer), and AdamW's step over the parameters a rank holds (seconds per parameter).
     One process (no torchrun): no FSDP2 figure, the optimizer on the whole model."""
-    from ballonet.training import parallel
-    from ballonet.training.model import Transformer
+    from ballonet.training.parallelism import parallel
+    from ballonet.training.parallelism.model import Transformer
 
     spec = _calibration_model(s)
     bare = Transformer(spec, attention_fn=lambda q, k, v, *_: q).to(device=device, dtype=dtype)

@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()  # a reader that left early (`| head`) is noticed here, not at exit
         return code
     except InputError as e:
-        from ballonet.training.launch import report_rank_error
+        from ballonet.training.jobs.launch import report_rank_error
 
         line = f"ballonet {args.command}: error: {e}"
         if not report_rank_error(line):

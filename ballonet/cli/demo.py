@@ -23,7 +23,7 @@ def cmd_demo(args) -> int:
     import tempfile
 
     from ballonet.simulation import comparison
-    from ballonet.training.launch import launch
+    from ballonet.training.jobs.launch import launch
 
     cluster, model = specs.cluster("a800-4nic", num_nodes=4), specs.model("llama-7b")
     planners = ["zeppelin", "te_cp", "hybrid_dp", "packed_dp"]

@@ -28,7 +28,7 @@ def register(sub) -> None:
 
 
 def cmd_export(args) -> int:
-    from ballonet.training.export import export
+    from ballonet.training.checkpoints.export import export
 
     summary = export(args.checkpoint, args.out, overwrite=args.overwrite, tokenizer=args.tokenizer)
     if args.json:

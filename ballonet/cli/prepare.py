@@ -31,7 +31,7 @@ def cmd_prepare(args) -> int:
         TimeRemainingColumn,
     )
 
-    from ballonet.training import prepare
+    from ballonet.training.data import prepare
 
     config = prepare.PrepareConfig(data=args.data, out=args.out, tokenizer=args.tokenizer,
                                    text_column=args.text_column, batch_size=args.batch_size)

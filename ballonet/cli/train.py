@@ -47,7 +47,7 @@ def _ranks(config) -> tuple[int | None, int | None]:
     """(ranks to launch, or None for this process alone; with --lease, the ranks of the
     groups not loaned). A cluster of several node groups runs one rank per GPU of them."""
     from ballonet import specs
-    from ballonet.training import lease
+    from ballonet.training.jobs import lease
 
     cluster = specs.cluster(config.cluster)
     nproc = config.nproc if config.nproc is not None or len(cluster.groups) == 1 else cluster.num_ranks
@@ -64,8 +64,8 @@ def _ranks(config) -> tuple[int | None, int | None]:
 
 def cmd_train(args) -> int:
     from ballonet.training import config as train_config
-    from ballonet.training import lease
-    from ballonet.training.launch import launch, report_rank_stop
+    from ballonet.training.jobs import lease
+    from ballonet.training.jobs.launch import launch, report_rank_stop
     from ballonet.training.loop import preflight, train
 
     config = train_config.config_from_args(args)  # defaults < --config FILE < the flags given

@@ -4,7 +4,7 @@ All FLOPs are per layer and forward unless a name says otherwise; with tensor pa
 a GPU does 1/tp of them. Sources: causal attention FLOPs as in FlashAttention's benchmark
 (2 matmuls of 2*D FLOPs per (query, key) pair and head; backward 2.5x, 5 matmuls); linear
 FLOPs as in Megatron-LM's `num_floating_point_operations` (2 FLOPs per weight per token).
-Bytes moved are what the runtime sends (`training/model.py`, `runtime/routing.py`).
+Bytes moved are what the runtime sends (`training/parallelism/model.py`, `runtime/routing.py`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ ELEMENTWISE_BACKWARD_FACTOR = 2.0
 """Backward elementwise bytes / forward (each op reads its saved input and the output's
 gradient and writes the input's: about twice the forward's traffic)."""
 LOSS_DTYPE_BYTES = 4
-"""The loss runs on fp32 logits (`training/model.py` upcasts them)."""
+"""The loss runs on fp32 logits (`training/parallelism/model.py` upcasts them)."""
 GRAD_BYTES = 2
 """Bytes per gradient element in the data-parallel all-reduce (bf16)."""
 KV_GRAD_BYTES = 4
@@ -91,7 +91,7 @@ def hidden_bytes(model: ModelSpec, rows: int) -> float:
 
 def remap_bytes(model: ModelSpec, tokens: int, toward_attention: bool) -> float:
     """What the runtime's remap moves for `tokens` tokens in one layer, one way
-    (`training/model.py`): q, k and v (h + 2 kv_dim elements a token) toward the attention
+    (`training/parallelism/model.py`): q, k and v (h + 2 kv_dim elements a token) toward the attention
     layout, the attention output o (h) back. The backward moves the gradients of the
     same tensors the other way, so the same bytes each way."""
     per_token = model.hidden + 2 * model.kv_dim if toward_attention else model.hidden
@@ -105,7 +105,7 @@ def grad_bytes(model: ModelSpec) -> float:
 
 def elementwise_bytes_per_token(model: ModelSpec) -> float:
     """Bytes one layer's elementwise work reads and writes per token, forward, one pass per
-    op over its tensors (`training/model.py`): two RMSNorms (read and write h), rotary on q
+    op over its tensors (`training/parallelism/model.py`): two RMSNorms (read and write h), rotary on q
     and k (read and write h + kv_dim), silu(gate) * up (read 2 ffn, write ffn) and two
     residual adds (read 2h, write h)."""
     h, kv, f = model.hidden, model.kv_dim, model.ffn_hidden

@@ -45,7 +45,7 @@ def recompute_layer_count(model: ModelSpec, mode: str | None = None, layers: Tok
 
 def layer_activation_elements(model: ModelSpec) -> tuple[float, float]:
     """Elements one token saves for the backward of one layer without recomputation, as
-    (on the linear layout, on the attention layout) (`training/model.py`): the attention
+    (on the linear layout, on the attention layout) (`training/parallelism/model.py`): the attention
     block's input, its normed input (QKV's input) and o (the output projection's input),
     the MLP block's input, normed input, gate, up, silu(gate) and their product; on the
     attention layout q, k, v and the attention output (flash attention keeps no scores)."""
@@ -67,7 +67,7 @@ def activation_bytes(model: ModelSpec, linear_tokens: Tokens, attention_tokens: 
     With tensor parallelism a GPU holds 1/tp of each tensor (its heads, its FFN columns,
     its shard of the sequence), except the two normed inputs: sequence parallelism
     all-gathers them before the projections, which keep them whole on every GPU of the
-    TP group (`training/tensor_parallel.py`)."""
+    TP group (`training/parallelism/tensor_parallel.py`)."""
     k = recompute_layer_count(model, mode, layers)
     mode = mode or recompute_mode(model)
     h, f, n, tp = model.hidden, model.ffn_hidden, model.num_layers, model.tp

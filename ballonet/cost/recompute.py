@@ -44,7 +44,7 @@ def cheapest_per_rank(model: ModelSpec, tokens_per_rank, gpus, num_dp_ranks: int
     holds its tokens on every layer (`cheapest_mode`) and, unless the model fixes
     its recomputation, what each rank then needs of it (`layers_per_rank`): ranks may
     differ there, as a selective or linear layer reruns only its own local work, no
-    collective (`training/model.py`); full recomputation reruns the layer's remap and
+    collective (`training/parallelism/model.py`); full recomputation reruns the layer's remap and
     ring, so every rank does it or none. None if nothing fits."""
     mode = cheapest_mode(model, tokens_per_rank, gpus, num_dp_ranks, attention_tokens)
     if mode is None:

@@ -1,5 +1,5 @@
 """Tensor parallelism's collectives in a step, as the runtime runs them
-(`training/tensor_parallel.py`: DTensor, sequence parallelism, the loss on vocabulary
+(`training/parallelism/tensor_parallel.py`: DTensor, sequence parallelism, the loss on vocabulary
 shards): which, their bytes (what one GPU of a TP group sends, nccl-tests' bus bytes)
 and their seconds on its node's links. The simulator runs them on the compute stream.
 """
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 TP_RERUN = {"none": (0, 0), "selective": (1, 0), "linear": (2, 1), "full": (2, 1)}
 """(all-gathers, reduce-scatters) of the hidden states a layer's backward runs again under
-each recomputation (`training/tensor_parallel.py`): the checkpointed pieces rerun their
+each recomputation (`training/parallelism/tensor_parallel.py`): the checkpointed pieces rerun their
 gathers, and `torch.utils.checkpoint` stops a rerun after the last tensor the backward
 needs, before the piece's last reduce-scatter."""
 

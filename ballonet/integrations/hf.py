@@ -18,7 +18,7 @@ at every document. The attention interface receives q, k and v right after the
 projections (and RoPE) and returns o right before the output projection: there
 `attention_forward` moves q, k and v to the attention layout in one all-to-all, runs the
 engine (which keeps attention inside documents), and moves o back. This is where
-`ballonet.training.model` remaps too. transformers builds no attention mask for it.
+`ballonet.training.parallelism.model` remaps too. transformers builds no attention mask for it.
 
 Layers recomputed in the backward (`torch.utils.checkpoint`) need the plan there too:
 checkpoint them with `context_fn=recompute_context` (`hf_model.enable_recompute` does).
@@ -45,7 +45,7 @@ from torch.distributed.tensor import DTensor
 from ballonet import runtime
 from ballonet.plan import Plan
 from ballonet.runtime.remapping import remap
-from ballonet.training.loader import IGNORE_INDEX, RankBatch
+from ballonet.training.data.loader import IGNORE_INDEX, RankBatch
 
 try:
     from transformers import AttentionInterface

@@ -6,7 +6,7 @@ their index): without weights, the model is initialised from `seed`, the same on
 rank. Pickled weights (`pytorch_model.bin`) are refused, never unpickled. Nothing is
 downloaded. The model keeps its class, state dict and blocks (so FSDP2
 shards `model.model.layers` block by block); it gains one method, `loss`, with the
-signature of `ballonet.training.model.Transformer.loss`.
+signature of `ballonet.training.parallelism.model.Transformer.loss`.
 
 Activation recomputation (`--recompute`) checkpoints the model's own modules in place,
 as `cost.memory.activation_bytes` prices it: "full" every decoder layer (its input kept;
@@ -16,7 +16,7 @@ input is the normed hidden state, which the model's layer computes outside `mlp`
 layer keeps `hidden` elements a token more than the cost model's "selective" (which
 reruns the norm too, as `ballonet.llama` does): 8.5% of what that frees, on llama-7b.
 The recomputation runs inside the plan context of the forward (`hf.recompute_context`).
-With tensor parallelism (`training.tensor_parallel.parallelize_hf`) the `mlp`'s input is
+With tensor parallelism (`training.parallelism.tensor_parallel.parallelize_hf`) the `mlp`'s input is
 gathered by a hook outside its checkpoint: "selective" keeps that gathered input whole and
 reruns no collective (the built-in model's "selective" reruns the gather instead).
 """
@@ -43,8 +43,8 @@ from ballonet.paths import read_json_object
 from ballonet.plan import Plan
 from ballonet.runtime.remapping import remap
 from ballonet.specs import ModelSpec
-from ballonet.training.loader import IGNORE_INDEX
-from ballonet.training.parallel import local_box, transformer_blocks
+from ballonet.training.data.loader import IGNORE_INDEX
+from ballonet.training.parallelism.parallel import local_box, transformer_blocks
 
 PREFIX = "hf:"
 CONFIG = "config.json"
@@ -267,7 +267,7 @@ def build_model(name: str, seed: int, device: torch.device, recompute: str = "no
     """The causal LM of `hf:DIR` with attn_implementation="ballonet", fp32, on `device`,
     with activation recomputation `recompute` (`enable_recompute`; "selective" on the first
     `recompute_layers` layers if given). On the meta device (`device` "meta") its parameters
-    hold nothing until `load_shards` reads each rank's shards (`training.build`)."""
+    hold nothing until `load_shards` reads each rank's shards (`training.parallelism.build`)."""
     folder = _folder(name)
     try:
         from safetensors import SafetensorError

@@ -3,7 +3,7 @@ replayed under NCCL's rules (`replay.py`): `check_schedule`, `ballonet plan --ch
 
 Each rank runs its part of one training step (`record`): the plan check, the token ids'
 remap, then per layer the remap of q, k, v to the attention layout, the attention
-forward and the remap of its output back (as `training.model.Block` and
+forward and the remap of its output back (as `training.parallelism.model.Block` and
 `integrations.hf` run a layer), and the backward in reverse, by default with full
 recomputation (the layer's forward, exchanges included, rerun before its backward).
 The attention passes run the engine's own code (`engine.run_pass`, `ring.ring_pass`,

@@ -1,6 +1,6 @@
 """A day of loans, simulated: tokens trained over a schedule of hours in which a cluster's
 loaned node groups are lent or reclaimed, against its own groups alone, each change of
-members priced as `ballonet train --lease` runs it (`training/lease.py`).
+members priced as `ballonet train --lease` runs it (`training/jobs/lease.py`).
 
 A change waits for the step in flight (on average half a step: the lender's wait, not
 lost to training), then the job saves (DCP: fp32 weights and AdamW's two states, 12 bytes

@@ -31,7 +31,7 @@ What is simulated (`timeline.py` has the event model, `fabric.py` the links,
   they arrive) a transfer waits for its data only; without it (`engine=False`, every
   ring kind, double rings included) a send also waits for every kernel its rank queued
   before it, as `batch_isend_irecv` on the compute stream does.
-* Data-parallel collectives, as the runtime's FSDP2 runs them (`training/parallel.py`):
+* Data-parallel collectives, as the runtime's FSDP2 runs them (`training/parallelism/parallel.py`):
   each layer's forward runs beside the next layer's parameter all-gather (bf16), each
   backward beside an all-gather and the previous layer's gradient reduce-scatter (fp32),
   each priced as half of `cost.seconds.grad_allreduce_parts` (a hierarchical all-reduce:

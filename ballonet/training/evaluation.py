@@ -24,9 +24,9 @@ from torch.distributed.fsdp import FSDPModule
 from ballonet.errors import InputError
 from ballonet.plan import Plan
 from ballonet.training.config import TrainConfig
-from ballonet.training.corpus import Corpus, load_corpus
-from ballonet.training import tensor_parallel
-from ballonet.training.loader import BalancedLoader, RankBatch
+from ballonet.training.data.corpus import Corpus, load_corpus
+from ballonet.training.parallelism import tensor_parallel
+from ballonet.training.data.loader import BalancedLoader, RankBatch
 
 _HOLD_OUT_STREAM = 0x5EED_E7A1
 """Mixed into the seed of the held-out choice, so it is not the first epoch's order."""

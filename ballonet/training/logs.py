@@ -23,7 +23,7 @@ import time
 from ballonet import user_files
 from ballonet.errors import InputError
 from ballonet.training.config import MAY_CHANGE_ON_RESUME, TrainConfig, run_fields
-from ballonet.training.safe_dcp import write_durably
+from ballonet.training.checkpoints.safe_dcp import write_durably
 
 SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "compute_s_max", "exposed_comm_s_max",
            "memory_peak_bytes_max", "step_time_s")

@@ -40,13 +40,15 @@ from ballonet.cost.recompute import plan_recompute
 from ballonet.errors import InputError
 from ballonet.integrations import hf_model
 from ballonet.plan.recompute import heaviest
-from ballonet.training import (checkpoint, config_file, evaluation, export, host, lease, logs, metrics, optim,
-                               parallel, tensor_parallel)
+from ballonet.training import config_file, evaluation, logs, metrics, optim
+from ballonet.training.checkpoints import checkpoint, export
+from ballonet.training.jobs import host, lease
+from ballonet.training.parallelism import parallel, tensor_parallel
 from ballonet.training.config import TrainConfig
-from ballonet.training.corpus import Corpus
-from ballonet.training.launch import ERROR_DIR_ENV, preempt_file
-from ballonet.training.loader import BalancedLoader, Cursor, document_order, take_pieces
-from ballonet.training.build import build_sharded_model
+from ballonet.training.data.corpus import Corpus
+from ballonet.training.jobs.launch import ERROR_DIR_ENV, preempt_file
+from ballonet.training.data.loader import BalancedLoader, Cursor, document_order, take_pieces
+from ballonet.training.parallelism.build import build_sharded_model
 from ballonet.training.preflight import agree, preflight
 
 

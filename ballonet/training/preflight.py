@@ -20,9 +20,11 @@ import ballonet
 from ballonet import specs
 from ballonet.errors import InputError
 from ballonet.integrations import hf_model
-from ballonet.training import checkpoint, evaluation, logs, metrics, parallel, tensor_parallel
+from ballonet.training import evaluation, logs, metrics
+from ballonet.training.checkpoints import checkpoint
+from ballonet.training.parallelism import parallel, tensor_parallel
 from ballonet.training.config import PER_PROCESS, TrainConfig, run_fields
-from ballonet.training.corpus import load_corpus
+from ballonet.training.data.corpus import load_corpus
 
 
 def _cluster(config: TrainConfig, world_size: int) -> ballonet.ClusterSpec:

@@ -11,7 +11,7 @@ thread, median of 5, after a warm-up):
 * attention: the runtime engine on the rank's own documents (a one-rank plan), forward
   and backward, times the model's layers;
 * the model without its attention core on the rank's tokens (GEMMs, elementwise, head, loss);
-* the whole model (`training.model.Transformer`) on the real plan, bare and wrapped by
+* the whole model (`training.parallelism.model.Transformer`) on the real plan, bare and wrapped by
   FSDP2 as the training loop wraps it, timed alternately (`calibration.measure_compute.
   paired_s`, as calibrate times the same difference): the median of their paired
   differences is the framework's work (two separate medians differ by more than it);
@@ -70,8 +70,8 @@ def _one_rank(lengths) -> Plan:
 
 
 def _measure(rank: int, plan: Plan, spec, with_table: bool) -> dict:
-    from ballonet.training import parallel
-    from ballonet.training.model import Transformer
+    from ballonet.training.parallelism import parallel
+    from ballonet.training.parallelism.model import Transformer
 
     local = [s.num_tokens for s in plan.attention[rank]]
     T = sum(local)
@@ -120,7 +120,7 @@ def _price(rank: int, plan: Plan, spec, cluster) -> dict:
 
 
 def rank_fn(rank: int, world: int, planner: str, profile_path: str, lengths: list[int]) -> dict:
-    from ballonet.training import host
+    from ballonet.training.jobs import host
 
     host.setup_cpu_rank()  # as `ballonet train` runs a CPU rank
     torch.manual_seed(rank)

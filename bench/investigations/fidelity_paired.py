@@ -18,7 +18,7 @@ and each round
 2. for each planner, in an order rotated from round to round: plans bench/fidelity.py's
    long batches, as `ballonet train` takes them (`host_allocator.batches`), with that
    profile, and trains --steps steps of the tiny model as the training loop does (FSDP2,
-   AdamW, gradients set to None; `training.host.setup_cpu_rank`), timing each rank's
+   AdamW, gradients set to None; `training.jobs.host.setup_cpu_rank`), timing each rank's
    forward and backward (CPU time of its thread), the first step left out;
 3. simulates each plan under the same profile, as bench/fidelity.py does.
 
@@ -57,8 +57,9 @@ from tests.distributed import run_ranks
 
 
 def rank_fn(rank: int, world: int, cluster, spec, planners: list[str], rounds: int, lengths: list[list[int]]) -> list:
-    from ballonet.training import host, parallel
-    from ballonet.training.model import Transformer
+    from ballonet.training.jobs import host
+    from ballonet.training.parallelism import parallel
+    from ballonet.training.parallelism.model import Transformer
 
     host.setup_cpu_rank()  # as `ballonet train` runs a CPU rank
     torch.manual_seed(0)

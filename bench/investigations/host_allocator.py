@@ -1,5 +1,5 @@
 """What a CPU rank's step pays the host allocator: with glibc's defaults, with the settings
-`ballonet train` and `ballonet calibrate` give a CPU rank (`training.host`), and with the
+`ballonet train` and `ballonet calibrate` give a CPU rank (`training.jobs.host`), and with the
 settings and the heap warmed as `ballonet train` warms it before its first step.
 
     OMP_NUM_THREADS=1 python bench/investigations/host_allocator.py [--ranks 4] [--steps 8] [--groups 3]
@@ -41,9 +41,10 @@ import ballonet
 from _common import command, record, write_text
 from fidelity import long_lengths
 from ballonet.planning import plan_batch
-from ballonet.training import host, parallel
-from ballonet.training.loader import Cursor, document_order, take_pieces
-from ballonet.training.model import Transformer
+from ballonet.training.jobs import host
+from ballonet.training.parallelism import parallel
+from ballonet.training.data.loader import Cursor, document_order, take_pieces
+from ballonet.training.parallelism.model import Transformer
 from tests.distributed import run_ranks
 
 TOKENS = 16384
@@ -124,7 +125,7 @@ def report(rows: list[dict], args, cmd: str, seconds: float, taken: bool) -> str
              f"Command: `{cmd}` ({seconds:.0f} s, load average {args.load:.1f} at the start). {args.ranks} ranks, "
              f"{args.steps} steps a group (the first left out), {args.groups} groups of each arm, in cycles whose order "
              "rotates: glibc's "
-             f"defaults; `training.host.setup_cpu_rank()` (the allocator {'took' if taken else 'refused'} its "
+             f"defaults; `training.jobs.host.setup_cpu_rank()` (the allocator {'took' if taken else 'refused'} its "
              "settings); those settings and the heap warmed before the first step as `ballonet train` warms it "
              "(`host.warm_heap(host.step_heap_bytes(...))`). Each step: the next batch `ballonet train` takes from "
              "bench/fidelity.py's long documents (16384 tokens), planned by packed_dp. Per rank: medians over steps "

@@ -58,8 +58,8 @@ from ballonet.plan import Plan
 from ballonet.runtime.remapping import remap
 from ballonet.specs import ModelSpec
 from ballonet.training.config import TrainConfig
-from ballonet.training.loader import IGNORE_INDEX
-from ballonet.training.parallel import local_box
+from ballonet.training.data.loader import IGNORE_INDEX
+from ballonet.training.parallelism.parallel import local_box
 
 ROPE_THETA = 10000.0
 NORM_EPS = 1e-5
@@ -171,7 +171,7 @@ class Transformer(nn.Module):
         self.set_recompute(recompute, spec.recompute_layers)
         self.norm = nn.RMSNorm(spec.hidden, eps=NORM_EPS)
         self.head = nn.Linear(spec.hidden, spec.vocab_size, bias=False)
-        if self.head.weight.device.type != "meta":  # on meta: drawn after sharding (`training.build`)
+        if self.head.weight.device.type != "meta":  # on meta: drawn after sharding (`training.parallelism.build`)
             self.reset_parameters(seed)
 
     def set_recompute(self, recompute: Recompute, layers: int | None = None) -> None:
@@ -271,7 +271,7 @@ def _check_plan_first(plan: Plan, rank: int, group, device, content=None) -> Non
 def build_model(config: TrainConfig, spec: ModelSpec, device: torch.device) -> Transformer:
     """The model a training run trains (weights from `config.seed`, the same on every
     rank), whole, before sharding; on the meta device (`device` "meta") it holds no
-    weights until `training.build` shards it and draws them."""
+    weights until `training.parallelism.build` shards it and draws them."""
     # --recompute auto starts with none; `loop._auto_recompute` sets it each step.
     recompute = "none" if config.recompute == "auto" else config.recompute
     if device.type == "meta":

@@ -51,7 +51,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from ballonet import user_files
 from ballonet.errors import InputError
 from ballonet.training.config_file import RESOLVED
-from ballonet.training.safe_dcp import (
+from ballonet.training.checkpoints.safe_dcp import (
     DCP_METADATA, SafeLoadPlanner, SafeReader, SafeWriter, check_tensors, expected_tensors, fsync_path, last_line,
     read_safe_metadata, write_durably)
 

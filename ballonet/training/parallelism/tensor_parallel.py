@@ -78,7 +78,7 @@ def _sharded(model: nn.Module, tp_mesh: DeviceMesh) -> None:
 
 
 def parallelize_transformer(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
-    """Split `model` (a `training.model.Transformer`) over `tp_mesh` in place, before
+    """Split `model` (a `training.parallelism.model.Transformer`) over `tp_mesh` in place, before
     FSDP2 shards it over the plan ranks (torchtitan's order)."""
     tp = tp_mesh.size()
     check_heads(model.spec.name, model.spec.num_heads, model.spec.num_kv_heads, tp)

@@ -20,9 +20,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ballonet.integrations import hf_model
 from ballonet.specs import ModelSpec
-from ballonet.training import parallel, tensor_parallel
+from ballonet.training.parallelism import parallel, tensor_parallel
 from ballonet.training.config import TrainConfig
-from ballonet.training.model import build_model
+from ballonet.training.parallelism.model import build_model
 
 META = torch.device("meta")
 

@@ -28,7 +28,7 @@ import signal
 import sys
 import tempfile
 
-from ballonet.training import lease
+from ballonet.training.jobs import lease
 
 ERROR_DIR_ENV = "BALLONET_ERROR_DIR"
 """Set by `launch` for its ranks: where a rank leaves the line of its bad-input error."""

@@ -23,8 +23,8 @@ import torch.distributed.checkpoint as dcp
 
 from ballonet.errors import InputError
 from ballonet.specs import ModelSpec
-from ballonet.training import checkpoint, export_folder as output, safe_dcp
-from ballonet.training.model import NORM_EPS, ROPE_THETA, Transformer
+from ballonet.training.checkpoints import checkpoint, export_folder as output, safe_dcp
+from ballonet.training.parallelism.model import NORM_EPS, ROPE_THETA, Transformer
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"

@@ -33,7 +33,7 @@ import numpy as np
 from ballonet import user_files
 from ballonet.errors import InputError
 from ballonet.paths import check_free_space
-from ballonet.training.corpus import (
+from ballonet.training.data.corpus import (
     INDEX,
     MANIFEST,
     PREPARED_FORMAT,

@@ -186,7 +186,7 @@ def from_lengths(lengths, seed: int = 0, vocab_size: int = 256, name: str = "syn
     return dataclasses.replace(corpus, read_range=read_range)
 
 
-# ---- prepared corpora (written by `ballonet prepare`, training/prepare.py) -------------
+# ---- prepared corpora (written by `ballonet prepare`, training/data/prepare.py) -------------
 
 PREPARED_FORMAT = "ballonet-tokens"
 PREPARED_VERSION = 1

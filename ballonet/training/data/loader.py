@@ -47,8 +47,8 @@ from ballonet.runtime.layout import (
     token_index,
 )
 from ballonet.runtime.staging import Staged
-from ballonet.training.accumulation import micro_batches
-from ballonet.training.corpus import Corpus
+from ballonet.training.data.accumulation import micro_batches
+from ballonet.training.data.corpus import Corpus
 
 IGNORE_INDEX = -100
 """Label of a token with no next token in its document (torch cross_entropy's default)."""

@@ -1,0 +1,1 @@
+"""Checkpoints: DCP saves, loading them safely, and the export to Hugging Face."""

@@ -1,0 +1,1 @@
+"""Training data: corpora, their preparation, and the planned, resumable loader."""
