@@ -365,13 +365,17 @@ def ring_wait_seconds(plan: Plan, dev: Devices, model: ModelSpec) -> np.ndarray:
     R = plan.num_ranks
     if not plan.rings:
         return np.zeros(R)
-    local = np.zeros(R)
     in_ring = plan.ring_of_doc
-    for r, segs in enumerate(plan.attention):
-        lengths = [s.num_tokens for s in segs if s.doc not in in_ring]
-        if lengths:
-            local[r] = float(np.sum(attention_seconds(model, dev.gpu[r], attention_flops(model, lengths), lengths,
-                                                      backward=True)))
+    pairs = [(r, s.num_tokens) for r, segs in enumerate(plan.attention) for s in segs if s.doc not in in_ring]
+    rank = np.array([r for r, _ in pairs], dtype=np.int64)
+    block = np.array([n for _, n in pairs], dtype=float)
+    seconds = np.zeros(len(pairs))
+    names = np.array([g.name for g in dev.gpu])
+    for gpu in {g.name: g for g in dev.gpu}.values():  # one vector call per GPU type
+        on = names[rank] == gpu.name
+        if on.any():
+            seconds[on] = attention_seconds(model, gpu, attention_flops(model, block[on]), block[on], backward=True)
+    local = np.bincount(rank, weights=seconds, minlength=R).astype(float)
     out = np.zeros(R)
     for ring in plan.rings:
         members = list(ring.ranks)

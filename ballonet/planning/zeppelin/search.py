@@ -190,8 +190,9 @@ class CandidateSearch:
         as few layers as a plan needs costs little more than none, and where caps bind in
         the node that sets the best plan's step its looser caps may pay (linear
         recomputation's looser caps planned so too did not pay: docs/planner_evidence.md,
-        step 0)."""
-        return trim and next_mode == "selective" and self.best is not None and self.best.binds
+        step 0); and so where memory is nearly full on any rank (`_nearly_full`)."""
+        best = self.best
+        return trim and next_mode == "selective" and best is not None and (best.binds or _nearly_full(best))
 
     def _costlier_mode_loses(self, first: Candidate, next_mode: str) -> bool:
         """The next mode's compute of this mode's first plan, spread over the ranks by
@@ -199,6 +200,14 @@ class CandidateSearch:
         dev = first.dev
         seconds = rank_compute_seconds(first.plan, dev, first.model, next_mode, kernels=first.kernels)
         return np.average(seconds, weights=dev.speed) >= self.best_s
+
+
+def _nearly_full(best: Candidate) -> bool:
+    """Whether a rank of `best` is within `Thresholds.full_slack` of its memory cap: its
+    caps shaped the placement there, and selective recomputation on the few layers a plan
+    needs may even it out (in any node, not only the one whose rank sets the step)."""
+    used, total = np.asarray(best.plan.memory_bytes), np.asarray(best.dev.memory_total)
+    return bool((used >= (1 - THRESHOLDS.full_slack) * total).any())
 
 
 def zeppelin(lengths, cluster: ClusterSpec, model: ModelSpec, *, routing: bool = True, remap: bool = True,
