@@ -160,6 +160,21 @@ def test_simulated_step_respects_the_bound_and_moves_the_runtime_bytes(comm):
                 assert all(sim[k] == pytest.approx(expected[phase][k]) for k in expected[phase] if k[0] == "remap")
 
 
+def test_ping_pong_layers_meet_the_same_barrier_as_every_planner():
+    # One rule for every planner (docs/design.md, section 7): a layer starts on every rank
+    # together and lasts until its slowest rank's last task ends; the ping-pong's two
+    # nano-batches overlap each other inside the layer, never the next layer.
+    cluster, model = ballonet.cluster("a800-4nic", num_nodes=1), ballonet.model("llama-3b")
+    lengths = [30000, 1000, 200, 9000, 4000, 600, 16000, 2200, 120, 5000]
+    plan = plan_batch(lengths, cluster, model, planner="distca")
+    assert plan.meta["ping_pong"]
+    for run in (plan, dataclasses.replace(plan, meta={**plan.meta, "ping_pong": False})):
+        res = simulate(run, cluster, model)
+        name, tl, start, finish, _ = res.timelines[0]
+        assert name == "forward" and min(start) == 0.0
+        assert res.layer_forward_s == pytest.approx(max(finish), rel=1e-12)
+
+
 def test_cli_plans_and_simulates_distca(capsys):
     args = ["--cluster", "h800-8nic", "--nodes", "2", "--model", "llama-7b", "--workload", "wlbllm",
             "--tokens-per-gpu", "4096"]

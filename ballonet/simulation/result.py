@@ -76,21 +76,27 @@ class SimResult:
 
     def to_chrome_trace(self, path: str) -> None:
         """Chrome trace-event JSON of one forward and one backward layer (Perfetto opens it):
-        a process per rank, a thread for its compute stream and one per link it sends on."""
+        a process per rank, a thread for its compute stream and one per link it sends on (more
+        lanes where transfers share the link), a transfer shown from ready to done."""
         events, offset, threads = [], 0.0, {}  # threads: (pid, thread name) -> tid
         for name, tl, start, finish, fabric in self.timelines:
-            for task in range(tl.num_tasks):
+            lanes: dict = {}  # (pid, link name) -> end of each lane's last transfer
+            for task in sorted(range(tl.num_tasks), key=lambda t: (start[t], t)):
                 kind, rank, what = tl.label[task]
                 if kind == "join":
                     continue
                 if tl.stream[task] >= 0:
                     pid, thread = rank, "compute"
-                else:
+                else:  # from ready to done, in the first free lane of its link (links share)
                     link = tl.links[task][0]
                     pid, thread = fabric.link_owner(link), fabric.link_name(link)
+                    ends = lanes.setdefault((pid, thread), [])
+                    lane = next((i for i, e in enumerate(ends) if e <= start[task]), len(ends))
+                    ends[lane:lane + 1] = [finish[task]]
+                    thread += f" #{lane + 1}" if lane else ""
                 tid = threads.setdefault((pid, thread), len(threads))
                 events.append({"name": _text(what), "cat": f"{name} {kind}", "ph": "X", "pid": pid, "tid": tid,
-                               "ts": (offset + start[task]) * 1e6, "dur": tl.duration[task] * 1e6})
+                               "ts": (offset + start[task]) * 1e6, "dur": (finish[task] - start[task]) * 1e6})
             offset += max(finish, default=0.0)
         for r in range(len(self.compute_s)):
             events.append({"name": "process_name", "ph": "M", "pid": r, "tid": 0, "args": {"name": f"rank {r}"}})

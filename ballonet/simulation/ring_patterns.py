@@ -4,14 +4,30 @@ backward, a "double" ring (a ring in each node group, rounds between them), and 
 gather of every member's K/V (DistCA, MagiAttention). Each takes the graph, the ring's
 ranks, its queue position `q`, the per-member per-step kernel seconds and K/V rows, and
 the tasks each member starts after; it returns per member the task that ends its part.
+The graph is anything with `Graph`'s primitives, so this module sits below `layer_graph`.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from ballonet.simulation.layer_graph import LayerGraph
+from ballonet.simulation.timeline import Timeline
+
+
+class Graph(Protocol):
+    """The primitives the patterns build on (`layer_graph.LayerGraph` has them): declared
+    here so that this module needs nothing of the graph's."""
+
+    tl: Timeline
+    backward: bool
+
+    def compute(self, rank: int, seconds: float, kind: str, key: tuple, after, name) -> int | None: ...
+
+    def post(self, rank: int, key: tuple, after) -> list: ...
+
+    def send(self, hop: tuple[int, int], rows: int, after, name, kind: str = "kv") -> int | None: ...
+
+    def wait(self, rank: int, key: tuple, after, name) -> int | None: ...
 
 
 def ring_hops(ranks) -> list:
@@ -20,7 +36,7 @@ def ring_hops(ranks) -> list:
     return [(ranks[i], ranks[(i + 1) % g]) for i in range(g)]
 
 
-def ring_forward(graph: LayerGraph, ranks, kind, q, seconds, rows, begin, name) -> list:
+def ring_forward(graph: Graph, ranks, kind, q, seconds, rows, begin, name) -> list:
     g, hops = len(ranks), ring_hops(ranks)
     arrive = [begin[r] for r in ranks]
     done = [[] for _ in ranks]
@@ -35,7 +51,7 @@ def ring_forward(graph: LayerGraph, ranks, kind, q, seconds, rows, begin, name) 
     return [graph.tl.join(d) for d in done]
 
 
-def ring_backward(graph: LayerGraph, ranks, kind, q, seconds, rows, begin, name) -> list:
+def ring_backward(graph: Graph, ranks, kind, q, seconds, rows, begin, name) -> list:
     """As `runtime.ring.ring_pass` runs it: at step s >= 1 a rank adds its
     predecessor's partial dK/dV of the block it holds (its stream waits for it) and
     passes the sum on; after the last step it waits for its own block's sum."""
@@ -60,7 +76,7 @@ def ring_backward(graph: LayerGraph, ranks, kind, q, seconds, rows, begin, name)
             for i, (r, d) in enumerate(zip(ranks, done))]
 
 
-def double(graph: LayerGraph, ranks, q, k: int, seconds, rows, begin, name) -> list:
+def double(graph: Graph, ranks, q, k: int, seconds, rows, begin, name) -> list:
     """A "double" ring (`ring_traffic.double_schedule`), forward or backward, as
     `runtime.ring._double` runs it: per round an inner ring in each node group; each
     round's first block goes on to the same position of the next group as soon as it is
@@ -131,7 +147,7 @@ def double(graph: LayerGraph, ranks, q, k: int, seconds, rows, begin, name) -> l
     return [graph.tl.join(d) for d in done]
 
 
-def gather(graph: LayerGraph, ranks, q, rows, begin, name) -> list:
+def gather(graph: Graph, ranks, q, rows, begin, name) -> list:
     """K/V sent straight from every member to every other member, rows[i][j] from i
     to j (the runtime: i's whole block); per member the task after which all have
     arrived."""
@@ -145,7 +161,7 @@ def gather(graph: LayerGraph, ranks, q, rows, begin, name) -> list:
     return [graph.tl.join(a) for a in arrive]
 
 
-def gather_forward(graph: LayerGraph, ranks, kind, q, seconds, rows, begin, name) -> list:
+def gather_forward(graph: Graph, ranks, kind, q, seconds, rows, begin, name) -> list:
     """The own block at the first round, the gathered ones in one call at the next."""
     arrive = gather(graph, ranks, q, rows, begin, name)
     return [graph.tl.join([graph.compute(r, seconds[i][0], kind, (0, q, 1), [begin[r]], (name, "own block", 0)),
@@ -153,7 +169,7 @@ def gather_forward(graph: LayerGraph, ranks, kind, q, seconds, rows, begin, name
             for i, r in enumerate(ranks)]
 
 
-def gather_backward(graph: LayerGraph, ranks, kind, q, seconds, rows, begin, name) -> list:
+def gather_backward(graph: Graph, ranks, kind, q, seconds, rows, begin, name) -> list:
     """K/V gathered again, the own block's call, one call over the gathered blocks,
     then each member's block gradient sent home, where the owner waits for them all."""
     g, arrive = len(ranks), gather(graph, ranks, q, rows, begin, name)
