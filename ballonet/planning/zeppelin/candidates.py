@@ -20,10 +20,13 @@ from ballonet.planning.packing import NoRoom, apportion, lpt
 from ballonet.planning.pricing import (
     attention_kernels,
     crossing_exposed_seconds,
+    final_grad_wait_seconds,
+    overlap_slowdown_seconds,
     rank_compute_seconds,
     rank_step_seconds,
     ring_wait_seconds,
     remaps_inside,
+    step_tail_seconds,
     synchronous_step_seconds,
 )
 from ballonet.planning.remap import linear_targets, node_linear_targets, plan_remap
@@ -42,7 +45,9 @@ class Candidate:
     """A plan the search compares (`CandidateMaker.make`)."""
     plan: Plan
     seconds: float
-    """Its estimated step."""
+    """Its estimated step: its layers, then what the step adds after them (`tail_s`)."""
+    tail_s: float
+    """The LM head, the last gradient bucket and the optimizer (`pricing.step_tail_seconds`)."""
     binds: bool
     """Whether caps bind where that step is set (`caps_bind`)."""
     kernels: tuple
@@ -73,6 +78,10 @@ class CandidateMaker:
     remap: bool
     price_linear: bool
     routing: bool
+    fixed_tail_s: float = 0.0
+    """What every plan's step adds after its layers but its LM head (`pricing.fixed_tail_seconds`)."""
+    dp_send_s: float = 0.0
+    """Seconds of sends of each rank's data-parallel collectives in a step (`pricing.dp_send_seconds`)."""
 
     def plan(self, placement: Placement, facts: dict, *, keep: bool, double: bool) -> Plan:
         """Step 4 but routes and memory on `placement` (`remapped`)."""
@@ -106,12 +115,15 @@ class CandidateMaker:
         kernels = attention_kernels(plan, dev, priced)
         attention, linear = rank_compute_seconds(plan, dev, priced, recompute_mode(priced), split=True, layers=layers,
                                                  kernels=kernels)
-        seconds, exposed = _step_seconds(plan, dev, priced, self.crossovers, (attention, linear), self.routing)
+        seconds, exposed = _step_seconds(plan, dev, priced, self.crossovers, (attention, linear), self.routing,
+                                         self.dp_send_s)
         node = max((attention[rs] + linear[rs] + exposed[rs]).mean() for rs in dev.nodes())
         busiest = float(seconds.max())
         step = max(busiest, synchronous_step_seconds(plan, dev, priced, kernels, seconds, attention + linear,
                                                      layers if trim else None))
-        return Candidate(plan=plan, seconds=step, binds=caps_bind(plan, dev, seconds), kernels=kernels,
+        tail = step_tail_seconds(plan, dev, priced, np.array([self.crossovers[g].intra_bw for g in dev.group]),
+                                 self.fixed_tail_s)
+        return Candidate(plan=plan, seconds=step + tail, tail_s=tail, binds=caps_bind(plan, dev, seconds), kernels=kernels,
                          busiest_s=busiest, node_floor_s=node, dev=dev, model=model)
 
 
@@ -200,11 +212,17 @@ def _crossing_exposed(plan: Plan, dev: Devices, model: ModelSpec, crossovers, ro
 
 
 def _step_seconds(plan: Plan, dev: Devices, model: ModelSpec, crossovers, compute,
-                  routing: bool) -> tuple[np.ndarray, np.ndarray]:
+                  routing: bool, dp_send_s: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """[R] what the partitioner compares its candidate plans by (`pricing.rank_step_seconds`),
     and [R] the part of it single rings across nodes expose (`_crossing_exposed`)."""
-    exposed = _crossing_exposed(plan, dev, model, crossovers, routing) + ring_wait_seconds(plan, dev, model)
+    link = np.array([crossovers[g].intra_bw for g in dev.group])
+    final = final_grad_wait_seconds(plan, dev, model, link, np.array([crossovers[g].crossing_bw for g in dev.group]),
+                                    np.array([crossovers[g].rails if routing else 1 for g in dev.group]))
     start, linear = compute
+    nic = np.array([crossovers[g].crossing_bw for g in dev.group])
+    slow = overlap_slowdown_seconds(plan, dev, model, link, nic, dp_send_s, start + linear)
+    exposed = (_crossing_exposed(plan, dev, model, crossovers, routing) + ring_wait_seconds(plan, dev, model) + final
+               + slow)
     seconds = rank_step_seconds(plan, dev, model, np.array([crossovers[g].intra_bw for g in dev.group]),
                                 (start + exposed, linear), np.array([crossovers[g].rank_nic_bw for g in dev.group]),
                                 np.array([crossovers[g].dp_piece for g in dev.group]))
