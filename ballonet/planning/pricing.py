@@ -484,7 +484,7 @@ def overlap_slowdown_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw
     for ring in plan.rings:
         if ring.comm == "double":  # per member, k(n-1) inner steps over the node's links, k-1 rounds over a NIC
             k, n = ring.groups, ring.group_size
-            block = (ring.bounds[-1] - ring.bounds[0]) / (k * n)
+            block = max((ring.bounds[-1] - ring.bounds[0]) // (k * n), 1)
             for r in ring.ranks:
                 gpu = dev.gpu[r]
                 per_pass = (k * (n - 1) * p2p_time(kv_bytes(model, block), link_bw[r], False, gpu)
