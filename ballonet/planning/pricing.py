@@ -40,23 +40,11 @@ from ballonet.cost.flops import (
 )
 from ballonet.cost.memory import BELOW, RECOMPUTE_MODES, recompute_layer_count, recompute_mode
 from ballonet.cost.recompute import recompute_attention
-from ballonet.cost.seconds import (
-    DP_BACKWARD_SHARE,
-    DP_FORWARD_SHARE,
-    DP_PIECES,
-    attention_seconds,
-    collective_time,
-    dp_layer_parts,
-    grad_allreduce_time,
-    head_seconds,
-    linear_layer_seconds,
-    optimizer_time,
-    p2p_time,
-)
-from ballonet.cost.tensor_parallel import tp_layer_seconds, tp_step_collectives
+from ballonet.cost.seconds import DP_PIECES, attention_seconds, linear_layer_seconds, p2p_time
+from ballonet.cost.tensor_parallel import tp_layer_seconds
 from ballonet.plan import Plan
 from ballonet.planning.devices import Devices
-from ballonet.specs import ClusterSpec, ModelSpec
+from ballonet.specs import ModelSpec
 
 __all__ = ["StepWeights", "attention_kernels", "crossing_exposed_seconds", "crossing_seconds", "double_exposed_seconds",
            "inter_node_span", "linear_work_per_token", "rank_compute_seconds", "rank_remap_seconds",
@@ -421,113 +409,3 @@ def rank_remap_seconds(plan: Plan, model: ModelSpec, link_bw: np.ndarray) -> np.
         inn[dst] += n * per_token
     return 2 * model.num_layers * np.maximum(out, inn) / link_bw
 
-
-def fixed_tail_seconds(cluster: ClusterSpec, dev: Devices, model: ModelSpec) -> float:
-    """What a step adds after its layers whatever the plan: the last layer's gradient
-    bucket, reduced after the backward (`cost.seconds.grad_allreduce_time` over the
-    layers), and the slowest rank's optimizer step (the simulator's step, section 7)."""
-    opt = max(optimizer_time(model, g, dev.num_ranks) for g in {g.name: g for g in dev.gpu}.values())
-    return grad_allreduce_time(model, cluster) / model.num_layers + opt
-
-
-def step_tail_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw: np.ndarray, fixed: float) -> float:
-    """What a step of `plan` adds after its layers: the slowest rank's LM head and loss
-    over its linear tokens with their tensor-parallel collectives over its TP group's
-    links (`link_bw`, [R]), plus `fixed` (`fixed_tail_seconds`)."""
-    tokens = np.asarray(plan.linear_token_counts)
-    names = np.array([g.name for g in dev.gpu])
-    out = 0.0
-    for gpu in {g.name: g for g in dev.gpu}.values():  # its most tokens take longest
-        on = np.nonzero(names == gpu.name)[0]
-        r = int(on[np.argmax(tokens[on])])
-        n = int(tokens[r])
-        out = max(out, head_seconds(model, gpu, n) + sum(collective_time(op, nbytes, model.tp, link_bw[r], gpu)
-                                                         for _, op, nbytes in tp_step_collectives(model, n)))
-    return out + fixed
-
-
-def final_grad_wait_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw: np.ndarray, nic_bw: np.ndarray,
-                            rails: np.ndarray) -> np.ndarray:
-    """[R] what each member of a single ring waits, after its last backward step of each
-    layer, for its own block's summed dK/dV (fp32), which its predecessor sends only
-    after its own last step (`runtime.ring.ring_pass`; the simulator's `ring_backward`):
-    the hop into it, across nodes at `nic_bw` routed over `rails` (1: direct), inside a
-    node over `link_bw`; nothing hides it."""
-    out = np.zeros(plan.num_ranks)
-    node = dev.node
-    for ring in plan.rings:
-        if ring.comm != "ring":
-            continue
-        ranks = ring.ranks
-        for i, r in enumerate(ranks):
-            nbytes = kv_grad_bytes(model, ring.block_tokens(i))
-            gpu = dev.gpu[r]
-            if node[ranks[i - 1]] != node[r]:
-                out[r] += crossing_seconds(nbytes, nic_bw[r], link_bw[r], int(rails[r]), gpu)
-            else:
-                out[r] += p2p_time(nbytes, link_bw[r], False, gpu)
-    return model.num_layers * out
-
-
-def overlap_slowdown_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw: np.ndarray, nic_bw: np.ndarray,
-                             dp_send_s: float, compute: np.ndarray) -> np.ndarray:
-    """[R] compute seconds a step loses to transfers running beside it, as the simulator
-    charges them: the GPU profile's `overlap_slowdown` times the seconds of what the rank
-    sends (at most its `compute`, [R]): its rings' K/V (forward, and again under full
-    recomputation) and in the backward K/V and partial dK/dV, each hop at its link's
-    bandwidth (`link_bw` inside a node, `nic_bw` across; a "double" ring's inner steps
-    inside, its rounds across), its remap, and `dp_send_s`, the layers' data-parallel
-    collectives every rank sends."""
-    sent = np.full(plan.num_ranks, dp_send_s)
-    redo = 2 if recompute_attention(recompute_mode(model)) else 1
-    node = dev.node
-    for ring in plan.rings:
-        if ring.comm == "double":  # per member, k(n-1) inner steps over the node's links, k-1 rounds over a NIC
-            k, n = ring.groups, ring.group_size
-            block = max((ring.bounds[-1] - ring.bounds[0]) // (k * n), 1)
-            for r in ring.ranks:
-                gpu = dev.gpu[r]
-                per_pass = (k * (n - 1) * p2p_time(kv_bytes(model, block), link_bw[r], False, gpu)
-                            + (k - 1) * p2p_time(kv_bytes(model, block), nic_bw[r], True, gpu))
-                grads = (k * (n - 1) * p2p_time(kv_grad_bytes(model, block), link_bw[r], False, gpu)
-                         + (k - 1) * p2p_time(kv_grad_bytes(model, block), nic_bw[r], True, gpu))
-                sent[r] += model.num_layers * ((redo + 1) * per_pass + grads)
-            continue
-        if ring.comm != "ring":
-            continue
-        ranks, g = ring.ranks, len(ring.ranks)
-        total = ring.bounds[-1] - ring.bounds[0]
-        blocks = [ring.block_tokens(i) for i in range(g)]
-        for i, r in enumerate(ranks):
-            j = (i + 1) % g
-            nic = node[ranks[j]] != node[r]
-            bw, gpu = (nic_bw[r] if nic else link_bw[r]), dev.gpu[r]
-            kv = kv_bytes(model, total - blocks[j])  # every block but its successor's
-            grad = kv_grad_bytes(model, total - blocks[i])  # partials of every block but its own
-            steps = g - 1
-            sent[r] += model.num_layers * ((redo + 1) * steps * p2p_time(kv / steps, bw, nic, gpu)
-                                           + steps * p2p_time(grad / steps, bw, nic, gpu))
-    per_token = remap_bytes(model, 1, True) + remap_bytes(model, 1, False)
-    for (src, _), n in plan.remap_tokens().items():
-        sent[src] += 2 * model.num_layers * n * per_token / link_bw[src]
-    factor = np.array([hardware.profile(g).overlap_slowdown for g in dev.gpu])
-    return factor * np.minimum(sent, compute)
-
-
-def dp_send_seconds(cluster: ClusterSpec, model: ModelSpec) -> float:
-    """Seconds of sends a rank's layers' data-parallel collectives take in a step (the
-    simulator's `LayerGraph.data_parallel`: their intra-node part, then their part across
-    nodes in `DP_PIECES` pieces over the rank's NICs; forward `DP_FORWARD_SHARE` of a
-    layer's all-reduce, backward `DP_BACKWARD_SHARE`), for the slowest node group."""
-    intra_s, nic_bytes = dp_layer_parts(model, cluster)
-    out = 0.0
-    for g in cluster.groups:
-        nics = max(1, model.tp // g.gpus_per_nic)
-        bw = g.nic_bw * nics / model.tp
-        per_layer = 0.0
-        for share in (DP_FORWARD_SHARE, DP_BACKWARD_SHARE):
-            per_layer += share * intra_s
-            if nic_bytes > 0 and cluster.num_nodes > 1:
-                per_layer += DP_PIECES * p2p_time(share * nic_bytes / DP_PIECES, bw, True, g.gpu_type)
-        out = max(out, per_layer)
-    return model.num_layers * out

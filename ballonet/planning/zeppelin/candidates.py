@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ballonet.cost import hardware
 from ballonet.cost.memory import activation_bytes, recompute_layer_count, recompute_mode
 from ballonet.cost.recompute import layers_per_rank
 from ballonet.errors import InfeasiblePlan
@@ -20,16 +21,14 @@ from ballonet.planning.packing import NoRoom, apportion, lpt
 from ballonet.planning.pricing import (
     attention_kernels,
     crossing_exposed_seconds,
-    final_grad_wait_seconds,
-    overlap_slowdown_seconds,
     rank_compute_seconds,
     rank_step_seconds,
     ring_wait_seconds,
     remaps_inside,
-    step_tail_seconds,
     synchronous_step_seconds,
 )
 from ballonet.planning.remap import linear_targets, node_linear_targets, plan_remap
+from ballonet.planning.step_terms import final_grad_wait_seconds, overlap_slowdown_seconds, step_tail_seconds
 from ballonet.planning.zeppelin.classes import NodeLevel
 from ballonet.planning.zeppelin.node_placement import level2
 from ballonet.planning.zeppelin.refinement import refine
@@ -82,6 +81,13 @@ class CandidateMaker:
     """What every plan's step adds after its layers but its LM head (`pricing.fixed_tail_seconds`)."""
     dp_send_s: float = 0.0
     """Seconds of sends of each rank's data-parallel collectives in a step (`pricing.dp_send_seconds`)."""
+
+    @property
+    def every_rank_s(self) -> float:
+        """What every rank's estimate adds to its compute whatever the plan: its
+        data-parallel sends' slowdown (`step_terms.overlap_slowdown_seconds`; the least
+        GPU type's)."""
+        return min(hardware.profile(g).overlap_slowdown for g in self.dev.gpu) * self.dp_send_s
 
     def plan(self, placement: Placement, facts: dict, *, keep: bool, double: bool) -> Plan:
         """Step 4 but routes and memory on `placement` (`remapped`)."""

@@ -180,6 +180,7 @@ def refine(batch: Batch, fill: RankFill) -> Placement:
     stamp, done, clock = [0] * R, dict.fromkeys(docs, -1), 0
     settled: set[int] = set()  # units checked against their shares since they last moved
     for sweep in SWEEPS:
+        shared = _Shared.of(st) if sweep is Sweep.GROW else None
         for d in docs:
             m, held, unit = st.members[d], st.held[d], st.unit[d]
             dropping = sweep is Sweep.DROP and len(m) > 2 and min(held) < THRESHOLDS.sliver * sum(held) / len(held)
@@ -208,8 +209,8 @@ def refine(batch: Batch, fill: RankFill) -> Placement:
                     st.unit[d] = [new_unit[i] for i in keep]
             m = st.members[d]
             st.held[d] = st.spread(d, m, st.unit[d], lengths[d])
-            if sweep is Sweep.GROW:
-                _grow(st, d, lengths[d])
+            if shared is not None:
+                _grow(st, d, lengths[d], shared)
             st.put(d)
             clock += 1
             for r in st.members[d]:
@@ -317,39 +318,60 @@ def _make_room(split: dict[int, dict[int, int]], room: list[int], ranks: list[in
             r2 = r
 
 
-def _grow(st: Levels, d: int, length: int) -> None:
+def _grow(st: Levels, d: int, length: int, shared: _Shared) -> None:
     """While document `d`'s members end over the mean level, the least busy rank of their
-    nodes (with memory to spare) joins (its shares not yet put back on its members)."""
+    nodes (with memory to spare) that `_Shared.taken` leaves it joins (its shares not yet
+    put back on its members)."""
     m, held, unit = st.members[d], st.held[d], st.unit[d]
     load, speed = st.load, st.speed
-    taken = _coupled(st, d)
+    inter = d in st.node_tokens
     for _ in range(len(m)):
         level = max((load[r] + u * h) / speed[r] for r, u, h in zip(m, unit, held))
         if level <= THRESHOLDS.grow_above * st.mean_level:
             break
         inside = set(m)
         pool = sorted(r for n in sorted({st.node[r] for r in m}) for r in st.node_ranks[n]
-                      if r not in inside and r not in taken and st.cap[r] > st.tokens[r])
+                      if r not in inside and not shared.taken(r, inter) and st.cap[r] > st.tokens[r])
         if not pool:
             break
         new = min(pool, key=lambda r: load[r] / speed[r])
         if load[new] / speed[new] >= level:
             break
         m = sorted(m + [new])
+        shared.join(new, inter)
         unit = [sum(unit) / len(unit)] * len(m)
         held = st.spread(d, m, unit, length)
     st.members[d], st.held[d], st.unit[d] = m, held, unit
 
 
-def _coupled(st: Levels, d: int) -> set[int]:
-    """Ranks `_grow` does not give document `d`: for a ring across nodes, the members of
-    every other split document; otherwise the members of rings across nodes. A ring
-    across nodes moves step by step behind its NIC transfers and, in the backward, each
-    member's partial dK/dV; a rank in two rings holds both chains to its own pace, and a
-    short document's ring on a member of one across nodes made it wait several times its
-    estimate (a 121K-token ring over 18 ranks of cluster A exposed 2.8 s against 0.5 s for
-    its like rings: issue 49)."""
-    inter = set(st.node_tokens)
-    if d in inter:
-        return {r for e, rs in st.members.items() if e != d for r in rs}
-    return {r for e in inter for r in st.members[e]}
+
+@dataclass
+class _Shared:
+    """Which ranks hold a split document's share, for `_grow`: it gives a ring across
+    nodes no member of another split document, and a ring inside a node no member of one
+    across nodes. A ring across nodes moves step by step behind its NIC transfers and, in
+    the backward, each member's partial dK/dV; a rank in two rings holds both chains to
+    its own pace: a short document's ring on members of one across nodes made it wait
+    several times its estimate (a 121K-token ring over 18 ranks of cluster A exposed 2.8 s
+    against 0.5 s for its like rings; issue 49)."""
+    rings: dict[int, int]
+    """Per rank, the split documents it holds a share of."""
+    inter: set[int]
+    """Ranks holding a share of a document split across nodes."""
+
+    @classmethod
+    def of(cls, st: Levels) -> _Shared:
+        rings: dict[int, int] = {}
+        for ms in st.members.values():
+            for r in ms:
+                rings[r] = rings.get(r, 0) + 1
+        return cls(rings=rings, inter={r for e in st.node_tokens for r in st.members[e]})
+
+    def taken(self, rank: int, inter: bool) -> bool:
+        """Whether `rank` (not yet a member) may not join a ring (across nodes: `inter`)."""
+        return rank in self.rings if inter else rank in self.inter
+
+    def join(self, rank: int, inter: bool) -> None:
+        self.rings[rank] = self.rings.get(rank, 0) + 1
+        if inter:
+            self.inter.add(rank)

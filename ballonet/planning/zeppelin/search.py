@@ -20,8 +20,9 @@ from ballonet.errors import InfeasiblePlan, InputError
 from ballonet.plan import Plan
 from ballonet.planning.assembly import over_cap
 from ballonet.planning.devices import check_lengths, devices, infeasibility
-from ballonet.planning.pricing import dp_send_seconds, fixed_tail_seconds, rank_compute_seconds, recompute_modes
+from ballonet.planning.pricing import rank_compute_seconds, recompute_modes
 from ballonet.planning.routing import plan_routes
+from ballonet.planning.step_terms import dp_send_seconds, fixed_tail_seconds
 from ballonet.planning.zeppelin.candidates import Candidate, CandidateMaker, fallback, place
 from ballonet.planning.zeppelin.classes import NodeLevel, crossover_lengths, doubled_level, level_nodes
 from ballonet.planning.zeppelin.thresholds import THRESHOLDS
@@ -92,7 +93,7 @@ class CandidateSearch:
                 continue
             level = level_nodes(self.lengths, maker.dev, self.crossovers, maker.model, hierarchical=opts.hierarchical,
                                 price_linear=opts.price_linear, routing=opts.routing)
-            if level is not None and self._level_too_slow(level, np.inf if looser else self.best_layers_s):
+            if level is not None and self._level_too_slow(level, maker, np.inf if looser else self.best_layers_s):
                 break  # and costlier modes, whose caps are tighter nowhere
             plans = self._plans(maker, level) if level is not None else []
             if not plans and i == len(modes) - 1 and self.best is None:
@@ -111,7 +112,7 @@ class CandidateSearch:
         doubled = [(d, maker) for maker, level in singles if opts.double
                    and (d := doubled_level(level, price_linear=opts.price_linear, routing=opts.routing)) is not None]
         for level, maker in sorted(doubled, key=lambda x: x[0].node_seconds):
-            if not self._level_too_slow(level, self.best_layers_s):
+            if not self._level_too_slow(level, maker, self.best_layers_s):
                 self._compare(self._plans(maker, level))
         if self.best is None:
             raise InfeasiblePlan(self.refusal)
@@ -181,10 +182,11 @@ class CandidateSearch:
     # ---- the prunes -------------------------------------------------------------------
 
     @staticmethod
-    def _level_too_slow(level: NodeLevel, beat: float) -> bool:
-        """Level 1 already leaves a node slower than `beat` seconds by the node margin: no
-        plan of its nodes beats it."""
-        return level.node_seconds > (1 + THRESHOLDS.node_prune_margin) * beat
+    def _level_too_slow(level: NodeLevel, maker: CandidateMaker, beat: float) -> bool:
+        """Level 1 already leaves a node slower than `beat` seconds by the node margin,
+        with what every rank adds to its compute (`CandidateMaker.every_rank_s`): no plan
+        of its nodes beats it."""
+        return level.node_seconds + maker.every_rank_s > (1 + THRESHOLDS.node_prune_margin) * beat
 
     @staticmethod
     def _level_enough(kept: Candidate) -> bool:
