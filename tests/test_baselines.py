@@ -13,9 +13,9 @@ from ballonet.cost.flops import kv_bytes
 from ballonet.errors import InputError
 from ballonet.plan import Plan, Ring, Segment, Transfer, chunk_bounds
 from ballonet.planning.magi import dispatch
-from ballonet.planning.wlb_llm import per_sequence
+from ballonet.planning.wlb_llm import outlier_steps, per_sequence
 from ballonet.simulation import simulate
-from ballonet.simulation.comparison import compare, degrees
+from ballonet.simulation.comparison import budgets, compare, degrees
 from ballonet.simulation.layer_graph import prefix_rows
 from ballonet.specs import ClusterSpec, NodeGroup
 
@@ -57,13 +57,55 @@ def test_tuned_comparison_runs_each_degree_baseline_at_its_fastest_degree():
     rows = {r.planner: r for r in compare(cluster, model, "prolong", 8192, ["wlb_llm", "te_cp", "packed_dp"],
                                           max_length=32768, tune=True)}
     batch = next(iter(workloads.get("prolong").batches(8192 * 16, 0, 1, 32768)))
-    for name in ("wlb_llm", "te_cp"):
+    assert rows["wlb_llm"].options["cp_size"] in degrees(16)  # priced over its outlier delay: below
+    for name in ("te_cp",):
         d = rows[name].options["cp_size"]
         every = [simulate(plan_batch(batch, cluster, model, name, cp_size=c), cluster, model).step_time_s
                  for c in degrees(16) if c >= 2 or name == "wlb_llm"]
         assert d in degrees(16) and rows[name].step_time_s == pytest.approx(min(every))
     assert rows["packed_dp"].options == {}
     assert np.isfinite(rows["te_cp"].speedup_vs_te_cp)
+
+
+def test_tuned_comparison_runs_each_budget_baseline_at_its_fastest_budget():
+    # largest first: the power of two holding the longest document whole, down to 1024
+    assert budgets([[5000, 30], [8192]]) == [8192, 4096, 2048, 1024] and budgets([[8193]])[0] == 16384
+    cluster, model = specs.cluster("h800-8nic", num_nodes=2), specs.model("llama-3b")
+    rows = {r.planner: r for r in compare(cluster, model, "prolong", 8192, ["megatron_hcp", "hybrid_dp"],
+                                          max_length=32768, tune=True)}
+    batch = next(iter(workloads.get("prolong").batches(8192 * 16, 0, 1, 32768)))
+    for name in ("megatron_hcp", "hybrid_dp"):
+        every = {b: simulate(plan_batch(batch, cluster, model, name, rank_tokens=b), cluster, model).step_time_s
+                 for b in budgets([batch])}
+        assert rows[name].options["rank_tokens"] in every
+        assert rows[name].step_time_s == pytest.approx(min(every.values())), every
+
+
+def test_wlb_llm_outlier_delay_by_hand():
+    # 1440 tokens, 4 groups: a group's share is 360, outliers are (180, 360]: 300 and 350,
+    # one level (257-512). Released 4 at a time, one per group: 300, 350, 300, 350 (1300
+    # tokens, the batch's two are half of them: weight 0.5), filled with the batch's other
+    # documents up to the first that would overflow 1440 (100). Normal steps carry the
+    # rest (weight 0.5): the other documents (790), then the filler's (not its outlier 200)
+    # up to the first that would overflow (30, after 1420).
+    steps = outlier_steps([100, 100, 300, 350, 50, 500, 40], 4, [10, 200, 20, 600, 30])
+    assert steps == [(0.5, [100, 100, 50, 500, 40, 10, 20, 600]), (0.5, [300, 350, 300, 350, 100])]
+    assert outlier_steps([100, 100, 10], 4, []) == [(1.0, [100, 100, 10])]  # share 52.5: none in (26.25, 52.5]
+    assert outlier_steps([300, 350, 100], 1, []) == [(1.0, [300, 350, 100])]  # one group: nothing to wait for
+
+
+def test_tuned_wlb_llm_is_priced_over_its_delay_steps_per_token():
+    cluster, model = specs.cluster("h800-8nic", num_nodes=2), specs.model("llama-3b")
+    row = compare(cluster, model, "prolong", 8192, ["wlb_llm"], max_length=32768, tune=True)[0]
+    cp = row.options["cp_size"]
+    batch = next(iter(workloads.get("prolong").batches(8192 * 16, 0, 1, 32768)))
+    filler = [L for k in range(1, 5) for L in workloads.get("prolong").sample_batch(8192 * 16, (0, 0, k), 32768)]
+    steps = outlier_steps(batch, 16 // cp, filler)
+    times = [simulate(plan_batch(docs, cluster, model, "wlb_llm", cp_size=cp), cluster, model).step_time_s
+             for _, docs in steps]
+    per_token = sum(w * t for (w, _), t in zip(steps, times)) / sum(w * sum(docs) for w, docs in steps)
+    assert row.step_time_s == pytest.approx(per_token * sum(batch), rel=1e-9)
+    assert row.first.num_tokens == sum(batch)
 
 
 def test_magi_dispatch_by_hand_and_its_plans():

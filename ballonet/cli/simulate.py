@@ -46,8 +46,9 @@ def register(sub) -> None:
                    help="context-parallel and data-parallel traffic on one process group (the layer's FSDP "
                         "collectives first); default: separate groups, as the runtime runs them")
     p.add_argument("--tune", action="store_true",
-                   help="run te_cp, llama_cp, wlb_llm and magi at their fastest CP degree (powers of two up to 64), as "
-                        "a user tuning the job would")
+                   help="run te_cp, llama_cp, wlb_llm and magi at their fastest CP degree (powers of two up to 64), "
+                        "hybrid_dp and megatron_hcp at their fastest per-rank token budget (powers of two), as a "
+                        "user tuning the job would")
     p.add_argument("--plot", default=None, help="write a bar chart of step times (.png, .svg, .pdf, ...)")
     p.add_argument("--trace", default=None,
                    help="write a Chrome/Perfetto trace of the first batch (out.json; out.PLANNER.json for several; "

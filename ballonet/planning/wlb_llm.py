@@ -21,8 +21,14 @@ The CP degree is a job setting (`cp_size`, default one node's GPUs); `bench/pape
 and `ballonet simulate --tune` use the degree its users would pick for each
 configuration: the fastest of the powers of two (`comparison.compare(tune=True)`).
 
-Departures: one batch is planned, so the outlier delay (holding very long documents back
-for a later step) becomes placing them first; a per-sequence split document is its own
+* Outlier delay (its variable-length packing with outlier delay): a document too long to
+  balance is held back in a queue, one level per length range, and released when its
+  level holds one for every micro-batch (here: every CP group), so that each gets one.
+  `outlier_steps` gives the steps that train a batch's documents in the long run under
+  it; `comparison.compare` prices WLB-LLM as their weighted sum (docs/design.md, section
+  10).
+
+Departures: a per-sequence split document is its own
 ring over the ranks holding its pieces, where TransformerEngine passes the whole
 sequence's K/V around the group (fewer bytes here: kinder to the baseline); kernel
 latency is our cost model's.
@@ -42,7 +48,7 @@ from ballonet.planning.devices import check_feasible, check_lengths, devices
 from ballonet.planning.packing import NoRoom, lpt
 from ballonet.specs import ClusterSpec, ModelSpec
 
-__all__ = ["SHARDINGS", "wlb_llm"]
+__all__ = ["SHARDINGS", "num_groups", "outlier_steps", "wlb_llm"]
 
 SHARDINGS = ("adaptive", "document", "sequence")
 
@@ -99,6 +105,60 @@ def _estimate(model: ModelSpec, lengths: list[int], c: int, whole: dict, split: 
         eff = hardware.attention_efficiency(np.maximum(per_rank / 2, 1.0))
         load[list(ranks)] += flops / model.tp / eff
     return float(load.max())
+
+
+def num_groups(cluster: ClusterSpec, model: ModelSpec, cp_size: int | None = None) -> int:
+    """How many CP groups `wlb_llm` makes with `cp_size` (its default when None)."""
+    dev = devices(cluster, model)
+    cp = cp_size if cp_size is not None else int(np.gcd.reduce([len(n) for n in dev.nodes()]))
+    return max(1, dev.num_ranks // cp) if isinstance(cp, int) and cp >= 1 else 1
+
+
+def outlier_steps(lengths, groups: int, filler) -> list[tuple[float, list[int]]]:
+    """(weight, documents) of the steps that train `lengths`' documents in the long run under
+    WLB-LLM's outlier delay with `groups` CP groups (its micro-batches here), every step of
+    the batch's tokens. A group's share is C = tokens / groups; an outlier is a document
+    of (C/2, C], one that fills most of a group alone (longer ones cannot go one to a group
+    within the step's tokens, and are packed as usual). Outliers wait in a queue, one level
+    per length range (2^(k-1), 2^k], until their level holds `groups`; then each group gets
+    one, the step filled with other documents. So the batch is trained in release steps
+    (a level's outliers in turn, `groups` of them) and normal steps, both filled with the
+    batch's other documents and then those of `filler` (an iterable of lengths from the same
+    source, read once) that are not outliers. Weights: a level's release steps carry its outlier tokens
+    (x_l = its tokens / a release step's outlier tokens), normal steps the rest (1 - sum x_l,
+    at least 0); without outliers, the batch itself at weight 1."""
+    lengths = [int(x) for x in lengths]
+    budget = sum(lengths)
+    share = budget / groups
+    outlier = [share / 2 < L <= share for L in lengths]
+    levels: dict[int, list[int]] = {}
+    for L, out in zip(lengths, outlier):
+        if out:
+            levels.setdefault((L - 1).bit_length(), []).append(L)
+    if groups < 2 or not levels:
+        return [(1.0, lengths)]
+    normal = [L for L, out in zip(lengths, outlier) if not out]
+    normal += [int(L) for L in filler if not share / 2 < L <= share]
+
+    def fill(step: list[int]) -> list[int]:
+        """`step` topped up with normal documents (the batch's first, then `filler`'s) up to
+        the first that would overflow the batch's tokens."""
+        total = sum(step)
+        for L in normal:
+            if total + L > budget:
+                break
+            step.append(L)
+            total += L
+        return step
+
+    steps = []
+    for _, docs in sorted(levels.items()):
+        release = [docs[i % len(docs)] for i in range(groups)]
+        steps.append((sum(docs) / sum(release), fill(release)))
+    rest = 1.0 - sum(w for w, _ in steps)
+    if rest > 0:
+        steps.insert(0, (rest, fill([])))
+    return steps
 
 
 def wlb_llm(lengths, cluster: ClusterSpec, model: ModelSpec, *, cp_size: int | None = None,

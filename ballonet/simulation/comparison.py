@@ -4,7 +4,10 @@ Every planner sees the same `steps` batches (`Workload.batches`); figures are av
 over them. Speedup over TE CP is the ratio of mean step times, measured on the same
 batches (TE CP is simulated as a reference even when not asked for). A planner that
 cannot plan one of the batches (`InfeasiblePlan`) is a row with `feasible=False` and the
-one-line reason; the others carry on.
+one-line reason; the others carry on. WLB-LLM defers outlier documents to later steps
+(its outlier delay): each of its batches is priced as the weighted steps that train the
+batch's documents in the long run (`wlb_llm.outlier_steps`), so every row's step time
+is the time to train one batch's tokens (docs/design.md, section 10).
 """
 
 from __future__ import annotations
@@ -14,24 +17,44 @@ from dataclasses import dataclass, field
 
 from ballonet import workloads
 from ballonet.errors import InfeasiblePlan, InputError
+from ballonet.cost.bounds import batch_lower_bound
 from ballonet.planning import PLANNERS, plan_batch
+from ballonet.planning.wlb_llm import num_groups, outlier_steps
 from ballonet.simulation.result import SimResult
 from ballonet.simulation.simulator import simulate
 from ballonet.specs import ClusterSpec, ModelSpec
 
 REFERENCE = "te_cp"
 
-TUNABLE = {"te_cp": "cp_size", "llama_cp": "cp_size", "wlb_llm": "cp_size", "magi": "cp_size"}
-"""Baselines with a degree their users set per job: with `tune`, the comparison runs each
-at the fastest of `degrees` (mean simulated step over the same batches; smallest first,
-stopping after two in a row slower than the best), as a user tuning the job would."""
+TUNABLE = {"te_cp": "cp_size", "llama_cp": "cp_size", "wlb_llm": "cp_size", "magi": "cp_size",
+           "hybrid_dp": "rank_tokens", "megatron_hcp": "rank_tokens"}
+"""Baselines with a setting their users fix per job: a CP degree, or a rank's token budget
+(Megatron-Core's `max_seqlen_per_dp_cp_rank`, ByteScale's per-rank capacity). With
+`tune`, the comparison runs each at the fastest of its grid (`grid`: mean simulated step
+over the same batches; in the grid's order, stopping after two in a row slower than the
+best), as a user tuning the job would."""
 MAX_DEGREE = 64
 """The largest CP degree tried (context-parallel groups beyond 64 GPUs are not used in practice)."""
+MIN_BUDGET = 1024
+"""The smallest per-rank token budget tried."""
 
 
 def degrees(num_ranks: int) -> list[int]:
     """CP degrees tried when tuning: the powers of two that divide the ranks, up to `MAX_DEGREE`."""
     return [d for d in (1 << k for k in range(num_ranks.bit_length())) if num_ranks % d == 0 and d <= MAX_DEGREE]
+
+
+def budgets(batches: list) -> list[int]:
+    """Per-rank token budgets tried when tuning, largest first: the powers of two from the
+    one that holds the batches' longest document whole (no document split: as CP degree 1)
+    down to `MIN_BUDGET` (more documents split over more ranks, as higher degrees)."""
+    top = max(1, max((max(b) for b in batches if len(b)), default=1) - 1).bit_length()
+    return [1 << k for k in range(top, MIN_BUDGET.bit_length() - 2, -1)]
+
+
+def grid(name: str, batches: list, num_ranks: int) -> list[int]:
+    """The values of `TUNABLE[name]` tried, in the order a user would try them."""
+    return degrees(num_ranks) if TUNABLE[name] == "cp_size" else budgets(batches)
 
 
 def planner_names() -> list[str]:
@@ -92,36 +115,49 @@ class Row:
 
 
 def _run(name: str, batches: list, cluster: ClusterSpec, model: ModelSpec, popts: dict, sopts: dict,
-         progress, plan_seconds: list | None = None) -> list[SimResult] | str:
+         progress, plan_seconds: list | None = None, filler=None) -> list[SimResult] | str:
     """Simulations of every batch, or why the planner cannot plan one of them; the CPU
-    seconds of each plan go to `plan_seconds`."""
+    seconds of each plan go to `plan_seconds`. `wlb_llm` with `filler` (step -> more
+    documents of the workload) trains each batch in the steps of its outlier delay
+    (`wlb_llm.outlier_steps`), priced as their weighted sum."""
     out = []
+    groups = num_groups(cluster, model, popts.get("cp_size")) if name == "wlb_llm" and filler else 1
     for step, lengths in enumerate(batches):
-        t = time.process_time()
-        try:
-            plan = plan_batch(lengths, cluster, model, name, **popts)
-        except InfeasiblePlan as e:
-            if progress:
-                progress(len(batches) - step)
-            return f"batch {step}: {e}" if len(batches) > 1 else str(e)
+        steps = outlier_steps(lengths, groups, filler(step)) if groups > 1 else [(1.0, lengths)]
+        results, seconds = [], 0.0
+        for weight, docs in steps:
+            t = time.process_time()
+            try:
+                plan = plan_batch(docs, cluster, model, name, **popts)
+            except InfeasiblePlan as e:
+                if progress:
+                    progress(len(batches) - step)
+                return f"batch {step}: {e}" if len(batches) > 1 else str(e)
+            seconds += weight * (time.process_time() - t)
+            results.append(simulate(plan, cluster, model, **sopts))
         if plan_seconds is not None:
-            plan_seconds.append(time.process_time() - t)
-        out.append(simulate(plan, cluster, model, **sopts))
+            plan_seconds.append(seconds)
+        if len(steps) == 1:
+            out.append(results[0])
+        else:  # scaled to the batch's tokens: time per token trained, times the batch's tokens
+            scale = sum(lengths) / sum(w * sum(docs) for w, docs in steps)
+            out.append(SimResult.weighted(results, [w * scale for w, _ in steps], num_tokens=sum(lengths),
+                                          lower_bound_s=batch_lower_bound(lengths, cluster, model)))
         if progress:
             progress(1)
     return out
 
 
 def _tuned(name: str, batches: list, cluster: ClusterSpec, model: ModelSpec, sopts: dict,
-           progress, plan_seconds: list) -> tuple[list[SimResult] | str, dict]:
-    """The planner at the degrees of `degrees`, smallest first, until two in a row are
-    slower than the best so far (a user's search): the fastest feasible by mean step, with
-    its options."""
+           progress, plan_seconds: list, filler=None) -> tuple[list[SimResult] | str, dict]:
+    """The planner at the values of its `grid`, in order, until two in a row are slower
+    than the best so far (a user's search): the fastest feasible by mean step, with its
+    options."""
     best, best_opts, reason, worse = None, {}, "", 0
-    for d in degrees(cluster.num_ranks // model.tp):
+    for d in grid(name, batches, cluster.num_ranks // model.tp):
         opts = {TUNABLE[name]: d}
         seconds: list = []
-        res = _run(name, batches, cluster, model, opts, sopts, None, seconds)
+        res = _run(name, batches, cluster, model, opts, sopts, None, seconds, filler)
         if isinstance(res, str):
             reason = reason or res
             continue
@@ -134,7 +170,7 @@ def _tuned(name: str, batches: list, cluster: ClusterSpec, model: ModelSpec, sop
                 break
     if progress:
         progress(len(batches))
-    return (best, best_opts) if best is not None else (reason or f"{name}: no degree plans the batches", {})
+    return (best, best_opts) if best is not None else (reason or f"{name}: no {TUNABLE[name]} plans the batches", {})
 
 
 def compare(cluster: ClusterSpec, model: ModelSpec, workload: str, tokens_per_gpu: int, planners: list[str], *,
@@ -142,11 +178,17 @@ def compare(cluster: ClusterSpec, model: ModelSpec, workload: str, tokens_per_gp
             sim_options: dict | None = None, tune: bool = False, progress=None) -> list[Row]:
     """One Row per planner. `planner_options` apply to "zeppelin" only (its ablations),
     `sim_options` (`simulate`'s keywords) to every planner alike; with `tune`, the
-    baselines of `TUNABLE` run at their fastest degree; `progress(advance)` is called
+    baselines of `TUNABLE` run at their fastest setting; `progress(advance)` is called
     after each planner's batches."""
     wl = workloads.get(workload)
     batches = list(wl.batches(tokens_per_gpu * cluster.num_ranks, seed, steps, max_length))
     names = planners + ([REFERENCE] if REFERENCE not in planners and REFERENCE in planner_names() else [])
+    total = tokens_per_gpu * cluster.num_ranks
+
+    def filler(step: int):
+        """More documents of the workload, for the normal steps of WLB-LLM's outlier delay."""
+        return (L for k in range(1, 5) for L in wl.sample_batch(total, (seed, step, k), max_length))
+
     runs: dict[str, list[SimResult] | str] = {}  # the simulations, or why the planner is infeasible
     chosen: dict[str, dict] = {}
     timing: dict[str, list] = {}
@@ -154,10 +196,10 @@ def compare(cluster: ClusterSpec, model: ModelSpec, workload: str, tokens_per_gp
         sopts = sim_options or {}
         timing[name] = []
         if tune and name in TUNABLE:
-            runs[name], chosen[name] = _tuned(name, batches, cluster, model, sopts, progress, timing[name])
+            runs[name], chosen[name] = _tuned(name, batches, cluster, model, sopts, progress, timing[name], filler)
         else:
             popts = (planner_options or {}) if name == "zeppelin" else {}
-            runs[name] = _run(name, batches, cluster, model, popts, sopts, progress, timing[name])
+            runs[name] = _run(name, batches, cluster, model, popts, sopts, progress, timing[name], filler)
     ref = sum(r.step_time_s for r in runs[REFERENCE]) if isinstance(runs.get(REFERENCE), list) else None
     rows = []
     for name in planners:

@@ -3,6 +3,7 @@ bound, per-rank breakdown, bytes and timelines, as a dict or a Chrome trace."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 
@@ -61,6 +62,25 @@ class SimResult:
     @property
     def exposed_comm_share(self) -> float:
         return sum(self.exposed_comm_s) / len(self.exposed_comm_s) / self.step_time_s
+
+    @staticmethod
+    def weighted(results: list[SimResult], weights: list[float], *, num_tokens: int,
+                 lower_bound_s: float) -> SimResult:
+        """Several steps that together train one batch of `num_tokens` tokens (a planner that
+        defers documents, `planning.wlb_llm.outlier_steps`), as one: times, per-rank
+        figures and MFU the steps' weighted sums (MFU by time), the batch's own bound;
+        recomputation, bytes and timelines those of the first step."""
+        def total(get) -> float:
+            return sum(w * get(r) for r, w in zip(results, weights))
+
+        step = total(lambda r: r.step_time_s)
+        per_rank = {k: tuple(total(lambda r, i=i, k=k: getattr(r, k)[i]) for i in range(len(results[0].compute_s)))
+                    for k in ("compute_s", "exposed_comm_s", "idle_s", "attention_s")}
+        scalars = {k: total(lambda r, k=k: getattr(r, k))
+                   for k in ("compute_bound_s", "layer_forward_s", "layer_backward_s", "head_s", "grad_allreduce_s",
+                             "grad_allreduce_exposed_s", "optimizer_s")}
+        return dataclasses.replace(results[0], num_tokens=num_tokens, step_time_s=step, lower_bound_s=lower_bound_s,
+                                   mfu=total(lambda r: r.mfu * r.step_time_s) / step, **per_rank, **scalars)
 
     def to_dict(self) -> dict:
         keys = ("planner", "num_gpus", "num_tokens", "step_time_s", "lower_bound_s", "compute_bound_s", "recompute",
