@@ -148,7 +148,8 @@ class Timeline:
                     busy[s] = True
                     start[task], finish[task] = t, t + duration[task]
                     push(events, (finish[task], 0, task))
-            reschedule()
+            if dirty:
+                reschedule()
             if not events:
                 break
             touched = set()
@@ -186,7 +187,8 @@ class Timeline:
                             newly.append(nxt)
                     if newly:
                         release(newly, t, touched)
-                reschedule()
+                if dirty:
+                    reschedule()
                 if not events or events[0][0] > t:
                     break
                 event = pop(events)
