@@ -324,21 +324,20 @@ def _grow(st: Levels, d: int, length: int, shared: _Shared) -> None:
     put back on its members)."""
     m, held, unit = st.members[d], st.held[d], st.unit[d]
     load, speed = st.load, st.speed
-    inter = d in st.node_tokens
     for _ in range(len(m)):
         level = max((load[r] + u * h) / speed[r] for r, u, h in zip(m, unit, held))
         if level <= THRESHOLDS.grow_above * st.mean_level:
             break
         inside = set(m)
         pool = sorted(r for n in sorted({st.node[r] for r in m}) for r in st.node_ranks[n]
-                      if r not in inside and not shared.taken(r, inter) and st.cap[r] > st.tokens[r])
+                      if r not in inside and not shared.taken(r) and st.cap[r] > st.tokens[r])
         if not pool:
             break
         new = min(pool, key=lambda r: load[r] / speed[r])
         if load[new] / speed[new] >= level:
             break
         m = sorted(m + [new])
-        shared.join(new, inter)
+        shared.join(new)
         unit = [sum(unit) / len(unit)] * len(m)
         held = st.spread(d, m, unit, length)
     st.members[d], st.held[d], st.unit[d] = m, held, unit
@@ -347,17 +346,15 @@ def _grow(st: Levels, d: int, length: int, shared: _Shared) -> None:
 
 @dataclass
 class _Shared:
-    """Which ranks hold a split document's share, for `_grow`: it gives a ring across
-    nodes no member of another split document, and a ring inside a node no member of one
-    across nodes. A ring across nodes moves step by step behind its NIC transfers and, in
-    the backward, each member's partial dK/dV; a rank in two rings holds both chains to
-    its own pace: a short document's ring on members of one across nodes made it wait
-    several times its estimate (a 121K-token ring over 18 ranks of cluster A exposed 2.8 s
-    against 0.5 s for its like rings; issue 49)."""
+    """Which ranks hold a split document's share, for `_grow`: it gives no ring a member
+    of another. A ring moves step by step behind its transfers and, in the backward, each
+    member's partial dK/dV; a rank in two rings holds both chains to its own pace: a
+    short document's ring on members of a longer one made that ring wait several times
+    its estimate (a 121K-token ring over 18 ranks of cluster A exposed 2.8 s against
+    0.5 s for its like rings; a 36K-token ring over 4 ranks of a node 0.5-1.0 s against
+    0.16 s; issue 49)."""
     rings: dict[int, int]
     """Per rank, the split documents it holds a share of."""
-    inter: set[int]
-    """Ranks holding a share of a document split across nodes."""
 
     @classmethod
     def of(cls, st: Levels) -> _Shared:
@@ -365,13 +362,11 @@ class _Shared:
         for ms in st.members.values():
             for r in ms:
                 rings[r] = rings.get(r, 0) + 1
-        return cls(rings=rings, inter={r for e in st.node_tokens for r in st.members[e]})
+        return cls(rings=rings)
 
-    def taken(self, rank: int, inter: bool) -> bool:
-        """Whether `rank` (not yet a member) may not join a ring (across nodes: `inter`)."""
-        return rank in self.rings if inter else rank in self.inter
+    def taken(self, rank: int) -> bool:
+        """Whether `rank` (not yet a member) may not join a ring."""
+        return rank in self.rings
 
-    def join(self, rank: int, inter: bool) -> None:
+    def join(self, rank: int) -> None:
         self.rings[rank] = self.rings.get(rank, 0) + 1
-        if inter:
-            self.inter.add(rank)
