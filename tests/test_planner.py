@@ -118,7 +118,9 @@ def test_zeppelin_remap_reaches_equal_tokens_with_surplus_only(price_linear):
 def test_routes_are_rail_aligned_over_distinct_nics():
     cluster = specs.cluster("a800-4nic", num_nodes=4)
     lengths = [400_000] + [2_000] * 100
-    plan = plan_batch(lengths, cluster, MODEL)
+    # Single rings (routes are theirs): by default the 400K document runs on a double
+    # ring, which simulates 4% faster (32.0 against 33.4 s) since its sends are priced.
+    plan = plan_batch(lengths, cluster, MODEL, double=False)
     assert plan.routes
     for route in plan.routes:
         srcs = [plan.nic_of_rank[a] for a, _ in route.proxies]
@@ -525,17 +527,20 @@ def test_the_estimate_prices_the_layers_where_a_few_ranks_recompute():
     # hold the short documents at their caps and recompute selectively on their first 10
     # layers; in those layers' backward the other node waits for them (the simulator ends
     # each layer's backward with its slowest rank's). Priced on the mean layer, the
-    # estimate was 5% under the simulated layers (and chose this plan over a double ring
-    # 2.2% faster); layer by layer, it is within 3%.
+    # estimate was 5% under the simulated layers; layer by layer, with what the step adds
+    # after them (`Candidate.tail_s`), it is within 1% of the simulated step (1.709
+    # against 1.717 s).
     cluster, model = h200(num_nodes=2), MODEL
     plan = plan_batch([48_000] + [1_000] * 214, cluster, model, double=False)
     mode, layers = heaviest(plan.recompute)
     assert mode == "selective" and 0 < layers < model.num_layers
-    res = ballonet.simulate(plan, cluster, model)
-    layers = model.num_layers * (res.layer_forward_s + res.layer_backward_s)
+    step = ballonet.simulate(plan, cluster, model).step_time_s
     estimate = min(c["estimated_step_s"] for c in plan.meta["candidates"])
-    assert 0.97 * layers < estimate < layers
-    assert plan_batch([48_000] + [1_000] * 214, cluster, model).rings[0].comm == "double"
+    assert 0.97 * step < estimate < 1.03 * step
+    # With double rings too a double ring is estimated 0.3% shorter and simulates 2.2%
+    # longer (1.754 s): a close call the estimate (3% under there) does not get right.
+    default = plan_batch([48_000] + [1_000] * 214, cluster, model)
+    assert ballonet.simulate(default, cluster, model).step_time_s < 1.03 * step
 
 
 def test_a_models_own_recompute_layers_price_the_estimate():
@@ -567,16 +572,16 @@ def test_crossing_hops_are_priced_routed_over_the_nodes_rails():
     assert pricing.crossing_seconds(m, cross.crossing_bw, cross.intra_bw, 8, gpu) < 0.7 * direct
     lengths = [100_000, 30_000] + [1_500] * 250
     routed, one_nic = plan_batch(lengths, cluster, MODEL), plan_batch(lengths, cluster, MODEL, routing=False)
-    assert routed.ring_of_doc[0].kind == "inter" and routed.routes
-    assert one_nic.ring_of_doc[0].kind == "intra"
-    # Simulated, the routed plan's crossing hops are cheaper than one NIC's (routing off in
-    # the simulator lengthens its step). Against the one-NIC plan it was 1.4% faster before
-    # the simulator ran each rank's kernels in the runtime's order with its waits for
-    # partial dK/dV (4.74 against 4.80 s); with those waits its 15-member ring's backward
-    # moves at its slowest member's pace and it is 20% slower (5.78 s): a choice the
-    # estimate does not see yet (bench/results/paper.md, docs/design.md section 4).
-    assert ballonet.simulate(routed, cluster, MODEL).step_time_s < \
-        ballonet.simulate(routed, cluster, MODEL, routing=False).step_time_s
+    # The keep-tokens plan of the first mode sends the 100K document across the nodes
+    # either way; its crossing hops priced over 8 rails, it is estimated 13% shorter.
+    first = [c["estimated_step_s"] for c in (routed.meta["candidates"][0], one_nic.meta["candidates"][0])]
+    assert first[0] < 0.9 * first[1]
+    # Its 15-member ring's backward moves at its slowest member's pace with each member's
+    # sends slowing its kernels: simulated, that plan was 20% slower than keeping the
+    # document in one node (5.78 against 4.80 s), which the estimate now sees (the
+    # overlap slowdown and the last dK/dV wait, `pricing`): both keep it in one node.
+    assert routed.ring_of_doc[0].kind == one_nic.ring_of_doc[0].kind == "intra"
+    assert ballonet.simulate(routed, cluster, MODEL).step_time_s < 4.9
 
 
 def test_the_estimate_sees_ranks_taking_turns_at_the_slowest_phase():

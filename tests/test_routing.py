@@ -57,7 +57,7 @@ def planner_plan(world: int) -> Plan:
     else:
         cluster = ballonet.cluster("cpu", num_nodes=2, gpus_per_node=4, nics_per_node=2)
         lengths = [12000, 100, 50, 20, 7, 3]
-    return ballonet.plan_batch(lengths, cluster, SPEC)
+    return ballonet.plan_batch(lengths, cluster, SPEC, double=False)  # single rings: routes are theirs
 
 
 # ---- pure ------------------------------------------------------------------------------

@@ -22,8 +22,10 @@ from ballonet.cost.flops import (
     block_flops,
     elementwise_bytes_per_token,
     grad_bytes,
+    head_flops_per_token,
     kv_bytes,
     linear_flops_per_token,
+    loss_bytes_per_token,
 )
 from ballonet.cost.memory import activation_bytes_per_token
 from ballonet.cost.recompute import (
@@ -107,6 +109,17 @@ def framework_time(model: ModelSpec, gpu: hardware.GPUType) -> float:
     """Seconds a step costs one rank's compute thread in the training framework outside
     the model's kernels (FSDP2's gathers, copies and gradient hooks): per layer, calibrated."""
     return model.num_layers * hardware.profile(gpu).framework_s_per_layer
+
+
+def head_seconds(model: ModelSpec, gpu: hardware.GPUType, tokens: int) -> float:
+    """Forward and backward of the LM head's GEMM and the loss's elementwise work over a
+    rank's `tokens` (linear layout)."""
+    if not tokens:
+        return 0.0
+    flops = head_flops_per_token(model) * (1 + LINEAR_BACKWARD_FACTOR) / model.tp
+    gemm = flops * tokens / (gpu.peak_flops * hardware.linear_efficiency(tokens, gpu))
+    loss = elementwise_time(model, gpu, tokens, loss_bytes_per_token(model))
+    return gemm + loss * (1 + ELEMENTWISE_BACKWARD_FACTOR)
 
 
 def optimizer_time(model: ModelSpec, gpu: hardware.GPUType, num_dp_ranks: int) -> float:

@@ -361,21 +361,31 @@ def ring_wait_seconds(plan: Plan, dev: Devices, model: ModelSpec) -> np.ndarray:
     together behind the one whose local documents' backward is longest; a member with
     less waits the difference (the most over the rings it is in). Charging the spread of
     the members' ring shares too (they also step together) lengthened more main-grid
-    steps than it shortened: the levelling that gives them unequal shares evens more."""
+    steps than it shortened: the levelling that gives them unequal shares evens more.
+    A ring of two waits only at its end (the partial of step 1 leaves before the
+    predecessor's local documents): its members then end together behind the one with
+    more work in all, which sets the layer's end itself (the simulator ends each layer
+    with its slowest rank's), so nothing is charged (the end's own transfer:
+    `final_grad_wait_seconds`)."""
     R = plan.num_ranks
-    if not plan.rings:
+    if not any(len(ring.ranks) > 2 for ring in plan.rings):
         return np.zeros(R)
-    local = np.zeros(R)
     in_ring = plan.ring_of_doc
-    for r, segs in enumerate(plan.attention):
-        lengths = [s.num_tokens for s in segs if s.doc not in in_ring]
-        if lengths:
-            local[r] = float(np.sum(attention_seconds(model, dev.gpu[r], attention_flops(model, lengths), lengths,
-                                                      backward=True)))
+    pairs = [(r, s.num_tokens) for r, segs in enumerate(plan.attention) for s in segs if s.doc not in in_ring]
+    rank = np.array([r for r, _ in pairs], dtype=np.int64)
+    block = np.array([n for _, n in pairs], dtype=float)
+    seconds = np.zeros(len(pairs))
+    names = np.array([g.name for g in dev.gpu])
+    for gpu in {g.name: g for g in dev.gpu}.values():  # one vector call per GPU type
+        on = names[rank] == gpu.name
+        if on.any():
+            seconds[on] = attention_seconds(model, gpu, attention_flops(model, block[on]), block[on], backward=True)
+    local = np.bincount(rank, weights=seconds, minlength=R).astype(float)
     out = np.zeros(R)
     for ring in plan.rings:
-        members = list(ring.ranks)
-        out[members] = np.maximum(out[members], local[members].max() - local[members])
+        if len(ring.ranks) > 2:
+            members = list(ring.ranks)
+            out[members] = np.maximum(out[members], local[members].max() - local[members])
     return model.num_layers * out
 
 
@@ -398,3 +408,4 @@ def rank_remap_seconds(plan: Plan, model: ModelSpec, link_bw: np.ndarray) -> np.
         out[src] += n * per_token
         inn[dst] += n * per_token
     return 2 * model.num_layers * np.maximum(out, inn) / link_bw
+

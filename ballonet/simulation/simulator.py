@@ -73,12 +73,10 @@ from collections import Counter
 from ballonet.cost import hardware
 from ballonet.cost.bounds import batch_lower_bound
 from ballonet.cost.flops import (
-    ELEMENTWISE_BACKWARD_FACTOR,
     LINEAR_BACKWARD_FACTOR,
     attention_flops,
     head_flops_per_token,
     linear_flops_per_token,
-    loss_bytes_per_token,
 )
 from ballonet.cost.memory import BELOW
 from ballonet.cost.recompute import per_rank_recompute
@@ -87,8 +85,8 @@ from ballonet.cost.seconds import (
     DP_FORWARD_SHARE,
     collective_time,
     dp_layer_parts,
-    elementwise_time,
     grad_allreduce_time,
+    head_seconds,
     linear_layer_seconds,
     optimizer_time,
 )
@@ -128,16 +126,6 @@ def _pass(common: dict, backward: bool, grad_bucket: tuple) -> tuple:
     g = LayerGraph(backward=backward, grad_bucket=grad_bucket, **common)
     period, compute, end, attention, record = _run_pass(g)
     return period, compute, end, attention, _slowdown(g, compute), record, g.sent
-
-
-def _head_seconds(model: ModelSpec, gpu, tokens: int) -> float:
-    """Forward and backward of the LM head's GEMM and the loss's elementwise work."""
-    if not tokens:
-        return 0.0
-    flops = head_flops_per_token(model) * (1 + LINEAR_BACKWARD_FACTOR) / model.tp
-    gemm = flops * tokens / (gpu.peak_flops * hardware.linear_efficiency(tokens, gpu))
-    loss = elementwise_time(model, gpu, tokens, loss_bytes_per_token(model))
-    return gemm + loss * (1 + ELEMENTWISE_BACKWARD_FACTOR)
 
 
 def _slowdown(p: LayerGraph, compute: list) -> list:
@@ -201,7 +189,7 @@ def simulate(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, routing: boo
                                                    for i in range(1, 5))
     slow = [a + b for a, b in zip(fwd_slow, bwd_slow)]
 
-    head = [_head_seconds(model, fabric.gpu[r], n) for r, n in enumerate(tokens)]
+    head = [head_seconds(model, fabric.gpu[r], n) for r, n in enumerate(tokens)]
     head_tp = [sum(collective_time(op, nbytes, model.tp, fabric.intra_bw[r], fabric.gpu[r])
                    for _, op, nbytes in tp_step_collectives(model, n)) for r, n in enumerate(tokens)]
     optimizer = [optimizer_time(model, fabric.gpu[r], R) for r in range(R)]

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ballonet.cost import hardware
 from ballonet.cost.memory import activation_bytes, recompute_layer_count, recompute_mode
 from ballonet.cost.recompute import layers_per_rank
 from ballonet.errors import InfeasiblePlan
@@ -27,6 +28,7 @@ from ballonet.planning.pricing import (
     synchronous_step_seconds,
 )
 from ballonet.planning.remap import linear_targets, node_linear_targets, plan_remap
+from ballonet.planning.step_terms import final_grad_wait_seconds, overlap_slowdown_seconds, step_tail_seconds
 from ballonet.planning.zeppelin.classes import NodeLevel
 from ballonet.planning.zeppelin.node_placement import level2
 from ballonet.planning.zeppelin.refinement import refine
@@ -42,7 +44,9 @@ class Candidate:
     """A plan the search compares (`CandidateMaker.make`)."""
     plan: Plan
     seconds: float
-    """Its estimated step."""
+    """Its estimated step: its layers, then what the step adds after them (`tail_s`)."""
+    tail_s: float
+    """The LM head, the last gradient bucket and the optimizer (`pricing.step_tail_seconds`)."""
     binds: bool
     """Whether caps bind where that step is set (`caps_bind`)."""
     kernels: tuple
@@ -73,6 +77,17 @@ class CandidateMaker:
     remap: bool
     price_linear: bool
     routing: bool
+    fixed_tail_s: float = 0.0
+    """What every plan's step adds after its layers but its LM head (`pricing.fixed_tail_seconds`)."""
+    dp_send_s: float = 0.0
+    """Seconds of sends of each rank's data-parallel collectives in a step (`pricing.dp_send_seconds`)."""
+
+    @property
+    def every_rank_s(self) -> float:
+        """What every rank's estimate adds to its compute whatever the plan: its
+        data-parallel sends' slowdown (`step_terms.overlap_slowdown_seconds`; the least
+        GPU type's)."""
+        return min(hardware.profile(g).overlap_slowdown for g in self.dev.gpu) * self.dp_send_s
 
     def plan(self, placement: Placement, facts: dict, *, keep: bool, double: bool) -> Plan:
         """Step 4 but routes and memory on `placement` (`remapped`)."""
@@ -106,12 +121,15 @@ class CandidateMaker:
         kernels = attention_kernels(plan, dev, priced)
         attention, linear = rank_compute_seconds(plan, dev, priced, recompute_mode(priced), split=True, layers=layers,
                                                  kernels=kernels)
-        seconds, exposed = _step_seconds(plan, dev, priced, self.crossovers, (attention, linear), self.routing)
+        seconds, exposed = _step_seconds(plan, dev, priced, self.crossovers, (attention, linear), self.routing,
+                                         self.dp_send_s)
         node = max((attention[rs] + linear[rs] + exposed[rs]).mean() for rs in dev.nodes())
         busiest = float(seconds.max())
         step = max(busiest, synchronous_step_seconds(plan, dev, priced, kernels, seconds, attention + linear,
                                                      layers if trim else None))
-        return Candidate(plan=plan, seconds=step, binds=caps_bind(plan, dev, seconds), kernels=kernels,
+        tail = step_tail_seconds(plan, dev, priced, np.array([self.crossovers[g].intra_bw for g in dev.group]),
+                                 self.fixed_tail_s)
+        return Candidate(plan=plan, seconds=step + tail, tail_s=tail, binds=caps_bind(plan, dev, seconds), kernels=kernels,
                          busiest_s=busiest, node_floor_s=node, dev=dev, model=model)
 
 
@@ -200,11 +218,17 @@ def _crossing_exposed(plan: Plan, dev: Devices, model: ModelSpec, crossovers, ro
 
 
 def _step_seconds(plan: Plan, dev: Devices, model: ModelSpec, crossovers, compute,
-                  routing: bool) -> tuple[np.ndarray, np.ndarray]:
+                  routing: bool, dp_send_s: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """[R] what the partitioner compares its candidate plans by (`pricing.rank_step_seconds`),
     and [R] the part of it single rings across nodes expose (`_crossing_exposed`)."""
-    exposed = _crossing_exposed(plan, dev, model, crossovers, routing) + ring_wait_seconds(plan, dev, model)
+    link = np.array([crossovers[g].intra_bw for g in dev.group])
+    final = final_grad_wait_seconds(plan, dev, model, link, np.array([crossovers[g].crossing_bw for g in dev.group]),
+                                    np.array([crossovers[g].rails if routing else 1 for g in dev.group]))
     start, linear = compute
+    nic = np.array([crossovers[g].crossing_bw for g in dev.group])
+    slow = overlap_slowdown_seconds(plan, dev, model, link, nic, dp_send_s, start + linear)
+    exposed = (_crossing_exposed(plan, dev, model, crossovers, routing) + ring_wait_seconds(plan, dev, model) + final
+               + slow)
     seconds = rank_step_seconds(plan, dev, model, np.array([crossovers[g].intra_bw for g in dev.group]),
                                 (start + exposed, linear), np.array([crossovers[g].rank_nic_bw for g in dev.group]),
                                 np.array([crossovers[g].dp_piece for g in dev.group]))

@@ -180,6 +180,7 @@ def refine(batch: Batch, fill: RankFill) -> Placement:
     stamp, done, clock = [0] * R, dict.fromkeys(docs, -1), 0
     settled: set[int] = set()  # units checked against their shares since they last moved
     for sweep in SWEEPS:
+        shared = _Shared.of(st) if sweep is Sweep.GROW else None
         for d in docs:
             m, held, unit = st.members[d], st.held[d], st.unit[d]
             dropping = sweep is Sweep.DROP and len(m) > 2 and min(held) < THRESHOLDS.sliver * sum(held) / len(held)
@@ -208,8 +209,8 @@ def refine(batch: Batch, fill: RankFill) -> Placement:
                     st.unit[d] = [new_unit[i] for i in keep]
             m = st.members[d]
             st.held[d] = st.spread(d, m, st.unit[d], lengths[d])
-            if sweep is Sweep.GROW:
-                _grow(st, d, lengths[d])
+            if shared is not None:
+                _grow(st, d, lengths[d], shared)
             st.put(d)
             clock += 1
             for r in st.members[d]:
@@ -317,9 +318,10 @@ def _make_room(split: dict[int, dict[int, int]], room: list[int], ranks: list[in
             r2 = r
 
 
-def _grow(st: Levels, d: int, length: int) -> None:
+def _grow(st: Levels, d: int, length: int, shared: _Shared) -> None:
     """While document `d`'s members end over the mean level, the least busy rank of their
-    nodes (with memory to spare) joins (its shares not yet put back on its members)."""
+    nodes (with memory to spare) that `_Shared.taken` leaves it joins (its shares not yet
+    put back on its members)."""
     m, held, unit = st.members[d], st.held[d], st.unit[d]
     load, speed = st.load, st.speed
     for _ in range(len(m)):
@@ -328,13 +330,43 @@ def _grow(st: Levels, d: int, length: int) -> None:
             break
         inside = set(m)
         pool = sorted(r for n in sorted({st.node[r] for r in m}) for r in st.node_ranks[n]
-                      if r not in inside and st.cap[r] > st.tokens[r])
+                      if r not in inside and not shared.taken(r) and st.cap[r] > st.tokens[r])
         if not pool:
             break
         new = min(pool, key=lambda r: load[r] / speed[r])
         if load[new] / speed[new] >= level:
             break
         m = sorted(m + [new])
+        shared.join(new)
         unit = [sum(unit) / len(unit)] * len(m)
         held = st.spread(d, m, unit, length)
     st.members[d], st.held[d], st.unit[d] = m, held, unit
+
+
+
+@dataclass
+class _Shared:
+    """Which ranks hold a split document's share, for `_grow`: it gives no ring a member
+    of another. A ring moves step by step behind its transfers and, in the backward, each
+    member's partial dK/dV; a rank in two rings holds both chains to its own pace: a
+    short document's ring on members of a longer one made that ring wait several times
+    its estimate (a 121K-token ring over 18 ranks of cluster A exposed 2.8 s against
+    0.5 s for its like rings; a 36K-token ring over 4 ranks of a node 0.5-1.0 s against
+    0.16 s; issue 49)."""
+    rings: dict[int, int]
+    """Per rank, the split documents it holds a share of."""
+
+    @classmethod
+    def of(cls, st: Levels) -> _Shared:
+        rings: dict[int, int] = {}
+        for ms in st.members.values():
+            for r in ms:
+                rings[r] = rings.get(r, 0) + 1
+        return cls(rings=rings)
+
+    def taken(self, rank: int) -> bool:
+        """Whether `rank` (not yet a member) may not join a ring."""
+        return rank in self.rings
+
+    def join(self, rank: int) -> None:
+        self.rings[rank] = self.rings.get(rank, 0) + 1

@@ -22,6 +22,7 @@ from ballonet.planning.assembly import over_cap
 from ballonet.planning.devices import check_lengths, devices, infeasibility
 from ballonet.planning.pricing import rank_compute_seconds, recompute_modes
 from ballonet.planning.routing import plan_routes
+from ballonet.planning.step_terms import dp_send_seconds, fixed_tail_seconds
 from ballonet.planning.zeppelin.candidates import Candidate, CandidateMaker, fallback, place
 from ballonet.planning.zeppelin.classes import NodeLevel, crossover_lengths, doubled_level, level_nodes
 from ballonet.planning.zeppelin.thresholds import THRESHOLDS
@@ -73,6 +74,12 @@ class CandidateSearch:
     def best_s(self) -> float:
         return self.best.seconds if self.best is not None else np.inf
 
+    @property
+    def best_layers_s(self) -> float:
+        """The best plan's estimated layers (its step but `Candidate.tail_s`): what the
+        prunes' bounds, which count layers only, are compared with."""
+        return self.best.seconds - self.best.tail_s if self.best is not None else np.inf
+
     def run(self) -> Plan:
         opts, model = self.options, self.model
         self.crossovers = crossover_lengths(self.cluster, model)
@@ -86,7 +93,7 @@ class CandidateSearch:
                 continue
             level = level_nodes(self.lengths, maker.dev, self.crossovers, maker.model, hierarchical=opts.hierarchical,
                                 price_linear=opts.price_linear, routing=opts.routing)
-            if level is not None and self._level_too_slow(level, np.inf if looser else self.best_s):
+            if level is not None and self._level_too_slow(level, maker, np.inf if looser else self.best_layers_s):
                 break  # and costlier modes, whose caps are tighter nowhere
             plans = self._plans(maker, level) if level is not None else []
             if not plans and i == len(modes) - 1 and self.best is None:
@@ -105,7 +112,7 @@ class CandidateSearch:
         doubled = [(d, maker) for maker, level in singles if opts.double
                    and (d := doubled_level(level, price_linear=opts.price_linear, routing=opts.routing)) is not None]
         for level, maker in sorted(doubled, key=lambda x: x[0].node_seconds):
-            if not self._level_too_slow(level, self.best_s):
+            if not self._level_too_slow(level, maker, self.best_layers_s):
                 self._compare(self._plans(maker, level))
         if self.best is None:
             raise InfeasiblePlan(self.refusal)
@@ -131,7 +138,9 @@ class CandidateSearch:
                 "recompute": spec.recompute, "recompute_layers": recompute_layer_count(spec), "keep_tokens": False,
                 "fallback": False}
         return CandidateMaker(lengths=self.lengths, dev=dev, model=spec, crossovers=self.crossovers, meta=meta,
-                              trim=trim, remap=opts.remap, price_linear=opts.price_linear, routing=opts.routing)
+                              trim=trim, remap=opts.remap, price_linear=opts.price_linear, routing=opts.routing,
+                              fixed_tail_s=fixed_tail_seconds(self.cluster, dev, spec),
+                              dp_send_s=dp_send_seconds(self.cluster, spec))
 
     def _plans(self, maker: CandidateMaker, level: NodeLevel) -> list[Candidate]:
         """From one level 1: every rank keeping its tokens (attention plus linear work
@@ -173,10 +182,11 @@ class CandidateSearch:
     # ---- the prunes -------------------------------------------------------------------
 
     @staticmethod
-    def _level_too_slow(level: NodeLevel, beat: float) -> bool:
-        """Level 1 already leaves a node slower than `beat` seconds by the node margin: no
-        plan of its nodes beats it."""
-        return level.node_seconds > (1 + THRESHOLDS.node_prune_margin) * beat
+    def _level_too_slow(level: NodeLevel, maker: CandidateMaker, beat: float) -> bool:
+        """Level 1 already leaves a node slower than `beat` seconds by the node margin,
+        with what every rank adds to its compute (`CandidateMaker.every_rank_s`): no plan
+        of its nodes beats it."""
+        return level.node_seconds + maker.every_rank_s > (1 + THRESHOLDS.node_prune_margin) * beat
 
     @staticmethod
     def _level_enough(kept: Candidate) -> bool:
@@ -190,15 +200,24 @@ class CandidateSearch:
         as few layers as a plan needs costs little more than none, and where caps bind in
         the node that sets the best plan's step its looser caps may pay (linear
         recomputation's looser caps planned so too did not pay: docs/planner_evidence.md,
-        step 0)."""
-        return trim and next_mode == "selective" and self.best is not None and self.best.binds
+        step 0); and so where memory is nearly full on any rank (`_nearly_full`)."""
+        best = self.best
+        return trim and next_mode == "selective" and best is not None and (best.binds or _nearly_full(best))
 
     def _costlier_mode_loses(self, first: Candidate, next_mode: str) -> bool:
         """The next mode's compute of this mode's first plan, spread over the ranks by
-        speed (on every layer), is already slower than the best plan's estimate."""
+        speed (on every layer), is already slower than the best plan's estimated layers."""
         dev = first.dev
         seconds = rank_compute_seconds(first.plan, dev, first.model, next_mode, kernels=first.kernels)
-        return np.average(seconds, weights=dev.speed) >= self.best_s
+        return np.average(seconds, weights=dev.speed) >= self.best_layers_s
+
+
+def _nearly_full(best: Candidate) -> bool:
+    """Whether a rank of `best` is within `Thresholds.full_slack` of its memory cap: its
+    caps shaped the placement there, and selective recomputation on the few layers a plan
+    needs may even it out (in any node, not only the one whose rank sets the step)."""
+    used, total = np.asarray(best.plan.memory_bytes), np.asarray(best.dev.memory_total)
+    return bool((used >= (1 - THRESHOLDS.full_slack) * total).any())
 
 
 def zeppelin(lengths, cluster: ClusterSpec, model: ModelSpec, *, routing: bool = True, remap: bool = True,
