@@ -101,6 +101,9 @@ def variants() -> dict[str, Plan]:
     for name in PLANNERS:
         plan = ballonet.plan_batch(LENGTHS, CLUSTER, SPEC, name)
         out[f"{name} unrouted"] = dataclasses.replace(plan, routes=())
+        if not plan.routes and all(r.comm == "double" for r in plan.rings if r.kind == "inter"):
+            # a double ring's hops are never routed: the routed variant is the single-ring plan
+            plan = ballonet.plan_batch(LENGTHS, CLUSTER, SPEC, name, double=False)
         out[f"{name} routed"] = plan if plan.routes else routed_everywhere(plan)
     return out
 
