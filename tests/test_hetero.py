@@ -241,3 +241,17 @@ def test_cost_prices_each_gpu_type_of_a_mixed_cluster(tmp_path, capsys):
         assert cost("--cluster", "h800+h20", "--gpu", gpu) == expected
     assert main(["cost", "--length", "1024", "--cluster", "h800+h20", "--gpu", "a100"]) == 2
     assert "--gpu a100: cluster 'h800+h20' has no such GPU (it has h800, h20)" in capsys.readouterr().err
+
+
+def test_bound_splits_each_kind_of_work_by_each_group_own_seconds():
+    """Two GPUs, two kinds of work, one unit each. GPU A takes 1 s for either; GPU B takes
+    4 s for the first, 2 s for the second. Best split by hand: A does the first and 1-x
+    of the second, B does x of it: 1 + (1 - x) = 2x, x = 2/3, 4/3 s. Pooled as one GPU
+    type at the best per-kind seconds (the former bound) it was (1 + 1) / 2 = 1 s."""
+    from ballonet.cost.bounds import _least_max
+    costs = np.array([[1.0, 1.0], [4.0, 2.0]])
+    got = _least_max(costs, np.ones(2), np.ones(2), np.zeros(2), np.ones(2))
+    assert 4 / 3 * (1 - 1e-3) <= got <= 4 / 3 * (1 + 1e-12)
+    # a fixed second on A moves the level: 2 + (1 - x) = 2x -> x = 1, 2 s (B could take nothing more)
+    got = _least_max(costs, np.ones(2), np.ones(2), np.array([1.0, 0.0]), np.ones(2))
+    assert 2 * (1 - 1e-3) <= got <= 2 * (1 + 1e-12)

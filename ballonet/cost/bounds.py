@@ -65,53 +65,78 @@ def batch_recomputation(lengths, cluster: ClusterSpec, model: ModelSpec) -> tupl
     return mode, model.num_layers * min(1.0, (tokens * keep - capacity) / (tokens * (keep - drop)))
 
 
-def _best_elementwise_units(profiles_by_type, upto: float) -> float:
-    """Peak-FLOP units per byte of elementwise work on the GPU type that does it cheapest
-    relative to its peak: peak / (bandwidth * best efficiency at up to `upto` tokens)."""
-    return min(g.peak_flops / (p.memory_bw * float(_best(p.elementwise, upto)))
-               for g, p in profiles_by_type)
-
-
 def batch_lower_bound(lengths, cluster: ClusterSpec, model: ModelSpec, communication: bool = True) -> float:
     """Seconds no plan of the batch can beat on `cluster`: every FLOP and elementwise byte
     of the step (attention forward and backward, GEMMs, LM head and loss, the
     recomputation the batch needs at least) at the best efficiency any split or packing
-    could give it, on all GPUs busy together, plus what each rank pays whatever the plan
-    (the framework's per-layer work, its optimizer shard). Attention of a document of L
-    tokens runs on chunks of at most L tokens, GEMMs and elementwise work on at most the
-    batch's tokens; the GPU type best at each kind of work (relative to its peak) sets its
-    cost, and the work is spread over the sum of the GPUs' peaks. Two collectives no plan
-    escapes are added (`communication`; off: the compute alone): every token's
-    tensor-parallel all-gathers and reduce-scatters at their bandwidth on the cheapest
-    group, which the simulator runs on the compute stream, and the last layer's gradient
-    bucket, which nothing is left to hide (`grad_allreduce_time` / layers). The same for
-    every planner."""
+    could give it on each node group's GPU type, plus what each rank pays whatever the
+    plan (the framework's per-layer work, its optimizer shard). Attention of a document
+    of L tokens runs on chunks of at most L tokens, GEMMs and elementwise work on at most
+    the batch's tokens. Two collectives no plan escapes are added (`communication`; off:
+    the compute alone): every token's tensor-parallel all-gathers and reduce-scatters at
+    their group's bandwidth, which the simulator runs on the compute stream, and the last
+    layer's gradient bucket, which nothing is left to hide (`grad_allreduce_time` /
+    layers). The work is split perfectly, each piece to any group at that group's own
+    seconds for it (`_least_max`). The same for every planner."""
     L = np.asarray(lengths, dtype=float)
     T = float(L.sum())
-    types = {g.gpu_type.name: g.gpu_type for g in cluster.groups}
-    by_type = [(t, hardware.profile(t)) for t in types.values()]
-    profiles = [p for _, p in by_type]
-    fwd = np.max([_best(p.attention_forward, L) for p in profiles], axis=0)
-    bwd = np.max([_best(p.attention_backward, L) for p in profiles], axis=0)
-    lin = max(float(_best(p.linear, T)) for p in profiles)
     mode, layers = batch_recomputation(lengths, cluster, model)
     att = attention_flops(model, L)
-    att_work = np.sum(att / fwd + ATTENTION_BACKWARD_FACTOR * att / bwd + (att / fwd if recompute_attention(mode) else 0))
-    lin_flops = (linear_flops_per_token(model) * (1 + LINEAR_BACKWARD_FACTOR)
-                 + recompute_flops_per_token(model, mode, layers))
+    lin_flops = (model.num_layers * (linear_flops_per_token(model) * (1 + LINEAR_BACKWARD_FACTOR)
+                                     + recompute_flops_per_token(model, mode, layers))
+                 + head_flops_per_token(model) * (1 + LINEAR_BACKWARD_FACTOR))
     elt_bytes = model.num_layers * (elementwise_bytes_per_token(model) * (1 + ELEMENTWISE_BACKWARD_FACTOR)
                                     + recompute_elementwise_bytes_per_token(model, mode, layers))
     elt_bytes += loss_bytes_per_token(model) * (1 + ELEMENTWISE_BACKWARD_FACTOR)
-    work = model.num_layers * (att_work + lin_flops * T / lin) + head_flops_per_token(model) * (1 + LINEAR_BACKWARD_FACTOR) * T / lin
-    work += elt_bytes * model.tp * T * _best_elementwise_units(by_type, T)  # bytes per GPU: all of a TP group
-    gpus = [cluster.gpu_of(r) for r in range(cluster.num_ranks)]
     num_dp = cluster.num_ranks // model.tp
-    work += sum(g.peak_flops * (framework_time(model, g) + optimizer_time(model, g, num_dp)) for g in gpus)
-    peak = sum(g.peak_flops for g in gpus)
+    costs, gpus, fixed, peaks = [], [], [], []
+    for g in cluster.groups:
+        t, p = g.gpu_type, hardware.profile(g.gpu_type)
+        fwd, bwd = _best(p.attention_forward, L), _best(p.attention_backward, L)
+        per_doc = model.num_layers * (att / fwd + ATTENTION_BACKWARD_FACTOR * att / bwd
+                                      + (att / fwd if recompute_attention(mode) else 0)) / t.peak_flops
+        per_token = (lin_flops / (t.peak_flops * float(_best(p.linear, T)))
+                     + elt_bytes * model.tp / (p.memory_bw * float(_best(p.elementwise, T))))  # bytes per GPU: all of a TP group
+        if communication:
+            per_token += 2 * model.tp * tp_seconds_per_token(model, g)
+        costs.append(np.append(per_doc, per_token))  # GPU-seconds per whole document, per token
+        gpus.append(g.num_nodes * g.gpus_per_node)
+        peaks.append(t.peak_flops)
+        fixed.append(framework_time(model, t) + optimizer_time(model, t, num_dp))
+    amounts = np.append(np.ones(len(L)), T)
+    n = np.array(gpus, dtype=float)
+    bound = _least_max(np.array(costs), amounts, n, np.array(fixed), n * np.array(peaks))
     if not communication:
-        return float(work / peak)
-    work += _best_tp_units(cluster, model) * T
-    return float(work / peak) + grad_allreduce_time(model, cluster) / model.num_layers
+        return bound
+    return bound + grad_allreduce_time(model, cluster) / model.num_layers
+
+
+def _least_max(costs: np.ndarray, amounts: np.ndarray, gpus: np.ndarray, fixed: np.ndarray,
+               start: np.ndarray) -> float:
+    """A lower bound on the least, over every split of `amounts` [K] of K kinds of work
+    between G groups of `gpus` [G] GPUs (each kind split freely, a group's share spread
+    evenly over its GPUs), of the most seconds any GPU takes: `costs` [G, K] GPU-seconds a
+    unit of each kind takes on a group's GPU, `fixed` [G] seconds each GPU pays anyway.
+    It is the split problem's Lagrangian dual: for any weights w on the groups (summing to
+    1) no split beats sum_k amounts_k min_g(w_g costs_gk / gpus_g) + sum_g w_g fixed_g.
+    The weights start at `start` (each group's peak FLOP/s: the bound of the whole
+    cluster as one pool of peak FLOP/s, each kind at the best group's efficiency) and climb toward the dual's maximum by multiplicative steps
+    toward the groups left busiest; every value on the way is a bound, the best is kept.
+    One group: the work over its GPUs plus its fixed seconds, exactly."""
+    if len(gpus) == 1:
+        return float(costs[0] @ amounts / gpus[0] + fixed[0])
+    share = costs / gpus[:, None]
+    w = start / start.sum()
+    best = -np.inf
+    for step in range(200):
+        weighted = w[:, None] * share
+        pick = weighted.argmin(axis=0)
+        value = float(weighted[pick, np.arange(len(amounts))] @ amounts + w @ fixed)
+        best = max(best, value)
+        busy = np.bincount(pick, weights=share[pick, np.arange(len(amounts))] * amounts, minlength=len(gpus)) + fixed
+        w = w * np.exp(1.0 / np.sqrt(step + 1) * (busy / busy.max() - 1))
+        w = w / w.sum()
+    return best
 
 
 def tp_seconds_per_token(model: ModelSpec, group: NodeGroup) -> float:
@@ -123,11 +148,3 @@ def tp_seconds_per_token(model: ModelSpec, group: NodeGroup) -> float:
     p = hardware.profile(group.gpu_type)
     per_token = hidden_bytes(model, 1) * (model.tp - 1) / model.tp / group.intra_bw
     return model.num_layers * 2 * sum(per_token / p.collective_efficiency[op] for op in ("all_gather", "reduce_scatter"))
-
-
-def _best_tp_units(cluster: ClusterSpec, model: ModelSpec) -> float:
-    """Peak-FLOP-seconds of tensor-parallel collectives a token costs at least, forward and
-    backward, on the group where they cost least: every token crosses its TP group's
-    collectives whatever the plan, and they run on the compute stream (the simulator's
-    "tp" tasks), so all of a TP group's GPUs wait for them."""
-    return min(2 * model.tp * g.gpu_type.peak_flops * tp_seconds_per_token(model, g) for g in cluster.groups)
