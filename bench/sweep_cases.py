@@ -344,7 +344,7 @@ ISSUE_33: list[Case] = [
     case("train --weight-decay nan", *_TRAIN, "--weight-decay", "nan", issue=5, expect="--weight-decay"),
     case("train a garbage model.safetensors", *_TRAIN, "--model", "hf:m",
          files=[("m/", ""), ("m/config.json", _hf_config()), ("m/model.safetensors", b"garbage")], issue=5,
-         expect="cannot build a causal LM", slow=True),
+         expect="cannot read its weights", slow=True),
     case("plan --json | head -c 300", "plan", "--json", "--nodes", "32", pipe="head -c 300", issue=5,
          expect="broken pipe", slow=True),
     # 6. silent wrong answers

@@ -422,7 +422,7 @@ SILENT = [
     c("silent", "(issue) a prepared corpus without its manifest", *CORPUS_TRAIN, base="corpus",
       edit=lambda f: os.remove(os.path.join(f, "corpus", "manifest.json")), expect="manifest"),
     c("silent", "(issue) HF weights under other names", *TRAIN, "--model", "hf:m", files=HF,
-      edit=lambda f: _wrong_names(f), expect="lack"),
+      edit=lambda f: _wrong_names(f), expect="the weights have no tensor"),
     c("silent", "(issue) HF model.safetensors a folder", *TRAIN, "--model", "hf:m",
       files=[*HF, ("m/model.safetensors/", "")], expect="model.safetensors"),
     c("silent", "(issue) profile 1e-300 efficiency (Infinity in JSON)", "cost", "--length", "10", "--cluster", "cpu",
