@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 from ballonet import user_files
 from ballonet.errors import InputError
+from ballonet.training.checkpoints.safe_dcp import fsync_path
 from ballonet.training.config_file import RESOLVED
 
 MARKER = "ballonet-export.json"
@@ -92,7 +93,7 @@ def replace_folder(out: str, write: Callable[[str], None], info: dict) -> list[s
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(tmp, out)
-        _fsync_folder(parent)
+        fsync_path(parent)
         return files
     except BaseException as e:
         if os.path.isdir(out):  # the user's files back where they were
@@ -104,14 +105,6 @@ def replace_folder(out: str, write: Callable[[str], None], info: dict) -> list[s
             reason = getattr(e, "strerror", None) or str(e).splitlines()[0][:200]
             raise InputError(f"--out {out}: cannot write the export ({reason}); nothing was written") from None
         raise
-
-
-def _fsync_folder(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_json(path: str, value) -> None:
