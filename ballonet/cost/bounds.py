@@ -147,9 +147,13 @@ def _held_bound(L: np.ndarray, cluster: ClusterSpec, model: ModelSpec, attention
     cheapest cost to hold its tokens is convex and scales with its cap, so the ranks' sum
     is at least the pooled group's), layers and ranks mix modes freely (the convex hull of
     the modes' (bytes, seconds) per token), full recomputation's attention rerun is left
-    out, and so are the attention layout's bytes (its tokens may sit on any group). For
-    each weighting w of the groups (the dual of `_least_max`, the same search), the
-    tokens go where their weighted marginal seconds are least. -inf where not even full
+    out, and so are the attention layout's bytes (its tokens may sit on any group: the
+    remap sends any token to any rank). Kept: a rank holds no more than its cap
+    (`memory_cap`), and a token's GEMMs and elementwise work run where it sits in the
+    linear layout, at no better than that group's best efficiency. For each weighting w
+    of the groups (the dual of `_least_max`, the same search; any w gives a bound), the
+    documents' attention and the LM head go to the group of least weighted seconds and
+    the tokens where their weighted marginal seconds are least. -inf where not even full
     recomputation holds the batch (no plan runs it)."""
     T = float(L.sum())
     num_dp = cluster.num_ranks // model.tp
