@@ -284,3 +284,22 @@ def test_lower_bound_keeps_each_groups_memory():
     assert got <= expected * (1 + 1e-9)  # a lower bound never passes the optimum
     pooled = (layers + fixed * 2) / 2  # what pooling both GPUs' memory allowed at most
     assert got > pooled * 1.3
+
+
+def test_no_planner_beats_the_per_group_memory_bound():
+    """Where a group's own memory binds (4 H100s of 45 GB beside 4 of 80 GB: every plan
+    recomputes fully), the bound rises above the pooled one and still no planner's
+    slowest rank, nor its step, is below it."""
+    from ballonet.cost.bounds import batch_lower_bound, bound_parts
+
+    c = ClusterSpec(name="roomy+cramped", groups=(NodeGroup(gpu="h100", gpus_per_node=4),
+                                                  NodeGroup(gpu="h100", gpus_per_node=4, memory_gb=45)))
+    m = specs.model("llama-7b")
+    lengths = next(iter(workloads.get("wlbllm").batches(24000 * 8, 1, 1, 65536)))
+    pooled, held = bound_parts(lengths, c, m, communication=False)
+    assert held > pooled * 1.1
+    bound = batch_lower_bound(lengths, c, m, communication=False)
+    for name in ("zeppelin", "te_cp", "packed_dp", "hybrid_dp"):
+        res = simulate(plan_batch(lengths, c, m, name), c, m)
+        assert max(res.compute_s) >= bound, name
+        assert res.step_time_s >= res.lower_bound_s, name
