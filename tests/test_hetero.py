@@ -255,3 +255,51 @@ def test_bound_splits_each_kind_of_work_by_each_group_own_seconds():
     # a fixed second on A moves the level: 2 + (1 - x) = 2x -> x = 1, 2 s (B could take nothing more)
     got = _least_max(costs, np.ones(2), np.ones(2), np.array([1.0, 0.0]), np.ones(2))
     assert 2 * (1 - 1e-3) <= got <= 2 * (1 + 1e-12)
+
+
+def test_lower_bound_keeps_each_groups_memory():
+    """Two H100s, one left no room for activations (30 GB: llama-3b's weights, gradients
+    and Adam shard over 2 ranks are 32 GB): it cannot hold a single token in the linear
+    layout, so the GEMMs and elementwise work of every layer fall on the other, which
+    holds the batch without recomputation. Pooled memory would split them in two."""
+    from ballonet.cost.bounds import batch_lower_bound
+
+    c = ClusterSpec(name="roomy+cramped", groups=(NodeGroup(gpu="h100", gpus_per_node=1),
+                                                  NodeGroup(gpu="h100", gpus_per_node=1, memory_gb=30)))
+    lengths = [1024] * 8
+    T = 8192
+    p = hardware.profile("h100")
+    best_l = max(e for t, e in zip(p.linear.tokens, p.linear.efficiency) if t <= T)
+    best_e = max(e for t, e in zip(p.elementwise.tokens, p.elementwise.efficiency) if t <= T)
+    h, f = 3200, 8640
+    lin = 2 * (4 * h**2 + 3 * h * f)  # QKV (no GQA), output projection, SwiGLU: FLOPs a token
+    layer_bytes = (4 * h + 2 * (h + h) + 3 * f + 6 * h) * 2  # elementwise bytes a token (see test_sim_truth)
+    layers = 26 * T * (3 * lin / (989e12 * best_l) + 3 * layer_bytes / (p.memory_bw * best_e))
+    # The roomy GPU runs every layer's token work; attention, the LM head and loss (far
+    # less) fit on the cramped one alongside. Each pays its optimizer half and framework.
+    fixed = MODEL.num_params / 2 * p.optimizer_s_per_param + 26 * p.framework_s_per_layer
+    expected = layers + fixed
+    got = batch_lower_bound(lengths, c, MODEL, communication=False)
+    assert got == pytest.approx(expected, rel=2e-3)
+    assert got <= expected * (1 + 1e-9)  # a lower bound never passes the optimum
+    pooled = (layers + fixed * 2) / 2  # what pooling both GPUs' memory allowed at most
+    assert got > pooled * 1.3
+
+
+def test_no_planner_beats_the_per_group_memory_bound():
+    """Where a group's own memory binds (4 H100s of 45 GB beside 4 of 80 GB: every plan
+    recomputes fully), the bound rises above the pooled one and still no planner's
+    slowest rank, nor its step, is below it."""
+    from ballonet.cost.bounds import batch_lower_bound, bound_parts
+
+    c = ClusterSpec(name="roomy+cramped", groups=(NodeGroup(gpu="h100", gpus_per_node=4),
+                                                  NodeGroup(gpu="h100", gpus_per_node=4, memory_gb=45)))
+    m = specs.model("llama-7b")
+    lengths = next(iter(workloads.get("wlbllm").batches(24000 * 8, 1, 1, 65536)))
+    pooled, held = bound_parts(lengths, c, m, communication=False)
+    assert held > pooled * 1.1
+    bound = batch_lower_bound(lengths, c, m, communication=False)
+    for name in ("zeppelin", "te_cp", "packed_dp", "hybrid_dp"):
+        res = simulate(plan_batch(lengths, c, m, name), c, m)
+        assert max(res.compute_s) >= bound, name
+        assert res.step_time_s >= res.lower_bound_s, name

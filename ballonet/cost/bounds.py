@@ -19,7 +19,14 @@ from ballonet.cost.flops import (
     linear_flops_per_token,
     loss_bytes_per_token,
 )
-from ballonet.cost.memory import BELOW, RECOMPUTE_MODES, activation_bytes_per_token, memory_cap, recompute_layer_count
+from ballonet.cost.memory import (
+    BELOW,
+    RECOMPUTE_MODES,
+    activation_bytes,
+    activation_bytes_per_token,
+    memory_cap,
+    recompute_layer_count,
+)
 from ballonet.cost.recompute import (
     recompute_attention,
     recompute_elementwise_bytes_per_token,
@@ -77,7 +84,20 @@ def batch_lower_bound(lengths, cluster: ClusterSpec, model: ModelSpec, communica
     their group's bandwidth, which the simulator runs on the compute stream, and the last
     layer's gradient bucket, which nothing is left to hide (`grad_allreduce_time` /
     layers). The work is split perfectly, each piece to any group at that group's own
-    seconds for it (`_least_max`). The same for every planner."""
+    seconds for it (`_least_max`). The same for every planner.
+
+    Memory is kept twice, and the larger bound is taken (each is valid, so is the larger):
+    pooled, all GPUs' activation memory as one, both layouts' bytes counted
+    (`batch_recomputation`); and per group, each group's own memory holding the linear
+    layout's tokens whose work it runs (`_held_bound`). One group: the two are the same
+    memory, and the pooled bound counts more of it, so only the pooled one is taken."""
+    pooled, held = bound_parts(lengths, cluster, model, communication)
+    return max(pooled, held)
+
+
+def bound_parts(lengths, cluster: ClusterSpec, model: ModelSpec, communication: bool = True) -> tuple[float, float]:
+    """`batch_lower_bound`'s two bounds, (pooled memory, each group's own memory); the
+    second is -inf on one group (not computed)."""
     L = np.asarray(lengths, dtype=float)
     T = float(L.sum())
     mode, layers = batch_recomputation(lengths, cluster, model)
@@ -105,10 +125,108 @@ def batch_lower_bound(lengths, cluster: ClusterSpec, model: ModelSpec, communica
         fixed.append(framework_time(model, t) + optimizer_time(model, t, num_dp))
     amounts = np.append(np.ones(len(L)), T)
     n = np.array(gpus, dtype=float)
-    bound = _least_max(np.array(costs), amounts, n, np.array(fixed), n * np.array(peaks))
-    if not communication:
-        return bound
-    return bound + grad_allreduce_time(model, cluster) / model.num_layers
+    pooled = _least_max(np.array(costs), amounts, n, np.array(fixed), n * np.array(peaks))
+    held = -np.inf
+    if len(cluster.groups) > 1:
+        held = _held_bound(L, cluster, model, np.array(costs)[:, :-1], n, np.array(fixed), n * np.array(peaks),
+                           communication)
+    if communication:
+        bucket = grad_allreduce_time(model, cluster) / model.num_layers
+        pooled, held = pooled + bucket, held + bucket
+    return pooled, held
+
+
+def _held_bound(L: np.ndarray, cluster: ClusterSpec, model: ModelSpec, attention: np.ndarray, gpus: np.ndarray,
+                fixed: np.ndarray, start: np.ndarray, communication: bool) -> float:
+    """`batch_lower_bound`'s compute with each group's own memory kept: a group's GPUs
+    hold at most their caps' worth of the tokens whose GEMMs and elementwise work they run
+    (the linear layout: a rank's activations there are `activation_bytes(model, tokens, 0,
+    mode)`, a part of what it holds), so a group given more tokens than it holds without
+    recomputation pays the cheapest recomputation that frees the room, priced per token as
+    `recompute.py` prices it. Relaxed: the group pools its GPUs' memory (each rank's
+    cheapest cost to hold its tokens is convex and scales with its cap, so the ranks' sum
+    is at least the pooled group's), layers and ranks mix modes freely (the convex hull of
+    the modes' (bytes, seconds) per token), full recomputation's attention rerun is left
+    out, and so are the attention layout's bytes (its tokens may sit on any group: the
+    remap sends any token to any rank). Kept: a rank holds no more than its cap
+    (`memory_cap`), and a token's GEMMs and elementwise work run where it sits in the
+    linear layout, at no better than that group's best efficiency. For each weighting w
+    of the groups (the dual of `_least_max`, the same search; any w gives a bound), the
+    documents' attention and the LM head go to the group of least weighted seconds and
+    the tokens where their weighted marginal seconds are least. -inf where not even full
+    recomputation holds the batch (no plan runs it)."""
+    T = float(L.sum())
+    num_dp = cluster.num_ranks // model.tp
+    modes = (model.recompute,) if model.recompute else RECOMPUTE_MODES
+    fixed_layers = model.recompute_layers if model.recompute else None
+    tail = head_flops_per_token(model) * (1 + LINEAR_BACKWARD_FACTOR)
+    segments = []  # per group: [(tokens, seconds per token)] of its lower convex hull
+    head = []
+    for g, k in zip(cluster.groups, gpus):
+        t, p = g.gpu_type, hardware.profile(g.gpu_type)
+        lin_eff, elt_eff = t.peak_flops * float(_best(p.linear, T)), p.memory_bw * float(_best(p.elementwise, T))
+        cap = k * max(0.0, memory_cap(model, t, num_dp))
+        points = [(0.0, 0.0)]
+        for mode in modes:
+            layers = recompute_layer_count(model, mode, fixed_layers)
+            per_token = (model.num_layers * (linear_flops_per_token(model) * (1 + LINEAR_BACKWARD_FACTOR)
+                                             + recompute_flops_per_token(model, mode, layers)) / lin_eff
+                         + model.num_layers * (elementwise_bytes_per_token(model) * (1 + ELEMENTWISE_BACKWARD_FACTOR)
+                                               + recompute_elementwise_bytes_per_token(model, mode, layers))
+                         * model.tp / elt_eff)
+            if communication:
+                per_token += 2 * model.tp * tp_seconds_per_token(model, g)
+            most = cap / float(activation_bytes(model, 1, 0, mode, fixed_layers))
+            points.append((most, most * per_token))
+        segments.append(_lower_hull(points))
+        head.append(tail / (t.peak_flops * float(_best(p.linear, T)))
+                    + loss_bytes_per_token(model) * (1 + ELEMENTWISE_BACKWARD_FACTOR) * model.tp / elt_eff)
+    if sum(s[-1][0] for s in segments) < T:
+        return -np.inf
+    costs = np.column_stack([attention, head])
+    amounts = np.append(np.ones(len(L)), T)
+    share = costs / gpus[:, None]
+    w = start / start.sum()
+    best = -np.inf
+    for step in range(200):
+        weighted = w[:, None] * share
+        pick = weighted.argmin(axis=0)
+        busy = np.bincount(pick, weights=share[pick, np.arange(len(amounts))] * amounts, minlength=len(gpus)) + fixed
+        value = float(weighted[pick, np.arange(len(amounts))] @ amounts + w @ fixed)
+        pieces = sorted((w[i] * slope / gpus[i], i, width, slope) for i, s in enumerate(segments)
+                        for width, slope in _slopes(s))
+        left = T
+        for weighted_slope, i, width, slope in pieces:
+            took = min(width, left)
+            value += weighted_slope * took
+            busy[i] += slope * took / gpus[i]
+            left -= took
+            if left <= 0:
+                break
+        best = max(best, value)
+        w = w * np.exp(1.0 / np.sqrt(step + 1) * (busy / busy.max() - 1))
+        w = w / w.sum()
+    return best
+
+
+def _lower_hull(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The lower convex hull of `points` (tokens, seconds), from (0, 0) to the most tokens."""
+    hull: list[tuple[float, float]] = []
+    for x, y in sorted(points):
+        while len(hull) >= 2 and ((hull[-1][0] - hull[-2][0]) * (y - hull[-2][1])
+                                  <= (hull[-1][1] - hull[-2][1]) * (x - hull[-2][0])):
+            hull.pop()
+        if hull and x == hull[-1][0]:
+            if y < hull[-1][1]:
+                hull[-1] = (x, y)
+            continue
+        hull.append((x, y))
+    return hull
+
+
+def _slopes(hull: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """[(tokens, seconds per token)] of each segment of a lower hull."""
+    return [(x1 - x0, (y1 - y0) / (x1 - x0)) for (x0, y0), (x1, y1) in zip(hull, hull[1:])]
 
 
 def _least_max(costs: np.ndarray, amounts: np.ndarray, gpus: np.ndarray, fixed: np.ndarray,
