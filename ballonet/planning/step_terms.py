@@ -89,7 +89,8 @@ def overlap_slowdown_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw
     bandwidth (`link_bw` inside a node, `nic_bw` across; a "double" ring's inner steps
     inside, its rounds across), its remap, and `dp_send_s`, the layers' data-parallel
     collectives every rank sends."""
-    factor = np.array([hardware.profile(g).overlap_slowdown for g in dev.gpu])
+    slowdown = {g: hardware.profile(g).overlap_slowdown for g in set(dev.gpu)}
+    factor = np.array([slowdown[g] for g in dev.gpu])
     if not factor.any():
         return np.zeros(plan.num_ranks)
     passes = (2 if recompute_attention(recompute_mode(model)) else 1) + 1  # K/V: forward(s) and backward

@@ -15,7 +15,7 @@ from ballonet.cost.recompute import layers_per_rank
 from ballonet.errors import InfeasiblePlan
 from ballonet.plan import Plan
 from ballonet.plan.recompute import heaviest
-from ballonet.planning.assembly import Placement, assemble, over_cap, with_memory
+from ballonet.planning.assembly import Placement, assemble, over_cap, replaced, with_memory
 from ballonet.planning.devices import Devices
 from ballonet.planning.packing import NoRoom, apportion, lpt
 from ballonet.planning.pricing import (
@@ -87,7 +87,7 @@ class CandidateMaker:
         """What every rank's estimate adds to its compute whatever the plan: its
         data-parallel sends' slowdown (`step_terms.overlap_slowdown_seconds`; the least
         GPU type's)."""
-        return min(hardware.profile(g).overlap_slowdown for g in self.dev.gpu) * self.dp_send_s
+        return min(hardware.profile(g).overlap_slowdown for g in set(self.dev.gpu)) * self.dp_send_s
 
     def plan(self, placement: Placement, facts: dict, *, keep: bool, double: bool) -> Plan:
         """Step 4 but routes and memory on `placement` (`remapped`)."""
@@ -115,7 +115,7 @@ class CandidateMaker:
             priced = dataclasses.replace(model, recompute=mode, recompute_layers=most if mode != "none" else None)
             used = tuple(dev.static_bytes + activation_bytes(model, a, b, m, k)
                          for a, b, (m, k) in zip(lin, att, per_rank))
-            plan = dataclasses.replace(plan, memory_bytes=used, meta={
+            plan = replaced(plan, memory_bytes=used, meta={
                 **plan.meta, "recompute": mode, "recompute_layers": most})
             layers = per_rank
         kernels = attention_kernels(plan, dev, priced)
@@ -204,7 +204,7 @@ def remapped(lengths, dev: Devices, placement: Placement, meta, *, remap: bool, 
         nodes = [rs for rs in dev.nodes() if remaps_inside(dev.gpu[rs[0]])]
         targets = (node_linear_targets(counts, dev.speed, dev.token_cap, nodes) if node_remap
                    else linear_targets(sum(lengths), dev.speed, dev.token_cap))
-        plan = dataclasses.replace(plan, remap=plan_remap(list(counts), targets, dev.node))
+        plan = replaced(plan, remap=plan_remap(list(counts), targets, dev.node))
     return plan
 
 
