@@ -208,30 +208,23 @@ def remapped(lengths, dev: Devices, placement: Placement, meta, *, remap: bool, 
     return plan
 
 
-def _crossing_exposed(plan: Plan, dev: Devices, model: ModelSpec, crossovers, routing: bool) -> np.ndarray:
-    """[R] what single rings across nodes expose (`pricing.crossing_exposed_seconds`; their
-    crossing hops routed over the node's rails with `routing`)."""
-    return crossing_exposed_seconds(plan, dev, model, np.array([crossovers[g].intra_bw for g in dev.group]),
-                                    np.array([crossovers[g].crossing_bw for g in dev.group]),
-                                    np.array([crossovers[g].rails if routing else 1 for g in dev.group]),
-                                    np.array([crossovers[g].dp_piece for g in dev.group]))
-
-
 def _step_seconds(plan: Plan, dev: Devices, model: ModelSpec, crossovers, compute,
                   routing: bool, dp_send_s: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """[R] what the partitioner compares its candidate plans by (`pricing.rank_step_seconds`),
-    and [R] the part of it single rings across nodes expose (`_crossing_exposed`)."""
-    link = np.array([crossovers[g].intra_bw for g in dev.group])
-    final = final_grad_wait_seconds(plan, dev, model, link, np.array([crossovers[g].crossing_bw for g in dev.group]),
-                                    np.array([crossovers[g].rails if routing else 1 for g in dev.group]))
+    and [R] the part of it single rings across nodes expose (`pricing.crossing_exposed_seconds`;
+    their crossing hops routed over the node's rails with `routing`)."""
+    per_group = [crossovers[g] for g in dev.group]
+    link = np.array([c.intra_bw for c in per_group])
+    nic = np.array([c.crossing_bw for c in per_group])
+    rails = np.array([c.rails if routing else 1 for c in per_group])
+    dp_piece = np.array([c.dp_piece for c in per_group])
+    final = final_grad_wait_seconds(plan, dev, model, link, nic, rails)
     start, linear = compute
-    nic = np.array([crossovers[g].crossing_bw for g in dev.group])
     slow = overlap_slowdown_seconds(plan, dev, model, link, nic, dp_send_s, start + linear)
-    exposed = (_crossing_exposed(plan, dev, model, crossovers, routing) + ring_wait_seconds(plan, dev, model) + final
-               + slow)
-    seconds = rank_step_seconds(plan, dev, model, np.array([crossovers[g].intra_bw for g in dev.group]),
-                                (start + exposed, linear), np.array([crossovers[g].rank_nic_bw for g in dev.group]),
-                                np.array([crossovers[g].dp_piece for g in dev.group]))
+    exposed = (crossing_exposed_seconds(plan, dev, model, link, nic, rails, dp_piece)
+               + ring_wait_seconds(plan, dev, model) + final + slow)
+    seconds = rank_step_seconds(plan, dev, model, link, (start + exposed, linear),
+                                np.array([c.rank_nic_bw for c in per_group]), dp_piece)
     return seconds, exposed
 
 
