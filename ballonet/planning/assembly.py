@@ -112,4 +112,19 @@ def with_memory(plan: Plan, dev: Devices) -> Plan:
         raise InfeasiblePlan(why)
     att, lin = plan.attention_token_counts, plan.linear_token_counts
     used = tuple(dev.static_bytes + dev.act_bytes_per_token * max(a, b) for a, b in zip(att, lin))
-    return dataclasses.replace(plan, memory_bytes=used)
+    return replaced(plan, memory_bytes=used)
+
+
+_COUNTS = {"attention_token_counts": ("attention",), "ring_of_doc": ("rings",),
+           "linear_token_counts": ("attention", "remap")}
+"""Plan's cached token counts and what each is computed from."""
+
+
+def replaced(plan: Plan, **changes) -> Plan:
+    """`dataclasses.replace(plan, **changes)` keeping the cached counts (`_COUNTS`) that
+    `changes` leave as they were, so that each candidate counts its tokens once."""
+    new = dataclasses.replace(plan, **changes)
+    for name, inputs in _COUNTS.items():
+        if name in plan.__dict__ and not any(f in changes for f in inputs):
+            new.__dict__[name] = plan.__dict__[name]
+    return new

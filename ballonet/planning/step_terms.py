@@ -23,7 +23,7 @@ from ballonet.cost.seconds import (
     p2p_time,
 )
 from ballonet.cost.tensor_parallel import tp_step_collectives
-from ballonet.plan import Plan
+from ballonet.plan import Plan, Ring
 from ballonet.planning.devices import Devices
 from ballonet.planning.pricing import crossing_seconds
 from ballonet.specs import ClusterSpec, ModelSpec
@@ -56,6 +56,12 @@ def step_tail_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw: np.nd
     return out + fixed
 
 
+def _block_tokens(ring: Ring) -> list[int]:
+    """`ring.block_tokens(i)` of every position i, from the bounds without building its chunks."""
+    b, g = ring.bounds, len(ring.ranks)
+    return [max(b[i + 1] - b[i], 0) + max(b[2 * g - i] - b[2 * g - 1 - i], 0) for i in range(g)]
+
+
 def final_grad_wait_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw: np.ndarray, nic_bw: np.ndarray,
                             rails: np.ndarray) -> np.ndarray:
     """[R] what each member of a single ring waits, after its last backward step of each
@@ -69,8 +75,8 @@ def final_grad_wait_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw:
         if ring.comm != "ring":
             continue
         ranks = ring.ranks
-        for i, r in enumerate(ranks):
-            nbytes = kv_grad_bytes(model, ring.block_tokens(i))
+        for i, (r, block) in enumerate(zip(ranks, _block_tokens(ring))):
+            nbytes = kv_grad_bytes(model, block)
             if nbytes <= 0:
                 continue
             if node[ranks[i - 1]] != node[r]:
@@ -89,7 +95,8 @@ def overlap_slowdown_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw
     bandwidth (`link_bw` inside a node, `nic_bw` across; a "double" ring's inner steps
     inside, its rounds across), its remap, and `dp_send_s`, the layers' data-parallel
     collectives every rank sends."""
-    factor = np.array([hardware.profile(g).overlap_slowdown for g in dev.gpu])
+    slowdown = {g: hardware.profile(g).overlap_slowdown for g in set(dev.gpu)}
+    factor = np.array([slowdown[g] for g in dev.gpu])
     if not factor.any():
         return np.zeros(plan.num_ranks)
     passes = (2 if recompute_attention(recompute_mode(model)) else 1) + 1  # K/V: forward(s) and backward
@@ -106,7 +113,7 @@ def overlap_slowdown_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw
                      for m, across in ((k * (n - 1), False), (k - 1, True))]
         elif ring.comm == "ring":
             g = len(ranks)
-            blocks = [ring.block_tokens(i) for i in range(g)]
+            blocks = _block_tokens(ring)
             # every block but its successor's goes out; partials of every block but its own
             rows += [(r, total - blocks[(i + 1) % g], total - blocks[i], g - 1, node[ranks[(i + 1) % g]] != node[r])
                      for i, r in enumerate(ranks)]

@@ -15,7 +15,7 @@ from ballonet.cost.recompute import layers_per_rank
 from ballonet.errors import InfeasiblePlan
 from ballonet.plan import Plan
 from ballonet.plan.recompute import heaviest
-from ballonet.planning.assembly import Placement, assemble, over_cap, with_memory
+from ballonet.planning.assembly import Placement, assemble, over_cap, replaced, with_memory
 from ballonet.planning.devices import Devices
 from ballonet.planning.packing import NoRoom, apportion, lpt
 from ballonet.planning.pricing import (
@@ -87,7 +87,7 @@ class CandidateMaker:
         """What every rank's estimate adds to its compute whatever the plan: its
         data-parallel sends' slowdown (`step_terms.overlap_slowdown_seconds`; the least
         GPU type's)."""
-        return min(hardware.profile(g).overlap_slowdown for g in self.dev.gpu) * self.dp_send_s
+        return min(hardware.profile(g).overlap_slowdown for g in set(self.dev.gpu)) * self.dp_send_s
 
     def plan(self, placement: Placement, facts: dict, *, keep: bool, double: bool) -> Plan:
         """Step 4 but routes and memory on `placement` (`remapped`)."""
@@ -115,7 +115,7 @@ class CandidateMaker:
             priced = dataclasses.replace(model, recompute=mode, recompute_layers=most if mode != "none" else None)
             used = tuple(dev.static_bytes + activation_bytes(model, a, b, m, k)
                          for a, b, (m, k) in zip(lin, att, per_rank))
-            plan = dataclasses.replace(plan, memory_bytes=used, meta={
+            plan = replaced(plan, memory_bytes=used, meta={
                 **plan.meta, "recompute": mode, "recompute_layers": most})
             layers = per_rank
         kernels = attention_kernels(plan, dev, priced)
@@ -204,34 +204,27 @@ def remapped(lengths, dev: Devices, placement: Placement, meta, *, remap: bool, 
         nodes = [rs for rs in dev.nodes() if remaps_inside(dev.gpu[rs[0]])]
         targets = (node_linear_targets(counts, dev.speed, dev.token_cap, nodes) if node_remap
                    else linear_targets(sum(lengths), dev.speed, dev.token_cap))
-        plan = dataclasses.replace(plan, remap=plan_remap(list(counts), targets, dev.node))
+        plan = replaced(plan, remap=plan_remap(list(counts), targets, dev.node))
     return plan
-
-
-def _crossing_exposed(plan: Plan, dev: Devices, model: ModelSpec, crossovers, routing: bool) -> np.ndarray:
-    """[R] what single rings across nodes expose (`pricing.crossing_exposed_seconds`; their
-    crossing hops routed over the node's rails with `routing`)."""
-    return crossing_exposed_seconds(plan, dev, model, np.array([crossovers[g].intra_bw for g in dev.group]),
-                                    np.array([crossovers[g].crossing_bw for g in dev.group]),
-                                    np.array([crossovers[g].rails if routing else 1 for g in dev.group]),
-                                    np.array([crossovers[g].dp_piece for g in dev.group]))
 
 
 def _step_seconds(plan: Plan, dev: Devices, model: ModelSpec, crossovers, compute,
                   routing: bool, dp_send_s: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """[R] what the partitioner compares its candidate plans by (`pricing.rank_step_seconds`),
-    and [R] the part of it single rings across nodes expose (`_crossing_exposed`)."""
-    link = np.array([crossovers[g].intra_bw for g in dev.group])
-    final = final_grad_wait_seconds(plan, dev, model, link, np.array([crossovers[g].crossing_bw for g in dev.group]),
-                                    np.array([crossovers[g].rails if routing else 1 for g in dev.group]))
+    and [R] the part of it single rings across nodes expose (`pricing.crossing_exposed_seconds`;
+    their crossing hops routed over the node's rails with `routing`)."""
+    per_group = [crossovers[g] for g in dev.group]
+    link = np.array([c.intra_bw for c in per_group])
+    nic = np.array([c.crossing_bw for c in per_group])
+    rails = np.array([c.rails if routing else 1 for c in per_group])
+    dp_piece = np.array([c.dp_piece for c in per_group])
+    final = final_grad_wait_seconds(plan, dev, model, link, nic, rails)
     start, linear = compute
-    nic = np.array([crossovers[g].crossing_bw for g in dev.group])
     slow = overlap_slowdown_seconds(plan, dev, model, link, nic, dp_send_s, start + linear)
-    exposed = (_crossing_exposed(plan, dev, model, crossovers, routing) + ring_wait_seconds(plan, dev, model) + final
-               + slow)
-    seconds = rank_step_seconds(plan, dev, model, np.array([crossovers[g].intra_bw for g in dev.group]),
-                                (start + exposed, linear), np.array([crossovers[g].rank_nic_bw for g in dev.group]),
-                                np.array([crossovers[g].dp_piece for g in dev.group]))
+    exposed = (crossing_exposed_seconds(plan, dev, model, link, nic, rails, dp_piece)
+               + ring_wait_seconds(plan, dev, model) + final + slow)
+    seconds = rank_step_seconds(plan, dev, model, link, (start + exposed, linear),
+                                np.array([c.rank_nic_bw for c in per_group]), dp_piece)
     return seconds, exposed
 
 
