@@ -29,6 +29,8 @@ from ballonet.plan import Plan, Ring, Route, Segment, Transfer, chunk_bounds
 from ballonet.planning.assembly import zigzag_bounds
 from ballonet.runtime import ByteCounter, attention, remapping, routing, token_index
 from ballonet.runtime.routing import predicted_bytes
+from ballonet.training.data.corpus import load_corpus
+from ballonet.training.data.loader import BalancedLoader
 from ballonet.training.parallelism.model import IGNORE_INDEX, NORM_EPS, ROPE_THETA, Transformer
 
 H, H_KV, D = 4, 2, 8
@@ -410,3 +412,47 @@ def mallinfo2() -> _Mallinfo2 | None:
         return None
     libc.mallinfo2.restype = _Mallinfo2
     return libc.mallinfo2()
+
+
+# ---- training against one process ------------------------------------------------------
+
+BASE = dict(model="tiny", corpus="stdlib", global_tokens=1536, max_doc_tokens=1024, lr=3e-3, seed=3)
+
+
+def whole_docs(lengths):
+    return Plan(planner="ref", lengths=tuple(lengths), node_of_rank=(0,), nic_of_rank=(0,),
+                attention=(tuple(Segment(d, 0, n) for d, n in enumerate(lengths)),))
+
+
+def reference_loader(**config):
+    return BalancedLoader(load_corpus(config["corpus"], seed=config["seed"]), global_tokens=config["global_tokens"],
+                          plan_fn=whole_docs, seed=config["seed"], max_doc_tokens=config["max_doc_tokens"],
+                          prefetch=False)
+
+
+def ledger_reference(num_batches, **config):
+    """The pieces the first `num_batches` batches must hold, read straight off the loader
+    with a trivial one-rank plan (no planner, no model)."""
+    out = []
+    for i, b in enumerate(reference_loader(**config)):
+        if i == num_batches:
+            break
+        out.append([list(p) for p in b.pieces])
+    return out
+
+
+def reference_run(steps, **config):
+    """Plain PyTorch, one process, no process group, no FSDP: every document whole on one
+    rank, the loss averaged over the batch's valid labels, AdamW. -> (losses, parameters)."""
+    model = Transformer(ballonet.model(config["model"]), seed=config["seed"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config["lr"], weight_decay=0.0)
+    losses = []
+    for i, b in enumerate(reference_loader(**config)):
+        if i == steps:
+            break
+        loss = model.loss(b.input_ids, b.labels, b.plan, 0) / b.num_valid_tokens_global
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}

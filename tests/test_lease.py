@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 from distributed import run_ranks
-from test_train import BASE, _ledger_reference, _reference_run
+from helpers import BASE, ledger_reference, reference_run
 
 from ballonet.training.jobs.lease import LEASE_EXIT, PREEMPTED_EXIT, Signals, StepBoundary, Stopped, read_lease
 from ballonet.training.loop import TrainConfig, train
@@ -111,8 +111,8 @@ def test_a_reclaimed_group_leaves_and_comes_back_and_a_preempted_job_resumes_exa
     assert sizes == [4] * (first_two - 1) + [2] * (back - first_two) + [4] * (steps - back + 1), sizes
     assert first_two <= reclaimed["step"] + 3  # the loaned ranks left within two steps of the lease saying so
     assert back <= lent["step"] + 3 and back <= steps  # and came back within two steps of `lent`
-    assert [r["ledger"] for r in records] == _ledger_reference(steps, **BASE)  # nothing lost, nothing twice
-    reference = _reference_run(steps, **BASE)[0]
+    assert [r["ledger"] for r in records] == ledger_reference(steps, **BASE)  # nothing lost, nothing twice
+    reference = reference_run(steps, **BASE)[0]
     losses = [r["loss"] for r in records]
     assert all(abs(x - y) <= 1e-4 * y for x, y in zip(losses, reference, strict=True)), (losses, reference)
 
@@ -156,8 +156,8 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step_and_resume_is
     assert 2 <= step <= 4 and rest == list(range(step + 1, 7))
     records = _log(tmp_path / "log.jsonl")
     assert [r["step"] for r in records] == list(range(1, 7)) and {r["world_size"] for r in records} == {2}
-    assert [r["ledger"] for r in records] == _ledger_reference(6, **BASE)
-    reference = _reference_run(6, **BASE)[0]
+    assert [r["ledger"] for r in records] == ledger_reference(6, **BASE)
+    reference = reference_run(6, **BASE)[0]
     assert all(abs(r["loss"] - y) <= 1e-4 * y for r, y in zip(records, reference, strict=True))
 
 

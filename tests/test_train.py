@@ -14,57 +14,15 @@ import numpy as np
 import pytest
 import torch
 from distributed import run_ranks
+from helpers import BASE, ledger_reference, reference_loader, reference_run
 
 import ballonet
-from ballonet.plan import Plan, Segment
 from ballonet.training.data.corpus import load_corpus
 from ballonet.training.data.loader import BalancedLoader
 from ballonet.training.loop import TrainConfig, train, train_model
 from ballonet.training.parallelism.model import Transformer
 
 STEPS = 5
-BASE = dict(model="tiny", corpus="stdlib", global_tokens=1536, max_doc_tokens=1024, lr=3e-3, seed=3)
-
-
-def _whole_docs(lengths):
-    return Plan(planner="ref", lengths=tuple(lengths), node_of_rank=(0,), nic_of_rank=(0,),
-                attention=(tuple(Segment(d, 0, n) for d, n in enumerate(lengths)),))
-
-
-def _reference_loader(**config):
-    return BalancedLoader(load_corpus(config["corpus"], seed=config["seed"]), global_tokens=config["global_tokens"],
-                          plan_fn=_whole_docs, seed=config["seed"], max_doc_tokens=config["max_doc_tokens"],
-                          prefetch=False)
-
-
-def _ledger_reference(num_batches, **config):
-    """The pieces the first `num_batches` batches must hold, read straight off the loader
-    with a trivial one-rank plan (no planner, no model)."""
-    out = []
-    for i, b in enumerate(_reference_loader(**config)):
-        if i == num_batches:
-            break
-        out.append([list(p) for p in b.pieces])
-    return out
-
-
-def _reference_run(steps, **config):
-    """Plain PyTorch, one process, no process group, no FSDP: every document whole on one
-    rank, the loss averaged over the batch's valid labels, AdamW. -> (losses, parameters)."""
-    model = Transformer(ballonet.model(config["model"]), seed=config["seed"])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config["lr"], weight_decay=0.0)
-    losses = []
-    for i, b in enumerate(_reference_loader(**config)):
-        if i == steps:
-            break
-        loss = model.loss(b.input_ids, b.labels, b.plan, 0) / b.num_valid_tokens_global
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
 def _first_step_grads(config: dict, rank: int, world_size: int, recompute_of_rank=None) -> dict:
     """Gradients of the first batch's mean loss, unsharded, as the loop computes them
     (`recompute_of_rank`: each rank's (mode, layers) for `Transformer.set_recompute`)."""
@@ -90,9 +48,9 @@ def _first_step_grads(config: dict, rank: int, world_size: int, recompute_of_ran
 
 
 def _reference_grads(**config) -> dict:
-    """First-batch gradients of the plain one-process model (`_reference_run`'s first step)."""
+    """First-batch gradients of the plain one-process model (`reference_run`'s first step)."""
     model = Transformer(ballonet.model(config["model"]), seed=config["seed"])
-    b = next(iter(_reference_loader(**config)))
+    b = next(iter(reference_loader(**config)))
     (model.loss(b.input_ids, b.labels, b.plan, 0) / b.num_valid_tokens_global).backward()
     return {n: p.grad.numpy() for n, p in model.named_parameters()}
 
@@ -119,7 +77,7 @@ def _assert_matches(run, reference, tol=1e-4):
 def test_fsdp_losses_and_parameters_match_one_process_on_2_and_4_ranks():
     # On 4 ranks, full sharding (the default) also holds about a quarter of the weights
     # per rank that replicated weights (shard "none") hold.
-    reference = _reference_run(STEPS, **BASE)
+    reference = reference_run(STEPS, **BASE)
     assert reference[0][-1] < reference[0][0]  # it learns
     run = dict(BASE, steps=STEPS, log_every=STEPS)
     four = [dict(run, nodes=2, planner="zeppelin"), dict(run, nodes=2, planner="te_cp", recompute="full"),
@@ -141,7 +99,7 @@ def test_fsdp_losses_and_parameters_match_one_process_on_2_and_4_ranks():
 
 def test_bf16_trains_close_to_fp32_with_fp32_master_weights():
     records, model = train_model(TrainConfig(**BASE, steps=3, dtype="bf16", recompute="full"))
-    reference = _reference_run(3, **BASE)[0]
+    reference = reference_run(3, **BASE)[0]
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert abs(records[0]["loss"] - reference[0]) < 2e-2 * reference[0]
     assert records[-1]["loss"] < records[0]["loss"]
@@ -150,7 +108,7 @@ def test_bf16_trains_close_to_fp32_with_fp32_master_weights():
 def test_recompute_layers_reach_the_model():
     records, model = train_model(TrainConfig(**BASE, steps=1, recompute="selective", recompute_layers=1))
     assert [block.recompute for block in model.layers] == ["selective", "none"]
-    assert abs(records[0]["loss"] - _reference_run(1, **BASE)[0][0]) <= 1e-4 * records[0]["loss"]
+    assert abs(records[0]["loss"] - reference_run(1, **BASE)[0][0]) <= 1e-4 * records[0]["loss"]
 
 
 def _mixed_recompute_grads(rank, world_size, config, recompute_of_rank):
@@ -189,7 +147,7 @@ def test_auto_recompute_chooses_per_rank_and_trains_exactly(tmp_path):
                        'nic_gbps = 10\nmemory_gb = 0.0096\n')
     config = dict(BASE, steps=3, planner="zeppelin", recompute="auto", cluster=str(cluster))
     runs = run_ranks(2, _auto_runs, config)
-    reference = _reference_run(3, **BASE)
+    reference = reference_run(3, **BASE)
     for losses, params, records, _ in runs:
         _assert_matches((losses, params, None), reference)
         assert [(r["recompute"], r["recompute_layers_max"]) for r in records] == \
@@ -224,7 +182,7 @@ def test_resume_gives_identical_losses_and_ledger(tmp_path):
     assert [r["step"] for r in resumed] == list(range(1, 11))
     assert [r["loss"] for r in resumed] == [r["loss"] for r in straight]
     assert [r["ledger"] for r in resumed] == [r["ledger"] for r in straight]
-    assert [r["ledger"] for r in straight] == _ledger_reference(10, **BASE)
+    assert [r["ledger"] for r in straight] == ledger_reference(10, **BASE)
     assert [r["plan_digest"] for r in resumed] == [r["plan_digest"] for r in straight]
     for r in straight:  # each rank's compute, summed into one list; its largest is compute_s_max
         assert len(r["compute_s"]) == 2 and max(r["compute_s"]) == pytest.approx(r["compute_s_max"])
@@ -247,8 +205,8 @@ def test_resume_on_another_world_size_continues_the_ledger(tmp_path):
     second = run_ranks(2, _train_configs, [dict(common, steps=6, resume=True)])[0][0]
     assert [r["step"] for r in first + second] == list(range(1, 7))
     ledger = [r["ledger"] for r in first + second]
-    assert ledger == _ledger_reference(6, **BASE)  # nothing lost, nothing twice
-    reference = _reference_run(6, **BASE)[0]
+    assert ledger == ledger_reference(6, **BASE)  # nothing lost, nothing twice
+    reference = reference_run(6, **BASE)[0]
     losses = [r["loss"] for r in first + second]
     assert all(abs(x - y) <= 1e-4 * y for x, y in zip(losses, reference, strict=True)), (losses, reference)
 
@@ -303,7 +261,7 @@ def test_killed_rank_restarts_from_checkpoint_without_losing_documents(tmp_path)
     records = _read_log(log)
     assert [x["step"] for x in records] == [1, 2, 3, 4]
     ledger = [x["ledger"] for x in records]
-    assert ledger == _ledger_reference(4, **BASE)
+    assert ledger == ledger_reference(4, **BASE)
     pieces = [tuple(p) for batch in ledger for p in batch]
     assert len(pieces) == len(set(pieces))
 
@@ -419,8 +377,8 @@ def test_an_unplannable_batch_names_the_step_and_the_corpus_document():
 
     config = TrainConfig(**BASE)
     corpus = load_corpus(config.corpus, seed=config.seed)
-    fourth = list(itertools.islice(_reference_loader(**BASE), 4))[3].pieces
-    loader = _reference_loader(**BASE)
+    fourth = list(itertools.islice(reference_loader(**BASE), 4))[3].pieces
+    loader = reference_loader(**BASE)
     batches = iter(loader)
     for _ in range(3):
         next(batches)  # the loader now stands before batch 4, as when planning it fails

@@ -84,6 +84,8 @@ def _hf_config(model: dict, where: str):
         raise InputError(f"{where}: field 'model.config' must be a config.json object with a model_type")
     rest = {k: v for k, v in config.items() if k not in ("model_type", "auto_map")}
     try:
+        # for_model only maps model types transformers ships (CONFIG_MAPPING): it has no
+        # trust_remote_code, and auto_map is dropped above, so no code is looked up.
         return AutoConfig.for_model(config["model_type"], **rest)
     except Exception as e:  # noqa: BLE001 - transformers' configs refuse with many exception types
         raise InputError(f"{where}: field 'model.config': transformers cannot build it ({_last_line(e)})") from None
