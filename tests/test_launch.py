@@ -15,7 +15,7 @@ import pytest
 import ballonet
 from ballonet import specs
 from ballonet.cli import build_parser, main
-from ballonet.training import loop
+from ballonet.training import preflight
 
 TWO = """
 name = "two-kinds"
@@ -63,22 +63,22 @@ def test_each_rank_is_checked_against_its_groups_gpu_and_torchruns_node(tmp_path
     path = tmp_path / "two.toml"
     path.write_text(TWO)
     cluster = specs.job_cluster(str(path), 4)
-    monkeypatch.setattr(loop.torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
-    assert "puts it on a h20 (node group 1), but its device is a NVIDIA H200" in loop._placement_problem(cluster, 2,
+    monkeypatch.setattr(preflight.torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    assert "puts it on a h20 (node group 1), but its device is a NVIDIA H200" in preflight.placement_problem(cluster, 2,
                                                                                                        True)
-    monkeypatch.setattr(loop.torch.cuda, "get_device_name", lambda *a: "NVIDIA H20")
-    assert loop._placement_problem(cluster, 2, True) is None
+    monkeypatch.setattr(preflight.torch.cuda, "get_device_name", lambda *a: "NVIDIA H20")
+    assert preflight.placement_problem(cluster, 2, True) is None
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun put 2 ranks on rank 2's node; its group has 1 per node
     monkeypatch.delenv("BALLONET_ERROR_DIR", raising=False)
     assert "torchrun runs 2 ranks on its node (LOCAL_WORLD_SIZE), cluster 'two-kinds' 1" in \
-        loop._placement_problem(cluster, 2, False)
-    assert loop._placement_problem(cluster, 0, False) is None
+        preflight.placement_problem(cluster, 2, False)
+    assert preflight.placement_problem(cluster, 0, False) is None
     monkeypatch.setenv("WORLD_SIZE", "2")
     one_node = specs.job_cluster("cpu", 2, 2)  # --nodes 2, but torchrun ran both ranks on one node
-    assert loop._placement_problem(one_node, 0, False) == (
+    assert preflight.placement_problem(one_node, 0, False) == (
         "--nodes 2: torchrun runs 2 ranks as 2 per node (LOCAL_WORLD_SIZE), so 1 node; give --nodes 1")
     monkeypatch.setenv("BALLONET_ERROR_DIR", str(tmp_path))  # our launcher emulates nodes on one machine
-    assert loop._placement_problem(one_node, 0, False) is None
+    assert preflight.placement_problem(one_node, 0, False) is None
 
 
 def _port() -> int:

@@ -46,10 +46,10 @@ from ballonet.training.jobs import host, lease
 from ballonet.training.parallelism import parallel, tensor_parallel
 from ballonet.training.config import TrainConfig
 from ballonet.training.data.corpus import Corpus
-from ballonet.training.jobs.launch import ERROR_DIR_ENV, preempt_file
+from ballonet.training.jobs.launch import preempt_file
 from ballonet.training.data.loader import BalancedLoader, Cursor, document_order, take_pieces
 from ballonet.training.parallelism.build import build_sharded_model
-from ballonet.training.preflight import agree, preflight
+from ballonet.training.preflight import agree, check_placement, preflight
 
 
 class RankFailure(InputError):
@@ -182,7 +182,7 @@ def _run(config: TrainConfig, group, use_cuda: bool, signals: lease.Signals):
     agree(config, group, device)  # every rank runs with the same settings, or all fail here
     if config.lease and not ballonet.cluster(config.cluster).has_loans:
         raise InputError(f"--lease {config.lease}: cluster {cluster.name!r} has no node group with loaned = true")
-    _check_placement(cluster, rank, group, use_cuda)
+    check_placement(cluster, rank, group, use_cuda)
     corpus, eval_corpus = evaluation.split_corpora(config, corpus)
     # A plan rank is a TP group of `tp` consecutive ranks; the plan's traffic runs over the
     # plan ranks of this rank's TP index (`Groups.plan`).
@@ -269,39 +269,6 @@ def _run(config: TrainConfig, group, use_cuda: bool, signals: lease.Signals):
         leaves = cluster.group_of(rank).loaned and lease.members_state(cluster) == lease.LENT
         raise lease.Stopped(stop, step, config.checkpoint_dir, leaves=leaves)
     return records, model
-
-
-def _placement_problem(cluster, rank: int, use_cuda: bool) -> str | None:
-    """What is wrong with where this rank runs, if anything: under torchrun (not our
-    launcher, which emulates nodes on one machine), its node's ranks (LOCAL_WORLD_SIZE)
-    against its node group's GPUs per node (--nodes); on a GPU, the device it found
-    against its group's GPU type (a "cpu" group is emulated and runs anywhere)."""
-    group = cluster.group_of(rank)
-    index = cluster.groups.index(group)
-    local = os.environ.get("LOCAL_WORLD_SIZE")
-    if local and not os.environ.get(ERROR_DIR_ENV) and int(local) != group.gpus_per_node:
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        nodes = max(world // int(local), 1)
-        if len(cluster.groups) == 1:
-            return (f"--nodes {cluster.num_nodes}: torchrun runs {world} ranks as {local} per node "
-                    f"(LOCAL_WORLD_SIZE), so {nodes} node{'s' * (nodes > 1)}; give --nodes {nodes}")
-        return (f"rank {rank}: torchrun runs {local} ranks on its node (LOCAL_WORLD_SIZE), cluster "
-                f"{cluster.name!r} {group.gpus_per_node} (node group {index}, {group.gpu})")
-    if use_cuda and group.gpu != "cpu":
-        found = torch.cuda.get_device_name()
-        if not re.search(rf"\b{re.escape(group.gpu)}\b", found, re.IGNORECASE):
-            return (f"rank {rank}: cluster {cluster.name!r} puts it on a {group.gpu} (node group {index}), but its "
-                    f"device is a {found}")
-    return None
-
-
-def _check_placement(cluster, rank: int, group, use_cuda: bool) -> None:
-    """`_placement_problem` of every rank, raised on every rank together (the first)."""
-    problems: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(problems, _placement_problem(cluster, rank, use_cuda), group=group)
-    first = next((p for p in problems if p), None)
-    if first:
-        raise InputError(first)
 
 
 def _plan(profile, lengths, **options):

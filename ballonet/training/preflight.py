@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,7 @@ from ballonet.training.checkpoints import checkpoint
 from ballonet.training.parallelism import parallel, tensor_parallel
 from ballonet.training.config import PER_PROCESS, TrainConfig, run_fields
 from ballonet.training.data.corpus import load_corpus
+from ballonet.training.jobs.launch import ERROR_DIR_ENV
 
 
 def _cluster(config: TrainConfig, world_size: int) -> ballonet.ClusterSpec:
@@ -129,3 +131,36 @@ def agree(config: TrainConfig, group, device: torch.device) -> None:
         raise InputError(f"ranks disagree on the run's settings: {', '.join('--' + names[i].replace('_', '-') for i in differ)} "
                          f"(ranks {' | '.join(str(list(s)) for s in sets)} were started with different values); start "
                          "every rank with the same flags")
+
+
+def placement_problem(cluster, rank: int, use_cuda: bool) -> str | None:
+    """What is wrong with where this rank runs, if anything: under torchrun (not our
+    launcher, which emulates nodes on one machine), its node's ranks (LOCAL_WORLD_SIZE)
+    against its node group's GPUs per node (--nodes); on a GPU, the device it found
+    against its group's GPU type (a "cpu" group is emulated and runs anywhere)."""
+    group = cluster.group_of(rank)
+    index = cluster.groups.index(group)
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if local and not os.environ.get(ERROR_DIR_ENV) and int(local) != group.gpus_per_node:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        nodes = max(world // int(local), 1)
+        if len(cluster.groups) == 1:
+            return (f"--nodes {cluster.num_nodes}: torchrun runs {world} ranks as {local} per node "
+                    f"(LOCAL_WORLD_SIZE), so {nodes} node{'s' * (nodes > 1)}; give --nodes {nodes}")
+        return (f"rank {rank}: torchrun runs {local} ranks on its node (LOCAL_WORLD_SIZE), cluster "
+                f"{cluster.name!r} {group.gpus_per_node} (node group {index}, {group.gpu})")
+    if use_cuda and group.gpu != "cpu":
+        found = torch.cuda.get_device_name()
+        if not re.search(rf"\b{re.escape(group.gpu)}\b", found, re.IGNORECASE):
+            return (f"rank {rank}: cluster {cluster.name!r} puts it on a {group.gpu} (node group {index}), but its "
+                    f"device is a {found}")
+    return None
+
+
+def check_placement(cluster, rank: int, group, use_cuda: bool) -> None:
+    """`placement_problem` of every rank, raised on every rank together (the first)."""
+    problems: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(problems, placement_problem(cluster, rank, use_cuda), group=group)
+    first = next((p for p in problems if p), None)
+    if first:
+        raise InputError(first)
