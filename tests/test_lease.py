@@ -17,7 +17,8 @@ import torch
 from distributed import run_ranks
 from helpers import BASE, ledger_reference, reference_run
 
-from ballonet.training.jobs.lease import LEASE_EXIT, PREEMPTED_EXIT, Signals, StepBoundary, Stopped, read_lease
+from ballonet.training.jobs.lease import (LEASE_EXIT, PREEMPTED_EXIT, Signals, StepBoundary, Stopped, read_lease,
+                                          shared_store_problem)
 from ballonet.training.loop import TrainConfig, train
 
 TWO_GROUPS = """
@@ -148,18 +149,29 @@ def _preempt_a_rank(rank, world_size, tmp):
         failed = None
     except ValueError as e:
         failed = str(e)
-    finally:
-        signals.close()
-    return stopped, [r["step"] for r in rest], failed
+    # `lent` while reclaimed stops the ranks under our launcher (it starts the loaned ranks), not
+    # under bare torchrun (the loaned nodes' agents joining do); `reclaimed` while lent stops both
+    lent, reclaimed = os.path.join(tmp, f"lent{rank}"), os.path.join(tmp, f"reclaimed{rank}")
+    for path, text in ((lent, "lent"), (reclaimed, "reclaimed")):
+        with open(path, "w") as f:
+            f.write(text)
+    launcher = os.path.join(tmp, "no-preempt-file")
+    answers = [StepBoundary(signals, path, members, torch.distributed.group.WORLD, torch.device("cpu"), p).check()
+               for path, members, p in ((lent, "reclaimed", None), (lent, "reclaimed", launcher),
+                                        (reclaimed, "lent", None), (reclaimed, "lent", launcher),
+                                        (reclaimed, "reclaimed", launcher))]
+    signals.close()
+    return stopped, [r["step"] for r in rest], failed, answers
 
 
 @pytest.mark.slow
 def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step_and_resume_is_exact(tmp_path):
     results = run_ranks(2, _preempt_a_rank, str(tmp_path))
-    (reason, step, code), rest, failed = results[0]
+    (reason, step, code), rest, failed, _ = results[0]
     assert results[1][:2] == results[0][:2] and reason == "preempted" and code == PREEMPTED_EXIT
     assert failed == "--lease: another rank could not read it".replace("--lease", f"--lease {tmp_path}/lease0")
     assert results[1][2].endswith("lease1: holds 'borrowed'; it must say 'lent' or 'reclaimed'")
+    assert results[0][3] == results[1][3] == [None, "lease", "lease", "lease", None]
     assert 2 <= step <= 4 and rest == list(range(step + 1, 7))
     records = _log(tmp_path / "log.jsonl")
     assert [r["step"] for r in records] == list(range(1, 7)) and {r["world_size"] for r in records} == {2}
@@ -187,6 +199,10 @@ def test_the_lease_file_is_read_strictly(tmp_path):
     with pytest.raises(ValueError, match="not a regular file"):
         read_lease(str(path))
     assert LEASE_EXIT != PREEMPTED_EXIT
+    assert shared_store_problem(None, True) is None and shared_store_problem("lease", False) is None
+    assert shared_store_problem("lease", True) == (
+        "--lease lease under torchrun: set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in every node's torchrun environment "
+        "(the nodes' rendezvous store, shared by default, does not survive members that leave and join: pytorch#135712)")
 
 
 def _children(agent) -> list[int]:
