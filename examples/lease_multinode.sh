@@ -16,9 +16,8 @@
 #   NODE_GROUP=1 HOST=train-node-0 bash examples/lease_multinode.sh   # on each loaned node
 #
 # The lender's side, on storage every node sees:
-#   echo reclaimed > /shared/lease    # its ranks leave after the step in flight (all save it);
-#                                     # then stop this script's torchrun on the loaned nodes
-#                                     # (SIGTERM): until then the training nodes wait for them
+#   echo reclaimed > /shared/lease    # every rank saves the step in flight; the loaned nodes'
+#                                     # ranks and torchrun agents leave, the training nodes go on
 #   echo lent > /shared/lease         # then start this script on the loaned nodes again
 set -euo pipefail
 : "${NODE_GROUP:?the index of this node's [[node_groups]] table in cluster.toml, 0 first}"

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import signal
 import stat
+import sys
 import threading
 
 from ballonet.errors import InputError
@@ -89,6 +90,21 @@ class Stopped(Exception):
         if self.reason == "lease":
             return 0 if self.leaves else LEASE_EXIT
         return PREEMPTED_EXIT
+
+
+def leave_rendezvous() -> None:
+    """Under bare torchrun, on a rank of a reclaimed group that has saved and is leaving:
+    take its node out of the rendezvous. An agent whose ranks all exit 0 waits in torchrun's
+    exit barrier for agents that never come, still a member of the finished round (the
+    training nodes' next round waits for it), and after 300 s shuts the rendezvous down for
+    every node; an agent stopped by a signal leaves it open and its heartbeats stop (torch
+    2.13's launcher/api.py: its way for a node to leave). So local rank 0 sends its agent
+    SIGTERM while the agent still watches its ranks: it passes it on (the node's ranks have
+    saved; one still saving notes it), waits for them, and exits."""
+    if os.environ.get("TORCHELASTIC_RUN_ID") and os.environ.get("LOCAL_RANK") == "0":
+        print("ballonet train: this node's group is reclaimed and its ranks have saved; its torchrun agent leaves the "
+              "rendezvous (SIGTERM: torchrun reports it) and the other nodes go on", file=sys.stderr, flush=True)
+        os.kill(os.getppid(), signal.SIGTERM)
 
 
 class Signals:
