@@ -3,9 +3,11 @@ group and takes it back when lent again; a job preempted by a signal saves the s
 on and exits for a requeue; in every case the steps are those of one process on the same
 global batches (losses within 1e-4, the same documents in the same order)."""
 
+import itertools
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -16,7 +18,8 @@ import torch
 from distributed import run_ranks
 from helpers import BASE, ledger_reference, reference_run
 
-from ballonet.training.jobs.lease import LEASE_EXIT, PREEMPTED_EXIT, Signals, StepBoundary, Stopped, read_lease
+from ballonet.training.jobs.lease import (LEASE_EXIT, PREEMPTED_EXIT, Signals, StepBoundary, Stopped, read_lease,
+                                          shared_store_problem)
 from ballonet.training.loop import TrainConfig, train
 
 TWO_GROUPS = """
@@ -60,6 +63,12 @@ def _when(log, condition, action, timeout=240.0):
     thread = threading.Thread(target=watch, daemon=True)
     thread.start()
     return thread, seen
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _train(*args, cwd):
@@ -141,18 +150,29 @@ def _preempt_a_rank(rank, world_size, tmp):
         failed = None
     except ValueError as e:
         failed = str(e)
-    finally:
-        signals.close()
-    return stopped, [r["step"] for r in rest], failed
+    # `lent` while reclaimed stops the ranks under our launcher (it starts the loaned ranks), not
+    # under bare torchrun (the loaned nodes' agents joining do); `reclaimed` while lent stops both
+    lent, reclaimed = os.path.join(tmp, f"lent{rank}"), os.path.join(tmp, f"reclaimed{rank}")
+    for path, text in ((lent, "lent"), (reclaimed, "reclaimed")):
+        with open(path, "w") as f:
+            f.write(text)
+    launcher = os.path.join(tmp, "no-preempt-file")
+    answers = [StepBoundary(signals, path, members, torch.distributed.group.WORLD, torch.device("cpu"), p).check()
+               for path, members, p in ((lent, "reclaimed", None), (lent, "reclaimed", launcher),
+                                        (reclaimed, "lent", None), (reclaimed, "lent", launcher),
+                                        (reclaimed, "reclaimed", launcher))]
+    signals.close()
+    return stopped, [r["step"] for r in rest], failed, answers
 
 
 @pytest.mark.slow
 def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step_and_resume_is_exact(tmp_path):
     results = run_ranks(2, _preempt_a_rank, str(tmp_path))
-    (reason, step, code), rest, failed = results[0]
+    (reason, step, code), rest, failed, _ = results[0]
     assert results[1][:2] == results[0][:2] and reason == "preempted" and code == PREEMPTED_EXIT
     assert failed == "--lease: another rank could not read it".replace("--lease", f"--lease {tmp_path}/lease0")
     assert results[1][2].endswith("lease1: holds 'borrowed'; it must say 'lent' or 'reclaimed'")
+    assert results[0][3] == results[1][3] == [None, "lease", "lease", "lease", None]
     assert 2 <= step <= 4 and rest == list(range(step + 1, 7))
     records = _log(tmp_path / "log.jsonl")
     assert [r["step"] for r in records] == list(range(1, 7)) and {r["world_size"] for r in records} == {2}
@@ -180,3 +200,104 @@ def test_the_lease_file_is_read_strictly(tmp_path):
     with pytest.raises(ValueError, match="not a regular file"):
         read_lease(str(path))
     assert LEASE_EXIT != PREEMPTED_EXIT
+    assert shared_store_problem(None, True) is None and shared_store_problem("lease", False) is None
+    assert shared_store_problem("lease", True) == (
+        "--lease lease under torchrun: set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in every node's torchrun environment "
+        "(the nodes' rendezvous store, shared by default, does not survive members that leave and join: pytorch#135712)")
+
+
+def _children(agent) -> list[int]:
+    """The running ranks a torchrun agent started (its children)."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == agent.pid and fields[0] != "Z":
+            out.append(int(pid))
+    return out
+
+
+def _until(condition, what, timeout=240.0):
+    deadline = time.monotonic() + timeout  # a hang guard, not a speed claim
+    while not condition():
+        assert time.monotonic() < deadline, f"waited {timeout:.0f} s for {what}"
+        time.sleep(0.02)
+
+
+@pytest.mark.slow
+def test_bare_torchrun_nodes_in_any_order_lend_and_reclaim_a_node_group(tmp_path):
+    """The multi-node deployment of docs/design.md on one machine: one torchrun agent per
+    node (`--nnodes 1:2`, c10d rendezvous), the training node's and the loaned node's, each
+    told its group (BALLONET_NODE_GROUP); the rendezvous numbers the loaned node first (its
+    address sorts first), and the ranks renumber themselves in the file's group order.
+    `reclaimed`: the loaned node's ranks leave within two steps, its agent leaves the
+    rendezvous, the training node goes on; `lent` and a new agent there: they train together
+    again."""
+    cluster, lease, log = tmp_path / "two.toml", tmp_path / "lease", tmp_path / "log.jsonl"
+    cluster.write_text(TWO_GROUPS)
+    max_steps = 1000  # never reached: the job is preempted once both nodes train again
+    port = _port()
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+
+    def agent(group: int, address: str):
+        command = [torchrun, "--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                   "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "lent", "--local-addr", address,
+                   "--rdzv-conf", "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3",
+                   "--max-restarts", "2", "--monitor-interval", "0.2",
+                   "-m", "ballonet", "train", "--cluster", str(cluster), "--lease", str(lease),
+                   "--checkpoint-dir", str(tmp_path / "ckpt"), "--resume", "--steps", str(max_steps),
+                   "--json-log", str(log), "--log-every", "1000", *[f"--{k.replace('_', '-')}={v}" for k, v in BASE.items()]]
+        # torch 2.13 keeps the first round's master address on a node that is no longer rank 0
+        # (pytorch#135712); a store per round avoids it, as docs/design.md says
+        env = dict(os.environ, OMP_NUM_THREADS="1", BALLONET_NODE_GROUP=str(group), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+        return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"agent{group}", "a"),
+                                cwd=tmp_path)
+
+    def listening() -> bool:
+        with socket.socket() as s:
+            return s.connect_ex(("127.0.0.1", port)) == 0
+
+    training = agent(0, "127.0.0.2")  # hosts the rendezvous (a training node must: the store lives in its agent)
+    loaned = None
+    try:
+        _until(listening, "the training agent's rendezvous")
+        loaned = agent(1, "127.0.0.1")  # sorts first: the rendezvous makes it node 0
+        _until(lambda: [r["world_size"] for r in _log(log)][-2:] == [4, 4], "two steps on both nodes")
+        lease.write_text("reclaimed\n")
+        reclaimed = _log(log)[-1]["step"]
+        _until(lambda: not _children(loaned), "the loaned ranks to leave")
+        left = _log(log)[-1]["step"]
+        loaned.wait(timeout=60)  # its agent leaves the rendezvous by itself (its ranks signal it)
+        _until(lambda: [r["world_size"] for r in _log(log)][-2:] == [2, 2], "two steps on the training node")
+        assert training.poll() is None
+        lease.write_text("lent\n")
+        loaned = agent(1, "127.0.0.1")
+        _until(lambda: [r["world_size"] for r in _log(log)][-2:] == [4, 4], "two steps on both nodes again")
+        for p in (training, loaned):  # the scheduler preempts the job: every rank saves the step it is on
+            p.send_signal(signal.SIGTERM)
+        for p in (training, loaned):
+            p.wait(timeout=240)
+    finally:
+        for p in (training, loaned):
+            if p is not None and p.poll() is None:
+                p.kill()
+
+    records = _log(log)
+    steps = len(records)
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    assert f"ballonet train: stopped (preempted) after step {steps}, saved in" in (tmp_path / "agent0").read_text()
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == f"step-{steps:08d}"
+    sizes = [r["world_size"] for r in records]
+    runs = [(size, len(list(same))) for size, same in itertools.groupby(sizes)]
+    # 4, 2, 4 ranks (and 2 first where the loaned agent came after the first round's last call: it joins by scale-up)
+    assert [size for size, _ in runs] in ([4, 2, 4], [2, 4, 2, 4]), runs
+    stopped = sum(n for _, n in runs[:-2])  # the last step on 4 ranks before the loan ended
+    assert stopped == left <= reclaimed + 2  # the loaned ranks left after a step within two of `reclaimed`
+    assert "ranks renumbered" in (tmp_path / "agent0").read_text()  # the training node was rendezvous node 1
+    assert [r["ledger"] for r in records] == ledger_reference(steps, **BASE)
+    reference = reference_run(steps, **BASE)[0]
+    losses = [r["loss"] for r in records]
+    assert all(abs(x - y) <= 1e-4 * y for x, y in zip(losses, reference, strict=True)), (losses, reference)

@@ -86,6 +86,8 @@ def cmd_train(args) -> int:
     except lease.Stopped as e:
         if report_rank_stop(e):
             return 0
+        if e.reason == "lease" and e.leaves:
+            lease.leave_rendezvous()
         if os.environ.get("RANK", "0") == "0":
             print(f"ballonet train: stopped ({e.reason}) after step {e.step}"
                   + (f", saved in {e.saved}" if e.saved else ", nothing saved (no --checkpoint-dir)"), file=sys.stderr)

@@ -99,7 +99,9 @@ class TrainConfig:
     path (implies --resume)."""
     lease: str | None = None
     """File saying whether the cluster's loaned node groups (`loaned = true`) are `lent` (or no file) or
-    `reclaimed`: the job saves and goes on over the ranks it allows (needs --checkpoint-dir)."""
+    `reclaimed`: the job saves and goes on over the ranks it allows (needs --checkpoint-dir). Under torchrun on
+    several nodes, each node's environment says BALLONET_NODE_GROUP=INDEX (its [[node_groups]] table, 0 first) and
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (examples/lease_multinode.sh)."""
     eval_every: int = 0
     """Steps between evaluations of the held-out loss (0: never); the JSON log line of that step carries
     eval_loss."""

@@ -12,7 +12,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import re
 
 import torch
 import torch.distributed as dist
@@ -26,6 +25,7 @@ from ballonet.training.checkpoints import checkpoint
 from ballonet.training.parallelism import parallel, tensor_parallel
 from ballonet.training.config import PER_PROCESS, TrainConfig, run_fields
 from ballonet.training.data.corpus import load_corpus
+from ballonet.training.jobs import node_order
 from ballonet.training.jobs.launch import ERROR_DIR_ENV
 
 
@@ -151,7 +151,7 @@ def placement_problem(cluster, rank: int, use_cuda: bool) -> str | None:
                 f"{cluster.name!r} {group.gpus_per_node} (node group {index}, {group.gpu})")
     if use_cuda and group.gpu != "cpu":
         found = torch.cuda.get_device_name()
-        if not re.search(rf"\b{re.escape(group.gpu)}\b", found, re.IGNORECASE):
+        if not node_order.matches(group.gpu, found):
             return (f"rank {rank}: cluster {cluster.name!r} puts it on a {group.gpu} (node group {index}), but its "
                     f"device is a {found}")
     return None

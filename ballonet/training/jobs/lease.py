@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import signal
 import stat
+import sys
 import threading
 
 from ballonet.errors import InputError
@@ -56,6 +57,18 @@ def read_lease(path: str) -> str | None:
     return text
 
 
+def shared_store_problem(lease: str | None, agent_hosts_store: bool) -> str | None:
+    """Under bare torchrun: `--lease` changes the rendezvous's members, which torch 2.13's
+    store shared by the agents does not survive (a node keeps the master address and the
+    restart count of the round it joined in: pytorch#135712); so it needs a store per
+    round, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in every agent's environment."""
+    if lease and agent_hosts_store:
+        return (f"--lease {lease} under torchrun: set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in every node's torchrun "
+                "environment (the nodes' rendezvous store, shared by default, does not survive members that leave "
+                "and join: pytorch#135712)")
+    return None
+
+
 def members_state(cluster) -> str:
     """The lease state a job over `cluster` (`specs.job_cluster`'s answer) runs under: its
     loaned groups are members only while lent."""
@@ -77,6 +90,21 @@ class Stopped(Exception):
         if self.reason == "lease":
             return 0 if self.leaves else LEASE_EXIT
         return PREEMPTED_EXIT
+
+
+def leave_rendezvous() -> None:
+    """Under bare torchrun, on a rank of a reclaimed group that has saved and is leaving:
+    take its node out of the rendezvous. An agent whose ranks all exit 0 waits in torchrun's
+    exit barrier for agents that never come, still a member of the finished round (the
+    training nodes' next round waits for it), and after 300 s shuts the rendezvous down for
+    every node; an agent stopped by a signal leaves it open and its heartbeats stop (torch
+    2.13's launcher/api.py: its way for a node to leave). So local rank 0 sends its agent
+    SIGTERM while the agent still watches its ranks: it passes it on (the node's ranks have
+    saved; one still saving notes it), waits for them, and exits."""
+    if os.environ.get("TORCHELASTIC_RUN_ID") and os.environ.get("LOCAL_RANK") == "0":
+        print("ballonet train: this node's group is reclaimed and its ranks have saved; its torchrun agent leaves the "
+              "rendezvous (SIGTERM: torchrun reports it) and the other nodes go on", file=sys.stderr, flush=True)
+        os.kill(os.getppid(), signal.SIGTERM)
 
 
 class Signals:
@@ -103,7 +131,11 @@ class Signals:
 class StepBoundary:
     """After each step: stop here? The same answer on every rank of `group` (an all-reduce
     of what each rank saw: a signal (`signals`, or `preempt_file`, the launcher's), a
-    lease that disagrees with the members)."""
+    lease that reclaims loaned members, or, under our launcher (`preempt_file` given: it
+    starts the loaned ranks itself), one that lends them while they are not members. Under
+    bare torchrun the loaned nodes' agents joining the rendezvous are what brings them back
+    (torchrun's scale-up: their agents stop the running ranks with SIGTERM, which the ranks
+    turn into a save): a `lent` lease alone would stop the job over and over until they come."""
 
     def __init__(self, signals: Signals, lease: str | None, members: str, group, device,
                  preempt_file: str | None = None):
@@ -121,7 +153,9 @@ class StepBoundary:
         except InputError as e:  # raised on every rank together, below
             error = e
         signalled = self.signals.signal is not None or bool(self.preempt_file and os.path.exists(self.preempt_file))
-        seen = torch.tensor([signalled, state not in (None, self.members), error is not None], dtype=torch.float32,
+        grows = self.preempt_file is not None
+        changed = state == RECLAIMED and self.members == LENT or grows and state == LENT and self.members == RECLAIMED
+        seen = torch.tensor([signalled, changed, error is not None], dtype=torch.float32,
                             device=self.device)
         if dist.get_world_size(self.group) > 1:
             dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=self.group)
