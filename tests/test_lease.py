@@ -288,7 +288,7 @@ def test_bare_torchrun_nodes_in_any_order_lend_and_reclaim_a_node_group(tmp_path
     records = _log(log)
     steps = len(records)
     assert [r["step"] for r in records] == list(range(1, steps + 1))
-    assert f"ballonet train: stopped (preempted) after step {steps}, saved in" in (tmp_path / "agent0").read_text()
+    assert f"ballonet train: stopped (signalled: preempted, or torchrun's agent restarting for nodes the lease lends) after step {steps}, saved in" in (tmp_path / "agent0").read_text()
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == f"step-{steps:08d}"
     sizes = [r["world_size"] for r in records]
     runs = [(size, len(list(same))) for size, same in itertools.groupby(sizes)]

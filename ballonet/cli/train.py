@@ -89,7 +89,10 @@ def cmd_train(args) -> int:
         if e.reason == "lease" and e.leaves:
             lease.leave_rendezvous()
         if os.environ.get("RANK", "0") == "0":
-            print(f"ballonet train: stopped ({e.reason}) after step {e.step}"
+            why = e.reason
+            if e.reason == "preempted" and config.lease and "TORCHELASTIC_RUN_ID" in os.environ:
+                why = "signalled: preempted, or torchrun's agent restarting for nodes the lease lends"
+            print(f"ballonet train: stopped ({why}) after step {e.step}"
                   + (f", saved in {e.saved}" if e.saved else ", nothing saved (no --checkpoint-dir)"), file=sys.stderr)
         return e.exit_code
     return 0
