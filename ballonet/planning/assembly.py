@@ -13,6 +13,8 @@ import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ballonet.errors import InfeasiblePlan
 from ballonet.plan import Plan, Ring, Segment
 from ballonet.planning.devices import Devices
@@ -34,6 +36,11 @@ class Placement:
     def __post_init__(self):
         if not self.local:
             self.local = [[] for _ in range(self.num_ranks)]
+
+    def copy(self) -> Placement:
+        """A copy to assemble again (`assemble` moves a split document of one member to `local`)."""
+        return Placement(num_ranks=self.num_ranks, local=[list(ds) for ds in self.local],
+                         split={d: dict(sh) for d, sh in self.split.items()}, rings=dict(self.rings))
 
 
 def zigzag_bounds(length: int, tokens: list[int]) -> tuple[int, ...]:
@@ -94,13 +101,15 @@ def assemble(name: str, lengths: list[int], dev: Devices, placement: Placement, 
 def over_cap(plan: Plan, dev: Devices) -> str | None:
     """Why `plan` does not fit: the first rank whose larger of its attention and linear
     token counts is over its token cap; None when every rank's fits."""
-    for r, (a, b) in enumerate(zip(plan.attention_token_counts, plan.linear_token_counts)):
-        if max(a, b) > dev.token_cap[r]:
-            docs = sorted({s.doc for s in plan.attention[r]}, key=lambda d: -plan.lengths[d])
-            biggest = f" (largest document there: {docs[0]}, {plan.lengths[docs[0]]} tokens)" if docs else ""
-            return (f"{plan.planner}: rank {r} would hold {max(a, b)} tokens{biggest}, over its "
-                    f"limit of {int(dev.token_cap[r])} tokens on a {dev.gpu[r].name} GPU")
-    return None
+    att, lin = plan.attention_token_counts, plan.linear_token_counts
+    over = np.nonzero(np.maximum(att, lin) > dev.token_cap)[0]
+    if not len(over):
+        return None
+    r = int(over[0])
+    docs = sorted({s.doc for s in plan.attention[r]}, key=lambda d: -plan.lengths[d])
+    biggest = f" (largest document there: {docs[0]}, {plan.lengths[docs[0]]} tokens)" if docs else ""
+    return (f"{plan.planner}: rank {r} would hold {max(att[r], lin[r])} tokens{biggest}, over its "
+            f"limit of {int(dev.token_cap[r])} tokens on a {dev.gpu[r].name} GPU")
 
 
 def with_memory(plan: Plan, dev: Devices) -> Plan:
