@@ -74,7 +74,7 @@ def assemble(name: str, lengths: list[int], dev: Devices, placement: Placement, 
         assert sum(tokens) == lengths[doc], (doc, tokens, lengths[doc])
         ring_specs.append((doc, tuple(members), zigzag_bounds(lengths[doc], tokens)))
     ring_specs += [(doc, tuple(ranks), tuple(bounds)) for doc, (ranks, bounds) in placement.rings.items()]
-    segs: list[list[tuple[int, int, int, int]]] = [[] for _ in range(dev.num_ranks)]  # (queue, doc, start, end)
+    segs: list[list[tuple[int, int, int, int]]] = [[] for _ in range(dev.num_ranks)]  # ring chunks (queue, doc, start, end)
     rings = []
     fixed = set(placement.rings)
     for doc, ranks, b in sorted(ring_specs):
@@ -90,9 +90,9 @@ def assemble(name: str, lengths: list[int], dev: Devices, placement: Placement, 
                 segs[r].append((queue, doc, b[i], b[i + 1]))
             if b[2 * g - i] > b[2 * g - 1 - i]:
                 segs[r].append((queue, doc, b[2 * g - 1 - i], b[2 * g - i]))
-    for r, docs in enumerate(placement.local):
-        segs[r].extend((2, d, 0, lengths[d]) for d in docs)
-    attention = tuple(tuple(Segment(d, a, e) for _, d, a, e in sorted(rank_segs)) for rank_segs in segs)
+    attention = tuple((*(Segment(d, a, e) for _, d, a, e in sorted(rank_segs)),
+                       *(Segment(d, 0, lengths[d]) for d in sorted(docs)))  # local documents last
+                      for rank_segs, docs in zip(segs, placement.local, strict=True))
     return Plan(planner=name, lengths=tuple(lengths), node_of_rank=dev.node, nic_of_rank=dev.nic,
                 attention=attention, rings=tuple(rings), memory_cap=dev.memory_total,
                 attention_engine=attention_engine, meta=dict(meta or {}))
