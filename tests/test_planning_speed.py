@@ -1,10 +1,17 @@
-"""The search's reuse of placements: a double level 1 that sends the same documents to the
-same nodes as its mode's single one is placed as that one was (`search._same_nodes`)."""
+"""Speed-ups of the partitioner that must leave its plans as they were: the search's reuse
+of placements (a double level 1 that sends the same documents to the same nodes as its
+mode's single one is placed as that one was, `search._same_nodes`), and list versions of
+numpy steps."""
+
+import numpy as np
+import pytest
 
 from ballonet import plan_batch, specs, workloads
+from ballonet.errors import InfeasiblePlan
 from ballonet.planning.assembly import Placement, assemble
 from ballonet.planning.devices import devices
-from ballonet.planning.zeppelin import search
+from ballonet.planning.packing import apportion
+from ballonet.planning.zeppelin import refinement, search
 from ballonet.specs import ClusterSpec, NodeGroup
 
 
@@ -33,3 +40,20 @@ def test_assembling_a_copy_leaves_the_placement_as_it_was():
     assert copy.local == [[1], [0]]
     assert placement.local == [[1], []] and placement.split == {0: {0: 0, 1: 8}}
     assert plan.attention_token_counts == (4, 8)
+
+
+def test_apportion_on_lists_gives_numpys_integers_at_every_ring_size():
+    rng = np.random.default_rng(0)
+    for n in [1, 2, 3, 7, 8, 9, 16, 33] * 25:
+        weights = (rng.random(n) * rng.choice([1e-3, 1.0, 1e4])).tolist()
+        if rng.random() < 0.2:
+            weights[int(rng.integers(n))] = 0.0
+        caps = rng.integers(0, 5000, n).tolist()
+        total = int(rng.integers(0, sum(caps) + 2))
+        try:
+            want = apportion(total, np.array(weights), np.array(caps)).tolist()
+        except InfeasiblePlan:
+            with pytest.raises(InfeasiblePlan):
+                refinement._apportion_list(total, weights, caps)
+            continue
+        assert refinement._apportion_list(total, weights, caps) == want
