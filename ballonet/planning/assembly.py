@@ -13,6 +13,8 @@ import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ballonet.errors import InfeasiblePlan
 from ballonet.plan import Plan, Ring, Segment
 from ballonet.planning.devices import Devices
@@ -34,6 +36,11 @@ class Placement:
     def __post_init__(self):
         if not self.local:
             self.local = [[] for _ in range(self.num_ranks)]
+
+    def copy(self) -> Placement:
+        """A copy to assemble again (`assemble` moves a split document of one member to `local`)."""
+        return Placement(num_ranks=self.num_ranks, local=[list(ds) for ds in self.local],
+                         split={d: dict(sh) for d, sh in self.split.items()}, rings=dict(self.rings))
 
 
 def zigzag_bounds(length: int, tokens: list[int]) -> tuple[int, ...]:
@@ -67,7 +74,7 @@ def assemble(name: str, lengths: list[int], dev: Devices, placement: Placement, 
         assert sum(tokens) == lengths[doc], (doc, tokens, lengths[doc])
         ring_specs.append((doc, tuple(members), zigzag_bounds(lengths[doc], tokens)))
     ring_specs += [(doc, tuple(ranks), tuple(bounds)) for doc, (ranks, bounds) in placement.rings.items()]
-    segs: list[list[tuple[int, int, int, int]]] = [[] for _ in range(dev.num_ranks)]  # (queue, doc, start, end)
+    segs: list[list[tuple[int, int, int, int]]] = [[] for _ in range(dev.num_ranks)]  # ring chunks (queue, doc, start, end)
     rings = []
     fixed = set(placement.rings)
     for doc, ranks, b in sorted(ring_specs):
@@ -83,9 +90,9 @@ def assemble(name: str, lengths: list[int], dev: Devices, placement: Placement, 
                 segs[r].append((queue, doc, b[i], b[i + 1]))
             if b[2 * g - i] > b[2 * g - 1 - i]:
                 segs[r].append((queue, doc, b[2 * g - 1 - i], b[2 * g - i]))
-    for r, docs in enumerate(placement.local):
-        segs[r].extend((2, d, 0, lengths[d]) for d in docs)
-    attention = tuple(tuple(Segment(d, a, e) for _, d, a, e in sorted(rank_segs)) for rank_segs in segs)
+    attention = tuple((*(Segment(d, a, e) for _, d, a, e in sorted(rank_segs)),
+                       *(Segment(d, 0, lengths[d]) for d in sorted(docs)))  # local documents last
+                      for rank_segs, docs in zip(segs, placement.local, strict=True))
     return Plan(planner=name, lengths=tuple(lengths), node_of_rank=dev.node, nic_of_rank=dev.nic,
                 attention=attention, rings=tuple(rings), memory_cap=dev.memory_total,
                 attention_engine=attention_engine, meta=dict(meta or {}))
@@ -94,13 +101,15 @@ def assemble(name: str, lengths: list[int], dev: Devices, placement: Placement, 
 def over_cap(plan: Plan, dev: Devices) -> str | None:
     """Why `plan` does not fit: the first rank whose larger of its attention and linear
     token counts is over its token cap; None when every rank's fits."""
-    for r, (a, b) in enumerate(zip(plan.attention_token_counts, plan.linear_token_counts)):
-        if max(a, b) > dev.token_cap[r]:
-            docs = sorted({s.doc for s in plan.attention[r]}, key=lambda d: -plan.lengths[d])
-            biggest = f" (largest document there: {docs[0]}, {plan.lengths[docs[0]]} tokens)" if docs else ""
-            return (f"{plan.planner}: rank {r} would hold {max(a, b)} tokens{biggest}, over its "
-                    f"limit of {int(dev.token_cap[r])} tokens on a {dev.gpu[r].name} GPU")
-    return None
+    att, lin = plan.attention_token_counts, plan.linear_token_counts
+    over = np.nonzero(np.maximum(att, lin) > dev.token_cap)[0]
+    if not len(over):
+        return None
+    r = int(over[0])
+    docs = sorted({s.doc for s in plan.attention[r]}, key=lambda d: -plan.lengths[d])
+    biggest = f" (largest document there: {docs[0]}, {plan.lengths[docs[0]]} tokens)" if docs else ""
+    return (f"{plan.planner}: rank {r} would hold {max(att[r], lin[r])} tokens{biggest}, over its "
+            f"limit of {int(dev.token_cap[r])} tokens on a {dev.gpu[r].name} GPU")
 
 
 def with_memory(plan: Plan, dev: Devices) -> Plan:

@@ -155,7 +155,11 @@ def _level1(batch: Batch, nodes, intra, inter, span: dict[int, int], per_token: 
             got = spread(node_target - node_load, node_room, work[d], work[d] / lengths[d])
         charge(got, d, work, lengths, node_load, node_room, out=shares)
     node_token = np.array([rank_token[rs[0]] for rs in nodes])  # a node's own GPUs' linear work per token
-    per_node = _node_work(batch, nodes, weights) + node_token[:, None] * batch.length_array
+    node_work = _node_work(batch, nodes, weights)
+    if node_work.ndim == 1 and (node_token == node_token[0]).all():  # alike nodes: one row, no [nodes, D] copies
+        per_node = node_work + node_token[0] * batch.length_array
+    else:
+        per_node = node_work + node_token[:, None] * batch.length_array
     node_docs: dict[int, list[int]] = {}
     multi = np.array([len(rs) > 1 for rs in nodes])
     spill: list[int] = []
@@ -163,7 +167,8 @@ def _level1(batch: Batch, nodes, intra, inter, span: dict[int, int], per_token: 
                        ([d for d in range(len(lengths)) if not intra[d] and not inter[d]], np.ones(len(nodes), bool))):
         idx = np.nonzero(pool)[0]
         sub_load, sub_room = node_load[idx], node_room[idx]
-        for i, ds in lpt(docs, per_node[idx], lengths, sub_load, node_speed[idx], sub_room, spill).items():
+        cost = per_node if per_node.ndim == 1 else per_node[idx]
+        for i, ds in lpt(docs, cost, lengths, sub_load, node_speed[idx], sub_room, spill).items():
             node_docs.setdefault(int(idx[i]), []).extend(ds)
         node_load[idx], node_room[idx] = sub_load, sub_room
     for d in spill:
@@ -188,7 +193,8 @@ def _span_nodes(room, load, speed, token_room, work: float, per_token: float, k:
 
 
 def _node_work(batch: Batch, nodes, weights: StepWeights | None) -> np.ndarray:
-    """[nodes, D] work of each document if it goes whole to each node: a document above
+    """[nodes, D] work of each document if it goes whole to each node ([D] where every
+    node's is alike): a document above
     a rank's fair share there (and above the node group's intra-node crossover) will be
     split over about work / share of its ranks, at their shorter blocks' efficiency, and
     (with `weights`) its ring's exposed transfers on the node's own links are added
@@ -198,9 +204,9 @@ def _node_work(batch: Batch, nodes, weights: StepWeights | None) -> np.ndarray:
     cluster the same document is split more, so costs more, on slower nodes."""
     lengths, work, dev = batch.lengths, batch.work, batch.dev
     L = batch.length_array
-    out = np.tile(work, (len(nodes), 1))
     rows: dict[tuple, np.ndarray] = {}  # alike nodes (most of a cluster) share one row
-    for n, rs in enumerate(nodes):
+    of_node = []
+    for rs in nodes:
         fair = work.sum() * dev.speed[rs].max() / dev.speed.sum()
         cross = batch.crossovers[dev.group[rs[0]]]
         l_intra = cross.intra if len(rs) > 1 else None
@@ -219,8 +225,8 @@ def _node_work(batch: Batch, nodes, weights: StepWeights | None) -> np.ndarray:
                 whole = heavy & ~(L >= l_intra) if l_intra is not None else heavy
                 row[whole] += (work[whole] - fair) * (len(rs) - 1)
             rows[key] = row
-        out[n] = rows[key]
-    return out
+        of_node.append(rows[key])
+    return of_node[0] if len(rows) == 1 else np.array(of_node)
 
 
 def level_nodes(lengths, dev: Devices, crossovers, model: ModelSpec, *, hierarchical: bool, price_linear: bool,

@@ -20,7 +20,7 @@ from ballonet.cost.flops import attention_flops
 from ballonet.errors import InfeasiblePlan
 from ballonet.planning.assembly import Placement
 from ballonet.planning.devices import Devices
-from ballonet.planning.packing import NoRoom, apportion
+from ballonet.planning.packing import NoRoom
 from ballonet.planning.zeppelin.state import Batch, RankFill
 from ballonet.planning.zeppelin.thresholds import THRESHOLDS
 from ballonet.planning.zeppelin.water import ordered_sum, water_level_list
@@ -234,10 +234,7 @@ def _placement(fill: RankFill, st: Levels, docs: list[int], local_tokens: np.nda
             _make_room(placement.split, room, m, short)
         caps = [max(room[r], 0) for r in m]
         try:
-            if len(m) < 8:  # fast path for small rings
-                counts = _apportion_few(lengths[d], st.held[d], caps)
-            else:
-                counts = apportion(lengths[d], np.array(st.held[d]), np.array(caps)).tolist()
+            counts = _apportion_list(lengths[d], st.held[d], caps)
         except InfeasiblePlan:
             raise NoRoom from None
         for r, c in zip(m, counts):
@@ -246,8 +243,9 @@ def _placement(fill: RankFill, st: Levels, docs: list[int], local_tokens: np.nda
     return placement
 
 
-def _apportion_few(total: int, weights: list[float], caps: list[int]) -> list[int]:
-    """`apportion` on lists of fewer than 8 weights (`ordered_sum` adds them as numpy does)."""
+def _apportion_list(total: int, weights: list[float], caps: list[int]) -> list[int]:
+    """`packing.apportion` on lists (a ring has a few members, where numpy's per-call cost
+    is most of the work); `ordered_sum` adds the weights as numpy does."""
     n = len(weights)
     out = [0] * n
     free = [True] * n

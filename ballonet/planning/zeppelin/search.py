@@ -18,7 +18,7 @@ import numpy as np
 from ballonet.cost.memory import BELOW, recompute_layer_count, recompute_mode
 from ballonet.errors import InfeasiblePlan, InputError
 from ballonet.plan import Plan
-from ballonet.planning.assembly import over_cap
+from ballonet.planning.assembly import Placement, over_cap
 from ballonet.planning.devices import check_lengths, devices, infeasibility
 from ballonet.planning.pricing import rank_compute_seconds, recompute_modes
 from ballonet.planning.routing import plan_routes
@@ -29,6 +29,9 @@ from ballonet.planning.zeppelin.thresholds import THRESHOLDS
 from ballonet.specs import ClusterSpec, ModelSpec
 
 __all__ = ["CandidateSearch", "ZeppelinOptions", "zeppelin"]
+
+Placed = dict[bool, tuple[Placement, dict] | None]
+"""A level 1's placements (`candidates.place`) by keep_tokens, None where it found no room."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,7 +88,7 @@ class CandidateSearch:
         self.crossovers = crossover_lengths(self.cluster, model)
         modes = recompute_modes(model) if opts.price_recompute else (recompute_mode(model),)
         trim = opts.price_recompute and model.recompute is None  # selective on as few layers as a plan needs
-        singles: list[tuple[CandidateMaker, NodeLevel]] = []  # each mode's single-ring level 1, for `double`
+        singles: list[tuple[CandidateMaker, NodeLevel, Placed]] = []  # each mode's single-ring level 1, for `double`
         looser = False  # this mode is planned for its looser caps, whatever its cost on every layer
         for i, mode in enumerate(modes):
             maker = self._maker(dataclasses.replace(model, recompute=mode), trim and mode in BELOW)
@@ -95,25 +98,29 @@ class CandidateSearch:
                                 price_linear=opts.price_linear, routing=opts.routing)
             if level is not None and self._level_too_slow(level, maker, np.inf if looser else self.best_layers_s):
                 break  # and costlier modes, whose caps are tighter nowhere
-            plans = self._plans(maker, level) if level is not None else []
+            placed: Placed = {}
+            plans = self._plans(maker, level, placed) if level is not None else []
             if not plans and i == len(modes) - 1 and self.best is None:
                 plans = self._fallback(maker)
             if not plans:
                 continue
             self._compare(plans)
             if level is not None:
-                singles.append((maker, level))
+                singles.append((maker, level, placed))
             if i + 1 < len(modes):
                 looser = self._plan_looser(trim, modes[i + 1])
                 if not looser and self._costlier_mode_loses(plans[0], modes[i + 1]):
                     break
         # After the single-ring search, so that it prunes as without `double`; the most
         # promising level 1 first, so that the others' prune meets the best plan it makes.
-        doubled = [(d, maker) for maker, level in singles if opts.double
+        # A double level 1 that sends the same documents to the same nodes as the single one
+        # places them alike: only the rings across nodes run (and are priced) otherwise.
+        doubled = [(d, maker, placed if _same_nodes(level, d) else {}) for maker, level, placed in singles
+                   if opts.double
                    and (d := doubled_level(level, price_linear=opts.price_linear, routing=opts.routing)) is not None]
-        for level, maker in sorted(doubled, key=lambda x: x[0].node_seconds):
+        for level, maker, placed in sorted(doubled, key=lambda x: x[0].node_seconds):
             if not self._level_too_slow(level, maker, self.best_layers_s):
-                self._compare(self._plans(maker, level))
+                self._compare(self._plans(maker, level, placed))
         if self.best is None:
             raise InfeasiblePlan(self.refusal)
         best = self.best
@@ -142,24 +149,31 @@ class CandidateSearch:
                               fixed_tail_s=fixed_tail_seconds(self.cluster, dev, spec),
                               dp_send_s=dp_send_seconds(self.cluster, spec))
 
-    def _plans(self, maker: CandidateMaker, level: NodeLevel) -> list[Candidate]:
+    def _plans(self, maker: CandidateMaker, level: NodeLevel, placed: Placed) -> list[Candidate]:
         """From one level 1: every rank keeping its tokens (attention plus linear work
         balanced per rank; when pricing may prefer it), then remapping tokens inside
         nodes unless the first is already `_level_enough`. A plan the greedy steps cannot
-        fit is left out: [] when neither fits."""
+        fit is left out: [] when neither fits. `placed`: the placements of a level 1 of
+        the same nodes (`_same_nodes`), by keep; those made here are added."""
         out = []
         if self.options.price_linear and self.options.remap:
-            kept = self._candidate(maker, level, keep=True)
+            kept = self._candidate(maker, level, True, placed)
             if kept is not None:
                 out.append(kept)
                 if self._level_enough(kept):
                     return out
-        remapped = self._candidate(maker, level, keep=False)
+        remapped = self._candidate(maker, level, False, placed)
         return out + ([remapped] if remapped is not None else [])
 
-    def _candidate(self, maker: CandidateMaker, level: NodeLevel, keep: bool) -> Candidate | None:
-        placed = place(level, keep_tokens=keep)
-        return None if placed is None else maker.make(*placed, keep=keep, double=level.double)
+    @staticmethod
+    def _candidate(maker: CandidateMaker, level: NodeLevel, keep: bool, placed: Placed) -> Candidate | None:
+        if keep not in placed:
+            placed[keep] = place(level, keep_tokens=keep)
+        got = placed[keep]
+        if got is None:
+            return None
+        placement, facts = got
+        return maker.make(placement.copy(), facts, keep=keep, double=level.double)
 
     def _fallback(self, maker: CandidateMaker) -> list[Candidate]:
         """A batch the greedy steps fit no way, cut in speed-proportional runs of tokens
@@ -210,6 +224,15 @@ class CandidateSearch:
         dev = first.dev
         seconds = rank_compute_seconds(first.plan, dev, first.model, next_mode, kernels=first.kernels)
         return np.average(seconds, weights=dev.speed) >= self.best_layers_s
+
+
+def _same_nodes(single: NodeLevel, double: NodeLevel) -> bool:
+    """Whether two level 1s of one batch send the same documents (and shares) to the same
+    nodes: steps 2-3 then place them alike (`place` reads nothing else that differs)."""
+    a, b = single.level1, double.level1
+    return (a is not None and b is not None and single.batch is double.batch
+            and single.rank_token is double.rank_token and np.array_equal(single.intra, double.intra)
+            and a.node_docs == b.node_docs and a.shares == b.shares and np.array_equal(a.node_load, b.node_load))
 
 
 def _nearly_full(best: Candidate) -> bool:
