@@ -27,7 +27,8 @@ from ballonet.planning.zeppelin.thresholds import THRESHOLDS
 from ballonet.planning.zeppelin.water import split_work, water_level
 from ballonet.specs import ClusterSpec, ModelSpec
 
-__all__ = ["Level1", "NodeLevel", "classify", "crossover_lengths", "doubled_level", "level1", "level_nodes"]
+__all__ = ["Level1", "NodeLevel", "classify", "crossover_lengths", "doubled_level", "level1", "level_nodes",
+           "node_seconds", "node_tokens", "with_level1"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,8 @@ class NodeLevel:
     busiest rank's will be once level 2 evens the node out (0 without hierarchy)."""
     inter: np.ndarray
     """[D] the documents step 0 sent across nodes."""
+    span: dict[int, int]
+    """Of `inter`, the number of nodes pricing sent each to (`classify`)."""
     weights: StepWeights
     per_token: float
     """Linear work per token in level 1 (0 without `price_linear`)."""
@@ -248,11 +251,11 @@ def level_nodes(lengths, dev: Devices, crossovers, model: ModelSpec, *, hierarch
                   work_list=work.tolist(), dev=dev, model=model, gpu=gpu, crossovers=crossovers,
                   linear_on_rank=np.zeros(R))
     classes = classify(batch, nodes, per_token, weights, hierarchical=hierarchical, double=False, routing=routing)
-    return _with_level1(batch, weights, per_token, rank_token, classes, hierarchical=hierarchical,
+    return with_level1(batch, weights, per_token, rank_token, classes, hierarchical=hierarchical,
                         price_linear=price_linear, double=False)
 
 
-def _with_level1(batch: Batch, weights: StepWeights, per_token: float, rank_token: np.ndarray, classes, *,
+def with_level1(batch: Batch, weights: StepWeights, per_token: float, rank_token: np.ndarray, classes, *,
                  hierarchical: bool, price_linear: bool, double: bool) -> NodeLevel | None:
     """`NodeLevel` from step 0's classes ((intra, inter, span) of `classify`); None when
     level 1 finds a document no room."""
@@ -263,8 +266,8 @@ def _with_level1(batch: Batch, weights: StepWeights, per_token: float, rank_toke
         lv = level1(batch, nodes, intra, inter, span, per_token, weights if price_linear else None, rank_token)
         if lv is None:
             return None
-    return NodeLevel(batch=batch, rank_token=rank_token, intra=intra, inter=inter, level1=lv,
-                     node_seconds=_node_seconds(batch, nodes, lv, rank_token, weights) if lv else 0.0,
+    return NodeLevel(batch=batch, rank_token=rank_token, intra=intra, inter=inter, span=span, level1=lv,
+                     node_seconds=node_seconds(batch, nodes, lv, rank_token, weights) if lv else 0.0,
                      weights=weights, per_token=per_token, double=double)
 
 
@@ -281,17 +284,23 @@ def doubled_level(shared: NodeLevel, *, price_linear: bool, routing: bool) -> No
                        routing=routing)
     if not classes[1].any():
         return None
-    return _with_level1(batch, shared.weights, shared.per_token, shared.rank_token, classes, hierarchical=True,
+    return with_level1(batch, shared.weights, shared.per_token, shared.rank_token, classes, hierarchical=True,
                         price_linear=price_linear, double=True)
 
 
-def _node_seconds(batch: Batch, nodes, lv: Level1, rank_token: np.ndarray, weights: StepWeights) -> float:
+def node_seconds(batch: Batch, nodes, lv: Level1, rank_token: np.ndarray, weights: StepWeights) -> float:
     """`NodeLevel.node_seconds` from level 1's node loads and the tokens each node holds."""
-    node_att, node_docs, shares = lv.node_load, lv.node_docs, lv.shares
-    lengths, work, speed = batch.lengths, batch.work, batch.dev.speed
-    tokens = np.array([float(sum(lengths[d] for d in node_docs.get(n, []))) for n in range(len(nodes))])
-    for d, sh in shares.items():
-        for n, w in sh.items():
-            tokens[n] += w * lengths[d] / work[d]
+    node_att, speed = lv.node_load, batch.dev.speed
+    tokens = node_tokens(batch, nodes, lv)
     per_node = [(node_att[n] + rank_token[rs[0]] * tokens[n]) / speed[rs].sum() for n, rs in enumerate(nodes)]
     return max(per_node) * weights.attention_step * batch.model.num_layers
+
+
+def node_tokens(batch: Batch, nodes, lv: Level1) -> np.ndarray:
+    """[nodes] tokens each node holds after level 1."""
+    lengths, work = batch.lengths, batch.work
+    tokens = np.array([float(sum(lengths[d] for d in lv.node_docs.get(n, []))) for n in range(len(nodes))])
+    for d, sh in lv.shares.items():
+        for n, w in sh.items():
+            tokens[n] += w * lengths[d] / work[d]
+    return tokens

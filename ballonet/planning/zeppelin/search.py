@@ -25,6 +25,7 @@ from ballonet.planning.routing import plan_routes
 from ballonet.planning.step_terms import dp_send_seconds, fixed_tail_seconds
 from ballonet.planning.zeppelin.candidates import Candidate, CandidateMaker, fallback, place
 from ballonet.planning.zeppelin.classes import NodeLevel, crossover_lengths, doubled_level, level_nodes
+from ballonet.planning.zeppelin.recomputed import mixed, recomputed_level
 from ballonet.planning.zeppelin.thresholds import THRESHOLDS
 from ballonet.specs import ClusterSpec, ModelSpec
 
@@ -93,6 +94,8 @@ class CandidateSearch:
                 continue
             level = level_nodes(self.lengths, maker.dev, self.crossovers, maker.model, hierarchical=opts.hierarchical,
                                 price_linear=opts.price_linear, routing=opts.routing)
+            if level is not None and level.level1 is not None and maker.trim and opts.price_linear and mixed(maker.dev):
+                level = recomputed_level(level)  # each node priced under what its share recomputes
             if level is not None and self._level_too_slow(level, maker, np.inf if looser else self.best_layers_s):
                 break  # and costlier modes, whose caps are tighter nowhere
             plans = self._plans(maker, level) if level is not None else []
