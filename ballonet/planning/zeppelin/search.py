@@ -94,7 +94,8 @@ class CandidateSearch:
                 continue
             level = level_nodes(self.lengths, maker.dev, self.crossovers, maker.model, hierarchical=opts.hierarchical,
                                 price_linear=opts.price_linear, routing=opts.routing)
-            if level is not None and level.level1 is not None and maker.trim and opts.price_linear and mixed(maker.dev):
+            if level is not None and level.level1 is not None and maker.trim and opts.price_linear \
+                    and mixed(maker.dev) and not opts.assume_homogeneous:
                 level = recomputed_level(level)  # each node priced under what its share recomputes
             if level is not None and self._level_too_slow(level, maker, np.inf if looser else self.best_layers_s):
                 break  # and costlier modes, whose caps are tighter nowhere
