@@ -48,3 +48,18 @@ def test_each_node_is_priced_under_what_its_share_recomputes():
     h20_rank = dev.nodes()[max(set(range(len(need))) - set(h800))][0]
     assert priced.rank_token[h20_rank] < level.rank_token[h20_rank]
     assert priced.node_seconds <= level.node_seconds
+
+
+def test_on_one_gpu_type_the_recomputed_level_is_planned_beside_the_uniform_one(monkeypatch):
+    """C (h200-8nic), LLaMA-7B, the prolong batch: priced as selective recomputation on
+    every layer, the nodes that fit their shares without it looked dearer per token than
+    they are; planned beside the uniform level 1 (the estimate choosing), the step is
+    1.495 -> 1.443 s simulated."""
+    from ballonet.planning.zeppelin import search
+
+    cluster, model = specs.cluster("h200-8nic", num_nodes=4), specs.model("llama-7b")
+    lengths = next(iter(workloads.get("prolong").batches(16384 * cluster.num_ranks, 0, 1, 65536)))
+    step = simulate(plan_batch(lengths, cluster, model), cluster, model).step_time_s
+    monkeypatch.setattr(search, "recomputed_levels", lambda level, mixed_cluster: [level])  # the uniform only
+    uniform = simulate(plan_batch(lengths, cluster, model), cluster, model).step_time_s
+    assert step < 0.98 * uniform

@@ -24,7 +24,7 @@ from ballonet.planning.devices import Devices
 from ballonet.planning.pricing import linear_work_per_token
 from ballonet.planning.zeppelin.classes import Level1, NodeLevel, node_seconds, node_tokens, with_level1
 
-__all__ = ["mixed", "node_recompute", "recomputed_level"]
+__all__ = ["mixed", "node_recompute", "recomputed_level", "recomputed_levels"]
 
 
 def mixed(dev: Devices) -> bool:
@@ -70,6 +70,25 @@ def recomputed_level(level: NodeLevel) -> NodeLevel:
     each node priced under what its share there recomputes (module docstring); of the two,
     the one whose busiest node is least busy under its own shares' recomputation, with its
     `rank_token` and `node_seconds` so priced."""
+    first, second = _both(level)
+    return second if second is not None and second.node_seconds < first.node_seconds else first
+
+
+def recomputed_levels(level: NodeLevel, *, mixed_cluster: bool) -> list[NodeLevel]:
+    """The level 1s a selective or linear mode plans from: on a mixed cluster
+    `recomputed_level`'s; on one GPU type `level` itself, and beside it the level 1 made
+    under each node's recomputation where that one's busiest node prices less busy than
+    `level`'s under its own shares' recomputation (the estimate then chooses among their
+    plans: made instead of `level` it lengthened as many main-grid steps as it shortened)."""
+    if mixed_cluster:
+        return [recomputed_level(level)]
+    first, second = _both(level)
+    return [level] + ([second] if second is not None and second.node_seconds < first.node_seconds else [])
+
+
+def _both(level: NodeLevel) -> tuple[NodeLevel, NodeLevel | None]:
+    """`level` priced under its shares' recomputation, and level 1 made once more under
+    those rates, so priced (None when that level 1 finds a document no room)."""
     batch, weights = level.batch, level.weights
     nodes = batch.dev.nodes()
     cache: dict = {}
@@ -84,6 +103,5 @@ def recomputed_level(level: NodeLevel) -> NodeLevel:
     again = with_level1(batch, weights, level.per_token, first.rank_token, (level.intra, level.inter, level.span),
                         hierarchical=True, price_linear=True, double=level.double)
     if again is None or again.level1 is None:
-        return first
-    second = priced(again)
-    return second if second.node_seconds < first.node_seconds else first
+        return first, None
+    return first, priced(again)

@@ -24,8 +24,8 @@ from ballonet.planning.pricing import rank_compute_seconds, recompute_modes
 from ballonet.planning.routing import plan_routes
 from ballonet.planning.step_terms import dp_send_seconds, fixed_tail_seconds
 from ballonet.planning.zeppelin.candidates import Candidate, CandidateMaker, fallback, place
-from ballonet.planning.zeppelin.classes import NodeLevel, crossover_lengths, doubled_level, level_nodes
-from ballonet.planning.zeppelin.recomputed import mixed, recomputed_level
+from ballonet.planning.zeppelin.classes import NodeLevel, crossover_lengths, doubled_level, level_nodes, spread_level
+from ballonet.planning.zeppelin.recomputed import mixed, recomputed_levels
 from ballonet.planning.zeppelin.thresholds import THRESHOLDS
 from ballonet.specs import ClusterSpec, ModelSpec
 
@@ -94,12 +94,16 @@ class CandidateSearch:
                 continue
             level = level_nodes(self.lengths, maker.dev, self.crossovers, maker.model, hierarchical=opts.hierarchical,
                                 price_linear=opts.price_linear, routing=opts.routing)
+            extra: list[NodeLevel] = []
             if level is not None and level.level1 is not None and maker.trim and opts.price_linear \
-                    and mixed(maker.dev) and not opts.assume_homogeneous:
-                level = recomputed_level(level)  # each node priced under what its share recomputes
+                    and not opts.assume_homogeneous:  # nodes priced under what their shares recompute
+                level, *extra = recomputed_levels(level, mixed_cluster=mixed(maker.dev))
             if level is not None and self._level_too_slow(level, maker, np.inf if looser else self.best_layers_s):
                 break  # and costlier modes, whose caps are tighter nowhere
             plans = self._plans(maker, level) if level is not None else []
+            for lv in extra:
+                if not self._level_too_slow(lv, maker, np.inf if looser else self.best_layers_s):
+                    plans += self._plans(maker, lv)
             if not plans and i == len(modes) - 1 and self.best is None:
                 plans = self._fallback(maker)
             if not plans:
@@ -115,7 +119,9 @@ class CandidateSearch:
         # promising level 1 first, so that the others' prune meets the best plan it makes.
         doubled = [(d, maker) for maker, level in singles if opts.double
                    and (d := doubled_level(level, price_linear=opts.price_linear, routing=opts.routing)) is not None]
-        for level, maker in sorted(doubled, key=lambda x: x[0].node_seconds):
+        spread = [(s, maker) for maker, level in singles if opts.price_linear and opts.hierarchical
+                  and (s := spread_level(level)) is not None]  # heavy documents over two nodes
+        for level, maker in sorted(doubled + spread, key=lambda x: x[0].node_seconds):
             if not self._level_too_slow(level, maker, self.best_layers_s):
                 self._compare(self._plans(maker, level))
         if self.best is None:

@@ -22,6 +22,10 @@ class Thresholds:
     """A recomputation mode (or a double-ring level 1) is not planned when its level 1
     already leaves a node this much slower than the best plan so far (level 1's estimate
     is within about 3% of its plans' estimated step)."""
+    spread_share: float = 0.5
+    """A document kept in one node whose step share is over this share of a node's is
+    also planned across two nodes (`classes.spread_level`): in one node it takes most of
+    the node's ranks' time on attention, and layers meet in the forward and backward."""
     work_rounds: int = 4
     """Fixed-point rounds for a document over a rank's fair share: more members, shorter
     blocks, lower kernel efficiency, more work (`classes.level_nodes`); the rounds settle
