@@ -40,6 +40,7 @@ def test_a_heavy_document_is_spread_where_that_simulates_shorter(monkeypatch):
     hybrid = simulate(plan_batch(lengths, CLUSTER, MODEL, "hybrid_dp", rank_tokens=16384), CLUSTER, MODEL)
     assert step <= hybrid.step_time_s
     monkeypatch.setattr(search, "spread_level", lambda level: None)  # the search before
+    monkeypatch.setattr(search, "backward_level", lambda level: None)
     kept = plan_batch(lengths, CLUSTER, MODEL)
     assert len(_nodes_of_longest(kept)) == 1
     assert step < 0.99 * simulate(kept, CLUSTER, MODEL).step_time_s

@@ -8,11 +8,14 @@ nodes and makes its level 1 where that sends any document across nodes.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 
-from ballonet.cost.seconds import attention_work, breakeven_chunk_tokens, dp_piece_seconds
+from ballonet.cost.memory import recompute_layer_count, recompute_mode
+from ballonet.cost.seconds import attention_work, breakeven_chunk_tokens, dp_piece_seconds, linear_layer_seconds
+from ballonet.cost.tensor_parallel import tp_layer_seconds
 from ballonet.planning.devices import Devices
 from ballonet.planning.packing import NoRoom, charge, lpt, spread
 from ballonet.planning.pricing import (
@@ -28,7 +31,7 @@ from ballonet.planning.zeppelin.water import split_work, water_level
 from ballonet.specs import ClusterSpec, ModelSpec
 
 __all__ = ["Level1", "NodeLevel", "classify", "crossover_lengths", "doubled_level", "level1", "level_nodes",
-           "node_seconds", "node_tokens", "spread_level", "with_level1"]
+           "backward_level", "node_seconds", "node_tokens", "spread_level", "with_level1"]
 
 
 @dataclass(frozen=True)
@@ -312,6 +315,37 @@ def spread_level(shared: NodeLevel) -> NodeLevel | None:
     return with_level1(batch, shared.weights, shared.per_token, shared.rank_token,
                        (shared.intra & ~wide, shared.inter | wide, span), hierarchical=True, price_linear=True,
                        double=False)
+
+
+def backward_level(shared: NodeLevel) -> NodeLevel | None:
+    """Steps 0-1 of `shared` with level 1 balancing the layers' backward, not the whole
+    step: linear work per token weighted by its share of backward over attention's
+    (`StepWeights.attention_step`). Layers meet in both passes, so a node heavy on attention
+    (backward 2.5x its forward) and one heavy on linear work (2x) take turns at the
+    slowest: balanced on the whole step, the attention-heavy node sets every backward
+    (A, LLaMA-30B at tp 4, shortmix: a 61K-token document's node ran 26.80 s of compute
+    against 26.25 s; planned so, 30.244 -> 30.115 s simulated). The weight is the mode's on
+    every layer: where ranks trim selective or linear recomputation to their own tokens,
+    moving tokens also moves recomputation, which it does not price (the search plans it
+    under none and full only). None without hierarchy or linear pricing."""
+    batch, weights = shared.batch, shared.weights
+    nodes = batch.dev.nodes()
+    if shared.level1 is None or shared.per_token <= 0 or len(nodes) < 2:
+        return None
+    model, gpu = batch.model, batch.gpu
+    tokens = float(batch.length_array.sum()) / batch.dev.num_ranks
+    mode = recompute_mode(model)
+    lf, lb = linear_layer_seconds(model, gpu, tokens, mode, framework=False, layers=recompute_layer_count(model))
+    bw = batch.crossovers[batch.dev.group[int(np.argmax(batch.dev.speed))]].intra_bw
+    tf, tb = tp_layer_seconds(model, int(tokens), bw, gpu, mode)
+    rho = ((lb + tb) / (lf + lb + tf + tb)) / ((weights.attention_step - 1) / weights.attention_step)
+    again = with_level1(batch, weights, shared.per_token * rho, shared.rank_token * rho,
+                        (shared.intra, shared.inter, shared.span), hierarchical=True, price_linear=True,
+                        double=shared.double)
+    if again is None or again.level1 is None:
+        return None
+    return dataclasses.replace(again, node_seconds=node_seconds(batch, nodes, again.level1, shared.rank_token,
+                                                                 weights))
 
 
 def node_seconds(batch: Batch, nodes, lv: Level1, rank_token: np.ndarray, weights: StepWeights) -> float:

@@ -24,7 +24,14 @@ from ballonet.planning.pricing import rank_compute_seconds, recompute_modes
 from ballonet.planning.routing import plan_routes
 from ballonet.planning.step_terms import dp_send_seconds, fixed_tail_seconds
 from ballonet.planning.zeppelin.candidates import Candidate, CandidateMaker, fallback, place
-from ballonet.planning.zeppelin.classes import NodeLevel, crossover_lengths, doubled_level, level_nodes, spread_level
+from ballonet.planning.zeppelin.classes import (
+    NodeLevel,
+    backward_level,
+    crossover_lengths,
+    doubled_level,
+    level_nodes,
+    spread_level,
+)
 from ballonet.planning.zeppelin.recomputed import mixed, recomputed_levels
 from ballonet.planning.zeppelin.thresholds import THRESHOLDS
 from ballonet.specs import ClusterSpec, ModelSpec
@@ -70,6 +77,8 @@ class CandidateSearch:
     compared: list[dict] = field(default_factory=list)
     refusal: str | None = None
     """The last mode's reason for no plan (a batch over every cap)."""
+    made: list = field(default_factory=list)
+    """(plan, its maker, the level 1 it was made from) of every plan `_made`."""
 
     @property
     def best_s(self) -> float:
@@ -100,10 +109,10 @@ class CandidateSearch:
                 level, *extra = recomputed_levels(level, mixed_cluster=mixed(maker.dev))
             if level is not None and self._level_too_slow(level, maker, np.inf if looser else self.best_layers_s):
                 break  # and costlier modes, whose caps are tighter nowhere
-            plans = self._plans(maker, level) if level is not None else []
+            plans = self._made(maker, level) if level is not None else []
             for lv in extra:
                 if not self._level_too_slow(lv, maker, np.inf if looser else self.best_layers_s):
-                    plans += self._plans(maker, lv)
+                    plans += self._made(maker, lv)
             if not plans and i == len(modes) - 1 and self.best is None:
                 plans = self._fallback(maker)
             if not plans:
@@ -123,7 +132,13 @@ class CandidateSearch:
                   and (s := spread_level(level)) is not None]  # heavy documents over two nodes
         for level, maker in sorted(doubled + spread, key=lambda x: x[0].node_seconds):
             if not self._level_too_slow(level, maker, self.best_layers_s):
-                self._compare(self._plans(maker, level))
+                self._compare(self._made(maker, level))
+        # The best plan's level 1 balanced on the backward, where every rank recomputes alike.
+        for _, maker, level in [x for x in self.made if x[0] is self.best][:1]:
+            if opts.price_linear and maker.model.recompute not in BELOW and (b := backward_level(level)) is not None \
+                    and not self._level_too_slow(b, maker, self.best_layers_s):
+                beat = (1 - THRESHOLDS.variant_margin) * self.best_s
+                self._compare([c for c in self._plans(maker, b) if c.seconds < beat])
         if self.best is None:
             raise InfeasiblePlan(self.refusal)
         best = self.best
@@ -166,6 +181,12 @@ class CandidateSearch:
                     return out
         remapped = self._candidate(maker, level, keep=False)
         return out + ([remapped] if remapped is not None else [])
+
+    def _made(self, maker: CandidateMaker, level: NodeLevel) -> list[Candidate]:
+        """`_plans`, each kept in `made` with where it came from."""
+        plans = self._plans(maker, level)
+        self.made += [(c, maker, level) for c in plans]
+        return plans
 
     def _candidate(self, maker: CandidateMaker, level: NodeLevel, keep: bool) -> Candidate | None:
         placed = place(level, keep_tokens=keep)
