@@ -9,7 +9,9 @@ memory-full ones recompute. `recomputed_level` prices each node's linear work pe
 under the recomputation its level-1 share needs and makes level 1 once more with those
 rates; a node priced cheaper takes more tokens, which may need more recomputation, so each
 of the two is priced under its own shares' recomputation and the one whose busiest node
-is least busy is kept (more rounds bought nothing on the mixed presets' batches).
+is least busy is kept (more rounds bought nothing on the mixed presets' batches). On one
+GPU type the second is planned beside the uniform level 1 where it prices shorter
+(`recomputed_levels`), and the estimate chooses.
 """
 
 from __future__ import annotations
