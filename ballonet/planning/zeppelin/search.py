@@ -110,9 +110,9 @@ class CandidateSearch:
             if level is not None and self._level_too_slow(level, maker, np.inf if looser else self.best_layers_s):
                 break  # and costlier modes, whose caps are tighter nowhere
             plans = self._made(maker, level) if level is not None else []
-            for lv in extra:
+            for lv in extra if plans else ():  # as the mode's best plan: keeping tokens or remapping them
                 if not self._level_too_slow(lv, maker, np.inf if looser else self.best_layers_s):
-                    plans += self._made(maker, lv)
+                    plans += self._made(maker, lv, keep=min(plans, key=lambda c: c.seconds).plan.meta["keep_tokens"])
             if not plans and i == len(modes) - 1 and self.best is None:
                 plans = self._fallback(maker)
             if not plans:
@@ -134,11 +134,12 @@ class CandidateSearch:
             if not self._level_too_slow(level, maker, self.best_layers_s):
                 self._compare(self._made(maker, level))
         # The best plan's level 1 balanced on the backward, where every rank recomputes alike.
-        for _, maker, level in [x for x in self.made if x[0] is self.best][:1]:
+        for best, maker, level in [x for x in self.made if x[0] is self.best][:1]:
             if opts.price_linear and maker.model.recompute not in BELOW and (b := backward_level(level)) is not None \
                     and not self._level_too_slow(b, maker, self.best_layers_s):
-                beat = (1 - THRESHOLDS.variant_margin) * self.best_s
-                self._compare([c for c in self._plans(maker, b) if c.seconds < beat])
+                made = self._candidate(maker, b, keep=best.plan.meta["keep_tokens"])  # as the best plan
+                if made is not None and made.seconds < (1 - THRESHOLDS.variant_margin) * best.seconds:
+                    self._compare([made])
         if self.best is None:
             raise InfeasiblePlan(self.refusal)
         best = self.best
@@ -182,9 +183,10 @@ class CandidateSearch:
         remapped = self._candidate(maker, level, keep=False)
         return out + ([remapped] if remapped is not None else [])
 
-    def _made(self, maker: CandidateMaker, level: NodeLevel) -> list[Candidate]:
-        """`_plans`, each kept in `made` with where it came from."""
-        plans = self._plans(maker, level)
+    def _made(self, maker: CandidateMaker, level: NodeLevel, keep: bool | None = None) -> list[Candidate]:
+        """`_plans` (with `keep`, that plan alone), each kept in `made` with where it came from."""
+        plans = self._plans(maker, level) if keep is None else [
+            c for c in (self._candidate(maker, level, keep=keep),) if c is not None]
         self.made += [(c, maker, level) for c in plans]
         return plans
 
