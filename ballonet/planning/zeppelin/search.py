@@ -120,6 +120,8 @@ class CandidateSearch:
             self._compare(plans)
             if level is not None:
                 singles.append((maker, level))
+                top = min(plans, key=lambda c: c.seconds)  # a variant level 1 whose plan is the mode's best
+                singles += [(maker, lv) for c, _, lv in self.made if c is top and lv is not level]
             if i + 1 < len(modes):
                 looser = self._plan_looser(trim, modes[i + 1])
                 if not looser and self._costlier_mode_loses(plans[0], modes[i + 1]):
