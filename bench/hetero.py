@@ -42,6 +42,8 @@ RUNS = {  # column -> (planner, planner options)
     "hybrid_dp": ("hybrid_dp", {}),
 }
 GOAL_OVER_HOMOGENEOUS = 1.3
+HOMOGENEOUS_GOAL_CLUSTER = "h800+h20"
+"""The issue asks >= 1.3x over the homogeneous assumption on this preset only."""
 GOAL_TO_LOWER_BOUND = 1.15
 
 
@@ -114,8 +116,11 @@ def markdown(runs: list[dict], command: str, header: str) -> str:
              "loaned GPUs' gain, share of their peak |",
              "| --- | --- | --- | --- | --- | --- |"]
     for r in runs:
+        homogeneous = (_goal(r['over_homogeneous'] >= GOAL_OVER_HOMOGENEOUS)
+                       if r['cluster'] == HOMOGENEOUS_GOAL_CLUSTER else
+                       f"n/a: the goal is for {HOMOGENEOUS_GOAL_CLUSTER}; peak ratio {r['peak_ratio']:.2f}x")
         lines.append(f"| {r['cluster']} | {r['workload']} | {r['over_homogeneous']:.2f}x "
-                     f"({_goal(r['over_homogeneous'] >= GOAL_OVER_HOMOGENEOUS)}) | {r['to_lower_bound']:.2f}x "
+                     f"({homogeneous}) | {r['to_lower_bound']:.2f}x "
                      f"({_goal(r['to_lower_bound'] <= GOAL_TO_LOWER_BOUND)}) | {r['compute_to_lower_bound']:.2f}x "
                      f"| {r['loaned_gain']:.0%} |")
     lines += ["", "Peak bf16 ratio of the fastest to the slowest GPU type: "
@@ -124,10 +129,10 @@ def markdown(runs: list[dict], command: str, header: str) -> str:
               "the step over the bound splits into the slowest GPU's compute over the bound (imbalance) "
               "times the rest (exposed communication and waiting)."]
     lines += ["", "## Why goals are not met", "",
-              "- Over the homogeneous assumption on `a800+l40s`: the first type (A800, 312 TFLOP/s) and the L40S "
+              "- Over the homogeneous assumption, the goal is for `h800+h20` only (6.7x apart in peak). On "
+              "`a800+l40s` it is reported, not a goal: the first type (A800, 312 TFLOP/s) and the L40S "
               "(362) differ by only 1.16x in peak, so planning as if all were A800s misjudges each GPU's speed by "
-              "at most 16% and loses little; 1.3x is out of reach there for any planner. On `h800+h20` (6.7x "
-              "apart) it is met by a wide margin.",
+              "at most 16% and loses little; 1.3x is out of reach there for any planner.",
               "- Lower bound: the bound hides communication but what no plan escapes. The slowest GPU's compute alone is "
               + ", ".join(f"{r['compute_to_lower_bound']:.2f}x" for r in runs)
               + " of the bound. Placing work by each type's calibrated seconds instead of peak FLOP/s "
@@ -141,7 +146,12 @@ def markdown(runs: list[dict], command: str, header: str) -> str:
               + ", ".join(f"{'/'.join(r['bound_recompute'])}" for r in runs)
               + " layers recomputed, where zeppelin's plans, each rank within its own GPU's memory, recompute "
               + ", ".join(f"{'/'.join(r['results']['zeppelin']['recompute'])}" for r in runs)
-              + " layers (on the rank that recomputes most). The bound also keeps each group's own memory "
+              + " layers (on the rank that recomputes most). Level 1 prices each node under the recomputation "
+              "its share needs (`planning/zeppelin/recomputed.py`): on `h800+h20` the H20s, whose shares fit "
+              "their memory, recompute nothing and take more tokens, and the memory-full H800s recompute fewer "
+              "layers (priced as linear recomputation on every layer everywhere, the H20s ran about 0.79 of the "
+              "busiest rank's compute; full recomputation, chosen on some batches, reruns the layer's ring and "
+              "so runs on every rank or none). The bound also keeps each group's own memory "
               "(`bound_parts`: each group holds the linear layout of the tokens whose GEMMs it runs, recomputing as "
               "`recompute.py` prices it when they do not fit), but here that bound is lower than the pooled one ("
               + ", ".join(f"{r['bound_per_group_s']:.2f} s against {r['bound_pooled_s']:.2f} s" for r in runs)

@@ -11,6 +11,7 @@ import ballonet
 from ballonet import plan_batch, specs, workloads
 from ballonet.planning.devices import devices
 from ballonet.planning.metrics import plan_metrics
+from ballonet.planning.zeppelin import search
 from ballonet.planning.zeppelin.node_placement import _levelled
 from ballonet.planning.packing import NoRoom, spread
 from ballonet.specs import ClusterSpec, NodeGroup
@@ -88,16 +89,23 @@ def _full_memory_batch(cluster, model, share=0.98):
         lengths.append(n)
 
 
-def test_a_batch_filling_98_percent_of_memory_is_balanced_on_attention_and_on_the_step():
+def test_a_batch_filling_98_percent_of_memory_is_balanced_on_attention_and_on_the_step(monkeypatch):
     # 717 real documents on 32 A800s. Before the second fill, ring ranks spent their
     # targets on a few long-document tokens while the others filled with short documents
     # to their caps: attention imbalance 1.19, compute imbalance 1.05, step 41.4 s.
+    # (Checked on the plan of level 1 balanced on the whole step; the search also plans
+    # it balanced on the backward, `classes.backward_level`, and keeps that plan where it
+    # prices shorter: of the other kind than the best plan's, not made, it ran 42.10 s
+    # against 43.86 s here, attention imbalance 1.40, compute 1.004.)
     cluster = specs.cluster("a800-4nic", num_nodes=4)
     lengths = _full_memory_batch(cluster, MODEL)
+    chosen = ballonet.simulate(plan_batch(lengths, cluster, MODEL), cluster, MODEL).step_time_s
+    monkeypatch.setattr(search, "backward_level", lambda level: None)
     plan = plan_batch(lengths, cluster, MODEL)
     m = plan_metrics(plan, cluster, MODEL)
     assert m["attention_imbalance"] <= 1.05 and m["compute_imbalance"] <= 1.02, m
     step = ballonet.simulate(plan, cluster, MODEL).step_time_s
+    assert chosen <= step
     wlb = ballonet.simulate(plan_batch(lengths, cluster, MODEL, planner="wlb_llm"), cluster, MODEL).step_time_s
     # It was 9% faster than WLB-LLM's before the simulator ran each rank's kernels in the
     # runtime's order with its waits for partial dK/dV (docs/design.md, section 7): its

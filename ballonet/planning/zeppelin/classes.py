@@ -8,11 +8,14 @@ nodes and makes its level 1 where that sends any document across nodes.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 
-from ballonet.cost.seconds import attention_work, breakeven_chunk_tokens, dp_piece_seconds
+from ballonet.cost.memory import recompute_layer_count, recompute_mode
+from ballonet.cost.seconds import attention_work, breakeven_chunk_tokens, dp_piece_seconds, linear_layer_seconds
+from ballonet.cost.tensor_parallel import tp_layer_seconds
 from ballonet.planning.devices import Devices
 from ballonet.planning.packing import NoRoom, charge, lpt, spread
 from ballonet.planning.pricing import (
@@ -27,7 +30,8 @@ from ballonet.planning.zeppelin.thresholds import THRESHOLDS
 from ballonet.planning.zeppelin.water import split_work, water_level
 from ballonet.specs import ClusterSpec, ModelSpec
 
-__all__ = ["Level1", "NodeLevel", "classify", "crossover_lengths", "doubled_level", "level1", "level_nodes"]
+__all__ = ["Level1", "NodeLevel", "classify", "crossover_lengths", "doubled_level", "level1", "level_nodes",
+           "backward_level", "node_seconds", "node_tokens", "spread_level", "with_level1"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,8 @@ class NodeLevel:
     busiest rank's will be once level 2 evens the node out (0 without hierarchy)."""
     inter: np.ndarray
     """[D] the documents step 0 sent across nodes."""
+    span: dict[int, int]
+    """Of `inter`, the number of nodes pricing sent each to (`classify`)."""
     weights: StepWeights
     per_token: float
     """Linear work per token in level 1 (0 without `price_linear`)."""
@@ -254,11 +260,11 @@ def level_nodes(lengths, dev: Devices, crossovers, model: ModelSpec, *, hierarch
                   work_list=work.tolist(), dev=dev, model=model, gpu=gpu, crossovers=crossovers,
                   linear_on_rank=np.zeros(R))
     classes = classify(batch, nodes, per_token, weights, hierarchical=hierarchical, double=False, routing=routing)
-    return _with_level1(batch, weights, per_token, rank_token, classes, hierarchical=hierarchical,
+    return with_level1(batch, weights, per_token, rank_token, classes, hierarchical=hierarchical,
                         price_linear=price_linear, double=False)
 
 
-def _with_level1(batch: Batch, weights: StepWeights, per_token: float, rank_token: np.ndarray, classes, *,
+def with_level1(batch: Batch, weights: StepWeights, per_token: float, rank_token: np.ndarray, classes, *,
                  hierarchical: bool, price_linear: bool, double: bool) -> NodeLevel | None:
     """`NodeLevel` from step 0's classes ((intra, inter, span) of `classify`); None when
     level 1 finds a document no room."""
@@ -269,8 +275,8 @@ def _with_level1(batch: Batch, weights: StepWeights, per_token: float, rank_toke
         lv = level1(batch, nodes, intra, inter, span, per_token, weights if price_linear else None, rank_token)
         if lv is None:
             return None
-    return NodeLevel(batch=batch, rank_token=rank_token, intra=intra, inter=inter, level1=lv,
-                     node_seconds=_node_seconds(batch, nodes, lv, rank_token, weights) if lv else 0.0,
+    return NodeLevel(batch=batch, rank_token=rank_token, intra=intra, inter=inter, span=span, level1=lv,
+                     node_seconds=node_seconds(batch, nodes, lv, rank_token, weights) if lv else 0.0,
                      weights=weights, per_token=per_token, double=double)
 
 
@@ -287,17 +293,80 @@ def doubled_level(shared: NodeLevel, *, price_linear: bool, routing: bool) -> No
                        routing=routing)
     if not classes[1].any():
         return None
-    return _with_level1(batch, shared.weights, shared.per_token, shared.rank_token, classes, hierarchical=True,
+    return with_level1(batch, shared.weights, shared.per_token, shared.rank_token, classes, hierarchical=True,
                         price_linear=price_linear, double=True)
 
 
-def _node_seconds(batch: Batch, nodes, lv: Level1, rank_token: np.ndarray, weights: StepWeights) -> float:
+def spread_level(shared: NodeLevel) -> NodeLevel | None:
+    """Steps 0-1 with every document kept in one node whose step share is over half a
+    node's sent across two nodes instead (single rings), where there is any; otherwise
+    None. Kept in one node, such a document leaves that node's ranks heavy on attention
+    and the other nodes' on linear work: level 1 evens each node's step, but a layer's
+    forward ends with the linear-heavy ranks and its backward (attention's is 2.5x its
+    forward) with the attention-heavy ones, so each rank idles in one of them
+    (`pricing.synchronous_step_seconds`); over two nodes every rank's mix is nearer the
+    mean (on B, LLaMA-30B at tp 4: each 64K document of the wlbllm batch over 4 ranks
+    of 2 nodes, not 2 of one, 14.03 -> 13.82 s simulated)."""
+    batch = shared.batch
+    nodes = batch.dev.nodes()
+    if shared.level1 is None or len(nodes) < 2 or shared.per_token <= 0:
+        return None
+    step = batch.work + shared.per_token * batch.length_array
+    node_share = step.sum() * max(batch.dev.speed[rs].sum() for rs in nodes) / batch.dev.speed.sum()
+    l_inter = min(t.inter for t in batch.crossovers)  # its ring across two nodes hides its transfers
+    wide = (step > THRESHOLDS.spread_share * node_share) & (batch.length_array >= l_inter) & ~shared.inter
+    if not wide.any():
+        return None
+    span = {**shared.span, **{int(d): 2 for d in np.nonzero(wide)[0]}}
+    return with_level1(batch, shared.weights, shared.per_token, shared.rank_token,
+                       (shared.intra & ~wide, shared.inter | wide, span), hierarchical=True, price_linear=True,
+                       double=False)
+
+
+def backward_level(shared: NodeLevel) -> NodeLevel | None:
+    """Steps 0-1 of `shared` with level 1 balancing the layers' backward, not the whole
+    step: linear work per token weighted by its share of backward over attention's
+    (`StepWeights.attention_step`). Layers meet in both passes, so a node heavy on attention
+    (backward 2.5x its forward) and one heavy on linear work (2x) take turns at the
+    slowest: balanced on the whole step, the attention-heavy node sets every backward
+    (A, LLaMA-30B at tp 4, shortmix: a 61K-token document's node ran 26.80 s of compute
+    against 26.25 s; planned so, 30.244 -> 30.115 s simulated). The weight is the mode's on
+    every layer: where ranks trim selective or linear recomputation to their own tokens,
+    moving tokens also moves recomputation, which it does not price (the search plans it
+    under none and full only). None without hierarchy or linear pricing."""
+    batch, weights = shared.batch, shared.weights
+    nodes = batch.dev.nodes()
+    if shared.level1 is None or shared.per_token <= 0 or len(nodes) < 2:
+        return None
+    model, gpu = batch.model, batch.gpu
+    tokens = float(batch.length_array.sum()) / batch.dev.num_ranks
+    mode = recompute_mode(model)
+    lf, lb = linear_layer_seconds(model, gpu, tokens, mode, framework=False, layers=recompute_layer_count(model))
+    bw = batch.crossovers[batch.dev.group[int(np.argmax(batch.dev.speed))]].intra_bw
+    tf, tb = tp_layer_seconds(model, int(tokens), bw, gpu, mode)
+    rho = ((lb + tb) / (lf + lb + tf + tb)) / ((weights.attention_step - 1) / weights.attention_step)
+    again = with_level1(batch, weights, shared.per_token * rho, shared.rank_token * rho,
+                        (shared.intra, shared.inter, shared.span), hierarchical=True, price_linear=True,
+                        double=shared.double)
+    if again is None or again.level1 is None:
+        return None
+    return dataclasses.replace(again, node_seconds=node_seconds(batch, nodes, again.level1, shared.rank_token,
+                                                                 weights))
+
+
+def node_seconds(batch: Batch, nodes, lv: Level1, rank_token: np.ndarray, weights: StepWeights) -> float:
     """`NodeLevel.node_seconds` from level 1's node loads and the tokens each node holds."""
-    node_att, node_docs, shares = lv.node_load, lv.node_docs, lv.shares
-    lengths, work, speed = batch.lengths, batch.work, batch.dev.speed
-    tokens = np.array([float(sum(lengths[d] for d in node_docs.get(n, []))) for n in range(len(nodes))])
-    for d, sh in shares.items():
-        for n, w in sh.items():
-            tokens[n] += w * lengths[d] / work[d]
+    node_att, speed = lv.node_load, batch.dev.speed
+    tokens = node_tokens(batch, nodes, lv)
     per_node = [(node_att[n] + rank_token[rs[0]] * tokens[n]) / speed[rs].sum() for n, rs in enumerate(nodes)]
     return max(per_node) * weights.attention_step * batch.model.num_layers
+
+
+def node_tokens(batch: Batch, nodes, lv: Level1) -> np.ndarray:
+    """[nodes] tokens each node holds after level 1."""
+    lengths, work = batch.lengths, batch.work
+    tokens = np.array([float(sum(lengths[d] for d in lv.node_docs.get(n, []))) for n in range(len(nodes))])
+    for d, sh in lv.shares.items():
+        for n, w in sh.items():
+            tokens[n] += w * lengths[d] / work[d]
+    return tokens

@@ -24,7 +24,15 @@ from ballonet.planning.pricing import rank_compute_seconds, recompute_modes
 from ballonet.planning.routing import plan_routes
 from ballonet.planning.step_terms import dp_send_seconds, fixed_tail_seconds
 from ballonet.planning.zeppelin.candidates import Candidate, CandidateMaker, fallback, place
-from ballonet.planning.zeppelin.classes import NodeLevel, crossover_lengths, doubled_level, level_nodes
+from ballonet.planning.zeppelin.classes import (
+    NodeLevel,
+    backward_level,
+    crossover_lengths,
+    doubled_level,
+    level_nodes,
+    spread_level,
+)
+from ballonet.planning.zeppelin.recomputed import mixed, recomputed_levels
 from ballonet.planning.zeppelin.thresholds import THRESHOLDS
 from ballonet.specs import ClusterSpec, ModelSpec
 
@@ -72,6 +80,8 @@ class CandidateSearch:
     compared: list[dict] = field(default_factory=list)
     refusal: str | None = None
     """The last mode's reason for no plan (a batch over every cap)."""
+    made: list = field(default_factory=list)
+    """(plan, its maker, the level 1 it was made from, that level's placements) of every plan `_made`."""
 
     @property
     def best_s(self) -> float:
@@ -96,10 +106,17 @@ class CandidateSearch:
                 continue
             level = level_nodes(self.lengths, maker.dev, self.crossovers, maker.model, hierarchical=opts.hierarchical,
                                 price_linear=opts.price_linear, routing=opts.routing)
+            extra: list[NodeLevel] = []
+            if level is not None and level.level1 is not None and maker.trim and opts.price_linear \
+                    and not opts.assume_homogeneous:  # nodes priced under what their shares recompute
+                level, *extra = recomputed_levels(level, mixed_cluster=mixed(maker.dev))
             if level is not None and self._level_too_slow(level, maker, np.inf if looser else self.best_layers_s):
                 break  # and costlier modes, whose caps are tighter nowhere
             placed: Placed = {}
-            plans = self._plans(maker, level, placed) if level is not None else []
+            plans = self._made(maker, level, placed) if level is not None else []
+            for lv in extra if plans else ():  # as the mode's best plan: keeping tokens or remapping them
+                if not self._level_too_slow(lv, maker, np.inf if looser else self.best_layers_s):
+                    plans += self._made(maker, lv, {}, keep=min(plans, key=lambda c: c.seconds).plan.meta["keep_tokens"])
             if not plans and i == len(modes) - 1 and self.best is None:
                 plans = self._fallback(maker)
             if not plans:
@@ -107,6 +124,8 @@ class CandidateSearch:
             self._compare(plans)
             if level is not None:
                 singles.append((maker, level, placed))
+                top = min(plans, key=lambda c: c.seconds)  # a variant level 1 whose plan is the mode's best
+                singles += [(maker, lv, p) for c, _, lv, p in self.made if c is top and lv is not level]
             if i + 1 < len(modes):
                 looser = self._plan_looser(trim, modes[i + 1])
                 if not looser and self._costlier_mode_loses(plans[0], modes[i + 1]):
@@ -118,9 +137,19 @@ class CandidateSearch:
         doubled = [(d, maker, placed if _same_nodes(level, d) else {}) for maker, level, placed in singles
                    if opts.double
                    and (d := doubled_level(level, price_linear=opts.price_linear, routing=opts.routing)) is not None]
-        for level, maker, placed in sorted(doubled, key=lambda x: x[0].node_seconds):
+        spread: list[tuple[NodeLevel, CandidateMaker, Placed]] = [  # heavy documents over two nodes
+            (s, maker, {}) for maker, level, _ in singles
+            if opts.price_linear and opts.hierarchical and (s := spread_level(level)) is not None]
+        for level, maker, placed in sorted(doubled + spread, key=lambda x: x[0].node_seconds):
             if not self._level_too_slow(level, maker, self.best_layers_s):
-                self._compare(self._plans(maker, level, placed))
+                self._compare(self._made(maker, level, placed))
+        # The best plan's level 1 balanced on the backward, where every rank recomputes alike.
+        for best, maker, level, _ in [x for x in self.made if x[0] is self.best][:1]:
+            if opts.price_linear and maker.model.recompute not in BELOW and (b := backward_level(level)) is not None \
+                    and not self._level_too_slow(b, maker, self.best_layers_s):
+                made = self._candidate(maker, b, best.plan.meta["keep_tokens"], {})  # as the best plan
+                if made is not None and made.seconds < (1 - THRESHOLDS.variant_margin) * best.seconds:
+                    self._compare([made])
         if self.best is None:
             raise InfeasiblePlan(self.refusal)
         best = self.best
@@ -164,6 +193,14 @@ class CandidateSearch:
                     return out
         remapped = self._candidate(maker, level, False, placed)
         return out + ([remapped] if remapped is not None else [])
+
+    def _made(self, maker: CandidateMaker, level: NodeLevel, placed: Placed, keep: bool | None = None) \
+            -> list[Candidate]:
+        """`_plans` (with `keep`, that plan alone), each kept in `made` with where it came from."""
+        plans = self._plans(maker, level, placed) if keep is None else [
+            c for c in (self._candidate(maker, level, keep, placed),) if c is not None]
+        self.made += [(c, maker, level, placed) for c in plans]
+        return plans
 
     @staticmethod
     def _candidate(maker: CandidateMaker, level: NodeLevel, keep: bool, placed: Placed) -> Candidate | None:

@@ -22,6 +22,16 @@ class Thresholds:
     """A recomputation mode (or a double-ring level 1) is not planned when its level 1
     already leaves a node this much slower than the best plan so far (level 1's estimate
     is within about 3% of its plans' estimated step)."""
+    spread_share: float = 0.5
+    """A document kept in one node whose step share is over this share of a node's is
+    also planned across two nodes (`classes.spread_level`): in one node it takes most of
+    the node's ranks' time on attention, and layers meet in the forward and backward."""
+    variant_margin: float = 0.003
+    """A plan from the best plan's level 1 balanced on the backward
+    (`classes.backward_level`) is kept only where its estimate is this much shorter than
+    the best plan's: it shifts a few percent of the balance between attention and linear
+    work, about what the estimate errs by between alike plans (at 0, C llama-3b shortmix's
+    two alike plans priced 1.2489 and 1.2494 s ran 1.252 and 1.230 s: 1.8% longer)."""
     work_rounds: int = 4
     """Fixed-point rounds for a document over a rank's fair share: more members, shorter
     blocks, lower kernel efficiency, more work (`classes.level_nodes`); the rounds settle
