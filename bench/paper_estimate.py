@@ -6,6 +6,7 @@ configuration, each one over `ESTIMATE_TARGET` named with why, and the held-out 
 from __future__ import annotations
 
 import os
+import statistics
 
 from paper_report import BOUND_TARGET, best_baseline, over_best
 
@@ -51,7 +52,7 @@ def estimate_section(data: dict) -> list[str]:
         ratios = sorted(c["results"]["zeppelin"]["estimate_ratio"] for lb, c in rows if lb == label)
         if ratios:
             within = sum(abs(x - 1) <= ESTIMATE_TARGET for x in ratios)
-            lines.append(f"| {label} | {len(ratios)} | {ratios[0]:.3f} | {ratios[len(ratios) // 2]:.3f} | "
+            lines.append(f"| {label} | {len(ratios)} | {ratios[0]:.3f} | {statistics.median(ratios):.3f} | "
                          f"{ratios[-1]:.3f} | {within} of {len(ratios)} |")
     over = [(lb, c) for lb, c in rows if abs(c["results"]["zeppelin"]["estimate_ratio"] - 1) > ESTIMATE_TARGET]
     lines += ["", "Each configuration over 5%, and why:" if over else "No configuration is over 5%.", ""]
