@@ -1,6 +1,6 @@
 """Zeppelin's estimate against the simulator, with its plan time and simulated step.
 
-    OMP_NUM_THREADS=1 python bench/estimate.py [--parts grid,scale,held] [--json OUT]
+    OMP_NUM_THREADS=1 python bench/estimate.py [--parts grid,scale,held] [--json OUT] [--against JSON]
 
 For each configuration of the paper's main grid (32 GPUs), its scale grid (64-1024 GPUs)
 and held-out configurations (the shortmix lengths, which the scale grid never samples,
@@ -9,20 +9,24 @@ batch (seed 0 unless said), zeppelin's plan (CPU seconds, `time.process_time`), 
 estimated step of the plan it chose (`plan.meta["candidates"]`, the least) and the
 simulated step under the simulator's default settings (the runtime's). Writes
 bench/results/estimate.md and estimate.json: the distribution of estimate / simulated
-step, and each configuration over 5%. Run it in two trees (git worktree) to compare
-simulated steps before and after a planner change (`--json` names the output).
+step, and each configuration over 5% with why (`paper_estimate.why_off`). Run it in two
+trees (git worktree) to compare simulated steps before and after a planner change
+(`--json` names the output; `--against` another run's JSON: which steps got shorter or
+longer).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
 import time
 
 from _common import RESULTS, command, record, write_text
-from paper import MODELS, SCALE_CONTEXTS, SCALE_GPUS, SCALE_MODELS, SCALE_WORKLOADS, TOKENS_PER_GPU
+from paper import MODELS, SCALE_CONTEXTS, SCALE_GPUS, SCALE_MODELS, SCALE_WORKLOADS, TOKENS_PER_GPU, ring_facts
+from paper_estimate import why_off
 from paper_report import CLUSTERS, WORKLOADS
 
 from ballonet import plan_batch, simulate, specs, workloads
@@ -76,7 +80,7 @@ def run(cfg: tuple) -> dict:
            "context": ctx, "seed": seed, "plan_cpu_s": plan_s, "estimate_s": estimate, "step_s": step,
            "ratio": estimate / step, "recompute": plan.meta["recompute"],
            "recompute_layers": plan.meta["recompute_layers"], "keep_tokens": plan.meta["keep_tokens"],
-           "double": plan.meta["double"], "candidates": len(plan.meta["candidates"])}
+           "double": plan.meta["double"], "candidates": len(plan.meta["candidates"]), "inter_rings": ring_facts(plan)}
     print(f"{part} {cl} {c.num_ranks} {mdl} {wl} {ctx} s{seed}: est {estimate:.3f} sim {step:.3f} "
           f"({estimate / step:.3f}) plan {plan_s * 1e3:.0f} ms", file=sys.stderr, flush=True)
     return row
@@ -99,6 +103,14 @@ def report(data: dict) -> str:
         within = sum(abs(x - 1) <= TARGET for x in ratios)
         lines.append(f"| {part} | {len(sub)} | {min(ratios):.3f} | {statistics.median(ratios):.3f} | "
                      f"{max(ratios):.3f} | {within} of {len(sub)} | {statistics.median(ms):.0f} | {max(ms):.0f} |")
+    over = [r for r in rows if abs(r["ratio"] - 1) > TARGET]
+    if over:
+        lines += ["", "Over 5%, and why:", ""] + [
+            f"- {r['part']} {r['cluster']} {r['gpus']} GPUs {r['model']} {r['workload']} {r['context']}: "
+            f"{r['ratio']:.3f}; " + why_off({"estimate_ratio": r["ratio"], "inter_rings": r.get("inter_rings")})
+            for r in over]
+    if data.get("against"):
+        lines += ["", data["against"]]
     lines += ["", "## Every configuration", "",
               "| part | cluster | GPUs | model | workload | context | seed | estimate s | step s | ratio | recompute "
               "(layers) | keep | double | plan ms |",
@@ -112,19 +124,43 @@ def report(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def against(rows: list[dict], other: dict) -> str:
+    """Zeppelin's simulated steps against another run's (`--against`): how many shorter,
+    longer and the same, each changed one with its ratio."""
+    key = ("part", "cluster", "gpus", "model", "workload", "context", "seed")
+    before = {tuple(r[k] for k in key): r for r in other["rows"]}
+    changed = [(r, r["step_s"] / before[tuple(r[k] for k in key)]["step_s"]) for r in rows
+               if tuple(r[k] for k in key) in before]
+    shorter = [(r, x) for r, x in changed if x < 1 - 1e-9]
+    longer = [(r, x) for r, x in changed if x > 1 + 1e-9]
+    return (f"Simulated steps against `{other['path']}` ({other.get('command', '')}): {len(shorter)} shorter, "
+            f"{len(longer)} longer, {len(changed) - len(shorter) - len(longer)} the same. " + "; ".join(
+                f"{r['part']} {r['cluster']} {r['gpus']} {r['model']} {r['workload']} {r['context']} x{x:.3f}"
+                for r, x in shorter + longer) + ".")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parts", default="grid,scale,held", help="comma-separated: grid, scale, held")
     ap.add_argument("--max-gpus", type=int, default=1024, help="leave out configurations over this many GPUs")
     ap.add_argument("--json", default=os.path.join(RESULTS, "estimate.json"), help="where the JSON goes")
+    ap.add_argument("--against", default=None, help="another run's JSON (e.g. from main's tree): steps shorter/longer")
     args = ap.parse_args(argv)
+    other = None
+    if args.against is not None:
+        try:
+            with open(args.against) as f:
+                other = {**json.load(f), "path": args.against}
+            other["rows"][0]["step_s"]
+        except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
+            ap.error(f"--against {args.against}: not an estimate.py JSON ({e})")
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     bad = [p for p in parts if p not in PARTS]
     if bad or not parts:
         ap.error(f"--parts: unknown part {bad[0] if bad else '(none)'}; choose from {', '.join(PARTS)}")
     t = time.perf_counter()
     rows = [run(cfg) for p in parts for cfg in PARTS[p]() if cfg[2] * 8 <= args.max_gpus]
-    data = {"rows": rows, "seconds": time.perf_counter() - t}
+    data = {"rows": rows, "seconds": time.perf_counter() - t, "against": against(rows, other) if other else None}
     data = record(command("estimate.py", argv), data, args.json)
     if os.path.abspath(args.json) == os.path.abspath(os.path.join(RESULTS, "estimate.json")):
         write_text(os.path.join(RESULTS, "estimate.md"), report(data))

@@ -1,7 +1,7 @@
 """Reproduce the Zeppelin paper's evaluation in simulation, and a scale grid (docs/design.md, section 9).
 
     OMP_NUM_THREADS=1 python bench/paper.py [--quick] [--steps K] [--scale-gpus 64,128,...]
-        [--workload FILE] [--out bench/results]
+        [--workload FILE] [--held MAX_GPUS] [--only PARTS --out DIR] [--out bench/results]
 
 Writes bench/results/paper.json (every figure) and paper.md (tables and the targets, each
 met or not, with the reason; `bench/paper_report.py` writes the report). Every planner sees
@@ -19,7 +19,11 @@ each GPU count at every context, cluster and model taking turns, on the presets
 
 CP over the whole cluster (`te_cp_whole`, main grid only) is reported beside the tuned
 te_cp as a stress case, and every speedup is also given over the best baseline of each
-configuration.
+configuration. Zeppelin's estimated step is set beside its simulated one on every
+configuration, each over 5% named with why (`bench/paper_estimate.py`). `--held N` adds
+the held-out configurations of bench/estimate.py up to N GPUs (lengths and pairings the
+grids never plan), every planner at its tuned degree; `--only` runs some parts alone into
+another folder, a short check of the report.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 
 from _common import RESULTS, command, record, write_text
+from paper_estimate import partial_report
 from paper_traces import over_bound, worst
 from paper_report import (
     BOUND_TARGET,
@@ -70,18 +75,21 @@ TOKENS_PER_GPU = 16384
 
 
 def config(cluster: str, nodes: int | None, model: str, tp: int, workload: str, tokens: int, max_length, steps: int,
-           planners=PLANNERS, whole: bool = True) -> dict:
+           planners=PLANNERS, whole: bool = True, seed: int = 0) -> dict:
     """Every planner on `steps` batches of one configuration (the CP baselines at their
-    fastest degree); with `whole`, TE CP over the whole cluster too (the stress case)."""
+    fastest degree); with `whole`, TE CP over the whole cluster too (the stress case);
+    zeppelin's estimated step beside its simulated one (`estimate`)."""
     c = specs.cluster(CLUSTERS.get(cluster, cluster), num_nodes=nodes)
     m = specs.model(model, tp=tp)
     t = time.perf_counter()
-    rows = compare(c, m, workload, tokens, planners, steps=steps, seed=0, max_length=max_length, tune=True)
+    rows = compare(c, m, workload, tokens, planners, steps=steps, seed=seed, max_length=max_length, tune=True)
     results = {r.planner: {**r.to_dict(), "tokens_per_s": tokens * c.num_ranks / r.step_time_s if r.feasible else None}
                for r in rows}
     if results["te_cp"].get("feasible", True):
         results["te_cp"]["cp_size"] = results["te_cp"]["options"]["cp_size"]
-    batches = list(workloads.get(workload).batches(tokens * c.num_ranks, 0, steps, max_length))
+    batches = list(workloads.get(workload).batches(tokens * c.num_ranks, seed, steps, max_length))
+    if "zeppelin" in results and results["zeppelin"].get("feasible", True):
+        results["zeppelin"].update(estimate(batches, c, m))
     if whole:  # the stress case: one CP group over the whole cluster
         n = c.num_ranks // tp
         try:
@@ -92,13 +100,44 @@ def config(cluster: str, nodes: int | None, model: str, tp: int, workload: str, 
         results["te_cp_whole"] = {"planner": f"te_cp (cp {n})", "cp_size": n, "step_time_s": step,
                                   "tokens_per_s": tokens * c.num_ranks / step}
     out = {"cluster": cluster, "gpus": c.num_ranks, "model": model, "tp": tp, "workload": workload,
-           "tokens_per_gpu": tokens, "max_length": max_length, "steps": steps, "results": results,
+           "tokens_per_gpu": tokens, "max_length": max_length, "steps": steps, "seed": seed, "results": results,
            "longest": max(max(b) for b in batches), "seconds": time.perf_counter() - t}
     print(f"  {cluster} {c.num_ranks:4d} GPUs {model:9s} tp{tp} {os.path.basename(workload):8s} ctx {max_length}: "
           f"zeppelin x{results['zeppelin']['speedup_vs_te_cp']:.2f} over te_cp, x{over_best(out):.2f} over the best "
           f"({best_baseline(out)}), step/bound {results['zeppelin']['ratio_to_lower_bound']:.3f} "
           f"({out['seconds']:.0f}s)", file=sys.stderr, flush=True)
     return out
+
+
+def estimate(batches, c, m) -> dict:
+    """Zeppelin's estimated step (its chosen plan's, `plan.meta["candidates"]`) against the
+    simulated one on `batches`, means over them, and the rings across nodes of its plans
+    (what the estimate prices least surely: `ring_facts`)."""
+    est, sim, rings = [], [], []
+    for b in batches:
+        plan = plan_batch(b, c, m, "zeppelin")
+        est.append(min(x["estimated_step_s"] for x in plan.meta["candidates"]))
+        sim.append(simulate(plan, c, m).step_time_s)
+        rings += ring_facts(plan)
+    return {"estimate_s": statistics.mean(est), "estimate_ratio": statistics.mean(e / s for e, s in zip(est, sim)),
+            "inter_rings": rings}
+
+
+def ring_facts(plan) -> list[dict]:
+    """Each ring across nodes of `plan`: "ring" (single, crossing hops routed) or "double",
+    its members, its nodes and its document's length."""
+    return [{"comm": r.comm, "members": len(r.ranks), "nodes": len({plan.node_of_rank[x] for x in r.ranks}),
+             "length": plan.lengths[r.doc]} for r in plan.rings if r.kind == "inter"]
+
+
+def held(max_gpus: int, steps: int) -> list[dict]:
+    """Held-out configurations (`bench/estimate.py`'s `held_configs`: shortmix at scale,
+    and seed 1), every planner at its tuned degree, up to `max_gpus` GPUs; each with the
+    seconds it took."""
+    from estimate import held_configs  # (estimate.py imports this module)
+
+    return [config(cl, nodes, mdl, tp, wl, TOKENS_PER_GPU, ctx, steps, whole=False, seed=seed)
+            for _, cl, nodes, mdl, tp, wl, ctx, seed in held_configs() if nodes * 8 <= max_gpus]
 
 
 def length_stats(workload: str) -> dict:
@@ -332,10 +371,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workload", default=None,
                     help="a lengths file the scale grid samples from instead of the presets (any file `ballonet "
                          "plan --lengths` reads)")
+    ap.add_argument("--held", type=int, default=0, metavar="MAX_GPUS",
+                    help="also the held-out configurations of bench/estimate.py up to this many GPUs (e.g. 512; "
+                         "default 0: none)")
+    ap.add_argument("--only", default=None,
+                    help="run only these parts, comma-separated (grid, scaling, contexts, mixed, scale, held), and "
+                         "skip the ablations: a short check of the report; needs --out")
     ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args(argv)
     if args.steps < 1 or args.scale_steps < 1:
         ap.error("--steps and --scale-steps must be at least 1")
+    parts = ("grid", "scaling", "contexts", "mixed", "scale", "held")
+    only = None if args.only is None else [p.strip() for p in args.only.split(",") if p.strip()]
+    if only is not None and (not only or any(p not in parts for p in only)):
+        ap.error(f"--only: choose from {', '.join(parts)}, got {args.only!r}")
+    if args.held < 0 or (only is not None and "held" in only and not args.held):
+        ap.error("--held wants the most GPUs of the held-out configurations to run (e.g. 512), a positive number")
+    if only is not None and os.path.abspath(args.out) == os.path.abspath(RESULTS):
+        ap.error("--only writes a partial report: give --out a folder other than bench/results")
     if args.workload is not None:
         try:
             workloads.get(args.workload)
@@ -350,26 +403,31 @@ def main(argv: list[str] | None = None) -> int:
                       ("contexts", lambda: contexts(args.quick, args.steps)),
                       ("mixed", lambda: mixed(args.steps)),
                       ("scale", lambda: [] if args.no_scale else scale_grid(
-                          args.scale_steps, args.scale_gpus, [args.workload] if args.workload else SCALE_WORKLOADS))):
+                          args.scale_steps, args.scale_gpus, [args.workload] if args.workload else SCALE_WORKLOADS)),
+                      ("held", lambda: held(args.held, args.scale_steps) if args.held else [])):
+        if only is not None and name not in only:
+            data[name] = []
+            continue
         print(name, file=sys.stderr)
         s = time.perf_counter()
         data[name] = run()
         seconds[name] = time.perf_counter() - s
-    print("pricing ablation, memory headroom, simulator settings", file=sys.stderr)
-    data["pricing"] = pricing_ablation(data["grid"], args.steps)
-    data["more_memory"] = more_memory(data["grid"], args.steps)
-    data["settings"] = sensitivity(data["grid"])
     os.makedirs(args.out, exist_ok=True)
-    data["worst"] = worst(data["grid"], args.out)
-    over_bound(data, args.out)
-    data["ablation"] = ablation(8, "shortmix", args.steps)
-    data["hop"] = hop("A", 2, "llama-3b", 65536)
+    if only is None:
+        print("pricing ablation, memory headroom, simulator settings", file=sys.stderr)
+        data["pricing"] = pricing_ablation(data["grid"], args.steps)
+        data["more_memory"] = more_memory(data["grid"], args.steps)
+        data["settings"] = sensitivity(data["grid"])
+        data["worst"] = worst(data["grid"], args.out)
+        over_bound(data, args.out)
+        data["ablation"] = ablation(8, "shortmix", args.steps)
+        data["hop"] = hop("A", 2, "llama-3b", 65536)
     data["seconds"] = time.perf_counter() - t
     data["seconds_by_part"] = seconds
     data["load_after"] = os.getloadavg()
     name = "paper_quick" if args.quick else "paper"
     data = record(command("paper.py", argv), data, os.path.join(args.out, f"{name}.json"))
-    text = report(data)
+    text = report(data) if only is None else partial_report(data)
     write_text(os.path.join(args.out, f"{name}.md"), text)
     print(text)
     return 0

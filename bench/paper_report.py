@@ -368,6 +368,10 @@ def report(data: dict) -> str:
     lines += ["", f"## Ablation: LLaMA-3B, cluster A, {ab['gpus']} GPUs, {ab['workload']}", "",
               "| configuration | speedup over te_cp |", "| --- | --- |"]
     lines += [f"| {k} | {v:.2f} |" for k, v in ab["speedup"].items()]
+    from paper_estimate import estimate_section, held_section  # (it imports this module)
+
+    for section in (estimate_section(data), held_section(data)):
+        lines += [""] + section if section else []
     lines += ["", "## Notes", ""] + [f"- {n}" for n in data["notes"]]
     return "\n".join(lines) + "\n"
 

@@ -17,9 +17,9 @@ SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "investigations" / "hil
 
 @pytest.mark.parametrize("cluster, model, workload, kind", [
     ("h800-8nic", "llama-3b", "shortmix", "rings inside nodes"), ("a800-4nic", "llama-7b", "wlbllm", "remap"),
-    ("h200-8nic", "llama-7b", [48_000] + [1_000] * 214, "double ring"), ("h200-8nic", "llama-3b", "wlbllm", "routes")])
+    ("h800-8nic", "llama-7b", [80_000] + [1_200] * 160, "double ring"), ("h200-8nic", "llama-3b", "wlbllm", "routes")])
 def test_rebuilt_placement_is_the_plan_and_a_climb_never_lengthens_it(cluster, model, workload, kind):
-    # (The double ring's batch is test_planner's: since the partitioner prices the waits of
+    # (The double ring's batch is test_sim_truth's: since the partitioner prices the waits of
     # the runtime's ring order, a main-grid batch keeps single rings.)
     c, m = specs.cluster(cluster, num_nodes=2), specs.model(model)
     batch = workload if isinstance(workload, list) else \

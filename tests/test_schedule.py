@@ -205,7 +205,7 @@ def test_every_planner_completes(cluster, nodes, workload, tokens):
 def test_routed_and_double_ring_zeppelin_plans_complete():
     routed = ballonet.plan_batch(workloads.get("wlbllm").sample_batch(16384 * 64, 1),
                                  ballonet.cluster("h800-8nic", num_nodes=8), LLAMA, double=False)
-    double = ballonet.plan_batch(workloads.get("prolong").sample_batch(4096 * 256, 0),
+    double = ballonet.plan_batch(workloads.get("prolong").sample_batch(4096 * 256, 1),
                                  ballonet.cluster("h800-8nic", num_nodes=32), LLAMA)
     assert routed.routes and any(r.comm == "double" for r in double.rings)
     for plan in (routed, double, ballonet.plan_batch(double.lengths, ballonet.cluster("h800-8nic", num_nodes=32),

@@ -39,8 +39,8 @@ CONFIGS = [
     ("a800-4nic", 2, "llama-7b", [30000, 1000, 200, 9000, 4000, 600, 16000, 2200, 120, 5000] * 2),
     # tensor parallelism on a mixed cluster: the bound's TP collectives on the cheaper group
     ("h800+h20", None, "llama-13b:2", [50000, 3000, 900, 14000, 600, 2500, 8000, 300, 1800, 26000] * 3),
-    # a "double" ring of 2 nodes x 8 ranks (zeppelin's plan; with `double=False`, one intra-node ring)
-    ("h200-8nic", 2, "llama-7b", [48000] + [1000] * 214),
+    # a "double" ring of 2 nodes x 8 ranks (zeppelin's plan; with `double=False`, a single ring)
+    ("h800-8nic", 2, "llama-7b", [80000] + [1200] * 160),
 ]
 
 

@@ -405,14 +405,14 @@ def test_the_simulator_runs_the_recomputation_the_plan_says():
 
 
 def test_no_engine_posts_double_rings_sends_behind_queued_kernels_too():
-    # A "double" ring (2 nodes x 8 ranks, zeppelin's plan of a 48K document among short
+    # A "double" ring (2 nodes x 8 ranks, zeppelin's plan of a 64K document among short
     # ones): without the engine its inner and outer sends wait for the kernels queued
     # before them, as every other ring's do, so its step is longer (it was not: double
     # rings always sent early). Without FSDP's collectives on the links, whose pieces a
     # later send can let through first (links serve transfers in order).
     from ballonet import plan_batch
     c, m = specs.cluster("h200-8nic", num_nodes=2), specs.model("llama-7b")
-    plan = plan_batch([48000] + [1000] * 214, c, m)
+    plan = plan_batch([64000] + [1000] * 190, c, m)
     assert any(r.comm == "double" for r in plan.rings)
     engine, no_engine = (simulate(plan, c, m, engine=e, overlap_grad_allreduce=False) for e in (True, False))
     assert no_engine.layer_forward_s > engine.layer_forward_s and no_engine.step_time_s > engine.step_time_s

@@ -8,10 +8,11 @@ a batch that needs more recomputation pays a second forward. The partitioner the
   holds long documents (much attention, few tokens) takes fewer tokens instead of
   shipping q, k, v and o of the difference across the network every layer;
 * sends a document over a node's share across nodes when the overload it saves beats the
-  wider ring's exposed transfers, over as many nodes as pays best (`inter_node_span`,
-  `ring_exposed_seconds`, its crossing hops routed over the nodes' rails as the routing
-  layer sends them, `crossing_seconds`; estimates add them, `crossing_exposed_seconds`),
-  and prices a ring on a node's own links (nothing over NVLink, much over PCIe);
+  wider ring's exposed transfers, over as many nodes as pays best (`inter_node_span`;
+  a ring's steps as the simulator runs them, `ring_pricing`: its crossing hops routed
+  over the nodes' rails as the routing layer sends them, its ports shared with the
+  layer's FSDP collectives; estimates add them, `crossing_exposed_seconds`), and prices
+  a ring on a node's own links (nothing over NVLink, much over PCIe);
 * remaps inside NVLink nodes, or keeps every rank's tokens (balancing attention plus
   linear work per rank; always on PCIe-only nodes, `remaps_inside`), whichever leaves
   the shorter estimated step (`rank_step_seconds`): moving a token's q, k, v and o can
@@ -30,26 +31,27 @@ from dataclasses import dataclass
 import numpy as np
 
 from ballonet.cost import hardware
-from ballonet.cost.flops import (
-    attention_flops,
-    block_flops,
-    kv_bytes,
-    kv_grad_bytes,
-    remap_bytes,
-    zigzag_flops,
-)
+from ballonet.cost.flops import attention_flops, remap_bytes, zigzag_flops
 from ballonet.cost.memory import BELOW, RECOMPUTE_MODES, recompute_layer_count, recompute_mode
 from ballonet.cost.recompute import recompute_attention
-from ballonet.cost.seconds import DP_PIECES, attention_seconds, linear_layer_seconds, p2p_time
+from ballonet.cost.seconds import DP_FORWARD_SHARE, attention_seconds, linear_layer_seconds
 from ballonet.cost.tensor_parallel import tp_layer_seconds
 from ballonet.plan import Plan
 from ballonet.planning.devices import Devices
+from ballonet.planning.ring_pricing import (
+    crossing_pipeline,
+    crossing_seconds,
+    double_exposed_seconds,
+    dp_intra_seconds,
+    dp_shared_seconds,
+    ring_exposed_seconds,
+)
 from ballonet.specs import ModelSpec
 
-__all__ = ["StepWeights", "attention_kernels", "crossing_exposed_seconds", "crossing_seconds", "double_exposed_seconds",
-           "inter_node_span", "linear_work_per_token", "rank_compute_seconds", "rank_remap_seconds",
-           "rank_step_seconds", "rank_tp_seconds", "recompute_modes", "remaps_inside", "ring_exposed_seconds",
-           "ring_wait_seconds", "step_weights", "synchronous_step_seconds"]
+__all__ = ["StepWeights", "attention_kernels", "crossing_exposed_seconds", "crossing_pipeline", "crossing_seconds",
+           "double_exposed_seconds", "dp_intra_seconds", "dp_shared_seconds", "inter_node_span", "linear_work_per_token",
+           "rank_compute_seconds", "rank_remap_seconds", "rank_step_seconds", "rank_tp_seconds", "recompute_modes",
+           "remaps_inside", "ring_exposed_seconds", "ring_wait_seconds", "step_weights", "synchronous_step_seconds"]
 
 
 def recompute_modes(model: ModelSpec) -> tuple[str, ...]:
@@ -110,79 +112,6 @@ def remaps_inside(gpu: hardware.GPUType) -> bool:
     return gpu.intra_link == "nvlink"
 
 
-def crossing_seconds(nbytes: float, nic_bw: float, intra_bw: float, rails: int, gpu: hardware.GPUType) -> float:
-    """One node-crossing ring hop of `nbytes`, routed as `planning.routing` routes it: over
-    the k of `rails` idle rail-aligned proxy pairs that cost least, or direct (k = 1). Its
-    k - 1 dispatch messages of m/k leave the source one after another over `intra_bw`, as
-    the k - 1 combine messages reach the destination, each paying a message's latency
-    (as the simulator sends them); the NIC legs of m/k run in parallel at `nic_bw`."""
-    best = p2p_time(nbytes, nic_bw, True, gpu)
-    for k in range(2, rails + 1):
-        part = nbytes / k
-        best = min(best, 2 * (k - 1) * p2p_time(part, intra_bw, False, gpu)
-                   + p2p_time(part, nic_bw, True, gpu))
-    return best
-
-
-def ring_exposed_seconds(model: ModelSpec, gpu: hardware.GPUType, length: int, members: int, bandwidth: float,
-                         nic: bool = True, routed: tuple[float, int] | None = None,
-                         dp_piece: tuple[float, float] = (0.0, 0.0)) -> float:
-    """Seconds a ring of `members` ranks over a document of `length` tokens leaves its
-    transfers exposed in a step (all layers), when each hop runs at `bandwidth` (the
-    slowest hop: a NIC with `nic`, else NVLink or PCIe; with `routed` = (intra-node
-    bandwidth, rails), a NIC hop routed over idle rails, `crossing_seconds`) and nothing
-    else fills the wait: per ring step, the forward's K/V transfer and the backward's K/V
-    plus dK/dV (fp32) beyond that step's compute; a NIC hop of a pass's first `DP_PIECES`
-    steps also waits behind a piece of the layer's data-parallel collectives, queued at
-    its start (`dp_piece`: forward, backward seconds, `cost.seconds.dp_piece_seconds`)."""
-    block = max(length // members, 1)
-    flops = block_flops(model, block, block)
-
-    def hop(nbytes: float) -> float:
-        if nic and routed is not None:
-            return crossing_seconds(nbytes, bandwidth, routed[0], routed[1], gpu)
-        return p2p_time(nbytes, bandwidth, nic, gpu)
-
-    def exposed(transfer: float, compute: float, piece: float) -> float:
-        queued = min(DP_PIECES, members - 1) if nic else 0
-        return queued * max(transfer + piece - compute, 0.0) + (members - 1 - queued) * max(transfer - compute, 0.0)
-    fwd = exposed(hop(kv_bytes(model, block)), attention_seconds(model, gpu, flops, block, launch_floor=True),
-                  dp_piece[0])
-    bwd = exposed(hop(kv_bytes(model, block) + kv_grad_bytes(model, block)),
-                  attention_seconds(model, gpu, flops, block, backward=True, launch_floor=True), dp_piece[1])
-    redo = 2 if recompute_attention(recompute_mode(model)) else 1
-    return model.num_layers * (redo * fwd + bwd)
-
-
-def double_exposed_seconds(model: ModelSpec, gpu: hardware.GPUType, length: int, groups: int, group_size: int,
-                           intra_bw: float, nic_bw: float, dp_piece: tuple[float, float] = (0.0, 0.0)) -> float:
-    """Seconds a "double" ring (`ring_traffic.double_schedule`: `groups` nodes of
-    `group_size` ranks) over a document of `length` tokens leaves its transfers exposed in
-    a step (all layers), nothing else filling the wait: per inner step the K/V (backward:
-    plus dK/dV) over NVLink beyond that step's compute, as `ring_exposed_seconds`; per
-    round one block over a NIC beyond the round's compute (the first `DP_PIECES` behind a
-    `dp_piece`, as there); in the backward each node's sum of a round's block home over a
-    NIC, hidden by the next round's compute but the last."""
-    k, n = groups, group_size
-    block = max(length // (k * n), 1)
-    flops = block_flops(model, block, block)
-    fwd_c = attention_seconds(model, gpu, flops, block, launch_floor=True)
-    bwd_c = attention_seconds(model, gpu, flops, block, backward=True, launch_floor=True)
-    kv, grad = kv_bytes(model, block), kv_grad_bytes(model, block)
-    inner_f = max(p2p_time(kv, intra_bw, False, gpu) - fwd_c, 0.0) if n > 1 else 0.0
-    inner_b = max(p2p_time(kv + grad, intra_bw, False, gpu) - bwd_c, 0.0) if n > 1 else 0.0
-    queued = min(DP_PIECES, k - 1)
-
-    def rounds(compute: float, piece: float) -> float:
-        out = p2p_time(kv, nic_bw, True, gpu)
-        return queued * max(out + piece - n * compute, 0.0) + (k - 1 - queued) * max(out - n * compute, 0.0)
-    home = p2p_time(grad, nic_bw, True, gpu)
-    redo = 2 if recompute_attention(recompute_mode(model)) else 1
-    forward = k * (n - 1) * inner_f + rounds(fwd_c, dp_piece[0])
-    backward = k * (n - 1) * inner_b + rounds(bwd_c, dp_piece[1]) + (k - 2) * max(home - n * bwd_c, 0.0) + home
-    return model.num_layers * (redo * forward + backward)
-
-
 def inter_node_span(model: ModelSpec, gpu: hardware.GPUType, length: int, step_work: float, node_share: float,
                     ranks_per_node: int, num_nodes: int, bandwidth: float, node_speed: float,
                     weights: StepWeights, min_tokens: float = 0.0, fill_per_token: float = 0.0,
@@ -208,8 +137,9 @@ def inter_node_span(model: ModelSpec, gpu: hardware.GPUType, length: int, step_w
         if intra_bw is not None:
             return overload + double_exposed_seconds(model, gpu, length, k, ranks_per_node, intra_bw, bandwidth,
                                                      dp_piece)
+        dp_intra = DP_FORWARD_SHARE * dp_intra_seconds(model, gpu, ranks_per_node, routed[0]) if routed else 0.0
         return overload + ring_exposed_seconds(model, gpu, length, k * ranks_per_node, bandwidth, routed=routed,
-                                               dp_piece=dp_piece)
+                                               dp_piece=dp_piece, dp_intra=dp_intra)
 
     return min(range(1, max(most, 1) + 1), key=lambda k: (cost(k), k))
 
@@ -343,13 +273,15 @@ def crossing_exposed_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw
     ring's `ring_exposed_seconds`, crossing hops at `nic_bw` routed over `rails`, 1:
     direct), as level 1 priced it (`inter_node_span`)."""
     out = np.zeros(plan.num_ranks)
+    node_size = np.bincount(np.asarray(dev.node))
     for ring in plan.rings:
         if ring.comm == "ring" and ring.kind == "inter":
             r = ring.ranks[0]
             piece = (0.0, 0.0) if dp_piece is None else tuple(dp_piece[r])
+            dp_intra = DP_FORWARD_SHARE * dp_intra_seconds(model, dev.gpu[r], node_size[dev.node[r]], link_bw[r])
             out[list(ring.ranks)] += ring_exposed_seconds(model, dev.gpu[r], plan.lengths[ring.doc], len(ring.ranks),
                                                           nic_bw[r], routed=(link_bw[r], int(rails[r])),
-                                                          dp_piece=piece)
+                                                          dp_piece=piece, dp_intra=dp_intra)
     return out
 
 

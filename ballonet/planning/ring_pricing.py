@@ -1,0 +1,150 @@
+"""A ring's exposed transfers, as the simulator runs its steps (docs/design.md, sections
+4, 6 and 7): a zig-zag step computes half of two full blocks; a step waits for the
+larger of its compute and its block's transfer; a routed hop across nodes passes its
+blocks through dispatch, NIC legs and combine one after another (`crossing_pipeline`);
+the layer's FSDP collectives share a ring's ports fairly while they last
+(`dp_shared_seconds`), as the simulator's links share their bandwidth. `pricing` adds
+these to the partitioner's estimates (`inter_node_span`, `crossing_exposed_seconds`,
+`rank_step_seconds`)."""
+
+from __future__ import annotations
+
+from ballonet.cost import hardware
+from ballonet.cost.flops import block_flops, grad_bytes, kv_bytes, kv_grad_bytes
+from ballonet.cost.memory import recompute_mode
+from ballonet.cost.recompute import recompute_attention
+from ballonet.cost.seconds import DP_FORWARD_SHARE, DP_PIECES, attention_seconds, collective_time, p2p_time
+from ballonet.specs import ModelSpec
+
+__all__ = ["crossing_pipeline", "crossing_seconds", "double_exposed_seconds", "dp_intra_seconds", "dp_shared_seconds",
+           "ring_exposed_seconds"]
+
+
+def crossing_seconds(nbytes: float, nic_bw: float, intra_bw: float, rails: int, gpu: hardware.GPUType) -> float:
+    """One node-crossing ring hop of `nbytes`, routed as `planning.routing` routes it: over
+    the k of `rails` idle rail-aligned proxy pairs that cost least, or direct (k = 1). Its
+    k - 1 dispatch messages of m/k leave the source one after another over `intra_bw`, as
+    the k - 1 combine messages reach the destination, each paying a message's latency
+    (as the simulator sends them); the NIC legs of m/k run in parallel at `nic_bw`."""
+    best = p2p_time(nbytes, nic_bw, True, gpu)
+    for k in range(2, rails + 1):
+        part = nbytes / k
+        best = min(best, 2 * (k - 1) * p2p_time(part, intra_bw, False, gpu)
+                   + p2p_time(part, nic_bw, True, gpu))
+    return best
+
+
+def ring_exposed_seconds(model: ModelSpec, gpu: hardware.GPUType, length: int, members: int, bandwidth: float,
+                         nic: bool = True, routed: tuple[float, int] | None = None,
+                         dp_piece: tuple[float, float] = (0.0, 0.0), dp_intra: float = 0.0) -> float:
+    """Seconds a ring of `members` ranks over a document of `length` tokens leaves its
+    transfers exposed in a step (all layers), when each hop runs at `bandwidth` (the
+    slowest hop: a NIC with `nic`, else NVLink or PCIe; with `routed` = (intra-node
+    bandwidth, rails), a NIC hop routed over idle rails, `crossing_seconds`) and nothing
+    else fills the wait: per ring step, the forward's K/V transfer and the backward's K/V
+    plus dK/dV (fp32) beyond that step's compute; a NIC hop of a pass's first `DP_PIECES`
+    steps also waits behind a piece of the layer's data-parallel collectives, queued at
+    its start (`dp_piece`: forward, backward seconds, `cost.seconds.dp_piece_seconds`).
+    A routed hop's blocks pass its dispatch, NIC legs and combine one after another
+    (`crossing_pipeline`); in the forward its dispatching port also carries the layer's
+    collectives inside the node (`dp_intra` seconds alone, `dp_intra_seconds`) beside its
+    k parts (`dp_shared_seconds`)."""
+    block = max(length // members, 1)
+    flops = block_flops(model, block, block) / 2  # a zig-zag step: two of its two blocks' four chunk pairs
+
+    def hop(nbytes: float) -> tuple[float, float, int]:
+        """(the first block's seconds over the hop, then a block's each step, its parts)."""
+        if nic and routed is not None:
+            return crossing_pipeline(nbytes, bandwidth, routed[0], routed[1], gpu)
+        t = p2p_time(nbytes, bandwidth, nic, gpu)
+        return t, t, 1
+
+    def exposed(transfer: tuple[float, float, int], compute: float, piece: float) -> float:
+        first, each, _ = transfer
+        queued = min(DP_PIECES, members - 1) if nic else 0
+        return (queued * max(each + piece - compute, 0.0) + (members - 1 - queued) * max(each - compute, 0.0)
+                + max(first - compute, 0.0) - max(each - compute, 0.0))
+    kv_hop, fwd_c = hop(kv_bytes(model, block)), attention_seconds(model, gpu, flops, block, launch_floor=True)
+    fwd = exposed(kv_hop, fwd_c, dp_piece[0])
+    if kv_hop[2] > 1:
+        fwd += dp_shared_seconds(kv_hop[1], fwd_c, members - 1, dp_intra, kv_hop[2])
+    bwd = exposed(hop(kv_bytes(model, block) + kv_grad_bytes(model, block)),
+                  attention_seconds(model, gpu, flops, block, backward=True, launch_floor=True), dp_piece[1])
+    redo = 2 if recompute_attention(recompute_mode(model)) else 1
+    return model.num_layers * (redo * fwd + bwd)
+
+
+def crossing_pipeline(nbytes: float, nic_bw: float, intra_bw: float, rails: int,
+                      gpu: hardware.GPUType) -> tuple[float, float, int]:
+    """A ring's node-crossing hop of `nbytes` a step, routed over the k of `rails` proxy
+    pairs `crossing_seconds` picks: (the first block's seconds, its dispatch, NIC legs
+    and combine one after another; then one block's a step, the slowest of the three
+    stages, as blocks follow each other through them; k). The source's port carries k parts
+    a step, its k - 1 dispatches and the combine of the hop into its node (every node a
+    ring crosses is left and entered), as the destination's does."""
+    best, k = min((crossing_seconds(nbytes, nic_bw, intra_bw, j, gpu), j) for j in range(1, max(rails, 1) + 1))
+    if k == 1:
+        return best, best, 1
+    return best, max(k * p2p_time(nbytes / k, intra_bw, False, gpu), p2p_time(nbytes / k, nic_bw, True, gpu)), k
+
+
+def double_exposed_seconds(model: ModelSpec, gpu: hardware.GPUType, length: int, groups: int, group_size: int,
+                           intra_bw: float, nic_bw: float, dp_piece: tuple[float, float] = (0.0, 0.0)) -> float:
+    """Seconds a "double" ring (`ring_traffic.double_schedule`: `groups` nodes of
+    `group_size` ranks) over a document of `length` tokens leaves its transfers exposed in
+    a step (all layers), nothing else filling the wait: per inner step the K/V (backward:
+    plus dK/dV) over NVLink beyond that step's compute, as `ring_exposed_seconds`, the
+    forward's first inner steps sharing their ports with the layer's FSDP collectives
+    inside the node and the backward's first round's partial dK/dV with the K/V blocks
+    that round relays (`dp_shared_seconds`); per round one block over a NIC beyond the
+    round's compute (the first `DP_PIECES` behind a `dp_piece`, as there); in the
+    backward the last inner partial's hop, and each node's sum of a round's block home
+    over a NIC, hidden by the next round's compute but the last."""
+    k, n = groups, group_size
+    block = max(length // (k * n), 1)
+    flops = block_flops(model, block, block) / 2  # a zig-zag step (`ring_exposed_seconds`)
+    fwd_c = attention_seconds(model, gpu, flops, block, launch_floor=True)
+    bwd_c = attention_seconds(model, gpu, flops, block, backward=True, launch_floor=True)
+    kv, grad = kv_bytes(model, block), kv_grad_bytes(model, block)
+    x_kv, x_grad = p2p_time(kv, intra_bw, False, gpu), p2p_time(grad, intra_bw, False, gpu)
+    steps = k * (n - 1)  # inner steps a pass
+    inner_f = inner_b = 0.0
+    if n > 1:
+        inner_f = steps * max(x_kv - fwd_c, 0.0) + dp_shared_seconds(
+            x_kv, fwd_c, steps, DP_FORWARD_SHARE * dp_intra_seconds(model, gpu, n, intra_bw))
+        inner_b = (steps * max(x_kv + x_grad - bwd_c, 0.0) + dp_shared_seconds(x_grad, bwd_c, n - 1, (n - 1) * x_kv)
+                   + x_grad)
+    queued = min(DP_PIECES, k - 1)
+
+    def rounds(compute: float, piece: float) -> float:
+        out = p2p_time(kv, nic_bw, True, gpu)
+        return queued * max(out + piece - n * compute, 0.0) + (k - 1 - queued) * max(out - n * compute, 0.0)
+    home = p2p_time(grad, nic_bw, True, gpu)
+    redo = 2 if recompute_attention(recompute_mode(model)) else 1
+    forward = inner_f + rounds(fwd_c, dp_piece[0])
+    backward = inner_b + rounds(bwd_c, dp_piece[1]) + (k - 2) * max(home - n * bwd_c, 0.0) + home
+    return model.num_layers * (redo * forward + backward)
+
+
+def dp_intra_seconds(model: ModelSpec, gpu: hardware.GPUType, ranks_per_node: int, intra_bw: float) -> float:
+    """Seconds one layer's share of the gradient all-reduce holds each GPU's intra-node
+    port alone (`cost.seconds.grad_allreduce_parts`' reduce-scatter and all-gather inside
+    a node of `ranks_per_node` plan ranks); a layer's forward runs beside
+    `DP_FORWARD_SHARE` of it, its backward beside `DP_BACKWARD_SHARE`."""
+    n = ranks_per_node * model.tp
+    return sum(collective_time(op, grad_bytes(model), n, intra_bw, gpu)
+               for op in ("reduce_scatter", "all_gather")) / model.num_layers
+
+
+def dp_shared_seconds(transfer: float, compute: float, steps: int, work: float, parts: int = 1) -> float:
+    """What a chain of `steps` ring steps (each a `transfer` of so many seconds alone, cut
+    into `parts` flows, then a step of `compute`) leaves exposed when their port also
+    carries `work` seconds of data-parallel collectives from the start, shared fairly
+    (the simulator's processor sharing): while they last a transfer runs at
+    parts / (parts + 1) of its speed, and the collectives progress by 1 / parts of its
+    seconds, and alone for what the compute leaves; beyond what the steps expose without them."""
+    if work <= 0 or steps <= 0 or transfer <= 0:
+        return 0.0
+    slowed = transfer * (parts + 1) / parts
+    shared = min(work / (transfer / parts + max(compute - slowed, 0.0)), steps)
+    return shared * (max(slowed - compute, 0.0) - max(transfer - compute, 0.0))
