@@ -1,6 +1,6 @@
 """Reproduce the Zeppelin paper's evaluation in simulation, and a scale grid (docs/design.md, section 9).
 
-    OMP_NUM_THREADS=1 python bench/paper.py [--quick] [--steps K] [--scale-gpus 64,128,...]
+    OMP_NUM_THREADS=1 python bench/paper.py [--quick] [--steps K] [--scale-gpus 64,128,...] [--jobs N]
         [--workload FILE] [--held MAX_GPUS] [--only PARTS --out DIR] [--out bench/results]
 
 Writes bench/results/paper.json (every figure) and paper.md (tables and the targets, each
@@ -29,7 +29,9 @@ another folder, a short check of the report.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
+import multiprocessing
 import os
 import statistics
 import sys
@@ -130,14 +132,31 @@ def ring_facts(plan) -> list[dict]:
              "length": plan.lengths[r.doc]} for r in plan.rings if r.kind == "inter"]
 
 
+JOBS = 1
+"""Processes the grid, the scale grid and the held-out part run their configurations in
+(`--jobs`): each configuration is deterministic, so the figures do not depend on it."""
+
+
+def _configs(calls: list[tuple[tuple, dict]]) -> list[dict]:
+    """`config(*args, **kwargs)` for each call, in order, over `JOBS` processes."""
+    if JOBS == 1:
+        return [config(*a, **k) for a, k in calls]
+    with concurrent.futures.ProcessPoolExecutor(JOBS, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return list(pool.map(_config, calls))
+
+
+def _config(call: tuple[tuple, dict]) -> dict:
+    return config(*call[0], **call[1])
+
+
 def held(max_gpus: int, steps: int) -> list[dict]:
     """Held-out configurations (`bench/estimate.py`'s `held_configs`: shortmix at scale,
     and seed 1), every planner at its tuned degree, up to `max_gpus` GPUs; each with the
     seconds it took."""
     from estimate import held_configs  # (estimate.py imports this module)
 
-    return [config(cl, nodes, mdl, tp, wl, TOKENS_PER_GPU, ctx, steps, whole=False, seed=seed)
-            for _, cl, nodes, mdl, tp, wl, ctx, seed in held_configs() if nodes * 8 <= max_gpus]
+    return _configs([((cl, nodes, mdl, tp, wl, TOKENS_PER_GPU, ctx, steps), {"whole": False, "seed": seed})
+                     for _, cl, nodes, mdl, tp, wl, ctx, seed in held_configs() if nodes * 8 <= max_gpus])
 
 
 def length_stats(workload: str) -> dict:
@@ -314,8 +333,8 @@ def hop(cluster: str, nodes: int, model: str, length: int) -> dict:
 def grid(quick: bool, steps: int) -> list[dict]:
     """The main grid: every cluster, model and workload at 32 GPUs (4 nodes), 64K context."""
     models = MODELS[:2] if quick else MODELS
-    return [config(cl, 4, mdl, tp, wl, 16384, 65536, steps)
-            for cl in CLUSTERS for mdl, tp in models for wl in WORKLOADS]
+    return _configs([((cl, 4, mdl, tp, wl, 16384, 65536, steps), {})
+                     for cl in CLUSTERS for mdl, tp in models for wl in WORKLOADS])
 
 
 def scaling(quick: bool, steps: int) -> list[dict]:
@@ -334,14 +353,14 @@ def scale_grid(steps: int, gpus, workloads_in_turn: list[str]) -> list[dict]:
     """Every GPU count of `gpus` at every context of `SCALE_CONTEXTS`, 16K tokens per GPU;
     (cluster, model) and the workload take turns over the configurations."""
     combos = [(cl, mdl) for mdl in SCALE_MODELS for cl in CLUSTERS]
-    out, i = [], 0
+    calls, i = [], 0
     for n in gpus:
         for ctx in SCALE_CONTEXTS:
             cl, (mdl, tp) = combos[i % len(combos)]
             wl = workloads_in_turn[i % len(workloads_in_turn)]
-            out.append(config(cl, n // 8, mdl, tp, wl, TOKENS_PER_GPU, ctx, steps, whole=False))
+            calls.append(((cl, n // 8, mdl, tp, wl, TOKENS_PER_GPU, ctx, steps), {"whole": False}))
             i += 1
-    return out
+    return _configs(calls)
 
 
 def _mean(xs) -> float:
@@ -378,7 +397,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="run only these parts, comma-separated (grid, scaling, contexts, mixed, scale, held), and "
                          "skip the ablations: a short check of the report; needs --out")
     ap.add_argument("--out", default=RESULTS)
+    ap.add_argument("--jobs", type=int, default=1, help="processes for the configurations (default 1)")
     args = ap.parse_args(argv)
+    if args.jobs < 1:
+        ap.error("--jobs must be at least 1")
+    global JOBS
+    JOBS = args.jobs
     if args.steps < 1 or args.scale_steps < 1:
         ap.error("--steps and --scale-steps must be at least 1")
     parts = ("grid", "scaling", "contexts", "mixed", "scale", "held")
