@@ -2,10 +2,14 @@
 with "double" rings across nodes, each with every rank keeping its tokens and with the
 remap, keeping the plan with the shortest estimated step (docs/design.md, section 4).
 
-`CandidateSearch` walks those three axes in one loop each; every prune is a named
-predicate (`_level_too_slow`, `_level_enough`, `_costlier_mode_loses`, `_plan_looser`),
-every step that can fail returns None, and the one reason the search refuses the batch
-is kept (`refusal`).
+`CandidateSearch` walks those three axes in one loop each. Beside each mode's level 1 it
+plans its variants: nodes priced under what their shares recompute (`recomputed.py`),
+heavy documents over two nodes (`classes.spread_level`) and, for the best plan, a level 1
+balanced on the backward (`classes.backward_level`). A double level 1 that sends the same
+documents to the same nodes reuses its single one's placements (`_same_nodes`). Every
+prune is a named predicate (`_level_too_slow`, `_level_enough`, `_costlier_mode_loses`,
+`_plan_looser`), every step that can fail returns None, and the one reason the search
+refuses the batch is kept (`refusal`).
 """
 
 from __future__ import annotations
