@@ -47,11 +47,13 @@ def test_each_change_is_priced_and_the_day_counts_its_downtime():
 def test_simulate_a_loan_schedule(tmp_path, capsys):
     path = tmp_path / "day.toml"
     path.write_text("lent = [[0, 8], [20, 24]]\n")
+    # 8K tokens per GPU: at 4K the step is bound by FSDP's traffic over the H20 nodes' few
+    # NICs and the loaned GPUs add nothing (1.5224 s against 1.5225 s on the H800s alone).
     assert main(["simulate", "--cluster", "h800+h20", "--loan-schedule", str(path), "--json",
-                 "--tokens-per-gpu", "4096"]) == 0
+                 "--tokens-per-gpu", "8192"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert [(t["hour"], t["to"]) for t in out["transitions"]] == [(8, "reclaimed"), (20, "lent")]
-    assert (out["full"]["gpus"], out["own"]["gpus"], out["tokens_per_step"]) == (32, 16, 32 * 4096)
+    assert (out["full"]["gpus"], out["own"]["gpus"], out["tokens_per_step"]) == (32, 16, 32 * 8192)
     assert out["full"]["step_s"] < out["own"]["step_s"] and out["tokens_with_loans"] > out["tokens_alone"]
     for text, message in (("lent = 3\n", "lent must be a list of [start, end] hours"),
                           ("lent = [[0, 30]]\n", "not inside [0, 24)"), ("when = 1\n", "unknown field 'when'")):
