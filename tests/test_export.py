@@ -192,3 +192,15 @@ def test_export_writes_a_whole_folder_with_its_tokenizer_and_never_over_foreign_
     assert "README.md" in names and "pytorch_model.bin" not in names and "model.safetensors" in names
     assert (foreign / "README.md").read_text() == "mine"
     AutoModelForCausalLM.from_pretrained(foreign)
+
+
+def test_a_recorded_config_builds_only_a_model_type_transformers_ships():
+    from ballonet.errors import InputError
+    from ballonet.training.checkpoints import export
+
+    config = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "auto_map": {"AutoConfig": "evil.Config"}}
+    built = export._hf_config({"config": config}, "ck/ballonet.json")
+    assert type(built).__name__ == "LlamaConfig" and built.hidden_size == 64 and not hasattr(built, "auto_map")
+    with pytest.raises(InputError, match="model_type 'pwned-model' is not one transformers ships"):
+        export._hf_config({"config": {**config, "model_type": "pwned-model"}}, "ck/ballonet.json")

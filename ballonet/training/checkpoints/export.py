@@ -77,16 +77,17 @@ def _built_in_spec(model: dict, where: str) -> ModelSpec:
 def _hf_config(model: dict, where: str):
     """The transformers config of a Hugging Face model `ballonet.json` records (its
     `model_type` one transformers knows: no code from anywhere)."""
-    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # transformers' own types only
 
     config = model.get("config")
     if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
         raise InputError(f"{where}: field 'model.config' must be a config.json object with a model_type")
+    if config["model_type"] not in CONFIG_MAPPING:
+        raise InputError(f"{where}: field 'model.config': model_type {config['model_type']!r} is not one "
+                         "transformers ships (no code is loaded from anywhere)")
     rest = {k: v for k, v in config.items() if k not in ("model_type", "auto_map")}
     try:
-        # for_model only maps model types transformers ships (CONFIG_MAPPING): it has no
-        # trust_remote_code, and auto_map is dropped above, so no code is looked up.
-        return AutoConfig.for_model(config["model_type"], **rest)
+        return CONFIG_MAPPING[config["model_type"]](**rest)
     except Exception as e:  # noqa: BLE001 - transformers' configs refuse with many exception types
         raise InputError(f"{where}: field 'model.config': transformers cannot build it ({_last_line(e)})") from None
 
