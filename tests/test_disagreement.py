@@ -6,7 +6,6 @@ it, in training (`loop._step`, `Transformer.loss`) and in the runtime API (`rema
 import dataclasses
 import os
 import socket
-import time
 
 import pytest
 import torch
@@ -17,11 +16,10 @@ from ballonet import runtime
 from ballonet.errors import InputError
 from ballonet.training.loop import RankFailure, TrainConfig, train
 
-# Hang guards, not speed claims: the whole 4-rank test (three failures per rank, each
-# after starting its ranks' training) took 4.8 s alone and 20 s on a loaded 2-core machine,
-# so one failure under 60 s is a wide margin, and far under the --timeout-minutes (5)
-# that ranks failing to check would wait out.
-LIMIT_S = 60.0
+HANG_S = 180.0
+"""run_ranks' hang guard, not a speed claim: the whole 4-rank test (three failures per
+rank, each after starting its ranks' training) took 4.8 s alone and 20 s on a loaded
+2-core machine; ranks failing to check would wait out --timeout-minutes (5)."""
 BASE = dict(model="tiny", corpus="stdlib", global_tokens=1536, max_doc_tokens=1024, seed=3, steps=2)
 
 
@@ -31,13 +29,12 @@ def _without_remap(plan):
     return dataclasses.replace(plan, remap=())
 
 
-def _expect_failure(fn) -> tuple[str, float]:
-    start = time.monotonic()
+def _expect_failure(fn) -> str:
     try:
         fn()
     except (RuntimeError, InputError) as e:  # RankFailure, and the settings check's InputError
-        return str(e), time.monotonic() - start
-    return "", time.monotonic() - start
+        return str(e)
+    return ""
 
 
 def _disagree(rank, world_size):
@@ -55,14 +52,15 @@ def _disagree(rank, world_size):
 
 
 @pytest.mark.slow
-def test_disagreeing_ranks_fail_every_rank_in_seconds():
-    for rank, results in enumerate(run_ranks(4, _disagree, timeout=3 * LIMIT_S)):
-        for where, (message, seconds) in results.items():
-            # ranks started with different planners stop at the settings check, before any plan
+def test_disagreeing_ranks_fail_every_rank_with_one_line():
+    for rank, results in enumerate(run_ranks(4, _disagree, timeout=HANG_S)):
+        for where, message in results.items():
+            # ranks started with different planners stop at the settings check, before any plan;
+            # the message, not a timeout's, says the check stopped them (a hang would be
+            # stopped by run_ranks' timeout and fail the test)
             expected = "disagree on the run's settings: --planner" if where == "training" else "disagree on the plan"
             assert expected in message, (rank, where, message)
             assert len(message.splitlines()) == 1, message
-            assert seconds < LIMIT_S, (rank, where, seconds)
 
 
 def _free_port() -> int:
@@ -71,17 +69,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.timeout(120)  # a hang guard: it fails after its 3 s timeout, not the default 5 minutes
 def test_a_peer_that_never_comes_fails_within_the_timeout(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(_free_port()))
-    start = time.monotonic()
     with pytest.raises(RankFailure, match="process group of 2 ranks") as e:
         train(TrainConfig(**BASE, timeout_minutes=0.05))
-    # A hang guard: the run fails after its 3 s timeout (4 s alone for the whole test);
-    # without it, the default --timeout-minutes of 5 would be waited out.
-    assert time.monotonic() - start < 60
     assert len(str(e.value).splitlines()) == 1
     assert not torch.distributed.is_initialized()
     assert "LOCAL_RANK" not in os.environ

@@ -153,10 +153,9 @@ def test_metadata_storage_items_stay_inside_the_checkpoint_folder(clean_checkpoi
             safe_dcp.read_safe_metadata(step / ".metadata", step)
 
 
+@pytest.mark.timeout(120)  # a hang guard (0.84 s alone for all 8 cases): an offset of 1e12 once hung the loader
 def test_checkpoint_fields_are_checked_before_anything_is_loaded(clean_checkpoint, tmp_path, capsys):
     """A step of -3 resumed at step -2; a loader offset of 1e12 hung the loader."""
-    import time
-
     ck, step = _copy(clean_checkpoint, tmp_path)
     clean = json.loads((step / "ballonet.json").read_text())
     length = load_corpus("stdlib").lengths
@@ -170,10 +169,8 @@ def test_checkpoint_fields_are_checked_before_anything_is_loaded(clean_checkpoin
              ({"format": "ballonet-dcp-1"}, "earlier Ballonet")]
     for change, message in cases:
         (step / "ballonet.json").write_text(json.dumps({**clean, **change}))
-        start = time.perf_counter()
         code, lines = _resume(ck, capsys)
         assert code == 2 and len(lines) == 1 and message in lines[0], (change, lines)
-        assert time.perf_counter() - start < 60  # a hang guard: 0.1 s alone per case (0.84 s for all 8)
 
 
 # ---- prepared corpora --------------------------------------------------------------------
