@@ -101,7 +101,7 @@ def markdown(runs: list[dict], command: str, header: str) -> str:
              f"Command: `{command}` ({header}).", "",
              f"LLaMA-7B, {TOKENS_PER_GPU // 1024}K tokens per GPU, {MAX_LENGTH // 1024}K context, "
              f"{runs[0]['steps']} sampled batches per configuration (seed 0); mean simulated step times. "
-             "Presets (`ballonet/specs.py`): `h800+h20` = 2 nodes of 8 H800 (8x400 Gb/s NICs) + 2 nodes of 8 H20 "
+             "Presets (`ballonet/specs/presets.py`): `h800+h20` = 2 nodes of 8 H800 (8x400 Gb/s NICs) + 2 nodes of 8 H20 "
              "(4x200 Gb/s); `a800+l40s` = 2 nodes of 8 A800 (4x200 Gb/s) + 2 nodes of 8 L40S (PCIe only, "
              "2x200 Gb/s). Lower bound: `cost.bounds.batch_lower_bound`, every kind of work (each document's "
              "attention, every token's GEMMs and elementwise work) split perfectly between the node groups at "

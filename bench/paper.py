@@ -67,7 +67,7 @@ from ballonet.simulation.simulator import simulate
 from ballonet.simulation.timeline import Timeline
 
 MIXED = ["h800+h20", "a800+l40s"]
-"""Mixed-GPU presets (`ballonet/specs.py`): training nodes plus loaned inference nodes."""
+"""Mixed-GPU presets (`ballonet/specs/presets.py`): training nodes plus loaned inference nodes."""
 MODELS = [("llama-3b", 1), ("llama-7b", 1), ("llama-13b", 2), ("llama-30b", 4)]
 SCALE_GPUS = (64, 128, 256, 512, 1024)
 SCALE_CONTEXTS = (32768, 65536, 131072, 262144)

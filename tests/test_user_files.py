@@ -23,7 +23,7 @@ from ballonet.calibration import profile
 from ballonet.cost.profiles import PROFILES
 from ballonet.errors import InputError
 from ballonet.integrations import hf_model
-from ballonet.training.checkpoints import checkpoint, safe_dcp
+from ballonet.training.checkpoints import folder as checkpoint_folder, safe_dcp
 from ballonet.training.data import prepare
 from ballonet.training.config_file import read_config_file
 from ballonet.training.data.corpus import from_prepared, from_text_dir, load_corpus
@@ -95,8 +95,8 @@ def _step(f):
 
 # Each kind of folder and the file in it a reader reads: (folder, file, read(folder)).
 FOLDER_FILES = {
-    "checkpoint latest": ("ck", "latest", lambda f: checkpoint.latest(str(f / "ck"))),
-    "checkpoint ballonet.json": ("ck/step-00000001", "ballonet.json", lambda f: checkpoint.read_meta(str(_step(f)))),
+    "checkpoint latest": ("ck", "latest", lambda f: checkpoint_folder.latest(str(f / "ck"))),
+    "checkpoint ballonet.json": ("ck/step-00000001", "ballonet.json", lambda f: checkpoint_folder.read_meta(str(_step(f)))),
     "checkpoint .metadata": ("ck/step-00000001", ".metadata",
                              lambda f: safe_dcp.read_safe_metadata(str(_step(f) / ".metadata"), str(_step(f)))),
     "prepared manifest.json": ("corpus", "manifest.json", lambda f: from_prepared(f / "corpus")),
@@ -150,7 +150,7 @@ def test_a_step_folder_linked_from_outside_the_checkpoint_folder_is_refused(fold
     moved = folders.parent / "elsewhere"
     shutil.move(step, moved)
     os.symlink(moved, step)
-    refused(lambda: checkpoint.latest(str(folders / "ck")), "symbolic link out of")
+    refused(lambda: checkpoint_folder.latest(str(folders / "ck")), "symbolic link out of")
 
 
 # ---- a file the user names: every reader ------------------------------------------------

@@ -41,7 +41,7 @@ from ballonet.errors import InputError
 from ballonet.integrations import hf_model
 from ballonet.plan.recompute import heaviest
 from ballonet.training import config_file, evaluation, logs, metrics, optim
-from ballonet.training.checkpoints import checkpoint, export
+from ballonet.training.checkpoints import checkpoint, export, folder as checkpoint_folder
 from ballonet.training.jobs import host, lease, process_group
 from ballonet.training.parallelism import parallel, tensor_parallel
 from ballonet.training.config import TrainConfig
@@ -185,16 +185,16 @@ def _run(config: TrainConfig, group, use_cuda: bool, signals: lease.Signals):
 
     step = 0
     if config.checkpoint_dir and rank == 0:
-        checkpoint.clean_stale(config.checkpoint_dir)
+        checkpoint_folder.clean_stale(config.checkpoint_dir)
         config_file.write_resolved(config, config.checkpoint_dir)
     dist.barrier(group)
-    found = checkpoint.resume_path(config.checkpoint_dir or "", config.resume_from) if config.resume else None
+    found = checkpoint_folder.resume_path(config.checkpoint_dir or "", config.resume_from) if config.resume else None
     if found:
         meta = checkpoint.load(found, model, optimizer, rank, group, device)
         try:
             loader.load_state_dict(meta["loader"])
         except InputError as e:
-            raise InputError(f"{os.path.join(found, checkpoint.META)}: {e}") from None
+            raise InputError(f"{os.path.join(found, checkpoint_folder.META)}: {e}") from None
         step = meta["step"]
         if rank == 0:
             print(f"resumed from step {step} ({found})", flush=True)

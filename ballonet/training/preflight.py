@@ -21,7 +21,7 @@ from ballonet import specs
 from ballonet.errors import InputError
 from ballonet.integrations import hf_model
 from ballonet.training import evaluation, logs, metrics
-from ballonet.training.checkpoints import checkpoint
+from ballonet.training.checkpoints import checkpoint, folder as checkpoint_folder
 from ballonet.training.parallelism import parallel, tensor_parallel
 from ballonet.training.config import PER_PROCESS, TrainConfig, run_fields
 from ballonet.training.data.corpus import load_corpus
@@ -43,9 +43,9 @@ def _check_paths(config: TrainConfig) -> None:
     if config.checkpoint_dir and os.path.exists(config.checkpoint_dir) and not os.path.isdir(config.checkpoint_dir):
         raise InputError(f"--checkpoint-dir {config.checkpoint_dir}: is a file, not a folder")
     if config.resume:  # a foreign folder, a dangling pointer or a step past --steps fails here
-        path = checkpoint.resume_path(config.checkpoint_dir or "", config.resume_from)
+        path = checkpoint_folder.resume_path(config.checkpoint_dir or "", config.resume_from)
         if path:
-            checkpoint.check_resumable(path, config.steps)
+            checkpoint_folder.check_resumable(path, config.steps)
 
 
 def preflight(config: TrainConfig, world_size: int):

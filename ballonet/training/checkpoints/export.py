@@ -23,7 +23,7 @@ import torch.distributed.checkpoint as dcp
 
 from ballonet.errors import InputError
 from ballonet.specs import ModelSpec
-from ballonet.training.checkpoints import checkpoint, export_folder as output, safe_dcp
+from ballonet.training.checkpoints import export_folder as output, folder, safe_dcp
 from ballonet.training.parallelism.model import NORM_EPS, ROPE_THETA, Transformer
 
 WEIGHTS = "model.safetensors"
@@ -44,12 +44,12 @@ def step_folder(path: str) -> str:
     """A `--checkpoint-dir` (its latest checkpoint) or one checkpoint's folder."""
     if not os.path.isdir(path):
         raise InputError(f"--checkpoint {path}: not a folder")
-    if os.path.isfile(os.path.join(path, checkpoint.META)):
+    if os.path.isfile(os.path.join(path, folder.META)):
         return path
-    found = checkpoint.latest(path)
+    found = folder.latest(path)
     if found is None:
-        raise InputError(f"--checkpoint {path}: holds no checkpoint (no {checkpoint.LATEST!r} file and no "
-                         f"{checkpoint.META})")
+        raise InputError(f"--checkpoint {path}: holds no checkpoint (no {folder.LATEST!r} file and no "
+                         f"{folder.META})")
     return found
 
 
@@ -117,7 +117,7 @@ def read_model_state(path: str, model: dict) -> dict[str, torch.Tensor]:
     the model `model` (`ballonet.json`'s record: `model_tensors`) before any is allocated."""
     metadata = safe_dcp.read_safe_metadata(os.path.join(path, safe_dcp.DCP_METADATA), path)  # weights-only
     prefix = "model."
-    expected = model_tensors(model, os.path.join(path, checkpoint.META))
+    expected = model_tensors(model, os.path.join(path, folder.META))
     tied = f"{prefix}lm_head.weight"
     if model["kind"] == "hf" and tied not in metadata.state_dict_metadata:
         expected.pop(tied, None)  # a tied head, not stored (the embedding's)
@@ -184,10 +184,10 @@ def export(checkpoint_path: str, out: str, *, overwrite: bool = False, tokenizer
         raise InputError("ballonet export needs transformers and safetensors: pip install 'ballonet[hf]'") from None
     output.check_out(out, overwrite)
     path = step_folder(checkpoint_path)
-    meta = checkpoint.read_meta(path)
+    meta = folder.read_meta(path)
     model = meta.get("model")
     if not isinstance(model, dict) or model.get("kind") not in ("ballonet", "hf"):
-        raise InputError(f"{os.path.join(path, checkpoint.META)}: records no model (a checkpoint written before "
+        raise InputError(f"{os.path.join(path, folder.META)}: records no model (a checkpoint written before "
                          "export existed); train on from it with --resume to write one that does")
     sources = output.tokenizer_files(tokenizer, path)
     state = read_model_state(path, model)
