@@ -127,9 +127,10 @@ def _gap_lines(runs: list[dict], gap: dict | None) -> list[str]:
         "communication (the gradient all-reduce's intra-node part over PCIe at 25 GB/s on L40S nodes, the "
         "inference nodes' few NICs) and batches such as "
         f"{name(worst[0])}'s batch {worst[1]} ({worst[2]['step_s'] / worst[2]['bound_s']:.2f}x), where a "
-        "64K-token document's ring over 8 L40S on PCIe leaves about 4.9 s of K/V transfers exposed that the "
-        "candidates' estimate does not count (it charges rings' exposure across nodes only; level 1 does "
-        "count it).",
+        "64K-token document's ring over the 8 L40S of one node, on PCIe, leaves 4.9 s of communication exposed "
+        "on its ranks (0.3 s on the other L40S node; `pricing.ring_exposed_seconds` gives 5.0 s for that ring), "
+        "where the candidates' estimate counts 0.9 s: it charges the exposure of rings across nodes only (level 1 "
+        "counts it inside a node too, and still placed the document there).",
         "- Pooling memory across the groups, as the bound does, through the remap: the memory-poor group's "
         "attention layout moved in part to the memory-rich group (its shortest whole documents; their GEMMs stay, "
         "a remap across the groups; each rank recomputing as little as its new memory needs) lengthens every "
