@@ -149,7 +149,7 @@ def _gap_lines(runs: list[dict], gap: dict | None) -> list[str]:
         "The bound may pool memory because it charges no traffic for it; on these networks a plan cannot.",
         "- Full recomputation on fewer layers: the runtime reruns a fully recomputed layer's ring and remap, so "
         "every rank recomputes fully on every layer or none does; full recomputation replaced by linear on every "
-        "layer of every rank (memory ignored: more than any split of layers could buy) brings the plans to "
+        "layer of every rank (memory ignored: more than full recomputation on some layers and linear on the others could buy) brings the plans to "
         + ", ".join(f"{g['linear_for_full_to_bound']:.3f}x" for g in rows) + ".",
         "- So 1.15x was not reached: what is left is memory the bound pools but a plan cannot reach without "
         "traffic that costs more than it saves, exposed communication over the inference nodes' links, and the "
