@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import statistics
 import sys
@@ -92,11 +93,75 @@ def config(cluster_name: str, workload: str, steps: int) -> dict:
     return out
 
 
+GAP = "investigations/hetero_gap.py"
+"""Where the distance to the bound goes (`hetero_gap.json`, read when its batches are these)."""
+
+
+def _nic_share(cluster_name: str, group: int) -> float:
+    """Bytes/s of NIC a GPU of the group has when every GPU of its node sends at once."""
+    g = specs.cluster(cluster_name).groups[group]
+    return g.nics_per_node * g.nic_bw / g.gpus_per_node
+
+
+def _gap_lines(runs: list[dict], gap: dict | None) -> list[str]:
+    """The "Why" bullets on the distance to the bound, from `GAP`'s figures."""
+    if gap is None:
+        return [f"- Where the rest goes: run `python bench/{GAP}` with these --steps (its figures are quoted here)."]
+    by = {(g["cluster"], g["workload"]): g for g in gap["runs"]}
+    rows = [by[r["cluster"], r["workload"]] for r in runs]
+    name = lambda g: f"{g['cluster']} {g['workload']}"  # noqa: E731
+    moved = [(x, [g["moved"][x] for g in rows]) for x in rows[0]["moved"]]
+    m = specs.model(MODEL)
+    per_token = 2 * (2 * m.hidden + 2 * m.kv_dim) * m.dtype_bytes * m.num_layers
+    worst = max(((g, i, b) for g in rows for i, b in enumerate(g["batches"])), key=lambda x: x[2]["step_s"] / x[2]["bound_s"])
+    return [
+        "- Where the rest goes (`bench/results/hetero_gap.md`, command there; the same batches): "
+        "a perfect estimate choosing among zeppelin's own candidate plans by their simulated step would reach "
+        + ", ".join(f"{g['oracle_to_bound']:.3f}x" for g in rows) + " (now "
+        + ", ".join(f"{g['to_bound']:.3f}x" for g in rows) + "). Memory is most of the rest on `h800+h20`: "
+        f"with {rows[0]['ample_memory']}x each GPU's memory (nothing recomputed) zeppelin is at "
+        + ", ".join(f"{g['ample_to_bound']:.3f}x" for g in rows) + " of that cluster's bound. An H800 runs most "
+        "of the GEMMs, so it holds three to six times an H20's tokens in its 80 GB and recomputes linear or full "
+        "layers, where the bound's pooled memory recomputes selectively on a few. Not on `a800+l40s`: there "
+        "more memory leaves zeppelin as far off or farther (its bound falls more than its step); the distance is exposed "
+        "communication (the gradient all-reduce's intra-node part over PCIe at 25 GB/s on L40S nodes, the "
+        "inference nodes' few NICs) and batches such as "
+        f"{name(worst[0])}'s batch {worst[1]} ({worst[2]['step_s'] / worst[2]['bound_s']:.2f}x), where a "
+        "64K-token document's ring over the 8 L40S of one node, on PCIe, leaves 4.9 s of communication exposed "
+        "on its ranks (0.3 s on the other L40S node; `pricing.ring_exposed_seconds` gives 5.0 s for that ring), "
+        "where the candidates' estimate counts 0.9 s: it charges the exposure of rings across nodes only (level 1 "
+        "counts it inside a node too, and still placed the document there).",
+        "- Pooling memory across the groups, as the bound does, through the remap: the memory-poor group's "
+        "attention layout moved in part to the memory-rich group (its shortest whole documents; their GEMMs stay, "
+        "a remap across the groups; each rank recomputing as little as its new memory needs) lengthens every "
+        "step: " + "; ".join(f"{x} tokens a rank, " + ", ".join(f"{v['to_bound']:.2f}x" for v in vals)
+                             for x, vals in moved)
+        + ". The remap moves q, k, v there and o back in the forward and their gradients in the backward, "
+        f"{per_token / 1e6:.1f} MB a token a step (LLaMA-7B), through the inference side's NIC share when all "
+        f"its GPUs send ({_nic_share('h800+h20', 1) / 1e9:.1f} GB/s an H20, "
+        f"{_nic_share('a800+l40s', 1) / 1e9:.2f} GB/s an L40S, whose nodes also cross PCIe): an H20 receiving "
+        f"1000 tokens spends {1000 * per_token / _nic_share('h800+h20', 1) * 1e3:.0f} ms a step on them, while "
+        "the 1000 attention tokens (1.05 GB) an H800 gives free about 2.6 layers of its linear recomputation at "
+        "25K tokens (their QKV and O GEMMs, 3.4 TFLOP a layer, about 5 ms on an H800). "
+        "The busiest compute does not fall (" + ", ".join(f"{v['compute_to_bound']:.3f}x" for v in moved[-1][1])
+        + f" at {moved[-1][0]} tokens, against " + ", ".join(f"{g['compute_to_bound']:.3f}x" for g in rows)
+        + "): the memory-rich group takes the moved documents' attention. "
+        "The bound may pool memory because it charges no traffic for it; on these networks a plan cannot.",
+        "- Full recomputation on fewer layers: the runtime reruns a fully recomputed layer's ring and remap, so "
+        "every rank recomputes fully on every layer or none does; full recomputation replaced by linear on every "
+        "layer of every rank (memory ignored: more than full recomputation on some layers and linear on the others could buy) brings the plans to "
+        + ", ".join(f"{g['linear_for_full_to_bound']:.3f}x" for g in rows) + ".",
+        "- So 1.15x was not reached: what is left is memory the bound pools but a plan cannot reach without "
+        "traffic that costs more than it saves, exposed communication over the inference nodes' links, and the "
+        "placement and kernels' own distance, which the same planner also has on homogeneous clusters "
+        "(`bench/results/paper.md`, column step/bound)."]
+
+
 def _goal(ok: bool) -> str:
     return "met" if ok else "not met"
 
 
-def markdown(runs: list[dict], command: str, header: str) -> str:
+def markdown(runs: list[dict], command: str, header: str, gap: dict | None = None) -> str:
     lines = ["# Mixed GPU types: training nodes plus loaned inference nodes, simulated", "",
              f"Command: `{command}` ({header}).", "",
              f"LLaMA-7B, {TOKENS_PER_GPU // 1024}K tokens per GPU, {MAX_LENGTH // 1024}K context, "
@@ -140,34 +205,13 @@ def markdown(runs: list[dict], command: str, header: str) -> str:
               "peak FLOP/s, each at its group's own seconds, are within 1.5% (h800+h20) and 5.5% (a800+l40s) of "
               "the bound's best split (one batch of each, seed 0), and a scalar speed per rank from calibrated "
               "layer seconds, or linear-layer targets by calibrated linear seconds, measured no better than peak "
-              "FLOP/s here (tried, not kept). Zeppelin's GPUs' mean compute is itself 7-20% over the bound: its "
-              "chunks run below the best efficiency the bound grants each kind, and it recomputes more than the "
-              "bound: the bound pools all GPUs' memory, so the batch needs only "
+              "FLOP/s here (tried, not kept). The bound's recomputation: "
               + ", ".join(f"{'/'.join(r['bound_recompute'])}" for r in runs)
-              + " layers recomputed, where zeppelin's plans, each rank within its own GPU's memory, recompute "
+              + " layers (all GPUs' memory pooled); zeppelin's plans, each rank within its own GPU's memory: "
               + ", ".join(f"{'/'.join(r['results']['zeppelin']['recompute'])}" for r in runs)
-              + " layers (on the rank that recomputes most). Level 1 prices each node under the recomputation "
-              "its share needs (`planning/zeppelin/recomputed.py`): on `h800+h20` the H20s, whose shares fit "
-              "their memory, recompute nothing and take more tokens, and the memory-full H800s recompute fewer "
-              "layers (priced as linear recomputation on every layer everywhere, the H20s ran about 0.79 of the "
-              "busiest rank's compute; full recomputation, chosen on some batches, reruns the layer's ring and "
-              "so runs on every rank or none). The bound also keeps each group's own memory "
-              "(`bound_parts`: each group holds the linear layout of the tokens whose GEMMs it runs, recomputing as "
-              "`recompute.py` prices it when they do not fit), but here that bound is lower than the pooled one ("
-              + ", ".join(f"{r['bound_per_group_s']:.2f} s against {r['bound_pooled_s']:.2f} s" for r in runs)
-              + ", means over the batches): a plan may remap any token to any rank, so the attention layout's "
-              "bytes (1.0 of the 1.6 MB a token holds under linear recomputation, LLaMA-7B) may sit on the "
-              "group with room (an H20 has 96 GB to an H800's 80; an A800 80 to an L40S's 48), and the faster "
-              "group then holds its share of the linear layout under cheaper recomputation than zeppelin's; "
-              "zeppelin keeps both layouts on the same ranks, which no valid bound may assume. "
-              "The rest of the gap is "
-              "exposed communication and waiting: the gradient all-reduce, whose intra-node part runs over PCIe "
-              "at 25 GB/s on L40S nodes, the inference nodes' few NICs (4x200 Gb/s for 8 H20, 2x200 Gb/s for 8 "
-              "L40S) and ring hops that short chunks cannot hide (L40S nodes keep their tokens: no remap over "
-              "PCIe). The same planner is off this bound on homogeneous clusters too (`bench/results/paper.md`, "
-              "column step/bound), so 1.15x on mixed clusters, whose inference nodes have far less network per GPU "
-              "than the training nodes, was not reached.",
-              "- Loaned GPUs' gain: an H20 has 15% of an H800's peak, so the 16 H20s could add at most 15% "
+              + " (on the rank that recomputes most).",
+              *_gap_lines(runs, gap),
+                            "- Loaned GPUs' gain: an H20 has 15% of an H800's peak, so the 16 H20s could add at most 15% "
               "to the step rate; a few percent of imbalance or exposed communication on the 32-GPU job "
               "takes a large part of that."]
     lines += ["", "## Step times (s)", "",
@@ -201,7 +245,15 @@ def main(argv: list[str] | None = None) -> int:
     cmd = command("hetero.py", argv)
     data = record(cmd, {"runs": runs, "seconds": time.perf_counter() - t}, os.path.join(args.out, "hetero.json"))
     header = f"{data['date']}, {data['machine']}, {data['seconds']:.0f} s"
-    write_text(os.path.join(args.out, "hetero.md"), markdown(runs, cmd, header))
+    gap = None
+    try:
+        with open(os.path.join(args.out, "hetero_gap.json")) as f:
+            gap = json.load(f)
+        if gap["runs"][0]["steps"] != args.steps:
+            gap = None
+    except (OSError, ValueError, KeyError, IndexError):
+        gap = None
+    write_text(os.path.join(args.out, "hetero.md"), markdown(runs, cmd, header, gap))
     return 0
 
 
