@@ -9,10 +9,15 @@ import numpy as np
 import pytest
 
 import ballonet
+from ballonet import workloads
 from ballonet.cost import hardware
+from ballonet.cost.recompute import per_rank_recompute
 from ballonet.cost.seconds import attention_seconds
 from ballonet.planning import plan_batch
 from ballonet.planning.devices import devices
+from ballonet.planning.routing import plan_routes
+from ballonet.planning.zeppelin.pcie_level import pcie_ring_inside
+from ballonet.planning.zeppelin.search import CandidateSearch, ZeppelinOptions
 from ballonet.planning.pcie_rings import (
     backward_exposed_seconds,
     forward_exposed_seconds,
@@ -82,3 +87,21 @@ def test_rings_over_nvlink_are_priced_as_before():
     got = pcie_ring_exposed_seconds(plan, dev, model, np.full(plan.num_ranks, 200e9))
     assert not got.forward.any() and not got.backward.any() and not got.members.any()
     assert not got.backward_skew(np.ones(plan.num_ranks)).any()
+
+
+def test_the_search_also_plans_no_ring_inside_a_pcie_node_and_keeps_it_where_it_is_shorter():
+    # bench/hetero.py's a800+l40s prolong batch 6: level 1 puts a 28K-token document's ring
+    # over 3 L40S (6.31 s simulated); kept whole on the L40S nodes, the batch runs 5.76 s.
+    cluster, model = ballonet.cluster("a800+l40s"), ballonet.model("llama-7b")
+    lengths = list(workloads.get("prolong").batches(16384 * cluster.num_ranks, 0, 7, 65536))[6]
+    search = CandidateSearch(lengths=lengths, cluster=cluster, model=model, options=ZeppelinOptions())
+    plan = search.run()
+    assert not pcie_ring_inside(plan, search.best.dev)
+
+    def simulated(p):
+        p = dataclasses.replace(p, recompute=per_rank_recompute(model, p.linear_token_counts, search.best.dev.gpu,
+                                                                p.attention_token_counts))
+        return simulate(p, cluster, model).step_time_s
+    inside = [dataclasses.replace(c.plan, routes=plan_routes(c.plan, cluster, c.model, c.dev.local_index))
+              for c, *_ in search.made if pcie_ring_inside(c.plan, c.dev)]  # routed, as the chosen plan
+    assert inside and simulated(plan) < 0.95 * min(simulated(p) for p in inside)

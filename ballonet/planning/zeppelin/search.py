@@ -36,6 +36,7 @@ from ballonet.planning.zeppelin.classes import (
     level_nodes,
     spread_level,
 )
+from ballonet.planning.zeppelin.pcie_level import pcie_ring_inside, unsplit_level
 from ballonet.planning.zeppelin.recomputed import mixed, recomputed_levels
 from ballonet.planning.zeppelin.thresholds import THRESHOLDS
 from ballonet.specs import ClusterSpec, ModelSpec
@@ -118,6 +119,9 @@ class CandidateSearch:
                 break  # and costlier modes, whose caps are tighter nowhere
             placed: Placed = {}
             plans = self._made(maker, level, placed) if level is not None else []
+            if level is not None and any(pcie_ring_inside(c.plan, c.dev) for c in plans) \
+                    and (lv := unsplit_level(level)) is not None:
+                plans += self._made(maker, lv, {})  # no ring inside a PCIe-only node (`pcie_level`)
             for lv in extra if plans else ():  # as the mode's best plan: keeping tokens or remapping them
                 if not self._level_too_slow(lv, maker, np.inf if looser else self.best_layers_s):
                     plans += self._made(maker, lv, {}, keep=min(plans, key=lambda c: c.seconds).plan.meta["keep_tokens"])
