@@ -24,6 +24,11 @@ simulated as chosen and as three counterfactuals, each against the same bound
   (`cost.recompute.per_rank_recompute`, as `plan_batch` decides). This is the pooling of
   memory across groups that the bound assumes free: it prices the remap traffic it adds.
 
+And, for each batch whose plan runs a ring inside a PCIe-only node (`zeppelin.pcie_level`),
+its rings, its estimated step beside its simulated one, the communication the simulator
+leaves exposed on the rings' members and on the PCIe nodes' other ranks, and the best of
+its candidates with no such ring, simulated.
+
 Writes hetero_gap.json and hetero_gap.md to `--out`.
 """
 
@@ -52,6 +57,7 @@ from ballonet.planning.assembly import Placement, assemble
 from ballonet.planning.devices import devices
 from ballonet.planning.remap import plan_remap
 from ballonet.planning.routing import plan_routes
+from ballonet.planning.zeppelin.pcie_level import inside_pcie_node, pcie_ring_inside
 from ballonet.planning.zeppelin.search import CandidateSearch, ZeppelinOptions
 from ballonet.simulation.simulator import simulate
 
@@ -117,6 +123,10 @@ def batch_figures(lengths, cluster, model) -> dict:
     candidates = [simulate(_recomputed(dataclasses.replace(
         c.plan, routes=plan_routes(c.plan, cluster, c.model, c.dev.local_index)), model, gpus), cluster, model)
         for c, *_ in search.made]
+    dev = search.best.dev
+    inside = [r for r in chosen.rings if inside_pcie_node(r, dev)]
+    members = sorted({x for r in inside for x in r.ranks})
+    others = [x for x in range(dev.num_ranks) if dev.gpu[x].intra_link == "pcie" and x not in members]
     roomy = dataclasses.replace(cluster, groups=tuple(
         dataclasses.replace(g, memory_gb=AMPLE * g.gpu_type.memory_bytes / hardware.GB) for g in cluster.groups))
     ample = simulate(plan_batch(list(lengths), roomy, model, "zeppelin"), roomy, model)
@@ -127,6 +137,12 @@ def batch_figures(lengths, cluster, model) -> dict:
            if full else sim.step_time_s, "bound_s": bound, "compute_s": max(sim.compute_s),
            "recompute": sorted({f"{m.value} on {k}" for m, k in chosen.recompute}),
            "oracle_s": min([sim.step_time_s] + [c.step_time_s for c in candidates]),
+           "estimate_s": search.best.seconds,
+           "pcie_rings": [[chosen.lengths[r.doc], len(r.ranks)] for r in inside],
+           "pcie_ring_exposed_s": max((sim.exposed_comm_s[x] for x in members), default=0.0),
+           "pcie_other_exposed_s": statistics.median([sim.exposed_comm_s[x] for x in others]) if others else 0.0,
+           "no_pcie_ring_s": min((c.step_time_s for (m, *_), c in zip(search.made, candidates)
+                                  if not pcie_ring_inside(m.plan, m.dev)), default=None),
            "ample_s": ample.step_time_s, "ample_bound_s": ample.lower_bound_s,
            "ample_recompute": ample.recompute,
            "moved": {}}
@@ -186,6 +202,19 @@ def markdown(runs: list[dict], cmd: str, header: str) -> str:
     for r in runs:
         lines.append(f"- {r['cluster']} {r['workload']}: " + ", ".join(
             f"{b['step_s'] / b['bound_s']:.3f} ({b['ample_s'] / b['ample_bound_s']:.3f})" for b in r["batches"]))
+    lines += ["", "Batches whose plan runs a ring inside a PCIe-only node (`planning/pcie_rings.py` prices it): its "
+              "rings (tokens over members), its step simulated and estimated, the communication left exposed on the "
+              "rings' members and (median) on the PCIe nodes' other ranks, the best candidate with no such ring, "
+              "simulated:", ""]
+    for r in runs:
+        for i, b in enumerate(r["batches"]):
+            if b["pcie_rings"]:
+                other = "none" if b["no_pcie_ring_s"] is None else f"{b['no_pcie_ring_s']:.2f} s"
+                lines.append(f"- {r['cluster']} {r['workload']} batch {i}: "
+                             + ", ".join(f"{n // 1024}K over {g}" for n, g in b["pcie_rings"])
+                             + f"; {b['step_s']:.2f} s simulated, {b['estimate_s']:.2f} s estimated; exposed "
+                             f"{b['pcie_ring_exposed_s']:.1f} s and {b['pcie_other_exposed_s']:.1f} s; "
+                             f"without: {other}")
     lines += ["", "Recomputation of zeppelin's plans, and of the plans with 4000 tokens moved (each rank's mode on "
               "its first layers), by batch:", ""]
     for r in runs:

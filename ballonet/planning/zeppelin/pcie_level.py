@@ -16,17 +16,21 @@ from __future__ import annotations
 
 import dataclasses
 
-from ballonet.plan import Plan
+from ballonet.plan import Plan, Ring
 from ballonet.planning.devices import Devices
 from ballonet.planning.zeppelin.classes import NodeLevel, with_level1
 
-__all__ = ["pcie_ring_inside", "unsplit_level"]
+__all__ = ["inside_pcie_node", "pcie_ring_inside", "unsplit_level"]
+
+
+def inside_pcie_node(ring: Ring, dev: Devices) -> bool:
+    """Whether the members of `ring` all sit in one PCIe-only node."""
+    return dev.gpu[ring.ranks[0]].intra_link == "pcie" and len({dev.node[x] for x in ring.ranks}) == 1
 
 
 def pcie_ring_inside(plan: Plan, dev: Devices) -> bool:
-    """Whether `plan` runs a ring whose members all sit in one PCIe-only node."""
-    return any(dev.gpu[r.ranks[0]].intra_link == "pcie" and len({dev.node[x] for x in r.ranks}) == 1
-               for r in plan.rings)
+    """Whether `plan` runs a ring inside a PCIe-only node."""
+    return any(inside_pcie_node(r, dev) for r in plan.rings)
 
 
 def unsplit_level(shared: NodeLevel) -> NodeLevel | None:
