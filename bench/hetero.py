@@ -166,7 +166,7 @@ def _pcie_ring_text(batch: dict) -> str:
             f"({batch['pcie_other_exposed_s']:.1f} s on the L40S nodes' other ranks). The candidates' estimate prices "
             "it as the simulator runs it (`planning/pcie_rings.py`: each member's K/V and partial dK/dV go round "
             "the ring over its PCIe port, beside the layer's data-parallel collectives; that batch "
-            f"{batch['estimate_s']:.2f} s estimated, {batch['step_s']:.2f} s simulated), and where a plan has such a "
+            f"{batch['estimate_s']:.2f} s estimated, {batch['step_s']:.2f} s simulated), and where the best plan has such a "
             "ring the search also plans the batch with no document split inside a PCIe-only node "
             "(`zeppelin/pcie_level.py`; on a800+l40s prolong's batch 6 it replaced a 28K-token ring over 3 L40S, "
             "1.31x of that batch's bound, by a plan at 1.19x, commit a7b3e2e). "

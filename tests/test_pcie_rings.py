@@ -59,14 +59,15 @@ def test_a_64k_ring_over_8_l40s_exposes_what_pcie_takes_beyond_its_kernels_by_ha
     grad = p.p2p_latency_s + 2 * block * model.kv_dim * 4 / (link * p.p2p_efficiency)  # dK and dV, fp32
     assert kv > fwd and kv + grad > bwd  # PCIe: the transfers outlast the steps
     # one rank a node: no data-parallel collectives inside it to share the port with
-    forward, backward = pcie_ring_seconds(model, gpu, [block], 8, link, 1)
+    forward, backward = pcie_ring_seconds(model, gpu, [[block] * 8], 8, link, 1)
     assert forward == pytest.approx(32 * 7 * (kv - fwd), rel=1e-9)
     assert backward == pytest.approx(32 * (7 * (kv + grad) - grad - 8 * bwd), rel=1e-9)
-    assert forward + backward > 3.0  # seconds a step: what the estimate missed before
+    assert (forward + backward > 3.0).all()  # seconds a step: what the estimate missed before
     # full recomputation: each backward step's kernel also reruns its forward
     full = dataclasses.replace(model, recompute="full")
-    assert pcie_ring_seconds(full, gpu, [block], 8, link, 1) == pytest.approx(
-        (forward, 32 * (7 * (kv + grad) - grad - 8 * (bwd + fwd))), rel=1e-9)
+    f, b = pcie_ring_seconds(full, gpu, [[block] * 8], 8, link, 1)
+    assert f == pytest.approx(forward, rel=1e-9)
+    assert b == pytest.approx(32 * (7 * (kv + grad) - grad - 8 * (bwd + fwd)), rel=1e-9)
 
 
 @pytest.mark.parametrize("lengths, within", [([32768] + [2048] * 32, 0.01), ([65536] + [2048] * 16, 0.04)])

@@ -5,8 +5,8 @@ a 64K-token document over 8 L40S exposes about 4 s a step of LLaMA-7B beside 5 s
 compute. Level 1 prices such a ring as extra work of its node and still sends a long
 document there when the other nodes are full; whether the node or a fuller NVLink node
 is the better home depends on what else each holds, which level 1 does not see but the
-candidates' estimate does. So where a plan puts a ring inside a PCIe-only node, the
-search also plans the same batch with every node of those groups unable to split a
+candidates' estimate does. So where the best plan puts a ring inside a PCIe-only node,
+the search also plans the same batch with every node of those groups unable to split a
 document (`unsplit_level`: their intra-node crossover unset, so level 1 charges a long
 document there the wait it leaves the node's other ranks, and level 2 keeps documents
 whole there), and the estimate chooses.

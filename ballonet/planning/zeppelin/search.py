@@ -5,7 +5,8 @@ remap, keeping the plan with the shortest estimated step (docs/design.md, sectio
 `CandidateSearch` walks those three axes in one loop each. Beside each mode's level 1 it
 plans its variants: nodes priced under what their shares recompute (`recomputed.py`),
 heavy documents over two nodes (`classes.spread_level`) and, for the best plan, a level 1
-balanced on the backward (`classes.backward_level`). A double level 1 that sends the same
+with no document split inside a PCIe-only node where it has a ring there (`pcie_level.py`)
+and one balanced on the backward (`classes.backward_level`). A double level 1 that sends the same
 documents to the same nodes reuses its single one's placements (`_same_nodes`). Every
 prune is a named predicate (`_level_too_slow`, `_level_enough`, `_costlier_mode_loses`,
 `_plan_looser`), every step that can fail returns None, and the one reason the search
@@ -119,9 +120,6 @@ class CandidateSearch:
                 break  # and costlier modes, whose caps are tighter nowhere
             placed: Placed = {}
             plans = self._made(maker, level, placed) if level is not None else []
-            if level is not None and any(pcie_ring_inside(c.plan, c.dev) for c in plans) \
-                    and (lv := unsplit_level(level)) is not None:
-                plans += self._made(maker, lv, {})  # no ring inside a PCIe-only node (`pcie_level`)
             for lv in extra if plans else ():  # as the mode's best plan: keeping tokens or remapping them
                 if not self._level_too_slow(lv, maker, np.inf if looser else self.best_layers_s):
                     plans += self._made(maker, lv, {}, keep=min(plans, key=lambda c: c.seconds).plan.meta["keep_tokens"])
@@ -151,6 +149,11 @@ class CandidateSearch:
         for level, maker, placed in sorted(doubled + spread, key=lambda x: x[0].node_seconds):
             if not self._level_too_slow(level, maker, self.best_layers_s):
                 self._compare(self._made(maker, level, placed))
+        # The best plan's level 1 with no ring inside a PCIe-only node, where it has one (`pcie_level`).
+        for best, maker, level, _ in [x for x in self.made if x[0] is self.best][:1]:
+            if pcie_ring_inside(best.plan, best.dev) and (unsplit := unsplit_level(level)) is not None \
+                    and not self._level_too_slow(unsplit, maker, self.best_layers_s):
+                self._compare(self._made(maker, unsplit, {}))
         # The best plan's level 1 balanced on the backward, where every rank recomputes alike.
         for best, maker, level, _ in [x for x in self.made if x[0] is self.best][:1]:
             if opts.price_linear and maker.model.recompute not in BELOW and (b := backward_level(level)) is not None \
