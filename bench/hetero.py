@@ -160,7 +160,7 @@ def _pcie_ring_text(batch: dict) -> str:
     if not batch.get("pcie_rings"):
         return "."
     length, members = max(batch["pcie_rings"])
-    alone = batch["no_pcie_ring_s"]
+    alone, fewer = batch["no_pcie_ring_s"], batch.get("pcie_fewer", {})
     return (f", where a {length // 1024}K-token document's ring over {members} L40S of one node, on PCIe, leaves "
             f"{batch['pcie_ring_exposed_s']:.1f} s of communication exposed on its ranks "
             f"({batch['pcie_other_exposed_s']:.1f} s on the L40S nodes' other ranks). The candidates' estimate prices "
@@ -170,11 +170,14 @@ def _pcie_ring_text(batch: dict) -> str:
             "ring the search also plans the batch with no document split inside a PCIe-only node "
             "(`zeppelin/pcie_level.py`; on a800+l40s prolong's batch 6 it replaced a 28K-token ring over 3 L40S, "
             "1.31x of that batch's bound, by a plan at 1.19x, commit a7b3e2e). "
-            "Here that plan runs "
-            + (f"{alone:.2f} s" if alone is not None else "out of memory") + " and the ring is kept: "
-            "every member's K/V and dK/dV go round the whole ring, so over 6 to 8 L40S the ring's PCIe traffic "
-            "stays about the same while each member's share of the compute grows as the members fall, and on an "
-            "A800 node the document shares 8 ranks with another 64K-token one.")
+            "Here the ring is kept: "
+            + (f"with no document split inside a PCIe-only node the batch runs {alone:.2f} s; " if alone is not None
+               else "level 1 with no document split inside a PCIe-only node (the document beside another 64K-token "
+                    "one on an A800 node) already leaves a node slower than this plan, so it is not planned; ")
+            + "over " + ", ".join(f"{k}" for k in fewer) + " members the batch runs "
+            + ", ".join(f"{v['step_s']:.2f}" for v in fewer.values()) + " s (estimated "
+            + ", ".join(f"{v['estimate_s']:.2f}" for v in fewer.values()) + " s): every member's K/V and dK/dV "
+            "go round the whole ring, so its PCIe traffic stays about the same while each member's compute grows.")
 
 
 def _goal(ok: bool) -> str:
