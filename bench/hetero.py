@@ -123,14 +123,11 @@ def _gap_lines(runs: list[dict], gap: dict | None) -> list[str]:
         + ", ".join(f"{g['ample_to_bound']:.3f}x" for g in rows) + " of that cluster's bound. An H800 runs most "
         "of the GEMMs, so it holds three to six times an H20's tokens in its 80 GB and recomputes linear or full "
         "layers, where the bound's pooled memory recomputes selectively on a few. Not on `a800+l40s`: there "
-        "more memory leaves zeppelin as far off or farther (its bound falls more than its step); the distance is exposed "
+        "more memory leaves zeppelin about as far off or farther (its bound falls as much as its step or more); the distance is exposed "
         "communication (the gradient all-reduce's intra-node part over PCIe at 25 GB/s on L40S nodes, the "
         "inference nodes' few NICs) and batches such as "
-        f"{name(worst[0])}'s batch {worst[1]} ({worst[2]['step_s'] / worst[2]['bound_s']:.2f}x), where a "
-        "64K-token document's ring over the 8 L40S of one node, on PCIe, leaves 4.9 s of communication exposed "
-        "on its ranks (0.3 s on the other L40S node; `pricing.ring_exposed_seconds` gives 5.0 s for that ring), "
-        "where the candidates' estimate counts 0.9 s: it charges the exposure of rings across nodes only (level 1 "
-        "counts it inside a node too, and still placed the document there).",
+        f"{name(worst[0])}'s batch {worst[1]} ({worst[2]['step_s'] / worst[2]['bound_s']:.2f}x)"
+        + _pcie_ring_text(worst[2]),
         "- Pooling memory across the groups, as the bound does, through the remap: the memory-poor group's "
         "attention layout moved in part to the memory-rich group (its shortest whole documents; their GEMMs stay, "
         "a remap across the groups; each rank recomputing as little as its new memory needs) lengthens every "
@@ -155,6 +152,32 @@ def _gap_lines(runs: list[dict], gap: dict | None) -> list[str]:
         "traffic that costs more than it saves, exposed communication over the inference nodes' links, and the "
         "placement and kernels' own distance, which the same planner also has on homogeneous clusters "
         "(`bench/results/paper.md`, column step/bound)."]
+
+
+def _pcie_ring_text(batch: dict) -> str:
+    """The end of the "Where the rest goes" bullet: what a batch's rings inside a PCIe-only
+    node expose, and what the planner does about them (`GAP`'s per-batch figures)."""
+    if not batch.get("pcie_rings"):
+        return "."
+    length, members = max(batch["pcie_rings"])
+    alone, fewer = batch["no_pcie_ring_s"], batch.get("pcie_fewer", {})
+    return (f", where a {length // 1024}K-token document's ring over {members} L40S of one node, on PCIe, leaves "
+            f"{batch['pcie_ring_exposed_s']:.1f} s of communication exposed on its ranks "
+            f"({batch['pcie_other_exposed_s']:.1f} s on the L40S nodes' other ranks). The candidates' estimate prices "
+            "it as the simulator runs it (`planning/pcie_rings.py`: each member's K/V and partial dK/dV go round "
+            "the ring over its PCIe port, beside the layer's data-parallel collectives; that batch "
+            f"{batch['estimate_s']:.2f} s estimated, {batch['step_s']:.2f} s simulated), and where the best plan has such a "
+            "ring the search also plans the batch with no document split inside a PCIe-only node "
+            "(`zeppelin/pcie_level.py`; on a800+l40s prolong's batch 6 it replaced a 28K-token ring over 3 L40S, "
+            "1.31x of that batch's bound, by a plan at 1.19x, commit a7b3e2e). "
+            "Here the ring is kept: "
+            + (f"with no document split inside a PCIe-only node the batch runs {alone:.2f} s; " if alone is not None
+               else "level 1 with no document split inside a PCIe-only node (the document beside another 64K-token "
+                    "one on an A800 node) already leaves a node slower than this plan, so it is not planned; ")
+            + "over " + ", ".join(f"{k}" for k in fewer) + " members the batch runs "
+            + ", ".join(f"{v['step_s']:.2f}" for v in fewer.values()) + " s (estimated "
+            + ", ".join(f"{v['estimate_s']:.2f}" for v in fewer.values()) + " s): every member's K/V and dK/dV "
+            "go round the whole ring, so its PCIe traffic stays about the same while each member's compute grows.")
 
 
 def _goal(ok: bool) -> str:

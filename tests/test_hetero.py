@@ -210,7 +210,7 @@ def test_pcie_nodes_keep_their_tokens_and_balance_attention_plus_linear():
     # A batch where the remap pays on the NVLink nodes: they even their tokens, the PCIe
     # nodes keep theirs (under selective recomputation; with the linear layers recomputed
     # on every layer, keeping tokens prices the same and is kept).
-    lengths = list(workloads.get("prolong").batches(4096 * cluster.num_ranks, 1, 1, 65536))[0]
+    lengths = list(workloads.get("prolong").batches(4096 * cluster.num_ranks, 3, 1, 65536))[0]
     plan = plan_batch(lengths, cluster, dataclasses.replace(model, recompute="selective"))
     assert pcie and plan.remap and not any(t.src in pcie or t.dst in pcie for t in plan.remap)
     # One where every rank keeping its tokens prices shorter: attention plus linear work

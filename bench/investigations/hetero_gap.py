@@ -24,6 +24,12 @@ simulated as chosen and as three counterfactuals, each against the same bound
   (`cost.recompute.per_rank_recompute`, as `plan_batch` decides). This is the pooling of
   memory across groups that the bound assumes free: it prices the remap traffic it adds.
 
+And, for each batch whose plan runs a ring inside a PCIe-only node (`zeppelin.pcie_level`),
+its rings, its estimated step beside its simulated one, the communication the simulator
+leaves exposed on the rings' members and on the PCIe nodes' other ranks, and the best of
+its candidates with no such ring, simulated, and its plan with the longest such ring over
+one to three fewer members (`fewer_members`), simulated and estimated.
+
 Writes hetero_gap.json and hetero_gap.md to `--out`.
 """
 
@@ -52,6 +58,8 @@ from ballonet.planning.assembly import Placement, assemble
 from ballonet.planning.devices import devices
 from ballonet.planning.remap import plan_remap
 from ballonet.planning.routing import plan_routes
+from ballonet.planning.zeppelin import finish
+from ballonet.planning.zeppelin.pcie_level import inside_pcie_node, pcie_ring_inside
 from ballonet.planning.zeppelin.search import CandidateSearch, ZeppelinOptions
 from ballonet.simulation.simulator import simulate
 
@@ -107,6 +115,36 @@ def cross_group_bytes(plan: Plan, cluster, model) -> float:
     return float(tokens * per_token)
 
 
+def fewer_members(plan: Plan, lengths, search: CandidateSearch, ring, k: int) -> Plan:
+    """`plan` with `ring` (inside a PCIe-only node) over its first `k` members, equal
+    shares, and each member it drops taking whole documents, smallest first, from the
+    ranks of its node group outside the ring, up to that group's mean tokens a rank
+    (their own ranks keep at least as many): the ring's other sizes, its node kept full."""
+    best = search.best
+    dev = best.dev
+    local = [plan.local_docs(r) for r in range(dev.num_ranks)]
+    group = [r for r in range(dev.num_ranks) if dev.group[r] == dev.group[ring.ranks[0]]]
+    tokens = np.array(plan.attention_token_counts, dtype=float)
+    mean = tokens[group].mean()
+    pool = sorted((lengths[d], r, d) for r in group if r not in ring.ranks for d in local[r])
+    for r in ring.ranks[k:]:
+        got = 0
+        for item in list(pool):
+            n, src, d = item
+            if got + n > mean or tokens[src] - n < mean:
+                continue
+            local[src].remove(d)
+            local[r].append(d)
+            tokens[[src, r]] += (-n, n)
+            got += n
+            pool.remove(item)
+    placement = Placement(num_ranks=dev.num_ranks, local=local,
+                          rings={x.doc: (x.ranks, x.bounds) for x in plan.rings if x.doc != ring.doc})
+    L = lengths[ring.doc]
+    placement.split[ring.doc] = {r: L // k + (i < L % k) for i, r in enumerate(ring.ranks[:k])}
+    return finish(list(lengths), dev, placement, dict(plan.meta), remap=False, node_remap=True, double=False)
+
+
 def batch_figures(lengths, cluster, model) -> dict:
     search = CandidateSearch(lengths=list(lengths), cluster=cluster, model=model, options=ZeppelinOptions())
     chosen = search.run()
@@ -117,6 +155,10 @@ def batch_figures(lengths, cluster, model) -> dict:
     candidates = [simulate(_recomputed(dataclasses.replace(
         c.plan, routes=plan_routes(c.plan, cluster, c.model, c.dev.local_index)), model, gpus), cluster, model)
         for c, *_ in search.made]
+    dev = search.best.dev
+    inside = [r for r in chosen.rings if inside_pcie_node(r, dev)]
+    members = sorted({x for r in inside for x in r.ranks})
+    others = [x for x in range(dev.num_ranks) if dev.gpu[x].intra_link == "pcie" and x not in members]
     roomy = dataclasses.replace(cluster, groups=tuple(
         dataclasses.replace(g, memory_gb=AMPLE * g.gpu_type.memory_bytes / hardware.GB) for g in cluster.groups))
     ample = simulate(plan_batch(list(lengths), roomy, model, "zeppelin"), roomy, model)
@@ -127,9 +169,23 @@ def batch_figures(lengths, cluster, model) -> dict:
            if full else sim.step_time_s, "bound_s": bound, "compute_s": max(sim.compute_s),
            "recompute": sorted({f"{m.value} on {k}" for m, k in chosen.recompute}),
            "oracle_s": min([sim.step_time_s] + [c.step_time_s for c in candidates]),
+           "estimate_s": search.best.seconds,
+           "pcie_rings": [[chosen.lengths[r.doc], len(r.ranks)] for r in inside],
+           "pcie_ring_exposed_s": max((sim.exposed_comm_s[x] for x in members), default=0.0),
+           "pcie_other_exposed_s": statistics.median([sim.exposed_comm_s[x] for x in others]) if others else 0.0,
+           "no_pcie_ring_s": min((c.step_time_s for (m, *_), c in zip(search.made, candidates)
+                                  if not pcie_ring_inside(m.plan, m.dev)), default=None),
+           "pcie_fewer": {},
            "ample_s": ample.step_time_s, "ample_bound_s": ample.lower_bound_s,
            "ample_recompute": ample.recompute,
            "moved": {}}
+    for ring in sorted(inside, key=lambda r: -chosen.lengths[r.doc])[:1]:  # the longest
+        maker = next(m for c, m, *_ in search.made if c is search.best)
+        for k in range(len(ring.ranks) - 1, max(len(ring.ranks) - 4, 1), -1):
+            plan = fewer_members(chosen, lengths, search, ring, k)
+            out["pcie_fewer"][k] = {"step_s": simulate(_recomputed(dataclasses.replace(
+                plan, routes=plan_routes(plan, cluster, maker.model, dev.local_index)), model, gpus), cluster,
+                model).step_time_s, "estimate_s": maker.price(plan).seconds}
     for x in MOVES:
         plan = moved(chosen, lengths, cluster, model, x)
         res = simulate(plan, cluster, model)
@@ -186,6 +242,23 @@ def markdown(runs: list[dict], cmd: str, header: str) -> str:
     for r in runs:
         lines.append(f"- {r['cluster']} {r['workload']}: " + ", ".join(
             f"{b['step_s'] / b['bound_s']:.3f} ({b['ample_s'] / b['ample_bound_s']:.3f})" for b in r["batches"]))
+    lines += ["", "Batches whose plan runs a ring inside a PCIe-only node (`planning/pcie_rings.py` prices it): its "
+              "rings (tokens over members), its step simulated and estimated, the communication left exposed on the "
+              "rings' members and (median) on the PCIe nodes' other ranks, the best candidate with no such ring, "
+              "simulated, and the chosen plan with its longest such ring over fewer members (equal shares; each "
+              "member dropped takes the smallest whole documents of its group's other ranks up to the group's mean "
+              "tokens), simulated and estimated:", ""]
+    for r in runs:
+        for i, b in enumerate(r["batches"]):
+            if b["pcie_rings"]:
+                other = "none" if b["no_pcie_ring_s"] is None else f"{b['no_pcie_ring_s']:.2f} s"
+                lines.append(f"- {r['cluster']} {r['workload']} batch {i}: "
+                             + ", ".join(f"{n // 1024}K over {g}" for n, g in b["pcie_rings"])
+                             + f"; {b['step_s']:.2f} s simulated, {b['estimate_s']:.2f} s estimated; exposed "
+                             f"{b['pcie_ring_exposed_s']:.1f} s and {b['pcie_other_exposed_s']:.1f} s; "
+                             f"without: {other}; the longest ring over fewer members: "
+                             + (", ".join(f"{k}: {v['step_s']:.2f} s ({v['estimate_s']:.2f} s estimated)"
+                                          for k, v in b["pcie_fewer"].items()) or "none"))
     lines += ["", "Recomputation of zeppelin's plans, and of the plans with 4000 tokens moved (each rank's mode on "
               "its first layers), by batch:", ""]
     for r in runs:

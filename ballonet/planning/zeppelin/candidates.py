@@ -18,6 +18,7 @@ from ballonet.plan.recompute import heaviest
 from ballonet.planning.assembly import Placement, assemble, over_cap, replaced, with_memory
 from ballonet.planning.devices import Devices
 from ballonet.planning.packing import NoRoom, apportion, lpt
+from ballonet.planning.pcie_rings import pcie_ring_exposed_seconds
 from ballonet.planning.pricing import (
     attention_kernels,
     crossing_exposed_seconds,
@@ -121,11 +122,11 @@ class CandidateMaker:
         kernels = attention_kernels(plan, dev, priced)
         attention, linear = rank_compute_seconds(plan, dev, priced, recompute_mode(priced), split=True, layers=layers,
                                                  kernels=kernels)
-        seconds, exposed = _step_seconds(plan, dev, priced, self.crossovers, (attention, linear), self.routing,
-                                         self.dp_send_s)
+        seconds, exposed, skew = _step_seconds(plan, dev, priced, self.crossovers, (attention, linear), self.routing,
+                                               self.dp_send_s)
         node = max((attention[rs] + linear[rs] + exposed[rs]).mean() for rs in dev.nodes())
         busiest = float(seconds.max())
-        step = max(busiest, synchronous_step_seconds(plan, dev, priced, kernels, seconds, attention + linear,
+        step = max(busiest, synchronous_step_seconds(plan, dev, priced, kernels, seconds, attention + linear + skew,
                                                      layers if trim else None))
         tail = step_tail_seconds(plan, dev, priced, np.array([self.crossovers[g].intra_bw for g in dev.group]),
                                  self.fixed_tail_s)
@@ -209,10 +210,11 @@ def remapped(lengths, dev: Devices, placement: Placement, meta, *, remap: bool, 
 
 
 def _step_seconds(plan: Plan, dev: Devices, model: ModelSpec, crossovers, compute,
-                  routing: bool, dp_send_s: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+                  routing: bool, dp_send_s: float = 0.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """[R] what the partitioner compares its candidate plans by (`pricing.rank_step_seconds`),
     and [R] the part of it single rings across nodes expose (`pricing.crossing_exposed_seconds`;
-    their crossing hops routed over the node's rails with `routing`)."""
+    their crossing hops routed over the node's rails with `routing`) and rings inside
+    PCIe-only nodes (`pcie_rings`)."""
     per_group = [crossovers[g] for g in dev.group]
     link = np.array([c.intra_bw for c in per_group])
     nic = np.array([c.crossing_bw for c in per_group])
@@ -221,11 +223,12 @@ def _step_seconds(plan: Plan, dev: Devices, model: ModelSpec, crossovers, comput
     final = final_grad_wait_seconds(plan, dev, model, link, nic, rails)
     start, linear = compute
     slow = overlap_slowdown_seconds(plan, dev, model, link, nic, dp_send_s, start + linear)
+    pcie = pcie_ring_exposed_seconds(plan, dev, model, link)
     exposed = (crossing_exposed_seconds(plan, dev, model, link, nic, rails, dp_piece)
-               + ring_wait_seconds(plan, dev, model) + final + slow)
+               + ring_wait_seconds(plan, dev, model) + final + slow + pcie.forward + pcie.backward)
     seconds = rank_step_seconds(plan, dev, model, link, (start + exposed, linear),
                                 np.array([c.rank_nic_bw for c in per_group]), dp_piece)
-    return seconds, exposed
+    return seconds, exposed, pcie.backward_skew(final)
 
 
 def caps_bind(plan: Plan, dev: Devices, seconds: np.ndarray) -> bool:

@@ -5,7 +5,8 @@ remap, keeping the plan with the shortest estimated step (docs/design.md, sectio
 `CandidateSearch` walks those three axes in one loop each. Beside each mode's level 1 it
 plans its variants: nodes priced under what their shares recompute (`recomputed.py`),
 heavy documents over two nodes (`classes.spread_level`) and, for the best plan, a level 1
-balanced on the backward (`classes.backward_level`). A double level 1 that sends the same
+with no document split inside a PCIe-only node where it has a ring there (`pcie_level.py`)
+and one balanced on the backward (`classes.backward_level`). A double level 1 that sends the same
 documents to the same nodes reuses its single one's placements (`_same_nodes`). Every
 prune is a named predicate (`_level_too_slow`, `_level_enough`, `_costlier_mode_loses`,
 `_plan_looser`), every step that can fail returns None, and the one reason the search
@@ -36,6 +37,7 @@ from ballonet.planning.zeppelin.classes import (
     level_nodes,
     spread_level,
 )
+from ballonet.planning.zeppelin.pcie_level import pcie_ring_inside, unsplit_level
 from ballonet.planning.zeppelin.recomputed import mixed, recomputed_levels
 from ballonet.planning.zeppelin.thresholds import THRESHOLDS
 from ballonet.specs import ClusterSpec, ModelSpec
@@ -147,6 +149,11 @@ class CandidateSearch:
         for level, maker, placed in sorted(doubled + spread, key=lambda x: x[0].node_seconds):
             if not self._level_too_slow(level, maker, self.best_layers_s):
                 self._compare(self._made(maker, level, placed))
+        # The best plan's level 1 with no ring inside a PCIe-only node, where it has one (`pcie_level`).
+        for best, maker, level, _ in [x for x in self.made if x[0] is self.best][:1]:
+            if pcie_ring_inside(best.plan, best.dev) and (unsplit := unsplit_level(level)) is not None \
+                    and not self._level_too_slow(unsplit, maker, self.best_layers_s):
+                self._compare(self._made(maker, unsplit, {}))
         # The best plan's level 1 balanced on the backward, where every rank recomputes alike.
         for best, maker, level, _ in [x for x in self.made if x[0] is self.best][:1]:
             if opts.price_linear and maker.model.recompute not in BELOW and (b := backward_level(level)) is not None \
