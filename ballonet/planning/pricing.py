@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ballonet.cost import hardware
-from ballonet.cost.flops import attention_flops, remap_bytes, zigzag_flops
+from ballonet.cost.flops import attention_flops, remap_bytes
 from ballonet.cost.memory import BELOW, RECOMPUTE_MODES, recompute_layer_count, recompute_mode
 from ballonet.cost.recompute import recompute_attention
 from ballonet.cost.seconds import DP_FORWARD_SHARE, attention_seconds, linear_layer_seconds
@@ -152,13 +152,10 @@ def attention_kernels(plan: Plan, dev: Devices, model: ModelSpec) -> tuple[np.nd
     local = [(r, d) for r, segs in enumerate(plan.attention) for d in {s.doc for s in segs} if d not in in_ring]
     rank = [r for r, _ in local]
     block = [plan.lengths[d] for _, d in local]
-    flops = attention_flops(model, np.asarray(block, dtype=float)).tolist()
-    for ring in plan.rings:
-        g, q = len(ring.ranks), np.diff(ring.bounds)
-        rank += ring.ranks
-        flops += zigzag_flops(model, ring.bounds).tolist()
-        block += (q[:g] + q[::-1][:g]).tolist()  # its chunks i and 2g-1-i (`Ring.block_tokens`)
-    rank_a, flops_a, block_a = np.asarray(rank, dtype=np.int64), np.asarray(flops), np.asarray(block, dtype=float)
+    ring_rank, ring_flops, ring_block = _ring_kernels(model, plan.rings)
+    rank_a = np.asarray(rank + ring_rank, dtype=np.int64)
+    flops_a = np.concatenate([attention_flops(model, np.asarray(block, dtype=float)), ring_flops])
+    block_a = np.concatenate([np.asarray(block, dtype=float), ring_block])
     gpus = np.asarray([g.name for g in dev.gpu])
     fwd, bwd = np.zeros(len(rank_a)), np.zeros(len(rank_a))
     for gpu in {g.name: g for g in dev.gpu}.values():
@@ -166,6 +163,27 @@ def attention_kernels(plan: Plan, dev: Devices, model: ModelSpec) -> tuple[np.nd
         fwd[on] = attention_seconds(model, gpu, flops_a[on], block_a[on])
         bwd[on] = attention_seconds(model, gpu, flops_a[on], block_a[on], backward=True)
     return rank_a, fwd, bwd
+
+
+def _ring_kernels(model: ModelSpec, rings) -> tuple[list[int], np.ndarray, np.ndarray]:
+    """(rank, forward FLOPs, block tokens) of every position of `rings`, in ring order:
+    `zigzag_flops` of them all at once, a position's blocks its chunks i and 2g-1-i
+    (`Ring.block_tokens`)."""
+    rank: list[int] = []
+    starts: list[int] = []
+    sizes: list[int] = []
+    front: list[int] = []
+    back: list[int] = []
+    for ring in rings:
+        b, g, o = ring.bounds, len(ring.ranks), len(sizes)
+        rank += ring.ranks
+        starts += b[:-1]
+        sizes += [hi - lo for lo, hi in zip(b, b[1:])]
+        front += range(o, o + g)
+        back += range(o + 2 * g - 1, o + g - 1, -1)
+    start, q = np.asarray(starts, dtype=float), np.asarray(sizes, dtype=float)
+    chunk = 4.0 * model.num_heads * model.head_dim * q * start + attention_flops(model, q)  # as `zigzag_flops`
+    return rank, chunk[front] + chunk[back], q[front] + q[back]
 
 
 def rank_compute_seconds(plan: Plan, dev: Devices, model: ModelSpec, mode: str | None, split: bool = False,
@@ -300,10 +318,11 @@ def ring_wait_seconds(plan: Plan, dev: Devices, model: ModelSpec) -> np.ndarray:
     with its slowest rank's), so nothing is charged (the end's own transfer:
     `final_grad_wait_seconds`)."""
     R = plan.num_ranks
-    if not any(len(ring.ranks) > 2 for ring in plan.rings):
+    waiting = sorted({r for ring in plan.rings if len(ring.ranks) > 2 for r in ring.ranks})
+    if not waiting:
         return np.zeros(R)
     in_ring = plan.ring_of_doc
-    pairs = [(r, s.num_tokens) for r, segs in enumerate(plan.attention) for s in segs if s.doc not in in_ring]
+    pairs = [(r, s.end - s.start) for r in waiting for s in plan.attention[r] if s.doc not in in_ring]
     rank = np.array([r for r, _ in pairs], dtype=np.int64)
     block = np.array([n for _, n in pairs], dtype=float)
     seconds = np.zeros(len(pairs))
@@ -324,6 +343,8 @@ def ring_wait_seconds(plan: Plan, dev: Devices, model: ModelSpec) -> np.ndarray:
 def rank_tp_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw: np.ndarray) -> np.ndarray:
     """[R] a step's tensor-parallel collectives per rank (all layers, forward, backward and
     the reruns of `model.recompute`: `cost.tensor_parallel.tp_layer_seconds`)."""
+    if model.tp == 1:
+        return np.zeros(plan.num_ranks)
     mode = recompute_mode(model)
     return model.num_layers * np.array([sum(tp_layer_seconds(model, n, link_bw[r], dev.gpu[r], mode))
                                         for r, n in enumerate(plan.linear_token_counts)])

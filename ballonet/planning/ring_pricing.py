@@ -26,12 +26,14 @@ def crossing_seconds(nbytes: float, nic_bw: float, intra_bw: float, rails: int, 
     k - 1 dispatch messages of m/k leave the source one after another over `intra_bw`, as
     the k - 1 combine messages reach the destination, each paying a message's latency
     (as the simulator sends them); the NIC legs of m/k run in parallel at `nic_bw`."""
-    best = p2p_time(nbytes, nic_bw, True, gpu)
-    for k in range(2, rails + 1):
-        part = nbytes / k
-        best = min(best, 2 * (k - 1) * p2p_time(part, intra_bw, False, gpu)
-                   + p2p_time(part, nic_bw, True, gpu))
-    return best
+    return min(_routed_seconds(nbytes, nic_bw, intra_bw, rails, gpu))
+
+
+def _routed_seconds(nbytes: float, nic_bw: float, intra_bw: float, rails: int, gpu: hardware.GPUType) -> list[float]:
+    """A crossing hop's seconds routed over k = 1, 2, ... `rails` proxy pairs (`crossing_seconds`)."""
+    return [p2p_time(nbytes, nic_bw, True, gpu)] + [
+        2 * (k - 1) * p2p_time(nbytes / k, intra_bw, False, gpu) + p2p_time(nbytes / k, nic_bw, True, gpu)
+        for k in range(2, rails + 1)]
 
 
 def ring_exposed_seconds(model: ModelSpec, gpu: hardware.GPUType, length: int, members: int, bandwidth: float,
@@ -82,7 +84,9 @@ def crossing_pipeline(nbytes: float, nic_bw: float, intra_bw: float, rails: int,
     stages, as blocks follow each other through them; k). The source's port carries k parts
     a step, its k - 1 dispatches and the combine of the hop into its node (every node a
     ring crosses is left and entered), as the destination's does."""
-    best, k = min((crossing_seconds(nbytes, nic_bw, intra_bw, j, gpu), j) for j in range(1, max(rails, 1) + 1))
+    seconds = _routed_seconds(nbytes, nic_bw, intra_bw, max(rails, 1), gpu)
+    best = min(seconds)
+    k = seconds.index(best) + 1  # the fewest pairs that cost least
     if k == 1:
         return best, best, 1
     return best, max(k * p2p_time(nbytes / k, intra_bw, False, gpu), p2p_time(nbytes / k, nic_bw, True, gpu)), k
