@@ -50,7 +50,7 @@ from ballonet.specs import ModelSpec
 
 __all__ = ["StepWeights", "attention_kernels", "crossing_exposed_seconds", "crossing_pipeline", "crossing_seconds",
            "double_exposed_seconds", "dp_intra_seconds", "dp_shared_seconds", "inter_node_span", "linear_work_per_token",
-           "rank_compute_seconds", "rank_remap_seconds", "rank_step_seconds", "rank_tp_seconds", "recompute_modes",
+           "rank_compute_seconds", "rank_remap_seconds", "rank_step_seconds", "rank_tp_seconds", "recompute_modes", "remap_pairs",
            "remaps_inside", "ring_exposed_seconds", "ring_wait_seconds", "step_weights", "synchronous_step_seconds"]
 
 
@@ -156,9 +156,9 @@ def attention_kernels(plan: Plan, dev: Devices, model: ModelSpec) -> tuple[np.nd
     rank_a = np.asarray(rank + ring_rank, dtype=np.int64)
     flops_a = np.concatenate([attention_flops(model, np.asarray(block, dtype=float)), ring_flops])
     block_a = np.concatenate([np.asarray(block, dtype=float), ring_block])
-    gpus = np.asarray([g.name for g in dev.gpu])
+    gpus = dev.gpu_names
     fwd, bwd = np.zeros(len(rank_a)), np.zeros(len(rank_a))
-    for gpu in {g.name: g for g in dev.gpu}.values():
+    for gpu in dev.gpu_types:
         on = gpus[rank_a] == gpu.name
         fwd[on] = attention_seconds(model, gpu, flops_a[on], block_a[on])
         bwd[on] = attention_seconds(model, gpu, flops_a[on], block_a[on], backward=True)
@@ -197,12 +197,12 @@ def rank_compute_seconds(plan: Plan, dev: Devices, model: ModelSpec, mode: str |
     rank, fwd, bwd = kernels or attention_kernels(plan, dev, model)
     redo = 1.0 if recompute_attention(mode) else 0.0
     attention = np.bincount(rank, weights=model.num_layers * ((1 + redo) * fwd + bwd), minlength=R)
-    tokens, names = np.asarray(plan.linear_token_counts, dtype=float), np.array([g.name for g in dev.gpu])
+    tokens, names = np.asarray(plan.linear_token_counts, dtype=float), dev.gpu_names
     linear = np.zeros(R)
     if layers is not None and np.ndim(layers) > 0:  # rank r's first k layers recompute as m, the others below it
         modes = np.array([m for m, _ in layers])
         share = np.array([k for _, k in layers], dtype=float) / model.num_layers
-        for gpu in {g.name: g for g in dev.gpu}.values():
+        for gpu in dev.gpu_types:
             for m in set(modes.tolist()):
                 on = (names == gpu.name) & (modes == m)
                 if not on.any():
@@ -211,7 +211,7 @@ def rank_compute_seconds(plan: Plan, dev: Devices, model: ModelSpec, mode: str |
                 keep = sum(linear_layer_seconds(model, gpu, tokens[on], BELOW.get(m, m), framework=False))
                 linear[on] = share[on] * redo + (1 - share[on]) * keep
     else:
-        for gpu in {g.name: g for g in dev.gpu}.values():
+        for gpu in dev.gpu_types:
             on = names == gpu.name
             linear[on] = sum(linear_layer_seconds(model, gpu, tokens[on], mode, framework=False, layers=layers))
     linear *= model.num_layers
@@ -243,9 +243,9 @@ def rank_step_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw: np.nd
             start[list(ring.ranks)] += double_exposed_seconds(model, dev.gpu[r], plan.lengths[ring.doc], ring.groups,
                                                               ring.group_size, link_bw[r], nic[r], piece)
     ready = start.copy()
-    for (src, dst) in plan.remap_tokens():
-        ready[dst] = max(ready[dst], start[src])
-        ready[src] = max(ready[src], start[dst])  # and the same meeting on the way back
+    src, dst, _ = remap_pairs(plan)
+    np.maximum.at(ready, dst, start[src])
+    np.maximum.at(ready, src, start[dst])  # and the same meeting on the way back
     return ready + linear + rank_remap_seconds(plan, model, link_bw) + rank_tp_seconds(plan, dev, model, link_bw)
 
 
@@ -265,9 +265,9 @@ def synchronous_step_seconds(plan: Plan, dev: Devices, model: ModelSpec, kernels
     rank, fwd, _ = kernels
     L, R = model.num_layers, plan.num_ranks
     forward = L * np.bincount(rank, weights=fwd, minlength=R).astype(float)
-    tokens, names = np.asarray(plan.linear_token_counts, dtype=float), np.array([g.name for g in dev.gpu])
+    tokens, names = np.asarray(plan.linear_token_counts, dtype=float), dev.gpu_names
     extra = np.zeros(R)  # [R] a recomputing layer's backward over the same layer's below its mode
-    for gpu in {g.name: g for g in dev.gpu}.values():
+    for gpu in dev.gpu_types:
         on = names == gpu.name
         forward[on] += L * linear_layer_seconds(model, gpu, tokens[on], "none", framework=False)[0]
         for m in {m for m, _ in layers or ()} & set(BELOW):
@@ -326,8 +326,8 @@ def ring_wait_seconds(plan: Plan, dev: Devices, model: ModelSpec) -> np.ndarray:
     rank = np.array([r for r, _ in pairs], dtype=np.int64)
     block = np.array([n for _, n in pairs], dtype=float)
     seconds = np.zeros(len(pairs))
-    names = np.array([g.name for g in dev.gpu])
-    for gpu in {g.name: g for g in dev.gpu}.values():  # one vector call per GPU type
+    names = dev.gpu_names
+    for gpu in dev.gpu_types:  # one vector call per GPU type
         on = names[rank] == gpu.name
         if on.any():
             seconds[on] = attention_seconds(model, gpu, attention_flops(model, block[on]), block[on], backward=True)
@@ -357,8 +357,16 @@ def rank_remap_seconds(plan: Plan, model: ModelSpec, link_bw: np.ndarray) -> np.
     blocking: no compute hides it)."""
     out, inn = np.zeros(plan.num_ranks), np.zeros(plan.num_ranks)
     per_token = remap_bytes(model, 1, True) + remap_bytes(model, 1, False)
-    for (src, dst), n in plan.remap_tokens().items():
-        out[src] += n * per_token
-        inn[dst] += n * per_token
+    src, dst, n = remap_pairs(plan)
+    np.add.at(out, src, n * per_token)
+    np.add.at(inn, dst, n * per_token)
     return 2 * model.num_layers * np.maximum(out, inn) / link_bw
 
+
+
+def remap_pairs(plan: Plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`plan.remap_tokens()` as arrays: each (source, destination) pair's ranks and tokens."""
+    pairs = plan.remap_tokens()
+    src = np.array([s for s, _ in pairs], dtype=np.int64)
+    dst = np.array([d for _, d in pairs], dtype=np.int64)
+    return src, dst, np.array(list(pairs.values()), dtype=np.int64)
