@@ -120,6 +120,18 @@ class Devices:
         """[R] of `values`, one per GPU type of `gpu_types`: each rank's."""
         return np.asarray(values, dtype=float)[self.type_index]
 
+    def node_means(self, values: np.ndarray) -> np.ndarray:
+        """[nodes] the mean of `values` ([R]) over each node's ranks."""
+        if self._even_nodes:
+            return values.reshape(self.num_nodes, -1).mean(axis=1)
+        return np.array([values[list(ranks)].mean() for ranks in self._node_ranks])
+
+    @functools.cached_property
+    def _even_nodes(self) -> bool:
+        """Whether the nodes hold as many ranks each, in rank order."""
+        ranks = self._node_ranks
+        return all(len(rs) == len(ranks[0]) for rs in ranks) and list(self.node) == sorted(self.node)
+
     @functools.cached_property
     def _node_ranks(self) -> tuple[tuple[int, ...], ...]:
         out: list[list[int]] = [[] for _ in range(self.num_nodes)]

@@ -122,7 +122,7 @@ class CandidateMaker:
                                                  kernels=kernels)
         seconds, exposed = _step_seconds(plan, dev, priced, self.crossovers, (attention, linear), self.routing,
                                          self.dp_send_s)
-        node = max((attention[rs] + linear[rs] + exposed[rs]).mean() for rs in dev.nodes())
+        node = float(dev.node_means(attention + linear + exposed).max())
         busiest = float(seconds.max())
         step = max(busiest, synchronous_step_seconds(plan, dev, priced, kernels, seconds, attention + linear,
                                                      layers if trim else None))
