@@ -9,6 +9,8 @@ these to the partitioner's estimates (`inter_node_span`, `crossing_exposed_secon
 
 from __future__ import annotations
 
+import functools
+
 from ballonet.cost import hardware
 from ballonet.cost.flops import block_flops, grad_bytes, kv_bytes, kv_grad_bytes
 from ballonet.cost.memory import recompute_mode
@@ -39,6 +41,15 @@ def _routed_seconds(nbytes: float, nic_bw: float, intra_bw: float, rails: int, g
 def ring_exposed_seconds(model: ModelSpec, gpu: hardware.GPUType, length: int, members: int, bandwidth: float,
                          nic: bool = True, routed: tuple[float, int] | None = None,
                          dp_piece: tuple[float, float] = (0.0, 0.0), dp_intra: float = 0.0) -> float:
+    """`_ring_exposed_seconds`; under a built-in profile (`hardware.calibrated`) once per
+    ring shape: the partitioner prices the rings of a document alike in many candidates."""
+    args = (model, gpu, length, members, bandwidth, nic, routed, dp_piece, dp_intra)
+    return _ring_exposed_seconds(*args) if hardware.calibrated(gpu) else _ring_exposed_builtin(*args)
+
+
+def _ring_exposed_seconds(model: ModelSpec, gpu: hardware.GPUType, length: int, members: int, bandwidth: float,
+                          nic: bool, routed: tuple[float, int] | None, dp_piece: tuple[float, float],
+                          dp_intra: float) -> float:
     """Seconds a ring of `members` ranks over a document of `length` tokens leaves its
     transfers exposed in a step (all layers), when each hop runs at `bandwidth` (the
     slowest hop: a NIC with `nic`, else NVLink or PCIe; with `routed` = (intra-node
@@ -76,6 +87,9 @@ def ring_exposed_seconds(model: ModelSpec, gpu: hardware.GPUType, length: int, m
     return model.num_layers * (redo * fwd + bwd)
 
 
+_ring_exposed_builtin = functools.lru_cache(maxsize=4096)(_ring_exposed_seconds)
+
+
 def crossing_pipeline(nbytes: float, nic_bw: float, intra_bw: float, rails: int,
                       gpu: hardware.GPUType) -> tuple[float, float, int]:
     """A ring's node-crossing hop of `nbytes` a step, routed over the k of `rails` proxy
@@ -94,6 +108,13 @@ def crossing_pipeline(nbytes: float, nic_bw: float, intra_bw: float, rails: int,
 
 def double_exposed_seconds(model: ModelSpec, gpu: hardware.GPUType, length: int, groups: int, group_size: int,
                            intra_bw: float, nic_bw: float, dp_piece: tuple[float, float] = (0.0, 0.0)) -> float:
+    """`_double_exposed_seconds`, cached as `ring_exposed_seconds` is."""
+    args = (model, gpu, length, groups, group_size, intra_bw, nic_bw, dp_piece)
+    return _double_exposed_seconds(*args) if hardware.calibrated(gpu) else _double_exposed_builtin(*args)
+
+
+def _double_exposed_seconds(model: ModelSpec, gpu: hardware.GPUType, length: int, groups: int, group_size: int,
+                            intra_bw: float, nic_bw: float, dp_piece: tuple[float, float]) -> float:
     """Seconds a "double" ring (`ring_traffic.double_schedule`: `groups` nodes of
     `group_size` ranks) over a document of `length` tokens leaves its transfers exposed in
     a step (all layers), nothing else filling the wait: per inner step the K/V (backward:
@@ -128,6 +149,9 @@ def double_exposed_seconds(model: ModelSpec, gpu: hardware.GPUType, length: int,
     forward = inner_f + rounds(fwd_c, dp_piece[0])
     backward = inner_b + rounds(bwd_c, dp_piece[1]) + (k - 2) * max(home - n * bwd_c, 0.0) + home
     return model.num_layers * (redo * forward + backward)
+
+
+_double_exposed_builtin = functools.lru_cache(maxsize=4096)(_double_exposed_seconds)
 
 
 def dp_intra_seconds(model: ModelSpec, gpu: hardware.GPUType, ranks_per_node: int, intra_bw: float) -> float:
