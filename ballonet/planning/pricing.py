@@ -156,10 +156,9 @@ def attention_kernels(plan: Plan, dev: Devices, model: ModelSpec) -> tuple[np.nd
     rank_a = np.asarray(rank + ring_rank, dtype=np.int64)
     flops_a = np.concatenate([attention_flops(model, np.asarray(block, dtype=float)), ring_flops])
     block_a = np.concatenate([np.asarray(block, dtype=float), ring_block])
-    gpus = dev.gpu_names
     fwd, bwd = np.zeros(len(rank_a)), np.zeros(len(rank_a))
-    for gpu in dev.gpu_types:
-        on = gpus[rank_a] == gpu.name
+    for i, gpu in enumerate(dev.gpu_types):
+        on = dev.type_index[rank_a] == i
         fwd[on] = attention_seconds(model, gpu, flops_a[on], block_a[on])
         bwd[on] = attention_seconds(model, gpu, flops_a[on], block_a[on], backward=True)
     return rank_a, fwd, bwd
@@ -318,25 +317,25 @@ def ring_wait_seconds(plan: Plan, dev: Devices, model: ModelSpec) -> np.ndarray:
     with its slowest rank's), so nothing is charged (the end's own transfer:
     `final_grad_wait_seconds`)."""
     R = plan.num_ranks
-    waiting = sorted({r for ring in plan.rings if len(ring.ranks) > 2 for r in ring.ranks})
-    if not waiting:
+    rings = [ring.ranks for ring in plan.rings if len(ring.ranks) > 2]
+    if not rings:
         return np.zeros(R)
     in_ring = plan.ring_of_doc
-    pairs = [(r, s.end - s.start) for r in waiting for s in plan.attention[r] if s.doc not in in_ring]
+    pairs = [(r, s.end - s.start) for r in sorted({r for ranks in rings for r in ranks})
+             for s in plan.attention[r] if s.doc not in in_ring]
     rank = np.array([r for r, _ in pairs], dtype=np.int64)
     block = np.array([n for _, n in pairs], dtype=float)
     seconds = np.zeros(len(pairs))
-    names = dev.gpu_names
-    for gpu in dev.gpu_types:  # one vector call per GPU type
-        on = names[rank] == gpu.name
+    for i, gpu in enumerate(dev.gpu_types):  # one vector call per GPU type
+        on = dev.type_index[rank] == i
         if on.any():
             seconds[on] = attention_seconds(model, gpu, attention_flops(model, block[on]), block[on], backward=True)
     local = np.bincount(rank, weights=seconds, minlength=R).astype(float)
+    members = np.array([r for ranks in rings for r in ranks])
+    sizes = [len(ranks) for ranks in rings]
+    slowest = np.maximum.reduceat(local[members], np.cumsum([0] + sizes[:-1]))  # per ring
     out = np.zeros(R)
-    for ring in plan.rings:
-        if len(ring.ranks) > 2:
-            members = list(ring.ranks)
-            out[members] = np.maximum(out[members], local[members].max() - local[members])
+    np.maximum.at(out, members, np.repeat(slowest, sizes) - local[members])  # the most over a rank's rings
     return model.num_layers * out
 
 
