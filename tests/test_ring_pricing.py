@@ -4,6 +4,7 @@ collectives sharing a ring's ports, and an estimate the simulator confirms."""
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 import ballonet
@@ -38,6 +39,15 @@ def test_a_routed_hop_passes_blocks_through_its_stages_one_after_another():
     assert each == pytest.approx(max(k * p2p_time(m / k, intra, False, gpu), p2p_time(m / k, nic, True, gpu)))
     assert each < first
     assert pricing.crossing_pipeline(m, nic, intra, 1, gpu) == (p2p_time(m, nic, True, gpu),) * 2 + (1,)
+
+
+def test_crossing_hops_priced_as_arrays_cost_what_each_costs_alone():
+    gpu = ballonet.cluster("h200-8nic").groups[0].gpu_type
+    nbytes = np.array([0.0, 1e3, 80e6, 80e6, 3e8])
+    nic, intra, rails = np.full(5, 50e9), np.array([450e9, 450e9, 450e9, 900e9, 450e9]), np.array([8, 1, 8, 4, 0])
+    each = pricing.crossing_seconds_each(nbytes, nic, intra, rails, gpu)
+    assert each.tolist() == [pricing.crossing_seconds(float(m), n, i, int(k), gpu)
+                             for m, n, i, k in zip(nbytes, nic, intra, rails)]
 
 
 def test_a_ring_step_computes_half_of_two_full_blocks():

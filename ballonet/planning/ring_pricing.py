@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
+
 from ballonet.cost import hardware
 from ballonet.cost.flops import block_flops, grad_bytes, kv_bytes, kv_grad_bytes
 from ballonet.cost.memory import recompute_mode
 from ballonet.cost.recompute import recompute_attention
-from ballonet.cost.seconds import DP_FORWARD_SHARE, DP_PIECES, attention_seconds, collective_time, p2p_time
+from ballonet.cost.seconds import DP_FORWARD_SHARE, DP_PIECES, attention_seconds, collective_time, p2p_time, p2p_times
 from ballonet.specs import ModelSpec
 
-__all__ = ["crossing_pipeline", "crossing_seconds", "double_exposed_seconds", "dp_intra_seconds", "dp_shared_seconds",
+__all__ = ["crossing_pipeline", "crossing_seconds", "crossing_seconds_each", "double_exposed_seconds", "dp_intra_seconds", "dp_shared_seconds",
            "ring_exposed_seconds"]
 
 
@@ -29,6 +31,16 @@ def crossing_seconds(nbytes: float, nic_bw: float, intra_bw: float, rails: int, 
     the k - 1 combine messages reach the destination, each paying a message's latency
     (as the simulator sends them); the NIC legs of m/k run in parallel at `nic_bw`."""
     return min(_routed_seconds(nbytes, nic_bw, intra_bw, rails, gpu))
+
+
+def crossing_seconds_each(nbytes: np.ndarray, nic_bw: np.ndarray, intra_bw: np.ndarray, rails: np.ndarray,
+                          gpu: hardware.GPUType) -> np.ndarray:
+    """`crossing_seconds` of each hop of `nbytes` (arrays of hops on one GPU type)."""
+    best = p2p_times(nbytes, nic_bw, True, gpu)
+    for k in range(2, int(rails.max(initial=1)) + 1):
+        routed = 2 * (k - 1) * p2p_times(nbytes / k, intra_bw, False, gpu) + p2p_times(nbytes / k, nic_bw, True, gpu)
+        best = np.where(rails >= k, np.minimum(best, routed), best)
+    return best
 
 
 def _routed_seconds(nbytes: float, nic_bw: float, intra_bw: float, rails: int, gpu: hardware.GPUType) -> list[float]:

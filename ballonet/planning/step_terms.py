@@ -25,7 +25,7 @@ from ballonet.cost.seconds import (
 from ballonet.cost.tensor_parallel import tp_step_collectives
 from ballonet.plan import Plan, Ring
 from ballonet.planning.devices import Devices
-from ballonet.planning.pricing import crossing_seconds, remap_pairs
+from ballonet.planning.pricing import crossing_seconds_each, remap_pairs
 from ballonet.specs import ClusterSpec, ModelSpec
 
 __all__ = ["dp_send_seconds", "final_grad_wait_seconds", "fixed_tail_seconds", "overlap_slowdown_seconds",
@@ -84,8 +84,12 @@ def final_grad_wait_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw:
     lat, eff = _p2p_terms(dev, nic=False)
     node = np.asarray(dev.node)
     seconds = lat[r] + nbytes / (link_bw[r] * eff[r])  # `p2p_time` over the node's link
-    for i in np.nonzero(node[np.array(before)] != node[r])[0].tolist():
-        seconds[i] = crossing_seconds(float(nbytes[i]), nic_bw[r[i]], link_bw[r[i]], int(rails[r[i]]), dev.gpu[r[i]])
+    crossing = np.nonzero(node[np.array(before)] != node[r])[0]
+    for t, gpu in enumerate(dev.gpu_types):
+        on = crossing[dev.type_index[r[crossing]] == t]
+        if on.size:
+            rs = r[on]
+            seconds[on] = crossing_seconds_each(nbytes[on], nic_bw[rs], link_bw[rs], rails[rs], gpu)
     sent = nbytes > 0
     np.add.at(out, r[sent], seconds[sent])  # in ring order, as the members' hops add up
     return model.num_layers * out
