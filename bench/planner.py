@@ -27,6 +27,7 @@ import argparse
 import dataclasses
 import datetime
 import functools
+import inspect
 import json
 import os
 import platform
@@ -47,11 +48,25 @@ CLUSTER = "h200-8nic"
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+def cold():
+    """Empty the planner's memo caches (functools caches of `ballonet.planning`) but those of
+    the devices, which every batch of a run shares: a plan timed after its warm-up then
+    costs what a new batch's plan does."""
+    import sys
+    for name, module in list(sys.modules.items()):
+        if name.startswith("ballonet.planning"):
+            for obj in list(vars(module).values()):
+                if hasattr(obj, "cache_clear") and getattr(obj, "__name__", "") not in ("devices", "rank_hardware"):
+                    obj.cache_clear()
+
+
 def _timed(fn, repeats: int, cpu: bool = False):
     """(result, median wall ms) or, with `cpu`, (result, median wall ms, median CPU ms):
-    the CPU time of this process, which other jobs on a shared machine do not inflate."""
+    the CPU time of this process, which other jobs on a shared machine do not inflate.
+    Each run starts with the planner's memo caches empty (`cold`)."""
     walls, cpus, out = [], [], None
     for _ in range(repeats):
+        cold()
         start, start_cpu = time.perf_counter(), time.process_time()
         out = fn()
         walls.append(time.perf_counter() - start)
@@ -164,8 +179,8 @@ from ballonet import plan_batch, specs, workloads
 def batch(gpus):
     return (workloads.get("wlbllm").sample_batch(16384 * gpus, 0), specs.cluster("h200-8nic", num_nodes=gpus // 8),
             specs.model("llama-7b"))
-"""
-"""The batch both scripts below plan, in a fresh process of the tree on PYTHONPATH."""
+""" + inspect.getsource(cold)
+"""The batch both scripts below plan, in a fresh process of the tree on PYTHONPATH, and `cold`."""
 
 _TIMER = _BATCH + """
 import json, statistics, time
@@ -175,6 +190,7 @@ for gpus in (128, 1024):
     plan_batch(lengths, cluster, model)
     cpu = []
     for _ in range(7):
+        cold()
         t = time.process_time()
         plan_batch(lengths, cluster, model)
         cpu.append(time.process_time() - t)
@@ -226,6 +242,7 @@ import sys
 gpus, plans = int(sys.argv[1]), int(sys.argv[2])
 lengths, cluster, model = batch(gpus)
 for _ in range(1 + plans):
+    cold()
     plan_batch(lengths, cluster, model)
 """
 """One warm-up plan, then `plans` more: the difference between 0 and 1 is one plan's
@@ -324,7 +341,10 @@ def write(rows, by_gpus, by_docs, full, double, command: str, seconds: float, ag
     full_best = min((r for r in full if r["planner"] != "zeppelin" and "error" not in r), key=lambda r: r["step_time_s"])
     why_time = "" if t128 is None else (
         f" (where over: a whole plan, refinement included, for each of {_candidates(by_gpus, 128)} candidates at "
-        f"128 GPUs and {_candidates(by_gpus, 1024)} at 1024 (`plan.meta['candidates']`); this shared VM's speed "
+        f"128 GPUs and {_candidates(by_gpus, 1024)} at 1024 (`plan.meta['candidates']`), each step a Python loop "
+        "over nodes, ranks, documents or ring members: on 2026-12-07 at 1024 GPUs placing ranks took 53% of a plan "
+        "(level 2 24%, refinement 26%), pricing 16%, level 1s 15%, assembly and remap 10%; at 128 GPUs 44%, 26%, "
+        "13% and 11% (docs/design.md, section 4, 'Planning time'); this shared VM's speed "
         "drifts between runs of the same code (1.5x to 4x on 2026-12-02), so compare the best of 7 and, with "
         "`--against`, the side-by-side speedup or, with `--instructions`, the instruction counts)")
     best = {r["gpus"]: r["plan_cpu_min_ms"] for r in by_gpus}

@@ -2,9 +2,13 @@
 step's compute, a routed hop's stages one block after another, the layer's FSDP
 collectives sharing a ring's ports, and an estimate the simulator confirms."""
 
+import dataclasses
+
+import numpy as np
 import pytest
 
 import ballonet
+from ballonet import calibration
 from ballonet.cost import hardware
 from ballonet.cost.flops import block_flops, kv_bytes
 from ballonet.cost.seconds import attention_seconds, p2p_time
@@ -37,6 +41,15 @@ def test_a_routed_hop_passes_blocks_through_its_stages_one_after_another():
     assert pricing.crossing_pipeline(m, nic, intra, 1, gpu) == (p2p_time(m, nic, True, gpu),) * 2 + (1,)
 
 
+def test_crossing_hops_priced_as_arrays_cost_what_each_costs_alone():
+    gpu = ballonet.cluster("h200-8nic").groups[0].gpu_type
+    nbytes = np.array([0.0, 1e3, 80e6, 80e6, 3e8])
+    nic, intra, rails = np.full(5, 50e9), np.array([450e9, 450e9, 450e9, 900e9, 450e9]), np.array([8, 1, 8, 4, 0])
+    each = pricing.crossing_seconds_each(nbytes, nic, intra, rails, gpu)
+    assert each.tolist() == [pricing.crossing_seconds(float(m), n, i, int(k), gpu)
+                             for m, n, i, k in zip(nbytes, nic, intra, rails)]
+
+
 def test_a_ring_step_computes_half_of_two_full_blocks():
     # Zig-zag: a member's two chunks against another member's two, two of the four pairs
     # full; over NVLink the ring hides its transfer once that compute does.
@@ -49,6 +62,21 @@ def test_a_ring_step_computes_half_of_two_full_blocks():
     bw = just_hidden / hardware.profile(gpu).p2p_efficiency
     assert pricing.ring_exposed_seconds(model, gpu, length, members, bw * 1.5, nic=False) == 0.0
     assert pricing.ring_exposed_seconds(model, gpu, length, members, bw / 1.5, nic=False) > 0.0
+
+
+def test_rings_priced_once_per_shape_are_priced_anew_under_an_installed_profile():
+    # The partitioner caches a ring's exposed seconds under the built-in profiles only: a
+    # profile installed by calibration.use (here a NIC at half the efficiency) prices anew.
+    model = ballonet.model("llama-7b")
+    gpu = ballonet.cluster("h200-8nic").groups[0].gpu_type
+    ring = (model, gpu, 131072, 16, 50e9)
+    double = (model, gpu, 131072, 2, 8, 450e9, 50e9)
+    before = pricing.ring_exposed_seconds(*ring), pricing.double_exposed_seconds(*double)
+    slow = dataclasses.replace(hardware.profile(gpu), nic_efficiency=hardware.profile(gpu).nic_efficiency / 2)
+    with calibration.use(slow):
+        during = pricing.ring_exposed_seconds(*ring), pricing.double_exposed_seconds(*double)
+    assert during[0] > before[0] > 0 and during[1] > before[1] > 0
+    assert (pricing.ring_exposed_seconds(*ring), pricing.double_exposed_seconds(*double)) == before
 
 
 def test_the_estimate_of_a_double_ring_across_two_nodes_is_what_the_simulator_runs():

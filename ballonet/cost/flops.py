@@ -79,8 +79,9 @@ def kv_bytes(model: ModelSpec, rows: float) -> float:
     return 2.0 * rows * model.kv_dim * model.dtype_bytes / model.tp
 
 
-def kv_grad_bytes(model: ModelSpec, rows: int) -> float:
-    """dK and dV of `rows` tokens as the runtime returns them (fp32 partial sums)."""
+def kv_grad_bytes(model: ModelSpec, rows):
+    """dK and dV of `rows` tokens as the runtime returns them (fp32 partial sums): a float
+    for a number, an array for an array."""
     return 2.0 * rows * model.kv_dim * KV_GRAD_BYTES / model.tp
 
 

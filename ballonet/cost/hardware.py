@@ -74,6 +74,12 @@ def profile(gpu: GPUType | str | None = None) -> calibration.Profile:
     return calibration.override(name) or builtin.get(name) or builtin[REFERENCE_GPU]
 
 
+def calibrated(gpu: GPUType | str | None = None) -> bool:
+    """Whether a profile installed by `calibration.use` prices `gpu` (else a built-in one
+    does, which never changes: what it prices may be cached)."""
+    return calibration.override(REFERENCE_GPU if gpu is None else gpu if isinstance(gpu, str) else gpu.name) is not None
+
+
 @functools.cache
 def _builtin_profiles() -> dict:
     """`cost.profiles.PROFILES`, imported on first use: the built-ins are data about

@@ -72,11 +72,11 @@ def linear_time(model: ModelSpec, gpu: hardware.GPUType, num_tokens: float, flop
                      hardware.profile(gpu).linear, num_tokens)
 
 
-def _per_call(ideal: np.ndarray, curve, num_tokens):
-    """`ideal` seconds over `curve`'s efficiency at `num_tokens` (0 for no tokens): a float
-    for a number, an array for an array."""
+def _per_call(ideal: np.ndarray, curve, num_tokens, efficiency=None):
+    """`ideal` seconds over `curve`'s efficiency at `num_tokens` (`efficiency`, when known;
+    0 for no tokens): a float for a number, an array for an array."""
     n = np.asarray(num_tokens, dtype=float)
-    out = np.where(n > 0, ideal / curve.at(n), 0.0)
+    out = np.where(n > 0, ideal / (curve.at(n) if efficiency is None else efficiency), 0.0)
     return float(out) if out.ndim == 0 else out
 
 
@@ -97,11 +97,18 @@ def linear_layer_seconds(model: ModelSpec, gpu: hardware.GPUType, tokens: float,
     per-layer work (half in each pass); the backward reruns what recomputation `mode` drops
     (a mean over layers when only `layers` of them recompute). An array of token counts
     gives a pair of arrays."""
-    gemm = linear_time(model, gpu, tokens)
-    elt = elementwise_time(model, gpu, tokens)
-    redo = (linear_time(model, gpu, tokens, recompute_flops_per_token(model, mode, layers))
-            + elementwise_time(model, gpu, tokens, recompute_elementwise_bytes_per_token(model, mode, layers)))
-    half = hardware.profile(gpu).framework_s_per_layer / 2 if framework else 0.0
+    p, n = hardware.profile(gpu), np.asarray(tokens, dtype=float)
+    at = (p.linear.at(n), p.elementwise.at(n))  # the efficiencies of every call below
+
+    def gemms(per_token: float):  # `linear_time`
+        return _per_call(per_token * n / model.tp / gpu.peak_flops, p.linear, tokens, at[0])
+
+    def elementwise(per_token: float):  # `elementwise_time`
+        return _per_call(per_token * n / p.memory_bw, p.elementwise, tokens, at[1])
+    gemm, elt = gemms(linear_flops_per_token(model)), elementwise(elementwise_bytes_per_token(model))
+    redo = (gemms(recompute_flops_per_token(model, mode, layers))
+            + elementwise(recompute_elementwise_bytes_per_token(model, mode, layers)))
+    half = p.framework_s_per_layer / 2 if framework else 0.0
     return gemm + elt + half, gemm * LINEAR_BACKWARD_FACTOR + elt * ELEMENTWISE_BACKWARD_FACTOR + redo + half
 
 
@@ -136,6 +143,14 @@ def p2p_time(num_bytes: float, bandwidth: float, nic: bool = False, gpu: hardwar
     if nic:
         return p.nic_latency_s + num_bytes / (bandwidth * p.nic_efficiency)
     return p.p2p_latency_s + num_bytes / (bandwidth * p.p2p_efficiency)
+
+
+def p2p_times(num_bytes: np.ndarray, bandwidth: np.ndarray, nic: bool = False,
+              gpu: hardware.GPUType | None = None) -> np.ndarray:
+    """`p2p_time` of each transfer of `num_bytes` over its link of `bandwidth` (arrays)."""
+    p = hardware.profile(gpu)
+    latency, efficiency = (p.nic_latency_s, p.nic_efficiency) if nic else (p.p2p_latency_s, p.p2p_efficiency)
+    return np.where(num_bytes > 0, latency + num_bytes / (bandwidth * efficiency), 0.0)
 
 
 def collective_time(op: str, num_bytes: float, num_ranks: int, bandwidth: float,

@@ -10,6 +10,7 @@ and predicted memory per rank.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -90,12 +91,21 @@ def assemble(name: str, lengths: list[int], dev: Devices, placement: Placement, 
                 segs[r].append((queue, doc, b[i], b[i + 1]))
             if b[2 * g - i] > b[2 * g - 1 - i]:
                 segs[r].append((queue, doc, b[2 * g - 1 - i], b[2 * g - i]))
-    attention = tuple((*(Segment(d, a, e) for _, d, a, e in sorted(rank_segs)),
-                       *(Segment(d, 0, lengths[d]) for d in sorted(docs)))  # local documents last
+    batch = tuple(lengths)
+    whole = whole_segments(batch)
+    attention = tuple((*[Segment(d, a, e) for _, d, a, e in sorted(rank_segs)],
+                       *[whole[d] for d in sorted(docs)])  # local documents last
                       for rank_segs, docs in zip(segs, placement.local, strict=True))
-    return Plan(planner=name, lengths=tuple(lengths), node_of_rank=dev.node, nic_of_rank=dev.nic,
+    return Plan(planner=name, lengths=batch, node_of_rank=dev.node, nic_of_rank=dev.nic,
                 attention=attention, rings=tuple(rings), memory_cap=dev.memory_total,
                 attention_engine=attention_engine, meta=dict(meta or {}))
+
+
+@functools.lru_cache(maxsize=8)
+def whole_segments(lengths: tuple[int, ...]) -> tuple[Segment, ...]:
+    """Each document of a batch as one segment: the planners assemble several plans of one
+    batch, and segments are values."""
+    return tuple(Segment(d, 0, n) for d, n in enumerate(lengths))
 
 
 def over_cap(plan: Plan, dev: Devices) -> str | None:

@@ -97,10 +97,52 @@ class Devices:
         return self.node[-1] + 1
 
     def nodes(self) -> list[list[int]]:
+        """Each node's ranks (a fresh list: callers may change it)."""
+        return [list(ranks) for ranks in self._node_ranks]
+
+    @functools.cached_property
+    def gpu_types(self) -> tuple[hardware.GPUType, ...]:
+        """Each GPU type of the ranks once, in rank order."""
+        return tuple({g.name: g for g in self.gpu}.values())
+
+    @functools.cached_property
+    def gpu_names(self) -> np.ndarray:
+        """[R] the name of each rank's GPU type."""
+        return _read_only(np.array([g.name for g in self.gpu]))
+
+    @functools.cached_property
+    def type_index(self) -> np.ndarray:
+        """[R] each rank's GPU type, as an index into `gpu_types`."""
+        index = {t.name: i for i, t in enumerate(self.gpu_types)}
+        return _read_only(np.array([index[g.name] for g in self.gpu], dtype=np.int64))
+
+    def per_type(self, values) -> np.ndarray:
+        """[R] of `values`, one per GPU type of `gpu_types`: each rank's."""
+        return np.asarray(values, dtype=float)[self.type_index]
+
+    def node_means(self, values: np.ndarray) -> np.ndarray:
+        """[nodes] the mean of `values` ([R]) over each node's ranks."""
+        if self._even_nodes:
+            return values.reshape(self.num_nodes, -1).mean(axis=1)
+        return np.array([values[list(ranks)].mean() for ranks in self._node_ranks])
+
+    @functools.cached_property
+    def _even_nodes(self) -> bool:
+        """Whether the nodes hold as many ranks each, in rank order."""
+        ranks = self._node_ranks
+        return all(len(rs) == len(ranks[0]) for rs in ranks) and list(self.node) == sorted(self.node)
+
+    @functools.cached_property
+    def _node_ranks(self) -> tuple[tuple[int, ...], ...]:
         out: list[list[int]] = [[] for _ in range(self.num_nodes)]
         for r, n in enumerate(self.node):
             out[n].append(r)
-        return out
+        return tuple(tuple(ranks) for ranks in out)
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
 
 
 @functools.lru_cache(maxsize=16)  # every batch of a run plans on the same devices

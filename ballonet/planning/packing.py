@@ -77,8 +77,9 @@ def _lpt_uniform(order, work, lengths, load, speed, token_room, spill) -> dict[i
     per_slot = np.ndim(work) == 2
     for d in order:
         w = work[:, d] if per_slot else work[d]
-        finish = np.where(token_room >= lengths[d], (load + w) / speed, np.inf)
-        i = int(np.argmin(finish))
+        finish = (load + w) / speed
+        finish[token_room < lengths[d]] = np.inf
+        i = int(finish.argmin())
         if finish[i] == np.inf:
             if spill is None:
                 raise NoRoom(d)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ballonet.cost import hardware
-from ballonet.cost.flops import attention_flops, remap_bytes, zigzag_flops
+from ballonet.cost.flops import attention_flops, remap_bytes
 from ballonet.cost.memory import BELOW, RECOMPUTE_MODES, recompute_layer_count, recompute_mode
 from ballonet.cost.recompute import recompute_attention
 from ballonet.cost.seconds import DP_FORWARD_SHARE, attention_seconds, linear_layer_seconds
@@ -41,6 +41,7 @@ from ballonet.planning.devices import Devices
 from ballonet.planning.ring_pricing import (
     crossing_pipeline,
     crossing_seconds,
+    crossing_seconds_each,
     double_exposed_seconds,
     dp_intra_seconds,
     dp_shared_seconds,
@@ -49,9 +50,10 @@ from ballonet.planning.ring_pricing import (
 from ballonet.specs import ModelSpec
 
 __all__ = ["StepWeights", "attention_kernels", "crossing_exposed_seconds", "crossing_pipeline", "crossing_seconds",
-           "double_exposed_seconds", "dp_intra_seconds", "dp_shared_seconds", "inter_node_span", "linear_work_per_token",
-           "rank_compute_seconds", "rank_remap_seconds", "rank_step_seconds", "rank_tp_seconds", "recompute_modes",
-           "remaps_inside", "ring_exposed_seconds", "ring_wait_seconds", "step_weights", "synchronous_step_seconds"]
+           "crossing_seconds_each", "double_exposed_seconds", "dp_intra_seconds", "dp_shared_seconds",
+           "inter_node_span", "linear_work_per_token", "rank_compute_seconds", "rank_remap_seconds",
+           "rank_step_seconds", "rank_tp_seconds", "recompute_modes", "remap_pairs", "remaps_inside",
+           "ring_exposed_seconds", "ring_wait_seconds", "step_weights", "synchronous_step_seconds"]
 
 
 def recompute_modes(model: ModelSpec) -> tuple[str, ...]:
@@ -152,20 +154,37 @@ def attention_kernels(plan: Plan, dev: Devices, model: ModelSpec) -> tuple[np.nd
     local = [(r, d) for r, segs in enumerate(plan.attention) for d in {s.doc for s in segs} if d not in in_ring]
     rank = [r for r, _ in local]
     block = [plan.lengths[d] for _, d in local]
-    flops = attention_flops(model, np.asarray(block, dtype=float)).tolist()
-    for ring in plan.rings:
-        g, q = len(ring.ranks), np.diff(ring.bounds)
-        rank += ring.ranks
-        flops += zigzag_flops(model, ring.bounds).tolist()
-        block += (q[:g] + q[::-1][:g]).tolist()  # its chunks i and 2g-1-i (`Ring.block_tokens`)
-    rank_a, flops_a, block_a = np.asarray(rank, dtype=np.int64), np.asarray(flops), np.asarray(block, dtype=float)
-    gpus = np.asarray([g.name for g in dev.gpu])
+    ring_rank, ring_flops, ring_block = _ring_kernels(model, plan.rings)
+    rank_a = np.asarray(rank + ring_rank, dtype=np.int64)
+    flops_a = np.concatenate([attention_flops(model, np.asarray(block, dtype=float)), ring_flops])
+    block_a = np.concatenate([np.asarray(block, dtype=float), ring_block])
     fwd, bwd = np.zeros(len(rank_a)), np.zeros(len(rank_a))
-    for gpu in {g.name: g for g in dev.gpu}.values():
-        on = gpus[rank_a] == gpu.name
+    for i, gpu in enumerate(dev.gpu_types):
+        on = dev.type_index[rank_a] == i
         fwd[on] = attention_seconds(model, gpu, flops_a[on], block_a[on])
         bwd[on] = attention_seconds(model, gpu, flops_a[on], block_a[on], backward=True)
     return rank_a, fwd, bwd
+
+
+def _ring_kernels(model: ModelSpec, rings) -> tuple[list[int], np.ndarray, np.ndarray]:
+    """(rank, forward FLOPs, block tokens) of every position of `rings`, in ring order:
+    `zigzag_flops` of them all at once, a position's blocks its chunks i and 2g-1-i
+    (`Ring.block_tokens`)."""
+    rank: list[int] = []
+    starts: list[int] = []
+    sizes: list[int] = []
+    front: list[int] = []
+    back: list[int] = []
+    for ring in rings:
+        b, g, o = ring.bounds, len(ring.ranks), len(sizes)
+        rank += ring.ranks
+        starts += b[:-1]
+        sizes += [hi - lo for lo, hi in zip(b, b[1:])]
+        front += range(o, o + g)
+        back += range(o + 2 * g - 1, o + g - 1, -1)
+    start, q = np.asarray(starts, dtype=float), np.asarray(sizes, dtype=float)
+    chunk = 4.0 * model.num_heads * model.head_dim * q * start + attention_flops(model, q)  # as `zigzag_flops`
+    return rank, chunk[front] + chunk[back], q[front] + q[back]
 
 
 def rank_compute_seconds(plan: Plan, dev: Devices, model: ModelSpec, mode: str | None, split: bool = False,
@@ -179,12 +198,12 @@ def rank_compute_seconds(plan: Plan, dev: Devices, model: ModelSpec, mode: str |
     rank, fwd, bwd = kernels or attention_kernels(plan, dev, model)
     redo = 1.0 if recompute_attention(mode) else 0.0
     attention = np.bincount(rank, weights=model.num_layers * ((1 + redo) * fwd + bwd), minlength=R)
-    tokens, names = np.asarray(plan.linear_token_counts, dtype=float), np.array([g.name for g in dev.gpu])
+    tokens, names = np.asarray(plan.linear_token_counts, dtype=float), dev.gpu_names
     linear = np.zeros(R)
     if layers is not None and np.ndim(layers) > 0:  # rank r's first k layers recompute as m, the others below it
         modes = np.array([m for m, _ in layers])
         share = np.array([k for _, k in layers], dtype=float) / model.num_layers
-        for gpu in {g.name: g for g in dev.gpu}.values():
+        for gpu in dev.gpu_types:
             for m in set(modes.tolist()):
                 on = (names == gpu.name) & (modes == m)
                 if not on.any():
@@ -193,7 +212,7 @@ def rank_compute_seconds(plan: Plan, dev: Devices, model: ModelSpec, mode: str |
                 keep = sum(linear_layer_seconds(model, gpu, tokens[on], BELOW.get(m, m), framework=False))
                 linear[on] = share[on] * redo + (1 - share[on]) * keep
     else:
-        for gpu in {g.name: g for g in dev.gpu}.values():
+        for gpu in dev.gpu_types:
             on = names == gpu.name
             linear[on] = sum(linear_layer_seconds(model, gpu, tokens[on], mode, framework=False, layers=layers))
     linear *= model.num_layers
@@ -225,9 +244,9 @@ def rank_step_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw: np.nd
             start[list(ring.ranks)] += double_exposed_seconds(model, dev.gpu[r], plan.lengths[ring.doc], ring.groups,
                                                               ring.group_size, link_bw[r], nic[r], piece)
     ready = start.copy()
-    for (src, dst) in plan.remap_tokens():
-        ready[dst] = max(ready[dst], start[src])
-        ready[src] = max(ready[src], start[dst])  # and the same meeting on the way back
+    src, dst, _ = remap_pairs(plan)
+    np.maximum.at(ready, dst, start[src])
+    np.maximum.at(ready, src, start[dst])  # and the same meeting on the way back
     return ready + linear + rank_remap_seconds(plan, model, link_bw) + rank_tp_seconds(plan, dev, model, link_bw)
 
 
@@ -247,9 +266,9 @@ def synchronous_step_seconds(plan: Plan, dev: Devices, model: ModelSpec, kernels
     rank, fwd, _ = kernels
     L, R = model.num_layers, plan.num_ranks
     forward = L * np.bincount(rank, weights=fwd, minlength=R).astype(float)
-    tokens, names = np.asarray(plan.linear_token_counts, dtype=float), np.array([g.name for g in dev.gpu])
+    tokens, names = np.asarray(plan.linear_token_counts, dtype=float), dev.gpu_names
     extra = np.zeros(R)  # [R] a recomputing layer's backward over the same layer's below its mode
-    for gpu in {g.name: g for g in dev.gpu}.values():
+    for gpu in dev.gpu_types:
         on = names == gpu.name
         forward[on] += L * linear_layer_seconds(model, gpu, tokens[on], "none", framework=False)[0]
         for m in {m for m, _ in layers or ()} & set(BELOW):
@@ -300,30 +319,33 @@ def ring_wait_seconds(plan: Plan, dev: Devices, model: ModelSpec) -> np.ndarray:
     with its slowest rank's), so nothing is charged (the end's own transfer:
     `final_grad_wait_seconds`)."""
     R = plan.num_ranks
-    if not any(len(ring.ranks) > 2 for ring in plan.rings):
+    rings = [ring.ranks for ring in plan.rings if len(ring.ranks) > 2]
+    if not rings:
         return np.zeros(R)
     in_ring = plan.ring_of_doc
-    pairs = [(r, s.num_tokens) for r, segs in enumerate(plan.attention) for s in segs if s.doc not in in_ring]
+    pairs = [(r, s.end - s.start) for r in sorted({r for ranks in rings for r in ranks})
+             for s in plan.attention[r] if s.doc not in in_ring]
     rank = np.array([r for r, _ in pairs], dtype=np.int64)
     block = np.array([n for _, n in pairs], dtype=float)
     seconds = np.zeros(len(pairs))
-    names = np.array([g.name for g in dev.gpu])
-    for gpu in {g.name: g for g in dev.gpu}.values():  # one vector call per GPU type
-        on = names[rank] == gpu.name
+    for i, gpu in enumerate(dev.gpu_types):  # one vector call per GPU type
+        on = dev.type_index[rank] == i
         if on.any():
             seconds[on] = attention_seconds(model, gpu, attention_flops(model, block[on]), block[on], backward=True)
     local = np.bincount(rank, weights=seconds, minlength=R).astype(float)
+    members = np.array([r for ranks in rings for r in ranks])
+    sizes = [len(ranks) for ranks in rings]
+    slowest = np.maximum.reduceat(local[members], np.cumsum([0] + sizes[:-1]))  # per ring
     out = np.zeros(R)
-    for ring in plan.rings:
-        if len(ring.ranks) > 2:
-            members = list(ring.ranks)
-            out[members] = np.maximum(out[members], local[members].max() - local[members])
+    np.maximum.at(out, members, np.repeat(slowest, sizes) - local[members])  # the most over a rank's rings
     return model.num_layers * out
 
 
 def rank_tp_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw: np.ndarray) -> np.ndarray:
     """[R] a step's tensor-parallel collectives per rank (all layers, forward, backward and
     the reruns of `model.recompute`: `cost.tensor_parallel.tp_layer_seconds`)."""
+    if model.tp == 1:
+        return np.zeros(plan.num_ranks)
     mode = recompute_mode(model)
     return model.num_layers * np.array([sum(tp_layer_seconds(model, n, link_bw[r], dev.gpu[r], mode))
                                         for r, n in enumerate(plan.linear_token_counts)])
@@ -336,8 +358,16 @@ def rank_remap_seconds(plan: Plan, model: ModelSpec, link_bw: np.ndarray) -> np.
     blocking: no compute hides it)."""
     out, inn = np.zeros(plan.num_ranks), np.zeros(plan.num_ranks)
     per_token = remap_bytes(model, 1, True) + remap_bytes(model, 1, False)
-    for (src, dst), n in plan.remap_tokens().items():
-        out[src] += n * per_token
-        inn[dst] += n * per_token
+    src, dst, n = remap_pairs(plan)
+    np.add.at(out, src, n * per_token)
+    np.add.at(inn, dst, n * per_token)
     return 2 * model.num_layers * np.maximum(out, inn) / link_bw
 
+
+
+def remap_pairs(plan: Plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`plan.remap_tokens()` as arrays: each (source, destination) pair's ranks and tokens."""
+    pairs = plan.remap_tokens()
+    src = np.array([s for s, _ in pairs], dtype=np.int64)
+    dst = np.array([d for _, d in pairs], dtype=np.int64)
+    return src, dst, np.array(list(pairs.values()), dtype=np.int64)

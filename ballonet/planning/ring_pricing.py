@@ -9,14 +9,18 @@ these to the partitioner's estimates (`inter_node_span`, `crossing_exposed_secon
 
 from __future__ import annotations
 
+import functools
+
+import numpy as np
+
 from ballonet.cost import hardware
 from ballonet.cost.flops import block_flops, grad_bytes, kv_bytes, kv_grad_bytes
 from ballonet.cost.memory import recompute_mode
 from ballonet.cost.recompute import recompute_attention
-from ballonet.cost.seconds import DP_FORWARD_SHARE, DP_PIECES, attention_seconds, collective_time, p2p_time
+from ballonet.cost.seconds import DP_FORWARD_SHARE, DP_PIECES, attention_seconds, collective_time, p2p_time, p2p_times
 from ballonet.specs import ModelSpec
 
-__all__ = ["crossing_pipeline", "crossing_seconds", "double_exposed_seconds", "dp_intra_seconds", "dp_shared_seconds",
+__all__ = ["crossing_pipeline", "crossing_seconds", "crossing_seconds_each", "double_exposed_seconds", "dp_intra_seconds", "dp_shared_seconds",
            "ring_exposed_seconds"]
 
 
@@ -26,17 +30,38 @@ def crossing_seconds(nbytes: float, nic_bw: float, intra_bw: float, rails: int, 
     k - 1 dispatch messages of m/k leave the source one after another over `intra_bw`, as
     the k - 1 combine messages reach the destination, each paying a message's latency
     (as the simulator sends them); the NIC legs of m/k run in parallel at `nic_bw`."""
-    best = p2p_time(nbytes, nic_bw, True, gpu)
-    for k in range(2, rails + 1):
-        part = nbytes / k
-        best = min(best, 2 * (k - 1) * p2p_time(part, intra_bw, False, gpu)
-                   + p2p_time(part, nic_bw, True, gpu))
+    return min(_routed_seconds(nbytes, nic_bw, intra_bw, rails, gpu))
+
+
+def crossing_seconds_each(nbytes: np.ndarray, nic_bw: np.ndarray, intra_bw: np.ndarray, rails: np.ndarray,
+                          gpu: hardware.GPUType) -> np.ndarray:
+    """`crossing_seconds` of each hop of `nbytes` (arrays of hops on one GPU type)."""
+    best = p2p_times(nbytes, nic_bw, True, gpu)
+    for k in range(2, int(rails.max(initial=1)) + 1):
+        routed = 2 * (k - 1) * p2p_times(nbytes / k, intra_bw, False, gpu) + p2p_times(nbytes / k, nic_bw, True, gpu)
+        best = np.where(rails >= k, np.minimum(best, routed), best)
     return best
+
+
+def _routed_seconds(nbytes: float, nic_bw: float, intra_bw: float, rails: int, gpu: hardware.GPUType) -> list[float]:
+    """A crossing hop's seconds routed over k = 1, 2, ... `rails` proxy pairs (`crossing_seconds`)."""
+    return [p2p_time(nbytes, nic_bw, True, gpu)] + [
+        2 * (k - 1) * p2p_time(nbytes / k, intra_bw, False, gpu) + p2p_time(nbytes / k, nic_bw, True, gpu)
+        for k in range(2, rails + 1)]
 
 
 def ring_exposed_seconds(model: ModelSpec, gpu: hardware.GPUType, length: int, members: int, bandwidth: float,
                          nic: bool = True, routed: tuple[float, int] | None = None,
                          dp_piece: tuple[float, float] = (0.0, 0.0), dp_intra: float = 0.0) -> float:
+    """`_ring_exposed_seconds`; under a built-in profile (`hardware.calibrated`) once per
+    ring shape: the partitioner prices the rings of a document alike in many candidates."""
+    args = (model, gpu, length, members, bandwidth, nic, routed, dp_piece, dp_intra)
+    return _ring_exposed_seconds(*args) if hardware.calibrated(gpu) else _ring_exposed_builtin(*args)
+
+
+def _ring_exposed_seconds(model: ModelSpec, gpu: hardware.GPUType, length: int, members: int, bandwidth: float,
+                          nic: bool, routed: tuple[float, int] | None, dp_piece: tuple[float, float],
+                          dp_intra: float) -> float:
     """Seconds a ring of `members` ranks over a document of `length` tokens leaves its
     transfers exposed in a step (all layers), when each hop runs at `bandwidth` (the
     slowest hop: a NIC with `nic`, else NVLink or PCIe; with `routed` = (intra-node
@@ -74,6 +99,9 @@ def ring_exposed_seconds(model: ModelSpec, gpu: hardware.GPUType, length: int, m
     return model.num_layers * (redo * fwd + bwd)
 
 
+_ring_exposed_builtin = functools.lru_cache(maxsize=4096)(_ring_exposed_seconds)
+
+
 def crossing_pipeline(nbytes: float, nic_bw: float, intra_bw: float, rails: int,
                       gpu: hardware.GPUType) -> tuple[float, float, int]:
     """A ring's node-crossing hop of `nbytes` a step, routed over the k of `rails` proxy
@@ -82,7 +110,9 @@ def crossing_pipeline(nbytes: float, nic_bw: float, intra_bw: float, rails: int,
     stages, as blocks follow each other through them; k). The source's port carries k parts
     a step, its k - 1 dispatches and the combine of the hop into its node (every node a
     ring crosses is left and entered), as the destination's does."""
-    best, k = min((crossing_seconds(nbytes, nic_bw, intra_bw, j, gpu), j) for j in range(1, max(rails, 1) + 1))
+    seconds = _routed_seconds(nbytes, nic_bw, intra_bw, max(rails, 1), gpu)
+    best = min(seconds)
+    k = seconds.index(best) + 1  # the fewest pairs that cost least
     if k == 1:
         return best, best, 1
     return best, max(k * p2p_time(nbytes / k, intra_bw, False, gpu), p2p_time(nbytes / k, nic_bw, True, gpu)), k
@@ -90,6 +120,13 @@ def crossing_pipeline(nbytes: float, nic_bw: float, intra_bw: float, rails: int,
 
 def double_exposed_seconds(model: ModelSpec, gpu: hardware.GPUType, length: int, groups: int, group_size: int,
                            intra_bw: float, nic_bw: float, dp_piece: tuple[float, float] = (0.0, 0.0)) -> float:
+    """`_double_exposed_seconds`, cached as `ring_exposed_seconds` is."""
+    args = (model, gpu, length, groups, group_size, intra_bw, nic_bw, dp_piece)
+    return _double_exposed_seconds(*args) if hardware.calibrated(gpu) else _double_exposed_builtin(*args)
+
+
+def _double_exposed_seconds(model: ModelSpec, gpu: hardware.GPUType, length: int, groups: int, group_size: int,
+                            intra_bw: float, nic_bw: float, dp_piece: tuple[float, float]) -> float:
     """Seconds a "double" ring (`ring_traffic.double_schedule`: `groups` nodes of
     `group_size` ranks) over a document of `length` tokens leaves its transfers exposed in
     a step (all layers), nothing else filling the wait: per inner step the K/V (backward:
@@ -124,6 +161,9 @@ def double_exposed_seconds(model: ModelSpec, gpu: hardware.GPUType, length: int,
     forward = inner_f + rounds(fwd_c, dp_piece[0])
     backward = inner_b + rounds(bwd_c, dp_piece[1]) + (k - 2) * max(home - n * bwd_c, 0.0) + home
     return model.num_layers * (redo * forward + backward)
+
+
+_double_exposed_builtin = functools.lru_cache(maxsize=4096)(_double_exposed_seconds)
 
 
 def dp_intra_seconds(model: ModelSpec, gpu: hardware.GPUType, ranks_per_node: int, intra_bw: float) -> float:

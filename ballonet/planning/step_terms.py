@@ -25,7 +25,7 @@ from ballonet.cost.seconds import (
 from ballonet.cost.tensor_parallel import tp_step_collectives
 from ballonet.plan import Plan, Ring
 from ballonet.planning.devices import Devices
-from ballonet.planning.pricing import crossing_seconds
+from ballonet.planning.pricing import crossing_seconds_each, remap_pairs
 from ballonet.specs import ClusterSpec, ModelSpec
 
 __all__ = ["dp_send_seconds", "final_grad_wait_seconds", "fixed_tail_seconds", "overlap_slowdown_seconds",
@@ -45,7 +45,7 @@ def step_tail_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw: np.nd
     over its linear tokens with their tensor-parallel collectives over its TP group's
     links (`link_bw`, [R]), plus `fixed` (`fixed_tail_seconds`)."""
     tokens = np.asarray(plan.linear_token_counts)
-    names = np.array([g.name for g in dev.gpu])
+    names = dev.gpu_names
     out = 0.0
     for gpu in _types(dev):  # its most tokens take longest
         on = np.nonzero(names == gpu.name)[0]
@@ -70,19 +70,28 @@ def final_grad_wait_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw:
     the hop into it, across nodes at `nic_bw` routed over `rails` (1: direct), inside a
     node over `link_bw`; nothing hides it."""
     out = np.zeros(plan.num_ranks)
-    node, lat, eff = dev.node, *_p2p_terms(dev, nic=False)
+    member: list[int] = []  # every single ring's members, their blocks and predecessors, ring by ring
+    block: list[int] = []
+    before: list[int] = []
     for ring in plan.rings:
-        if ring.comm != "ring":
-            continue
-        ranks = ring.ranks
-        for i, (r, block) in enumerate(zip(ranks, _block_tokens(ring))):
-            nbytes = kv_grad_bytes(model, block)
-            if nbytes <= 0:
-                continue
-            if node[ranks[i - 1]] != node[r]:
-                out[r] += crossing_seconds(nbytes, nic_bw[r], link_bw[r], int(rails[r]), dev.gpu[r])
-            else:  # `p2p_time` over the node's link
-                out[r] += lat[r] + nbytes / (link_bw[r] * eff[r])
+        if ring.comm == "ring":
+            member += ring.ranks
+            block += _block_tokens(ring)
+            before += ring.ranks[-1:] + ring.ranks[:-1]
+    if not member:
+        return out
+    r, nbytes = np.array(member), kv_grad_bytes(model, np.array(block))
+    lat, eff = _p2p_terms(dev, nic=False)
+    node = np.asarray(dev.node)
+    seconds = lat[r] + nbytes / (link_bw[r] * eff[r])  # `p2p_time` over the node's link
+    crossing = np.nonzero(node[np.array(before)] != node[r])[0]
+    for t, gpu in enumerate(dev.gpu_types):
+        on = crossing[dev.type_index[r[crossing]] == t]
+        if on.size:
+            rs = r[on]
+            seconds[on] = crossing_seconds_each(nbytes[on], nic_bw[rs], link_bw[rs], rails[rs], gpu)
+    sent = nbytes > 0
+    np.add.at(out, r[sent], seconds[sent])  # in ring order, as the members' hops add up
     return model.num_layers * out
 
 
@@ -95,8 +104,7 @@ def overlap_slowdown_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw
     bandwidth (`link_bw` inside a node, `nic_bw` across; a "double" ring's inner steps
     inside, its rounds across), its remap, and `dp_send_s`, the layers' data-parallel
     collectives every rank sends."""
-    slowdown = {g: hardware.profile(g).overlap_slowdown for g in set(dev.gpu)}
-    factor = np.array([slowdown[g] for g in dev.gpu])
+    factor = dev.per_type([hardware.profile(g).overlap_slowdown for g in dev.gpu_types])
     if not factor.any():
         return np.zeros(plan.num_ranks)
     passes = (2 if recompute_attention(recompute_mode(model)) else 1) + 1  # K/V: forward(s) and backward
@@ -129,8 +137,8 @@ def overlap_slowdown_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw
         seconds = passes * (m * lat + kv_row * kv * per_byte) + m * lat + grad_row * grad * per_byte
         sent += model.num_layers * np.bincount(ra, weights=np.where(m > 0, seconds, 0.0), minlength=plan.num_ranks)
     per_token = remap_bytes(model, 1, True) + remap_bytes(model, 1, False)
-    for (src, _), n in plan.remap_tokens().items():
-        sent[src] += 2 * model.num_layers * n * per_token / link_bw[src]
+    src, _, tokens = remap_pairs(plan)
+    np.add.at(sent, src, 2 * model.num_layers * tokens * per_token / link_bw[src])
     return factor * np.minimum(sent, compute)
 
 
@@ -153,13 +161,12 @@ def dp_send_seconds(cluster: ClusterSpec, model: ModelSpec) -> float:
 
 
 def _types(dev: Devices) -> list:
-    return list({g.name: g for g in dev.gpu}.values())
+    return list(dev.gpu_types)
 
 
 def _p2p_terms(dev: Devices, nic: bool) -> tuple[np.ndarray, np.ndarray]:
     """[R] latency and efficiency of `cost.seconds.p2p_time` on each rank's GPU profile."""
-    by = {g.name: hardware.profile(g) for g in _types(dev)}
-    prof = [by[g.name] for g in dev.gpu]
+    prof = [hardware.profile(g) for g in dev.gpu_types]
     if nic:
-        return np.array([p.nic_latency_s for p in prof]), np.array([p.nic_efficiency for p in prof])
-    return np.array([p.p2p_latency_s for p in prof]), np.array([p.p2p_efficiency for p in prof])
+        return dev.per_type([p.nic_latency_s for p in prof]), dev.per_type([p.nic_efficiency for p in prof])
+    return dev.per_type([p.p2p_latency_s for p in prof]), dev.per_type([p.p2p_efficiency for p in prof])

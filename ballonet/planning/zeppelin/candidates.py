@@ -114,8 +114,7 @@ class CandidateMaker:
             heavy, most = heaviest(per_rank)
             mode = heavy.value
             priced = dataclasses.replace(model, recompute=mode, recompute_layers=most if mode != "none" else None)
-            used = tuple(dev.static_bytes + activation_bytes(model, a, b, m, k)
-                         for a, b, (m, k) in zip(lin, att, per_rank))
+            used = _rank_memory(model, dev, lin, att, per_rank)
             plan = replaced(plan, memory_bytes=used, meta={
                 **plan.meta, "recompute": mode, "recompute_layers": most})
             layers = per_rank
@@ -124,7 +123,7 @@ class CandidateMaker:
                                                  kernels=kernels)
         seconds, exposed, skew = _step_seconds(plan, dev, priced, self.crossovers, (attention, linear), self.routing,
                                                self.dp_send_s)
-        node = max((attention[rs] + linear[rs] + exposed[rs]).mean() for rs in dev.nodes())
+        node = float(dev.node_means(attention + linear + exposed).max())
         busiest = float(seconds.max())
         step = max(busiest, synchronous_step_seconds(plan, dev, priced, kernels, seconds, attention + linear + skew,
                                                      layers if trim else None))
@@ -229,6 +228,18 @@ def _step_seconds(plan: Plan, dev: Devices, model: ModelSpec, crossovers, comput
     seconds = rank_step_seconds(plan, dev, model, link, (start + exposed, linear),
                                 np.array([c.rank_nic_bw for c in per_group]), dp_piece)
     return seconds, exposed, pcie.backward_skew(final)
+
+
+def _rank_memory(model: ModelSpec, dev: Devices, linear, attention, per_rank) -> tuple[float, ...]:
+    """[R] bytes each rank holds: its state and `activation_bytes` of its `linear` and
+    `attention` tokens under its (mode, layers) of `per_rank`, the ranks of a mode at once."""
+    lin, att = np.asarray(linear, dtype=np.int64), np.asarray(attention, dtype=np.int64)
+    modes, layers = [m for m, _ in per_rank], np.array([k for _, k in per_rank], dtype=np.int64)
+    out = np.zeros(len(modes))
+    for mode in set(modes):
+        on = np.array([m == mode for m in modes])
+        out[on] = dev.static_bytes + activation_bytes(model, lin[on], att[on], mode, layers[on])
+    return tuple(out.tolist())
 
 
 def caps_bind(plan: Plan, dev: Devices, seconds: np.ndarray) -> bool:

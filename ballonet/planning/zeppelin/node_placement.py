@@ -19,7 +19,7 @@ import numpy as np
 from ballonet.planning.packing import charge, lpt, spread
 from ballonet.planning.zeppelin.state import Batch, RankFill
 from ballonet.planning.zeppelin.thresholds import THRESHOLDS
-from ballonet.planning.zeppelin.water import water_level
+from ballonet.planning.zeppelin.water import water_level, water_level_list
 
 __all__ = ["NodeFill", "level2", "node_fill", "split_to_level"]
 
@@ -147,8 +147,9 @@ def _levelled(got: dict[int, float], load, speed, room, w: float, per_token: flo
     if len(got) < 3:
         return got
     slots = sorted(got)
-    level = water_level(load[slots], speed[slots], np.ones(len(slots)), room[slots] * per_token, w)
-    return {i: float(x) for i, x in zip(slots, level) if x > 0}
+    level = water_level_list(load[slots].tolist(), speed[slots].tolist(), [1.0] * len(slots),
+                             (room[slots] * per_token).tolist(), w)
+    return {i: x for i, x in zip(slots, level) if x > 0}
 
 
 def split_to_level(batch: Batch, fill: RankFill, ranks, load, speed, min_length: float, in_water: set[int],

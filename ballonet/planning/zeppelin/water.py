@@ -48,11 +48,8 @@ def water_level_list(b: list, s: list, u: list, c: list, total: float) -> list:
     else:  # the caps hold `total` only up to rounding
         return capped
     level = at + (total - filled) / rate
-    clipped = []
-    for bi, si, ui, ci in zip(b, s, u, capped):
-        x = (level * si - bi) / ui
-        clipped.append(ci if ci < x else 0.0 if x < 0.0 else x)  # min(max(x, 0.0), ci) without the calls
-    return clipped
+    return [ci if ci < (x := (level * si - bi) / ui) else 0.0 if x < 0.0 else x  # min(max(x, 0.0), ci), no calls
+            for bi, si, ui, ci in zip(b, s, u, capped)]
 
 
 def ordered_sum(xs: list[float]) -> float:
