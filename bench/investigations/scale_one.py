@@ -4,7 +4,8 @@ the busiest and mean rank, exposed communication, idle, recomputation).
 
     OMP_NUM_THREADS=1 python bench/investigations/scale_one.py [INDEX ...] [--json FILE]
 
-INDEX: positions in `bench/paper.py`'s scale grid (0-19; default: all). A quick harness for
+INDEX: positions in `bench/paper.py`'s scale grid (0-19; default: all), or with --main in
+its main grid (0-35). A quick harness for
 iterating on the planner's quality at 64-1024 GPUs (issue 49) without the baselines.
 """
 
@@ -18,8 +19,8 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from paper import SCALE_CONTEXTS, SCALE_GPUS, SCALE_MODELS, SCALE_WORKLOADS, TOKENS_PER_GPU
-from paper_report import CLUSTERS
+from paper import MODELS, SCALE_CONTEXTS, SCALE_GPUS, SCALE_MODELS, SCALE_WORKLOADS, TOKENS_PER_GPU
+from paper_report import CLUSTERS, WORKLOADS
 
 from ballonet import plan_batch, specs, workloads
 from ballonet.cost.bounds import batch_lower_bound, batch_recomputation
@@ -38,8 +39,13 @@ def grid() -> list[tuple]:
     return out
 
 
-def one(index: int) -> dict:
-    cl, nodes, mdl, tp, wl, ctx = grid()[index]
+def main_grid() -> list[tuple]:
+    """(cluster, nodes, model, tp, workload, context) of each main-grid configuration, in order."""
+    return [(cl, 4, mdl, tp, wl, 65536) for cl in CLUSTERS for mdl, tp in MODELS for wl in WORKLOADS]
+
+
+def one(index: int, configs=None) -> dict:
+    cl, nodes, mdl, tp, wl, ctx = (configs or grid())[index]
     c, m = specs.cluster(CLUSTERS[cl], num_nodes=nodes), specs.model(mdl, tp=tp)
     batch = next(iter(workloads.get(wl).batches(TOKENS_PER_GPU * c.num_ranks, 0, 1, ctx)))
     t = time.process_time()
@@ -50,7 +56,7 @@ def one(index: int) -> dict:
     n = len(res.compute_s)
     cands = sorted(plan.meta["candidates"], key=lambda x: x["estimated_step_s"])
     est = cands[0]["estimated_step_s"]
-    return {"index": index, "config": f"{cl} {c.num_ranks} {mdl} {wl} {ctx // 1024}K", "step_s": res.step_time_s,
+    return {"index": index, "config": f"{cl} {c.num_ranks} {mdl} {os.path.basename(wl)} {ctx // 1024}K", "step_s": res.step_time_s,
             "bound_s": bound, "ratio": res.step_time_s / bound, "estimate_s": est,
             "estimate_ratio": est / res.step_time_s, "plan_cpu_s": plan_s,
             "compute_no_comm_bound_s": batch_lower_bound(batch, c, m, communication=False),
@@ -64,13 +70,14 @@ def one(index: int) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("index", type=int, nargs="*", help="scale-grid positions (default: all 20)")
+    ap.add_argument("index", type=int, nargs="*", help="grid positions (default: all)")
+    ap.add_argument("--main", action="store_true", help="the main grid (36 configurations at 32 GPUs) instead")
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--candidates", action="store_true", help="print every candidate")
     args = ap.parse_args(argv)
-    rows = []
-    for i in args.index or range(len(grid())):
-        r = one(i)
+    rows, configs = [], main_grid() if args.main else grid()
+    for i in args.index or range(len(configs)):
+        r = one(i, configs)
         rows.append(r)
         print(f"{i:2d} {r['config']:30s} step {r['step_s']:.3f} bound {r['bound_s']:.3f} ratio {r['ratio']:.3f} "
               f"est/sim {r['estimate_ratio']:.3f} plan {r['plan_cpu_s']:.2f}s | cmax {r['compute_max_s']:.2f} "
