@@ -26,17 +26,14 @@ class Thresholds:
     """A document kept in one node whose step share is over this share of a node's is
     also planned across two nodes (`classes.spread_level`): in one node it takes most of
     the node's ranks' time on attention, and layers meet in the forward and backward."""
-    widen_over: float = 0.1
-    """A document across nodes takes one more node while level 1 leaves a node holding a
-    share of it over this times the mean node (`classes._widened`): under binding memory caps
-    its nodes carry its attention on top of a full node's linear work. On the scale grid
-    three level 1s leave such a node 5-21% over the mean (C 128 llama3-8b wlbllm 64K,
-    B 128 llama-13b wlbllm 256K, B 256 llama-7b prolong 128K: 2.223, 5.325, 2.000 s
-    simulated, widened 2.174, 5.246, 1.908); at 0.15 or more none widens, at 0.05 the
-    first widens another document first (2.189 s) and the second 5.163 s; at 0.02 A 512
-    llama-13b wlbllm 256K widens too and runs longer (11.850 -> 11.987 s), at 0 also C 256
-    llama-7b wlbllm 256K (2.288 -> 2.303 s). No main-grid step changes at 0.1-0.3
-    (bench/investigations/scale_one.py)."""
+    widen_over: float = 0.05
+    """Level 1 widens a document across nodes by one node where its busiest node, holding a
+    share of it, ends over this times the mean node (`classes._widened`). On the scale
+    grid three batches widen (C 128 llama3-8b wlbllm 64K, B 128 llama-13b wlbllm 256K,
+    B 256 llama-7b prolong 128K: 2.223, 5.325, 2.000 s simulated, widened 2.170, 5.246,
+    1.908); at 0.1 the same, at 0.15 none widens; at 0 A 512 llama-13b wlbllm 256K and
+    C 256 llama-7b wlbllm 256K widen too and run longer (11.850 -> 11.987 s, 2.288 ->
+    2.303 s). No main-grid step changes (bench/investigations/scale_one.py)."""
     variant_margin: float = 0.003
     """A plan from the best plan's level 1 balanced on the backward
     (`classes.backward_level`) is kept only where its estimate is this much shorter than
