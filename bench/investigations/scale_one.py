@@ -73,6 +73,8 @@ def main(argv=None) -> int:
     ap.add_argument("index", type=int, nargs="*", help="grid positions (default: all)")
     ap.add_argument("--main", action="store_true", help="the main grid (36 configurations at 32 GPUs) instead")
     ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument("--md", default=None, help="and a table of them here")
+    ap.add_argument("--before", default=None, help="a --json file of an earlier run: its steps beside these in --md")
     ap.add_argument("--candidates", action="store_true", help="print every candidate")
     args = ap.parse_args(argv)
     rows, configs = [], main_grid() if args.main else grid()
@@ -90,7 +92,34 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write(table(rows, args.before, argv if argv is not None else sys.argv[1:]))
     return 0
+
+
+def table(rows: list[dict], before: str | None, argv: list[str]) -> str:
+    """A markdown table of `rows` (and the steps and bounds of `before`'s rows beside them)."""
+    old = {}
+    if before:
+        with open(before) as f:
+            old = {r["index"]: r for r in json.load(f)}
+    lines = ["# One configuration at a time: zeppelin's step, bound and estimate\n",
+             f"`OMP_NUM_THREADS=1 python bench/investigations/scale_one.py {' '.join(argv)}` (simulated, first "
+             "batch of each configuration, seed 0, 16K tokens per GPU)\n",
+             "| # | configuration | " + ("step before | bound before | step/bound before | " if old else "")
+             + "step | bound | step/bound | estimate/step | recompute (bound's) | plan CPU s |",
+             "| --- | --- | " + ("--- | --- | --- | " if old else "") + "--- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        o = old.get(r["index"])
+        was = f"{o['step_s']:.3f} | {o['bound_s']:.3f} | {o['ratio']:.3f} | " if o else ("| | | " if old else "")
+        lines.append(f"| {r['index']} | {r['config']} | {was}{r['step_s']:.3f} | {r['bound_s']:.3f} | {r['ratio']:.3f} | "
+                     f"{r['estimate_ratio']:.3f} | {r['recompute']}/{r['recompute_layers']} "
+                     f"({r['bound_recompute'][0]}/{r['bound_recompute'][1]:.1f}) | {r['plan_cpu_s']:.3f} |")
+    within = sum(r["ratio"] <= 1.15 for r in rows)
+    lines.append(f"\n{within} of {len(rows)} within 1.15x of the bound"
+                 + (f" (before: {sum(o['ratio'] <= 1.15 for o in old.values())})" if old else "") + ".\n")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
