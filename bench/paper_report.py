@@ -105,7 +105,8 @@ def _why_bound(data: dict) -> str:
             f"{w['compute_mean_s']:.2f} s), exposed communication {w['exposed_mean_s']:.2f} s and idle "
             f"{w['idle_mean_s']:.2f} s on the mean rank; recomputation {w['recompute']} where the bound assumes "
             f"{w['batch_recompute']}. The bound counts every FLOP at its best efficiency on all GPUs at once and, "
-            "of communication, only every token's tensor-parallel collectives and the last gradient bucket: the "
+            "of communication, only every token's tensor-parallel collectives, the last gradient bucket and the "
+            "compute every rank's FSDP collectives slow beside its layers (`cost.bounds.overlap_bound`): the "
             "step adds the recomputation the plan's memory needs, kernels on blocks shorter than whole documents, "
             "ranks waiting on a ring's slowest member or on a partial dK/dV sum (the runtime's order, "
             "docs/design.md section 7), and the transfers compute does not hide. " + _why_full(data)

@@ -157,12 +157,13 @@ def test_inter_node_span_weighs_the_busiest_nodes_overload_against_the_wider_rin
 def test_a_document_of_about_two_node_shares_spans_two_nodes():
     # 128 H200s, a prolong batch: its 75K document is 2.2 node shares. Kept in one node
     # (the wider ring over 3 nodes priced dearer than the overload) it left that node at
-    # twice the others' step; over 2 nodes each is 10% over.
+    # twice the others' step; over 2 nodes each is 10% over, and level 1 widens it to 3
+    # (`classes._widened`: simulated 1.714 -> 1.668 s).
     cluster, model = specs.cluster("h200-8nic", num_nodes=16), specs.model("llama-7b", recompute="none")
     lengths = workloads.get("prolong").sample_batch(16384 * 128, 0)
     plan = plan_batch(lengths, cluster, model)
     longest = max(range(len(lengths)), key=lambda d: lengths[d])
     ring = next(r for r in plan.rings if r.doc == longest)
-    assert len({r // 8 for r in ring.ranks}) == 2
+    assert len({r // 8 for r in ring.ranks}) in (2, 3)
     compute = np.array(ballonet.simulate(plan, cluster, model).compute_s)
     assert compute.max() / compute.mean() < 1.15

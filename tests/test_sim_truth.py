@@ -23,7 +23,7 @@ from helpers import batch, runtime_bytes, tp_groups
 
 import ballonet
 from ballonet.cost import hardware, memory
-from ballonet.cost.bounds import batch_lower_bound, batch_recomputation
+from ballonet.cost.bounds import batch_lower_bound, batch_recomputation, bound_parts
 from ballonet.cost.flops import grad_bytes
 from ballonet.plan import Plan, Segment
 from ballonet.planning import PLANNERS, plan_batch
@@ -141,7 +141,24 @@ def test_lower_bound_adds_the_collectives_no_plan_escapes():
     assert batch_lower_bound(lengths, c, m) == pytest.approx(compute + 2 * tp * 3048 + bucket, rel=1e-9)
     one = ClusterSpec(name="one", groups=(NodeGroup(gpu="h100", num_nodes=1, gpus_per_node=1, nics_per_node=1),))
     m1 = ballonet.model("llama-3b")
-    assert batch_lower_bound(lengths, one, m1) == batch_lower_bound(lengths, one, m1, False)
+    assert batch_lower_bound(lengths, one, m1) == pytest.approx(batch_lower_bound(lengths, one, m1, False),
+                                                                rel=1e-12)
+
+
+def test_lower_bound_adds_what_the_layers_collectives_slow():
+    # Every rank sends its FSDP shard's collectives beside each layer's forward and
+    # backward, whatever the plan; the simulator slows compute by the GPU's overlap
+    # slowdown times those seconds (the rank's compute is far longer): read off a
+    # simulated layer's timelines, L times that is what the bound adds to the pooled one.
+    c, m = ballonet.cluster("h800-8nic", num_nodes=2), ballonet.model("llama3-8b")
+    lengths = CONFIGS[1][3]
+    res = simulate(plan_batch(lengths, c, m, "packed_dp"), c, m)
+    sends = sum(tl.duration[t] for _, tl, *_ in res.timelines for t in range(tl.num_tasks)
+                if tl.label[t] == ("send", 0, "data-parallel collectives"))
+    pooled, _ = bound_parts(lengths, c, m)
+    slow = hardware.profile(c.groups[0].gpu_type).overlap_slowdown * sends * m.num_layers
+    assert slow > 0.005 * pooled
+    assert batch_lower_bound(lengths, c, m) == pytest.approx(pooled + slow, rel=1e-6)
 
 
 def test_te_cp_is_sized_to_the_context_as_a_megatron_user_sizes_it():

@@ -32,7 +32,17 @@ from ballonet.cost.recompute import (
     recompute_elementwise_bytes_per_token,
     recompute_flops_per_token,
 )
-from ballonet.cost.seconds import framework_time, grad_allreduce_time, optimizer_time
+from ballonet.cost.seconds import (
+    DP_BACKWARD_SHARE,
+    DP_FORWARD_SHARE,
+    DP_PIECES,
+    dp_layer_parts,
+    framework_time,
+    grad_allreduce_time,
+    optimizer_time,
+    p2p_time,
+)
+from ballonet.cost.tensor_parallel import tp_layer_seconds
 
 if TYPE_CHECKING:
     from ballonet.specs import ClusterSpec, ModelSpec, NodeGroup
@@ -90,8 +100,13 @@ def batch_lower_bound(lengths, cluster: ClusterSpec, model: ModelSpec, communica
     pooled, all GPUs' activation memory as one, both layouts' bytes counted
     (`batch_recomputation`); and per group, each group's own memory holding the linear
     layout's tokens whose work it runs (`_held_bound`). One group: the two are the same
-    memory, and the pooled bound counts more of it, so only the pooled one is taken."""
+    memory, and the pooled bound counts more of it, so only the pooled one is taken.
+
+    With `communication`, a third bound adds the compute every rank loses to its layers'
+    data-parallel collectives running beside it (`overlap_bound`)."""
     pooled, held = bound_parts(lengths, cluster, model, communication)
+    if communication:
+        return max(pooled, held, overlap_bound(lengths, cluster, model))
     return max(pooled, held)
 
 
@@ -134,6 +149,95 @@ def bound_parts(lengths, cluster: ClusterSpec, model: ModelSpec, communication: 
         bucket = grad_allreduce_time(model, cluster) / model.num_layers
         pooled, held = pooled + bucket, held + bucket
     return pooled, held
+
+
+FORWARD_SHARE_MIN = 1 / 4.5
+"""The least share of a rank's layer compute that its forward takes: a backward runs at
+most 2.5x attention's forward plus its rerun under full recomputation, twice the GEMMs'
+and elementwise work plus their rerun, and the framework's per-layer work is split evenly
+between the passes (`linear_layer_seconds`)."""
+BACKWARD_SHARE_MIN = 1 / 3
+"""The least share of a rank's layer compute (forward plus the layers' mean backward)
+that the backward of any run of its layers takes: a backward is never shorter than the
+forward (f), and runs of layers under other recomputation differ by at most one rerun of
+the forward, so each is at least the mean backward less f; max(f, 1 - 2f) >= 1/3."""
+
+
+def overlap_bound(lengths, cluster: ClusterSpec, model: ModelSpec) -> float:
+    """`batch_lower_bound` with the compute every rank loses to its layers' data-parallel
+    collectives: each rank sends its FSDP shard's collectives beside every layer's forward
+    and backward, the same bytes under every plan (`cost.seconds.dp_layer_parts`), and the
+    simulator slows a rank's compute in a pass by its GPU's `overlap_slowdown` times the
+    seconds of what the rank sends in it, at most that pass's compute.
+
+    Why no plan beats it: take the rank whose layers keep its compute stream longest (its
+    kernels and tensor-parallel collectives, every layer). No split of the layers' work
+    beats V, that work split perfectly (`_least_max`, as in `bound_parts`, without the LM
+    head and the optimizer). Its kernels take at least V less L times the most a layer's TP
+    collectives can take on a rank (a rank holds at most the linear tokens its cap holds
+    under the recomputation of fewest bytes a token), its forward at least
+    `FORWARD_SHARE_MIN` of that and each backward at least `BACKWARD_SHARE_MIN`: so it
+    loses at least the slowdown of the smaller of each pass's DP send seconds and its
+    floor, L times. The step then adds the busiest rank's LM head and loss (no less than their work
+    split perfectly), the slowest optimizer step and the last layer's gradient bucket; and
+    where the gradient all-reduce is not overlapped (`simulate(overlap_grad_allreduce=
+    False)`: nothing beside the layers) the whole all-reduce instead, so the smaller of the
+    two is added and the bound holds under either setting. -inf where memory holds no plan
+    of the batch."""
+    L = np.asarray(lengths, dtype=float)
+    T = float(L.sum())
+    mode, layers = batch_recomputation(lengths, cluster, model)
+    att = attention_flops(model, L)
+    num_dp = cluster.num_ranks // model.tp
+    layer_flops = model.num_layers * (linear_flops_per_token(model) * (1 + LINEAR_BACKWARD_FACTOR)
+                                      + recompute_flops_per_token(model, mode, layers))
+    layer_bytes = model.num_layers * (elementwise_bytes_per_token(model) * (1 + ELEMENTWISE_BACKWARD_FACTOR)
+                                      + recompute_elementwise_bytes_per_token(model, mode, layers))
+    least_bytes = min(float(activation_bytes(model, 1, 0, m)) for m in RECOMPUTE_MODES)
+    stream, head, gpus, framework, peaks, optimizer, tp_most = [], [], [], [], [], [], 0.0
+    for g in cluster.groups:
+        t, p = g.gpu_type, hardware.profile(g.gpu_type)
+        lin_eff, elt_eff = t.peak_flops * float(_best(p.linear, T)), p.memory_bw * float(_best(p.elementwise, T))
+        fwd, bwd = _best(p.attention_forward, L), _best(p.attention_backward, L)
+        per_doc = model.num_layers * (att / fwd + ATTENTION_BACKWARD_FACTOR * att / bwd
+                                      + (att / fwd if recompute_attention(mode) else 0)) / t.peak_flops
+        per_token = (layer_flops / lin_eff + layer_bytes * model.tp / elt_eff
+                     + 2 * model.tp * tp_seconds_per_token(model, g))
+        stream.append(np.append(per_doc, per_token))
+        head.append([head_flops_per_token(model) * (1 + LINEAR_BACKWARD_FACTOR) / lin_eff
+                     + loss_bytes_per_token(model) * (1 + ELEMENTWISE_BACKWARD_FACTOR) * model.tp / elt_eff])
+        gpus.append(g.num_nodes * g.gpus_per_node)
+        framework.append(framework_time(model, t))
+        peaks.append(t.peak_flops)
+        optimizer.append(optimizer_time(model, t, num_dp))
+        most_tokens = int(max(0.0, memory_cap(model, t, num_dp)) / least_bytes)
+        tp_most = max(tp_most, max(sum(tp_layer_seconds(model, most_tokens, g.intra_bw, t, m))
+                                   for m in RECOMPUTE_MODES))
+    n, start = np.array(gpus, dtype=float), np.array(gpus, dtype=float) * np.array(peaks)
+    layers_s = _least_max(np.array(stream), np.append(np.ones(len(L)), T), n, np.array(framework), start)
+    head_s = _least_max(np.array(head), np.array([T]), n, np.zeros(len(n)), start)
+    kernels = max(0.0, layers_s / model.num_layers - tp_most)
+    floors = (FORWARD_SHARE_MIN * kernels, BACKWARD_SHARE_MIN * kernels)
+    lost = min(_dp_slowdown(model, cluster, g, floors) for g in cluster.groups)
+    grad = grad_allreduce_time(model, cluster)
+    return layers_s + head_s + min(optimizer) + min(grad / model.num_layers + model.num_layers * lost, grad)
+
+
+def _dp_slowdown(model: ModelSpec, cluster: ClusterSpec, group: NodeGroup, floors: tuple[float, float]) -> float:
+    """Seconds a layer's compute on a rank of `group` loses to the layer's data-parallel
+    collectives, its forward's and its backward's at least `floors` seconds of compute:
+    the rank's sends as the simulator runs them (`LayerGraph.data_parallel`: the intra-node
+    part in `DP_PIECES` pieces, then the part across nodes in as many over the rank's NIC
+    share), each pass's at most its compute."""
+    intra_s, nic_bytes = dp_layer_parts(model, cluster)
+    bw = group.nic_bw * max(1, model.tp // group.gpus_per_nic) / model.tp
+    lost = 0.0
+    for share, floor in zip((DP_FORWARD_SHARE, DP_BACKWARD_SHARE), floors):
+        sends = share * intra_s
+        if nic_bytes > 0 and cluster.num_nodes > 1:
+            sends += DP_PIECES * p2p_time(share * nic_bytes / DP_PIECES, bw, True, group.gpu_type)
+        lost += min(sends, floor)
+    return hardware.profile(group.gpu_type).overlap_slowdown * lost
 
 
 def _held_bound(L: np.ndarray, cluster: ClusterSpec, model: ModelSpec, attention: np.ndarray, gpus: np.ndarray,

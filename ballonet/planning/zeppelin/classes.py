@@ -261,13 +261,14 @@ def level_nodes(lengths, dev: Devices, crossovers, model: ModelSpec, *, hierarch
                   linear_on_rank=np.zeros(R))
     classes = classify(batch, nodes, per_token, weights, hierarchical=hierarchical, double=False, routing=routing)
     return with_level1(batch, weights, per_token, rank_token, classes, hierarchical=hierarchical,
-                        price_linear=price_linear, double=False)
+                        price_linear=price_linear, double=False, widen=True)
 
 
 def with_level1(batch: Batch, weights: StepWeights, per_token: float, rank_token: np.ndarray, classes, *,
-                 hierarchical: bool, price_linear: bool, double: bool) -> NodeLevel | None:
+                 hierarchical: bool, price_linear: bool, double: bool, widen: bool = False) -> NodeLevel | None:
     """`NodeLevel` from step 0's classes ((intra, inter, span) of `classify`); None when
-    level 1 finds a document no room."""
+    level 1 finds a document no room. With `widen` (step 0's own levels, single and
+    double, and `backward_level`), `_widened`."""
     nodes = batch.dev.nodes()
     intra, inter, span = classes
     lv = None
@@ -275,9 +276,47 @@ def with_level1(batch: Batch, weights: StepWeights, per_token: float, rank_token
         lv = level1(batch, nodes, intra, inter, span, per_token, weights if price_linear else None, rank_token)
         if lv is None:
             return None
+        if widen and price_linear:
+            lv, span = _widened(batch, nodes, intra, inter, span, per_token, weights, rank_token, lv)
     return NodeLevel(batch=batch, rank_token=rank_token, intra=intra, inter=inter, span=span, level1=lv,
                      node_seconds=node_seconds(batch, nodes, lv, rank_token, weights) if lv else 0.0,
                      weights=weights, per_token=per_token, double=double)
+
+
+def _node_totals(batch: Batch, nodes, lv: Level1, rank_token: np.ndarray) -> np.ndarray:
+    """[nodes] each node's attention plus linear work after level 1, over its ranks' speed."""
+    tokens = node_tokens(batch, nodes, lv)
+    return np.array([(lv.node_load[n] + rank_token[rs[0]] * tokens[n]) / batch.dev.speed[rs].sum()
+                     for n, rs in enumerate(nodes)])
+
+
+def _widened(batch: Batch, nodes, intra, inter, span: dict[int, int], per_token: float, weights: StepWeights,
+             rank_token: np.ndarray, lv: Level1) -> tuple[Level1, dict[int, int]]:
+    """(level 1, spans), where level 1 leaves its busiest node over `Thresholds.widen_over`
+    times the mean node and that node holds a share of a document across nodes, with the
+    heaviest such document over one more node, if that lowers the busiest node. `classify`
+    prices a span against a node's share of the step, but the node also takes its share of
+    the other documents' linear work (under binding caps about a full node's tokens), and
+    level 1 counts a long document at the kernel efficiency of its fair share's blocks:
+    its ring's nodes end well over the others (C, 128 GPUs, llama3-8b, wlbllm 64K: 64K
+    documents' double rings over 2 of 16 nodes left their nodes 11-13% over the mean node,
+    2.223 -> 2.170 s simulated with one of them over 3 nodes). Once: widening again, or
+    in every variant level 1 (`spread_level`, `recomputed.recomputed_levels`), changed no
+    scale-grid plan for the better and cost up to 20 more level 1s (11% of the planning
+    time) on bench/planner.py's batch at 1024 GPUs (`Thresholds.widen_over`)."""
+    totals = _node_totals(batch, nodes, lv, rank_token)
+    busiest = int(np.argmax(totals))
+    if totals[busiest] <= (1 + THRESHOLDS.widen_over) * totals.mean():
+        return lv, span
+    docs = [d for d, sh in lv.shares.items() if busiest in sh and d in span and span[d] < len(nodes)]
+    if not docs:
+        return lv, span
+    d = max(docs, key=lambda d: batch.work[d])
+    wider = {**span, d: span[d] + 1}
+    got = level1(batch, nodes, intra, inter, wider, per_token, weights, rank_token)
+    if got is None or _node_totals(batch, nodes, got, rank_token).max() >= totals[busiest]:
+        return lv, span
+    return got, wider
 
 
 def doubled_level(shared: NodeLevel, *, price_linear: bool, routing: bool) -> NodeLevel | None:
@@ -294,7 +333,7 @@ def doubled_level(shared: NodeLevel, *, price_linear: bool, routing: bool) -> No
     if not classes[1].any():
         return None
     return with_level1(batch, shared.weights, shared.per_token, shared.rank_token, classes, hierarchical=True,
-                        price_linear=price_linear, double=True)
+                        price_linear=price_linear, double=True, widen=True)
 
 
 def spread_level(shared: NodeLevel) -> NodeLevel | None:
@@ -320,7 +359,7 @@ def spread_level(shared: NodeLevel) -> NodeLevel | None:
     span = {**shared.span, **{int(d): 2 for d in np.nonzero(wide)[0]}}
     return with_level1(batch, shared.weights, shared.per_token, shared.rank_token,
                        (shared.intra & ~wide, shared.inter | wide, span), hierarchical=True, price_linear=True,
-                       double=False)
+                       double=False, widen=False)
 
 
 def backward_level(shared: NodeLevel) -> NodeLevel | None:
@@ -347,7 +386,7 @@ def backward_level(shared: NodeLevel) -> NodeLevel | None:
     rho = ((lb + tb) / (lf + lb + tf + tb)) / ((weights.attention_step - 1) / weights.attention_step)
     again = with_level1(batch, weights, shared.per_token * rho, shared.rank_token * rho,
                         (shared.intra, shared.inter, shared.span), hierarchical=True, price_linear=True,
-                        double=shared.double)
+                        double=shared.double, widen=True)
     if again is None or again.level1 is None:
         return None
     return dataclasses.replace(again, node_seconds=node_seconds(batch, nodes, again.level1, shared.rank_token,
