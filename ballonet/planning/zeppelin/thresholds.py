@@ -26,14 +26,16 @@ class Thresholds:
     """A document kept in one node whose step share is over this share of a node's is
     also planned across two nodes (`classes.spread_level`): in one node it takes most of
     the node's ranks' time on attention, and layers meet in the forward and backward."""
-    widen_over: float = 0.05
+    widen_over: float = 0.1
     """Level 1 widens a document across nodes by one node where its busiest node, holding a
     share of it, ends over this times the mean node (`classes._widened`). On the scale
     grid three batches widen (C 128 llama3-8b wlbllm 64K, B 128 llama-13b wlbllm 256K,
     B 256 llama-7b prolong 128K: 2.223, 5.325, 2.000 s simulated, widened 2.170, 5.246,
-    1.908); at 0.1 the same, at 0.15 none widens; at 0 A 512 llama-13b wlbllm 256K and
+    1.908); at 0.05 the same, at 0.15 none widens; at 0 A 512 llama-13b wlbllm 256K and
     C 256 llama-7b wlbllm 256K widen too and run longer (11.850 -> 11.987 s, 2.288 ->
-    2.303 s). No main-grid step changes (bench/investigations/scale_one.py)."""
+    2.303 s). No main-grid step changes (bench/investigations/scale_one.py). At 0.05 two
+    held-out batches widen too (`bench/estimate.py`'s A 512 llama-13b wlbllm 256K seed 1,
+    12.417 -> 13.128 s, and A 256 llama-7b, 6.929 -> 6.865 s), at 0.1 neither."""
     variant_margin: float = 0.003
     """A plan from the best plan's level 1 balanced on the backward
     (`classes.backward_level`) is kept only where its estimate is this much shorter than
