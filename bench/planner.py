@@ -396,7 +396,7 @@ def write(rows, by_gpus, by_docs, full, double, command: str, seconds: float, ag
     cl, mdl = DOUBLE_CASE
     lines += ["", f"## Where double rings are planned ({cl}, {mdl}, wlbllm, 16K tokens per GPU)", "",
               "On these batches pricing a ring across nodes as a double ring sends documents across nodes, so "
-              "zeppelin plans those modes again (`zeppelin.classes.doubled_level`). CPU ms, median of 7; step "
+              "zeppelin plans those modes again (`zeppelin.variants.doubled_level`). CPU ms, median of 7; step "
               "simulated.", "",
               "| GPUs | documents | single rings only: CPU ms | default: CPU ms | ratio | double rings in the plan "
               "| candidate plans | step, single rings only (s) | step, default (s) |",

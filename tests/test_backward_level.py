@@ -1,4 +1,4 @@
-"""Level 1 balanced on the layers' backward (`planning/zeppelin/classes.backward_level`).
+"""Level 1 balanced on the layers' backward (`planning/zeppelin/variants.backward_level`).
 
 On A (a800-4nic, 4 nodes), LLaMA-30B at tp 4 with full recomputation, the shortmix batch
 puts a 61K-token document on the two ranks of one node: level 1 evened each node's whole
@@ -17,7 +17,8 @@ import numpy as np
 from ballonet import plan_batch, specs, workloads
 from ballonet.planning.devices import devices
 from ballonet.planning.zeppelin import search
-from ballonet.planning.zeppelin.classes import backward_level, crossover_lengths, level_nodes, node_tokens
+from ballonet.planning.zeppelin.classes import crossover_lengths, level_nodes, node_tokens
+from ballonet.planning.zeppelin.variants import backward_level
 from ballonet.simulation.simulator import simulate
 
 CLUSTER, MODEL = specs.cluster("a800-4nic", num_nodes=4), specs.model("llama-30b", tp=4)

@@ -94,7 +94,7 @@ def test_a_batch_filling_98_percent_of_memory_is_balanced_on_attention_and_on_th
     # targets on a few long-document tokens while the others filled with short documents
     # to their caps: attention imbalance 1.19, compute imbalance 1.05, step 41.4 s.
     # (Checked on the plan of level 1 balanced on the whole step; the search also plans
-    # it balanced on the backward, `classes.backward_level`, and keeps that plan where it
+    # it balanced on the backward, `variants.backward_level`, and keeps that plan where it
     # prices shorter: of the other kind than the best plan's, not made, it ran 42.10 s
     # against 43.86 s here, attention imbalance 1.40, compute 1.004.)
     cluster = specs.cluster("a800-4nic", num_nodes=4)

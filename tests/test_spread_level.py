@@ -1,5 +1,5 @@
 """A document over half a node's step share planned across two nodes too
-(`planning/zeppelin/classes.spread_level`).
+(`planning/zeppelin/variants.spread_level`).
 
 On B (h800-8nic, 4 nodes), LLaMA-30B at tp 4 has 2 plan ranks a node. Each 64K-token
 document of the wlbllm batch fits a node's share, so it was only ever split over the 2
@@ -17,7 +17,8 @@ import pytest
 from ballonet import plan_batch, specs, workloads
 from ballonet.planning.devices import devices
 from ballonet.planning.zeppelin import search
-from ballonet.planning.zeppelin.classes import crossover_lengths, level_nodes, spread_level
+from ballonet.planning.zeppelin.classes import crossover_lengths, level_nodes
+from ballonet.planning.zeppelin.variants import spread_level
 from ballonet.simulation.simulator import simulate
 
 CLUSTER, MODEL = specs.cluster("h800-8nic", num_nodes=4), specs.model("llama-30b", tp=4)

@@ -15,7 +15,8 @@ import numpy as np
 from ballonet import plan_batch, specs, workloads
 from ballonet.planning.devices import devices
 from ballonet.planning.zeppelin import classes
-from ballonet.planning.zeppelin.classes import crossover_lengths, doubled_level, level_nodes
+from ballonet.planning.zeppelin.classes import crossover_lengths, level_nodes
+from ballonet.planning.zeppelin.variants import doubled_level
 from ballonet.simulation.simulator import simulate
 
 CLUSTER, MODEL = specs.cluster("h200-8nic", num_nodes=16), specs.model("llama3-8b")

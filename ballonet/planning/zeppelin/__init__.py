@@ -3,8 +3,10 @@
 holds the measurements behind each rule and the variants tried and not kept).
 
     thresholds.py      every margin it decides by, with its reason (`Thresholds`)
-    classes.py         step 0: each document's class; step 1 (level 1): the documents' nodes,
-                       and its variants (heavy documents over two nodes, balanced on the backward)
+    classes.py         step 0: each document's class; step 1 (level 1): the documents' nodes
+    variants.py        level 1 again for the search: double rings, heavy documents over two
+                       nodes, balanced on the backward
+    pcie_level.py      level 1 with no document split inside a PCIe-only node
     recomputed.py      level 1 priced under what each node's share recomputes (on one GPU
                        type beside the uniform level 1)
     node_placement.py  step 2 (level 2): a node's documents onto its ranks

@@ -2,20 +2,17 @@
 node, split across nodes) and level 1, the documents' nodes (docs/design.md, section 4).
 
 `level_nodes` makes both under one recomputation's memory caps (`NodeLevel`), for the
-single rings; `doubled_level` prices the same batch once more for "double" rings across
-nodes and makes its level 1 where that sends any document across nodes.
+single rings; `with_level1` makes a level 1 from given classes, which the search's
+variant levels (`variants.py`) call with theirs.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 
-from ballonet.cost.memory import recompute_layer_count, recompute_mode
-from ballonet.cost.seconds import attention_work, breakeven_chunk_tokens, dp_piece_seconds, linear_layer_seconds
-from ballonet.cost.tensor_parallel import tp_layer_seconds
+from ballonet.cost.seconds import attention_work, breakeven_chunk_tokens, dp_piece_seconds
 from ballonet.planning.devices import Devices
 from ballonet.planning.packing import NoRoom, charge, lpt, spread
 from ballonet.planning.pricing import (
@@ -30,8 +27,8 @@ from ballonet.planning.zeppelin.thresholds import THRESHOLDS
 from ballonet.planning.zeppelin.water import split_work, water_level
 from ballonet.specs import ClusterSpec, ModelSpec
 
-__all__ = ["Level1", "NodeLevel", "classify", "crossover_lengths", "doubled_level", "level1", "level_nodes",
-           "backward_level", "node_seconds", "node_tokens", "spread_level", "with_level1"]
+__all__ = ["Level1", "NodeLevel", "classify", "crossover_lengths", "level1", "level_nodes", "node_seconds",
+           "node_tokens", "with_level1"]
 
 
 @dataclass(frozen=True)
@@ -317,80 +314,6 @@ def _widened(batch: Batch, nodes, intra, inter, span: dict[int, int], per_token:
     if got is None or _node_totals(batch, nodes, got, rank_token).max() >= totals[busiest]:
         return lv, span
     return got, wider
-
-
-def doubled_level(shared: NodeLevel, *, price_linear: bool, routing: bool) -> NodeLevel | None:
-    """Steps 0-1 priced for "double" rings across nodes, when that pricing sends any
-    document across nodes (and level 1 finds it room); otherwise None. Also where single
-    rings send the same documents across: at 256-1024 GPUs a long document's single ring
-    over 16-32 ranks exposes its crossing hops, which its estimate underprices (two scale-grid
-    configurations 1.06x and 1.17x faster with double rings; docs/planner_evidence.md)."""
-    batch = shared.batch
-    if shared.level1 is None or batch.dev.num_nodes < 2:
-        return None
-    classes = classify(batch, batch.dev.nodes(), shared.per_token, shared.weights, hierarchical=True, double=True,
-                       routing=routing)
-    if not classes[1].any():
-        return None
-    return with_level1(batch, shared.weights, shared.per_token, shared.rank_token, classes, hierarchical=True,
-                        price_linear=price_linear, double=True, widen=True)
-
-
-def spread_level(shared: NodeLevel) -> NodeLevel | None:
-    """Steps 0-1 with every document kept in one node whose step share is over half a
-    node's sent across two nodes instead (single rings), where there is any; otherwise
-    None. Kept in one node, such a document leaves that node's ranks heavy on attention
-    and the other nodes' on linear work: level 1 evens each node's step, but a layer's
-    forward ends with the linear-heavy ranks and its backward (attention's is 2.5x its
-    forward) with the attention-heavy ones, so each rank idles in one of them
-    (`pricing.synchronous_step_seconds`); over two nodes every rank's mix is nearer the
-    mean (on B, LLaMA-30B at tp 4: each 64K document of the wlbllm batch over 4 ranks
-    of 2 nodes, not 2 of one, 14.03 -> 13.82 s simulated)."""
-    batch = shared.batch
-    nodes = batch.dev.nodes()
-    if shared.level1 is None or len(nodes) < 2 or shared.per_token <= 0:
-        return None
-    step = batch.work + shared.per_token * batch.length_array
-    node_share = step.sum() * max(batch.dev.speed[rs].sum() for rs in nodes) / batch.dev.speed.sum()
-    l_inter = min(t.inter for t in batch.crossovers)  # its ring across two nodes hides its transfers
-    wide = (step > THRESHOLDS.spread_share * node_share) & (batch.length_array >= l_inter) & ~shared.inter
-    if not wide.any():
-        return None
-    span = {**shared.span, **{int(d): 2 for d in np.nonzero(wide)[0]}}
-    return with_level1(batch, shared.weights, shared.per_token, shared.rank_token,
-                       (shared.intra & ~wide, shared.inter | wide, span), hierarchical=True, price_linear=True,
-                       double=False, widen=False)
-
-
-def backward_level(shared: NodeLevel) -> NodeLevel | None:
-    """Steps 0-1 of `shared` with level 1 balancing the layers' backward, not the whole
-    step: linear work per token weighted by its share of backward over attention's
-    (`StepWeights.attention_step`). Layers meet in both passes, so a node heavy on attention
-    (backward 2.5x its forward) and one heavy on linear work (2x) take turns at the
-    slowest: balanced on the whole step, the attention-heavy node sets every backward
-    (A, LLaMA-30B at tp 4, shortmix: a 61K-token document's node ran 26.80 s of compute
-    against 26.25 s; planned so, 30.244 -> 30.115 s simulated). The weight is the mode's on
-    every layer: where ranks trim selective or linear recomputation to their own tokens,
-    moving tokens also moves recomputation, which it does not price (the search plans it
-    under none and full only). None without hierarchy or linear pricing."""
-    batch, weights = shared.batch, shared.weights
-    nodes = batch.dev.nodes()
-    if shared.level1 is None or shared.per_token <= 0 or len(nodes) < 2:
-        return None
-    model, gpu = batch.model, batch.gpu
-    tokens = float(batch.length_array.sum()) / batch.dev.num_ranks
-    mode = recompute_mode(model)
-    lf, lb = linear_layer_seconds(model, gpu, tokens, mode, framework=False, layers=recompute_layer_count(model))
-    bw = batch.crossovers[batch.dev.group[int(np.argmax(batch.dev.speed))]].intra_bw
-    tf, tb = tp_layer_seconds(model, int(tokens), bw, gpu, mode)
-    rho = ((lb + tb) / (lf + lb + tf + tb)) / ((weights.attention_step - 1) / weights.attention_step)
-    again = with_level1(batch, weights, shared.per_token * rho, shared.rank_token * rho,
-                        (shared.intra, shared.inter, shared.span), hierarchical=True, price_linear=True,
-                        double=shared.double, widen=True)
-    if again is None or again.level1 is None:
-        return None
-    return dataclasses.replace(again, node_seconds=node_seconds(batch, nodes, again.level1, shared.rank_token,
-                                                                 weights))
 
 
 def node_seconds(batch: Batch, nodes, lv: Level1, rank_token: np.ndarray, weights: StepWeights) -> float:

@@ -4,9 +4,9 @@ remap, keeping the plan with the shortest estimated step (docs/design.md, sectio
 
 `CandidateSearch` walks those three axes in one loop each. Beside each mode's level 1 it
 plans its variants: nodes priced under what their shares recompute (`recomputed.py`),
-heavy documents over two nodes (`classes.spread_level`) and, for the best plan, a level 1
+heavy documents over two nodes (`variants.spread_level`) and, for the best plan, a level 1
 with no document split inside a PCIe-only node where it has a ring there (`pcie_level.py`)
-and one balanced on the backward (`classes.backward_level`). A double level 1 that sends the same
+and one balanced on the backward (`variants.backward_level`). A double level 1 that sends the same
 documents to the same nodes reuses its single one's placements (`_same_nodes`). Every
 prune is a named predicate (`_level_too_slow`, `_level_enough`, `_costlier_mode_loses`,
 `_plan_looser`), every step that can fail returns None, and the one reason the search
@@ -29,17 +29,11 @@ from ballonet.planning.pricing import rank_compute_seconds, recompute_modes
 from ballonet.planning.routing import plan_routes
 from ballonet.planning.step_terms import dp_send_seconds, fixed_tail_seconds
 from ballonet.planning.zeppelin.candidates import Candidate, CandidateMaker, fallback, place
-from ballonet.planning.zeppelin.classes import (
-    NodeLevel,
-    backward_level,
-    crossover_lengths,
-    doubled_level,
-    level_nodes,
-    spread_level,
-)
+from ballonet.planning.zeppelin.classes import NodeLevel, crossover_lengths, level_nodes
 from ballonet.planning.zeppelin.pcie_level import pcie_ring_inside, unsplit_level
 from ballonet.planning.zeppelin.recomputed import mixed, recomputed_levels
 from ballonet.planning.zeppelin.thresholds import THRESHOLDS
+from ballonet.planning.zeppelin.variants import backward_level, doubled_level, spread_level
 from ballonet.specs import ClusterSpec, ModelSpec
 
 __all__ = ["CandidateSearch", "ZeppelinOptions", "zeppelin"]

@@ -24,7 +24,7 @@ class Thresholds:
     is within about 3% of its plans' estimated step)."""
     spread_share: float = 0.5
     """A document kept in one node whose step share is over this share of a node's is
-    also planned across two nodes (`classes.spread_level`): in one node it takes most of
+    also planned across two nodes (`variants.spread_level`): in one node it takes most of
     the node's ranks' time on attention, and layers meet in the forward and backward."""
     widen_over: float = 0.1
     """Level 1 widens a document across nodes by one node where its busiest node, holding a
@@ -38,7 +38,7 @@ class Thresholds:
     12.417 -> 13.128 s, and A 256 llama-7b, 6.929 -> 6.865 s), at 0.1 neither."""
     variant_margin: float = 0.003
     """A plan from the best plan's level 1 balanced on the backward
-    (`classes.backward_level`) is kept only where its estimate is this much shorter than
+    (`variants.backward_level`) is kept only where its estimate is this much shorter than
     the best plan's: it shifts a few percent of the balance between attention and linear
     work, about what the estimate errs by between alike plans (at 0, C llama-3b shortmix's
     two alike plans priced 1.2489 and 1.2494 s ran 1.252 and 1.230 s: 1.8% longer)."""
