@@ -27,18 +27,23 @@ __all__ = ["CLUSTERS", "GBIT", "MAX_GPUS", "MODELS", "ClusterSpec", "ModelSpec",
            "cluster_from_toml", "job_cluster", "load_toml", "model", "model_from_toml"]
 
 
+def _preset_or_file(name: str, presets: dict, from_toml, kind: str):
+    """The preset `name`, or the TOML file at `name` (`from_toml`): a preset wins over a
+    local file of the same name unless `name` looks like a path."""
+    if name in presets and not looks_like_path(name, (".toml",)):
+        return presets[name]
+    if looks_like_path(name, (".toml",)) or os.path.exists(name):
+        return from_toml(name)
+    raise InputError(f"unknown {kind} {name!r}; presets: {', '.join(presets)} (or a .toml file)")
+
+
 def cluster(name_or_path: str, num_nodes: int | None = None, **overrides) -> ClusterSpec:
     """A preset by name or a TOML file by path. A preset wins over a local file of the same
     name unless the argument looks like a path (a separator or a .toml suffix: `./h200-8nic`).
     `num_nodes` (`--nodes`) sets the nodes of a one-group cluster; a cluster of several node
     groups sets its nodes per group, and `num_nodes`, if given, must be their sum.
     `overrides` (fields of `NodeGroup`, such as `gpus_per_node=2`) apply to every group."""
-    if name_or_path in CLUSTERS and not looks_like_path(name_or_path, (".toml",)):
-        spec = CLUSTERS[name_or_path]
-    elif looks_like_path(name_or_path, (".toml",)) or os.path.exists(name_or_path):
-        spec = cluster_from_toml(name_or_path)
-    else:
-        raise InputError(f"unknown cluster {name_or_path!r}; presets: {', '.join(CLUSTERS)} (or a .toml file)")
+    spec = _preset_or_file(name_or_path, CLUSTERS, cluster_from_toml, "cluster")
     if num_nodes is not None and len(spec.groups) > 1:
         if num_nodes != spec.num_nodes:
             raise InputError(f"--nodes {num_nodes}: cluster {spec.name!r} has {len(spec.groups)} node groups of "
@@ -86,10 +91,5 @@ def job_cluster(name_or_path: str, world_size: int, num_nodes: int | None = None
 def model(name: str, **overrides) -> ModelSpec:
     """A model preset by name or a TOML model file by path (`model_from_toml`); `overrides`
     (such as `tp=2`) replace its fields."""
-    if name in MODELS and not looks_like_path(name, (".toml",)):
-        spec = MODELS[name]
-    elif looks_like_path(name, (".toml",)) or os.path.exists(name):
-        spec = model_from_toml(name)
-    else:
-        raise InputError(f"unknown model {name!r}; presets: {', '.join(MODELS)} (or a .toml file)")
+    spec = _preset_or_file(name, MODELS, model_from_toml, "model")
     return dataclasses.replace(spec, **overrides) if overrides else spec
