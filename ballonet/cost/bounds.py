@@ -255,7 +255,7 @@ def _held_bound(L: np.ndarray, cluster: ClusterSpec, model: ModelSpec, attention
     remap sends any token to any rank). Kept: a rank holds no more than its cap
     (`memory_cap`), and a token's GEMMs and elementwise work run where it sits in the
     linear layout, at no better than that group's best efficiency. For each weighting w
-    of the groups (the dual of `_least_max`, the same search; any w gives a bound), the
+    of the groups (the dual of `_least_max`, the same search, `_dual_ascent`; any w gives a bound), the
     documents' attention and the LM head go to the group of least weighted seconds and
     the tokens where their weighted marginal seconds are least. -inf where not even full
     recomputation holds the batch (no plan runs it)."""
@@ -290,27 +290,22 @@ def _held_bound(L: np.ndarray, cluster: ClusterSpec, model: ModelSpec, attention
     costs = np.column_stack([attention, head])
     amounts = np.append(np.ones(len(L)), T)
     share = costs / gpus[:, None]
-    w = start / start.sum()
-    best = -np.inf
-    for step in range(200):
-        weighted = w[:, None] * share
-        pick = weighted.argmin(axis=0)
-        busy = np.bincount(pick, weights=share[pick, np.arange(len(amounts))] * amounts, minlength=len(gpus)) + fixed
-        value = float(weighted[pick, np.arange(len(amounts))] @ amounts + w @ fixed)
-        pieces = sorted((w[i] * slope / gpus[i], i, width, slope) for i, s in enumerate(segments)
-                        for width, slope in _slopes(s))
-        left = T
-        for weighted_slope, i, width, slope in pieces:
+    pieces = [(i, width, slope) for i, s in enumerate(segments) for width, slope in _slopes(s)]
+
+    def evaluate(w: np.ndarray) -> tuple[float, np.ndarray]:
+        value, busy = _cheapest_split(w, share, amounts, fixed)
+        left = T  # the tokens, to the hull segments of least weighted seconds a token first
+        for weighted_slope, i, width, slope in sorted((w[i] * slope / gpus[i], i, width, slope)
+                                                      for i, width, slope in pieces):
             took = min(width, left)
             value += weighted_slope * took
             busy[i] += slope * took / gpus[i]
             left -= took
             if left <= 0:
                 break
-        best = max(best, value)
-        w = w * np.exp(1.0 / np.sqrt(step + 1) * (busy / busy.max() - 1))
-        w = w / w.sum()
-    return best
+        return value, busy
+
+    return _dual_ascent(evaluate, start)
 
 
 def _lower_hull(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -348,14 +343,31 @@ def _least_max(costs: np.ndarray, amounts: np.ndarray, gpus: np.ndarray, fixed: 
     if len(gpus) == 1:
         return float(costs[0] @ amounts / gpus[0] + fixed[0])
     share = costs / gpus[:, None]
+    return _dual_ascent(lambda w: _cheapest_split(w, share, amounts, fixed), start)
+
+
+def _cheapest_split(w: np.ndarray, share: np.ndarray, amounts: np.ndarray, fixed: np.ndarray) \
+        -> tuple[float, np.ndarray]:
+    """The split dual's value at weights `w` [G] (each kind of work to the group of least
+    weighted seconds, `share` [G, K] seconds a unit takes on one of its GPUs) and each
+    group's busy seconds [G] under that split, `fixed` included."""
+    weighted = w[:, None] * share
+    pick = weighted.argmin(axis=0)
+    kinds = np.arange(len(amounts))
+    value = float(weighted[pick, kinds] @ amounts + w @ fixed)
+    busy = np.bincount(pick, weights=share[pick, kinds] * amounts, minlength=len(w)) + fixed
+    return value, busy
+
+
+def _dual_ascent(evaluate, start: np.ndarray, steps: int = 200) -> float:
+    """The best of `evaluate(w)`'s values, each a bound, over weights w on the groups
+    (summing to 1): from `start`, multiplicative steps toward the groups that `evaluate`
+    leaves busiest (its second result, seconds per group)."""
     w = start / start.sum()
     best = -np.inf
-    for step in range(200):
-        weighted = w[:, None] * share
-        pick = weighted.argmin(axis=0)
-        value = float(weighted[pick, np.arange(len(amounts))] @ amounts + w @ fixed)
+    for step in range(steps):
+        value, busy = evaluate(w)
         best = max(best, value)
-        busy = np.bincount(pick, weights=share[pick, np.arange(len(amounts))] * amounts, minlength=len(gpus)) + fixed
         w = w * np.exp(1.0 / np.sqrt(step + 1) * (busy / busy.max() - 1))
         w = w / w.sum()
     return best
