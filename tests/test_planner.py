@@ -284,6 +284,9 @@ def test_bad_planner_names_and_options():
         plan_batch([1], h200(), MODEL, routes=False)
     with pytest.raises(InputError, match="cp_size must divide"):
         plan_batch([1], h200(), MODEL, planner="te_cp", cp_size=3)
+    for planner in ("te_cp", "llama_cp", "wlb_llm", "magi"):  # a bool is no CP degree, though Python's 1
+        with pytest.raises(InputError, match=f"{planner}: cp_size must divide the 8 ranks, got True"):
+            plan_batch([1], h200(), MODEL, planner=planner, cp_size=True)
     with pytest.raises(InputError, match="document 1: length must be a positive integer"):
         plan_batch([1, 0], h200(), MODEL)
     assert ballonet.plan_batch([4], h200(), MODEL).planner == "zeppelin"

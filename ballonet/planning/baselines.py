@@ -16,6 +16,7 @@ from ballonet.cost.flops import attention_flops, linear_flops_per_token
 from ballonet.errors import InfeasiblePlan, InputError
 from ballonet.plan import Plan, chunk_bounds
 from ballonet.planning.assembly import Placement, assemble, with_memory
+from ballonet.planning.cp_groups import cp_groups, pack_groups
 from ballonet.planning.devices import Devices, check_feasible, check_lengths, devices
 from ballonet.planning.packing import NoRoom, lpt
 from ballonet.planning.wlb_llm import wlb_llm
@@ -71,28 +72,9 @@ def _flops(model: ModelSpec, lengths) -> np.ndarray:
 
 
 
-def _cp_groups(num_ranks: int, cp_size: int | None, name: str) -> list[list[int]]:
-    cp = num_ranks if cp_size is None else cp_size
-    if not isinstance(cp, int) or cp < 1 or num_ranks % cp:
-        raise InputError(f"{name}: cp_size must divide the {num_ranks} ranks, got {cp_size!r}")
-    return [list(range(i, i + cp)) for i in range(0, num_ranks, cp)]
-
-
-def _token_pack(lengths, groups: list[list[int]], dev: Devices, name: str) -> list[list[int]]:
-    """Documents to data-parallel groups, balanced on tokens (LPT)."""
-    rooms = np.array([dev.token_cap[g].sum() for g in groups], dtype=float)
-    try:
-        by_group = lpt(range(len(lengths)), np.asarray(lengths, float), lengths, np.zeros(len(groups)),
-                       np.ones(len(groups)), rooms)
-    except NoRoom as e:
-        raise InfeasiblePlan(f"{name}: document {e.doc} ({lengths[e.doc]} tokens) fits no CP group of "
-                             f"{len(groups[0])} GPUs") from None
-    return [by_group.get(i, []) for i in range(len(groups))]
-
-
 def _split_all(name: str, lengths, dev: Devices, groups, comm: str, cp_size, meta=None) -> Plan:
     placement = Placement(num_ranks=dev.num_ranks)
-    for group, docs in zip(groups, _token_pack(lengths, groups, dev, name)):
+    for group, docs in zip(groups, pack_groups(lengths, lengths, groups, dev, name)):
         for d in docs:
             if len(group) == 1:
                 placement.local[group[0]].append(d)
@@ -112,7 +94,7 @@ def te_cp(lengths, cluster: ClusterSpec, model: ModelSpec, *, cp_size: int | Non
     be empty)."""
     lengths, dev = _setup(lengths, cluster, model)
     if cp_size is not None:
-        return _split_all("te_cp", lengths, dev, _cp_groups(dev.num_ranks, cp_size, "te_cp"), "ring", cp_size)
+        return _split_all("te_cp", lengths, dev, cp_groups(dev.num_ranks, cp_size, "te_cp"), "ring", cp_size)
     return _smallest_cp("te_cp", lengths, dev, "ring")
 
 
@@ -129,7 +111,7 @@ def _smallest_cp(name: str, lengths, dev: Devices, comm: str) -> Plan:
     last = InfeasiblePlan(f"{name}: no CP degree of {dev.num_ranks} ranks holds the batch")
     for cp in (d for d in context_cp_sizes(dev.num_ranks) if d >= min(need, dev.num_ranks)):
         try:
-            return _split_all(name, lengths, dev, _cp_groups(dev.num_ranks, cp, name), comm, cp,
+            return _split_all(name, lengths, dev, cp_groups(dev.num_ranks, cp, name), comm, cp,
                               meta={"cp_size_rule": "context / tokens per rank, then memory"})
         except InfeasiblePlan as e:
             last = e
@@ -144,7 +126,7 @@ def llama_cp(lengths, cluster: ClusterSpec, model: ModelSpec, *, cp_size: int | 
     all-gather groups; no padding."""
     lengths, dev = _setup(lengths, cluster, model)
     if cp_size is not None:
-        return _split_all("llama_cp", lengths, dev, _cp_groups(dev.num_ranks, cp_size, "llama_cp"), "allgather",
+        return _split_all("llama_cp", lengths, dev, cp_groups(dev.num_ranks, cp_size, "llama_cp"), "allgather",
                           cp_size)
     return _smallest_cp("llama_cp", lengths, dev, "allgather")
 

@@ -39,11 +39,11 @@ import heapq
 
 import numpy as np
 
-from ballonet.errors import InfeasiblePlan, InputError
+from ballonet.errors import InputError
 from ballonet.plan import Plan
 from ballonet.planning.assembly import Placement, assemble, with_memory
+from ballonet.planning.cp_groups import cp_groups, node_cp_size, pack_groups
 from ballonet.planning.devices import check_feasible, check_lengths, devices
-from ballonet.planning.packing import NoRoom, lpt
 from ballonet.specs import ClusterSpec, ModelSpec
 
 __all__ = ["dispatch", "magi"]
@@ -105,22 +105,14 @@ def magi(lengths, cluster: ClusterSpec, model: ModelSpec, *, cp_size: int | None
     check_feasible(lengths, dev, model)
     R = dev.num_ranks
     if cp_size is None:
-        cp_size = int(np.gcd.reduce([len(n) for n in dev.nodes()]))
-    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1 or R % cp_size:
-        raise InputError(f"magi: cp_size must divide the {R} ranks, got {cp_size!r}")
+        cp_size = node_cp_size(dev)
+    groups = cp_groups(R, cp_size, "magi")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise InputError(f"magi: chunk_size must be a positive integer, got {chunk_size!r}")
-    groups = [list(range(i, i + cp_size)) for i in range(0, R, cp_size)]
-    rooms = np.array([dev.token_cap[g].sum() for g in groups], dtype=float)
-    try:
-        by_group = lpt(range(len(lengths)), np.asarray(lengths, float), lengths, np.zeros(len(groups)),
-                       np.ones(len(groups)), rooms)
-    except NoRoom as e:
-        raise InfeasiblePlan(f"magi: document {e.doc} ({lengths[e.doc]} tokens) fits no CP group of "
-                             f"{cp_size} GPUs") from None
+    packed = pack_groups(lengths, lengths, groups, dev, "magi")
     placement = Placement(num_ranks=R)
     for i, group in enumerate(groups):
-        docs = sorted(by_group.get(i, []))
+        docs = sorted(packed[i])
         if not docs:
             continue
         split: dict[int, dict[int, int]] = {}

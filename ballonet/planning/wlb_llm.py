@@ -41,11 +41,11 @@ import numpy as np
 from ballonet.cost import hardware
 from ballonet.cost.flops import attention_flops, linear_flops_per_token, zigzag_flops
 from ballonet.cost.seconds import attention_work
-from ballonet.errors import InfeasiblePlan, InputError
+from ballonet.errors import InputError
 from ballonet.plan import Plan, chunk_bounds
 from ballonet.planning.assembly import Placement, assemble, with_memory
+from ballonet.planning.cp_groups import cp_groups, node_cp_size, pack_groups
 from ballonet.planning.devices import check_feasible, check_lengths, devices
-from ballonet.planning.packing import NoRoom, lpt
 from ballonet.specs import ClusterSpec, ModelSpec
 
 __all__ = ["SHARDINGS", "num_groups", "outlier_steps", "wlb_llm"]
@@ -110,7 +110,7 @@ def _estimate(model: ModelSpec, lengths: list[int], c: int, whole: dict, split: 
 def num_groups(cluster: ClusterSpec, model: ModelSpec, cp_size: int | None = None) -> int:
     """How many CP groups `wlb_llm` makes with `cp_size` (its default when None)."""
     dev = devices(cluster, model)
-    cp = cp_size if cp_size is not None else int(np.gcd.reduce([len(n) for n in dev.nodes()]))
+    cp = cp_size if cp_size is not None else node_cp_size(dev)
     return max(1, dev.num_ranks // cp) if isinstance(cp, int) and cp >= 1 else 1
 
 
@@ -175,21 +175,13 @@ def wlb_llm(lengths, cluster: ClusterSpec, model: ModelSpec, *, cp_size: int | N
     check_feasible(lengths, dev, model)
     R = dev.num_ranks
     if cp_size is None:
-        cp_size = int(np.gcd.reduce([len(n) for n in dev.nodes()]))
-    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1 or R % cp_size:
-        raise InputError(f"wlb_llm: cp_size must divide the {R} ranks, got {cp_size!r}")
-    groups = [list(range(i, i + cp_size)) for i in range(0, R, cp_size)]
-    rooms = np.array([dev.token_cap[g].sum() for g in groups], dtype=float)
-    try:
-        by_group = lpt(range(len(lengths)), _flops(model, lengths), lengths, np.zeros(len(groups)),
-                       np.ones(len(groups)), rooms)
-    except NoRoom as e:
-        raise InfeasiblePlan(f"wlb_llm: document {e.doc} ({lengths[e.doc]} tokens) fits no CP group of "
-                             f"{cp_size} GPUs") from None
+        cp_size = node_cp_size(dev)
+    groups = cp_groups(R, cp_size, "wlb_llm")
+    packed = pack_groups(lengths, _flops(model, lengths), groups, dev, "wlb_llm")
     placement = Placement(num_ranks=R)
     chosen = {"document": 0, "sequence": 0}
     for i, group in enumerate(groups):
-        docs = sorted(by_group.get(i, []))
+        docs = sorted(packed[i])
         if cp_size == 1:
             placement.local[group[0]].extend(docs)
             continue
