@@ -46,8 +46,8 @@ def level2(batch: Batch, fill: RankFill, ranks: np.ndarray, node_work: float, do
     speed = dev.speed[ranks]
     target = node_work * speed / speed.sum()
     most_tokens, fair = int(dev.token_cap[ranks].max()), float(target.max())
-    splits = [d for d in docs if lengths[d] > most_tokens
-              or (min_length is not None and lengths[d] >= min_length and work[d] > fair)]
+    splits = ([d for d in docs if lengths[d] > most_tokens] if min_length is None else
+              [d for d in docs if (n := lengths[d]) > most_tokens or (n >= min_length and work[d] > fair)])
     water = inter_water + [(work[d], d) for d in splits]
     split_set = set(splits)
     whole = [d for d in docs if d not in split_set]
@@ -128,8 +128,12 @@ def node_fill(batch: Batch, target: np.ndarray, room: np.ndarray, speed: np.ndar
             got = _levelled(spread(target - load, room, w, work[d] / lengths[d]), load, speed, room, w,
                             work[d] / lengths[d])
         charge(got, d, work, lengths, load, room, out=shares)
-    for i, ds in lpt(rest, batch.work_list, lengths, load, speed, room, spill).items():
-        local.setdefault(i, []).extend(ds)
+    packed = lpt(rest, batch.work_list, lengths, load, speed, room, spill)
+    if local:
+        for i, ds in packed.items():
+            local.setdefault(i, []).extend(ds)
+    else:
+        local = packed
     for d in spill:
         got = spread(target - load, room, float(work[d]), work[d] / lengths[d])
         charge(got, d, work, lengths, load, room, out=shares)

@@ -125,7 +125,7 @@ def _start(batch: Batch, fill: RankFill, docs: list[int], local_tokens: np.ndarr
     (`attention`: per split document, its FLOPs per GPU of its tensor-parallel group;
     `efficiency`: the kernel efficiency at a block length, as `split_work`)."""
     dev, lengths, work_list = batch.dev, batch.lengths, batch.work_list
-    load = np.array([sum([work_list[d] for d in ds]) for ds in fill.local], dtype=float)
+    load = np.array([sum(map(work_list.__getitem__, ds)) for ds in fill.local], dtype=float)
     load += batch.linear_on_rank * local_tokens  # ranks that keep their tokens: their linear work too
     load = load.tolist()
     node = list(dev.node)
@@ -165,7 +165,7 @@ def refine(batch: Batch, fill: RankFill) -> Placement:
     under memory caps."""
     dev, lengths, model = batch.dev, batch.lengths, batch.model
     R = dev.num_ranks
-    local_tokens = np.array([sum([lengths[d] for d in docs]) for docs in fill.local], dtype=np.int64)
+    local_tokens = np.array([sum(map(lengths.__getitem__, docs)) for docs in fill.local], dtype=np.int64)
     work = batch.work_list
     docs = sorted(fill.split_shares, key=lambda d: (-work[d], d))
     flops = attention_flops(model, [lengths[d] for d in docs]).tolist()
@@ -252,9 +252,10 @@ def _apportion_list(total: int, weights: list[float], caps: list[int]) -> list[i
     left = total
     while left > 0 and any(free):
         w = [x if f else 0.0 for x, f in zip(weights, free)]
-        if ordered_sum(w) <= 0:
-            w = [float(f) for f in free]
         w_sum = ordered_sum(w)
+        if w_sum <= 0:
+            w = [float(f) for f in free]
+            w_sum = ordered_sum(w)
         ideal = [left * x / w_sum for x in w]
         over = [f and x >= float(c - o) for f, x, c, o in zip(free, ideal, caps, out)]
         if any(over):
