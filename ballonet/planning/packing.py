@@ -48,24 +48,29 @@ def lpt(docs: Iterable[int], work, lengths: list[int], load: np.ndarray, speed: 
     # popping them past every document would cost O(slots) each.
     parked: list[tuple[float, float, int]] = []
     out: dict[int, list[int]] = {}
+    replace, pop, push = heapreplace, heappop, heappush
     for d in order:
         L, w = lengths[d], float(work[d])
         while parked and -parked[0][0] >= L:
-            _, li, i = heappop(parked)
-            heappush(heap, (li, i))
+            _, li, i = pop(parked)
+            push(heap, (li, i))
         while heap and rooms[heap[0][1]] < L:
-            li, i = heappop(heap)
-            heappush(parked, (-rooms[i], li, i))
+            li, i = pop(heap)
+            push(parked, (-rooms[i], li, i))
         if not heap:
             if spill is None:
                 raise NoRoom(d)
             spill.append(d)
             continue
         i = heap[0][1]
-        out.setdefault(i, []).append(d)
-        loads[i] += w
+        got = out.get(i)
+        if got is None:
+            out[i] = [d]
+        else:
+            got.append(d)
+        loads[i] = li = loads[i] + w
         rooms[i] -= L
-        heapreplace(heap, (loads[i], i))
+        replace(heap, (li, i))
     load[:] = loads
     token_room[:] = rooms
     return out
