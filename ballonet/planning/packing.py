@@ -37,7 +37,8 @@ def lpt(docs: Iterable[int], work, lengths: list[int], load: np.ndarray, speed: 
         least = np.min(work, axis=0)
         order = sorted(docs, key=lambda d: (-least[d], d))
         return _lpt_uniform(order, work, lengths, load, speed, token_room, spill)
-    order = sorted(sorted(docs), key=work.__getitem__, reverse=True)  # ties in document order
+    costs = work.tolist() if isinstance(work, np.ndarray) else work  # (indexing an array one by one is slow)
+    order = sorted(sorted(docs), key=costs.__getitem__, reverse=True)  # ties in document order
     if len(set(speed.tolist())) > 1:
         return _lpt_uniform(order, work, lengths, load, speed, token_room, spill)
     loads, rooms = load.tolist(), token_room.tolist()
@@ -50,7 +51,7 @@ def lpt(docs: Iterable[int], work, lengths: list[int], load: np.ndarray, speed: 
     out: dict[int, list[int]] = {}
     replace, pop, push = heapreplace, heappop, heappush
     for d in order:
-        L, w = lengths[d], float(work[d])
+        L, w = lengths[d], float(costs[d])
         while parked and -parked[0][0] >= L:
             _, li, i = pop(parked)
             push(heap, (li, i))
@@ -103,11 +104,11 @@ def spread(room: np.ndarray, token_room: np.ndarray, work: float, per_token: flo
     holds it. Slots are bounded by their token room; what no room takes goes to the slots
     with most free tokens (those already taken first), as few as hold it: a document
     spilled under full caps would otherwise ring over every slot."""
-    cap = np.minimum(np.maximum(room, 0.0), token_room * per_token)
+    # On lists: a node has a few slots, where numpy's per-call cost is most of the work.
+    caps = [min(r if r > 0.0 else 0.0, t * per_token) for r, t in zip(room.tolist(), token_room.tolist())]
     shares: dict[int, float] = {}
     left = work
-    caps = cap.tolist()
-    for i in np.argsort(-cap, kind="stable").tolist():
+    for i in sorted(range(len(caps)), key=lambda i: -caps[i]):  # most room first, ties to the lower slot
         if left <= 0 or caps[i] <= 0 or len(shares) == max_slots:
             break
         take = min(caps[i], left)

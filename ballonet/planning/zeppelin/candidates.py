@@ -109,7 +109,10 @@ class CandidateMaker:
     def price(self, plan: Plan) -> Candidate:
         """`plan` (within its caps) with its memory and estimated step."""
         model, dev, trim = self.model, self.dev, self.trim
-        plan = with_memory(plan, dev)
+        if not trim:
+            plan = with_memory(plan, dev)
+        elif (why := over_cap(plan, dev)) is not None:  # (memory: each rank's under its own recomputation, below)
+            raise InfeasiblePlan(why)
         caps = recompute_mode(model)  # the mode whose caps the plan was made under
         priced, layers = model, recompute_layer_count(model)  # the model's own, or every layer
         if trim:

@@ -167,6 +167,8 @@ def split_to_level(batch: Batch, fill: RankFill, ranks, load, speed, min_length:
     for _ in range(len(ranks)):
         rel = load / speed
         limit = float((1 + tolerance) * load.sum() / speed.sum())
+        if not rel.max() > limit:
+            return
         hi = next((i for i in np.argsort(-rel, kind="stable").tolist() if int(ranks[i]) not in in_water
                    and rel[i] > limit and any(lengths[d] >= min_length for d in local[int(ranks[i])])), None)
         if hi is None:

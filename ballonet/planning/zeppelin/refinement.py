@@ -179,25 +179,26 @@ def refine(batch: Batch, fill: RankFill) -> Placement:
     # even out (docs/planner_evidence.md, step 3).
     stamp, done, clock = [0] * R, dict.fromkeys(docs, -1), 0
     settled: set[int] = set()  # units checked against their shares since they last moved
+    sliver, grow_level, change = THRESHOLDS.sliver, THRESHOLDS.grow_above * st.mean_level, THRESHOLDS.settled_change
     for sweep in SWEEPS:
         shared = _Shared.of(st) if sweep is Sweep.GROW else None
         for d in docs:
             m, held, unit = st.members[d], st.held[d], st.unit[d]
-            dropping = sweep is Sweep.DROP and len(m) > 2 and min(held) < THRESHOLDS.sliver * sum(held) / len(held)
+            dropping = sweep is Sweep.DROP and len(m) > 2 and min(held) < sliver * sum(held) / len(held)
             still = not dropping and max([stamp[r] for r in m]) <= done[d] \
-                and (sweep is not Sweep.GROW or st.level_of(m) <= THRESHOLDS.grow_above * st.mean_level)
+                and (sweep is not Sweep.GROW or st.level_of(m) <= grow_level)
             if still and d in settled:
                 continue
             new_unit = ([per_token[d] / efficiency(h) + linear[r] for r, h in zip(m, held)]
                         if any(held) else unit)
-            if still and all(abs(a - b) <= THRESHOLDS.settled_change * abs(b) for a, b in zip(new_unit, unit)):
+            if still and all(abs(a - b) <= change * abs(b) for a, b in zip(new_unit, unit)):
                 settled.add(d)
                 continue
             settled.discard(d)
             st.take(d)
             st.unit[d] = new_unit
             if dropping:
-                floor = THRESHOLDS.sliver * sum(held) / len(held)
+                floor = sliver * sum(held) / len(held)
                 room = st.room(m)
                 keep = [i for i, h in enumerate(held) if h >= floor
                         or (room[i] - h < floor and h >= st.breakeven[m[i]])]
