@@ -33,14 +33,12 @@ def level2(batch: Batch, fill: RankFill, ranks: np.ndarray, node_work: float, do
     per linear work per token, the batch with it added, shared by alike nodes)."""
     per_token = float(batch.linear_on_rank[ranks[0]])
     if per_token:
-        L = batch.length_array
         if per_token not in stepped:
-            step = batch.work + per_token * L
+            step = batch.work + per_token * batch.length_array
             stepped[per_token] = dataclasses.replace(batch, work=step, work_list=step.tolist())
-        step = stepped[per_token].work
-        node_work += sum([per_token * batch.lengths[d] for d in docs]) + \
-            sum(w * per_token * L[d] / batch.work[d] for w, d in inter_water)
-        inter_water = [(w * step[d] / batch.work[d], d) for w, d in inter_water]
+        n, att, step = batch.lengths, batch.work_list, stepped[per_token].work_list  # (lists: read one by one)
+        node_work += sum([per_token * n[d] for d in docs]) + sum([w * per_token * n[d] / att[d] for w, d in inter_water])
+        inter_water = [(w * step[d] / att[d], d) for w, d in inter_water]
         batch = stepped[per_token]
     lengths, work, dev = batch.lengths, batch.work_list, batch.dev
     speed = dev.speed[ranks]
@@ -59,12 +57,14 @@ def level2(batch: Batch, fill: RankFill, ranks: np.ndarray, node_work: float, do
             dense = sum([work[d] for d in light]) / sum([lengths[d] for d in light])  # the light ones' mean
             fills.append(node_fill(batch, target, fill.token_room[ranks], speed, water, whole, dense, mean,
                                    min_length))
-    best = min(fills, key=lambda f: float((f.load / speed).max()))
+    best = fills[0] if len(fills) == 1 else min(fills, key=lambda f: float((f.load / speed).max()))
+    rank_of = ranks.tolist()
     for i, ds in best.local.items():
-        fill.local[int(ranks[i])] = ds
+        fill.local[rank_of[i]] = ds
     for d, sh in best.shares.items():
+        got = fill.split_shares.setdefault(d, {})
         for i, w in sh.items():
-            fill.split_shares.setdefault(d, {})[int(ranks[i])] = w
+            got[rank_of[i]] = w
     load, room = best.load, best.room
     if min_length is not None:
         in_water = {r for d in best.shares for r in fill.split_shares.get(d, ())}  # split ranks of this node
