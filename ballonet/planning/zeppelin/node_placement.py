@@ -34,10 +34,11 @@ def level2(batch: Batch, fill: RankFill, ranks: np.ndarray, node_work: float, do
     per_token = float(batch.linear_on_rank[ranks[0]])
     if per_token:
         if per_token not in stepped:
-            step = batch.work + per_token * batch.length_array
-            stepped[per_token] = dataclasses.replace(batch, work=step, work_list=step.tolist())
-        n, att, step = batch.lengths, batch.work_list, stepped[per_token].work_list  # (lists: read one by one)
-        node_work += sum([per_token * n[d] for d in docs]) + sum([w * per_token * n[d] / att[d] for w, d in inter_water])
+            with_linear = batch.work + per_token * batch.length_array
+            stepped[per_token] = dataclasses.replace(batch, work=with_linear, work_list=with_linear.tolist())
+        size, att, step = batch.lengths, batch.work_list, stepped[per_token].work_list  # (lists: read one by one)
+        node_work += sum([per_token * size[d] for d in docs]) + \
+            sum([w * per_token * size[d] / att[d] for w, d in inter_water])
         inter_water = [(w * step[d] / att[d], d) for w, d in inter_water]
         batch = stepped[per_token]
     lengths, work, dev = batch.lengths, batch.work_list, batch.dev
@@ -45,7 +46,7 @@ def level2(batch: Batch, fill: RankFill, ranks: np.ndarray, node_work: float, do
     target = node_work * speed / speed.sum()
     most_tokens, fair = int(dev.token_cap[ranks].max()), float(target.max())
     splits = ([d for d in docs if lengths[d] > most_tokens] if min_length is None else
-              [d for d in docs if (n := lengths[d]) > most_tokens or (n >= min_length and work[d] > fair)])
+              [d for d in docs if (k := lengths[d]) > most_tokens or (k >= min_length and work[d] > fair)])
     water = inter_water + [(work[d], d) for d in splits]
     split_set = set(splits)
     whole = [d for d in docs if d not in split_set]
