@@ -81,19 +81,27 @@ def _lpt_uniform(order, work, lengths, load, speed, token_room, spill) -> dict[i
     """`lpt` on slots of unequal speed (uniform machines), one vector step per document."""
     out: dict[int, list[int]] = {}
     per_slot = np.ndim(work) == 2
+    costs = work if per_slot else work.tolist() if isinstance(work, np.ndarray) else work
+    finish = np.empty(len(load))
+    least = float(token_room.min()) if len(token_room) else np.inf  # every slot has room for a document up to it
     for d in order:
-        w = work[:, d] if per_slot else work[d]
-        finish = (load + w) / speed
-        finish[token_room < lengths[d]] = np.inf
-        i = int(finish.argmin())
-        if finish[i] == np.inf:
-            if spill is None:
-                raise NoRoom(d)
-            spill.append(d)
-            continue
+        w, L = (work[:, d] if per_slot else costs[d]), lengths[d]
+        np.add(load, w, out=finish)
+        np.divide(finish, speed, out=finish)
+        if L > least:
+            finish[token_room < L] = np.inf
+            i = int(finish.argmin())
+            if finish[i] == np.inf:
+                if spill is None:
+                    raise NoRoom(d)
+                spill.append(d)
+                continue
+        else:
+            i = int(finish.argmin())
         out.setdefault(i, []).append(d)
         load[i] += w[i] if per_slot else w
-        token_room[i] -= lengths[d]
+        token_room[i] = left = token_room[i] - L
+        least = min(least, float(left))
     return out
 
 
