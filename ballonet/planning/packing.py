@@ -38,7 +38,11 @@ def lpt(docs: Iterable[int], work, lengths: list[int], load: np.ndarray, speed: 
         order = sorted(docs, key=lambda d: (-least[d], d))
         return _lpt_uniform(order, work, lengths, load, speed, token_room, spill)
     costs = work.tolist() if isinstance(work, np.ndarray) else work  # (indexing an array one by one is slow)
-    order = sorted(sorted(docs), key=costs.__getitem__, reverse=True)  # ties in document order
+    if isinstance(work, np.ndarray) and len(docs := list(docs)) > 64:  # (level 1: every document of the batch)
+        ids = np.array(docs, dtype=np.int64)
+        order = ids[np.lexsort((ids, -work[ids]))].tolist()  # ties in document order
+    else:
+        order = sorted(sorted(docs), key=costs.__getitem__, reverse=True)  # ties in document order
     if len(set(speed.tolist())) > 1:
         return _lpt_uniform(order, work, lengths, load, speed, token_room, spill)
     loads, rooms = load.tolist(), token_room.tolist()
