@@ -304,10 +304,11 @@ def zeppelin(lengths, cluster: ClusterSpec, model: ModelSpec, *, routing: bool =
 
 @contextlib.contextmanager
 def _collector_paused():
-    """Python's cyclic garbage collector off while the search runs: it allocates many short
-    lived lists and tuples but no cycles, and the collections they set off traversed the
-    whole heap for nothing (7% of a plan's CPU time at 1024 GPUs, 3% at 128:
-    docs/design.md, section 4, 'Planning time'). Reference counting still frees them."""
+    """Python's cyclic garbage collector off while the search runs (then as it was): it
+    allocates many short-lived lists and tuples but no cycles (`gc.collect()` after a plan
+    of bench/planner.py's 1024 GPUs finds none), and the collections they set off cost 7% of
+    a plan's CPU time there, 3% at 128 (docs/design.md, section 4, 'Planning time').
+    Reference counting frees them all the same."""
     was = gc.isenabled()
     gc.disable()
     try:
