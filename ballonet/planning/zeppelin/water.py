@@ -55,8 +55,8 @@ def water_level_list(b: list, s: list, u: list, c: list, total: float) -> list:
 def ordered_sum(xs: list[float]) -> float:
     """`np.sum(xs)` (`sum` compensates from Python 3.12 on): numpy adds fewer than 8 floats
     in order; up to 128, in 8 running sums (element i to sum i % 8) added pairwise, then
-    the rest in order, as done here without numpy's conversion of the list (test_water
-    checks it against `np.sum`); beyond, `np.sum` itself."""
+    the rest in order, as done here without numpy's conversion of the list
+    (tests/test_planning_speed.py checks it against `np.sum`); beyond, `np.sum` itself."""
     n = len(xs)
     if n < 8:
         total = 0.0
