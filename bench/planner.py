@@ -342,9 +342,10 @@ def write(rows, by_gpus, by_docs, full, double, command: str, seconds: float, ag
     why_time = "" if t128 is None else (
         f" (where over: a whole plan, refinement included, for each of {_candidates(by_gpus, 128)} candidates at "
         f"128 GPUs and {_candidates(by_gpus, 1024)} at 1024 (`plan.meta['candidates']`), each step a Python loop "
-        "over nodes, ranks, documents or ring members: on 2026-12-07 at 1024 GPUs placing ranks took 53% of a plan "
-        "(level 2 24%, refinement 26%), pricing 16%, level 1s 15%, assembly and remap 10%; at 128 GPUs 44%, 26%, "
-        "13% and 11% (docs/design.md, section 4, 'Planning time'); this shared VM's speed "
+        "over nodes, ranks, documents or ring members at about the interpreter's cost per item: on 2026-12-07, "
+        "after the second speed step, at 1024 GPUs refinement took 25% of a plan, level 2 23%, level 1s 18%, "
+        "pricing 17%, assembly and remap 10%; at 128 GPUs 20%, 19%, 15%, 28% and 10% "
+        "(docs/design.md, section 4, 'Planning time'); this shared VM's speed "
         "drifts between runs of the same code (1.5x to 4x on 2026-12-02), so compare the best of 7 and, with "
         "`--against`, the side-by-side speedup or, with `--instructions`, the instruction counts)")
     best = {r["gpus"]: r["plan_cpu_min_ms"] for r in by_gpus}

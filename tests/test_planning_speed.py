@@ -1,7 +1,9 @@
 """Speed-ups of the partitioner that must leave its plans as they were: the search's reuse
 of placements (a double level 1 that sends the same documents to the same nodes as its
-mode's single one is placed as that one was, `search._same_nodes`), and list versions of
-numpy steps."""
+mode's single one is placed as that one was, `search._same_nodes`), list versions of
+numpy steps, and the garbage collector paused while the search runs."""
+
+import gc
 
 import numpy as np
 import pytest
@@ -11,7 +13,9 @@ from ballonet.errors import InfeasiblePlan
 from ballonet.planning.assembly import Placement, assemble
 from ballonet.planning.devices import devices
 from ballonet.planning.packing import apportion
+from ballonet.planning.remap import linear_targets, node_linear_targets
 from ballonet.planning.zeppelin import refinement, search
+from ballonet.planning.zeppelin.water import ordered_sum
 from ballonet.specs import ClusterSpec, NodeGroup
 
 
@@ -58,3 +62,49 @@ def test_apportion_on_lists_gives_numpys_integers_at_every_ring_size():
                 refinement._apportion_list(total, weights, caps)
             continue
         assert refinement._apportion_list(total, weights, caps) == want
+
+
+def test_ordered_sum_is_numpys_sum_bit_for_bit():
+    rng = np.random.default_rng(0)
+    for n in list(range(0, 40)) + [63, 64, 65, 127, 128, 129, 200]:
+        for scale in (1.0, 1e9):
+            for _ in range(20):
+                xs = (rng.uniform(-1, 1, n) * scale * 10.0 ** rng.integers(-6, 6, n)).tolist()
+                assert ordered_sum(xs) == float(np.sum(xs)), (n, xs)
+    xs = [1e16, 1.0] + [0.0] * 7 + [1.0] + [0.0] * 6  # in order 1e16; numpy's (and so ordered_sum's) 1e16 + 2
+    assert ordered_sum(xs) == 1e16 + 2
+
+
+def test_node_linear_targets_are_each_nodes_own_apportion():
+    rng = np.random.default_rng(1)
+    for case in range(300):
+        num_nodes, size = int(rng.integers(1, 12)), int(rng.integers(1, 9))
+        counts = rng.integers(0, 20000, num_nodes * size)
+        speed = np.ones(len(counts)) if case % 3 == 0 else rng.uniform(0.3, 1.7, len(counts))
+        caps = rng.integers(1000, 30000, len(counts)) if case % 2 else np.full(len(counts), 10**9)
+        nodes = [list(range(n * size, (n + 1) * size)) for n in range(num_nodes)][::1 + case % 2]
+        if case % 7 == 0:
+            nodes[-1] = nodes[-1][:-1] or nodes[-1]  # nodes of two sizes
+        want = counts.copy()
+        try:
+            for ranks in nodes:
+                want[ranks] = linear_targets(int(counts[ranks].sum()), speed[ranks], caps[ranks])
+        except InfeasiblePlan:
+            with pytest.raises(InfeasiblePlan):
+                node_linear_targets(counts, speed, caps, nodes)
+            continue
+        assert np.array_equal(node_linear_targets(counts, speed, caps, nodes), want)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_search_pauses_the_garbage_collector_and_restores_it(monkeypatch, enabled):
+    during, run = [], search.CandidateSearch.run
+    monkeypatch.setattr(search.CandidateSearch, "run", lambda self: during.append(gc.isenabled()) or run(self))
+    was = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        plan_batch([3000, 500, 200, 100], specs.cluster("h200-8nic", num_nodes=1), specs.model("llama-7b"))
+        assert gc.isenabled() == enabled
+    finally:
+        (gc.enable if was else gc.disable)()
+    assert during == [False]

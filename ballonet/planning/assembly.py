@@ -67,11 +67,12 @@ def assemble(name: str, lengths: list[int], dev: Devices, placement: Placement, 
     "double" ring (a ring inside each node, rounds across nodes between rail peers)."""
     ring_specs = []  # (doc, ranks, bounds)
     for doc in sorted(placement.split):
-        members = sorted(r for r, t in placement.split[doc].items() if t > 0)
+        shares = placement.split[doc]
+        members = sorted([r for r, t in shares.items() if t > 0])
         if len(members) == 1:
             placement.local[members[0]].append(doc)
             continue
-        tokens = [placement.split[doc][r] for r in members]
+        tokens = [shares[r] for r in members]
         assert sum(tokens) == lengths[doc], (doc, tokens, lengths[doc])
         ring_specs.append((doc, tuple(members), zigzag_bounds(lengths[doc], tokens)))
     ring_specs += [(doc, tuple(ranks), tuple(bounds)) for doc, (ranks, bounds) in placement.rings.items()]
@@ -79,7 +80,7 @@ def assemble(name: str, lengths: list[int], dev: Devices, placement: Placement, 
     rings = []
     fixed = set(placement.rings)
     for doc, ranks, b in sorted(ring_specs):
-        per_node = Counter(dev.node[r] for r in ranks)
+        per_node = Counter(map(dev.node.__getitem__, ranks))
         kind = "inter" if len(per_node) > 1 else "intra"
         if double and kind == "inter" and doc not in fixed and len(set(per_node.values())) == 1:
             rings.append(Ring(doc=doc, kind=kind, ranks=ranks, bounds=b, comm="double", groups=len(per_node)))
@@ -93,8 +94,8 @@ def assemble(name: str, lengths: list[int], dev: Devices, placement: Placement, 
                 segs[r].append((queue, doc, b[2 * g - 1 - i], b[2 * g - i]))
     batch = tuple(lengths)
     whole = whole_segments(batch)
-    attention = tuple((*[Segment(d, a, e) for _, d, a, e in sorted(rank_segs)],
-                       *[whole[d] for d in sorted(docs)])  # local documents last
+    attention = tuple((*[Segment(d, a, e) for _, d, a, e in sorted(rank_segs)], *map(whole.__getitem__, sorted(docs)))
+                      if rank_segs else tuple(map(whole.__getitem__, sorted(docs)))  # local documents last
                       for rank_segs, docs in zip(segs, placement.local, strict=True))
     return Plan(planner=name, lengths=batch, node_of_rank=dev.node, nic_of_rank=dev.nic,
                 attention=attention, rings=tuple(rings), memory_cap=dev.memory_total,

@@ -37,7 +37,12 @@ def lpt(docs: Iterable[int], work, lengths: list[int], load: np.ndarray, speed: 
         least = np.min(work, axis=0)
         order = sorted(docs, key=lambda d: (-least[d], d))
         return _lpt_uniform(order, work, lengths, load, speed, token_room, spill)
-    order = sorted(sorted(docs), key=work.__getitem__, reverse=True)  # ties in document order
+    costs = work.tolist() if isinstance(work, np.ndarray) else work  # (indexing an array one by one is slow)
+    if isinstance(work, np.ndarray) and len(docs := list(docs)) > 64:  # (level 1: every document of the batch)
+        ids = np.array(docs, dtype=np.int64)
+        order = ids[np.lexsort((ids, -work[ids]))].tolist()  # ties in document order
+    else:
+        order = sorted(sorted(docs), key=costs.__getitem__, reverse=True)  # ties in document order
     if len(set(speed.tolist())) > 1:
         return _lpt_uniform(order, work, lengths, load, speed, token_room, spill)
     loads, rooms = load.tolist(), token_room.tolist()
@@ -48,24 +53,29 @@ def lpt(docs: Iterable[int], work, lengths: list[int], load: np.ndarray, speed: 
     # popping them past every document would cost O(slots) each.
     parked: list[tuple[float, float, int]] = []
     out: dict[int, list[int]] = {}
+    replace, pop, push = heapreplace, heappop, heappush
     for d in order:
-        L, w = lengths[d], float(work[d])
+        L, w = lengths[d], float(costs[d])
         while parked and -parked[0][0] >= L:
-            _, li, i = heappop(parked)
-            heappush(heap, (li, i))
+            _, li, i = pop(parked)
+            push(heap, (li, i))
         while heap and rooms[heap[0][1]] < L:
-            li, i = heappop(heap)
-            heappush(parked, (-rooms[i], li, i))
+            li, i = pop(heap)
+            push(parked, (-rooms[i], li, i))
         if not heap:
             if spill is None:
                 raise NoRoom(d)
             spill.append(d)
             continue
         i = heap[0][1]
-        out.setdefault(i, []).append(d)
-        loads[i] += w
+        got = out.get(i)
+        if got is None:
+            out[i] = [d]
+        else:
+            got.append(d)
+        loads[i] = li = loads[i] + w
         rooms[i] -= L
-        heapreplace(heap, (loads[i], i))
+        replace(heap, (li, i))
     load[:] = loads
     token_room[:] = rooms
     return out
@@ -75,19 +85,27 @@ def _lpt_uniform(order, work, lengths, load, speed, token_room, spill) -> dict[i
     """`lpt` on slots of unequal speed (uniform machines), one vector step per document."""
     out: dict[int, list[int]] = {}
     per_slot = np.ndim(work) == 2
+    costs = work if per_slot else work.tolist() if isinstance(work, np.ndarray) else work
+    finish = np.empty(len(load))
+    least = float(token_room.min()) if len(token_room) else np.inf  # every slot has room for a document up to it
     for d in order:
-        w = work[:, d] if per_slot else work[d]
-        finish = (load + w) / speed
-        finish[token_room < lengths[d]] = np.inf
-        i = int(finish.argmin())
-        if finish[i] == np.inf:
-            if spill is None:
-                raise NoRoom(d)
-            spill.append(d)
-            continue
+        w, L = (work[:, d] if per_slot else costs[d]), lengths[d]
+        np.add(load, w, out=finish)
+        np.divide(finish, speed, out=finish)
+        if L > least:
+            finish[token_room < L] = np.inf
+            i = int(finish.argmin())
+            if finish[i] == np.inf:
+                if spill is None:
+                    raise NoRoom(d)
+                spill.append(d)
+                continue
+        else:
+            i = int(finish.argmin())
         out.setdefault(i, []).append(d)
         load[i] += w[i] if per_slot else w
-        token_room[i] -= lengths[d]
+        token_room[i] = left = token_room[i] - L
+        least = min(least, float(left))
     return out
 
 
@@ -98,11 +116,11 @@ def spread(room: np.ndarray, token_room: np.ndarray, work: float, per_token: flo
     holds it. Slots are bounded by their token room; what no room takes goes to the slots
     with most free tokens (those already taken first), as few as hold it: a document
     spilled under full caps would otherwise ring over every slot."""
-    cap = np.minimum(np.maximum(room, 0.0), token_room * per_token)
+    # On lists: a node has a few slots, where numpy's per-call cost is most of the work.
+    caps = [min(r if r > 0.0 else 0.0, t * per_token) for r, t in zip(room.tolist(), token_room.tolist())]
     shares: dict[int, float] = {}
     left = work
-    caps = cap.tolist()
-    for i in np.argsort(-cap, kind="stable").tolist():
+    for i in sorted(range(len(caps)), key=lambda i: -caps[i]):  # most room first, ties to the lower slot
         if left <= 0 or caps[i] <= 0 or len(shares) == max_slots:
             break
         take = min(caps[i], left)

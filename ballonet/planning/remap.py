@@ -28,9 +28,34 @@ def node_linear_targets(attention_tokens, speed: np.ndarray, token_cap: np.ndarr
     spread over its own ranks; ranks of no node in `nodes` keep their tokens."""
     counts = np.asarray(attention_tokens, dtype=np.int64)
     targets = counts.copy()
+    nodes = [list(rs) for rs in nodes]
+    if not nodes:
+        return targets
+    if len({len(rs) for rs in nodes}) == 1:  # nodes of one size: every node's first round at once
+        idx = np.array(nodes)
+        done = _first_round(counts[idx].sum(axis=1), speed[idx].astype(float), token_cap[idx].astype(np.int64))
+        for i in np.nonzero(done.min(axis=1) >= 0)[0].tolist():
+            targets[idx[i]] = done[i]
+        nodes = [nodes[i] for i in np.nonzero(done.min(axis=1) < 0)[0].tolist()]
     for ranks in nodes:
         targets[ranks] = linear_targets(int(counts[ranks].sum()), speed[ranks], token_cap[ranks])
     return targets
+
+
+def _first_round(total: np.ndarray, weights: np.ndarray, caps: np.ndarray) -> np.ndarray:
+    """`packing.apportion` of each row's `total` by its `weights` ([nodes, ranks]) where its
+    first round binds no cap: the same operations, row by row; -1 on the rows where a cap
+    binds (or the weights sum to none), which `apportion` itself then takes."""
+    w_sum = np.array([row.sum() for row in weights])  # (each row's sum in `apportion`'s order)
+    ideal = total[:, None] * weights / w_sum[:, None]
+    base = np.floor(ideal).astype(np.int64)
+    rest = total - base.sum(axis=1)
+    order = np.argsort(-(ideal - base), axis=1, kind="stable")  # largest remainder first, ties to the lower rank
+    extra = np.zeros_like(base)
+    np.put_along_axis(extra, order, (np.arange(base.shape[1])[None, :] < rest[:, None]).astype(np.int64), axis=1)
+    out = base + extra
+    out[(ideal >= caps).any(axis=1) | (w_sum <= 0)] = -1
+    return out
 
 
 def plan_remap(attention_tokens: list[int], targets: np.ndarray, node_of_rank: tuple[int, ...]) -> tuple[Transfer, ...]:

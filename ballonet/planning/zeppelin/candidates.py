@@ -5,6 +5,7 @@ whether memory caps bind where that step is set)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -83,6 +84,11 @@ class CandidateMaker:
     dp_send_s: float = 0.0
     """Seconds of sends of each rank's data-parallel collectives in a step (`pricing.dp_send_seconds`)."""
 
+    @functools.cached_property
+    def links(self) -> _Links:
+        """Per rank, the node group's link facts `_step_seconds` prices with (one set per mode)."""
+        return _links(self.dev, self.crossovers, self.routing)
+
     @property
     def every_rank_s(self) -> float:
         """What every rank's estimate adds to its compute whatever the plan: its
@@ -103,7 +109,10 @@ class CandidateMaker:
     def price(self, plan: Plan) -> Candidate:
         """`plan` (within its caps) with its memory and estimated step."""
         model, dev, trim = self.model, self.dev, self.trim
-        plan = with_memory(plan, dev)
+        if not trim:
+            plan = with_memory(plan, dev)
+        elif (why := over_cap(plan, dev)) is not None:  # (memory: each rank's under its own recomputation, below)
+            raise InfeasiblePlan(why)
         caps = recompute_mode(model)  # the mode whose caps the plan was made under
         priced, layers = model, recompute_layer_count(model)  # the model's own, or every layer
         if trim:
@@ -122,13 +131,12 @@ class CandidateMaker:
         attention, linear = rank_compute_seconds(plan, dev, priced, recompute_mode(priced), split=True, layers=layers,
                                                  kernels=kernels)
         seconds, exposed, skew = _step_seconds(plan, dev, priced, self.crossovers, (attention, linear), self.routing,
-                                               self.dp_send_s)
+                                               self.dp_send_s, self.links)
         node = float(dev.node_means(attention + linear + exposed).max())
         busiest = float(seconds.max())
         step = max(busiest, synchronous_step_seconds(plan, dev, priced, kernels, seconds, attention + linear + skew,
                                                      layers if trim else None))
-        tail = step_tail_seconds(plan, dev, priced, np.array([self.crossovers[g].intra_bw for g in dev.group]),
-                                 self.fixed_tail_s)
+        tail = step_tail_seconds(plan, dev, priced, self.links.link, self.fixed_tail_s)
         return Candidate(plan=plan, seconds=step + tail, tail_s=tail, binds=caps_bind(plan, dev, seconds), kernels=kernels,
                          busiest_s=busiest, node_floor_s=node, dev=dev, model=model)
 
@@ -157,9 +165,13 @@ def _place(shared: NodeLevel, keep_tokens: bool) -> tuple[Placement, dict]:
         return refine(batch, fill), {}
     node_load, node_docs, inter_shares = shared.level1.node_load, shared.level1.node_docs, shared.level1.shares
     stepped: dict[float, Batch] = {}
+    water: dict[int, list[tuple[float, int]]] = {}  # per node, its shares of inter-node documents
+    for d, sh in inter_shares.items():
+        for n, w in sh.items():
+            if w > 0:
+                water.setdefault(n, []).append((w, d))
     for n, ranks in enumerate(nodes):
-        water = [(w, d) for d, sh in inter_shares.items() if (w := sh.get(n, 0.0)) > 0]
-        level2(batch, fill, np.array(ranks), node_load[n], node_docs.get(n, []), water,
+        level2(batch, fill, np.array(ranks), node_load[n], node_docs.get(n, []), water.get(n, []),
                 batch.crossovers[dev.group[ranks[0]]].intra, stepped)
     return refine(batch, fill), {"inter_docs": len(inter_shares)}
 
@@ -208,25 +220,41 @@ def remapped(lengths, dev: Devices, placement: Placement, meta, *, remap: bool, 
     return plan
 
 
+@dataclass(frozen=True)
+class _Links:
+    """[R] each rank's node group's intra-node and crossing bandwidths, rails, NIC share and
+    data-parallel pieces (`state.Crossover`)."""
+    link: np.ndarray
+    nic: np.ndarray
+    rails: np.ndarray
+    dp_piece: np.ndarray
+    rank_nic: np.ndarray
+
+
+def _links(dev: Devices, crossovers, routing: bool) -> _Links:
+    per_group = [crossovers[g] for g in dev.group]
+    return _Links(link=np.array([c.intra_bw for c in per_group]), nic=np.array([c.crossing_bw for c in per_group]),
+                  rails=np.array([c.rails if routing else 1 for c in per_group]),
+                  dp_piece=np.array([c.dp_piece for c in per_group]),
+                  rank_nic=np.array([c.rank_nic_bw for c in per_group]))
+
+
 def _step_seconds(plan: Plan, dev: Devices, model: ModelSpec, crossovers, compute,
-                  routing: bool, dp_send_s: float = 0.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                  routing: bool, dp_send_s: float = 0.0, links: _Links | None = None) \
+        -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """[R] what the partitioner compares its candidate plans by (`pricing.rank_step_seconds`),
     and [R] the part of it single rings across nodes expose (`pricing.crossing_exposed_seconds`;
     their crossing hops routed over the node's rails with `routing`) and rings inside
     PCIe-only nodes (`pcie_rings`)."""
-    per_group = [crossovers[g] for g in dev.group]
-    link = np.array([c.intra_bw for c in per_group])
-    nic = np.array([c.crossing_bw for c in per_group])
-    rails = np.array([c.rails if routing else 1 for c in per_group])
-    dp_piece = np.array([c.dp_piece for c in per_group])
+    links = links if links is not None else _links(dev, crossovers, routing)
+    link, nic, rails, dp_piece = links.link, links.nic, links.rails, links.dp_piece
     final = final_grad_wait_seconds(plan, dev, model, link, nic, rails)
     start, linear = compute
     slow = overlap_slowdown_seconds(plan, dev, model, link, nic, dp_send_s, start + linear)
     pcie = pcie_ring_exposed_seconds(plan, dev, model, link)
     exposed = (crossing_exposed_seconds(plan, dev, model, link, nic, rails, dp_piece)
                + ring_wait_seconds(plan, dev, model) + final + slow + pcie.forward + pcie.backward)
-    seconds = rank_step_seconds(plan, dev, model, link, (start + exposed, linear),
-                                np.array([c.rank_nic_bw for c in per_group]), dp_piece)
+    seconds = rank_step_seconds(plan, dev, model, link, (start + exposed, linear), links.rank_nic, dp_piece)
     return seconds, exposed, pcie.backward_skew(final)
 
 

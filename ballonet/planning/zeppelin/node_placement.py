@@ -33,21 +33,20 @@ def level2(batch: Batch, fill: RankFill, ranks: np.ndarray, node_work: float, do
     per linear work per token, the batch with it added, shared by alike nodes)."""
     per_token = float(batch.linear_on_rank[ranks[0]])
     if per_token:
-        L = batch.length_array
         if per_token not in stepped:
-            step = batch.work + per_token * L
-            stepped[per_token] = dataclasses.replace(batch, work=step, work_list=step.tolist())
-        step = stepped[per_token].work
-        node_work += sum([per_token * batch.lengths[d] for d in docs]) + \
-            sum(w * per_token * L[d] / batch.work[d] for w, d in inter_water)
-        inter_water = [(w * step[d] / batch.work[d], d) for w, d in inter_water]
+            with_linear = batch.work + per_token * batch.length_array
+            stepped[per_token] = dataclasses.replace(batch, work=with_linear, work_list=with_linear.tolist())
+        size, att, step = batch.lengths, batch.work_list, stepped[per_token].work_list  # (lists: read one by one)
+        node_work += sum([per_token * size[d] for d in docs]) + \
+            sum([w * per_token * size[d] / att[d] for w, d in inter_water])
+        inter_water = [(w * step[d] / att[d], d) for w, d in inter_water]
         batch = stepped[per_token]
     lengths, work, dev = batch.lengths, batch.work_list, batch.dev
     speed = dev.speed[ranks]
     target = node_work * speed / speed.sum()
     most_tokens, fair = int(dev.token_cap[ranks].max()), float(target.max())
-    splits = [d for d in docs if lengths[d] > most_tokens
-              or (min_length is not None and lengths[d] >= min_length and work[d] > fair)]
+    splits = ([d for d in docs if lengths[d] > most_tokens] if min_length is None else
+              [d for d in docs if (k := lengths[d]) > most_tokens or (k >= min_length and work[d] > fair)])
     water = inter_water + [(work[d], d) for d in splits]
     split_set = set(splits)
     whole = [d for d in docs if d not in split_set]
@@ -59,12 +58,14 @@ def level2(batch: Batch, fill: RankFill, ranks: np.ndarray, node_work: float, do
             dense = sum([work[d] for d in light]) / sum([lengths[d] for d in light])  # the light ones' mean
             fills.append(node_fill(batch, target, fill.token_room[ranks], speed, water, whole, dense, mean,
                                    min_length))
-    best = min(fills, key=lambda f: float((f.load / speed).max()))
+    best = fills[0] if len(fills) == 1 else min(fills, key=lambda f: float((f.load / speed).max()))
+    rank_of = ranks.tolist()
     for i, ds in best.local.items():
-        fill.local[int(ranks[i])] = ds
+        fill.local[rank_of[i]] = ds
     for d, sh in best.shares.items():
+        got = fill.split_shares.setdefault(d, {})
         for i, w in sh.items():
-            fill.split_shares.setdefault(d, {})[int(ranks[i])] = w
+            got[rank_of[i]] = w
     load, room = best.load, best.room
     if min_length is not None:
         in_water = {r for d in best.shares for r in fill.split_shares.get(d, ())}  # split ranks of this node
@@ -128,8 +129,12 @@ def node_fill(batch: Batch, target: np.ndarray, room: np.ndarray, speed: np.ndar
             got = _levelled(spread(target - load, room, w, work[d] / lengths[d]), load, speed, room, w,
                             work[d] / lengths[d])
         charge(got, d, work, lengths, load, room, out=shares)
-    for i, ds in lpt(rest, batch.work_list, lengths, load, speed, room, spill).items():
-        local.setdefault(i, []).extend(ds)
+    packed = lpt(rest, batch.work_list, lengths, load, speed, room, spill)
+    if local:
+        for i, ds in packed.items():
+            local.setdefault(i, []).extend(ds)
+    else:
+        local = packed
     for d in spill:
         got = spread(target - load, room, float(work[d]), work[d] / lengths[d])
         charge(got, d, work, lengths, load, room, out=shares)
@@ -163,6 +168,8 @@ def split_to_level(batch: Batch, fill: RankFill, ranks, load, speed, min_length:
     for _ in range(len(ranks)):
         rel = load / speed
         limit = float((1 + tolerance) * load.sum() / speed.sum())
+        if not rel.max() > limit:
+            return
         hi = next((i for i in np.argsort(-rel, kind="stable").tolist() if int(ranks[i]) not in in_water
                    and rel[i] > limit and any(lengths[d] >= min_length for d in local[int(ranks[i])])), None)
         if hi is None:

@@ -125,7 +125,7 @@ def _start(batch: Batch, fill: RankFill, docs: list[int], local_tokens: np.ndarr
     (`attention`: per split document, its FLOPs per GPU of its tensor-parallel group;
     `efficiency`: the kernel efficiency at a block length, as `split_work`)."""
     dev, lengths, work_list = batch.dev, batch.lengths, batch.work_list
-    load = np.array([sum([work_list[d] for d in ds]) for ds in fill.local], dtype=float)
+    load = np.array([sum(map(work_list.__getitem__, ds)) for ds in fill.local], dtype=float)
     load += batch.linear_on_rank * local_tokens  # ranks that keep their tokens: their linear work too
     load = load.tolist()
     node = list(dev.node)
@@ -165,7 +165,7 @@ def refine(batch: Batch, fill: RankFill) -> Placement:
     under memory caps."""
     dev, lengths, model = batch.dev, batch.lengths, batch.model
     R = dev.num_ranks
-    local_tokens = np.array([sum([lengths[d] for d in docs]) for docs in fill.local], dtype=np.int64)
+    local_tokens = np.array([sum(map(lengths.__getitem__, docs)) for docs in fill.local], dtype=np.int64)
     work = batch.work_list
     docs = sorted(fill.split_shares, key=lambda d: (-work[d], d))
     flops = attention_flops(model, [lengths[d] for d in docs]).tolist()
@@ -179,25 +179,26 @@ def refine(batch: Batch, fill: RankFill) -> Placement:
     # even out (docs/planner_evidence.md, step 3).
     stamp, done, clock = [0] * R, dict.fromkeys(docs, -1), 0
     settled: set[int] = set()  # units checked against their shares since they last moved
+    sliver, grow_level, change = THRESHOLDS.sliver, THRESHOLDS.grow_above * st.mean_level, THRESHOLDS.settled_change
     for sweep in SWEEPS:
         shared = _Shared.of(st) if sweep is Sweep.GROW else None
         for d in docs:
             m, held, unit = st.members[d], st.held[d], st.unit[d]
-            dropping = sweep is Sweep.DROP and len(m) > 2 and min(held) < THRESHOLDS.sliver * sum(held) / len(held)
+            dropping = sweep is Sweep.DROP and len(m) > 2 and min(held) < sliver * sum(held) / len(held)
             still = not dropping and max([stamp[r] for r in m]) <= done[d] \
-                and (sweep is not Sweep.GROW or st.level_of(m) <= THRESHOLDS.grow_above * st.mean_level)
+                and (sweep is not Sweep.GROW or st.level_of(m) <= grow_level)
             if still and d in settled:
                 continue
             new_unit = ([per_token[d] / efficiency(h) + linear[r] for r, h in zip(m, held)]
                         if any(held) else unit)
-            if still and all(abs(a - b) <= THRESHOLDS.settled_change * abs(b) for a, b in zip(new_unit, unit)):
+            if still and all(abs(a - b) <= change * abs(b) for a, b in zip(new_unit, unit)):
                 settled.add(d)
                 continue
             settled.discard(d)
             st.take(d)
             st.unit[d] = new_unit
             if dropping:
-                floor = THRESHOLDS.sliver * sum(held) / len(held)
+                floor = sliver * sum(held) / len(held)
                 room = st.room(m)
                 keep = [i for i, h in enumerate(held) if h >= floor
                         or (room[i] - h < floor and h >= st.breakeven[m[i]])]
@@ -252,9 +253,10 @@ def _apportion_list(total: int, weights: list[float], caps: list[int]) -> list[i
     left = total
     while left > 0 and any(free):
         w = [x if f else 0.0 for x, f in zip(weights, free)]
-        if ordered_sum(w) <= 0:
-            w = [float(f) for f in free]
         w_sum = ordered_sum(w)
+        if w_sum <= 0:
+            w = [float(f) for f in free]
+            w_sum = ordered_sum(w)
         ideal = [left * x / w_sum for x in w]
         over = [f and x >= float(c - o) for f, x, c, o in zip(free, ideal, caps, out)]
         if any(over):

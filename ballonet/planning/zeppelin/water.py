@@ -53,13 +53,32 @@ def water_level_list(b: list, s: list, u: list, c: list, total: float) -> list:
 
 
 def ordered_sum(xs: list[float]) -> float:
-    """`np.sum(xs)`: numpy adds fewer than 8 floats in order, pairwise beyond (and `sum`
-    compensates from Python 3.12 on)."""
-    if len(xs) >= 8:
+    """`np.sum(xs)` (`sum` compensates from Python 3.12 on): numpy adds fewer than 8 floats
+    in order; up to 128, in 8 running sums (element i to sum i % 8) added pairwise, then
+    the rest in order, as done here without numpy's conversion of the list
+    (tests/test_planning_speed.py checks it against `np.sum`); beyond, `np.sum` itself."""
+    n = len(xs)
+    if n < 8:
+        total = 0.0
+        for x in xs:
+            total += x
+        return float(total)
+    if n > 128:
         return float(np.sum(xs))
-    total = 0.0
-    for x in xs:
-        total += x
+    r0, r1, r2, r3, r4, r5, r6, r7 = (float(x) for x in xs[:8])
+    whole = n - n % 8
+    for i in range(8, whole, 8):
+        r0 += xs[i]
+        r1 += xs[i + 1]
+        r2 += xs[i + 2]
+        r3 += xs[i + 3]
+        r4 += xs[i + 4]
+        r5 += xs[i + 5]
+        r6 += xs[i + 6]
+        r7 += xs[i + 7]
+    total = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+    for i in range(whole, n):
+        total += xs[i]
     return float(total)
 
 
