@@ -1,9 +1,7 @@
 """Speed-ups of the partitioner that must leave its plans as they were: the search's reuse
 of placements (a double level 1 that sends the same documents to the same nodes as its
 mode's single one is placed as that one was, `search._same_nodes`), list versions of
-numpy steps, and the garbage collector paused while the search runs."""
-
-import gc
+numpy steps."""
 
 import numpy as np
 import pytest
@@ -95,16 +93,3 @@ def test_node_linear_targets_are_each_nodes_own_apportion():
             continue
         assert np.array_equal(node_linear_targets(counts, speed, caps, nodes), want)
 
-
-@pytest.mark.parametrize("enabled", [True, False])
-def test_the_search_pauses_the_garbage_collector_and_restores_it(monkeypatch, enabled):
-    during, run = [], search.CandidateSearch.run
-    monkeypatch.setattr(search.CandidateSearch, "run", lambda self: during.append(gc.isenabled()) or run(self))
-    was = gc.isenabled()
-    (gc.enable if enabled else gc.disable)()
-    try:
-        plan_batch([3000, 500, 200, 100], specs.cluster("h200-8nic", num_nodes=1), specs.model("llama-7b"))
-        assert gc.isenabled() == enabled
-    finally:
-        (gc.enable if was else gc.disable)()
-    assert during == [False]

@@ -15,9 +15,7 @@ refuses the batch is kept (`refusal`).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -298,21 +296,5 @@ def zeppelin(lengths, cluster: ClusterSpec, model: ModelSpec, *, routing: bool =
     options = ZeppelinOptions(routing=routing, remap=remap, hierarchical=hierarchical,
                               assume_homogeneous=assume_homogeneous, price_linear=price_linear,
                               price_recompute=price_recompute, double=double)
-    with _collector_paused():
-        return CandidateSearch(lengths=check_lengths(lengths), cluster=cluster, model=model, options=options).run()
+    return CandidateSearch(lengths=check_lengths(lengths), cluster=cluster, model=model, options=options).run()
 
-
-@contextlib.contextmanager
-def _collector_paused():
-    """Python's cyclic garbage collector off while the search runs (then as it was): it
-    allocates many short-lived lists and tuples but no cycles (`gc.collect()` after a plan
-    of bench/planner.py's 1024 GPUs finds none), and the collections they set off cost 7% of
-    a plan's CPU time there, 3% at 128 (docs/design.md, section 4, 'Planning time').
-    Reference counting frees them all the same."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
