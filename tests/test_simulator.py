@@ -416,3 +416,22 @@ def test_no_engine_posts_double_rings_sends_behind_queued_kernels_too():
     assert any(r.comm == "double" for r in plan.rings)
     engine, no_engine = (simulate(plan, c, m, engine=e, overlap_grad_allreduce=False) for e in (True, False))
     assert no_engine.layer_forward_s > engine.layer_forward_s and no_engine.step_time_s > engine.step_time_s
+
+
+def test_backward_simulated_once_per_run_of_alike_layers_however_many():
+    """Ranks recomputing on 10 different numbers of layers make 11 runs, each simulated as
+    it is: merging runs would average a rank's seconds over layers the others recompute
+    differently, which under-counts each layer's slowest rank."""
+    from ballonet.cost.seconds import linear_layer_seconds
+    from ballonet.simulation.simulator import _runs_of_layers
+    cluster = specs.cluster("h200-8nic", num_nodes=2)
+    model = specs.model("llama-7b")
+    fabric = Fabric(cluster, 16, 1)
+    tokens = [8192] * 16
+    per_rank = [("selective", 3 * r) for r in range(10)] + [("selective", 0)] * 6
+    gpu = fabric.gpu[0]
+    full, below = (linear_layer_seconds(model, gpu, 8192, m) for m in ("selective", "none"))
+    runs = _runs_of_layers(model, fabric, tokens, per_rank, [full] * 16, [(0.0, 0.0)] * 16)
+    assert [n for n, _, _ in runs] == [3] * 9 + [model.num_layers - 27]
+    for i, (_, lin, _) in enumerate(runs):  # run i covers layers [3i, 3i+3): rank r recomputes there iff 3r > 3i
+        assert lin == [full if r < 10 and r > i else below for r in range(16)]

@@ -245,26 +245,7 @@ def _runs_of_layers(model: ModelSpec, fabric: Fabric, tokens: list, per_rank, li
                                    tp_layer_seconds(model, tokens[r], fabric.intra_bw[r], gpu, mode))
                 lin[r], tp[r] = below[r, m]
         runs.append((hi - lo, lin, tp))
-    if len(runs) <= MAX_RUNS:
-        return runs
-    # Too many distinct runs to simulate each (large clusters): consecutive runs merged into
-    # MAX_RUNS of about equal layers, each rank's linear and TP seconds their average over
-    # the merged layers (its total kept exactly).
-    merged, layers, target = [], 0, model.num_layers / MAX_RUNS
-    group: list = []
-    for i, run in enumerate(runs):
-        group.append(run)
-        layers += run[0]
-        if layers >= target * (len(merged) + 1) or i == len(runs) - 1:
-            total = sum(n for n, _, _ in group)
-            merged.append((total, *([tuple(sum(n * x[j][r][i] for n, *x in group) / total for i in range(2))
-                                     for r in range(len(linear_s))] for j in range(2))))
-            group = []
-    return merged
-
-
-MAX_RUNS = 6
-"""The most backward passes one step simulates (`_runs_of_layers`)."""
+    return runs
 
 
 def _tp_bytes(model: ModelSpec, tokens: list, per_rank) -> dict:
