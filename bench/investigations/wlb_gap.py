@@ -1,7 +1,8 @@
 """Where wlb_llm beats zeppelin (issue 49): how much of its lead is the outlier delay
 (it trains other steps than the batch as given) and how much is the plan.
 
-    OMP_NUM_THREADS=1 python bench/investigations/wlb_gap.py [--main I ...] [--scale I ...] [--json F] [--md F]
+    OMP_NUM_THREADS=1 python bench/investigations/wlb_gap.py [--main I ...] [--scale I ...] [--climb MOVES]
+        [--json F] [--md F]
 
 For each configuration (positions in `bench/paper.py`'s main and scale grids, as in
 `scale_one.py`; default: the six where `bench/results/paper.md` has zeppelin behind
@@ -14,7 +15,8 @@ wlb_llm), wlb_llm at its tuned CP degree (`paper.json`'s) and zeppelin, simulate
 * `zep delayed`: zeppelin planning each of wlb_llm's delay steps, weighted the same way.
 
 If `zep delayed` <= `wlb delayed`, the lead is the batch reshaping (the delay), not the
-plan. Beside each simulated step of the batch as given: busiest rank's compute, mean
+plan; with `--climb`, zeppelin's plan of the batch as given is also hill-climbed under
+the simulator (the same rings; what better placement of them could gain). Beside each simulated step of the batch as given: busiest rank's compute, mean
 exposed communication, mean idle, recomputation and attention imbalance.
 """
 
@@ -36,6 +38,7 @@ from ballonet import plan_batch, specs, workloads
 from ballonet.cost.bounds import batch_lower_bound
 from ballonet.planning.wlb_llm import num_groups, outlier_steps
 from ballonet.simulation.comparison import degrees
+from ballonet.simulation.hill_climb import hill_climb
 from ballonet.simulation.result import SimResult
 from ballonet.simulation.simulator import simulate
 
@@ -58,7 +61,7 @@ def _facts(res: SimResult) -> dict:
             "recompute_layers": res.recompute_layers}
 
 
-def one(part: str, index: int) -> dict:
+def one(part: str, index: int, climb: int = 0) -> dict:
     cl, nodes, mdl, tp, wl, ctx = (main_grid() if part == "grid" else grid())[index]
     c, m = specs.cluster(CLUSTERS[cl], num_nodes=nodes), specs.model(mdl, tp=tp)
     work = workloads.get(wl)
@@ -80,8 +83,11 @@ def one(part: str, index: int) -> dict:
                    for d in degrees(c.num_ranks // m.tp)}
     out["wlb_given_best"] = min((s, d) for d, s in given_by_cp.items())
     for name, opts in (("wlb", {"cp_size": cp}), ("zep", {})):
-        given = simulate(plan_batch(batch, c, m, "zeppelin" if name == "zep" else "wlb_llm", **opts), c, m)
-        out[f"{name}_given"] = _facts(given)
+        plan = plan_batch(batch, c, m, "zeppelin" if name == "zep" else "wlb_llm", **opts)
+        out[f"{name}_given"] = _facts(simulate(plan, c, m))
+        if name == "zep" and climb:
+            climbed, kept = hill_climb(plan, c, m, climb)
+            out["zep_climbed"] = {"moves": climb, "kept": kept, "step_s": simulate(climbed, c, m).step_time_s}
         res = [simulate(plan_batch(d, c, m, "zeppelin" if name == "zep" else "wlb_llm", **opts), c, m)
                for _, d in steps]
         out[f"{name}_steps_s"] = [r.step_time_s for r in res]
@@ -95,16 +101,21 @@ def table(rows: list[dict], argv: list[str]) -> str:
              f"`OMP_NUM_THREADS=1 python bench/investigations/wlb_gap.py {' '.join(argv)}` (simulated, first batch "
              "of each configuration, seed 0, 16K tokens per GPU; wlb_llm at its tuned CP degree of paper.json)\n",
              "`delayed`: the weighted steps of wlb_llm's outlier delay (as `comparison.compare` prices wlb_llm), "
-             "planned by each; `as given`: the batch itself.\n",
+             "planned by each; `as given`: the batch itself; `hill-climbed`: zeppelin's plan of the batch after "
+             "random moves kept where the simulated step got shorter (`simulation.hill_climb`, its rings kept).\n",
+             "Zeppelin with `zeppelin/evened.py`; at 415a94c, before it, B llama-13b prolong as given ran 3.973 s "
+             "(the other five as here).\n",
              "| configuration | wlb cp | delay steps (weight/docs) | wlb delayed | wlb as given (best cp) | "
-             "zep as given | zep delayed | zep given / wlb delayed | zep delayed / wlb delayed | bound given | "
+             "zep as given | zep as given, hill-climbed | zep delayed | zep given / wlb delayed | zep delayed / wlb delayed | bound given | "
              "bound delayed |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         st = ", ".join(f"{s['weight']:.2f}/{s['docs']}" for s in r["delay_steps"])
         best_s, best_cp = r["wlb_given_best"]
+        z = r.get("zep_climbed")
+        hc = f"{z['step_s']:.3f} ({z['kept']} of {z['moves']} moves kept)" if z else "-"
         lines.append(f"| {r['config']} | {r['wlb_cp']} | {st} | {r['wlb_delayed_s']:.3f} | "
-                     f"{r['wlb_given']['step_s']:.3f} ({best_s:.3f} at cp {best_cp}) | {r['zep_given']['step_s']:.3f} | "
+                     f"{r['wlb_given']['step_s']:.3f} ({best_s:.3f} at cp {best_cp}) | {r['zep_given']['step_s']:.3f} | {hc} | "
                      f"{r['zep_delayed_s']:.3f} | {r['zep_given']['step_s'] / r['wlb_delayed_s']:.3f} | "
                      f"{r['zep_delayed_s'] / r['wlb_delayed_s']:.3f} | {r['bound_given_s']:.3f} | "
                      f"{r['bound_delayed_s']:.3f} |")
@@ -132,6 +143,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--main", type=int, nargs="*", default=None, help="main-grid positions (0-35)")
     ap.add_argument("--scale", type=int, nargs="*", default=None, help="scale-grid positions (0-19)")
+    ap.add_argument("--climb", type=int, default=0, help="also hill-climb zeppelin's plan of the batch as given "
+                    "under the simulator, this many random moves (`simulation.hill_climb`, as hill_climb.py)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--md", default=None)
     args = ap.parse_args(argv)
@@ -140,11 +153,11 @@ def main(argv=None) -> int:
     todo = [("grid", i) for i in args.main or []] + [("scale", i) for i in args.scale or []]
     rows = []
     for part, i in todo:
-        r = one(part, i)
+        r = one(part, i, args.climb)
         rows.append(r)
         print(f"{r['config']:34s} cp{r['wlb_cp']} wlb delayed {r['wlb_delayed_s']:.3f} given "
               f"{r['wlb_given']['step_s']:.3f} | zep given {r['zep_given']['step_s']:.3f} delayed "
-              f"{r['zep_delayed_s']:.3f} | wlb given best {r['wlb_given_best']} | bound given {r['bound_given_s']:.3f} "
+              f"{r['zep_delayed_s']:.3f} | climbed {r.get('zep_climbed')} | wlb given best {r['wlb_given_best']} | bound given {r['bound_given_s']:.3f} "
               f"delayed {r['bound_delayed_s']:.3f} | steps {[(round(s['weight'], 3), s['docs']) for s in r['delay_steps']]} "
               f"wlb {[round(x, 3) for x in r['wlb_steps_s']]} zep {[round(x, 3) for x in r['zep_steps_s']]}",
               flush=True)
