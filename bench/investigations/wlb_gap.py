@@ -151,6 +151,11 @@ def main(argv=None) -> int:
     if args.main is None and args.scale is None:
         args.main, args.scale = LOSING_MAIN, LOSING_SCALE
     todo = [("grid", i) for i in args.main or []] + [("scale", i) for i in args.scale or []]
+    for part, i in todo:
+        if not 0 <= i < len(main_grid() if part == "grid" else grid()):
+            ap.error(f"--{'main' if part == 'grid' else 'scale'} position {i} is not in the grid")
+    if args.climb < 0:
+        ap.error("--climb must be at least 0")
     rows = []
     for part, i in todo:
         r = one(part, i, args.climb)
