@@ -96,11 +96,14 @@ def test_a_batch_filling_98_percent_of_memory_is_balanced_on_attention_and_on_th
     # (Checked on the plan of level 1 balanced on the whole step; the search also plans
     # it balanced on the backward, `variants.backward_level`, and keeps that plan where it
     # prices shorter: of the other kind than the best plan's, not made, it ran 42.10 s
-    # against 43.86 s here, attention imbalance 1.40, compute 1.004.)
+    # against 43.86 s here, attention imbalance 1.40, compute 1.004; and its ranks evened
+    # in attention tokens, `evened`, which trades up to 1% of attention balance for memory:
+    # 43.78 s here.)
     cluster = specs.cluster("a800-4nic", num_nodes=4)
     lengths = _full_memory_batch(cluster, MODEL)
     chosen = ballonet.simulate(plan_batch(lengths, cluster, MODEL), cluster, MODEL).step_time_s
     monkeypatch.setattr(search, "backward_level", lambda level: None)
+    monkeypatch.setattr(search, "evened", lambda *args: None)
     plan = plan_batch(lengths, cluster, MODEL)
     m = plan_metrics(plan, cluster, MODEL)
     assert m["attention_imbalance"] <= 1.05 and m["compute_imbalance"] <= 1.02, m

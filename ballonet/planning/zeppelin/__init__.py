@@ -9,6 +9,8 @@ holds the measurements behind each rule and the variants tried and not kept).
     pcie_level.py      level 1 with no document split inside a PCIe-only node
     recomputed.py      level 1 priced under what each node's share recomputes (on one GPU
                        type beside the uniform level 1)
+    evened.py          the best plan, where it remaps, with its nodes' ranks evened in
+                       attention tokens (so in memory and recomputed layers)
     node_placement.py  step 2 (level 2): a node's documents onto its ranks
     refinement.py      step 3: split documents levelled over their members (water.py:
                        water-filling and the work of a split document)

@@ -6,7 +6,8 @@ remap, keeping the plan with the shortest estimated step (docs/design.md, sectio
 plans its variants: nodes priced under what their shares recompute (`recomputed.py`),
 heavy documents over two nodes (`variants.spread_level`) and, for the best plan, a level 1
 with no document split inside a PCIe-only node where it has a ring there (`pcie_level.py`)
-and one balanced on the backward (`variants.backward_level`). A double level 1 that sends the same
+and one balanced on the backward (`variants.backward_level`), and the best plan, where it
+remaps, with its nodes' ranks evened in attention tokens (`evened.py`). A double level 1 that sends the same
 documents to the same nodes reuses its single one's placements (`_same_nodes`). Every
 prune is a named predicate (`_level_too_slow`, `_level_enough`, `_costlier_mode_loses`,
 `_plan_looser`), every step that can fail returns None, and the one reason the search
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ballonet.cost.memory import BELOW, recompute_layer_count, recompute_mode
+from ballonet.cost.seconds import attention_work
 from ballonet.errors import InfeasiblePlan, InputError
 from ballonet.plan import Plan
 from ballonet.planning.assembly import Placement, over_cap
@@ -30,6 +32,7 @@ from ballonet.planning.routing import plan_routes
 from ballonet.planning.step_terms import dp_send_seconds, fixed_tail_seconds
 from ballonet.planning.zeppelin.candidates import Candidate, CandidateMaker, fallback, place
 from ballonet.planning.zeppelin.classes import NodeLevel, crossover_lengths, level_nodes
+from ballonet.planning.zeppelin.evened import evened
 from ballonet.planning.zeppelin.pcie_level import pcie_ring_inside, unsplit_level
 from ballonet.planning.zeppelin.recomputed import mixed, recomputed_levels
 from ballonet.planning.zeppelin.thresholds import THRESHOLDS
@@ -155,6 +158,10 @@ class CandidateSearch:
                 made = self._candidate(maker, b, best.plan.meta["keep_tokens"], {})  # as the best plan
                 if made is not None and made.seconds < (1 - THRESHOLDS.variant_margin) * best.seconds:
                     self._compare([made])
+        # The best plan, where it remaps, with its nodes' ranks evened in attention tokens (`evened`).
+        for best, maker, _, placed in [x for x in self.made if x[0] is self.best][:1]:
+            if not best.plan.meta["keep_tokens"] and (got := placed.get(False)) is not None:
+                self._compare(self._evened(best, maker, *got))
         if self.best is None:
             raise InfeasiblePlan(self.refusal)
         best = self.best
@@ -216,6 +223,13 @@ class CandidateSearch:
             return None
         placement, facts = got
         return maker.make(placement.copy(), facts, keep=keep, double=level.double)
+
+    def _evened(self, best: Candidate, maker: CandidateMaker, placement: Placement, facts: dict) -> list[Candidate]:
+        """`best`'s placement (`placement`, remapped) with its nodes' ranks evened in attention tokens."""
+        work = attention_work(maker.model, self.lengths, maker.dev.gpu[int(np.argmax(maker.dev.speed))])
+        even = evened(placement, self.lengths, work, maker.dev.nodes(), THRESHOLDS.even_tolerance)
+        made = maker.make(even, facts, keep=False, double=best.plan.meta["double"]) if even is not None else None
+        return [made] if made is not None else []
 
     def _fallback(self, maker: CandidateMaker) -> list[Candidate]:
         """A batch the greedy steps fit no way, cut in speed-proportional runs of tokens

@@ -42,6 +42,14 @@ class Thresholds:
     the best plan's: it shifts a few percent of the balance between attention and linear
     work, about what the estimate errs by between alike plans (at 0, C llama-3b shortmix's
     two alike plans priced 1.2489 and 1.2494 s ran 1.252 and 1.230 s: 1.8% longer)."""
+    even_tolerance: float = 0.01
+    """A remapping plan's ranks are evened in attention tokens (`evened.evened`) with no
+    rank's attention work over this much more than its node's busiest. On the main grid
+    (bench/investigations/scale_one.py --main) 0.01 shortens the five steps 0.005 and 0.02
+    shorten together (A llama-13b prolong 9.876 -> 9.841 s, B llama-13b prolong 3.973 ->
+    3.943, B llama-30b wlbllm 13.817 -> 13.785, B llama-30b shortmix 13.801 -> 13.760,
+    C llama-30b wlbllm 11.122 -> 11.090) and slows none; 0.005 gains less on three, 0.02
+    nothing on two (B llama-30b wlbllm, C llama-30b wlbllm); no scale-grid step changes."""
     work_rounds: int = 4
     """Fixed-point rounds for a document over a rank's fair share: more members, shorter
     blocks, lower kernel efficiency, more work (`classes.level_nodes`); the rounds settle
