@@ -99,9 +99,10 @@ def batch_lower_bound(lengths, cluster: ClusterSpec, model: ModelSpec, communica
 
     Memory is kept twice, and the larger bound is taken (each is valid, so is the larger):
     pooled, all GPUs' activation memory as one, both layouts' bytes counted
-    (`batch_recomputation`); and per group, each group's own memory holding the linear
-    layout's tokens whose work it runs (`_held_bound`). One group: the two are the same
-    memory, and the pooled bound counts more of it, so only the pooled one is taken.
+    (`batch_recomputation`); and per group, each group's own memory holding both layouts
+    of the tokens whose work it runs, a linear program (`_layout_bound`). One group: the
+    two are the same memory, and only the pooled one is taken (homogeneous clusters'
+    bounds as before the program).
 
     With `communication`, a third bound adds the compute every rank loses to its layers'
     data-parallel collectives running beside it (`overlap_bound`)."""
@@ -144,9 +145,7 @@ def bound_parts(lengths, cluster: ClusterSpec, model: ModelSpec, communication: 
     pooled = _least_max(np.array(costs), amounts, n, np.array(fixed), n * np.array(peaks))
     held = -np.inf
     if len(cluster.groups) > 1:
-        held = max(_held_bound(L, cluster, model, np.array(costs)[:, :-1], n, np.array(fixed), n * np.array(peaks),
-                               communication),
-                   _layout_bound(L, cluster, model, n, np.array(fixed), communication))
+        held = _layout_bound(L, cluster, model, n, np.array(fixed), communication)
     if communication:
         bucket = grad_allreduce_time(model, cluster) / model.num_layers
         pooled, held = pooled + bucket, held + bucket
@@ -245,94 +244,6 @@ def _dp_slowdown(model: ModelSpec, cluster: ClusterSpec, group: NodeGroup, floor
     return hardware.profile(group.gpu_type).overlap_slowdown * lost
 
 
-def _held_bound(L: np.ndarray, cluster: ClusterSpec, model: ModelSpec, attention: np.ndarray, gpus: np.ndarray,
-                fixed: np.ndarray, start: np.ndarray, communication: bool) -> float:
-    """`batch_lower_bound`'s compute with each group's own memory kept: a group's GPUs
-    hold at most their caps' worth of the tokens whose GEMMs and elementwise work they run
-    (the linear layout: a rank's activations there are `activation_bytes(model, tokens, 0,
-    mode)`, a part of what it holds), so a group given more tokens than it holds without
-    recomputation pays the cheapest recomputation that frees the room, priced per token as
-    `recompute.py` prices it. Relaxed: the group pools its GPUs' memory (each rank's
-    cheapest cost to hold its tokens is convex and scales with its cap, so the ranks' sum
-    is at least the pooled group's), layers and ranks mix modes freely (the convex hull of
-    the modes' (bytes, seconds) per token), full recomputation's attention rerun is left
-    out, and so are the attention layout's bytes (its tokens may sit on any group: the
-    remap sends any token to any rank). Kept: a rank holds no more than its cap
-    (`memory_cap`), and a token's GEMMs and elementwise work run where it sits in the
-    linear layout, at no better than that group's best efficiency. For each weighting w
-    of the groups (the dual of `_least_max`, the same search, `_dual_ascent`; any w gives a bound), the
-    documents' attention and the LM head go to the group of least weighted seconds and
-    the tokens where their weighted marginal seconds are least. -inf where not even full
-    recomputation holds the batch (no plan runs it)."""
-    T = float(L.sum())
-    num_dp = cluster.num_ranks // model.tp
-    modes = (model.recompute,) if model.recompute else RECOMPUTE_MODES
-    fixed_layers = model.recompute_layers if model.recompute else None
-    tail = head_flops_per_token(model) * (1 + LINEAR_BACKWARD_FACTOR)
-    segments = []  # per group: [(tokens, seconds per token)] of its lower convex hull
-    head = []
-    for g, k in zip(cluster.groups, gpus):
-        t, p = g.gpu_type, hardware.profile(g.gpu_type)
-        lin_eff, elt_eff = t.peak_flops * float(_best(p.linear, T)), p.memory_bw * float(_best(p.elementwise, T))
-        cap = k * max(0.0, memory_cap(model, t, num_dp))
-        points = [(0.0, 0.0)]
-        for mode in modes:
-            layers = recompute_layer_count(model, mode, fixed_layers)
-            per_token = (model.num_layers * (linear_flops_per_token(model) * (1 + LINEAR_BACKWARD_FACTOR)
-                                             + recompute_flops_per_token(model, mode, layers)) / lin_eff
-                         + model.num_layers * (elementwise_bytes_per_token(model) * (1 + ELEMENTWISE_BACKWARD_FACTOR)
-                                               + recompute_elementwise_bytes_per_token(model, mode, layers))
-                         * model.tp / elt_eff)
-            if communication:
-                per_token += 2 * model.tp * tp_seconds_per_token(model, g)
-            most = cap / float(activation_bytes(model, 1, 0, mode, fixed_layers))
-            points.append((most, most * per_token))
-        segments.append(_lower_hull(points))
-        head.append(tail / (t.peak_flops * float(_best(p.linear, T)))
-                    + loss_bytes_per_token(model) * (1 + ELEMENTWISE_BACKWARD_FACTOR) * model.tp / elt_eff)
-    if sum(s[-1][0] for s in segments) < T:
-        return -np.inf
-    costs = np.column_stack([attention, head])
-    amounts = np.append(np.ones(len(L)), T)
-    share = costs / gpus[:, None]
-    pieces = [(i, width, slope) for i, s in enumerate(segments) for width, slope in _slopes(s)]
-
-    def evaluate(w: np.ndarray) -> tuple[float, np.ndarray]:
-        value, busy = _cheapest_split(w, share, amounts, fixed)
-        left = T  # the tokens, to the hull segments of least weighted seconds a token first
-        for weighted_slope, i, width, slope in sorted((w[i] * slope / gpus[i], i, width, slope)
-                                                      for i, width, slope in pieces):
-            took = min(width, left)
-            value += weighted_slope * took
-            busy[i] += slope * took / gpus[i]
-            left -= took
-            if left <= 0:
-                break
-        return value, busy
-
-    return _dual_ascent(evaluate, start)
-
-
-def _lower_hull(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """The lower convex hull of `points` (tokens, seconds), from (0, 0) to the most tokens."""
-    hull: list[tuple[float, float]] = []
-    for x, y in sorted(points):
-        while len(hull) >= 2 and ((hull[-1][0] - hull[-2][0]) * (y - hull[-2][1])
-                                  <= (hull[-1][1] - hull[-2][1]) * (x - hull[-2][0])):
-            hull.pop()
-        if hull and x == hull[-1][0]:
-            if y < hull[-1][1]:
-                hull[-1] = (x, y)
-            continue
-        hull.append((x, y))
-    return hull
-
-
-def _slopes(hull: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """[(tokens, seconds per token)] of each segment of a lower hull."""
-    return [(x1 - x0, (y1 - y0) / (x1 - x0)) for (x0, y0), (x1, y1) in zip(hull, hull[1:])]
-
-
 def _least_max(costs: np.ndarray, amounts: np.ndarray, gpus: np.ndarray, fixed: np.ndarray,
                start: np.ndarray) -> float:
     """A lower bound on the least, over every split of `amounts` [K] of K kinds of work
@@ -396,45 +307,50 @@ TANGENTS = (0.0, 0.5, 0.75, 0.9, 0.97, 0.995)
 def _layout_bound(L: np.ndarray, cluster: ClusterSpec, model: ModelSpec, gpus: np.ndarray, fixed: np.ndarray,
                   communication: bool, nic: bool = True, lm_head: bool = True) -> float:
     """`batch_lower_bound`'s compute with each group's own memory holding both layouts,
-    a linear program (`scipy.optimize.linprog`, HiGHS): least S such that, per group g,
+    a linear program (`scipy.optimize.linprog`, HiGHS): the least S such that, per group,
     its GPUs' mean busy seconds (`fixed` plus the attention, GEMM, elementwise, TP and
     LM-head work given to it, over its GPUs) is at most S, and so are the seconds its NIC
     links need for the remap across groups.
 
     Kept (what every plan the simulator runs obeys): a rank holds its linear-layout
-    tokens and the tokens whose queries it attends (the attention layout: q, k, v, o kept
-    for the backward where the attention kernels run them) within its cap,
+    tokens and the tokens whose queries it attends (the attention layout: q, k, v and o
+    kept for the backward where the attention kernels run) within its cap,
     `activation_bytes(model, lin, att, mode, layers)` <= `memory_cap`, linear in the two
-    counts for a mode and in its layers (a rank's layers split between a mode and the one
-    below are a convex mix); a token's GEMMs, elementwise work and recomputation run where
-    its linear layout sits, at no better than that group's best efficiency (as
-    `_held_bound` prices them); a group that runs a share w of a causal document's
-    attention holds at least 1 - sqrt(1 - w) of its tokens (the most work f of the
-    queries can have is that of the last f, 2f - f^2 of it, less with the diagonal);
-    full recomputation reruns every rank's attention (the simulator's layer graph reruns
-    every attention kernel when any rank recomputes fully), so the program is solved
-    twice, once without full recomputation and once with every document's attention
-    rerun, and the smaller optimum is the bound; a token whose layouts sit on two groups
-    (two nodes) is remapped each layer, q, k, v one way and o the other in each pass
-    (`remap_bytes`), which the simulator sends over both ends' NICs and which nothing else
-    shortens: on each side it holds the rank's NIC links for at least its bytes over the
-    NIC bandwidth (`Fabric.path`, at the best `nic_efficiency` of the cluster's types),
-    links shared, so the group's NIC links together are busy at least that, within the
-    step. The remap's seconds are not charged to compute: the simulator runs them on the
-    NICs only (a rank's linear layers wait for them, but other ranks' work may fill it).
-    Without `nic` (or `communication`) that constraint is left out, and the optimum
-    bounds the busiest rank's compute; without `lm_head` the LM head and loss are left out
-    (`overlap_bound` adds them apart).
+    counts for a mode and in its layers (layers split between a mode and the one below
+    are a convex mix); a token's GEMMs, elementwise work and recomputation run where its
+    linear layout sits, at no better than that group's best efficiency, priced per mode as
+    `recompute.py` prices them; a group that runs a share w of a causal document's
+    attention holds at least 1 - sqrt(1 - w) of its tokens (the most work a share f of
+    the queries has is that of the last f, 2f - f^2 of it, less with the diagonal); full
+    recomputation reruns every rank's attention (the simulator's layer graph reruns every
+    attention kernel once any rank recomputes fully), so the program is solved twice,
+    without full recomputation and with it and every document's attention rerun, and the
+    smaller optimum is taken; a token whose layouts sit on two groups (two nodes) is
+    remapped each layer, q, k, v one way and o the other in each pass (`remap_bytes`),
+    over both ends' NICs: each transfer holds the rank's NIC links at least its bytes over
+    the NIC bandwidth (`Fabric.path`, at the best `nic_efficiency` of the cluster's
+    types), shared links serve one transfer's worth at a time, so a group's NIC links
+    are busy at least that within the step. That is all the remap is charged: the
+    simulator runs it on the NICs, not on a compute stream (a rank's linear layers wait
+    for its data, but charging the wait would need each rank's own order of kernels and
+    transfers, which a group's pooled seconds do not keep). Without `nic` (or
+    `communication`) the NICs are left out and the optimum bounds the busiest rank's
+    compute (`overlap_bound`); without `lm_head` so are the LM head and loss.
 
     Relaxed (each makes the bound lower): a group pools its GPUs' memory and compute
-    (the mean is at most the busiest), modes and layers mix freely and independently for
-    the two layouts, 1 - sqrt(1 - w) is cut by tangents below it (`TANGENTS`), crossing
-    tokens are at least the difference of a group's two layouts' counts, the LM head and
-    loss go anywhere, attention of a document at its best efficiency at its length,
-    latencies and the data-parallel collectives' NIC traffic left out. The optimum is
-    lowered by 1e-6 of itself for the solver's tolerances. -inf where neither program is
-    feasible (no plan holds the batch); the tensor-parallel case counts ranks of tp GPUs
-    each holding its tokens' 1/tp (`activation_bytes` is per GPU)."""
+    (the mean is at most the busiest), modes and layers mix freely and apart for the two
+    layouts, 1 - sqrt(1 - w) is cut by its tangents (`TANGENTS`), the crossing tokens
+    are at least the difference of a group's two layouts' counts, the LM head and loss go
+    anywhere, a document's attention at its best efficiency at its length, latencies and
+    the data-parallel collectives' NIC bytes left out; the optimum is lowered by 1e-6 of
+    itself for the solver's tolerances. It keeps every constraint of the bound it
+    replaced (each group's linear layout within its memory, attention anywhere, solved
+    by dual ascent), so it is not lower than that one (2.5-10% higher on the mixed
+    presets' batches and small-memory groups). Assumed, as there: no rank holds more
+    than its cap under full recomputation (the simulator would run such a plan;
+    `bench/hetero.py` checks every planner against the bound). -inf where neither program is feasible (no plan holds
+    the batch). With tensor parallelism a rank is tp GPUs, each holding `activation_bytes`
+    of its tokens."""
     from scipy.optimize import linprog
     from scipy.sparse import coo_matrix
 
