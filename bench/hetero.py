@@ -146,7 +146,9 @@ def _gap_lines(runs: list[dict], gap: dict | None) -> list[str]:
         f"with {rows[0]['ample_memory']}x each GPU's memory (nothing recomputed) zeppelin is at "
         + ", ".join(f"{g['ample_to_bound']:.3f}x" for g in rows) + " of that cluster's bound. An H800 runs most "
         "of the GEMMs, so it holds three to six times an H20's tokens in its 80 GB and recomputes linear or full "
-        "layers, where the bound's pooled memory recomputes selectively on a few. Not on `a800+l40s`: there "
+        "layers (fully on every rank once one rank needs it), where the bound, each group's memory its own "
+        "holding both layouts, mixes recomputation modes freely over a group's pooled memory and layers. "
+        "Not on `a800+l40s`: there "
         "more memory leaves zeppelin about as far off or farther (its bound falls as much as its step or more); the distance is exposed "
         "communication (the gradient all-reduce's intra-node part over PCIe at 25 GB/s on L40S nodes, the "
         "inference nodes' few NICs) and batches such as "
@@ -175,8 +177,10 @@ def _gap_lines(runs: list[dict], gap: dict | None) -> list[str]:
         "every rank recomputes fully on every layer or none does; full recomputation replaced by linear on every "
         "layer of every rank (memory ignored: more than full recomputation on some layers and linear on the others could buy) brings the plans to "
         + ", ".join(f"{g['linear_for_full_to_bound']:.3f}x" for g in rows) + ".",
-        f"- So 1.15x was reached on {_within(rows)}: what is left is memory the bound pools but a plan cannot reach without "
-        "traffic that costs more than it saves, exposed communication over the inference nodes' links, and the "
+        f"- So 1.15x was reached on {_within(rows)}: what is left is how plans recompute within each GPU's own memory "
+        "(whole modes per rank, full recomputation everywhere once one rank needs it), memory the bound lets a plan "
+        "reach through a remap across groups that costs more than it saves (charged only its NIC time, about 1% of "
+        "the bound, docs/design.md section 3), exposed communication over the inference nodes' links, and the "
         "placement and kernels' own distance, which the same planner also has on homogeneous clusters "
         "(`bench/results/paper.md`, column step/bound)."]
 
