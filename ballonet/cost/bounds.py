@@ -3,6 +3,7 @@ planner (`SimResult.lower_bound_s`)."""
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -52,9 +53,8 @@ if TYPE_CHECKING:
 def _best(curve, upto) -> np.ndarray:
     """The best efficiency of `curve` at any token count up to each of `upto`."""
     x = np.asarray(upto, dtype=float)
-    knots = np.asarray(curve.tokens)
-    eff = np.asarray(curve.efficiency)
-    best_knot = np.array([eff[knots <= v].max(initial=0.0) for v in np.ravel(x)]).reshape(x.shape)
+    last = np.searchsorted(np.asarray(curve.tokens), x, side="right") - 1  # the last knot at or below (increasing)
+    best_knot = np.where(last >= 0, np.maximum.accumulate(np.asarray(curve.efficiency))[np.maximum(last, 0)], 0.0)
     return np.maximum(best_knot, curve.at(x))
 
 
@@ -105,7 +105,17 @@ def batch_lower_bound(lengths, cluster: ClusterSpec, model: ModelSpec, communica
     bounds as before the program).
 
     With `communication`, a third bound adds the compute every rank loses to its layers'
-    data-parallel collectives running beside it (`overlap_bound`)."""
+    data-parallel collectives running beside it (`overlap_bound`). Kept for the last few
+    batches where built-in profiles price every group (they never change): the simulator
+    asks it once per plan, and a mixed cluster's is a few linear programs."""
+    key = (tuple(np.asarray(lengths).tolist()), cluster, model, communication)
+    if any(hardware.calibrated(g.gpu_type) for g in cluster.groups):
+        return _batch_lower_bound.__wrapped__(*key)
+    return _batch_lower_bound(*key)
+
+
+@functools.lru_cache(maxsize=16)
+def _batch_lower_bound(lengths: tuple, cluster: ClusterSpec, model: ModelSpec, communication: bool) -> float:
     pooled, held = bound_parts(lengths, cluster, model, communication)
     if communication:
         return max(pooled, held, overlap_bound(lengths, cluster, model))
