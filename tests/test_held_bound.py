@@ -1,0 +1,42 @@
+"""The per-group bound with both layouts in each group's memory (`bounds._layout_bound`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ballonet import specs
+from ballonet.cost import bounds, hardware
+from ballonet.cost.flops import (
+    ELEMENTWISE_BACKWARD_FACTOR,
+    LINEAR_BACKWARD_FACTOR,
+    head_flops_per_token,
+    loss_bytes_per_token,
+)
+from ballonet.cost.seconds import optimizer_time
+from ballonet.specs import ClusterSpec, NodeGroup
+
+
+def test_a_group_without_room_runs_no_attention():
+    """An H100 beside one with no room for activations (1 GB: its weights alone do not
+    fit): no plan puts a token of either layout there, so it can run no attention (a
+    group running a share w of a document holds at least w/2 of its tokens) and the
+    bound is the roomy H100 running the whole batch alone, its single-GPU bound (a few
+    short documents: nothing recomputed). The bound that leaves the attention layout out
+    lets the cramped GPU take attention for free and stays below it."""
+    m = specs.model("llama-3b")
+    roomy = NodeGroup(gpu="h100", gpus_per_node=1)
+    both = ClusterSpec(name="roomy+none", groups=(roomy, NodeGroup(gpu="h100", gpus_per_node=1, memory_gb=1)))
+    alone = ClusterSpec(name="roomy", groups=(roomy,))
+    lengths = [2048, 1024, 512, 512]
+    assert bounds.batch_recomputation(lengths, alone, m)[1] == 0  # the batch fits without recomputation
+    # Beside a second data-parallel rank its optimizer shard is half the model's, and the
+    # bound lets the LM head and loss run anywhere: on the cramped GPU, which has nothing else.
+    h100, p, T = roomy.gpu_type, hardware.profile(roomy.gpu_type), sum(lengths)
+    head = T * (head_flops_per_token(m) * (1 + LINEAR_BACKWARD_FACTOR) / (h100.peak_flops * p.linear.at(T))
+                + loss_bytes_per_token(m) * (1 + ELEMENTWISE_BACKWARD_FACTOR) / (p.memory_bw * p.elementwise.at(T)))
+    expected = bounds.bound_parts(lengths, alone, m, communication=False)[0] \
+        - optimizer_time(m, h100, 1) + optimizer_time(m, h100, 2) - head
+    pooled, held = bounds.bound_parts(lengths, both, m, communication=False)
+    assert held == pytest.approx(expected, rel=1e-5)
+    assert held <= expected
+    assert pooled < expected * 0.9  # pooled: the two GPUs' compute, the attention split
