@@ -16,10 +16,8 @@ from ballonet.cost.flops import (
     attention_flops,
     elementwise_bytes_per_token,
     head_flops_per_token,
-    hidden_bytes,
     linear_flops_per_token,
     loss_bytes_per_token,
-    remap_bytes,
 )
 from ballonet.cost.memory import (
     BELOW,
@@ -42,20 +40,14 @@ from ballonet.cost.seconds import (
     framework_time,
     grad_allreduce_time,
     optimizer_time,
+    best_efficiency,
     p2p_time,
 )
-from ballonet.cost.tensor_parallel import tp_layer_seconds
+from ballonet.cost.layout_bound import layout_bound
+from ballonet.cost.tensor_parallel import tp_layer_seconds, tp_seconds_per_token
 
 if TYPE_CHECKING:
     from ballonet.specs import ClusterSpec, ModelSpec, NodeGroup
-
-
-def _best(curve, upto) -> np.ndarray:
-    """The best efficiency of `curve` at any token count up to each of `upto`."""
-    x = np.asarray(upto, dtype=float)
-    last = np.searchsorted(np.asarray(curve.tokens), x, side="right") - 1  # the last knot at or below (increasing)
-    best_knot = np.where(last >= 0, np.maximum.accumulate(np.asarray(curve.efficiency))[np.maximum(last, 0)], 0.0)
-    return np.maximum(best_knot, curve.at(x))
 
 
 def batch_recomputation(lengths, cluster: ClusterSpec, model: ModelSpec) -> tuple[str, float]:
@@ -100,7 +92,7 @@ def batch_lower_bound(lengths, cluster: ClusterSpec, model: ModelSpec, communica
     Memory is kept twice, and the larger bound is taken (each is valid, so is the larger):
     pooled, all GPUs' activation memory as one, both layouts' bytes counted
     (`batch_recomputation`); and per group, each group's own memory holding both layouts
-    of the tokens whose work it runs, a linear program (`_layout_bound`). One group: the
+    of the tokens whose work it runs, a linear program (`layout_bound`). One group: the
     two are the same memory, and only the pooled one is taken (homogeneous clusters'
     bounds as before the program).
 
@@ -139,11 +131,11 @@ def bound_parts(lengths, cluster: ClusterSpec, model: ModelSpec, communication: 
     costs, gpus, fixed, peaks = [], [], [], []
     for g in cluster.groups:
         t, p = g.gpu_type, hardware.profile(g.gpu_type)
-        fwd, bwd = _best(p.attention_forward, L), _best(p.attention_backward, L)
+        fwd, bwd = best_efficiency(p.attention_forward, L), best_efficiency(p.attention_backward, L)
         per_doc = model.num_layers * (att / fwd + ATTENTION_BACKWARD_FACTOR * att / bwd
                                       + (att / fwd if recompute_attention(mode) else 0)) / t.peak_flops
-        per_token = (lin_flops / (t.peak_flops * float(_best(p.linear, T)))
-                     + elt_bytes * model.tp / (p.memory_bw * float(_best(p.elementwise, T))))  # bytes per GPU: all of a TP group
+        per_token = (lin_flops / (t.peak_flops * float(best_efficiency(p.linear, T)))
+                     + elt_bytes * model.tp / (p.memory_bw * float(best_efficiency(p.elementwise, T))))  # bytes per GPU: all of a TP group
         if communication:
             per_token += 2 * model.tp * tp_seconds_per_token(model, g)
         costs.append(np.append(per_doc, per_token))  # GPU-seconds per whole document, per token
@@ -155,7 +147,7 @@ def bound_parts(lengths, cluster: ClusterSpec, model: ModelSpec, communication: 
     pooled = _least_max(np.array(costs), amounts, n, np.array(fixed), n * np.array(peaks))
     held = -np.inf
     if len(cluster.groups) > 1:
-        held = _layout_bound(L, cluster, model, n, np.array(fixed), communication)
+        held = layout_bound(L, cluster, model, n, np.array(fixed), communication)
     if communication:
         bucket = grad_allreduce_time(model, cluster) / model.num_layers
         pooled, held = pooled + bucket, held + bucket
@@ -208,8 +200,8 @@ def overlap_bound(lengths, cluster: ClusterSpec, model: ModelSpec) -> float:
     stream, head, gpus, framework, peaks, optimizer, tp_most = [], [], [], [], [], [], 0.0
     for g in cluster.groups:
         t, p = g.gpu_type, hardware.profile(g.gpu_type)
-        lin_eff, elt_eff = t.peak_flops * float(_best(p.linear, T)), p.memory_bw * float(_best(p.elementwise, T))
-        fwd, bwd = _best(p.attention_forward, L), _best(p.attention_backward, L)
+        lin_eff, elt_eff = t.peak_flops * float(best_efficiency(p.linear, T)), p.memory_bw * float(best_efficiency(p.elementwise, T))
+        fwd, bwd = best_efficiency(p.attention_forward, L), best_efficiency(p.attention_backward, L)
         per_doc = model.num_layers * (att / fwd + ATTENTION_BACKWARD_FACTOR * att / bwd
                                       + (att / fwd if recompute_attention(mode) else 0)) / t.peak_flops
         per_token = (layer_flops / lin_eff + layer_bytes * model.tp / elt_eff
@@ -227,8 +219,8 @@ def overlap_bound(lengths, cluster: ClusterSpec, model: ModelSpec) -> float:
     n, start = np.array(gpus, dtype=float), np.array(gpus, dtype=float) * np.array(peaks)
     layers_s = _least_max(np.array(stream), np.append(np.ones(len(L)), T), n, np.array(framework), start)
     head_s = _least_max(np.array(head), np.array([T]), n, np.zeros(len(n)), start)
-    if len(cluster.groups) > 1:  # each group's own memory, both layouts (`_layout_bound`, its compute alone)
-        layers_s = max(layers_s, _layout_bound(L, cluster, model, n, np.array(framework), True, nic=False,
+    if len(cluster.groups) > 1:  # each group's own memory, both layouts (`layout_bound`, its compute alone)
+        layers_s = max(layers_s, layout_bound(L, cluster, model, n, np.array(framework), True, nic=False,
                                                lm_head=False))
     kernels = max(0.0, layers_s / model.num_layers - tp_most)
     floors = (FORWARD_SHARE_MIN * kernels, BACKWARD_SHARE_MIN * kernels)
@@ -297,178 +289,3 @@ def _dual_ascent(evaluate, start: np.ndarray, steps: int = 200) -> float:
         w = w * np.exp(1.0 / np.sqrt(step + 1) * (busy / busy.max() - 1))
         w = w / w.sum()
     return best
-
-
-def tp_seconds_per_token(model: ModelSpec, group: NodeGroup) -> float:
-    """Seconds of tensor-parallel collectives per token on each GPU of a TP group, per
-    pass of all layers (two all-gathers and two reduce-scatters of its hidden states a
-    layer, sequence parallelism), latency aside: what `collective_time` charges a byte."""
-    if model.tp <= 1:
-        return 0.0
-    p = hardware.profile(group.gpu_type)
-    per_token = hidden_bytes(model, 1) * (model.tp - 1) / model.tp / group.intra_bw
-    return model.num_layers * 2 * sum(per_token / p.collective_efficiency[op] for op in ("all_gather", "reduce_scatter"))
-
-
-TANGENTS = (0.0, 0.5, 0.75, 0.9, 0.97, 0.995)
-"""Attention shares w at which `_layout_bound` cuts 1 - sqrt(1 - w) by its tangent."""
-
-
-def _layout_bound(L: np.ndarray, cluster: ClusterSpec, model: ModelSpec, gpus: np.ndarray, fixed: np.ndarray,
-                  communication: bool, nic: bool = True, lm_head: bool = True) -> float:
-    """`batch_lower_bound`'s compute with each group's own memory holding both layouts,
-    a linear program (`scipy.optimize.linprog`, HiGHS): the least S such that, per group,
-    its GPUs' mean busy seconds (`fixed` plus the attention, GEMM, elementwise, TP and
-    LM-head work given to it, over its GPUs) is at most S, and so are the seconds its NIC
-    links need for the remap across groups.
-
-    Kept (what every plan the simulator runs obeys): a rank holds its linear-layout
-    tokens and the tokens whose queries it attends (the attention layout: q, k, v and o
-    kept for the backward where the attention kernels run) within its cap,
-    `activation_bytes(model, lin, att, mode, layers)` <= `memory_cap`, linear in the two
-    counts for a mode and in its layers (layers split between a mode and the one below
-    are a convex mix); a token's GEMMs, elementwise work and recomputation run where its
-    linear layout sits, at no better than that group's best efficiency, priced per mode as
-    `recompute.py` prices them; a group that runs a share w of a causal document's
-    attention holds at least 1 - sqrt(1 - w) of its tokens (the most work a share f of
-    the queries has is that of the last f, 2f - f^2 of it, less with the diagonal); full
-    recomputation reruns every rank's attention (the simulator's layer graph reruns every
-    attention kernel once any rank recomputes fully), so the program is solved twice,
-    without full recomputation and with it and every document's attention rerun, and the
-    smaller optimum is taken; a token whose layouts sit on two groups (two nodes) is
-    remapped each layer, q, k, v one way and o the other in each pass (`remap_bytes`),
-    over both ends' NICs: each transfer holds the rank's NIC links at least its bytes over
-    the NIC bandwidth (`Fabric.path`, at the best `nic_efficiency` of the cluster's
-    types), shared links serve one transfer's worth at a time, so a group's NIC links
-    are busy at least that within the step. That is all the remap is charged: the
-    simulator runs it on the NICs, not on a compute stream (a rank's linear layers wait
-    for its data, but charging the wait would need each rank's own order of kernels and
-    transfers, which a group's pooled seconds do not keep). Without `nic` (or
-    `communication`) the NICs are left out and the optimum bounds the busiest rank's
-    compute (`overlap_bound`); without `lm_head` so are the LM head and loss.
-
-    Relaxed (each makes the bound lower): a group pools its GPUs' memory and compute
-    (the mean is at most the busiest), modes and layers mix freely and apart for the two
-    layouts, 1 - sqrt(1 - w) is cut by its tangents (`TANGENTS`), the crossing tokens
-    are at least the difference of a group's two layouts' counts, the LM head and loss go
-    anywhere, a document's attention at its best efficiency at its length, latencies and
-    the data-parallel collectives' NIC bytes left out; the optimum is lowered by 1e-6 of
-    itself for the solver's tolerances. It keeps every constraint of the bound it
-    replaced (each group's linear layout within its memory, attention anywhere, solved
-    by dual ascent), so it is not lower than that one (2.5-10% higher on the mixed
-    presets' batches and small-memory groups). Assumed, as there: no rank holds more
-    than its cap under full recomputation (the simulator would run such a plan;
-    `bench/hetero.py` checks every planner against the bound). -inf where neither program is feasible (no plan holds
-    the batch). With tensor parallelism a rank is tp GPUs, each holding `activation_bytes`
-    of its tokens."""
-    from scipy.optimize import linprog
-    from scipy.sparse import coo_matrix
-
-    T = float(L.sum())
-    num_dp = cluster.num_ranks // model.tp
-    fixed_layers = model.recompute_layers if model.recompute else None
-    modes = (model.recompute,) if model.recompute else RECOMPUTE_MODES
-    att = attention_flops(model, L)
-    nic_eff = max(hardware.profile(g.gpu_type).nic_efficiency for g in cluster.groups)
-    cross_bytes = 2 * model.num_layers * model.tp * (remap_bytes(model, 1, True) + remap_bytes(model, 1, False))
-    per_doc, rerun, lin_s, head, caps, nic_s = [], [], [], [], [], []
-    for g, n in zip(cluster.groups, gpus):
-        t, p = g.gpu_type, hardware.profile(g.gpu_type)
-        lin_eff, elt_eff = t.peak_flops * float(_best(p.linear, T)), p.memory_bw * float(_best(p.elementwise, T))
-        fwd, bwd = _best(p.attention_forward, L), _best(p.attention_backward, L)
-        per_doc.append(model.num_layers * (att / fwd + ATTENTION_BACKWARD_FACTOR * att / bwd) / t.peak_flops / n)
-        rerun.append(model.num_layers * att / fwd / t.peak_flops / n)
-        row = []
-        for mode in modes:
-            layers = recompute_layer_count(model, mode, fixed_layers)
-            s = (model.num_layers * (linear_flops_per_token(model) * (1 + LINEAR_BACKWARD_FACTOR)
-                                     + recompute_flops_per_token(model, mode, layers)) / lin_eff
-                 + model.num_layers * (elementwise_bytes_per_token(model) * (1 + ELEMENTWISE_BACKWARD_FACTOR)
-                                       + recompute_elementwise_bytes_per_token(model, mode, layers))
-                 * model.tp / elt_eff)
-            if communication:
-                s += 2 * model.tp * tp_seconds_per_token(model, g)
-            row.append(s / n)
-        lin_s.append(row)
-        head.append((head_flops_per_token(model) * (1 + LINEAR_BACKWARD_FACTOR) / lin_eff
-                     + loss_bytes_per_token(model) * (1 + ELEMENTWISE_BACKWARD_FACTOR) * model.tp / elt_eff) / n
-                    if lm_head else 0.0)
-        caps.append(n / model.tp * max(0.0, memory_cap(model, t, num_dp)))
-        links = g.num_nodes * (g.gpus_per_node // g.gpus_per_nic)
-        nic_s.append(cross_bytes / (g.nic_bw * nic_eff) / links if communication and nic else 0.0)
-    best = np.inf
-    for full in ({False, True} if "full" in modes else {False}):
-        ms = [i for i, m in enumerate(modes) if full or m != "full"]
-        if not ms:
-            continue
-        value = _layout_program(L, T, modes, ms, full, np.array(per_doc) + (np.array(rerun) if full else 0),
-                                np.array(lin_s), np.array(head), np.array(caps), np.array(nic_s), fixed,
-                                model, fixed_layers, linprog, coo_matrix)
-        best = min(best, value)
-    return best * (1 - 1e-6) if np.isfinite(best) else -np.inf
-
-
-def _layout_program(L, T, modes, ms, full, per_doc, lin_s, head, caps, nic_s, fixed, model, fixed_layers,
-                    linprog, coo_matrix) -> float:
-    """`_layout_bound`'s program for the modes `ms` (indices into `modes`): its optimum S,
-    +inf where infeasible. Variables: S; per group and document the attention share a and
-    the share of the document's tokens held on the attention layout y; per group and mode
-    the batch's shares X (linear layout) and V (attention layout); per group the LM
-    head's share and the share of tokens crossing between its layouts."""
-    G, D, M = len(caps), len(L), len(ms)
-    al = np.array([float(activation_bytes(model, 1, 0, modes[i], fixed_layers)) for i in ms])
-    aa = np.array([float(activation_bytes(model, 0, 1, modes[i], fixed_layers)) for i in ms])
-    off = {"a": 1, "y": 1 + G * D, "X": 1 + 2 * G * D, "V": 1 + 2 * G * D + G * M}
-    off["H"] = off["V"] + G * M
-    off["C"] = off["H"] + G
-    nvar = off["C"] + G
-    rows, cols, vals, rhs = [], [], [], []
-    r = 0
-
-    def add(entries, bound):
-        nonlocal r
-        for c, v in entries:
-            rows.append(r)
-            cols.append(c)
-            vals.append(v)
-        rhs.append(bound)
-        r += 1
-
-    share = L / T
-    for g in range(G):
-        a_g, y_g, X_g, V_g = (off[k] + g * (D if k in "ay" else M) for k in ("a", "y", "X", "V"))
-        add([(0, -1.0)] + [(a_g + d, per_doc[g, d]) for d in range(D)]
-            + [(X_g + j, T * lin_s[g, ms[j]]) for j in range(M)] + [(off["H"] + g, T * head[g])], -fixed[g])
-        scale = caps[g] if caps[g] > 0 else 1.0
-        add([(X_g + j, T * al[j] / scale) for j in range(M)] + [(V_g + j, T * aa[j] / scale) for j in range(M)],
-            caps[g] / scale)
-        cross = [(X_g + j, 1.0) for j in range(M)] + [(y_g + d, -share[d]) for d in range(D)]
-        add(cross + [(off["C"] + g, -1.0)], 0.0)
-        add([(c, -v) for c, v in cross] + [(off["C"] + g, -1.0)], 0.0)
-        add([(0, -1.0), (off["C"] + g, T * nic_s[g])], 0.0)
-        for w0 in TANGENTS:
-            root = np.sqrt(1 - w0)
-            slope, at = 1 / (2 * root), 1 - root
-            for d in range(D):
-                add([(a_g + d, slope), (y_g + d, -1.0)], slope * w0 - at)
-    A_ub = coo_matrix((vals, (rows, cols)), shape=(r, nvar)).tocsr()
-    b_ub = np.array(rhs)
-    rows, cols, vals, rhs = [], [], [], []
-    r = 0
-    for d in range(D):
-        add([(off["a"] + g * D + d, 1.0) for g in range(G)], 1.0)
-        add([(off["y"] + g * D + d, 1.0) for g in range(G)], 1.0)
-    add([(off["X"] + i, 1.0) for i in range(G * M)], 1.0)
-    add([(off["H"] + g, 1.0) for g in range(G)], 1.0)
-    for g in range(G):
-        add([(off["V"] + g * M + j, 1.0) for j in range(M)] + [(off["y"] + g * D + d, -share[d]) for d in range(D)],
-            0.0)
-    A_eq = coo_matrix((vals, (rows, cols)), shape=(r, nvar)).tocsr()
-    c = np.zeros(nvar)
-    c[0] = 1.0
-    res = linprog(c, A_ub=A_ub, b_ub=b_ub, A_eq=A_eq, b_eq=np.array(rhs), bounds=(0, None), method="highs")
-    if res.status == 2:
-        return np.inf
-    if res.status != 0:
-        raise RuntimeError(f"the bound's linear program failed: {res.message}")
-    return float(res.fun)

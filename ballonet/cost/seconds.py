@@ -294,3 +294,12 @@ def sequence_cost(model: ModelSpec, group: NodeGroup, length: int) -> SequenceCo
             "inter": breakeven_chunk_tokens(model, gpu, group.nic_bw / group.gpus_per_nic, nic=True),
         },
     )
+
+
+def best_efficiency(curve, upto) -> np.ndarray:
+    """The best efficiency of `curve` (a calibrated curve of tokens) at any token count up to
+    each of `upto`: what any split or packing of that much work could reach (the batch bound's)."""
+    x = np.asarray(upto, dtype=float)
+    last = np.searchsorted(np.asarray(curve.tokens), x, side="right") - 1  # the last knot at or below (increasing)
+    best_knot = np.where(last >= 0, np.maximum.accumulate(np.asarray(curve.efficiency))[np.maximum(last, 0)], 0.0)
+    return np.maximum(best_knot, curve.at(x))

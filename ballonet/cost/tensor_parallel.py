@@ -14,7 +14,7 @@ from ballonet.cost.memory import layer_mean
 from ballonet.cost.seconds import bus_bytes, collective_time
 
 if TYPE_CHECKING:
-    from ballonet.specs import ModelSpec
+    from ballonet.specs import ModelSpec, NodeGroup
 
 TP_RERUN = {"none": (0, 0), "selective": (1, 0), "linear": (2, 1), "full": (2, 1)}
 """(all-gathers, reduce-scatters) of the hidden states a layer's backward runs again under
@@ -76,3 +76,14 @@ def tp_sent_bytes(model: ModelSpec, tokens: int, mode: str = "none",
     for phase, op, nbytes in tp_step_collectives(model, tokens):
         out[phase][op] = out[phase].get(op, 0.0) + bus_bytes(op, nbytes, n)
     return out
+
+
+def tp_seconds_per_token(model: ModelSpec, group: NodeGroup) -> float:
+    """Seconds of tensor-parallel collectives per token on each GPU of a TP group, per
+    pass of all layers (two all-gathers and two reduce-scatters of its hidden states a
+    layer, sequence parallelism), latency aside: what `collective_time` charges a byte."""
+    if model.tp <= 1:
+        return 0.0
+    p = hardware.profile(group.gpu_type)
+    per_token = hidden_bytes(model, 1) * (model.tp - 1) / model.tp / group.intra_bw
+    return model.num_layers * 2 * sum(per_token / p.collective_efficiency[op] for op in ("all_gather", "reduce_scatter"))
