@@ -618,3 +618,16 @@ def test_the_estimate_sees_ranks_taking_turns_at_the_slowest_phase():
     assert estimate > 1.01 and simulated > 1.01 and estimate == pytest.approx(simulated, abs=0.005)
     estimate, simulated = ratios(hand([[8192, 8192], [8192, 8192]]))
     assert estimate == pytest.approx(1.0, abs=1e-12) and simulated == pytest.approx(1.0, abs=1e-9)
+
+
+def test_level1_node_loads_keep_fractional_shares_where_no_node_holds_a_whole_document():
+    """A 400K-token document over both nodes and nothing else: each node's load is its
+    share of the document's work, not that share cut to a whole number."""
+    from ballonet.planning.devices import devices
+    from ballonet.planning.zeppelin.classes import crossover_lengths, level_nodes
+    cluster = specs.cluster("h200-8nic", num_nodes=2)
+    level = level_nodes([400_000], devices(cluster, MODEL), crossover_lengths(cluster, MODEL), MODEL,
+                        hierarchical=True, price_linear=True, routing=True).level1
+    assert level.node_docs == {} and set(level.shares[0]) == {0, 1}
+    assert [level.node_load[n] for n in (0, 1)] == [level.shares[0][n] for n in (0, 1)]
+    assert any(level.shares[0][n] % 1 for n in (0, 1))  # a share with a fraction (else the check could not fail)

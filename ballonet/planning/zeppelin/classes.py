@@ -178,7 +178,7 @@ def _level1(batch: Batch, nodes, intra, inter, span: dict[int, int], per_token: 
         got = spread(node_target - node_load, node_room, work[d], work[d] / lengths[d])
         charge(got, d, work, lengths, node_load, node_room, out=shares)
     att_shares = {d: {n: w * att[d] / work[d] for n, w in sh.items()} for d, sh in shares.items()}
-    node_att = np.array([sum(att[d] for d in node_docs.get(n, [])) for n in range(len(nodes))])
+    node_att = np.array([sum(att[d] for d in node_docs.get(n, [])) for n in range(len(nodes))], dtype=float)
     for sh in att_shares.values():
         for n, w in sh.items():
             node_att[n] += w
