@@ -232,7 +232,7 @@ def markdown(runs: list[dict], command: str, header: str, gap: dict | None = Non
              "attention, every token's GEMMs and elementwise work) split perfectly between the node groups at "
              "each group's own calibrated seconds for it, communication hidden but what no plan escapes; "
              "the largest of three: all GPUs' memory pooled, each group's own memory holding both layouts of the "
-             "tokens whose work it runs (a linear program, `_layout_bound`), and the compute lost to the layers' "
+             "tokens whose work it runs (a linear program, `cost.layout_bound`), and the compute lost to the layers' "
              "data-parallel collectives beside the larger of the two (`overlap_bound`; means over the batches "
              + ", ".join(f"{r['cluster']} {r['workload']} {r['bound_pooled_s']:.3f}/{r['bound_per_group_s']:.3f}/"
                          f"{r['bound_overlap_s']:.3f} s" for r in runs)

@@ -1,4 +1,4 @@
-"""The per-group bound with both layouts in each group's memory (`bounds._layout_bound`)."""
+"""The per-group bound with both layouts in each group's memory (`cost.layout_bound`)."""
 
 from __future__ import annotations
 

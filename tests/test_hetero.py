@@ -276,7 +276,7 @@ def test_lower_bound_keeps_each_groups_memory():
     layer_bytes = (4 * h + 2 * (h + h) + 3 * f + 6 * h) * 2  # elementwise bytes a token (see test_sim_truth)
     layers = 26 * T * (3 * lin / (989e12 * best_l) + 3 * layer_bytes / (p.memory_bw * best_e))
     # Attention too: a GPU runs a document's attention only where it holds its queries'
-    # attention layout, which the cramped one cannot (`bounds._layout_bound`).
+    # attention layout, which the cramped one cannot (`cost.layout_bound`).
     att = 8 * 2 * h * 1024 * 1025
     layers += 26 * att / 989e12 * (1 / p.attention_forward.at(1024) + 2.5 / p.attention_backward.at(1024))
     # The roomy GPU runs every layer's work; the LM head and loss (far less) fit on the
