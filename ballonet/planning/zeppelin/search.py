@@ -268,8 +268,22 @@ class CandidateSearch:
     def _compare(self, plans: list[Candidate]) -> None:
         self._compare_only(plans)
         for c in plans:
-            if c.seconds < self.best_s:
+            if self._shorter(c):
                 self.best = c
+
+    def _shorter(self, c: Candidate) -> bool:
+        """Whether `c` is to replace the best plan: estimated shorter, but where one of
+        them keeps every rank's tokens and the other remaps, the remap only adds traffic:
+        a tie (within `Thresholds.remap_tie`) goes to the plan that keeps them."""
+        best = self.best
+        if best is None:
+            return True
+        keeps, kept = c.plan.meta["keep_tokens"], best.plan.meta["keep_tokens"]
+        if keeps and not kept:
+            return c.seconds <= (1 + THRESHOLDS.remap_tie) * best.seconds
+        if kept and not keeps:
+            return c.seconds < (1 - THRESHOLDS.remap_tie) * best.seconds
+        return c.seconds < best.seconds
 
     def _compare_only(self, plans: list[Candidate]) -> None:
         """`plans` listed among those compared (`plan.meta["candidates"]`)."""

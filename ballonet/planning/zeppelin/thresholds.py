@@ -42,6 +42,9 @@ class Thresholds:
     the best plan's: it shifts a few percent of the balance between attention and linear
     work, about what the estimate errs by between alike plans (at 0, C llama-3b shortmix's
     two alike plans priced 1.2489 and 1.2494 s ran 1.252 and 1.230 s: 1.8% longer)."""
+    remap_tie: float = 1e-4
+    """A plan keeping every rank's tokens is chosen over a remapping plan estimated at
+    most this much shorter (`search._keeps_at_a_tie`)."""
     wider_margin: float = 0.003
     """The best plan's most waiting double ring over one node more (`search._wider`)
     replaces it only where its step with the members' waits (`member_waits.corrected_step`)
