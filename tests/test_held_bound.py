@@ -12,7 +12,7 @@ from ballonet.cost.flops import (
     head_flops_per_token,
     loss_bytes_per_token,
 )
-from ballonet.cost.seconds import optimizer_time
+from ballonet.cost.seconds import best_efficiency, optimizer_time
 from ballonet.specs import ClusterSpec, NodeGroup
 
 
@@ -40,3 +40,27 @@ def test_a_group_without_room_runs_no_attention():
     assert held == pytest.approx(expected, rel=1e-5)
     assert held <= expected
     assert pooled < expected * 0.9  # pooled: the two GPUs' compute, the attention split
+
+
+def test_full_recomputation_is_every_token_on_every_rank():
+    """The same two GPUs, a batch the roomy H100 holds only under full recomputation
+    (1.4x what linear recomputation on every layer holds): the runtime recomputes fully
+    on every layer of every rank or on none (`Plan.validate`, `Llama.set_recompute`), so
+    no plan keeps some tokens' tensors for the backward and only reruns the others; the
+    bound is the roomy H100 running the whole batch under full recomputation alone. A
+    program that mixes full recomputation with the modes below it over a group's tokens
+    stays 7% below it."""
+    m = specs.model("llama-3b")
+    roomy = NodeGroup(gpu="h100", gpus_per_node=1)
+    both = ClusterSpec(name="roomy+none", groups=(roomy, NodeGroup(gpu="h100", gpus_per_node=1, memory_gb=1)))
+    alone = ClusterSpec(name="roomy", groups=(roomy,))
+    lengths = [4096] * 13
+    assert bounds.batch_recomputation(lengths, alone, m)[0] == "full"
+    h100, p, T = roomy.gpu_type, hardware.profile(roomy.gpu_type), sum(lengths)
+    head = T * (head_flops_per_token(m) * (1 + LINEAR_BACKWARD_FACTOR) / (h100.peak_flops * best_efficiency(p.linear, T))
+                + loss_bytes_per_token(m) * (1 + ELEMENTWISE_BACKWARD_FACTOR) / (p.memory_bw * best_efficiency(p.elementwise, T)))
+    expected = bounds.bound_parts(lengths, alone, m, communication=False)[0] \
+        - optimizer_time(m, h100, 1) + optimizer_time(m, h100, 2) - head
+    held = bounds.bound_parts(lengths, both, m, communication=False)[1]
+    assert held == pytest.approx(expected, rel=1e-5)
+    assert held <= expected
