@@ -1,0 +1,59 @@
+"""The bound's linear work at the mean rank's token count (`bounds.rank_token_seconds`):
+no split of a batch's tokens between ranks runs its GEMMs cheaper, on the mean, than the
+lower convex envelope of a rank's seconds at the mean."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ballonet import plan_batch, simulate, specs
+from ballonet.cost import bounds, hardware
+from ballonet.specs import NodeGroup
+
+H800 = NodeGroup(gpu="h800", gpus_per_node=8)
+PEAK = H800.gpu_type.peak_flops  # flops of one second at efficiency 1: `a` = 1 s a token below
+
+
+def test_hand_computed_envelope():
+    """The H800's GEMM curve peaks at 0.720 on 8192 tokens and stays at 0.692 from 32768 on
+    (`cost/profiles.py`). One rank with all 131072 tokens: 1/0.692 s a token. Four ranks
+    with 8192 each: the peak, 1/0.720. The bound before (best efficiency, 1/0.720) holds
+    for both; the first is 4% above it."""
+    p = hardware.profile(H800.gpu_type)
+    assert p.linear.at(131072) == pytest.approx(0.692) and p.linear.at(8192) == pytest.approx(0.72)
+    assert bounds.rank_token_seconds(H800, PEAK, 0.0, 131072, 1, True) == pytest.approx(1 / 0.692, rel=1e-12)
+    assert bounds.rank_token_seconds(H800, PEAK, 0.0, 4 * 8192, 4, True) == pytest.approx(1 / 0.72, rel=1e-12)
+    # a mixed cluster: the best efficiency up to the batch, as before
+    assert bounds.rank_token_seconds(H800, PEAK, 0.0, 131072, 1, False) == pytest.approx(1 / 0.72, rel=1e-12)
+
+
+def test_no_split_beats_it():
+    """Two ranks holding 65536 tokens: every split of them (in steps of 64 tokens, 0 and
+    65536 included) costs at least the bound on the mean, and one of them, 8192 at the
+    peak beside 57344 at 0.692, costs (8192/0.72 + 57344/0.692)/65536 = 1.43807 s a token,
+    the bound not above it: ranks at the peak leave the rest to the others. The equal
+    split (1/0.692 = 1.44509) is not the least."""
+    p = hardware.profile(H800.gpu_type)
+    elt_bytes = 1e3  # elementwise work too: its curve is flat from 8192 on
+    T = 65536.0
+
+    def rank(n):  # what the simulator charges a rank holding n tokens (`seconds._per_call`)
+        return np.where(n > 0, n / p.linear.at(n) + n * elt_bytes / (p.memory_bw * p.elementwise.at(n)), 0.0)
+    n1 = np.arange(0, T + 1, 64.0)
+    least = float(((rank(n1) + rank(T - n1)) / T).min())
+    got = bounds.rank_token_seconds(H800, PEAK, elt_bytes, T, 2, True)
+    assert got <= least * (1 + 1e-12)
+    assert got >= least * 0.998  # the envelope of a 64-token grid is near it
+    only = bounds.rank_token_seconds(H800, PEAK, 0.0, T, 2, True)
+    assert 1 / 0.72 < only <= (8192 / 0.72 + 57344 / 0.692) / T < 1 / 0.692
+
+
+@pytest.mark.parametrize("planner", ["zeppelin", "packed_dp", "te_cp", "wlb_llm"])
+def test_simulated_steps_above_it(planner):
+    """Plans of a batch on one H800 node, every rank at its own token count: none
+    simulates under the batch's bound (the GEMMs are priced at each rank's count)."""
+    c, m = specs.cluster("h800-8nic", num_nodes=1), specs.model("llama-3b")
+    lengths = [30000, 12000, 9000, 8000, 6000, 5000, 4000, 3000, 2500, 2000, 1500, 1000, 800, 500, 300, 200] * 2
+    res = simulate(plan_batch(lengths, c, m, planner), c, m)
+    assert res.step_time_s >= res.lower_bound_s
