@@ -57,3 +57,30 @@ def test_simulated_steps_above_it(planner):
     lengths = [30000, 12000, 9000, 8000, 6000, 5000, 4000, 3000, 2500, 2000, 1500, 1000, 800, 500, 300, 200] * 2
     res = simulate(plan_batch(lengths, c, m, planner), c, m)
     assert res.step_time_s >= res.lower_bound_s
+
+
+def test_tp_reruns_by_hand():
+    """LLaMA-13B at tp 2 on an H800 node: a token's hidden states are 5120 x 2 bytes, of
+    which one GPU sends half in an all-gather or a reduce-scatter, over 200 GB/s at NCCL's
+    0.78 and 0.685. Linear recomputation on 30 of the 40 layers reruns 2 all-gathers and a
+    reduce-scatter there and selective's one all-gather on the other 10; selective on 10
+    layers reruns 10 all-gathers; none, nothing (`tensor_parallel.TP_RERUN`)."""
+    m, g = specs.model("llama-13b", tp=2), H800
+    ag, rs = 5120 / 200e9 / 0.78, 5120 / 200e9 / 0.685
+    assert bounds.tp_rerun_seconds_per_token(m, g, "linear", 30) == pytest.approx(30 * (2 * ag + rs) + 10 * ag, rel=1e-12)
+    assert bounds.tp_rerun_seconds_per_token(m, g, "selective", 10) == pytest.approx(10 * ag, rel=1e-12)
+    assert bounds.tp_rerun_seconds_per_token(m, g, "none", 0) == 0.0
+    assert bounds.tp_rerun_seconds_per_token(specs.model("llama-7b"), g, "linear", 32) == 0.0  # no TP
+
+
+def test_tp_plans_above_it():
+    """A batch that LLaMA-13B at tp 2 on one H800 node holds only under linear
+    recomputation on most layers: no plan simulates under the bound, which now counts the
+    TP collectives the recomputation reruns."""
+    c, m = specs.cluster("h800-8nic", num_nodes=1), specs.model("llama-13b", tp=2)
+    lengths = [24000, 18000, 12000, 7200, 4800, 4800, 3600, 2400, 1200, 643]  # 9.8K tokens a GPU
+    mode, layers = bounds.batch_recomputation(lengths, c, m)
+    assert mode == "linear" and layers > 10
+    for planner in ("zeppelin", "packed_dp", "te_cp", "wlb_llm"):
+        res = simulate(plan_batch(lengths, c, m, planner), c, m)
+        assert res.step_time_s >= res.lower_bound_s, planner

@@ -16,6 +16,7 @@ from ballonet.cost.flops import (
     attention_flops,
     elementwise_bytes_per_token,
     head_flops_per_token,
+    hidden_bytes,
     linear_flops_per_token,
     loss_bytes_per_token,
 )
@@ -24,6 +25,7 @@ from ballonet.cost.memory import (
     RECOMPUTE_MODES,
     activation_bytes,
     activation_bytes_per_token,
+    layer_mean,
     memory_cap,
     recompute_layer_count,
 )
@@ -44,7 +46,7 @@ from ballonet.cost.seconds import (
     p2p_time,
 )
 from ballonet.cost.layout_bound import layout_bound
-from ballonet.cost.tensor_parallel import tp_layer_seconds, tp_seconds_per_token
+from ballonet.cost.tensor_parallel import TP_RERUN, tp_layer_seconds, tp_seconds_per_token
 
 if TYPE_CHECKING:
     from ballonet.specs import ClusterSpec, ModelSpec, NodeGroup
@@ -138,7 +140,7 @@ def bound_parts(lengths, cluster: ClusterSpec, model: ModelSpec, communication: 
                      + rc_bytes * model.tp / (p.memory_bw * float(best_efficiency(p.elementwise, T)))  # bytes per GPU: all of a TP group
                      + rank_token_seconds(g, base_flops, base_bytes * model.tp, T, num_dp, len(cluster.groups) == 1))
         if communication:
-            per_token += 2 * model.tp * tp_seconds_per_token(model, g)
+            per_token += model.tp * (2 * tp_seconds_per_token(model, g) + tp_rerun_seconds_per_token(model, g, mode, layers))
         costs.append(np.append(per_doc, per_token))  # GPU-seconds per whole document, per token
         gpus.append(g.num_nodes * g.gpus_per_node)
         peaks.append(t.peak_flops)
@@ -206,7 +208,8 @@ def overlap_bound(lengths, cluster: ClusterSpec, model: ModelSpec) -> float:
         fwd, bwd = best_efficiency(p.attention_forward, L), best_efficiency(p.attention_backward, L)
         per_doc = model.num_layers * (att / fwd + ATTENTION_BACKWARD_FACTOR * att / bwd
                                       + (att / fwd if recompute_attention(mode) else 0)) / t.peak_flops
-        per_token = (rc_flops / lin_eff + rc_bytes * model.tp / elt_eff + 2 * model.tp * tp_seconds_per_token(model, g)
+        per_token = (rc_flops / lin_eff + rc_bytes * model.tp / elt_eff
+                     + model.tp * (2 * tp_seconds_per_token(model, g) + tp_rerun_seconds_per_token(model, g, mode, layers))
                      + rank_token_seconds(g, layer_flops, layer_bytes * model.tp, T, num_dp, one))
         stream.append(np.append(per_doc, per_token))
         head.append([rank_token_seconds(g, head_flops_per_token(model) * (1 + LINEAR_BACKWARD_FACTOR),
@@ -230,6 +233,36 @@ def overlap_bound(lengths, cluster: ClusterSpec, model: ModelSpec) -> float:
     lost = min(_dp_slowdown(model, cluster, g, floors) for g in cluster.groups)
     grad = grad_allreduce_time(model, cluster)
     return layers_s + head_s + min(optimizer) + min(grad / model.num_layers + model.num_layers * lost, grad)
+
+
+def tp_rerun_seconds_per_token(model: ModelSpec, group: NodeGroup, mode: str, layers: float) -> float:
+    """Seconds of tensor-parallel collectives a token's recomputation reruns on each GPU of
+    its TP group, all layers, latency aside, under the batch's least recomputation
+    (`batch_recomputation`'s `mode` on `layers`, the others one mode below): the
+    backward's rerun all-gathers and reduce-scatters (`tensor_parallel.TP_RERUN`), which
+    the simulator runs on the compute stream like the others (`tp_layer_seconds`, a rank's
+    own mode and layers).
+
+    Why no plan reruns less: where the model fixes its recomputation, or the batch needs
+    full recomputation (every rank, every layer), every plan reruns exactly these. Else
+    a plan frees its bytes by some mix of token-layers under selective and linear
+    recomputation (pooled, as in `batch_recomputation`); when the reruns' seconds per byte
+    freed climb with the modes (selective's per byte at most linear's extra over it per
+    extra byte), the mix that climbs the modes in order is the least in reruns as in FLOPs,
+    so the reruns of the bound's mix are the least. Full recomputation reruns what linear
+    does on every layer, more than any mix. Where they do not climb, 0 (no rerun counted)."""
+    if model.tp <= 1:
+        return 0.0
+    p = hardware.profile(group.gpu_type)
+    per_byte = hidden_bytes(model, 1) * (model.tp - 1) / model.tp / group.intra_bw
+    ag, rs = (per_byte / p.collective_efficiency[op] for op in ("all_gather", "reduce_scatter"))
+    cost = {m: a * ag + r * rs for m, (a, r) in TP_RERUN.items()}
+    if not model.recompute and mode != "full":
+        freed = {m: float(activation_bytes(model, 1, 1, "none") - activation_bytes(model, 1, 1, m))
+                 for m in ("selective", "linear")}
+        if cost["selective"] * (freed["linear"] - freed["selective"]) > (cost["linear"] - cost["selective"]) * freed["selective"]:
+            return 0.0
+    return model.num_layers * float(layer_mean(model, cost, mode, layers))
 
 
 ENVELOPE_STEPS_PER_OCTAVE = 16
