@@ -84,3 +84,23 @@ def test_tp_plans_above_it():
     for planner in ("zeppelin", "packed_dp", "te_cp", "wlb_llm"):
         res = simulate(plan_batch(lengths, c, m, planner), c, m)
         assert res.step_time_s >= res.lower_bound_s, planner
+
+
+def test_busiest_head_by_hand():
+    """LLaMA-13B at tp 2, 65536 tokens on two data-parallel ranks of H800s: the step adds
+    the busiest rank's head and loss after the layers, and that rank holds at least 32768
+    tokens: its head GEMM at 0.692 (the best from 32768 on), the loss at 0.70, and its TP
+    collectives at 200 GB/s plus 40 us each: the embedding's and head's all-gathers and
+    reduce-scatters of 32768 x 5120 x 2 bytes (half of it sent), three all-reduces of
+    32768 fp32 losses and 81 of a norm's 5120 x 2-byte gradient (twice half of it sent)."""
+    from ballonet.cost.flops import (ELEMENTWISE_BACKWARD_FACTOR, LINEAR_BACKWARD_FACTOR, head_flops_per_token,
+                                     loss_bytes_per_token)
+    m, p = specs.model("llama-13b", tp=2), hardware.profile(H800.gpu_type)
+    n = 32768
+    compute = n * (head_flops_per_token(m) * (1 + LINEAR_BACKWARD_FACTOR) / 2 / (PEAK * 0.692)
+                   + loss_bytes_per_token(m) * (1 + ELEMENTWISE_BACKWARD_FACTOR) / (p.memory_bw * 0.70))
+    half = n * 5120 * 2 / 2 / 200e9
+    tp = (2 * (40e-6 + half / 0.78) + 2 * (40e-6 + half / 0.685)
+          + 3 * (40e-6 + n * 4 / 200e9 / 0.94) + 81 * (40e-6 + 5120 * 2 / 200e9 / 0.94))
+    assert bounds.busiest_head_seconds(m, H800, 2 * n, 2, False) == pytest.approx(compute, rel=1e-9)
+    assert bounds.busiest_head_seconds(m, H800, 2 * n, 2, True) == pytest.approx(compute + tp, rel=1e-9)

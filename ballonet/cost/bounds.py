@@ -43,10 +43,11 @@ from ballonet.cost.seconds import (
     grad_allreduce_time,
     optimizer_time,
     best_efficiency,
+    collective_time,
     p2p_time,
 )
 from ballonet.cost.layout_bound import layout_bound
-from ballonet.cost.tensor_parallel import TP_RERUN, tp_layer_seconds, tp_seconds_per_token
+from ballonet.cost.tensor_parallel import TP_RERUN, tp_layer_seconds, tp_seconds_per_token, tp_step_collectives
 
 if TYPE_CHECKING:
     from ballonet.specs import ClusterSpec, ModelSpec, NodeGroup
@@ -123,10 +124,10 @@ def bound_parts(lengths, cluster: ClusterSpec, model: ModelSpec, communication: 
     T = float(L.sum())
     mode, layers = batch_recomputation(lengths, cluster, model)
     att = attention_flops(model, L)
-    base_flops = (model.num_layers * linear_flops_per_token(model) + head_flops_per_token(model)) \
-        * (1 + LINEAR_BACKWARD_FACTOR)
-    base_bytes = (model.num_layers * elementwise_bytes_per_token(model) + loss_bytes_per_token(model)) \
-        * (1 + ELEMENTWISE_BACKWARD_FACTOR)
+    layer_flops = model.num_layers * linear_flops_per_token(model) * (1 + LINEAR_BACKWARD_FACTOR)
+    layer_bytes = model.num_layers * elementwise_bytes_per_token(model) * (1 + ELEMENTWISE_BACKWARD_FACTOR)
+    base_flops = layer_flops + head_flops_per_token(model) * (1 + LINEAR_BACKWARD_FACTOR)
+    base_bytes = layer_bytes + loss_bytes_per_token(model) * (1 + ELEMENTWISE_BACKWARD_FACTOR)
     rc_flops = model.num_layers * recompute_flops_per_token(model, mode, layers)
     rc_bytes = model.num_layers * recompute_elementwise_bytes_per_token(model, mode, layers)
     num_dp = cluster.num_ranks // model.tp
@@ -148,6 +149,13 @@ def bound_parts(lengths, cluster: ClusterSpec, model: ModelSpec, communication: 
     amounts = np.append(np.ones(len(L)), T)
     n = np.array(gpus, dtype=float)
     pooled = _least_max(np.array(costs), amounts, n, np.array(fixed), n * np.array(peaks))
+    if len(cluster.groups) == 1:  # the layers split perfectly, then the busiest rank's head (`busiest_head_seconds`)
+        g = cluster.groups[0]
+        layers_only = costs[0].copy()
+        layers_only[-1] += (rank_token_seconds(g, layer_flops, layer_bytes * model.tp, T, num_dp, True)
+                            - rank_token_seconds(g, base_flops, base_bytes * model.tp, T, num_dp, True))
+        pooled = max(pooled, _least_max(layers_only[None, :], amounts, n, np.array(fixed), n)
+                     + busiest_head_seconds(model, g, T, num_dp, communication))
     held = -np.inf
     if len(cluster.groups) > 1:
         held = layout_bound(L, cluster, model, n, np.array(fixed), communication)
@@ -225,6 +233,8 @@ def overlap_bound(lengths, cluster: ClusterSpec, model: ModelSpec) -> float:
     n, start = np.array(gpus, dtype=float), np.array(gpus, dtype=float) * np.array(peaks)
     layers_s = _least_max(np.array(stream), np.append(np.ones(len(L)), T), n, np.array(framework), start)
     head_s = _least_max(np.array(head), np.array([T]), n, np.zeros(len(n)), start)
+    if len(cluster.groups) == 1:
+        head_s = max(head_s, busiest_head_seconds(model, cluster.groups[0], T, num_dp, True))
     if len(cluster.groups) > 1:  # each group's own memory, both layouts (`layout_bound`, its compute alone)
         layers_s = max(layers_s, layout_bound(L, cluster, model, n, np.array(framework), True, nic=False,
                                                lm_head=False))
@@ -263,6 +273,26 @@ def tp_rerun_seconds_per_token(model: ModelSpec, group: NodeGroup, mode: str, la
         if cost["selective"] * (freed["linear"] - freed["selective"]) > (cost["linear"] - cost["selective"]) * freed["selective"]:
             return 0.0
     return model.num_layers * float(layer_mean(model, cost, mode, layers))
+
+
+def busiest_head_seconds(model: ModelSpec, group: NodeGroup, tokens: float, num_dp: int, communication: bool) -> float:
+    """Seconds a step spends on its LM head and loss at least, on one node group of
+    `num_dp` data-parallel ranks holding `tokens`: the simulator adds, after every rank's
+    layers, the most any rank's head, loss and their tensor-parallel collectives take
+    (`simulate`: `head_seconds` and `tensor_parallel.tp_step_collectives`, the norms'
+    gradient all-reduces included; with `communication`). The rank holding the most linear
+    tokens holds at least ceil(tokens / num_dp) = m: its head and loss take at least m
+    tokens' work at the best efficiency of any count from m on, its collectives at least
+    theirs at m (their bytes grow with the tokens)."""
+    t, p = group.gpu_type, hardware.profile(group.gpu_type)
+    m = int(np.ceil(tokens / num_dp))
+    best = [max(float(c.at(m)), max((e for k, e in zip(c.tokens, c.efficiency) if k >= m), default=0.0))
+            for c in (p.linear, p.elementwise)]
+    out = m * (head_flops_per_token(model) * (1 + LINEAR_BACKWARD_FACTOR) / model.tp / (t.peak_flops * best[0])
+               + loss_bytes_per_token(model) * (1 + ELEMENTWISE_BACKWARD_FACTOR) / (p.memory_bw * best[1]))
+    if communication:
+        out += sum(collective_time(op, nbytes, model.tp, group.intra_bw, t) for _, op, nbytes in tp_step_collectives(model, m))
+    return out
 
 
 ENVELOPE_STEPS_PER_OCTAVE = 16
