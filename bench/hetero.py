@@ -154,6 +154,7 @@ def _gap_lines(runs: list[dict], gap: dict | None) -> list[str]:
         "inference nodes' few NICs) and batches such as "
         f"{name(worst[0])}'s batch {worst[1]} ({worst[2]['step_s'] / worst[2]['bound_s']:.2f}x)"
         + _pcie_ring_text(worst[2]),
+        _trace_line(rows),
         "- Pooling memory across the groups, as the bound does, through the remap: the memory-poor group's "
         "attention layout moved in part to the memory-rich group (its shortest whole documents; their GEMMs stay, "
         "a remap across the groups; each rank recomputing as little as its new memory needs) lengthens every "
@@ -183,6 +184,32 @@ def _gap_lines(runs: list[dict], gap: dict | None) -> list[str]:
         "the bound, docs/design.md section 3), exposed communication over the inference nodes' links, and the "
         "placement and kernels' own distance, which the same planner also has on homogeneous clusters "
         "(`bench/results/paper.md`, column step/bound)."]
+
+
+def _trace_line(rows: list[dict]) -> str:
+    """The "Why" bullet taking each configuration's simulated steps apart (`GAP`'s `trace`)."""
+    parts, bound_parts_binding = [], [b["trace"]["binds"] for g in rows for b in g["batches"]]
+    binds = ", ".join(f"{x} {bound_parts_binding.count(x)}" for x in sorted(set(bound_parts_binding)))
+    for g in rows:
+        bs, gpus = g["batches"], [x.gpu_type.name.upper() for x in specs.cluster(g["cluster"]).groups]
+        bound = sum(b["bound_s"] for b in bs)
+        of = lambda key: sum(b["trace"][key] for b in bs) / bound  # noqa: E731
+        means = "/".join(f"{sum(b['trace']['group_mean_compute_s'][i] for b in bs) / bound:.3f}" for i in range(len(gpus)))
+        over = statistics.mean(b["trace"]["group_max_compute_s"][b["trace"]["slowest_group"]]
+                               / b["trace"]["group_mean_compute_s"][b["trace"]["slowest_group"]] for b in bs)
+        slow = [gpus[b["trace"]["slowest_group"]] for b in bs]
+        parts.append(f"{g['cluster']} {g['workload']}: slowest rank an {max(set(slow), key=slow.count)} in "
+                     f"{max(slow.count(x) for x in set(slow))} of {len(bs)} batches, its compute {of('slowest_compute_s'):.3f} "
+                     f"(attention {of('slowest_attention_s'):.3f}), exposed {of('slowest_exposed_s'):.3f}, idle "
+                     f"{of('slowest_idle_s'):.3f}; the groups' mean compute ({'/'.join(gpus)}) {means}; its group's "
+                     f"busiest {over:.3f}x that group's mean")
+    return ("- The steps taken apart (`bench/results/hetero_gap.md`, its `trace`: seconds summed over the batches "
+            "over the bounds summed; the bound's part that binds, by batch: " + binds + "): " + "; ".join(parts)
+            + ". So on `h800+h20` the groups' mean compute alone is about 1.10x the bound (the bound's memory and "
+            "recomputation, next bullets), a few percent more is the busiest rank over its group's mean (whole "
+            "documents of about a rank's share on the H20s, which hold 4-8K tokens each), and the rest exposed "
+            "communication and waiting; on `a800+l40s` wlbllm the slowest rank's compute is near the bound and "
+            "the distance is exposed communication.")
 
 
 def _within(rows: list[dict]) -> str:

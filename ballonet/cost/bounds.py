@@ -16,6 +16,7 @@ from ballonet.cost.flops import (
     attention_flops,
     elementwise_bytes_per_token,
     head_flops_per_token,
+    hidden_bytes,
     linear_flops_per_token,
     loss_bytes_per_token,
 )
@@ -24,6 +25,7 @@ from ballonet.cost.memory import (
     RECOMPUTE_MODES,
     activation_bytes,
     activation_bytes_per_token,
+    layer_mean,
     memory_cap,
     recompute_layer_count,
 )
@@ -41,10 +43,11 @@ from ballonet.cost.seconds import (
     grad_allreduce_time,
     optimizer_time,
     best_efficiency,
+    collective_time,
     p2p_time,
 )
 from ballonet.cost.layout_bound import layout_bound
-from ballonet.cost.tensor_parallel import tp_layer_seconds, tp_seconds_per_token
+from ballonet.cost.tensor_parallel import TP_RERUN, tp_layer_seconds, tp_seconds_per_token, tp_step_collectives
 
 if TYPE_CHECKING:
     from ballonet.specs import ClusterSpec, ModelSpec, NodeGroup
@@ -121,12 +124,12 @@ def bound_parts(lengths, cluster: ClusterSpec, model: ModelSpec, communication: 
     T = float(L.sum())
     mode, layers = batch_recomputation(lengths, cluster, model)
     att = attention_flops(model, L)
-    lin_flops = (model.num_layers * (linear_flops_per_token(model) * (1 + LINEAR_BACKWARD_FACTOR)
-                                     + recompute_flops_per_token(model, mode, layers))
-                 + head_flops_per_token(model) * (1 + LINEAR_BACKWARD_FACTOR))
-    elt_bytes = model.num_layers * (elementwise_bytes_per_token(model) * (1 + ELEMENTWISE_BACKWARD_FACTOR)
-                                    + recompute_elementwise_bytes_per_token(model, mode, layers))
-    elt_bytes += loss_bytes_per_token(model) * (1 + ELEMENTWISE_BACKWARD_FACTOR)
+    layer_flops = model.num_layers * linear_flops_per_token(model) * (1 + LINEAR_BACKWARD_FACTOR)
+    layer_bytes = model.num_layers * elementwise_bytes_per_token(model) * (1 + ELEMENTWISE_BACKWARD_FACTOR)
+    base_flops = layer_flops + head_flops_per_token(model) * (1 + LINEAR_BACKWARD_FACTOR)
+    base_bytes = layer_bytes + loss_bytes_per_token(model) * (1 + ELEMENTWISE_BACKWARD_FACTOR)
+    rc_flops = model.num_layers * recompute_flops_per_token(model, mode, layers)
+    rc_bytes = model.num_layers * recompute_elementwise_bytes_per_token(model, mode, layers)
     num_dp = cluster.num_ranks // model.tp
     costs, gpus, fixed, peaks = [], [], [], []
     for g in cluster.groups:
@@ -134,10 +137,11 @@ def bound_parts(lengths, cluster: ClusterSpec, model: ModelSpec, communication: 
         fwd, bwd = best_efficiency(p.attention_forward, L), best_efficiency(p.attention_backward, L)
         per_doc = model.num_layers * (att / fwd + ATTENTION_BACKWARD_FACTOR * att / bwd
                                       + (att / fwd if recompute_attention(mode) else 0)) / t.peak_flops
-        per_token = (lin_flops / (t.peak_flops * float(best_efficiency(p.linear, T)))
-                     + elt_bytes * model.tp / (p.memory_bw * float(best_efficiency(p.elementwise, T))))  # bytes per GPU: all of a TP group
+        per_token = (rc_flops / (t.peak_flops * float(best_efficiency(p.linear, T)))
+                     + rc_bytes * model.tp / (p.memory_bw * float(best_efficiency(p.elementwise, T)))  # bytes per GPU: all of a TP group
+                     + rank_token_seconds(g, base_flops, base_bytes * model.tp, T, num_dp, len(cluster.groups) == 1))
         if communication:
-            per_token += 2 * model.tp * tp_seconds_per_token(model, g)
+            per_token += model.tp * (2 * tp_seconds_per_token(model, g) + tp_rerun_seconds_per_token(model, g, mode, layers))
         costs.append(np.append(per_doc, per_token))  # GPU-seconds per whole document, per token
         gpus.append(g.num_nodes * g.gpus_per_node)
         peaks.append(t.peak_flops)
@@ -145,6 +149,13 @@ def bound_parts(lengths, cluster: ClusterSpec, model: ModelSpec, communication: 
     amounts = np.append(np.ones(len(L)), T)
     n = np.array(gpus, dtype=float)
     pooled = _least_max(np.array(costs), amounts, n, np.array(fixed), n * np.array(peaks))
+    if len(cluster.groups) == 1:  # the layers split perfectly, then the busiest rank's head (`busiest_head_seconds`)
+        g = cluster.groups[0]
+        layers_only = costs[0].copy()
+        layers_only[-1] += (rank_token_seconds(g, layer_flops, layer_bytes * model.tp, T, num_dp, True)
+                            - rank_token_seconds(g, base_flops, base_bytes * model.tp, T, num_dp, True))
+        pooled = max(pooled, _least_max(layers_only[None, :], amounts, n, np.array(fixed), n)
+                     + busiest_head_seconds(model, g, T, num_dp, communication))
     held = -np.inf
     if len(cluster.groups) > 1:
         held = layout_bound(L, cluster, model, n, np.array(fixed), communication)
@@ -192,10 +203,11 @@ def overlap_bound(lengths, cluster: ClusterSpec, model: ModelSpec) -> float:
     mode, layers = batch_recomputation(lengths, cluster, model)
     att = attention_flops(model, L)
     num_dp = cluster.num_ranks // model.tp
-    layer_flops = model.num_layers * (linear_flops_per_token(model) * (1 + LINEAR_BACKWARD_FACTOR)
-                                      + recompute_flops_per_token(model, mode, layers))
-    layer_bytes = model.num_layers * (elementwise_bytes_per_token(model) * (1 + ELEMENTWISE_BACKWARD_FACTOR)
-                                      + recompute_elementwise_bytes_per_token(model, mode, layers))
+    layer_flops = model.num_layers * linear_flops_per_token(model) * (1 + LINEAR_BACKWARD_FACTOR)
+    layer_bytes = model.num_layers * elementwise_bytes_per_token(model) * (1 + ELEMENTWISE_BACKWARD_FACTOR)
+    rc_flops = model.num_layers * recompute_flops_per_token(model, mode, layers)
+    rc_bytes = model.num_layers * recompute_elementwise_bytes_per_token(model, mode, layers)
+    one = len(cluster.groups) == 1
     least_bytes = min(float(activation_bytes(model, 1, 0, m)) for m in RECOMPUTE_MODES)
     stream, head, gpus, framework, peaks, optimizer, tp_most = [], [], [], [], [], [], 0.0
     for g in cluster.groups:
@@ -204,11 +216,13 @@ def overlap_bound(lengths, cluster: ClusterSpec, model: ModelSpec) -> float:
         fwd, bwd = best_efficiency(p.attention_forward, L), best_efficiency(p.attention_backward, L)
         per_doc = model.num_layers * (att / fwd + ATTENTION_BACKWARD_FACTOR * att / bwd
                                       + (att / fwd if recompute_attention(mode) else 0)) / t.peak_flops
-        per_token = (layer_flops / lin_eff + layer_bytes * model.tp / elt_eff
-                     + 2 * model.tp * tp_seconds_per_token(model, g))
+        per_token = (rc_flops / lin_eff + rc_bytes * model.tp / elt_eff
+                     + model.tp * (2 * tp_seconds_per_token(model, g) + tp_rerun_seconds_per_token(model, g, mode, layers))
+                     + rank_token_seconds(g, layer_flops, layer_bytes * model.tp, T, num_dp, one))
         stream.append(np.append(per_doc, per_token))
-        head.append([head_flops_per_token(model) * (1 + LINEAR_BACKWARD_FACTOR) / lin_eff
-                     + loss_bytes_per_token(model) * (1 + ELEMENTWISE_BACKWARD_FACTOR) * model.tp / elt_eff])
+        head.append([rank_token_seconds(g, head_flops_per_token(model) * (1 + LINEAR_BACKWARD_FACTOR),
+                                        loss_bytes_per_token(model) * (1 + ELEMENTWISE_BACKWARD_FACTOR) * model.tp,
+                                        T, num_dp, one)])
         gpus.append(g.num_nodes * g.gpus_per_node)
         framework.append(framework_time(model, t))
         peaks.append(t.peak_flops)
@@ -219,6 +233,8 @@ def overlap_bound(lengths, cluster: ClusterSpec, model: ModelSpec) -> float:
     n, start = np.array(gpus, dtype=float), np.array(gpus, dtype=float) * np.array(peaks)
     layers_s = _least_max(np.array(stream), np.append(np.ones(len(L)), T), n, np.array(framework), start)
     head_s = _least_max(np.array(head), np.array([T]), n, np.zeros(len(n)), start)
+    if len(cluster.groups) == 1:
+        head_s = max(head_s, busiest_head_seconds(model, cluster.groups[0], T, num_dp, True))
     if len(cluster.groups) > 1:  # each group's own memory, both layouts (`layout_bound`, its compute alone)
         layers_s = max(layers_s, layout_bound(L, cluster, model, n, np.array(framework), True, nic=False,
                                                lm_head=False))
@@ -227,6 +243,105 @@ def overlap_bound(lengths, cluster: ClusterSpec, model: ModelSpec) -> float:
     lost = min(_dp_slowdown(model, cluster, g, floors) for g in cluster.groups)
     grad = grad_allreduce_time(model, cluster)
     return layers_s + head_s + min(optimizer) + min(grad / model.num_layers + model.num_layers * lost, grad)
+
+
+def tp_rerun_seconds_per_token(model: ModelSpec, group: NodeGroup, mode: str, layers: float) -> float:
+    """Seconds of tensor-parallel collectives a token's recomputation reruns on each GPU of
+    its TP group, all layers, latency aside, under the batch's least recomputation
+    (`batch_recomputation`'s `mode` on `layers`, the others one mode below): the
+    backward's rerun all-gathers and reduce-scatters (`tensor_parallel.TP_RERUN`), which
+    the simulator runs on the compute stream like the others (`tp_layer_seconds`, a rank's
+    own mode and layers).
+
+    Why no plan reruns less: where the model fixes its recomputation, or the batch needs
+    full recomputation (every rank, every layer), every plan reruns exactly these. Else
+    a plan frees its bytes by some mix of token-layers under selective and linear
+    recomputation (pooled, as in `batch_recomputation`); when the reruns' seconds per byte
+    freed climb with the modes (selective's per byte at most linear's extra over it per
+    extra byte), the mix that climbs the modes in order is the least in reruns as in FLOPs,
+    so the reruns of the bound's mix are the least. Full recomputation reruns what linear
+    does on every layer, more than any mix. Where they do not climb, 0 (no rerun counted)."""
+    if model.tp <= 1:
+        return 0.0
+    p = hardware.profile(group.gpu_type)
+    per_byte = hidden_bytes(model, 1) * (model.tp - 1) / model.tp / group.intra_bw
+    ag, rs = (per_byte / p.collective_efficiency[op] for op in ("all_gather", "reduce_scatter"))
+    cost = {m: a * ag + r * rs for m, (a, r) in TP_RERUN.items()}
+    if not model.recompute and mode != "full":
+        freed = {m: float(activation_bytes(model, 1, 1, "none") - activation_bytes(model, 1, 1, m))
+                 for m in ("selective", "linear")}
+        if cost["selective"] * (freed["linear"] - freed["selective"]) > (cost["linear"] - cost["selective"]) * freed["selective"]:
+            return 0.0
+    return model.num_layers * float(layer_mean(model, cost, mode, layers))
+
+
+def busiest_head_seconds(model: ModelSpec, group: NodeGroup, tokens: float, num_dp: int, communication: bool) -> float:
+    """Seconds a step spends on its LM head and loss at least, on one node group of
+    `num_dp` data-parallel ranks holding `tokens`: the simulator adds, after every rank's
+    layers, the most any rank's head, loss and their tensor-parallel collectives take
+    (`simulate`: `head_seconds` and `tensor_parallel.tp_step_collectives`, the norms'
+    gradient all-reduces included; with `communication`). The rank holding the most linear
+    tokens holds at least ceil(tokens / num_dp) = m: its head and loss take at least m
+    tokens' work at the best efficiency of any count from m on, its collectives at least
+    theirs at m (their bytes grow with the tokens)."""
+    t, p = group.gpu_type, hardware.profile(group.gpu_type)
+    m = int(np.ceil(tokens / num_dp))
+    best = [max(float(c.at(m)), max((e for k, e in zip(c.tokens, c.efficiency) if k >= m), default=0.0))
+            for c in (p.linear, p.elementwise)]
+    out = m * (head_flops_per_token(model) * (1 + LINEAR_BACKWARD_FACTOR) / model.tp / (t.peak_flops * best[0])
+               + loss_bytes_per_token(model) * (1 + ELEMENTWISE_BACKWARD_FACTOR) / (p.memory_bw * best[1]))
+    if communication:
+        out += sum(collective_time(op, nbytes, model.tp, group.intra_bw, t) for _, op, nbytes in tp_step_collectives(model, m))
+    return out
+
+
+ENVELOPE_STEPS_PER_OCTAVE = 16
+"""Token counts `rank_token_seconds` looks at between the efficiency curves' knots: the
+envelope it finds is within the curves' change over 1/16 of a doubling (0.1% on the
+profiles here) of the exact one, never above it."""
+
+
+def rank_token_seconds(group: NodeGroup, flops: float, nbytes: float, tokens: float, num_dp: int,
+                       spread: bool) -> float:
+    """GPU-seconds a token's `flops` (GEMMs) and `nbytes` (elementwise, every GPU of its
+    tensor-parallel group) take at least, on the mean, over any split of the batch's
+    `tokens` between `num_dp` data-parallel ranks of `group`'s GPU type (`spread`; else at
+    the best efficiency of any token count up to `tokens`, as on a mixed cluster).
+
+    Why: a rank runs its linear layers and LM head as one call over all its linear tokens
+    n (`seconds.linear_layer_seconds`, `head_seconds`: the simulator's, DistCA's
+    nano-batches halving the seconds at the same n), which takes n c(n) GPU-seconds, c(n)
+    those of a token at the curves' efficiency at n. The ranks' n sum to `tokens`, so by
+    Jensen's inequality their total is at least `num_dp` times the lower convex envelope of
+    n c(n) (with 0 at 0) at the mean n: a rank at the efficiency's peak count may be
+    cheaper a token, but then another holds more tokens at a lower efficiency. The best
+    efficiency alone (the bound before) is that envelope's first segment, through 0.
+    Each curve is linear in log2(tokens) between its knots and flat outside them, so between
+    two consecutive points of a grid that holds every knot it is at most its larger end:
+    n c(n) is at least n times the cost at that efficiency there, a straight line whose
+    envelope the grid's ends give exactly (the grid is fine only between the knots). Recomputation is left at the best efficiency by the callers (its
+    share per rank is the plan's)."""
+    t, p = group.gpu_type, hardware.profile(group.gpu_type)
+    if not spread or tokens <= 0:
+        return (flops / (t.peak_flops * float(best_efficiency(p.linear, tokens)))
+                + nbytes / (p.memory_bw * float(best_efficiency(p.elementwise, tokens))))
+    mean = tokens / num_dp
+    knots = np.concatenate([p.linear.tokens, p.elementwise.tokens])
+    grid = np.exp2(np.arange(np.log2(knots.min()), np.log2(knots.max()), 1 / ENVELOPE_STEPS_PER_OCTAVE))
+    n = np.unique(np.clip(np.concatenate([[1.0, mean, tokens], knots, grid]), 1.0, tokens))
+    a, b = flops / t.peak_flops, nbytes / p.memory_bw
+    eff_l, eff_e = p.linear.at(n), p.elementwise.at(n)
+    slope = a / np.maximum(eff_l[:-1], eff_l[1:]) + b / np.maximum(eff_e[:-1], eff_e[1:])  # [intervals]
+    xs = np.concatenate([[0.0], n[:-1], n[1:]])
+    ys = np.concatenate([[0.0], n[:-1] * slope, n[1:] * slope])
+    if len(n) == 1:  # every rank at one token count
+        return float(a / eff_l[0] + b / eff_e[0])
+    left, right = xs <= mean, xs >= mean
+    xl, yl, xr, yr = xs[left][:, None], ys[left][:, None], xs[right][None, :], ys[right][None, :]
+    width = xr - xl
+    chord = np.where(width > 0, (yl * (xr - mean) + yr * (mean - xl)) / np.where(width > 0, width, 1.0),
+                     np.minimum(yl, yr))
+    return float(chord.min() / mean)
 
 
 def _dp_slowdown(model: ModelSpec, cluster: ClusterSpec, group: NodeGroup, floors: tuple[float, float]) -> float:

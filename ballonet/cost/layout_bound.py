@@ -54,9 +54,12 @@ def layout_bound(L: np.ndarray, cluster: ClusterSpec, model: ModelSpec, gpus: np
     attention holds at least 1 - sqrt(1 - w) of its tokens (the most work a share f of
     the queries has is that of the last f, 2f - f^2 of it, less with the diagonal); full
     recomputation reruns every rank's attention (the simulator's layer graph reruns every
-    attention kernel once any rank recomputes fully), so the program is solved twice,
-    without full recomputation and with it and every document's attention rerun, and the
-    smaller optimum is taken; a token whose layouts sit on two groups (two nodes) is
+    attention kernel once any rank recomputes fully), and a plan recomputes fully on
+    every layer of every rank or on none (`Plan.validate` refuses full recomputation on
+    some ranks only; the runtime's full recomputation has no layer count,
+    `Llama.set_recompute`), so the program is solved twice, without full recomputation,
+    and with every token of both layouts under it and every document's attention rerun,
+    and the smaller optimum is taken; a token whose layouts sit on two groups (two nodes) is
     remapped each layer, q, k, v one way and o the other in each pass (`remap_bytes`),
     over both ends' NICs: each transfer holds the rank's NIC links at least its bytes over
     the NIC bandwidth (`Fabric.path`, at the best `nic_efficiency` of the cluster's
@@ -119,7 +122,7 @@ def layout_bound(L: np.ndarray, cluster: ClusterSpec, model: ModelSpec, gpus: np
         nic_s.append(cross_bytes / (g.nic_bw * nic_eff) / links if communication and nic else 0.0)
     best = np.inf
     for full in ({False, True} if "full" in modes else {False}):
-        ms = [i for i, m in enumerate(modes) if full or m != "full"]
+        ms = [i for i, m in enumerate(modes) if (m == "full") == full]
         if not ms:
             continue
         value = _layout_program(L, T, modes, ms, full, np.array(per_doc) + (np.array(rerun) if full else 0),

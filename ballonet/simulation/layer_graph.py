@@ -311,8 +311,8 @@ class LayerGraph:
                 t = self.tl.add(intra_s / DP_PIECES, links=links, after=[t],
                                 label=("send", r, "data-parallel collectives"))
             peer = self.fabric.nic_peer(r)
-            for _ in range(DP_PIECES if nic_bytes > 0 and peer is not None else 0):
-                t = self.transfer(r, peer, nic_bytes / DP_PIECES, [t], "data-parallel collectives",
+            for _ in range(DP_PIECES if nic_bytes > 0 and peer is not None else 0):  # full size in a nano-batch too
+                t = self.transfer(r, peer, nic_bytes / DP_PIECES / self.scale, [t], "data-parallel collectives",
                                   "allreduce")
             ends.append(t)
         return ends

@@ -24,6 +24,11 @@ simulated as chosen and as three counterfactuals, each against the same bound
   (`cost.recompute.per_rank_recompute`, as `plan_batch` decides). This is the pooling of
   memory across groups that the bound assumes free: it prices the remap traffic it adds.
 
+Each batch's simulated step is also taken apart (`trace`): its slowest rank, what it
+spends (attention, linear work, exposed communication, idle), how far it is over its
+group's mean, each group's mean compute, which of the bound's parts binds, and the
+estimate's error on the chosen plan and on the best candidate by simulation.
+
 And, for each batch whose plan runs a ring inside a PCIe-only node (`zeppelin.pcie_level`),
 its rings, its estimated step beside its simulated one, the communication the simulator
 leaves exposed on the rings' members and on the PCIe nodes' other ranks, and the best of
@@ -51,6 +56,7 @@ from hetero import CLUSTERS, MAX_LENGTH, MODEL, TOKENS_PER_GPU, WORKLOADS
 
 from ballonet import plan_batch, specs, workloads
 from ballonet.cost import hardware
+from ballonet.cost.bounds import bound_parts, overlap_bound
 from ballonet.cost.memory import activation_bytes, memory_cap
 from ballonet.cost.recompute import per_rank_recompute
 from ballonet.plan import Plan, RankRecompute, RecomputeMode
@@ -178,7 +184,10 @@ def batch_figures(lengths, cluster, model) -> dict:
            "pcie_fewer": {},
            "ample_s": ample.step_time_s, "ample_bound_s": ample.lower_bound_s,
            "ample_recompute": ample.recompute,
-           "moved": {}}
+           "moved": {}, "trace": trace(sim, chosen, dev, lengths, cluster, model)}
+    best = min(range(len(candidates)), key=lambda i: candidates[i].step_time_s)
+    out["trace"]["best_candidate"] = {"step_s": candidates[best].step_time_s, "estimate_s": search.made[best][0].seconds,
+                                      "recompute": candidates[best].recompute}
     for ring in sorted(inside, key=lambda r: -chosen.lengths[r.doc])[:1]:  # the longest
         maker = next(m for c, m, *_ in search.made if c is search.best)
         for k in range(len(ring.ranks) - 1, max(len(ring.ranks) - 4, 1), -1):
@@ -193,6 +202,24 @@ def batch_figures(lengths, cluster, model) -> dict:
                            "cross_group_gb": cross_group_bytes(plan, cluster, model) / 1e9,
                            "recompute": sorted({f"{m.value} on {k}" for m, k in plan.recompute})}
     return out
+
+
+def trace(sim, plan: Plan, dev, lengths, cluster, model) -> dict:
+    """The simulated step taken apart: the slowest rank (most compute plus exposed
+    communication), its group, attention and linear seconds (recomputation included),
+    exposed communication and idle time; each group's mean and busiest compute; and which
+    of the bound's three parts binds (`bound_parts`, `overlap_bound`)."""
+    slow = int(np.argmax(np.add(sim.compute_s, sim.exposed_comm_s)))
+    group = np.array(dev.group)
+    pooled, held = bound_parts(lengths, cluster, model)
+    parts = {"pooled": pooled, "per group": held, "overlap": overlap_bound(lengths, cluster, model)}
+    return {"slowest": slow, "slowest_group": int(group[slow]), "slowest_compute_s": sim.compute_s[slow],
+            "slowest_attention_s": sim.attention_s[slow], "slowest_exposed_s": sim.exposed_comm_s[slow],
+            "slowest_idle_s": sim.idle_s[slow], "slowest_linear_tokens": plan.linear_token_counts[slow],
+            "slowest_attention_tokens": plan.attention_token_counts[slow],
+            "group_mean_compute_s": [float(np.mean(np.array(sim.compute_s)[group == g])) for g in sorted(set(dev.group))],
+            "group_max_compute_s": [float(np.max(np.array(sim.compute_s)[group == g])) for g in sorted(set(dev.group))],
+            "binds": max(parts, key=parts.get)}
 
 
 def config(cluster_name: str, workload: str, steps: int) -> dict:
@@ -238,6 +265,37 @@ def markdown(runs: list[dict], cmd: str, header: str) -> str:
                            for m in r["moved"].values())
         lines.append(f"| {r['cluster']} | {r['workload']} | {r['to_bound']:.3f} | {r['compute_to_bound']:.3f} | "
                      f"{r['oracle_to_bound']:.3f} | {r['ample_to_bound']:.3f} | {r['linear_for_full_to_bound']:.3f} | {moves} |")
+    lines += ["", "The simulated trace taken apart (`trace`; seconds summed over the batches, over the "
+              "bounds summed): the slowest rank (most compute plus exposed communication), by group; its compute, of which "
+              "attention (recomputation's rerun included), its exposed communication and idle time; the busiest rank "
+              "of its group over that group's mean compute; each group's mean compute; the batches recomputing fully; "
+              "the chosen plan's estimate over its simulated step, and the best candidate by simulation (its step "
+              "over the bound, its estimate over its step); the bound's part that binds, by batch.", "",
+              "| cluster | workload | slowest rank's group | compute | attention | exposed | idle | busiest / group mean "
+              "| groups' mean compute | full recomputation | chosen: estimate / step | best candidate: step / bound "
+              "(estimate / step) | bound binding |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in runs:
+        gpus = [g.gpu_type.name.upper() for g in specs.cluster(r["cluster"]).groups]
+        bs = r["batches"]
+        avg = lambda get: sum(get(b) for b in bs) / sum(b["bound_s"] for b in bs)  # noqa: E731
+        t = [b["trace"] for b in bs]
+        count = lambda xs: ", ".join(f"{x} {xs.count(x)}" for x in sorted(set(xs)))  # noqa: E731
+        busiest = statistics.mean(x["group_max_compute_s"][x["slowest_group"]]
+                                  / x["group_mean_compute_s"][x["slowest_group"]] for x in t)
+        means = ", ".join(f"{gpu} {avg(lambda b, g=g: b['trace']['group_mean_compute_s'][g]):.3f}"
+                          for g, gpu in enumerate(gpus))
+        full = sum(any(m.startswith("full") for m in b["recompute"]) for b in bs)
+        chosen = statistics.mean(b["estimate_s"] / b["step_s"] for b in bs)
+        best = statistics.mean(x["best_candidate"]["estimate_s"] / x["best_candidate"]["step_s"] for x in t)
+        lines.append(f"| {r['cluster']} | {r['workload']} | {count([gpus[x['slowest_group']] for x in t])} | "
+                     f"{avg(lambda b: b['trace']['slowest_compute_s']):.3f} | "
+                     f"{avg(lambda b: b['trace']['slowest_attention_s']):.3f} | "
+                     f"{avg(lambda b: b['trace']['slowest_exposed_s']):.3f} | "
+                     f"{avg(lambda b: b['trace']['slowest_idle_s']):.3f} | {busiest:.3f} | {means} | "
+                     f"{full} of {len(bs)} | {chosen:.3f} | "
+                     f"{avg(lambda b: b['trace']['best_candidate']['step_s']):.3f} ({best:.3f}) | "
+                     f"{count([x['binds'] for x in t])} |")
     lines += ["", "Zeppelin / bound by batch (real memory; " f"{AMPLE}x memory):", ""]
     for r in runs:
         lines.append(f"- {r['cluster']} {r['workload']}: " + ", ".join(
