@@ -304,7 +304,7 @@ def crossing_exposed_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw
     return out
 
 
-def ring_wait_seconds(plan: Plan, dev: Devices, model: ModelSpec) -> np.ndarray:
+def ring_wait_seconds(plan: Plan, dev: Devices, model: ModelSpec, kernels=None) -> np.ndarray:
     """[R] what each member of a ring waits for its slowest member in a step's backward
     (all layers): the runtime queues a rank's local documents after every ring's first
     step, and from the second step on each member waits for its predecessor's partial
@@ -319,29 +319,16 @@ def ring_wait_seconds(plan: Plan, dev: Devices, model: ModelSpec) -> np.ndarray:
     with its slowest rank's), so nothing is charged (the end's own transfer:
     `final_grad_wait_seconds`). A member's other rings' steps fill its wait as its local
     documents do (the engine steps its rings round-robin): not counting them charged a
-    member of a small ring beside a large one up to 12% of its step on mixed clusters."""
+    member of a small ring beside a large one up to 12% of its step on mixed clusters.
+    `kernels`: the plan's `attention_kernels`, when known (read, not recomputed)."""
     R = plan.num_ranks
     rings = [ring.ranks for ring in plan.rings if len(ring.ranks) > 2]
     if not rings:
         return np.zeros(R)
-    in_ring = plan.ring_of_doc
-    pairs = [(r, s.end - s.start) for r in sorted({r for ranks in rings for r in ranks})
-             for s in plan.attention[r] if s.doc not in in_ring]
-    rank = np.array([r for r, _ in pairs], dtype=np.int64)
-    block = np.array([n for _, n in pairs], dtype=float)
-    seconds = np.zeros(len(pairs))
-    for i, gpu in enumerate(dev.gpu_types):  # one vector call per GPU type
-        on = dev.type_index[rank] == i
-        if on.any():
-            seconds[on] = attention_seconds(model, gpu, attention_flops(model, block[on]), block[on], backward=True)
-    local = np.bincount(rank, weights=seconds, minlength=R).astype(float)
-    positions, ring_flops, ring_block = _ring_kernels(model, plan.rings)  # every ring position, in ring order
-    ring_rank = np.asarray(positions, dtype=np.int64)
-    own = np.zeros(len(ring_rank))
-    for i, gpu in enumerate(dev.gpu_types):
-        on = dev.type_index[ring_rank] == i
-        if on.any():
-            own[on] = attention_seconds(model, gpu, ring_flops[on], ring_block[on], backward=True)
+    rank, _, bwd = kernels if kernels is not None else attention_kernels(plan, dev, model)
+    n = sum(len(ring.ranks) for ring in plan.rings)  # the kernels end with every ring position, in ring order
+    ring_rank, own = rank[len(rank) - n:], bwd[len(rank) - n:]
+    local = np.bincount(rank[:len(rank) - n], weights=bwd[:len(rank) - n], minlength=R).astype(float)
     fill = local + np.bincount(ring_rank, weights=own, minlength=R)  # [R] local documents and every ring step
     big = np.repeat([len(ring.ranks) > 2 for ring in plan.rings], [len(ring.ranks) for ring in plan.rings])
     members = ring_rank[big]
