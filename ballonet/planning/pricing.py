@@ -304,7 +304,7 @@ def crossing_exposed_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw
     return out
 
 
-def ring_wait_seconds(plan: Plan, dev: Devices, model: ModelSpec) -> np.ndarray:
+def ring_wait_seconds(plan: Plan, dev: Devices, model: ModelSpec, kernels=None) -> np.ndarray:
     """[R] what each member of a ring waits for its slowest member in a step's backward
     (all layers): the runtime queues a rank's local documents after every ring's first
     step, and from the second step on each member waits for its predecessor's partial
@@ -317,27 +317,26 @@ def ring_wait_seconds(plan: Plan, dev: Devices, model: ModelSpec) -> np.ndarray:
     predecessor's local documents): its members then end together behind the one with
     more work in all, which sets the layer's end itself (the simulator ends each layer
     with its slowest rank's), so nothing is charged (the end's own transfer:
-    `final_grad_wait_seconds`)."""
+    `final_grad_wait_seconds`). A member's other rings' steps fill its wait as its local
+    documents do (the engine steps its rings round-robin): not counting them charged a
+    member of a small ring beside a large one up to 12% of its step on mixed clusters.
+    `kernels`: the plan's `attention_kernels`, when known (read, not recomputed)."""
     R = plan.num_ranks
     rings = [ring.ranks for ring in plan.rings if len(ring.ranks) > 2]
     if not rings:
         return np.zeros(R)
-    in_ring = plan.ring_of_doc
-    pairs = [(r, s.end - s.start) for r in sorted({r for ranks in rings for r in ranks})
-             for s in plan.attention[r] if s.doc not in in_ring]
-    rank = np.array([r for r, _ in pairs], dtype=np.int64)
-    block = np.array([n for _, n in pairs], dtype=float)
-    seconds = np.zeros(len(pairs))
-    for i, gpu in enumerate(dev.gpu_types):  # one vector call per GPU type
-        on = dev.type_index[rank] == i
-        if on.any():
-            seconds[on] = attention_seconds(model, gpu, attention_flops(model, block[on]), block[on], backward=True)
-    local = np.bincount(rank, weights=seconds, minlength=R).astype(float)
-    members = np.array([r for ranks in rings for r in ranks])
+    rank, _, bwd = kernels if kernels is not None else attention_kernels(plan, dev, model)
+    n = sum(len(ring.ranks) for ring in plan.rings)  # the kernels end with every ring position, in ring order
+    ring_rank, own = rank[len(rank) - n:], bwd[len(rank) - n:]
+    local = np.bincount(rank[:len(rank) - n], weights=bwd[:len(rank) - n], minlength=R).astype(float)
+    fill = local + np.bincount(ring_rank, weights=own, minlength=R)  # [R] local documents and every ring step
+    big = np.repeat([len(ring.ranks) > 2 for ring in plan.rings], [len(ring.ranks) for ring in plan.rings])
+    members = ring_rank[big]
     sizes = [len(ranks) for ranks in rings]
     slowest = np.maximum.reduceat(local[members], np.cumsum([0] + sizes[:-1]))  # per ring
     out = np.zeros(R)
-    np.maximum.at(out, members, np.repeat(slowest, sizes) - local[members])  # the most over a rank's rings
+    # the most over a rank's rings; what fills it: all but this ring's own steps
+    np.maximum.at(out, members, np.repeat(slowest, sizes) - (fill[members] - own[big]))
     return model.num_layers * out
 
 
@@ -353,15 +352,22 @@ def rank_tp_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw: np.ndar
 
 def rank_remap_seconds(plan: Plan, model: ModelSpec, link_bw: np.ndarray) -> np.ndarray:
     """[R] seconds a step's remap all-to-alls take on each rank (all layers): q, k and v
-    toward the attention layout and o back, forward and backward, the larger of what a
-    rank sends and receives over its link of `link_bw[r]` bytes/s (the all-to-all is
-    blocking: no compute hides it)."""
+    toward the attention layout and o back, forward and backward. The all-to-all is
+    blocking (no compute hides it) and ends on a rank when all of its sends and receives
+    are done (`simulation.layer_graph.LayerGraph.remap_all_to_all`, as NCCL runs it): the
+    larger of what the rank sends and receives over its link of `link_bw[r]` bytes/s, or
+    of what a partner does, whose port its transfer shares (the senders into one busy rank
+    all end with its last byte)."""
     out, inn = np.zeros(plan.num_ranks), np.zeros(plan.num_ranks)
     per_token = remap_bytes(model, 1, True) + remap_bytes(model, 1, False)
     src, dst, n = remap_pairs(plan)
     np.add.at(out, src, n * per_token)
     np.add.at(inn, dst, n * per_token)
-    return 2 * model.num_layers * np.maximum(out, inn) / link_bw
+    own = 2 * model.num_layers * np.maximum(out, inn) / link_bw
+    busy = own.copy()
+    np.maximum.at(busy, src, own[dst])
+    np.maximum.at(busy, dst, own[src])
+    return busy
 
 
 
