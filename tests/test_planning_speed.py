@@ -3,6 +3,8 @@ of placements (a double level 1 that sends the same documents to the same nodes 
 mode's single one is placed as that one was, `search._same_nodes`), list versions of
 numpy steps."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -10,6 +12,7 @@ from ballonet import plan_batch, specs, workloads
 from ballonet.errors import InfeasiblePlan
 from ballonet.planning.assembly import Placement, assemble
 from ballonet.planning.devices import devices
+from ballonet.planning import pricing
 from ballonet.planning.packing import apportion
 from ballonet.planning.remap import linear_targets, node_linear_targets
 from ballonet.planning.zeppelin import refinement, search
@@ -93,3 +96,16 @@ def test_node_linear_targets_are_each_nodes_own_apportion():
             continue
         assert np.array_equal(node_linear_targets(counts, speed, caps, nodes), want)
 
+
+
+def test_remap_pairs_are_counted_once_per_plan_and_read_only():
+    cluster = ClusterSpec(name="t", groups=(NodeGroup(gpu="h200", num_nodes=1, gpus_per_node=4, nics_per_node=4),))
+    lengths = workloads.get("wlbllm").sample_batch(16384 * 4, 0)
+    plan = plan_batch(lengths, cluster, specs.model("llama-7b"))
+    src, dst, n = pricing.remap_pairs(plan)
+    assert sorted(zip(src.tolist(), dst.tolist(), n.tolist())) == sorted(
+        (s, d, k) for (s, d), k in plan.remap_tokens().items())
+    assert len(src) and pricing.remap_pairs(plan)[0] is src  # the plan's own, not counted again
+    with pytest.raises(ValueError):
+        n[0] = 0
+    assert pricing.remap_pairs(dataclasses.replace(plan, remap=()))[0].size == 0  # a new plan counts anew

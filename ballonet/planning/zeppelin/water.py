@@ -26,18 +26,20 @@ def water_level_list(b: list, s: list, u: list, c: list, total: float) -> list:
     """`water_level` on lists (refinement calls it on rings of a few ranks, where numpy's
     per-call cost is most of the work)."""
     capped = [x if x > 0 else 0.0 for x in c]
-    if total <= 0 or not any(capped):
+    held = sum(capped)  # (none held: every slot at 0, they being at least 0)
+    if total <= 0 or held <= 0.0:
         return [0.0] * len(b)
-    if sum(capped) <= total:
+    if held <= total:
         return capped
     # The filled amount grows piecewise linearly with the level: slot i adds s_i / u_i per
     # unit of level between b_i / s_i (its start) and (b_i + u_i c_i) / s_i (its cap).
-    events = []
+    events: list[tuple[float, float]] = []
+    add = events.append
     for bi, si, ui, ci in zip(b, s, u, c):
         if ci > 0:
             rate = si / ui
-            events.append((bi / si, rate))
-            events.append(((bi + ui * ci) / si, -rate))
+            add((bi / si, rate))
+            add(((bi + ui * ci) / si, -rate))
     events.sort(key=itemgetter(0))
     filled, rate, at = 0.0, 0.0, events[0][0]
     for point, change in events:
