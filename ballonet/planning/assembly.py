@@ -13,6 +13,8 @@ import dataclasses
 import functools
 from collections import Counter
 from dataclasses import dataclass, field
+from itertools import accumulate
+from operator import sub
 
 import numpy as np
 
@@ -49,14 +51,9 @@ def zigzag_bounds(length: int, tokens: list[int]) -> tuple[int, ...]:
     tokens[i] // 2 and the mirrored back chunk 2g-1-i of the rest. With front and back
     chunks of equal size a position's causal work is proportional to its tokens, whatever
     its place (chunk (s, a) at the front and its mirror at the back cost a*L together)."""
-    g = len(tokens)
-    bounds = [0] * (2 * g + 1)
-    for i, t in enumerate(tokens):
-        bounds[i + 1] = bounds[i] + t // 2
-    bounds[2 * g] = length
-    for i, t in enumerate(tokens):
-        bounds[2 * g - 1 - i] = bounds[2 * g - i] - (t - t // 2)
-    return tuple(bounds)
+    front = list(accumulate([t // 2 for t in tokens], initial=0))  # bounds 0..g
+    back = list(accumulate([t - t // 2 for t in tokens], sub, initial=length))  # bounds 2g down to g
+    return (*front[:-1], *reversed(back))
 
 
 def assemble(name: str, lengths: list[int], dev: Devices, placement: Placement, *, comm: str = "ring",

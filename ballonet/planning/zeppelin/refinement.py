@@ -217,15 +217,17 @@ def _placement(fill: RankFill, st: Levels, docs: list[int], local_tokens: np.nda
     """Whole token counts for the members of each split document, under memory caps. The
     shares fit as real numbers; when the rounding of earlier documents leaves a document's
     members a few tokens short, those tokens move along rings to ranks with room
-    (`_make_room`) rather than failing the plan."""
-    placement = Placement(num_ranks=dev.num_ranks, local=[list(ds) for ds in fill.local])
+    (`_make_room`) rather than failing the plan. The placement takes `fill.local` as it is
+    (refinement is the fill's last reader)."""
+    placement = Placement(num_ranks=dev.num_ranks, local=fill.local)
     room = (dev.token_cap - local_tokens).tolist()
     for d in docs:
         m = st.members[d]
-        short = lengths[d] - sum(max(room[r], 0) for r in m)
+        caps = [x if (x := room[r]) > 0 else 0 for r in m]
+        short = lengths[d] - sum(caps)
         if short > 0:
             _make_room(placement.split, room, m, short)
-        caps = [max(room[r], 0) for r in m]
+            caps = [x if (x := room[r]) > 0 else 0 for r in m]
         try:
             counts = _apportion_list(lengths[d], st.held[d], caps)
         except InfeasiblePlan:
