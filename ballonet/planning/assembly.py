@@ -73,7 +73,11 @@ def assemble(name: str, lengths: list[int], dev: Devices, placement: Placement, 
         assert sum(tokens) == lengths[doc], (doc, tokens, lengths[doc])
         ring_specs.append((doc, tuple(members), zigzag_bounds(lengths[doc], tokens)))
     ring_specs += [(doc, tuple(ranks), tuple(bounds)) for doc, (ranks, bounds) in placement.rings.items()]
-    segs: list[list[tuple[int, int, int, int]]] = [[] for _ in range(dev.num_ranks)]  # ring chunks (queue, doc, start, end)
+    # Ring chunks per rank, inter-node rings' then intra-node rings' (the engine's queue
+    # order), each by (document, start): documents come in order, a member's front chunk
+    # before its back one.
+    chunks: tuple[list[list[Segment]], list[list[Segment]]] = ([[] for _ in range(dev.num_ranks)],
+                                                                [[] for _ in range(dev.num_ranks)])
     rings = []
     fixed = set(placement.rings)
     for doc, ranks, b in sorted(ring_specs):
@@ -83,17 +87,17 @@ def assemble(name: str, lengths: list[int], dev: Devices, placement: Placement, 
             rings.append(Ring(doc=doc, kind=kind, ranks=ranks, bounds=b, comm="double", groups=len(per_node)))
         else:
             rings.append(Ring(doc=doc, kind=kind, ranks=ranks, bounds=b, comm=comm))
-        queue, g = (0 if kind == "inter" else 1), len(ranks)
+        queue, g = chunks[0 if kind == "inter" else 1], len(ranks)
         for i, r in enumerate(ranks):  # chunks i and 2g-1-i (Ring.chunks_of), empty ones left out
             if b[i + 1] > b[i]:
-                segs[r].append((queue, doc, b[i], b[i + 1]))
+                queue[r].append(Segment(doc, b[i], b[i + 1]))
             if b[2 * g - i] > b[2 * g - 1 - i]:
-                segs[r].append((queue, doc, b[2 * g - 1 - i], b[2 * g - i]))
+                queue[r].append(Segment(doc, b[2 * g - 1 - i], b[2 * g - i]))
     batch = tuple(lengths)
     whole = whole_segments(batch)
-    attention = tuple((*[Segment(d, a, e) for _, d, a, e in sorted(rank_segs)], *map(whole.__getitem__, sorted(docs)))
-                      if rank_segs else tuple(map(whole.__getitem__, sorted(docs)))  # local documents last
-                      for rank_segs, docs in zip(segs, placement.local, strict=True))
+    attention = tuple((*inter, *intra, *map(whole.__getitem__, sorted(docs)))  # local documents last
+                      if inter or intra else tuple(map(whole.__getitem__, sorted(docs)))
+                      for inter, intra, docs in zip(*chunks, placement.local, strict=True))
     return Plan(planner=name, lengths=batch, node_of_rank=dev.node, nic_of_rank=dev.nic,
                 attention=attention, rings=tuple(rings), memory_cap=dev.memory_total,
                 attention_engine=attention_engine, meta=dict(meta or {}))
