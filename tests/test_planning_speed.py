@@ -145,3 +145,15 @@ def test_water_level_list_is_the_event_sweep_bit_for_bit():
         total = float(rng.random() * c.sum() * 1.1)
         args = [x.tolist() for x in (b, s, u, c)]
         assert water_level_list(*args, total) == _water_level_by_events(*args, total)
+
+
+def test_assembled_plans_count_their_attention_tokens_as_their_segments_hold():
+    cluster = ClusterSpec(name="t", groups=(NodeGroup(gpu="h200", num_nodes=2, gpus_per_node=2, nics_per_node=2),))
+    dev = devices(cluster, specs.model("llama-7b"))
+    placement = Placement(num_ranks=4, local=[[1], [], [2, 3], []],
+                          split={0: {0: 5, 1: 0, 2: 6, 3: 9}, 4: {1: 7, 3: 1}, 5: {3: 4}})
+    plan = assemble("t", [20, 3, 4, 5, 8, 4], dev, placement)
+    assert "attention_token_counts" in plan.__dict__  # set by `assemble`
+    fresh = dataclasses.replace(plan)  # counts its segments
+    assert "attention_token_counts" not in fresh.__dict__
+    assert plan.attention_token_counts == fresh.attention_token_counts == (8, 7, 15, 14)

@@ -78,6 +78,7 @@ def assemble(name: str, lengths: list[int], dev: Devices, placement: Placement, 
     # before its back one.
     chunks: tuple[list[list[Segment]], list[list[Segment]]] = ([[] for _ in range(dev.num_ranks)],
                                                                 [[] for _ in range(dev.num_ranks)])
+    held = [sum(map(lengths.__getitem__, docs)) for docs in placement.local]  # [R] tokens: `attention_token_counts`
     rings = []
     fixed = set(placement.rings)
     for doc, ranks, b in sorted(ring_specs):
@@ -91,16 +92,20 @@ def assemble(name: str, lengths: list[int], dev: Devices, placement: Placement, 
         for i, r in enumerate(ranks):  # chunks i and 2g-1-i (Ring.chunks_of), empty ones left out
             if b[i + 1] > b[i]:
                 queue[r].append(Segment(doc, b[i], b[i + 1]))
+                held[r] += b[i + 1] - b[i]
             if b[2 * g - i] > b[2 * g - 1 - i]:
                 queue[r].append(Segment(doc, b[2 * g - 1 - i], b[2 * g - i]))
+                held[r] += b[2 * g - i] - b[2 * g - 1 - i]
     batch = tuple(lengths)
     whole = whole_segments(batch)
     attention = tuple((*inter, *intra, *map(whole.__getitem__, sorted(docs)))  # local documents last
                       if inter or intra else tuple(map(whole.__getitem__, sorted(docs)))
                       for inter, intra, docs in zip(*chunks, placement.local, strict=True))
-    return Plan(planner=name, lengths=batch, node_of_rank=dev.node, nic_of_rank=dev.nic,
+    plan = Plan(planner=name, lengths=batch, node_of_rank=dev.node, nic_of_rank=dev.nic,
                 attention=attention, rings=tuple(rings), memory_cap=dev.memory_total,
                 attention_engine=attention_engine, meta=dict(meta or {}))
+    plan.__dict__["attention_token_counts"] = tuple(held)  # (the cached count, as `replaced` keeps it)
+    return plan
 
 
 @functools.lru_cache(maxsize=8)
