@@ -27,6 +27,7 @@ a batch that needs more recomputation pays a second forward. The partitioner the
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 
 import numpy as np
 
@@ -54,6 +55,9 @@ __all__ = ["StepWeights", "attention_kernels", "crossing_exposed_seconds", "cros
            "inter_node_span", "linear_work_per_token", "rank_compute_seconds", "rank_remap_seconds",
            "rank_step_seconds", "rank_tp_seconds", "recompute_modes", "remap_pairs", "remaps_inside",
            "ring_exposed_seconds", "ring_wait_seconds", "step_weights", "synchronous_step_seconds"]
+
+
+_doc = attrgetter("doc")
 
 
 def recompute_modes(model: ModelSpec) -> tuple[str, ...]:
@@ -151,7 +155,7 @@ def attention_kernels(plan: Plan, dev: Devices, model: ModelSpec) -> tuple[np.nd
     each local document and each ring position. The same under every recomputation
     (`rank_compute_seconds` adds the forward again under "full")."""
     in_ring = plan.ring_of_doc
-    local = [(r, d) for r, segs in enumerate(plan.attention) for d in {s.doc for s in segs} if d not in in_ring]
+    local = [(r, d) for r, segs in enumerate(plan.attention) for d in set(map(_doc, segs)) if d not in in_ring]
     rank = [r for r, _ in local]
     block = [plan.lengths[d] for _, d in local]
     ring_rank, ring_flops, ring_block = _ring_kernels(model, plan.rings)
@@ -372,8 +376,16 @@ def rank_remap_seconds(plan: Plan, model: ModelSpec, link_bw: np.ndarray) -> np.
 
 
 def remap_pairs(plan: Plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """`plan.remap_tokens()` as arrays: each (source, destination) pair's ranks and tokens."""
-    pairs = plan.remap_tokens()
-    src = np.array([s for s, _ in pairs], dtype=np.int64)
-    dst = np.array([d for _, d in pairs], dtype=np.int64)
-    return src, dst, np.array(list(pairs.values()), dtype=np.int64)
+    """`plan.remap_tokens()` as arrays: each (source, destination) pair's ranks and tokens;
+    read-only, counted once per plan (pricing reads them three times; a plan is a value,
+    and `dataclasses.replace` makes a new one without the count)."""
+    got = plan.__dict__.get("_remap_pairs")
+    if got is None:
+        pairs = plan.remap_tokens()
+        src = np.array([s for s, _ in pairs], dtype=np.int64)
+        dst = np.array([d for _, d in pairs], dtype=np.int64)
+        got = (src, dst, np.array(list(pairs.values()), dtype=np.int64))
+        for a in got:
+            a.flags.writeable = False
+        plan.__dict__["_remap_pairs"] = got
+    return got
