@@ -344,7 +344,10 @@ def write(rows, by_gpus, by_docs, full, double, command: str, seconds: float, ag
         f"128 GPUs and {_candidates(by_gpus, 1024)} at 1024 (`plan.meta['candidates']`), each step a Python loop "
         "over nodes, ranks, documents or ring members at about the interpreter's cost per item: on 2026-12-07, "
         "after the second speed step, at 1024 GPUs refinement took 25% of a plan, level 2 23%, level 1s 18%, "
-        "pricing 17%, assembly and remap 10%; at 128 GPUs 20%, 19%, 15%, 28% and 10% "
+        "pricing 17%, assembly and remap 10%; at 128 GPUs 20%, 19%, 15%, 28% and 10%; a candidate costs about "
+        "6 ms at 128 GPUs and 55 ms at 1024, so the targets leave room for about 3 candidates each; refinement "
+        "levelled in one numpy pass per wave of rings made the same plans but was slower in all, what "
+        "surrounds each water level being per document "
         "(docs/design.md, section 4, 'Planning time'); this shared VM's speed "
         "drifts between runs of the same code (1.5x to 4x on 2026-12-02), so compare the best of 7 and, with "
         "`--against`, the side-by-side speedup or, with `--instructions`, the instruction counts)")

@@ -34,7 +34,9 @@ def test_the_backward_balanced_level_is_planned_where_it_prices_shorter(monkeypa
     wlb = simulate(plan_batch(lengths, CLUSTER, MODEL, "wlb_llm", cp_size=2), CLUSTER, MODEL).step_time_s
     monkeypatch.setattr(search, "backward_level", lambda level: None)  # the search before
     before = simulate(plan_batch(lengths, CLUSTER, MODEL), CLUSTER, MODEL).step_time_s
-    assert before > wlb > step
+    # (Since the simulator runs the remap as NCCL does, the search without it is 30.209 s,
+    # under wlb_llm's 30.235 s too; with it 30.081 s.)
+    assert wlb > step
     assert step < 0.997 * before
 
 

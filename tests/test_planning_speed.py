@@ -3,6 +3,8 @@ of placements (a double level 1 that sends the same documents to the same nodes 
 mode's single one is placed as that one was, `search._same_nodes`), list versions of
 numpy steps."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -10,10 +12,11 @@ from ballonet import plan_batch, specs, workloads
 from ballonet.errors import InfeasiblePlan
 from ballonet.planning.assembly import Placement, assemble
 from ballonet.planning.devices import devices
+from ballonet.planning import pricing
 from ballonet.planning.packing import apportion
 from ballonet.planning.remap import linear_targets, node_linear_targets
 from ballonet.planning.zeppelin import refinement, search
-from ballonet.planning.zeppelin.water import ordered_sum
+from ballonet.planning.zeppelin.water import ordered_sum, water_level_list
 from ballonet.specs import ClusterSpec, NodeGroup
 
 
@@ -93,3 +96,64 @@ def test_node_linear_targets_are_each_nodes_own_apportion():
             continue
         assert np.array_equal(node_linear_targets(counts, speed, caps, nodes), want)
 
+
+
+def test_remap_pairs_are_counted_once_per_plan_and_read_only():
+    cluster = ClusterSpec(name="t", groups=(NodeGroup(gpu="h200", num_nodes=1, gpus_per_node=4, nics_per_node=4),))
+    lengths = workloads.get("wlbllm").sample_batch(16384 * 4, 0)
+    plan = plan_batch(lengths, cluster, specs.model("llama-7b"))
+    src, dst, n = pricing.remap_pairs(plan)
+    assert sorted(zip(src.tolist(), dst.tolist(), n.tolist())) == sorted(
+        (s, d, k) for (s, d), k in plan.remap_tokens().items())
+    assert len(src) and pricing.remap_pairs(plan)[0] is src  # the plan's own, not counted again
+    with pytest.raises(ValueError):
+        n[0] = 0
+    assert pricing.remap_pairs(dataclasses.replace(plan, remap=()))[0].size == 0  # a new plan counts anew
+
+
+def _water_level_by_events(b, s, u, c, total):
+    """The water level as it was before the two-list version: a sorted list of (point, change) events."""
+    capped = [x if x > 0 else 0.0 for x in c]
+    if total <= 0 or not any(capped):
+        return [0.0] * len(b)
+    if sum(capped) <= total:
+        return capped
+    events = []
+    for bi, si, ui, ci in zip(b, s, u, c):
+        if ci > 0:
+            events += [(bi / si, si / ui), ((bi + ui * ci) / si, -si / ui)]
+    events.sort(key=lambda e: e[0])
+    filled, rate, at = 0.0, 0.0, events[0][0]
+    for point, change in events:
+        more = filled + rate * (point - at)
+        if more >= total and rate > 0:
+            break
+        filled, at, rate = more, point, rate + change
+    else:
+        return capped
+    level = at + (total - filled) / rate
+    return [min(max((level * si - bi) / ui, 0.0), ci) for bi, si, ui, ci in zip(b, s, u, capped)]
+
+
+def test_water_level_list_is_the_event_sweep_bit_for_bit():
+    rng = np.random.default_rng(0)
+    for _ in range(3000):
+        n = int(rng.integers(1, 12))
+        b = rng.choice([0.0, 1e5, 3e5], n) if rng.random() < 0.3 else rng.random(n) * 1e6  # ties among the points
+        s, u = rng.choice([1.0, 0.5], n), rng.random(n) * 10 + 1
+        c = np.where(rng.random(n) < 0.2, 0.0, rng.random(n) * 5000)
+        total = float(rng.random() * c.sum() * 1.1)
+        args = [x.tolist() for x in (b, s, u, c)]
+        assert water_level_list(*args, total) == _water_level_by_events(*args, total)
+
+
+def test_assembled_plans_count_their_attention_tokens_as_their_segments_hold():
+    cluster = ClusterSpec(name="t", groups=(NodeGroup(gpu="h200", num_nodes=2, gpus_per_node=2, nics_per_node=2),))
+    dev = devices(cluster, specs.model("llama-7b"))
+    placement = Placement(num_ranks=4, local=[[1], [], [2, 3], []],
+                          split={0: {0: 5, 1: 0, 2: 6, 3: 9}, 4: {1: 7, 3: 1}, 5: {3: 4}})
+    plan = assemble("t", [20, 3, 4, 5, 8, 4], dev, placement)
+    assert "attention_token_counts" in plan.__dict__  # set by `assemble`
+    fresh = dataclasses.replace(plan)  # counts its segments
+    assert "attention_token_counts" not in fresh.__dict__
+    assert plan.attention_token_counts == fresh.attention_token_counts == (8, 7, 15, 14)

@@ -36,5 +36,5 @@ def heaviest(per_rank) -> RankRecompute:
     """The costliest mode any rank recomputes under, and the most layers any rank
     recomputes under it itself ("none", 0 for no ranks)."""
     modes = list(RecomputeMode)
-    mode = max((RecomputeMode(m) for m, _ in per_rank), key=modes.index, default=RecomputeMode.NONE)
+    mode = max(map(RecomputeMode, {m for m, _ in per_rank}), key=modes.index, default=RecomputeMode.NONE)
     return RankRecompute(mode, max((k for m, k in per_rank if m == mode), default=0))

@@ -13,6 +13,8 @@ import dataclasses
 import functools
 from collections import Counter
 from dataclasses import dataclass, field
+from itertools import accumulate
+from operator import sub
 
 import numpy as np
 
@@ -49,14 +51,9 @@ def zigzag_bounds(length: int, tokens: list[int]) -> tuple[int, ...]:
     tokens[i] // 2 and the mirrored back chunk 2g-1-i of the rest. With front and back
     chunks of equal size a position's causal work is proportional to its tokens, whatever
     its place (chunk (s, a) at the front and its mirror at the back cost a*L together)."""
-    g = len(tokens)
-    bounds = [0] * (2 * g + 1)
-    for i, t in enumerate(tokens):
-        bounds[i + 1] = bounds[i] + t // 2
-    bounds[2 * g] = length
-    for i, t in enumerate(tokens):
-        bounds[2 * g - 1 - i] = bounds[2 * g - i] - (t - t // 2)
-    return tuple(bounds)
+    front = list(accumulate([t // 2 for t in tokens], initial=0))  # bounds 0..g
+    back = list(accumulate([t - t // 2 for t in tokens], sub, initial=length))  # bounds 2g down to g
+    return (*front[:-1], *reversed(back))
 
 
 def assemble(name: str, lengths: list[int], dev: Devices, placement: Placement, *, comm: str = "ring",
@@ -76,7 +73,12 @@ def assemble(name: str, lengths: list[int], dev: Devices, placement: Placement, 
         assert sum(tokens) == lengths[doc], (doc, tokens, lengths[doc])
         ring_specs.append((doc, tuple(members), zigzag_bounds(lengths[doc], tokens)))
     ring_specs += [(doc, tuple(ranks), tuple(bounds)) for doc, (ranks, bounds) in placement.rings.items()]
-    segs: list[list[tuple[int, int, int, int]]] = [[] for _ in range(dev.num_ranks)]  # ring chunks (queue, doc, start, end)
+    # Ring chunks per rank, inter-node rings' then intra-node rings' (the engine's queue
+    # order), each by (document, start): documents come in order, a member's front chunk
+    # before its back one.
+    chunks: tuple[list[list[Segment]], list[list[Segment]]] = ([[] for _ in range(dev.num_ranks)],
+                                                                [[] for _ in range(dev.num_ranks)])
+    held = [sum(map(lengths.__getitem__, docs)) for docs in placement.local]  # [R] tokens: `attention_token_counts`
     rings = []
     fixed = set(placement.rings)
     for doc, ranks, b in sorted(ring_specs):
@@ -86,20 +88,24 @@ def assemble(name: str, lengths: list[int], dev: Devices, placement: Placement, 
             rings.append(Ring(doc=doc, kind=kind, ranks=ranks, bounds=b, comm="double", groups=len(per_node)))
         else:
             rings.append(Ring(doc=doc, kind=kind, ranks=ranks, bounds=b, comm=comm))
-        queue, g = (0 if kind == "inter" else 1), len(ranks)
+        queue, g = chunks[0 if kind == "inter" else 1], len(ranks)
         for i, r in enumerate(ranks):  # chunks i and 2g-1-i (Ring.chunks_of), empty ones left out
             if b[i + 1] > b[i]:
-                segs[r].append((queue, doc, b[i], b[i + 1]))
+                queue[r].append(Segment(doc, b[i], b[i + 1]))
+                held[r] += b[i + 1] - b[i]
             if b[2 * g - i] > b[2 * g - 1 - i]:
-                segs[r].append((queue, doc, b[2 * g - 1 - i], b[2 * g - i]))
+                queue[r].append(Segment(doc, b[2 * g - 1 - i], b[2 * g - i]))
+                held[r] += b[2 * g - i] - b[2 * g - 1 - i]
     batch = tuple(lengths)
     whole = whole_segments(batch)
-    attention = tuple((*[Segment(d, a, e) for _, d, a, e in sorted(rank_segs)], *map(whole.__getitem__, sorted(docs)))
-                      if rank_segs else tuple(map(whole.__getitem__, sorted(docs)))  # local documents last
-                      for rank_segs, docs in zip(segs, placement.local, strict=True))
-    return Plan(planner=name, lengths=batch, node_of_rank=dev.node, nic_of_rank=dev.nic,
+    attention = tuple((*inter, *intra, *map(whole.__getitem__, sorted(docs)))  # local documents last
+                      if inter or intra else tuple(map(whole.__getitem__, sorted(docs)))
+                      for inter, intra, docs in zip(*chunks, placement.local, strict=True))
+    plan = Plan(planner=name, lengths=batch, node_of_rank=dev.node, nic_of_rank=dev.nic,
                 attention=attention, rings=tuple(rings), memory_cap=dev.memory_total,
                 attention_engine=attention_engine, meta=dict(meta or {}))
+    plan.__dict__["attention_token_counts"] = tuple(held)  # (the cached count, as `replaced` keeps it)
+    return plan
 
 
 @functools.lru_cache(maxsize=8)

@@ -27,6 +27,7 @@ a batch that needs more recomputation pays a second forward. The partitioner the
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 
 import numpy as np
 
@@ -54,6 +55,9 @@ __all__ = ["StepWeights", "attention_kernels", "crossing_exposed_seconds", "cros
            "inter_node_span", "linear_work_per_token", "rank_compute_seconds", "rank_remap_seconds",
            "rank_step_seconds", "rank_tp_seconds", "recompute_modes", "remap_pairs", "remaps_inside",
            "ring_exposed_seconds", "ring_wait_seconds", "step_weights", "synchronous_step_seconds"]
+
+
+_doc = attrgetter("doc")
 
 
 def recompute_modes(model: ModelSpec) -> tuple[str, ...]:
@@ -151,7 +155,7 @@ def attention_kernels(plan: Plan, dev: Devices, model: ModelSpec) -> tuple[np.nd
     each local document and each ring position. The same under every recomputation
     (`rank_compute_seconds` adds the forward again under "full")."""
     in_ring = plan.ring_of_doc
-    local = [(r, d) for r, segs in enumerate(plan.attention) for d in {s.doc for s in segs} if d not in in_ring]
+    local = [(r, d) for r, segs in enumerate(plan.attention) for d in set(map(_doc, segs)) if d not in in_ring]
     rank = [r for r, _ in local]
     block = [plan.lengths[d] for _, d in local]
     ring_rank, ring_flops, ring_block = _ring_kernels(model, plan.rings)
@@ -304,7 +308,7 @@ def crossing_exposed_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw
     return out
 
 
-def ring_wait_seconds(plan: Plan, dev: Devices, model: ModelSpec) -> np.ndarray:
+def ring_wait_seconds(plan: Plan, dev: Devices, model: ModelSpec, kernels=None) -> np.ndarray:
     """[R] what each member of a ring waits for its slowest member in a step's backward
     (all layers): the runtime queues a rank's local documents after every ring's first
     step, and from the second step on each member waits for its predecessor's partial
@@ -317,27 +321,26 @@ def ring_wait_seconds(plan: Plan, dev: Devices, model: ModelSpec) -> np.ndarray:
     predecessor's local documents): its members then end together behind the one with
     more work in all, which sets the layer's end itself (the simulator ends each layer
     with its slowest rank's), so nothing is charged (the end's own transfer:
-    `final_grad_wait_seconds`)."""
+    `final_grad_wait_seconds`). A member's other rings' steps fill its wait as its local
+    documents do (the engine steps its rings round-robin): not counting them charged a
+    member of a small ring beside a large one up to 12% of its step on mixed clusters.
+    `kernels`: the plan's `attention_kernels`, when known (read, not recomputed)."""
     R = plan.num_ranks
     rings = [ring.ranks for ring in plan.rings if len(ring.ranks) > 2]
     if not rings:
         return np.zeros(R)
-    in_ring = plan.ring_of_doc
-    pairs = [(r, s.end - s.start) for r in sorted({r for ranks in rings for r in ranks})
-             for s in plan.attention[r] if s.doc not in in_ring]
-    rank = np.array([r for r, _ in pairs], dtype=np.int64)
-    block = np.array([n for _, n in pairs], dtype=float)
-    seconds = np.zeros(len(pairs))
-    for i, gpu in enumerate(dev.gpu_types):  # one vector call per GPU type
-        on = dev.type_index[rank] == i
-        if on.any():
-            seconds[on] = attention_seconds(model, gpu, attention_flops(model, block[on]), block[on], backward=True)
-    local = np.bincount(rank, weights=seconds, minlength=R).astype(float)
-    members = np.array([r for ranks in rings for r in ranks])
+    rank, _, bwd = kernels if kernels is not None else attention_kernels(plan, dev, model)
+    n = sum(len(ring.ranks) for ring in plan.rings)  # the kernels end with every ring position, in ring order
+    ring_rank, own = rank[len(rank) - n:], bwd[len(rank) - n:]
+    local = np.bincount(rank[:len(rank) - n], weights=bwd[:len(rank) - n], minlength=R).astype(float)
+    fill = local + np.bincount(ring_rank, weights=own, minlength=R)  # [R] local documents and every ring step
+    big = np.repeat([len(ring.ranks) > 2 for ring in plan.rings], [len(ring.ranks) for ring in plan.rings])
+    members = ring_rank[big]
     sizes = [len(ranks) for ranks in rings]
     slowest = np.maximum.reduceat(local[members], np.cumsum([0] + sizes[:-1]))  # per ring
     out = np.zeros(R)
-    np.maximum.at(out, members, np.repeat(slowest, sizes) - local[members])  # the most over a rank's rings
+    # the most over a rank's rings; what fills it: all but this ring's own steps
+    np.maximum.at(out, members, np.repeat(slowest, sizes) - (fill[members] - own[big]))
     return model.num_layers * out
 
 
@@ -353,21 +356,36 @@ def rank_tp_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw: np.ndar
 
 def rank_remap_seconds(plan: Plan, model: ModelSpec, link_bw: np.ndarray) -> np.ndarray:
     """[R] seconds a step's remap all-to-alls take on each rank (all layers): q, k and v
-    toward the attention layout and o back, forward and backward, the larger of what a
-    rank sends and receives over its link of `link_bw[r]` bytes/s (the all-to-all is
-    blocking: no compute hides it)."""
+    toward the attention layout and o back, forward and backward. The all-to-all is
+    blocking (no compute hides it) and ends on a rank when all of its sends and receives
+    are done (`simulation.layer_graph.LayerGraph.remap_all_to_all`, as NCCL runs it): the
+    larger of what the rank sends and receives over its link of `link_bw[r]` bytes/s, or
+    of what a partner does, whose port its transfer shares (the senders into one busy rank
+    all end with its last byte)."""
     out, inn = np.zeros(plan.num_ranks), np.zeros(plan.num_ranks)
     per_token = remap_bytes(model, 1, True) + remap_bytes(model, 1, False)
     src, dst, n = remap_pairs(plan)
     np.add.at(out, src, n * per_token)
     np.add.at(inn, dst, n * per_token)
-    return 2 * model.num_layers * np.maximum(out, inn) / link_bw
+    own = 2 * model.num_layers * np.maximum(out, inn) / link_bw
+    busy = own.copy()
+    np.maximum.at(busy, src, own[dst])
+    np.maximum.at(busy, dst, own[src])
+    return busy
 
 
 
 def remap_pairs(plan: Plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """`plan.remap_tokens()` as arrays: each (source, destination) pair's ranks and tokens."""
-    pairs = plan.remap_tokens()
-    src = np.array([s for s, _ in pairs], dtype=np.int64)
-    dst = np.array([d for _, d in pairs], dtype=np.int64)
-    return src, dst, np.array(list(pairs.values()), dtype=np.int64)
+    """`plan.remap_tokens()` as arrays: each (source, destination) pair's ranks and tokens;
+    read-only, counted once per plan (pricing reads them three times; a plan is a value,
+    and `dataclasses.replace` makes a new one without the count)."""
+    got = plan.__dict__.get("_remap_pairs")
+    if got is None:
+        pairs = plan.remap_tokens()
+        src = np.array([s for s, _ in pairs], dtype=np.int64)
+        dst = np.array([d for _, d in pairs], dtype=np.int64)
+        got = (src, dst, np.array(list(pairs.values()), dtype=np.int64))
+        for a in got:
+            a.flags.writeable = False
+        plan.__dict__["_remap_pairs"] = got
+    return got

@@ -134,6 +134,12 @@ class LayerGraph:
     from the data-parallel collectives (as the runtime runs it): the two share links,
     piece by piece. False: one process group, whose one stream runs the layer's
     data-parallel collectives before any of its CP transfers."""
+    remap_meets: bool = True
+    """The remap as the runtime runs it (`remap_all_to_all`); False: each transfer leaves
+    when its sender is ready and only receivers wait for it, the credit DistCA's ping-pong
+    (`ping_pong.py`, which our runtime does not run) had before and keeps, a courtesy to
+    the baseline (the NCCL rule lengthens the layer of `tests/test_baselines.py`'s
+    ping-pong case by 3.7%)."""
     shared: LayerGraph | None = None
     """Build into this graph's timeline and stream order (several layers or nano-batches
     in one run; `ping_pong.py`)."""
@@ -277,17 +283,25 @@ class LayerGraph:
         return max(hardware.profile(gpu).attention_launch_s, total)
 
     def remap_all_to_all(self, begin: list, reverse: bool, name: str) -> list:
-        """Per rank, the task after which all of its incoming remap data has arrived. q, k
-        and v travel toward the attention layout in the forward (their gradients back in
-        the backward); o and its gradient the other way."""
+        """Per rank, the task after which its part of the remap is done. q, k and v travel
+        toward the attention layout in the forward (their gradients back in the backward);
+        o and its gradient the other way. As NCCL runs the runtime's `all_to_all_single`
+        (one grouped kernel of sends and receives on each rank, launched when the rank's
+        stream reaches it): a pair's bytes move once both ranks have posted, and a rank
+        goes on when all of its sends and receives are done (without `remap_meets`, when
+        its receives are)."""
         qkv = reverse != self.backward
-        incoming = [[b] for b in begin]
+        done = [[b] for b in begin]
         for (src, dst), tokens in sorted(self.remap.items()):
             if reverse:
                 src, dst = dst, src
             nbytes = remap_bytes(self.model, tokens, qkv)
-            incoming[dst].append(self.transfer(src, dst, nbytes, [begin[src]], name, "remap"))
-        return [self.tl.join(x) for x in incoming]
+            posted = [begin[src], begin[dst]] if self.remap_meets else [begin[src]]
+            t = self.transfer(src, dst, nbytes, posted, name, "remap")
+            done[dst].append(t)
+            if self.remap_meets:
+                done[src].append(t)
+        return [self.tl.join(x) for x in done]
 
     def linear(self, begin: list) -> list:
         ready = self.remap_all_to_all(begin, reverse=False, name="remap")

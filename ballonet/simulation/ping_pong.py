@@ -29,7 +29,7 @@ def run(common: dict, backward: bool, grad_bucket: tuple) -> tuple:
     graphs: list[LayerGraph] = []
     for nano in range(NANO_BATCHES):
         graphs.append(LayerGraph(backward=backward, grad_bucket=grad_bucket, shared=graphs[0] if graphs else None,
-                                 nano=nano, scale=1 / NANO_BATCHES, **common))
+                                 nano=nano, scale=1 / NANO_BATCHES, remap_meets=False, **common))
     root = graphs[0]
     dp = root.data_parallel()  # once per layer, full size
     ends = []

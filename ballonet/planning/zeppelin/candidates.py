@@ -131,7 +131,7 @@ class CandidateMaker:
         attention, linear = rank_compute_seconds(plan, dev, priced, recompute_mode(priced), split=True, layers=layers,
                                                  kernels=kernels)
         seconds, exposed, skew = _step_seconds(plan, dev, priced, self.crossovers, (attention, linear), self.routing,
-                                               self.dp_send_s, self.links)
+                                               self.dp_send_s, self.links, kernels)
         node = float(dev.node_means(attention + linear + exposed).max())
         busiest = float(seconds.max())
         step = max(busiest, synchronous_step_seconds(plan, dev, priced, kernels, seconds, attention + linear + skew,
@@ -240,7 +240,7 @@ def _links(dev: Devices, crossovers, routing: bool) -> _Links:
 
 
 def _step_seconds(plan: Plan, dev: Devices, model: ModelSpec, crossovers, compute,
-                  routing: bool, dp_send_s: float = 0.0, links: _Links | None = None) \
+                  routing: bool, dp_send_s: float = 0.0, links: _Links | None = None, kernels=None) \
         -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """[R] what the partitioner compares its candidate plans by (`pricing.rank_step_seconds`),
     and [R] the part of it single rings across nodes expose (`pricing.crossing_exposed_seconds`;
@@ -253,7 +253,7 @@ def _step_seconds(plan: Plan, dev: Devices, model: ModelSpec, crossovers, comput
     slow = overlap_slowdown_seconds(plan, dev, model, link, nic, dp_send_s, start + linear)
     pcie = pcie_ring_exposed_seconds(plan, dev, model, link)
     exposed = (crossing_exposed_seconds(plan, dev, model, link, nic, rails, dp_piece)
-               + ring_wait_seconds(plan, dev, model) + final + slow + pcie.forward + pcie.backward)
+               + ring_wait_seconds(plan, dev, model, kernels) + final + slow + pcie.forward + pcie.backward)
     seconds = rank_step_seconds(plan, dev, model, link, (start + exposed, linear), links.rank_nic, dp_piece)
     return seconds, exposed, pcie.backward_skew(final)
 

@@ -82,34 +82,22 @@ class Levels:
         """Tokens of document `d` for members `m` making them level (`water_level`), node
         by node for a document split across nodes while its nodes have room for their share."""
         shares = self.node_tokens.get(d)
-        room = self.room(m)
-        load, speed = self.load, self.speed
-        if shares:
-            node = [self.node[r] for r in m]
-            by_node = {n: [i for i, x in enumerate(node) if x == n] for n in shares}
-            if set(shares) == set(node) and all(sum(room[i] for i in by_node[n]) >= t for n, t in shares.items()):
-                held = [0.0] * len(m)
-                for n, t in shares.items():
-                    on = by_node[n]
-                    part = water_level_list([load[m[i]] for i in on], [speed[m[i]] for i in on], [unit[i] for i in on],
+        cap, tokens, load, speed = self.cap, self.tokens, self.load, self.speed
+        room = [0.0 if (x := cap[r] - tokens[r]) < 0.0 else x for r in m]  # (`room`, inline)
+        if not shares:
+            return water_level_list([load[r] for r in m], [speed[r] for r in m], unit, room, length)
+        node = [self.node[r] for r in m]
+        by_node = {n: [i for i, x in enumerate(node) if x == n] for n in shares}
+        if set(shares) == set(node) and all(sum(room[i] for i in by_node[n]) >= t for n, t in shares.items()):
+            held = [0.0] * len(m)
+            for n, t in shares.items():
+                on = by_node[n]
+                part = water_level_list([load[m[i]] for i in on], [speed[m[i]] for i in on], [unit[i] for i in on],
                                         [room[i] for i in on], t)
-                    for i, x in zip(on, part):
-                        held[i] = x
-                return held
+                for i, x in zip(on, part):
+                    held[i] = x
+            return held
         return water_level_list([load[r] for r in m], [speed[r] for r in m], unit, room, length)
-
-    def take(self, d: int) -> None:
-        """Remove document `d`'s current shares from its members."""
-        load, tokens = self.load, self.tokens
-        for r, u, h in zip(self.members[d], self.unit[d], self.held[d]):
-            load[r] -= u * h
-            tokens[r] -= h
-
-    def put(self, d: int) -> None:
-        load, tokens = self.load, self.tokens
-        for r, u, h in zip(self.members[d], self.unit[d], self.held[d]):
-            load[r] += u * h
-            tokens[r] += h
 
     def level_of(self, m: list[int]) -> float:
         return max(self.load[r] / self.speed[r] for r in m)
@@ -172,7 +160,7 @@ def refine(batch: Batch, fill: RankFill) -> Placement:
     attention = {d: f / model.tp for d, f in zip(docs, flops)}
     efficiency = functools.cache(hardware.profile(batch.gpu).attention_forward.at_one)  # blocks recur across sweeps
     st = _start(batch, fill, docs, local_tokens, attention, efficiency)
-    linear = batch.linear_on_rank.tolist()
+    linear, load, tokens = batch.linear_on_rank.tolist(), st.load, st.tokens
     per_token = {d: attention[d] / lengths[d] for d in docs}
     # Every document is levelled in the first sweep, even one whose members level 2 gave
     # alike shares: the whole documents it placed after them are what the shares must
@@ -185,17 +173,20 @@ def refine(batch: Batch, fill: RankFill) -> Placement:
         for d in docs:
             m, held, unit = st.members[d], st.held[d], st.unit[d]
             dropping = sweep is Sweep.DROP and len(m) > 2 and min(held) < sliver * sum(held) / len(held)
-            still = not dropping and max([stamp[r] for r in m]) <= done[d] \
+            still = not dropping and max(map(stamp.__getitem__, m)) <= done[d] \
                 and (sweep is not Sweep.GROW or st.level_of(m) <= grow_level)
             if still and d in settled:
                 continue
-            new_unit = ([per_token[d] / efficiency(h) + linear[r] for r, h in zip(m, held)]
+            pt = per_token[d]
+            new_unit = ([pt / efficiency(h) + linear[r] for r, h in zip(m, held)]
                         if any(held) else unit)
             if still and all(abs(a - b) <= change * abs(b) for a, b in zip(new_unit, unit)):
                 settled.add(d)
                 continue
             settled.discard(d)
-            st.take(d)
+            for r, u, h in zip(m, unit, held):  # (`take`, inline)
+                load[r] -= u * h
+                tokens[r] -= h
             st.unit[d] = new_unit
             if dropping:
                 floor = sliver * sum(held) / len(held)
@@ -212,9 +203,10 @@ def refine(batch: Batch, fill: RankFill) -> Placement:
             st.held[d] = st.spread(d, m, st.unit[d], lengths[d])
             if shared is not None:
                 _grow(st, d, lengths[d], shared)
-            st.put(d)
             clock += 1
-            for r in st.members[d]:
+            for r, u, h in zip(st.members[d], st.unit[d], st.held[d]):  # (`put`, inline)
+                load[r] += u * h
+                tokens[r] += h
                 stamp[r] = clock
             done[d] = clock
     return _placement(fill, st, docs, local_tokens, lengths, dev)
@@ -225,15 +217,17 @@ def _placement(fill: RankFill, st: Levels, docs: list[int], local_tokens: np.nda
     """Whole token counts for the members of each split document, under memory caps. The
     shares fit as real numbers; when the rounding of earlier documents leaves a document's
     members a few tokens short, those tokens move along rings to ranks with room
-    (`_make_room`) rather than failing the plan."""
-    placement = Placement(num_ranks=dev.num_ranks, local=[list(ds) for ds in fill.local])
+    (`_make_room`) rather than failing the plan. The placement takes `fill.local` as it is
+    (refinement is the fill's last reader)."""
+    placement = Placement(num_ranks=dev.num_ranks, local=fill.local)
     room = (dev.token_cap - local_tokens).tolist()
     for d in docs:
         m = st.members[d]
-        short = lengths[d] - sum(max(room[r], 0) for r in m)
+        caps = [x if (x := room[r]) > 0 else 0 for r in m]
+        short = lengths[d] - sum(caps)
         if short > 0:
             _make_room(placement.split, room, m, short)
-        caps = [max(room[r], 0) for r in m]
+            caps = [x if (x := room[r]) > 0 else 0 for r in m]
         try:
             counts = _apportion_list(lengths[d], st.held[d], caps)
         except InfeasiblePlan:

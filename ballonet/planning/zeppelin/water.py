@@ -3,8 +3,6 @@ of a document split over several ranks (what the placement steps level)."""
 
 from __future__ import annotations
 
-from operator import itemgetter
-
 import numpy as np
 
 from ballonet.cost import hardware
@@ -26,25 +24,29 @@ def water_level_list(b: list, s: list, u: list, c: list, total: float) -> list:
     """`water_level` on lists (refinement calls it on rings of a few ranks, where numpy's
     per-call cost is most of the work)."""
     capped = [x if x > 0 else 0.0 for x in c]
-    if total <= 0 or not any(capped):
+    held = sum(capped)  # (none held: every slot at 0, they being at least 0)
+    if total <= 0 or held <= 0.0:
         return [0.0] * len(b)
-    if sum(capped) <= total:
+    if held <= total:
         return capped
     # The filled amount grows piecewise linearly with the level: slot i adds s_i / u_i per
     # unit of level between b_i / s_i (its start) and (b_i + u_i c_i) / s_i (its cap).
-    events = []
+    # (Points and changes in two lists, visited in the stable order of the points: no
+    # tuple per event.)
+    points: list[float] = []
+    changes: list[float] = []
     for bi, si, ui, ci in zip(b, s, u, c):
         if ci > 0:
             rate = si / ui
-            events.append((bi / si, rate))
-            events.append(((bi + ui * ci) / si, -rate))
-    events.sort(key=itemgetter(0))
-    filled, rate, at = 0.0, 0.0, events[0][0]
-    for point, change in events:
+            points += (bi / si, (bi + ui * ci) / si)
+            changes += (rate, -rate)
+    filled, rate, at = 0.0, 0.0, min(points)
+    for k in sorted(range(len(points)), key=points.__getitem__):
+        point = points[k]
         more = filled + rate * (point - at)
         if more >= total and rate > 0:
             break
-        filled, at, rate = more, point, rate + change
+        filled, at, rate = more, point, rate + changes[k]
     else:  # the caps hold `total` only up to rounding
         return capped
     level = at + (total - filled) / rate
