@@ -28,8 +28,8 @@ def test_a_tie_goes_to_the_plan_that_keeps_every_ranks_tokens():
 
 def test_scale_grid_b128_llama13b_keeps_its_tokens_at_a_tie():
     # B 128 llama-13b wlbllm 256K (bench/paper.py's scale grid, first batch): the remap and
-    # keep-tokens plans of one level 1 are estimated 5.39232 and 5.39235 s; they simulate
-    # 5.246 and 5.213 s (measured when this was written, scale_one.py 7).
+    # keep-tokens plans of one level 1 are estimated 5.39233 and 5.39235 s; they simulate
+    # 5.241 and 5.213 s (measured when this was written, scale_one.py 7).
     cluster, model = specs.cluster("h800-8nic", num_nodes=16), specs.model("llama-13b", tp=2)
     lengths = next(iter(workloads.get("wlbllm").batches(16384 * cluster.num_ranks, 0, 1, 262144)))
     plan = plan_batch(lengths, cluster, model, "zeppelin")
