@@ -1,7 +1,8 @@
 """The search's variant levels: steps 0-1 of a batch again, from a `NodeLevel` already
 made (`classes.level_nodes`), with other classes or other weights (docs/design.md,
 section 4): double rings across nodes (`doubled_level`), heavy documents over two nodes
-(`spread_level`) and level 1 balanced on the layers' backward (`backward_level`).
+(`spread_level`), level 1 balanced on the layers' backward (`backward_level`) and one
+double ring over one node more (`wider_level`).
 """
 
 from __future__ import annotations
