@@ -6,8 +6,10 @@ remap, keeping the plan with the shortest estimated step (docs/design.md, sectio
 plans its variants: nodes priced under what their shares recompute (`recomputed.py`),
 heavy documents over two nodes (`variants.spread_level`) and, for the best plan, a level 1
 with no document split inside a PCIe-only node where it has a ring there (`pcie_level.py`)
-and one balanced on the backward (`variants.backward_level`), and the best plan, where it
-remaps, with its nodes' ranks evened in attention tokens (`evened.py`). A double level 1 that sends the same
+and one balanced on the backward (`variants.backward_level`), the best plan, where it
+remaps, with its nodes' ranks evened in attention tokens (`evened.py`), and, where its rings
+across nodes are double, with its most waiting one over one node more, compared with it by
+their members' waits as the simulator runs them (`variants.wider_level`, `member_waits.py`). A double level 1 that sends the same
 documents to the same nodes reuses its single one's placements (`_same_nodes`). Every
 prune is a named predicate (`_level_too_slow`, `_level_enough`, `_costlier_mode_loses`,
 `_plan_looser`), every step that can fail returns None, and the one reason the search
@@ -36,7 +38,8 @@ from ballonet.planning.zeppelin.evened import evened
 from ballonet.planning.zeppelin.pcie_level import pcie_ring_inside, unsplit_level
 from ballonet.planning.zeppelin.recomputed import mixed, recomputed_levels
 from ballonet.planning.zeppelin.thresholds import THRESHOLDS
-from ballonet.planning.zeppelin.variants import backward_level, doubled_level, spread_level
+from ballonet.planning.zeppelin.member_waits import corrected_step, double_wait_excess
+from ballonet.planning.zeppelin.variants import backward_level, doubled_level, spread_level, wider_level
 from ballonet.specs import ClusterSpec, ModelSpec
 
 __all__ = ["CandidateSearch", "ZeppelinOptions", "zeppelin"]
@@ -146,6 +149,10 @@ class CandidateSearch:
         for level, maker, placed in sorted(doubled + spread, key=lambda x: x[0].node_seconds):
             if not self._level_too_slow(level, maker, self.best_layers_s):
                 self._compare(self._made(maker, level, placed))
+        # The best plan's most waiting double ring over one node more, compared by its members' waits (`member_waits`).
+        for best, maker, level, _ in [x for x in self.made if x[0] is self.best][:1]:
+            if level.double:
+                self._wider(best, maker, level)
         # The best plan's level 1 with no ring inside a PCIe-only node, where it has one (`pcie_level`).
         for best, maker, level, _ in [x for x in self.made if x[0] is self.best][:1]:
             if pcie_ring_inside(best.plan, best.dev) and (unsplit := unsplit_level(level)) is not None \
@@ -165,7 +172,8 @@ class CandidateSearch:
         if self.best is None:
             raise InfeasiblePlan(self.refusal)
         best = self.best
-        plan = dataclasses.replace(best.plan, meta={**best.plan.meta, "candidates": self.compared})
+        plan = dataclasses.replace(best.plan, meta={**best.plan.meta, "candidates": self.compared,
+                                                    "estimated_step_s": best.seconds})
         if opts.routing:
             plan = dataclasses.replace(plan, routes=plan_routes(plan, self.cluster, best.model, best.dev.local_index))
         return plan.validate()
@@ -231,6 +239,22 @@ class CandidateSearch:
         made = maker.make(even, facts, keep=False, double=best.plan.meta["double"]) if even is not None else None
         return [made] if made is not None else []
 
+    def _wider(self, best: Candidate, maker: CandidateMaker, level: NodeLevel) -> None:
+        """`best` (made from the double `level`) replaced by its plan with the double ring
+        whose members wait most beyond the estimate over one node more
+        (`variants.wider_level`; kept or remapped as `best`) where that plan's step with
+        its members' waits (`member_waits.corrected_step`) is shorter than `best`'s so."""
+        excess = double_wait_excess(best, self.crossovers)
+        if not excess or (w := wider_level(level, max(excess, key=lambda d: (excess[d], d)))) is None:
+            return
+        made = self._made(maker, w, {}, keep=best.plan.meta["keep_tokens"])
+        if not made:
+            return
+        self._compare_only(made)
+        before = best.seconds + max(excess.values())  # `corrected_step(best)`
+        if corrected_step(made[0], self.crossovers) < (1 - THRESHOLDS.wider_margin) * before:
+            self.best = made[0]
+
     def _fallback(self, maker: CandidateMaker) -> list[Candidate]:
         """A batch the greedy steps fit no way, cut in speed-proportional runs of tokens
         (valid, not balanced; `meta["fallback"]`); [] (the reason kept) over a cap."""
@@ -242,12 +266,31 @@ class CandidateSearch:
         return [maker.price(plan)]
 
     def _compare(self, plans: list[Candidate]) -> None:
+        self._compare_only(plans)
+        for c in plans:
+            if self._shorter(c):
+                self.best = c
+
+    def _shorter(self, c: Candidate) -> bool:
+        """Whether `c` is to replace the best plan: estimated shorter, but where one of
+        them keeps every rank's tokens and the other remaps, the remap only adds traffic:
+        a tie (within `Thresholds.remap_tie`) goes to the plan that keeps them."""
+        best = self.best
+        if best is None:
+            return True
+        keeps, kept = c.plan.meta["keep_tokens"], best.plan.meta["keep_tokens"]
+        if keeps and not kept:
+            return c.seconds <= (1 + THRESHOLDS.remap_tie) * best.seconds
+        if kept and not keeps:
+            return c.seconds < (1 - THRESHOLDS.remap_tie) * best.seconds
+        return c.seconds < best.seconds
+
+    def _compare_only(self, plans: list[Candidate]) -> None:
+        """`plans` listed among those compared (`plan.meta["candidates"]`)."""
         for c in plans:
             self.compared.append({"recompute": c.plan.meta["recompute"], "keep_tokens": c.plan.meta["keep_tokens"],
                                   "recompute_layers": c.plan.meta["recompute_layers"], "estimated_step_s": c.seconds,
                                   "double": c.plan.meta["double"]})
-            if c.seconds < self.best_s:
-                self.best = c
 
     # ---- the prunes -------------------------------------------------------------------
 
@@ -306,7 +349,8 @@ def zeppelin(lengths, cluster: ClusterSpec, model: ModelSpec, *, routing: bool =
     turn them off). The plan's meta says what was chosen (`recompute` and
     `recompute_layers`, the caps it was planned under; `keep_tokens`, `double`) and among
     which plans (`candidates`: the recomputation, its layers, keep_tokens, double and
-    estimated step seconds of each)."""
+    estimated step seconds of each; `estimated_step_s`: the chosen plan's, not always the
+    least of them: `CandidateSearch._wider`)."""
     options = ZeppelinOptions(routing=routing, remap=remap, hierarchical=hierarchical,
                               assume_homogeneous=assume_homogeneous, price_linear=price_linear,
                               price_recompute=price_recompute, double=double)

@@ -42,6 +42,16 @@ class Thresholds:
     the best plan's: it shifts a few percent of the balance between attention and linear
     work, about what the estimate errs by between alike plans (at 0, C llama-3b shortmix's
     two alike plans priced 1.2489 and 1.2494 s ran 1.252 and 1.230 s: 1.8% longer)."""
+    remap_tie: float = 1e-4
+    """A plan keeping every rank's tokens is chosen over a remapping plan estimated at
+    most this much shorter (`search._keeps_at_a_tie`)."""
+    wider_margin: float = 0.003
+    """The best plan's most waiting double ring over one node more (`search._wider`)
+    replaces it only where its step with the members' waits (`member_waits.corrected_step`)
+    is this much shorter than the best plan's so: at 0, C 128 llama3-8b wlbllm 64K's
+    widened plan, 0.1% shorter so, replaced the best plan before its backward-balanced
+    variant (2.170 s simulated) was made: 2.203 s; B 256 llama-7b prolong 128K's is 2.4%
+    shorter (1.908 -> 1.830 s simulated)."""
     even_tolerance: float = 0.01
     """A remapping plan's ranks are evened in attention tokens (`evened.evened`) with no
     rank's attention work over this much more than its node's busiest. On the main grid

@@ -1,7 +1,8 @@
 """The search's variant levels: steps 0-1 of a batch again, from a `NodeLevel` already
 made (`classes.level_nodes`), with other classes or other weights (docs/design.md,
 section 4): double rings across nodes (`doubled_level`), heavy documents over two nodes
-(`spread_level`) and level 1 balanced on the layers' backward (`backward_level`).
+(`spread_level`), level 1 balanced on the layers' backward (`backward_level`) and one
+double ring over one node more (`wider_level`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from ballonet.cost.tensor_parallel import tp_layer_seconds
 from ballonet.planning.zeppelin.classes import NodeLevel, classify, node_seconds, with_level1
 from ballonet.planning.zeppelin.thresholds import THRESHOLDS
 
-__all__ = ["backward_level", "doubled_level", "spread_level"]
+__all__ = ["backward_level", "doubled_level", "spread_level", "wider_level"]
 
 
 def doubled_level(shared: NodeLevel, *, price_linear: bool, routing: bool) -> NodeLevel | None:
@@ -34,6 +35,21 @@ def doubled_level(shared: NodeLevel, *, price_linear: bool, routing: bool) -> No
         return None
     return with_level1(batch, shared.weights, shared.per_token, shared.rank_token, classes, hierarchical=True,
                         price_linear=price_linear, double=True, widen=True)
+
+
+def wider_level(doubled: NodeLevel, doc: int) -> NodeLevel | None:
+    """`doubled` (a `doubled_level`) with document `doc`'s double ring across nodes over one
+    node more, where there is a node more; otherwise None. A wider double ring has fewer
+    members per node, the others free for local documents, which fill its members' waits
+    (`member_waits`): B, 256 GPUs, llama-7b, prolong 128K: a 75K-token document over 4
+    nodes of 5 ranks, not 3 of 6, 1.908 -> 1.830 s simulated."""
+    batch = doubled.batch
+    if doubled.level1 is None or not doubled.double or doc not in doubled.span \
+            or doubled.span[doc] >= len(batch.dev.nodes()):
+        return None
+    return with_level1(batch, doubled.weights, doubled.per_token, doubled.rank_token,
+                       (doubled.intra, doubled.inter, {**doubled.span, doc: doubled.span[doc] + 1}),
+                       hierarchical=True, price_linear=True, double=True, widen=False)
 
 
 def spread_level(shared: NodeLevel) -> NodeLevel | None:
