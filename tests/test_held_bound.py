@@ -15,7 +15,7 @@ from ballonet.cost.flops import (
     linear_flops_per_token,
     loss_bytes_per_token,
 )
-from ballonet.cost.layout_bound import gemm_cuts
+from ballonet.cost.layout_bound import gemm_cuts, layout_bound
 from ballonet.cost.seconds import optimizer_time
 from ballonet.specs import ClusterSpec, NodeGroup
 
@@ -115,3 +115,23 @@ def test_gemm_cuts_are_the_envelope_of_a_rank_s_seconds():
     # Two ranks, 32,768 tokens: between the envelope's first segment and a rank at 16,384 (0.706).
     two = float(np.max(2 * a + b * 32768))
     assert 32768 / 0.72 * 1.001 < two <= 32768 / 0.706
+
+
+def test_busiest_head_follows_the_layers():
+    """`overlap_bound`'s program with the busiest rank's LM head (`busiest_head`): the
+    roomy H100 beside the cramped one holds every linear token (4096), so the busiest
+    head is its head and loss over all of them, at the curves' efficiency at 4096 tokens
+    (GEMMs 0.7135, halfway in log2 between 2048's 0.707 and 8192's 0.72; elementwise
+    0.65, two thirds from 1024's 0.55 to 8192's 0.7), added to the layers' optimum: by
+    hand, 2 h V FLOPs a token forward (h 3200, V 32000), three passes' worth; the final
+    norm, the logits cast to fp32 and log-softmax, 2 h 2 + V (2 + 4) + 2 V 4 bytes, three."""
+    m = specs.model("llama-3b")
+    both = ClusterSpec(name="roomy+none", groups=(NodeGroup(gpu="h100", gpus_per_node=1),
+                                                  NodeGroup(gpu="h100", gpus_per_node=1, memory_gb=1)))
+    h100 = both.groups[0].gpu_type
+    L, gpus, fixed = np.array([2048.0, 1024, 512, 512]), np.ones(2), np.zeros(2)
+    layers = layout_bound(L, both, m, gpus, fixed, False, nic=False, lm_head=False)
+    with_head = layout_bound(L, both, m, gpus, fixed, False, nic=False, lm_head=False, busiest_head=True)
+    head = 4096 * (3 * 2 * 3200 * 32000 / (h100.peak_flops * 0.7135)
+                   + 3 * (2 * 3200 * 2 + 32000 * 6 + 2 * 32000 * 4) / (hardware.profile(h100).memory_bw * 0.65))
+    assert with_head - layers == pytest.approx(head * (1 - 1e-6), rel=1e-6)

@@ -82,7 +82,7 @@ def gemm_cuts(gpu: hardware.GPUType, flops: float, nbytes: float, tokens: float)
 
 
 def layout_bound(L: np.ndarray, cluster: ClusterSpec, model: ModelSpec, gpus: np.ndarray, fixed: np.ndarray,
-                  communication: bool, nic: bool = True, lm_head: bool = True) -> float:
+                  communication: bool, nic: bool = True, lm_head: bool = True, busiest_head: bool = False) -> float:
     """`batch_lower_bound`'s compute with each group's own memory holding both layouts,
     a linear program (`scipy.optimize.linprog`, HiGHS): the least S such that, per group,
     its GPUs' mean busy seconds (`fixed` plus the attention, GEMM, elementwise, TP and
@@ -123,7 +123,14 @@ def layout_bound(L: np.ndarray, cluster: ClusterSpec, model: ModelSpec, gpus: np
     for its data, but charging the wait would need each rank's own order of kernels and
     transfers, which a group's pooled seconds do not keep). Without `nic` (or
     `communication`) the NICs are left out and the optimum bounds the busiest rank's
-    compute (`overlap_bound`); without `lm_head` so are the LM head and loss.
+    compute (`overlap_bound`); without `lm_head` so are the LM head and loss. With
+    `busiest_head` (and without `lm_head`) every group's S also counts the busiest rank's
+    LM head and loss, which the simulator adds after every rank's layers: the rank of a
+    group holding the most linear tokens holds at least the group's mean t / N, and its
+    head and loss take at least the convex envelope of a rank's seconds for them at that
+    count (`gemm_cuts`, over its tp GPUs: the envelope is through 0, convex and at least
+    0, so it climbs with the count); so the optimum bounds the busiest rank's layers plus
+    the busiest rank's head (both over any group).
 
     Relaxed (each makes the bound lower): a group pools its GPUs' memory and compute
     (the mean is at most the busiest), modes and layers mix freely and apart for the two
@@ -155,7 +162,7 @@ def layout_bound(L: np.ndarray, cluster: ClusterSpec, model: ModelSpec, gpus: np
     if lm_head:
         layer_flops += head_flops_per_token(model) * (1 + LINEAR_BACKWARD_FACTOR)
         layer_bytes += loss_bytes_per_token(model) * (1 + ELEMENTWISE_BACKWARD_FACTOR)
-    per_doc, rerun, lin_s, cuts, caps, nic_s = [], [], [], [], [], []
+    per_doc, rerun, lin_s, cuts, caps, nic_s, head_cuts = [], [], [], [], [], [], []
     for g, n in zip(cluster.groups, gpus):
         t, p = g.gpu_type, hardware.profile(g.gpu_type)
         lin_eff, elt_eff = t.peak_flops * float(best_efficiency(p.linear, T)), p.memory_bw * float(best_efficiency(p.elementwise, T))
@@ -173,6 +180,9 @@ def layout_bound(L: np.ndarray, cluster: ClusterSpec, model: ModelSpec, gpus: np
         lin_s.append(row)
         a, b = gemm_cuts(t, layer_flops, layer_bytes * model.tp, T)
         cuts.append((n / model.tp * a / n, b / n))  # the group's n / tp ranks, over its n GPUs
+        a, b = gemm_cuts(t, head_flops_per_token(model) * (1 + LINEAR_BACKWARD_FACTOR),
+                         loss_bytes_per_token(model) * (1 + ELEMENTWISE_BACKWARD_FACTOR) * model.tp, T)
+        head_cuts.append((a / model.tp, b / model.tp / (n / model.tp)))  # one rank's seconds at t / N
         caps.append(n / model.tp * max(0.0, memory_cap(model, t, num_dp)))
         links = g.num_nodes * (g.gpus_per_node // g.gpus_per_nic)
         nic_s.append(cross_bytes / (g.nic_bw * nic_eff) / links if communication and nic else 0.0)
@@ -182,7 +192,8 @@ def layout_bound(L: np.ndarray, cluster: ClusterSpec, model: ModelSpec, gpus: np
         if not ms:
             continue
         value = _layout_program(L, T, modes, ms, full, np.array(per_doc) + (np.array(rerun) if full else 0),
-                                np.array(lin_s), cuts, np.array(caps), np.array(nic_s), fixed,
+                                np.array(lin_s), cuts, head_cuts if busiest_head else None, np.array(caps),
+                                np.array(nic_s), fixed,
                                 model, fixed_layers, linprog, coo_matrix)
         best = min(best, value)
     return best * (1 - 1e-6) if np.isfinite(best) else -np.inf
@@ -202,21 +213,23 @@ def _tp_rerun_seconds_per_token(model: ModelSpec, group: NodeGroup, mode: str, l
                                                mode, layers))
 
 
-def _layout_program(L, T, modes, ms, full, per_doc, lin_s, cuts, caps, nic_s, fixed, model, fixed_layers,
+def _layout_program(L, T, modes, ms, full, per_doc, lin_s, cuts, head_cuts, caps, nic_s, fixed, model, fixed_layers,
                     linprog, coo_matrix) -> float:
     """`layout_bound`'s program for the modes `ms` (indices into `modes`): its optimum S,
     +inf where infeasible. Variables: S; per group and document the attention share a and
     the share of the document's tokens held on the attention layout y; per group and mode
     the batch's shares X (linear layout) and V (attention layout); per group its GPUs'
     mean seconds of GEMMs and elementwise work Z (at least each of its `cuts`, lines in
-    its linear tokens T sum X) and the share of tokens crossing between its layouts."""
+    its linear tokens T sum X) and the share of tokens crossing between its layouts; with
+    `head_cuts`, the busiest rank's head B, at least each group's lines in its tokens."""
     G, D, M = len(caps), len(L), len(ms)
     al = np.array([float(activation_bytes(model, 1, 0, modes[i], fixed_layers)) for i in ms])
     aa = np.array([float(activation_bytes(model, 0, 1, modes[i], fixed_layers)) for i in ms])
     off = {"a": 1, "y": 1 + G * D, "X": 1 + 2 * G * D, "V": 1 + 2 * G * D + G * M}
     off["Z"] = off["V"] + G * M
     off["C"] = off["Z"] + G
-    nvar = off["C"] + G
+    off["B"] = off["C"] + G
+    nvar = off["B"] + 1
     rows, cols, vals, rhs = [], [], [], []
     r = 0
 
@@ -233,9 +246,11 @@ def _layout_program(L, T, modes, ms, full, per_doc, lin_s, cuts, caps, nic_s, fi
     for g in range(G):
         a_g, y_g, X_g, V_g = (off[k] + g * (D if k in "ay" else M) for k in ("a", "y", "X", "V"))
         add([(0, -1.0)] + [(a_g + d, per_doc[g, d]) for d in range(D)]
-            + [(X_g + j, T * lin_s[g, ms[j]]) for j in range(M)] + [(off["Z"] + g, 1.0)], -fixed[g])
+            + [(X_g + j, T * lin_s[g, ms[j]]) for j in range(M)] + [(off["Z"] + g, 1.0), (off["B"], 1.0)], -fixed[g])
         for a, b in zip(*cuts[g]):
             add([(X_g + j, T * b) for j in range(M)] + [(off["Z"] + g, -1.0)], -a)
+        for a, b in zip(*head_cuts[g]) if head_cuts is not None else ():
+            add([(X_g + j, T * b) for j in range(M)] + [(off["B"], -1.0)], -a)
         scale = caps[g] if caps[g] > 0 else 1.0
         add([(X_g + j, T * al[j] / scale) for j in range(M)] + [(V_g + j, T * aa[j] / scale) for j in range(M)],
             caps[g] / scale)
