@@ -124,8 +124,8 @@ def layout_bound(L: np.ndarray, cluster: ClusterSpec, model: ModelSpec, gpus: np
     transfers, which a group's pooled seconds do not keep). Without `nic` (or
     `communication`) the NICs are left out and the optimum bounds the busiest rank's
     compute (`overlap_bound`); without `lm_head` so are the LM head and loss. With
-    `busiest_head` (and without `lm_head`) every group's S also counts the busiest rank's
-    LM head and loss, which the simulator adds after every rank's layers: the rank of a
+    `busiest_head` they are counted as the simulator adds them, after every rank's layers,
+    the busiest rank's, on every group's S instead of in its work: the rank of a
     group holding the most linear tokens holds at least the group's mean t / N, and its
     head and loss take at least the convex envelope of a rank's seconds for them at that
     count (`gemm_cuts`, over its tp GPUs: the envelope is through 0, convex and at least
@@ -159,7 +159,7 @@ def layout_bound(L: np.ndarray, cluster: ClusterSpec, model: ModelSpec, gpus: np
     cross_bytes = 2 * model.num_layers * model.tp * (remap_bytes(model, 1, True) + remap_bytes(model, 1, False))
     layer_flops = model.num_layers * linear_flops_per_token(model) * (1 + LINEAR_BACKWARD_FACTOR)
     layer_bytes = model.num_layers * elementwise_bytes_per_token(model) * (1 + ELEMENTWISE_BACKWARD_FACTOR)
-    if lm_head:
+    if lm_head and not busiest_head:
         layer_flops += head_flops_per_token(model) * (1 + LINEAR_BACKWARD_FACTOR)
         layer_bytes += loss_bytes_per_token(model) * (1 + ELEMENTWISE_BACKWARD_FACTOR)
     per_doc, rerun, lin_s, cuts, caps, nic_s, head_cuts = [], [], [], [], [], [], []
