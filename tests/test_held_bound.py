@@ -135,3 +135,16 @@ def test_busiest_head_follows_the_layers():
     head = 4096 * (3 * 2 * 3200 * 32000 / (h100.peak_flops * 0.7135)
                    + 3 * (2 * 3200 * 2 + 32000 * 6 + 2 * 32000 * 4) / (hardware.profile(h100).memory_bw * 0.65))
     assert with_head - layers == pytest.approx(head * (1 - 1e-6), rel=1e-6)
+
+
+def test_gemm_cuts_meet_where_the_homogeneous_envelope_is():
+    """The program's cuts and the one-group bound's envelope (`bounds.rank_token_seconds`)
+    are the same envelope: at a group's mean token count the cuts meet at its value, on
+    two GPU types, GEMMs and elementwise work together."""
+    for gpu in ("h800", "l40s"):
+        group = NodeGroup(gpu=gpu, gpus_per_node=8)
+        a, b = gemm_cuts(group.gpu_type, 4e10, 3e6, 524288)
+        for ranks in (16, 64, 160, 4096):
+            mean = 524288 / ranks
+            assert float(np.max(a + b * mean)) == pytest.approx(
+                mean * bounds.rank_token_seconds(group, 4e10, 3e6, 524288, ranks, True), rel=1e-12)
