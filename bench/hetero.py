@@ -259,8 +259,10 @@ def markdown(runs: list[dict], command: str, header: str, gap: dict | None = Non
              "attention, every token's GEMMs and elementwise work) split perfectly between the node groups at "
              "each group's own calibrated seconds for it, communication hidden but what no plan escapes; "
              "the largest of three: all GPUs' memory pooled, each group's own memory holding both layouts of the "
-             "tokens whose work it runs (a linear program, `cost.layout_bound`), and the compute lost to the layers' "
-             "data-parallel collectives beside the larger of the two (`overlap_bound`; means over the batches "
+             "tokens whose work it runs (a linear program, `cost.layout_bound`: a group's GEMMs and elementwise work "
+             "no faster than its ranks' mean linear token count allows, by Jensen's inequality, as cuts), and the "
+             "compute lost to the layers' data-parallel collectives beside the larger of the two, the busiest "
+             "rank's LM head after the layers (`overlap_bound`; means over the batches "
              + ", ".join(f"{r['cluster']} {r['workload']} {r['bound_pooled_s']:.3f}/{r['bound_per_group_s']:.3f}/"
                          f"{r['bound_overlap_s']:.3f} s" for r in runs)
              + "). \"Training nodes alone\" runs the same global batches "

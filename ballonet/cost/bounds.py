@@ -235,14 +235,17 @@ def overlap_bound(lengths, cluster: ClusterSpec, model: ModelSpec) -> float:
     head_s = _least_max(np.array(head), np.array([T]), n, np.zeros(len(n)), start)
     if len(cluster.groups) == 1:
         head_s = max(head_s, busiest_head_seconds(model, cluster.groups[0], T, num_dp, True))
+    both = layers_s + head_s
     if len(cluster.groups) > 1:  # each group's own memory, both layouts (`layout_bound`, its compute alone)
         layers_s = max(layers_s, layout_bound(L, cluster, model, n, np.array(framework), True, nic=False,
                                                lm_head=False))
+        both = max(layers_s + head_s, layout_bound(L, cluster, model, n, np.array(framework), True, nic=False,
+                                                   lm_head=False, busiest_head=True))
     kernels = max(0.0, layers_s / model.num_layers - tp_most)
     floors = (FORWARD_SHARE_MIN * kernels, BACKWARD_SHARE_MIN * kernels)
     lost = min(_dp_slowdown(model, cluster, g, floors) for g in cluster.groups)
     grad = grad_allreduce_time(model, cluster)
-    return layers_s + head_s + min(optimizer) + min(grad / model.num_layers + model.num_layers * lost, grad)
+    return both + min(optimizer) + min(grad / model.num_layers + model.num_layers * lost, grad)
 
 
 def tp_rerun_seconds_per_token(model: ModelSpec, group: NodeGroup, mode: str, layers: float) -> float:
