@@ -46,6 +46,7 @@ from ballonet.cost.seconds import (
     collective_time,
     p2p_time,
 )
+from ballonet.cost.gemm_envelope import segment_ends
 from ballonet.cost.layout_bound import layout_bound
 from ballonet.cost.tensor_parallel import TP_RERUN, tp_layer_seconds, tp_seconds_per_token, tp_step_collectives
 
@@ -298,12 +299,6 @@ def busiest_head_seconds(model: ModelSpec, group: NodeGroup, tokens: float, num_
     return out
 
 
-ENVELOPE_STEPS_PER_OCTAVE = 16
-"""Token counts `rank_token_seconds` looks at between the efficiency curves' knots: the
-envelope it finds is within the curves' change over 1/16 of a doubling (0.1% on the
-profiles here) of the exact one, never above it."""
-
-
 def rank_token_seconds(group: NodeGroup, flops: float, nbytes: float, tokens: float, num_dp: int,
                        spread: bool) -> float:
     """GPU-seconds a token's `flops` (GEMMs) and `nbytes` (elementwise, every GPU of its
@@ -319,26 +314,16 @@ def rank_token_seconds(group: NodeGroup, flops: float, nbytes: float, tokens: fl
     n c(n) (with 0 at 0) at the mean n: a rank at the efficiency's peak count may be
     cheaper a token, but then another holds more tokens at a lower efficiency. The best
     efficiency alone (the bound before) is that envelope's first segment, through 0.
-    Each curve is linear in log2(tokens) between its knots and flat outside them, so between
-    two consecutive points of a grid that holds every knot it is at most its larger end:
-    n c(n) is at least n times the cost at that efficiency there, a straight line whose
-    envelope the grid's ends give exactly (the grid is fine only between the knots). Recomputation is left at the best efficiency by the callers (its
+    The envelope is the lower convex hull of `gemm_envelope.segment_ends`' points, whose
+    segments are below n c(n); the chord over `mean` of the lowest pair of them around it
+    is its value there. Recomputation is left at the best efficiency by the callers (its
     share per rank is the plan's)."""
     t, p = group.gpu_type, hardware.profile(group.gpu_type)
     if not spread or tokens <= 0:
         return (flops / (t.peak_flops * float(best_efficiency(p.linear, tokens)))
                 + nbytes / (p.memory_bw * float(best_efficiency(p.elementwise, tokens))))
     mean = tokens / num_dp
-    knots = np.concatenate([p.linear.tokens, p.elementwise.tokens])
-    grid = np.exp2(np.arange(np.log2(knots.min()), np.log2(knots.max()), 1 / ENVELOPE_STEPS_PER_OCTAVE))
-    n = np.unique(np.clip(np.concatenate([[1.0, mean, tokens], knots, grid]), 1.0, tokens))
-    a, b = flops / t.peak_flops, nbytes / p.memory_bw
-    eff_l, eff_e = p.linear.at(n), p.elementwise.at(n)
-    slope = a / np.maximum(eff_l[:-1], eff_l[1:]) + b / np.maximum(eff_e[:-1], eff_e[1:])  # [intervals]
-    xs = np.concatenate([[0.0], n[:-1], n[1:]])
-    ys = np.concatenate([[0.0], n[:-1] * slope, n[1:] * slope])
-    if len(n) == 1:  # every rank at one token count
-        return float(a / eff_l[0] + b / eff_e[0])
+    xs, ys = segment_ends(t, flops, nbytes, tokens, mean)
     left, right = xs <= mean, xs >= mean
     xl, yl, xr, yr = xs[left][:, None], ys[left][:, None], xs[right][None, :], ys[right][None, :]
     width = xr - xl

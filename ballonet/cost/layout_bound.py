@@ -21,6 +21,7 @@ from ballonet.cost.flops import (
     loss_bytes_per_token,
     remap_bytes,
 )
+from ballonet.cost.gemm_envelope import segment_ends
 from ballonet.cost.memory import RECOMPUTE_MODES, activation_bytes, layer_mean, memory_cap, recompute_layer_count
 from ballonet.cost.recompute import recompute_elementwise_bytes_per_token, recompute_flops_per_token
 from ballonet.cost.seconds import best_efficiency
@@ -36,11 +37,6 @@ TANGENTS = (0.0, 0.5, 0.75, 0.9, 0.97, 0.995)
 """Attention shares w at which `layout_bound` cuts 1 - sqrt(1 - w) by its tangent."""
 
 
-ENVELOPE_STEPS_PER_OCTAVE = 16
-"""Token counts `gemm_cuts` looks at between the efficiency curves' knots (as
-`bounds.rank_token_seconds`)."""
-
-
 def gemm_cuts(gpu: hardware.GPUType, flops: float, nbytes: float, tokens: float) -> tuple[np.ndarray, np.ndarray]:
     """(intercepts, slopes) of lines a + b n, each at most the GPU-seconds a data-parallel
     rank of GPU type `gpu` takes for `flops` (GEMMs) and `nbytes` (elementwise, every GPU
@@ -48,26 +44,13 @@ def gemm_cuts(gpu: hardware.GPUType, flops: float, nbytes: float, tokens: float)
     `tokens` (the batch's): the lower convex envelope of n c(n) that
     `bounds.rank_token_seconds` evaluates, as the lines through its segments.
 
-    Why each line is below: a rank runs a step's GEMMs and elementwise work as one call a
-    layer over its n linear tokens (`seconds.linear_layer_seconds`, `head_seconds`), at
-    the curves' efficiency at n; each curve is linear in log2(tokens) between its knots and
-    flat outside them, so between two consecutive points of a grid holding every knot its
-    efficiency is at most the larger end's, and n c(n) at least n times the cost at that
-    efficiency; the lower convex hull of those segments' ends and (0, 0) is below all of
-    them, so each of its edges' lines is (its intercepts are at most 0: the first edge is
+    Why each line is below: every point of `gemm_envelope.segment_ends`' segments is at
+    most n c(n), so the lower convex hull of their ends and (0, 0) is, and so is each of
+    its edges' lines (its intercepts are at most 0: the first edge is
     the best cost a token through 0). A group of N such ranks holding t tokens takes at
     least N a + b t GPU-seconds by each line (sum over its ranks; a rank holding none
     takes 0 >= a), the Jensen bound N E(t / N) where the lines meet."""
-    p = hardware.profile(gpu)
-    knots = np.concatenate([p.linear.tokens, p.elementwise.tokens])
-    grid = np.exp2(np.arange(np.log2(knots.min()), np.log2(knots.max()), 1 / ENVELOPE_STEPS_PER_OCTAVE))
-    n = np.unique(np.clip(np.concatenate([[1.0, tokens], knots, grid]), 1.0, max(tokens, 1.0)))
-    a, b = flops / gpu.peak_flops, nbytes / p.memory_bw
-    eff_l, eff_e = p.linear.at(n), p.elementwise.at(n)
-    if len(n) == 1:
-        return np.zeros(1), np.array([a / eff_l[0] + b / eff_e[0]])
-    slope = a / np.maximum(eff_l[:-1], eff_l[1:]) + b / np.maximum(eff_e[:-1], eff_e[1:])
-    xs, ys = np.concatenate([[0.0], n[:-1], n[1:]]), np.concatenate([[0.0], n[:-1] * slope, n[1:] * slope])
+    xs, ys = segment_ends(gpu, flops, nbytes, tokens)
     hull: list[tuple[float, float]] = []  # the lower hull, left to right (Andrew's monotone chain)
     for x, y in sorted(zip(xs.tolist(), ys.tolist())):
         while len(hull) >= 2 and ((hull[-1][0] - hull[-2][0]) * (y - hull[-2][1])
