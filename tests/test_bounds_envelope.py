@@ -1,4 +1,4 @@
-"""The bound's linear work at the mean rank's token count (`bounds.rank_token_seconds`):
+"""The bound's linear work at the mean rank's token count (`gemm_envelope.rank_token_seconds`):
 no split of a batch's tokens between ranks runs its GEMMs cheaper, on the mean, than the
 lower convex envelope of a rank's seconds at the mean."""
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ballonet import plan_batch, simulate, specs
-from ballonet.cost import bounds, hardware
+from ballonet.cost import bounds, gemm_envelope, hardware
 from ballonet.specs import NodeGroup
 
 H800 = NodeGroup(gpu="h800", gpus_per_node=8)
@@ -22,10 +22,10 @@ def test_hand_computed_envelope():
     for both; the first is 4% above it."""
     p = hardware.profile(H800.gpu_type)
     assert p.linear.at(131072) == pytest.approx(0.692) and p.linear.at(8192) == pytest.approx(0.72)
-    assert bounds.rank_token_seconds(H800, PEAK, 0.0, 131072, 1, True) == pytest.approx(1 / 0.692, rel=1e-12)
-    assert bounds.rank_token_seconds(H800, PEAK, 0.0, 4 * 8192, 4, True) == pytest.approx(1 / 0.72, rel=1e-12)
+    assert gemm_envelope.rank_token_seconds(H800, PEAK, 0.0, 131072, 1, True) == pytest.approx(1 / 0.692, rel=1e-12)
+    assert gemm_envelope.rank_token_seconds(H800, PEAK, 0.0, 4 * 8192, 4, True) == pytest.approx(1 / 0.72, rel=1e-12)
     # a mixed cluster: the best efficiency up to the batch, as before
-    assert bounds.rank_token_seconds(H800, PEAK, 0.0, 131072, 1, False) == pytest.approx(1 / 0.72, rel=1e-12)
+    assert gemm_envelope.rank_token_seconds(H800, PEAK, 0.0, 131072, 1, False) == pytest.approx(1 / 0.72, rel=1e-12)
 
 
 def test_no_split_beats_it():
@@ -42,10 +42,10 @@ def test_no_split_beats_it():
         return np.where(n > 0, n / p.linear.at(n) + n * elt_bytes / (p.memory_bw * p.elementwise.at(n)), 0.0)
     n1 = np.arange(0, T + 1, 64.0)
     least = float(((rank(n1) + rank(T - n1)) / T).min())
-    got = bounds.rank_token_seconds(H800, PEAK, elt_bytes, T, 2, True)
+    got = gemm_envelope.rank_token_seconds(H800, PEAK, elt_bytes, T, 2, True)
     assert got <= least * (1 + 1e-12)
     assert got >= least * 0.998  # the envelope of a 64-token grid is near it
-    only = bounds.rank_token_seconds(H800, PEAK, 0.0, T, 2, True)
+    only = gemm_envelope.rank_token_seconds(H800, PEAK, 0.0, T, 2, True)
     assert 1 / 0.72 < only <= (8192 / 0.72 + 57344 / 0.692) / T < 1 / 0.692
 
 

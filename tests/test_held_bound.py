@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from ballonet import specs
-from ballonet.cost import bounds, hardware
+from ballonet.cost import bounds, gemm_envelope, hardware
 from ballonet.cost.flops import (
     ELEMENTWISE_BACKWARD_FACTOR,
     LINEAR_BACKWARD_FACTOR,
@@ -52,7 +52,7 @@ def test_a_group_without_room_runs_no_attention(monkeypatch):
     assert bounds.batch_recomputation(lengths, alone, m)[1] == 0  # the batch fits without recomputation
     # Beside a second data-parallel rank its optimizer shard is half the model's.
     h100 = roomy.gpu_type
-    spread = bounds.rank_token_seconds
+    spread = gemm_envelope.rank_token_seconds
     with monkeypatch.context() as patch:
         patch.setattr(bounds, "rank_token_seconds", lambda g, f, b, t, n, _: spread(g, f, b, t, n, False))
         patch.setattr(bounds, "busiest_head_seconds", lambda *_: 0.0)
@@ -83,7 +83,7 @@ def test_full_recomputation_is_every_token_on_every_rank(monkeypatch):
     lengths = [4096] * 13
     assert bounds.batch_recomputation(lengths, alone, m)[0] == "full"
     h100, T = roomy.gpu_type, sum(lengths)
-    spread = bounds.rank_token_seconds
+    spread = gemm_envelope.rank_token_seconds
     with monkeypatch.context() as patch:
         patch.setattr(bounds, "rank_token_seconds", lambda g, f, b, t, n, _: spread(g, f, b, t, n, False))
         patch.setattr(bounds, "busiest_head_seconds", lambda *_: 0.0)
@@ -138,7 +138,7 @@ def test_busiest_head_follows_the_layers():
 
 
 def test_gemm_cuts_meet_where_the_homogeneous_envelope_is():
-    """The program's cuts and the one-group bound's envelope (`bounds.rank_token_seconds`)
+    """The program's cuts and the one-group bound's envelope (`gemm_envelope.rank_token_seconds`)
     are the same envelope: at a group's mean token count the cuts meet at its value, on
     two GPU types, GEMMs and elementwise work together."""
     for gpu in ("h800", "l40s"):
@@ -147,4 +147,4 @@ def test_gemm_cuts_meet_where_the_homogeneous_envelope_is():
         for ranks in (16, 64, 160, 4096):
             mean = 524288 / ranks
             assert float(np.max(a + b * mean)) == pytest.approx(
-                mean * bounds.rank_token_seconds(group, 4e10, 3e6, 524288, ranks, True), rel=1e-12)
+                mean * gemm_envelope.rank_token_seconds(group, 4e10, 3e6, 524288, ranks, True), rel=1e-12)

@@ -46,7 +46,7 @@ from ballonet.cost.seconds import (
     collective_time,
     p2p_time,
 )
-from ballonet.cost.gemm_envelope import segment_ends
+from ballonet.cost.gemm_envelope import rank_token_seconds
 from ballonet.cost.layout_bound import layout_bound
 from ballonet.cost.tensor_parallel import TP_RERUN, tp_layer_seconds, tp_seconds_per_token, tp_step_collectives
 
@@ -297,39 +297,6 @@ def busiest_head_seconds(model: ModelSpec, group: NodeGroup, tokens: float, num_
     if communication:
         out += sum(collective_time(op, nbytes, model.tp, group.intra_bw, t) for _, op, nbytes in tp_step_collectives(model, m))
     return out
-
-
-def rank_token_seconds(group: NodeGroup, flops: float, nbytes: float, tokens: float, num_dp: int,
-                       spread: bool) -> float:
-    """GPU-seconds a token's `flops` (GEMMs) and `nbytes` (elementwise, every GPU of its
-    tensor-parallel group) take at least, on the mean, over any split of the batch's
-    `tokens` between `num_dp` data-parallel ranks of `group`'s GPU type (`spread`; else at
-    the best efficiency of any token count up to `tokens`, as on a mixed cluster).
-
-    Why: a rank runs its linear layers and LM head as one call over all its linear tokens
-    n (`seconds.linear_layer_seconds`, `head_seconds`: the simulator's, DistCA's
-    nano-batches halving the seconds at the same n), which takes n c(n) GPU-seconds, c(n)
-    those of a token at the curves' efficiency at n. The ranks' n sum to `tokens`, so by
-    Jensen's inequality their total is at least `num_dp` times the lower convex envelope of
-    n c(n) (with 0 at 0) at the mean n: a rank at the efficiency's peak count may be
-    cheaper a token, but then another holds more tokens at a lower efficiency. The best
-    efficiency alone (the bound before) is that envelope's first segment, through 0.
-    The envelope is the lower convex hull of `gemm_envelope.segment_ends`' points, whose
-    segments are below n c(n); the chord over `mean` of the lowest pair of them around it
-    is its value there. Recomputation is left at the best efficiency by the callers (its
-    share per rank is the plan's)."""
-    t, p = group.gpu_type, hardware.profile(group.gpu_type)
-    if not spread or tokens <= 0:
-        return (flops / (t.peak_flops * float(best_efficiency(p.linear, tokens)))
-                + nbytes / (p.memory_bw * float(best_efficiency(p.elementwise, tokens))))
-    mean = tokens / num_dp
-    xs, ys = segment_ends(t, flops, nbytes, tokens, mean)
-    left, right = xs <= mean, xs >= mean
-    xl, yl, xr, yr = xs[left][:, None], ys[left][:, None], xs[right][None, :], ys[right][None, :]
-    width = xr - xl
-    chord = np.where(width > 0, (yl * (xr - mean) + yr * (mean - xl)) / np.where(width > 0, width, 1.0),
-                     np.minimum(yl, yr))
-    return float(chord.min() / mean)
 
 
 def _dp_slowdown(model: ModelSpec, cluster: ClusterSpec, group: NodeGroup, floors: tuple[float, float]) -> float:

@@ -42,7 +42,7 @@ def gemm_cuts(gpu: hardware.GPUType, flops: float, nbytes: float, tokens: float)
     rank of GPU type `gpu` takes for `flops` (GEMMs) and `nbytes` (elementwise, every GPU
     of its tensor-parallel group) per token over its n linear tokens, for every n from 0 to
     `tokens` (the batch's): the lower convex envelope of n c(n) that
-    `bounds.rank_token_seconds` evaluates, as the lines through its segments.
+    `gemm_envelope.rank_token_seconds` evaluates, as the lines through its segments.
 
     Why each line is below: every point of `gemm_envelope.segment_ends`' segments is at
     most n c(n), so the lower convex hull of their ends and (0, 0) is, and so is each of
