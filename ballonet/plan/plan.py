@@ -158,6 +158,12 @@ class Plan:
             counts[t.src, t.dst] += t.num_tokens
         return counts
 
+    @cached_property
+    def remap_pairs(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """`remap_tokens()` as (sources, destinations, tokens), one entry a pair, counted once."""
+        pairs = self.remap_tokens()
+        return tuple(s for s, _ in pairs), tuple(d for _, d in pairs), tuple(pairs.values())
+
     # ---- validation ------------------------------------------------------------------
 
     def validate(self) -> Plan:

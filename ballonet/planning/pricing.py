@@ -376,16 +376,6 @@ def rank_remap_seconds(plan: Plan, model: ModelSpec, link_bw: np.ndarray) -> np.
 
 
 def remap_pairs(plan: Plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """`plan.remap_tokens()` as arrays: each (source, destination) pair's ranks and tokens;
-    read-only, counted once per plan (pricing reads them three times; a plan is a value,
-    and `dataclasses.replace` makes a new one without the count)."""
-    got = plan.__dict__.get("_remap_pairs")
-    if got is None:
-        pairs = plan.remap_tokens()
-        src = np.array([s for s, _ in pairs], dtype=np.int64)
-        dst = np.array([d for _, d in pairs], dtype=np.int64)
-        got = (src, dst, np.array(list(pairs.values()), dtype=np.int64))
-        for a in got:
-            a.flags.writeable = False
-        plan.__dict__["_remap_pairs"] = got
-    return got
+    """`Plan.remap_pairs` as arrays: each (source, destination) pair's ranks and tokens."""
+    src, dst, n = plan.remap_pairs
+    return np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64), np.array(n, dtype=np.int64)
