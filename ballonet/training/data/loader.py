@@ -18,8 +18,8 @@ epoch (`max_epochs`) the pieces still waiting go in, in the order they came. The
 is part of the cursor, and so of `state_dict()`.
 
 Batch composition depends on (corpus, global_tokens, max_doc_tokens, seed, shuffle,
-outlier_delay, position) only, never on the number of ranks: runs on 1, 2 or 4 ranks see the same
-batches, and a checkpoint made on one world size resumes on another. Batches are cut and
+outlier_delay, position) only, never on the number of ranks: runs on 1, 2 or 4 ranks see
+the same batches, and a checkpoint made on one world size resumes on another. Batches are cut and
 planned from the corpus's document lengths alone; each rank then reads from the corpus
 only the token ranges the plan gives it (plus the one token after each, for its label).
 
