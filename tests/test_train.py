@@ -383,7 +383,7 @@ def test_an_unplannable_batch_names_the_step_and_the_corpus_document():
     for _ in range(3):
         next(batches)  # the loader now stands before batch 4, as when planning it fails
     error = ballonet.InputError("packed_dp: document 1 (900 tokens) fits no single GPU")
-    message = str(_unplannable(error, 4, loader, corpus, config))
+    message = str(_unplannable(error, 4, loader, corpus))
     piece = fourth[1]
     assert message == ("step 4: cannot plan the batch: packed_dp: document 1 (corpus document "
                        f"{corpus.names[piece.doc]}, tokens {piece.start}-{piece.end}) (900 tokens) fits no single GPU")

@@ -42,6 +42,7 @@ from ballonet.cost import hardware
 from ballonet.cost.flops import attention_flops, linear_flops_per_token, zigzag_flops
 from ballonet.cost.seconds import attention_work
 from ballonet.errors import InputError
+from ballonet.outliers import outlier_level
 from ballonet.plan import Plan, chunk_bounds
 from ballonet.planning.assembly import Placement, assemble, with_memory
 from ballonet.planning.cp_groups import cp_groups, node_cp_size, pack_groups
@@ -129,16 +130,15 @@ def outlier_steps(lengths, groups: int, filler) -> list[tuple[float, list[int]]]
     at least 0); without outliers, the batch itself at weight 1."""
     lengths = [int(x) for x in lengths]
     budget = sum(lengths)
-    share = budget / groups
-    outlier = [share / 2 < L <= share for L in lengths]
+    level = [outlier_level(L, budget, groups) for L in lengths]
     levels: dict[int, list[int]] = {}
-    for L, out in zip(lengths, outlier):
-        if out:
-            levels.setdefault((L - 1).bit_length(), []).append(L)
+    for L, k in zip(lengths, level):
+        if k is not None:
+            levels.setdefault(k, []).append(L)
     if groups < 2 or not levels:
         return [(1.0, lengths)]
-    normal = [L for L, out in zip(lengths, outlier) if not out]
-    normal += [int(L) for L in filler if not share / 2 < L <= share]
+    normal = [L for L, k in zip(lengths, level) if k is None]
+    normal += [int(L) for L in filler if outlier_level(int(L), budget, groups) is None]
 
     def fill(step: list[int]) -> list[int]:
         """`step` topped up with normal documents (the batch's first, then `filler`'s) up to

@@ -38,6 +38,11 @@ class TrainConfig:
     """Tokens in every global batch, whatever the number of ranks."""
     max_doc_tokens: int | None = None
     """Context window: longer documents are cut."""
+    outlier_delay: int | None = None
+    """WLB-LLM's outlier delay over G groups (G >= 2), with any planner: a document (or context window) of
+    (T/2G, T/G] tokens, T = --global-tokens, waits in a queue, one per power-of-two length range, until its queue
+    holds G; those G then start the next batch, filled up as usual. Every token still trains once per epoch; the
+    queue is in the checkpoint. Unset: documents in stream order."""
     steps: int = 20
     """Training steps (optimizer updates)."""
     lr: float = 3e-3
@@ -154,6 +159,9 @@ class TrainConfig:
                              f"got {self.timeout_minutes}")
         if not self.lr > 0:
             raise InputError(f"--lr must be positive, got {self.lr}")
+        if self.outlier_delay is not None and self.outlier_delay < 2:
+            raise InputError(f"--outlier-delay must be at least 2 (groups that each get one outlier), got "
+                             f"{self.outlier_delay}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise InputError(f"--max-grad-norm must be positive, got {self.max_grad_norm}")
         if self.min_lr > self.lr:

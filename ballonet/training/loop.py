@@ -47,7 +47,7 @@ from ballonet.training.parallelism import parallel, tensor_parallel
 from ballonet.training.config import TrainConfig
 from ballonet.training.data.corpus import Corpus
 from ballonet.training.jobs.launch import preempt_file
-from ballonet.training.data.loader import BalancedLoader, Cursor, document_order, take_pieces
+from ballonet.training.data.loader import BalancedLoader
 from ballonet.training.parallelism.build import build_sharded_model
 from ballonet.training.preflight import agree, check_placement, preflight
 
@@ -86,13 +86,9 @@ def _reduce(values: list[float], group, device: torch.device) -> tuple[list[floa
     return s.tolist(), m.tolist()
 
 
-def _unplannable(e: InputError, step: int, loader: BalancedLoader, corpus: Corpus, config: TrainConfig) -> InputError:
+def _unplannable(e: InputError, step: int, loader: BalancedLoader, corpus: Corpus) -> InputError:
     """The planner's message with the step and the corpus documents it is about."""
-    state = loader.state_dict()
-    cursor = Cursor(state["epoch"], state["position"], state["offset"], state["batch"])
-    order = functools.partial(document_order, corpus.num_docs, seed=config.seed, shuffle=True)
-    pieces, _ = take_pieces(corpus.lengths, lambda epoch: order(epoch), cursor, config.global_tokens,
-                            config.max_doc_tokens, None)
+    pieces = loader.next_pieces()
 
     def name(match: re.Match) -> str:
         i = int(match.group(1))
@@ -171,7 +167,7 @@ def _run(config: TrainConfig, group, use_cuda: bool, signals: lease.Signals):
                                 model=spec, planner=config.planner, **({"double": False} if config.no_double else {}))
     loader = BalancedLoader(corpus, global_tokens=config.global_tokens, plan_fn=plan_fn, rank=plan_rank,
                             world_size=num_plan_ranks, seed=config.seed, max_doc_tokens=config.max_doc_tokens,
-                            grad_accum=config.grad_accum)
+                            grad_accum=config.grad_accum, outlier_delay=config.outlier_delay)
     eval_set = None if eval_corpus is None else functools.partial(
         evaluation.eval_batches, eval_corpus, num_tokens=evaluation.eval_tokens(config),
         global_tokens=config.global_tokens, plan_fn=plan_fn, rank=plan_rank, world_size=num_plan_ranks,
@@ -218,7 +214,7 @@ def _run(config: TrainConfig, group, use_cuda: bool, signals: lease.Signals):
         except StopIteration:
             break
         except InputError as e:
-            raise _unplannable(e, step + 1, loader, corpus, config) from None
+            raise _unplannable(e, step + 1, loader, corpus) from None
         step += 1
         _maybe_fault(step, rank)
         record = _step(model, optimizer, micro, plan_rank, groups, device, spec, peak, step, config.max_grad_norm, auto)

@@ -8,9 +8,18 @@ sequence of its own (attention and positions restart), but its labels run on int
 document: only a document's very last token has no label. So every token is an input
 once per epoch and every token but a document's first is a label once per epoch.
 
+With `outlier_delay` G the stream is WLB-LLM's order (docs/design.md, section 11): a
+piece that is an outlier (`outliers.outlier_level` of its whole length, as the stream
+takes it at a document's or context window's start, against T = `global_tokens`) waits
+in its level's queue instead of going in; when a level holds G, those G start the next
+batch, which the stream then fills as usual. An outlier whose level already holds G goes
+in as any other piece (so a queue never holds more than G), and at the end of the last
+epoch (`max_epochs`) the pieces still waiting go in, in the order they came. The queue
+is part of the cursor, and so of `state_dict()`.
+
 Batch composition depends on (corpus, global_tokens, max_doc_tokens, seed, shuffle,
-position) only, never on the number of ranks: runs on 1, 2 or 4 ranks see the same
-batches, and a checkpoint made on one world size resumes on another. Batches are cut and
+outlier_delay, position) only, never on the number of ranks: runs on 1, 2 or 4 ranks see
+the same batches, and a checkpoint made on one world size resumes on another. Batches are cut and
 planned from the corpus's document lengths alone; each rank then reads from the corpus
 only the token ranges the plan gives it (plus the one token after each, for its label).
 
@@ -29,6 +38,7 @@ import dataclasses
 import functools
 import re
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
@@ -38,6 +48,7 @@ import torch
 
 from ballonet import runtime
 from ballonet.errors import InputError
+from ballonet.outliers import outlier_level
 from ballonet.plan import Plan
 from ballonet.runtime.layout import (
     LAYOUTS,
@@ -82,12 +93,14 @@ class Piece(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class Cursor:
     """Where the stream stands: the next token is at `offset` in the `position`-th
-    document of epoch `epoch`'s order; `batch` batches were produced before it."""
+    document of epoch `epoch`'s order; `batch` batches were produced before it; `waiting`:
+    the outliers the outlier delay holds, in the order they came."""
 
     epoch: int = 0
     position: int = 0
     offset: int = 0
     batch: int = 0
+    waiting: tuple[Piece, ...] = ()
 
 
 def document_order(num_docs: int, epoch: int, seed: int, shuffle: bool) -> np.ndarray:
@@ -98,24 +111,65 @@ def document_order(num_docs: int, epoch: int, seed: int, shuffle: bool) -> np.nd
 
 
 def take_pieces(lengths: np.ndarray, order: Callable[[int], np.ndarray], cursor: Cursor, global_tokens: int,
-                max_doc_tokens: int | None, max_epochs: int | None) -> tuple[list[Piece], Cursor]:
+                max_doc_tokens: int | None, max_epochs: int | None,
+                outlier_delay: int | None = None) -> tuple[list[Piece], Cursor]:
     """The pieces of the batch at `cursor` (exactly `global_tokens` tokens unless the last
-    epoch runs out; none once it has) and the cursor after them."""
+    epoch runs out; none once it and the outlier queue have) and the cursor after them."""
     window = max_doc_tokens or int(lengths.max())
     epoch, position, offset = cursor.epoch, cursor.position, cursor.offset
-    pieces, budget = [], global_tokens
-    while budget > 0:
+
+    def ended() -> bool:
+        return max_epochs is not None and epoch + (position == len(lengths)) >= max_epochs
+
+    waiting = list(cursor.waiting)
+    pieces = _release(waiting, global_tokens, outlier_delay) if outlier_delay and not ended() else []
+    budget = global_tokens - sum(p.end - p.start for p in pieces)
+    held = Counter(outlier_level(p.end - p.start, global_tokens, outlier_delay) for p in waiting) \
+        if outlier_delay else Counter()
+    while budget > 0 and not ended():
         if position == len(lengths):
             epoch, position = epoch + 1, 0
-        if max_epochs is not None and epoch >= max_epochs:
-            break
         doc = int(order(epoch)[position])
         length = int(lengths[doc])
-        end = min(length, (offset // window + 1) * window, offset + budget)
-        pieces.append(Piece(epoch, doc, offset, end))
-        budget -= end - offset
+        end = min(length, (offset // window + 1) * window)
+        level = outlier_level(end - offset, global_tokens, outlier_delay) \
+            if outlier_delay and offset % window == 0 else None
+        if level is not None and held[level] < outlier_delay:
+            waiting.append(Piece(epoch, doc, offset, end))
+            held[level] += 1
+        else:
+            end = min(end, offset + budget)
+            pieces.append(Piece(epoch, doc, offset, end))
+            budget -= end - offset
         position, offset = (position + 1, 0) if end == length else (position, end)
-    return pieces, Cursor(epoch, position, offset, cursor.batch + (1 if pieces else 0))
+    while budget > 0 and waiting and ended():  # the last epoch is over: the outliers still waiting go in
+        p = waiting[0]
+        end = min(p.end, p.start + budget)
+        pieces.append(p._replace(end=end))
+        budget -= end - p.start
+        if end == p.end:
+            waiting.pop(0)
+        else:
+            waiting[0] = p._replace(start=end)
+    return pieces, Cursor(epoch, position, offset, cursor.batch + (1 if pieces else 0), tuple(waiting))
+
+
+def _release(waiting: list[Piece], global_tokens: int, groups: int) -> list[Piece]:
+    """The `groups` waiting outliers of the level that filled first, taken out of
+    `waiting`; none while no level holds `groups`."""
+    levels = [outlier_level(p.end - p.start, global_tokens, groups) for p in waiting]
+    count: Counter = Counter()
+    for level in levels:
+        if level is None:
+            continue
+        count[level] += 1
+        if count[level] == groups:
+            released = [i for i, k in enumerate(levels) if k == level][:groups]
+            out = [waiting[i] for i in released]
+            for i in reversed(released):
+                del waiting[i]
+            return out
+    return []
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
@@ -283,17 +337,23 @@ class BalancedLoader:
     With `grad_accum` K > 1 each global batch is yielded as its micro-batches
     (`accumulation.micro_batches`), one after the other, each planned on its own; take
     all `num_micro_batches` of them before `state_dict()`.
+
+    `outlier_delay` G (at least 2): WLB-LLM's outlier delay over G groups (the module
+    docstring).
     """
 
     def __init__(self, corpus: Corpus, *, global_tokens: int, plan_fn: Callable[[tuple[int, ...]], Plan],
                  rank: int = 0, world_size: int = 1, seed: int = 0, shuffle: bool = True,
                  max_doc_tokens: int | None = None, max_epochs: int | None = None,
-                 layout: str = "attention", prefetch: bool = True, grad_accum: int = 1):
+                 layout: str = "attention", prefetch: bool = True, grad_accum: int = 1,
+                 outlier_delay: int | None = None):
         if global_tokens < world_size:
             raise InputError(f"global token budget {global_tokens} is smaller than one token per rank "
                              f"({world_size} ranks)")
         if max_doc_tokens is not None and max_doc_tokens < 1:
             raise InputError(f"max document tokens must be positive, got {max_doc_tokens}")
+        if outlier_delay is not None and (type(outlier_delay) is not int or outlier_delay < 2):
+            raise InputError(f"outlier delay must be an integer of at least 2 groups, got {outlier_delay!r}")
         if layout not in LAYOUTS:
             raise InputError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         if not 0 <= rank < world_size:
@@ -301,14 +361,21 @@ class BalancedLoader:
         self.corpus, self.plan_fn = corpus, plan_fn
         self.global_tokens, self.max_doc_tokens, self.max_epochs = global_tokens, max_doc_tokens, max_epochs
         self.rank, self.world_size, self.layout, self.prefetch = rank, world_size, layout, prefetch
-        self.seed, self.shuffle, self.grad_accum = seed, shuffle, grad_accum
+        self.seed, self.shuffle, self.grad_accum, self.outlier_delay = seed, shuffle, grad_accum, outlier_delay
         self._order = functools.lru_cache(maxsize=2)(
             lambda epoch: document_order(corpus.num_docs, epoch, seed, shuffle))
         self._cursor = Cursor()
 
+    def _take(self, cursor: Cursor) -> tuple[list[Piece], Cursor]:
+        return take_pieces(self.corpus.lengths, self._order, cursor, self.global_tokens, self.max_doc_tokens,
+                           self.max_epochs, self.outlier_delay)
+
+    def next_pieces(self) -> list[Piece]:
+        """The pieces of the batch after the last yielded one (none at the end)."""
+        return self._take(self._cursor)[0]
+
     def _start(self, pool: ThreadPoolExecutor, cursor: Cursor) -> tuple[Future, Cursor] | None:
-        pieces, after = take_pieces(self.corpus.lengths, self._order, cursor, self.global_tokens,
-                                    self.max_doc_tokens, self.max_epochs)
+        pieces, after = self._take(cursor)
         if not pieces:
             return None
         return pool.submit(self._view, pieces, cursor.batch), after
@@ -350,14 +417,15 @@ class BalancedLoader:
         """The stream position after the last yielded batch (the same on every rank)."""
         c = self._cursor
         return {"epoch": c.epoch, "position": c.position, "offset": c.offset, "batch": c.batch,
-                **self._config()}
+                "waiting": [list(p) for p in c.waiting], **self._config()}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue after the batch `state` was taken at; call before iterating."""
         for key, value in self._config().items():
             if state.get(key) != value:
                 raise InputError(f"loader state was saved with {key}={state.get(key)!r}, this loader has {value!r}")
-        cursor = Cursor(state["epoch"], state["position"], state["offset"], state["batch"])
+        cursor = Cursor(state["epoch"], state["position"], state["offset"], state["batch"],
+                        self._waiting(state.get("waiting", []), state["epoch"]))
         num_docs = self.corpus.num_docs
         if not 0 <= cursor.position <= num_docs:
             raise InputError(f"loader state: position {cursor.position} is outside the corpus's {num_docs} documents")
@@ -368,7 +436,25 @@ class BalancedLoader:
                              f"at position {cursor.position}")
         self._cursor = cursor
 
+    def _waiting(self, waiting, epoch) -> tuple[Piece, ...]:
+        """A state's outlier queue, each piece checked against the corpus."""
+        if not isinstance(waiting, list) or (waiting and not self.outlier_delay):
+            raise InputError(f"loader state: 'waiting' must be a list (empty without an outlier delay), got "
+                             f"{str(waiting)[:80]}")
+        out = []
+        for i, item in enumerate(waiting):
+            if not (isinstance(item, list) and len(item) == 4 and all(type(x) is int for x in item)):
+                raise InputError(f"loader state: waiting[{i}] must be 4 integers [epoch, doc, start, end], got "
+                                 f"{str(item)[:80]}")
+            piece = Piece(*item)
+            if not (0 <= piece.epoch <= epoch and 0 <= piece.doc < self.corpus.num_docs
+                    and 0 <= piece.start < piece.end <= int(self.corpus.lengths[piece.doc])):
+                raise InputError(f"loader state: waiting[{i}] {item} is no piece of a document of this corpus "
+                                 f"(epoch up to {epoch})")
+            out.append(piece)
+        return tuple(out)
+
     def _config(self) -> dict:
         return {"num_docs": self.corpus.num_docs, "num_tokens": self.corpus.num_tokens,
                 "global_tokens": self.global_tokens, "max_doc_tokens": self.max_doc_tokens,
-                "seed": self.seed, "shuffle": self.shuffle}
+                "seed": self.seed, "shuffle": self.shuffle, "outlier_delay": self.outlier_delay}
