@@ -123,8 +123,9 @@ def _wlb_delay(losses: list[dict]) -> str:
     need = [c for c in lost if at_or_below_in_order(c)]
     return (text + "; zeppelin planning those same steps (the order `ballonet train --outlier-delay G` trains in), "
             "its step over wlb_llm's: " + ", ".join(f"{_name(c)} {in_wlb_order(c):.3f}" for c in lost)
-            + f". {len(need)} of these {len(losses)} need that order to be at or below every baseline"
-            + (": " + ", ".join(_name(c) for c in need) if need else ""))
+            + f". In that order against wlb_llm, zeppelin is at or below every baseline on {len(need)} of these "
+            f"{len(losses)}" + (" (the configurations that need it: " + ", ".join(_name(c) for c in need) + ")"
+                                 if need else ""))
 
 
 
