@@ -362,7 +362,10 @@ def report(data: dict) -> str:
              f"per configuration, {data.get('scale_steps', data['steps'])} on the scale grid, seed 0, 16K tokens "
              "per GPU unless said). `step/bound` is zeppelin's step over "
              "`lower_bound_s`, the bound on the batch no plan can beat; `plan s` is zeppelin's CPU seconds to plan "
-             "one batch on this machine.", "",
+             "one batch on this machine. wlb_llm's step is the steps of its outlier delay (docs/design.md, section "
+             "10); 'zeppelin in wlb_llm's order / wlb_llm' is zeppelin planning those same steps, weighted as "
+             "wlb_llm's row (the order `ballonet train --outlier-delay G` trains in), over wlb_llm's step, '-' where "
+             "wlb_llm's tuned degree delays no document; zeppelin's own figures are of the batch as given.", "",
              "## Targets", "", "| target | met | measured | why not |", "| --- | --- | --- | --- |"]
     lines += [f"| {t} | {'yes' if ok else 'no'} | {m} |" + (f" {why} |" if not ok else " |")
               for t, ok, m, why in targets(data)]
