@@ -19,7 +19,9 @@ each GPU count at every context, cluster and model taking turns, on the presets
 
 CP over the whole cluster (`te_cp_whole`, main grid only) is reported beside the tuned
 te_cp as a stress case, and every speedup is also given over the best baseline of each
-configuration. Zeppelin's estimated step is set beside its simulated one on every
+configuration. wlb_llm is priced over its outlier delay; where that delay applies, zeppelin
+is priced in the same order too (`Row.step_in_wlb_order_s`), set beside the figures of the
+batch as given. Zeppelin's estimated step is set beside its simulated one on every
 configuration, each over 5% named with why (`bench/paper_estimate.py`). `--held N` adds
 the held-out configurations of bench/estimate.py up to N GPUs (lengths and pairings the
 grids never plan), every planner at its tuned degree; `--only` runs some parts alone into

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import statistics
 
-from paper_report import BOUND_TARGET, best_baseline, over_best
+from paper_report import BOUND_TARGET, at_or_below_in_order, best_baseline, in_wlb_order, over_best
 
 ESTIMATE_TARGET = 0.05
 """The issue's target: the estimate within 5% of the simulated step."""
@@ -74,26 +74,39 @@ def held_section(data: dict) -> list[str]:
              "Lengths and pairings the grids never plan (`bench/estimate.py`'s `held_configs`: shortmix at scale, "
              "and seed 1), every planner at its tuned degree; `seconds`: this configuration's share of the run.", "",
              "| cluster | GPUs | model | workload | context | seed | zeppelin step s | best baseline | zeppelin over the "
-             "best | step/bound | estimate / step | plan s | seconds |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "best | zeppelin in wlb_llm's order / wlb_llm | step/bound | estimate / step | plan s | seconds |",
+             "|" + " --- |" * 14]
     for c in held:
         z, best = c["results"]["zeppelin"], best_baseline(c)
         plan_s = f"{z['plan_seconds']:.3f}" if z.get("plan_seconds") is not None else "-"
-        ratio = z.get("estimate_ratio")
+        ratio, order = z.get("estimate_ratio"), in_wlb_order(c)
         lines.append(f"| {c['cluster']} | {c['gpus']} | {c['model']} (tp {c['tp']}) | "
                      f"{os.path.basename(c['workload'])} | {c['max_length']} | {c.get('seed', 0)} | "
                      f"{z['step_time_s']:.3f} | {c['results'][best]['step_time_s']:.3f} ({best}) | "
-                     f"{over_best(c):.3f} | {z['ratio_to_lower_bound']:.3f} | "
+                     f"{over_best(c):.3f} | {'-' if order is None else f'{order:.3f}'} | "
+                     f"{z['ratio_to_lower_bound']:.3f} | "
                      f"{'-' if ratio is None else f'{ratio:.3f}'} | {plan_s} | {c['seconds']:.0f} |")
     at_or_below = sum(over_best(c) >= 1 for c in held)
     bound = sum(c["results"]["zeppelin"]["ratio_to_lower_bound"] <= BOUND_TARGET for c in held)
-    lines += ["", f"Zeppelin at or below every tuned baseline on {at_or_below} of {len(held)}; within "
+    in_order = (f" ({sum(at_or_below_in_order(c) for c in held)} with zeppelin in wlb_llm's training order against "
+                "wlb_llm, `ballonet train --outlier-delay G`)" if any(in_wlb_order(c) is not None for c in held) else "")
+    lines += ["", f"Zeppelin at or below every tuned baseline on {at_or_below} of {len(held)}{in_order}; within "
               f"{BOUND_TARGET}x of the bound on {bound} of {len(held)}."]
     return lines
 
 
 def partial_report(data: dict) -> str:
-    """The report of a run of some parts only (`paper.py --only`): these two sections."""
+    """The report of a run of some parts only (`paper.py --only`): the main and scale
+    grids' targets of being at or below every baseline and the headline, where run, and
+    these two sections."""
+    from paper_report import _grid_targets, headline
+
     lines = ["# The Zeppelin paper's evaluation, simulated (some parts only)", "",
              f"Command: `{data['command']}` ({data['date']}, {data['seconds']:.0f} s).", ""]
+    grids = [(g, label) for g, label in ((data.get("grid"), "main grid"), (data.get("scale"), "scale grid")) if g]
+    if grids:
+        lines += ["| target | met | measured | why not |", "| --- | --- | --- | --- |"]
+        lines += [f"| {t} | {'yes' if ok else 'no'} | {m} | {'' if ok else why} |"
+                  for g, label in grids for t, ok, m, why in _grid_targets(g, label)[:1]]
+        lines += [""] + headline(data) + [""]
     return "\n".join(lines + estimate_section(data) + [""] + held_section(data)) + "\n"

@@ -108,6 +108,38 @@ def test_tuned_wlb_llm_is_priced_over_its_delay_steps_per_token():
     assert row.first.num_tokens == sum(batch)
 
 
+def test_zeppelin_is_also_priced_in_wlb_llms_training_order():
+    # Four nodes of two GPUs: wlb_llm's default CP degree is a node's 2, so 4 CP groups;
+    # 32768 tokens a batch, a group's share 8192, outliers (4096, 8192]: both batches have some.
+    cluster = ClusterSpec(name="pairs", groups=(NodeGroup(gpu="h100", num_nodes=4, gpus_per_node=2, nics_per_node=2),))
+    model, work = specs.model("llama-3b"), workloads.get("prolong")
+    rows = {r.planner: r for r in compare(cluster, model, "prolong", 4096, ["zeppelin", "wlb_llm"], steps=2,
+                                          max_length=16384)}
+    by_hand = {"zeppelin": 0.0, "wlb_llm": 0.0}
+    for step, batch in enumerate(work.batches(4096 * 8, 0, 2, 16384)):
+        filler = [L for k in range(1, 5) for L in work.sample_batch(4096 * 8, (0, step, k), 16384)]
+        steps = outlier_steps(batch, 4, filler)
+        assert len(steps) == 2
+        for name in by_hand:
+            times = [simulate(plan_batch(docs, cluster, model, name), cluster, model).step_time_s for _, docs in steps]
+            per_token = sum(w * t for (w, _), t in zip(steps, times)) / sum(w * sum(docs) for w, docs in steps)
+            by_hand[name] += per_token * sum(batch) / 2
+    zep = rows["zeppelin"]
+    assert zep.step_in_wlb_order_s == pytest.approx(by_hand["zeppelin"], rel=1e-9)
+    assert rows["wlb_llm"].step_time_s == pytest.approx(by_hand["wlb_llm"], rel=1e-9)  # the same order as its row
+    as_given = [simulate(plan_batch(b, cluster, model, "zeppelin"), cluster, model).step_time_s
+                for b in work.batches(4096 * 8, 0, 2, 16384)]
+    assert zep.step_time_s == pytest.approx(sum(as_given) / 2, rel=1e-9)  # its own row stays the batch as given
+    assert zep.to_dict()["step_in_wlb_order_s"] == zep.step_in_wlb_order_s
+    assert rows["wlb_llm"].step_in_wlb_order_s is None
+    without = compare(cluster, model, "prolong", 4096, ["zeppelin", "te_cp"], steps=2, max_length=16384)[0]
+    assert without.step_in_wlb_order_s is None and without.to_dict()["step_in_wlb_order_s"] is None
+    # 2 groups of 8 on 131072 tokens: outliers would be (32768, 65536], longer than the context
+    two_nodes = specs.cluster("h800-8nic", num_nodes=2)
+    no_outliers = compare(two_nodes, model, "prolong", 8192, ["zeppelin", "wlb_llm"], max_length=32768)[0]
+    assert no_outliers.step_in_wlb_order_s is None
+
+
 def test_magi_dispatch_by_hand_and_its_plans():
     # Chunks of 512 over documents of 1024 and 512 tokens: areas 131328, 393472 (rows
     # 512-1023 of the first) and 131328. Largest first, at most 2 chunks a rank: the

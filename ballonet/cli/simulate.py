@@ -123,9 +123,24 @@ def cmd_simulate(args) -> int:
         return 0
     table = [row_cells(r, ["step_time_s", "speedup_vs_te_cp", "mfu", "attention_imbalance", "exposed_comm_share",
                            "ratio_to_lower_bound"]) for r in rows]
+    footer = "\n".join(x for x in (_in_wlb_order_line(rows, cluster, model), infeasible_footer(rows)) if x) or None
     print_table(title, ["planner", "step s", "vs te_cp", "MFU", "attn imbalance", "exposed comm",
-                        "step / bound"], table, infeasible_footer(rows))
+                        "step / bound"], table, footer)
     return 0
+
+
+def _in_wlb_order_line(rows, cluster, model) -> str | None:
+    """Zeppelin's step on wlb_llm's outlier-delay steps, where the comparison priced it."""
+    from ballonet.planning.wlb_llm import num_groups
+
+    zep = next((r for r in rows if r.planner == "zeppelin" and r.step_in_wlb_order_s is not None), None)
+    wlb = next((r for r in rows if r.planner == "wlb_llm" and r.feasible), None)
+    if zep is None or wlb is None:
+        return None
+    groups = num_groups(cluster, model, wlb.options.get("cp_size"))
+    return (f"zeppelin in wlb_llm's training order (the steps of its outlier delay over {groups} CP groups, as "
+            f"`ballonet train --outlier-delay {groups}` trains): {zep.step_in_wlb_order_s:.3f} s, "
+            f"{zep.step_in_wlb_order_s / wlb.step_time_s:.3f} of wlb_llm's step")
 
 
 def _loan_day(args, cluster, model) -> int:

@@ -7,7 +7,9 @@ cannot plan one of the batches (`InfeasiblePlan`) is a row with `feasible=False`
 one-line reason; the others carry on. WLB-LLM defers outlier documents to later steps
 (its outlier delay): each of its batches is priced as the weighted steps that train the
 batch's documents in the long run (`wlb_llm.outlier_steps`), so every row's step time
-is the time to train one batch's tokens (docs/design.md, section 10).
+is the time to train one batch's tokens (docs/design.md, section 10). Where that delay
+applies to wlb_llm's chosen run, zeppelin is also priced on the same delay steps
+(`Row.step_in_wlb_order_s`): the training order `ballonet train --outlier-delay G` gives.
 """
 
 from __future__ import annotations
@@ -97,6 +99,10 @@ class Row:
     """Compute's share of the step, the mean over ranks; with `exposed_comm_share` and
     `idle_share` it makes the whole step."""
     idle_share: float | None = None
+    step_in_wlb_order_s: float | None = None
+    """Zeppelin's only: its step on wlb_llm's outlier-delay steps (the same G, filler,
+    weights and token scaling as wlb_llm's row), where wlb_llm is compared and its chosen
+    run delays outliers; None elsewhere, or where zeppelin cannot plan those steps."""
     first: SimResult | None = field(default=None, repr=False, compare=False)
     """The simulation of the first batch (for traces)."""
 
@@ -111,17 +117,22 @@ class Row:
                 "attention_imbalance": self.attention_imbalance, "exposed_comm_share": self.exposed_comm_share,
                 "compute_share": self.compute_share, "idle_share": self.idle_share,
                 "ratio_to_lower_bound": self.ratio_to_lower_bound, "options": self.options,
-                "plan_seconds": self.plan_seconds}
+                "plan_seconds": self.plan_seconds, "step_in_wlb_order_s": self.step_in_wlb_order_s}
 
 
 def _run(name: str, batches: list, cluster: ClusterSpec, model: ModelSpec, popts: dict, sopts: dict,
-         progress, plan_seconds: list | None = None, filler=None) -> list[SimResult] | str:
+         progress, plan_seconds: list | None = None, filler=None, groups: int | None = None
+         ) -> list[SimResult] | str:
     """Simulations of every batch, or why the planner cannot plan one of them; the CPU
-    seconds of each plan go to `plan_seconds`. `wlb_llm` with `filler` (step -> more
-    documents of the workload) trains each batch in the steps of its outlier delay
-    (`wlb_llm.outlier_steps`), priced as their weighted sum."""
+    seconds of each plan go to `plan_seconds`. With `filler` (step -> more documents of
+    the workload), each batch is trained in the steps of the outlier delay with `groups`
+    CP groups (`wlb_llm.outlier_steps`), priced as their weighted sum; `groups` defaults
+    to wlb_llm's own at its `cp_size`, 1 (no delay) for other planners."""
     out = []
-    groups = num_groups(cluster, model, popts.get("cp_size")) if name == "wlb_llm" and filler else 1
+    if not filler:
+        groups = 1
+    elif groups is None:
+        groups = num_groups(cluster, model, popts.get("cp_size")) if name == "wlb_llm" else 1
     for step, lengths in enumerate(batches):
         steps = outlier_steps(lengths, groups, filler(step)) if groups > 1 else [(1.0, lengths)]
         results, seconds = [], 0.0
@@ -200,6 +211,7 @@ def compare(cluster: ClusterSpec, model: ModelSpec, workload: str, tokens_per_gp
         else:
             popts = (planner_options or {}) if name == "zeppelin" else {}
             runs[name] = _run(name, batches, cluster, model, popts, sopts, progress, timing[name], filler)
+    in_order = _in_wlb_order(runs, chosen, batches, cluster, model, planner_options or {}, sim_options or {}, filler)
     ref = sum(r.step_time_s for r in runs[REFERENCE]) if isinstance(runs.get(REFERENCE), list) else None
     rows = []
     for name in planners:
@@ -215,8 +227,23 @@ def compare(cluster: ClusterSpec, model: ModelSpec, workload: str, tokens_per_gp
             exposed_comm_share=sum(r.exposed_comm_share for r in res) / steps, options=chosen.get(name, {}),
             plan_seconds=sum(timing[name]) / len(timing[name]) if timing[name] else None,
             compute_share=sum(_mean_share(r, r.compute_s) for r in res) / steps,
-            idle_share=sum(_mean_share(r, r.idle_s) for r in res) / steps, first=res[0]))
+            idle_share=sum(_mean_share(r, r.idle_s) for r in res) / steps, first=res[0],
+            step_in_wlb_order_s=in_order if name == "zeppelin" else None))
     return rows
+
+
+def _in_wlb_order(runs: dict, chosen: dict, batches: list, cluster: ClusterSpec, model: ModelSpec, popts: dict,
+                  sopts: dict, filler) -> float | None:
+    """Zeppelin's mean step on the steps of wlb_llm's outlier delay at wlb_llm's chosen CP
+    degree, priced as `_run` prices wlb_llm's; None where either is infeasible, that degree
+    makes one group, no batch has outliers, or zeppelin cannot plan those steps."""
+    if not isinstance(runs.get("wlb_llm"), list) or not isinstance(runs.get("zeppelin"), list):
+        return None
+    groups = num_groups(cluster, model, chosen.get("wlb_llm", {}).get("cp_size"))
+    if groups < 2 or all(len(outlier_steps(b, groups, ())) == 1 for b in batches):
+        return None
+    res = _run("zeppelin", batches, cluster, model, popts, sopts, None, None, filler, groups)
+    return None if isinstance(res, str) else sum(r.step_time_s for r in res) / len(batches)
 
 
 def _mean_share(result: SimResult, per_rank: tuple[float, ...]) -> float:
