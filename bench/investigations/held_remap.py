@@ -2,9 +2,11 @@
 rank's linear tokens remapped inside nodes (no candidate that keeps its tokens: the
 search's keep-tokens candidates dropped, its remapped ones planned as it plans them):
 simulated step, bound, the busiest and mean rank's compute, the recomputation ranks run
-and the step's tail (LM head, exposed gradient bucket, optimizer).
+and the step's tail (LM head, exposed gradient bucket, optimizer). With --cluster also
+"across": the remapped candidates' linear tokens evened over the whole cluster
+(`candidates.remapped` with node_remap=False) instead of inside nodes.
 
-    OMP_NUM_THREADS=1 python bench/investigations/held_remap.py INDEX ...
+    OMP_NUM_THREADS=1 python bench/investigations/held_remap.py [--cluster] INDEX ...
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from paper import TOKENS_PER_GPU
 from paper_report import CLUSTERS
 
 from ballonet import specs, workloads
-from ballonet.planning.zeppelin import zeppelin
+from ballonet.planning.zeppelin import candidates, zeppelin
 from ballonet.planning.zeppelin.search import CandidateSearch
 from ballonet.simulation.simulator import simulate
 
@@ -35,17 +37,27 @@ def remapped_only(self, maker, level, keep, *args, **kwargs):
     return None if keep else _candidate(maker, level, keep, *args, **kwargs)
 
 
+_remapped = candidates.remapped
+
+
+def across_cluster(*args, **kwargs):
+    """`candidates.remapped`, its linear tokens evened over the cluster."""
+    return _remapped(*args, **{**kwargs, "node_remap": False})
+
+
 def main(argv) -> int:
-    for i in argv:
+    names = ("chosen", "remapped", "across") if "--cluster" in argv else ("chosen", "remapped")
+    for i in (a for a in argv if a != "--cluster"):
         _, cl, nodes, mdl, tp, wl, ctx, seed = held_configs()[int(i)]
         c, m = specs.cluster(CLUSTERS[cl], num_nodes=nodes), specs.model(mdl, tp=tp)
         batch = next(iter(workloads.get(wl).batches(TOKENS_PER_GPU * c.num_ranks, seed, 1, ctx)))
-        for name in ("chosen", "remapped"):
-            if name == "remapped":
-                with mock.patch.object(CandidateSearch, "_candidate", remapped_only):
-                    plan = zeppelin(batch, c, m)
-            else:
+        for name in names:
+            if name == "chosen":
                 plan = zeppelin(batch, c, m)
+            else:
+                with mock.patch.object(CandidateSearch, "_candidate", remapped_only), \
+                        mock.patch.object(candidates, "remapped", across_cluster if name == "across" else _remapped):
+                    plan = zeppelin(batch, c, m)
             res = simulate(plan, c, m)
             cs = np.array(res.compute_s)
             recomputing = sum(k > 0 and md != "none" for md, k in res.recompute_per_rank)
