@@ -204,7 +204,16 @@ def _node_work(batch: Batch, nodes, weights: StepWeights | None) -> np.ndarray:
     (`pricing.ring_exposed_seconds`: nothing over NVLink, much over PCIe). With `weights`,
     one that node cannot split (below its crossover, or a node of one rank) also counts
     the wait it leaves the node's other ranks: (work - fair share) each. On a mixed
-    cluster the same document is split more, so costs more, on slower nodes."""
+    cluster the same document is split more, so costs more, on slower nodes. Made once per
+    batch, nodes and weights (`Batch.memo`: the search's level 1s of one batch share it)."""
+    key = ("node_work", weights, tuple(map(tuple, nodes)))
+    if key not in batch.memo:
+        batch.memo[key] = _node_work_of(batch, nodes, weights)
+        batch.memo[key].setflags(write=False)
+    return batch.memo[key]
+
+
+def _node_work_of(batch: Batch, nodes, weights: StepWeights | None) -> np.ndarray:
     lengths, work, dev = batch.lengths, batch.work, batch.dev
     L = batch.length_array
     rows: dict[tuple, np.ndarray] = {}  # alike nodes (most of a cluster) share one row

@@ -7,7 +7,7 @@ hands it, with the `RankFill` that level 2 fills node by node, to each step;
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -61,6 +61,9 @@ class Batch:
     linear_on_rank: np.ndarray
     """[R] linear work per token a rank keeps (`StepWeights.linear_per_token` on ranks of
     nodes the remap does not even out: PCIe-only nodes; else 0)."""
+    memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    """What the steps compute from this batch alone, kept for the search's other level 1s
+    of it (`classes._node_work`); `dataclasses.replace` starts a new one empty."""
 
 
 @dataclass
