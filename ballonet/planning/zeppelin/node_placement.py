@@ -19,7 +19,7 @@ import numpy as np
 from ballonet.planning.packing import charge, lpt, spread
 from ballonet.planning.zeppelin.state import Batch, RankFill
 from ballonet.planning.zeppelin.thresholds import THRESHOLDS
-from ballonet.planning.zeppelin.water import water_level, water_level_list
+from ballonet.planning.zeppelin.water import ordered_sum, water_level, water_level_list
 
 __all__ = ["NodeFill", "level2", "node_fill", "split_to_level"]
 
@@ -165,11 +165,14 @@ def split_to_level(batch: Batch, fill: RankFill, ranks, load, speed, min_length:
     documents too (step 3 levels the two). `load` is the node's, per rank of `ranks`;
     `in_water`, the ranks that hold shares of split documents (updated)."""
     lengths, work, local = batch.lengths, batch.work, fill.local
+    speeds = speed.tolist()
+    speed_sum = ordered_sum(speeds)  # (`speed.sum()`; lists: most nodes return at the first check)
     for _ in range(len(ranks)):
-        rel = load / speed
-        limit = float((1 + tolerance) * load.sum() / speed.sum())
-        if not rel.max() > limit:
+        loads = load.tolist()
+        limit = (1 + tolerance) * ordered_sum(loads) / speed_sum
+        if not max([x / s for x, s in zip(loads, speeds)]) > limit:
             return
+        rel = load / speed
         hi = next((i for i in np.argsort(-rel, kind="stable").tolist() if int(ranks[i]) not in in_water
                    and rel[i] > limit and any(lengths[d] >= min_length for d in local[int(ranks[i])])), None)
         if hi is None:
