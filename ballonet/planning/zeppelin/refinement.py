@@ -168,18 +168,24 @@ def refine(batch: Batch, fill: RankFill) -> Placement:
     stamp, done, clock = [0] * R, dict.fromkeys(docs, -1), 0
     settled: set[int] = set()  # units checked against their shares since they last moved
     sliver, grow_level, change = THRESHOLDS.sliver, THRESHOLDS.grow_above * st.mean_level, THRESHOLDS.settled_change
+    members, helds, units, stamp_of = st.members, st.held, st.unit, stamp.__getitem__
+    keeps_none = not any(linear)  # (x + 0.0 is x for the positive units: the sum left out)
     for sweep in SWEEPS:
-        shared = _Shared.of(st) if sweep is Sweep.GROW else None
+        drop, grow = sweep is Sweep.DROP, sweep is Sweep.GROW
+        shared = _Shared.of(st) if grow else None
         for d in docs:
-            m, held, unit = st.members[d], st.held[d], st.unit[d]
-            dropping = sweep is Sweep.DROP and len(m) > 2 and min(held) < sliver * sum(held) / len(held)
-            still = not dropping and max(map(stamp.__getitem__, m)) <= done[d] \
-                and (sweep is not Sweep.GROW or st.level_of(m) <= grow_level)
+            m, held, unit = members[d], helds[d], units[d]
+            dropping = drop and len(m) > 2 and min(held) < sliver * sum(held) / len(held)
+            still = not dropping and max(map(stamp_of, m)) <= done[d] and (not grow or st.level_of(m) <= grow_level)
             if still and d in settled:
                 continue
             pt = per_token[d]
-            new_unit = ([pt / efficiency(h) + linear[r] for r, h in zip(m, held)]
-                        if any(held) else unit)
+            if not any(held):
+                new_unit = unit
+            elif keeps_none:
+                new_unit = [pt / efficiency(h) for h in held]
+            else:
+                new_unit = [pt / efficiency(h) + linear[r] for r, h in zip(m, held)]
             if still and all(abs(a - b) <= change * abs(b) for a, b in zip(new_unit, unit)):
                 settled.add(d)
                 continue
