@@ -120,7 +120,7 @@ def spread(room: np.ndarray, token_room: np.ndarray, work: float, per_token: flo
     caps = [min(r if r > 0.0 else 0.0, t * per_token) for r, t in zip(room.tolist(), token_room.tolist())]
     shares: dict[int, float] = {}
     left = work
-    for i in sorted(range(len(caps)), key=lambda i: -caps[i]):  # most room first, ties to the lower slot
+    for i in sorted(range(len(caps)), key=caps.__getitem__, reverse=True):  # most room first, ties to the lower slot
         if left <= 0 or caps[i] <= 0 or len(shares) == max_slots:
             break
         take = min(caps[i], left)
