@@ -21,16 +21,45 @@ from ballonet.planning.zeppelin.state import Batch, RankFill
 from ballonet.planning.zeppelin.thresholds import THRESHOLDS
 from ballonet.planning.zeppelin.water import ordered_sum, water_level, water_level_list
 
-__all__ = ["NodeFill", "level2", "node_fill", "split_to_level"]
+__all__ = ["NodeFill", "NodeRanks", "level2", "node_fill", "node_ranks", "split_to_level"]
 
 
-def level2(batch: Batch, fill: RankFill, ranks: np.ndarray, node_work: float, docs: list[int],
+@dataclass(frozen=True)
+class NodeRanks:
+    """One node's ranks and what level 2 reads of their devices (`node_ranks`)."""
+    ranks: np.ndarray
+    speed: np.ndarray
+    speed_sum: float
+    most_tokens: int
+    """The most tokens a rank of the node may hold."""
+    near_cap: np.ndarray
+    """[ranks] `Thresholds.near_cap` of each rank's token cap."""
+
+
+def node_ranks(batch: Batch) -> list[NodeRanks]:
+    """Per node, `NodeRanks`: made once per batch (`Batch.memo`), for every placement of it."""
+    if "node_ranks" not in batch.memo:
+        dev = batch.dev
+        out = []
+        for rs in dev.nodes():
+            ranks = np.array(rs)
+            speed, cap = dev.speed[ranks], dev.token_cap[ranks]
+            for a in (ranks, speed, cap):
+                a.setflags(write=False)
+            out.append(NodeRanks(ranks=ranks, speed=speed, speed_sum=speed.sum(), most_tokens=int(cap.max()),
+                                 near_cap=THRESHOLDS.near_cap * cap))
+        batch.memo["node_ranks"] = out
+    return batch.memo["node_ranks"]
+
+
+def level2(batch: Batch, fill: RankFill, node: NodeRanks, node_work: float, docs: list[int],
            inter_water: list[tuple[float, int]], min_length: float | None, stepped: dict[float, Batch]) -> None:
     """Step 2, one node: `node_fill`, and once more on the excess over the light
     documents' mean work per token when the first leaves a rank at its memory cap; the
     fill whose busiest rank is least busy is kept; then `split_to_level`. On a node that
     keeps its tokens (no remap inside it), work is attention plus linear work (`stepped`:
     per linear work per token, the batch with it added, shared by alike nodes)."""
+    ranks = node.ranks
     per_token = float(batch.linear_on_rank[ranks[0]])
     if per_token:
         if per_token not in stepped:
@@ -41,17 +70,16 @@ def level2(batch: Batch, fill: RankFill, ranks: np.ndarray, node_work: float, do
             sum([w * per_token * size[d] / att[d] for w, d in inter_water])
         inter_water = [(w * step[d] / att[d], d) for w, d in inter_water]
         batch = stepped[per_token]
-    lengths, work, dev = batch.lengths, batch.work_list, batch.dev
-    speed = dev.speed[ranks]
-    target = node_work * speed / speed.sum()
-    most_tokens, fair = int(dev.token_cap[ranks].max()), float(target.max())
+    lengths, work, speed = batch.lengths, batch.work_list, node.speed
+    target = node_work * speed / node.speed_sum
+    most_tokens, fair = node.most_tokens, float(target.max())
     splits = ([d for d in docs if lengths[d] > most_tokens] if min_length is None else
               [d for d in docs if (k := lengths[d]) > most_tokens or (k >= min_length and work[d] > fair)])
     water = inter_water + [(work[d], d) for d in splits]
     split_set = set(splits)
     whole = [d for d in docs if d not in split_set]
     fills = [node_fill(batch, target, fill.token_room[ranks], speed, water, whole)]
-    if water and whole and (fills[0].room < THRESHOLDS.near_cap * dev.token_cap[ranks]).any():
+    if water and whole and (fills[0].room < node.near_cap).any():
         mean = sum([work[d] for d in whole]) / sum([lengths[d] for d in whole])
         light = [d for d in whole if work[d] <= mean * lengths[d]]  # none when rounding puts all above
         if light:
