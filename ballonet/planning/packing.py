@@ -43,7 +43,8 @@ def lpt(docs: Iterable[int], work, lengths: list[int], load: np.ndarray, speed: 
         order = ids[np.lexsort((ids, -work[ids]))].tolist()  # ties in document order
     else:
         order = sorted(sorted(docs), key=costs.__getitem__, reverse=True)  # ties in document order
-    if len(set(speed.tolist())) > 1:
+    speeds = speed.tolist()
+    if speeds and speeds.count(speeds[0]) < len(speeds):
         return _lpt_uniform(order, work, lengths, load, speed, token_room, spill)
     loads, rooms = load.tolist(), token_room.tolist()
     heap = list(zip(loads, range(len(loads))))  # equal speeds: least loaded finishes first
@@ -55,7 +56,7 @@ def lpt(docs: Iterable[int], work, lengths: list[int], load: np.ndarray, speed: 
     out: dict[int, list[int]] = {}
     replace, pop, push = heapreplace, heappop, heappush
     for d in order:
-        L, w = lengths[d], float(costs[d])
+        L = lengths[d]
         while parked and -parked[0][0] >= L:
             _, li, i = pop(parked)
             push(heap, (li, i))
@@ -67,13 +68,13 @@ def lpt(docs: Iterable[int], work, lengths: list[int], load: np.ndarray, speed: 
                 raise NoRoom(d)
             spill.append(d)
             continue
-        i = heap[0][1]
+        li, i = heap[0]  # (li is loads[i]: a slot's entry is pushed with its load, which changes only here)
         got = out.get(i)
         if got is None:
             out[i] = [d]
         else:
             got.append(d)
-        loads[i] = li = loads[i] + w
+        loads[i] = li = li + float(costs[d])
         rooms[i] -= L
         replace(heap, (li, i))
     load[:] = loads
