@@ -86,11 +86,11 @@ def _lpt_uniform(order, work, lengths, load, speed, token_room, spill) -> dict[i
     """`lpt` on slots of unequal speed (uniform machines), one vector step per document."""
     out: dict[int, list[int]] = {}
     per_slot = np.ndim(work) == 2
-    costs = work if per_slot else work.tolist() if isinstance(work, np.ndarray) else work
+    costs = work.T if per_slot else work.tolist() if isinstance(work, np.ndarray) else work  # (work.T[d]: d's per slot)
     finish = np.empty(len(load))
     least = float(token_room.min()) if len(token_room) else np.inf  # every slot has room for a document up to it
     for d in order:
-        w, L = (work[:, d] if per_slot else costs[d]), lengths[d]
+        w, L = costs[d], lengths[d]
         np.add(load, w, out=finish)
         np.divide(finish, speed, out=finish)
         if L > least:
