@@ -336,7 +336,7 @@ def node_seconds(batch: Batch, nodes, lv: Level1, rank_token: np.ndarray, weight
 def node_tokens(batch: Batch, nodes, lv: Level1) -> np.ndarray:
     """[nodes] tokens each node holds after level 1."""
     lengths, work = batch.lengths, batch.work
-    tokens = np.array([float(sum(lengths[d] for d in lv.node_docs.get(n, []))) for n in range(len(nodes))])
+    tokens = np.array([float(sum(map(lengths.__getitem__, lv.node_docs.get(n, ())))) for n in range(len(nodes))])
     for d, sh in lv.shares.items():
         for n, w in sh.items():
             tokens[n] += w * lengths[d] / work[d]

@@ -120,6 +120,7 @@ def _start(batch: Batch, fill: RankFill, docs: list[int], local_tokens: np.ndarr
     tokens = local_tokens.astype(float).tolist()
     members, all_held, units, node_tokens = {}, {}, {}, {}
     linear = batch.linear_on_rank.tolist()
+    breakeven = {g: (batch.crossovers[g].intra or np.inf) / 2 for g in set(dev.group)}
     for d in docs:
         shares = fill.split_shares[d]
         m = sorted(shares)
@@ -140,7 +141,7 @@ def _start(batch: Batch, fill: RankFill, docs: list[int], local_tokens: np.ndarr
     return Levels(load=load, tokens=tokens, speed=dev.speed.astype(float).tolist(),
                   cap=dev.token_cap.astype(float).tolist(), node=node, node_ranks=dev.nodes(),
                   mean_level=float(np.sum(load) / dev.speed.sum()), members=members, held=all_held, unit=units,
-                  node_tokens=node_tokens, breakeven=[(batch.crossovers[g].intra or np.inf) / 2 for g in dev.group])
+                  node_tokens=node_tokens, breakeven=list(map(breakeven.__getitem__, dev.group)))
 
 
 def refine(batch: Batch, fill: RankFill) -> Placement:
@@ -269,7 +270,7 @@ def _apportion_list(total: int, weights: list[float], caps: list[int]) -> list[i
         base = [math.floor(x) for x in ideal]
         rest = left - sum(base)
         frac = [x - b if f else -1.0 for x, b, f in zip(ideal, base, free)]
-        for i in sorted(range(n), key=lambda i: -frac[i])[:rest]:
+        for i in sorted(range(n), key=frac.__getitem__, reverse=True)[:rest]:  # (stable: ties to the lower index)
             base[i] += 1
         out = [o + b for o, b in zip(out, base)]
         left = 0
