@@ -127,7 +127,7 @@ def node_fill(batch: Batch, target: np.ndarray, room: np.ndarray, speed: np.ndar
     documents fill the rooms by LPT on their work. Otherwise the ring ranks spend their
     targets on a few long-document tokens and the others fill up with short documents to
     their caps, under target (docs/planner_evidence.md, step 2)."""
-    lengths, work = batch.lengths, batch.work
+    lengths, work = batch.lengths, batch.work_list  # (floats: numpy's scalars are slower, alike in value)
     room, load = room.astype(float), np.zeros(len(target))
     shares: dict[int, dict[int, float]] = {}
     spill: list[int] = []
@@ -192,7 +192,7 @@ def split_to_level(batch: Batch, fill: RankFill, ranks, load, speed, min_length:
     is above the intra-node crossover with the least busy rank that holds only whole
     documents too (step 3 levels the two). `load` is the node's, per rank of `ranks`;
     `in_water`, the ranks that hold shares of split documents (updated)."""
-    lengths, work, local = batch.lengths, batch.work, fill.local
+    lengths, work, local = batch.lengths, batch.work_list, fill.local
     speeds = speed.tolist()
     speed_sum = ordered_sum(speeds)  # (`speed.sum()`; lists: most nodes return at the first check)
     for _ in range(len(ranks)):
