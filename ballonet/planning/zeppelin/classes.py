@@ -166,8 +166,9 @@ def _level1(batch: Batch, nodes, intra, inter, span: dict[int, int], per_token: 
     node_docs: dict[int, list[int]] = {}
     multi = np.array([len(rs) > 1 for rs in nodes])
     spill: list[int] = []
-    for docs, pool in (([d for d in range(len(lengths)) if intra[d]], multi if multi.any() else ~multi),
-                       ([d for d in range(len(lengths)) if not intra[d] and not inter[d]], np.ones(len(nodes), bool))):
+    intra, inter = np.asarray(intra, dtype=bool), np.asarray(inter, dtype=bool)
+    for docs, pool in ((np.nonzero(intra)[0].tolist(), multi if multi.any() else ~multi),
+                       (np.nonzero(~intra & ~inter)[0].tolist(), np.ones(len(nodes), bool))):
         idx = np.nonzero(pool)[0]
         sub_load, sub_room = node_load[idx], node_room[idx]
         cost = per_node if per_node.ndim == 1 else per_node[idx]

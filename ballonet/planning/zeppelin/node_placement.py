@@ -86,7 +86,11 @@ def level2(batch: Batch, fill: RankFill, node: NodeRanks, node_work: float, docs
             dense = sum([work[d] for d in light]) / sum([lengths[d] for d in light])  # the light ones' mean
             fills.append(node_fill(batch, target, fill.token_room[ranks], speed, water, whole, dense, mean,
                                    min_length))
-    best = fills[0] if len(fills) == 1 else min(fills, key=lambda f: float((f.load / speed).max()))
+    if len(fills) == 1:
+        best = fills[0]
+    else:  # the fill whose busiest rank is least busy, `(f.load / speed).max()` on lists
+        speeds = speed.tolist()
+        best = min(fills, key=lambda f: max([x / s for x, s in zip(f.load.tolist(), speeds)]))
     rank_of = ranks.tolist()
     for i, ds in best.local.items():
         fill.local[rank_of[i]] = ds
