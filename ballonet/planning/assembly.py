@@ -42,8 +42,8 @@ class Placement:
 
     def copy(self) -> Placement:
         """A copy to assemble again (`assemble` moves a split document of one member to `local`)."""
-        return Placement(num_ranks=self.num_ranks, local=[list(ds) for ds in self.local],
-                         split={d: dict(sh) for d, sh in self.split.items()}, rings=dict(self.rings))
+        return Placement(num_ranks=self.num_ranks, local=list(map(list, self.local)),
+                         split={d: sh.copy() for d, sh in self.split.items()}, rings=dict(self.rings))
 
 
 def zigzag_bounds(length: int, tokens: list[int]) -> tuple[int, ...]:
