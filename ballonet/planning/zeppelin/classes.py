@@ -22,7 +22,7 @@ from ballonet.planning.pricing import (
     ring_exposed_seconds,
     step_weights,
 )
-from ballonet.planning.zeppelin.state import Batch, Crossover
+from ballonet.planning.zeppelin.state import Batch, Crossover, node_ranks
 from ballonet.planning.zeppelin.thresholds import THRESHOLDS
 from ballonet.planning.zeppelin.water import split_work, water_level
 from ballonet.specs import ClusterSpec, ModelSpec
@@ -144,12 +144,13 @@ def level1(batch: Batch, nodes, intra, inter, span: dict[int, int], per_token: f
 
 def _level1(batch: Batch, nodes, intra, inter, span: dict[int, int], per_token: float,
             weights: StepWeights | None, rank_token: np.ndarray) -> Level1:
-    lengths, att, dev = batch.lengths, batch.work, batch.dev
+    lengths, att = batch.lengths, batch.work
     work = att + per_token * batch.length_array
-    node_speed = np.array([dev.speed[rs].sum() for rs in nodes])
+    facts = node_ranks(batch, nodes)
+    node_speed = np.array([f.speed_sum for f in facts])
     node_target = work.sum() * node_speed / node_speed.sum()
     node_load = np.zeros(len(nodes))
-    node_room = np.array([dev.token_cap[rs].sum() for rs in nodes], dtype=float)
+    node_room = np.array([f.token_sum for f in facts], dtype=float)
     shares: dict[int, dict[int, float]] = {}
     for d in sorted(np.nonzero(inter)[0].tolist(), key=lambda d: (-work[d], d)):
         got = _span_nodes(node_target - node_load, node_load, node_speed, node_room, work[d], work[d] / lengths[d],
@@ -293,8 +294,8 @@ def with_level1(batch: Batch, weights: StepWeights, per_token: float, rank_token
 def _node_totals(batch: Batch, nodes, lv: Level1, rank_token: np.ndarray) -> np.ndarray:
     """[nodes] each node's attention plus linear work after level 1, over its ranks' speed."""
     tokens = node_tokens(batch, nodes, lv)
-    return np.array([(lv.node_load[n] + rank_token[rs[0]] * tokens[n]) / batch.dev.speed[rs].sum()
-                     for n, rs in enumerate(nodes)])
+    return np.array([(lv.node_load[n] + rank_token[rs[0]] * tokens[n]) / f.speed_sum
+                     for n, (rs, f) in enumerate(zip(nodes, node_ranks(batch, nodes)))])
 
 
 def _widened(batch: Batch, nodes, intra, inter, span: dict[int, int], per_token: float, weights: StepWeights,
@@ -328,9 +329,10 @@ def _widened(batch: Batch, nodes, intra, inter, span: dict[int, int], per_token:
 
 def node_seconds(batch: Batch, nodes, lv: Level1, rank_token: np.ndarray, weights: StepWeights) -> float:
     """`NodeLevel.node_seconds` from level 1's node loads and the tokens each node holds."""
-    node_att, speed = lv.node_load, batch.dev.speed
+    node_att = lv.node_load
     tokens = node_tokens(batch, nodes, lv)
-    per_node = [(node_att[n] + rank_token[rs[0]] * tokens[n]) / speed[rs].sum() for n, rs in enumerate(nodes)]
+    per_node = [(node_att[n] + rank_token[rs[0]] * tokens[n]) / f.speed_sum
+                for n, (rs, f) in enumerate(zip(nodes, node_ranks(batch, nodes)))]
     return max(per_node) * weights.attention_step * batch.model.num_layers
 
 

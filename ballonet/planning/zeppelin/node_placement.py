@@ -17,39 +17,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from ballonet.planning.packing import charge, lpt, spread
-from ballonet.planning.zeppelin.state import Batch, RankFill
+from ballonet.planning.zeppelin.state import Batch, NodeRanks, RankFill
 from ballonet.planning.zeppelin.thresholds import THRESHOLDS
 from ballonet.planning.zeppelin.water import ordered_sum, water_level, water_level_list
 
-__all__ = ["NodeFill", "NodeRanks", "level2", "node_fill", "node_ranks", "split_to_level"]
-
-
-@dataclass(frozen=True)
-class NodeRanks:
-    """One node's ranks and what level 2 reads of their devices (`node_ranks`)."""
-    ranks: np.ndarray
-    speed: np.ndarray
-    speed_sum: float
-    most_tokens: int
-    """The most tokens a rank of the node may hold."""
-    near_cap: np.ndarray
-    """[ranks] `Thresholds.near_cap` of each rank's token cap."""
-
-
-def node_ranks(batch: Batch) -> list[NodeRanks]:
-    """Per node, `NodeRanks`: made once per batch (`Batch.memo`), for every placement of it."""
-    if "node_ranks" not in batch.memo:
-        dev = batch.dev
-        out = []
-        for rs in dev.nodes():
-            ranks = np.array(rs)
-            speed, cap = dev.speed[ranks], dev.token_cap[ranks]
-            for a in (ranks, speed, cap):
-                a.setflags(write=False)
-            out.append(NodeRanks(ranks=ranks, speed=speed, speed_sum=speed.sum(), most_tokens=int(cap.max()),
-                                 near_cap=THRESHOLDS.near_cap * cap))
-        batch.memo["node_ranks"] = out
-    return batch.memo["node_ranks"]
+__all__ = ["NodeFill", "level2", "node_fill", "split_to_level"]
 
 
 def level2(batch: Batch, fill: RankFill, node: NodeRanks, node_work: float, docs: list[int],
