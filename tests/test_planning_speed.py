@@ -155,3 +155,26 @@ def test_assembled_plans_count_their_attention_tokens_as_their_segments_hold():
     fresh = dataclasses.replace(plan)  # counts its segments
     assert "attention_token_counts" not in fresh.__dict__
     assert plan.attention_token_counts == fresh.attention_token_counts == (8, 7, 15, 14)
+
+
+def test_a_batch_memo_is_that_batch_s_own():
+    # `Batch.memo` keeps what the search's level 1s and placements of one batch share; a batch
+    # made from it by `dataclasses.replace` (other work, other linear work on ranks) starts empty.
+    from ballonet.planning.zeppelin import classes
+    from ballonet.planning.zeppelin.state import node_ranks
+    cluster, model = specs.cluster("h200-8nic", num_nodes=4), specs.model("llama-7b")
+    dev = devices(cluster, model)
+    lengths = workloads.get("wlbllm").sample_batch(16384 * dev.num_ranks, 0)
+    level = classes.level_nodes(lengths, dev, classes.crossover_lengths(cluster, model), model, hierarchical=True,
+                                price_linear=True, routing=True)
+    batch, nodes = level.batch, dev.nodes()
+    assert batch.memo  # level 1 read its node work through it
+    heavier = dataclasses.replace(batch, work=batch.work * 2, work_list=(batch.work * 2).tolist())
+    assert heavier.memo == {}
+    work = classes._node_work(heavier, nodes, level.weights)
+    assert classes._node_work(heavier, nodes, level.weights) is work  # kept
+    assert np.array_equal(work, classes._node_work_of(heavier, nodes, level.weights))
+    assert not np.array_equal(work, classes._node_work(batch, nodes, level.weights))
+    for rs, node in zip(nodes, node_ranks(batch, nodes)):
+        assert node.ranks.tolist() == rs and node.speed_sum == dev.speed[rs].sum()
+        assert node.token_sum == dev.token_cap[rs].sum() and node.most_tokens == dev.token_cap[rs].max()

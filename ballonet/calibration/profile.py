@@ -63,18 +63,20 @@ class Curve:
 
     def at_one(self, tokens: float) -> float:
         """`at` for one token count, in plain Python (the partitioner calls it in loops)."""
-        xs, ys = self._log_list
+        xs, ys, slopes = self._log_list
         x = math.log2(max(tokens, 1.0))
         if x <= xs[0]:
             return ys[0]
         if x >= xs[-1]:
             return ys[-1]
         j = bisect.bisect_right(xs, x) - 1
-        return (ys[j + 1] - ys[j]) / (xs[j + 1] - xs[j]) * (x - xs[j]) + ys[j]
+        return slopes[j] * (x - xs[j]) + ys[j]
 
     @functools.cached_property
-    def _log_list(self) -> tuple[list, list]:
-        return self._log_tokens.tolist(), list(self.efficiency)
+    def _log_list(self) -> tuple[list, list, list]:
+        """The points as lists, and each segment's slope (as `at_one` computed it per call)."""
+        xs, ys = self._log_tokens.tolist(), list(self.efficiency)
+        return xs, ys, [(ys[j + 1] - ys[j]) / (xs[j + 1] - xs[j]) for j in range(len(xs) - 1)]
 
     @functools.cached_property
     def _log_tokens(self) -> np.ndarray:

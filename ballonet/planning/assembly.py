@@ -42,8 +42,8 @@ class Placement:
 
     def copy(self) -> Placement:
         """A copy to assemble again (`assemble` moves a split document of one member to `local`)."""
-        return Placement(num_ranks=self.num_ranks, local=[list(ds) for ds in self.local],
-                         split={d: dict(sh) for d, sh in self.split.items()}, rings=dict(self.rings))
+        return Placement(num_ranks=self.num_ranks, local=list(map(list, self.local)),
+                         split={d: sh.copy() for d, sh in self.split.items()}, rings=dict(self.rings))
 
 
 def zigzag_bounds(length: int, tokens: list[int]) -> tuple[int, ...]:
@@ -81,21 +81,25 @@ def assemble(name: str, lengths: list[int], dev: Devices, placement: Placement, 
     held = [sum(map(lengths.__getitem__, docs)) for docs in placement.local]  # [R] tokens: `attention_token_counts`
     rings = []
     fixed = set(placement.rings)
+    node_of = dev.node.__getitem__
     for doc, ranks, b in sorted(ring_specs):
-        per_node = Counter(map(dev.node.__getitem__, ranks))
-        kind = "inter" if len(per_node) > 1 else "intra"
-        if double and kind == "inter" and doc not in fixed and len(set(per_node.values())) == 1:
+        first = node_of(ranks[0])
+        kind = "intra" if all(node_of(r) == first for r in ranks) else "inter"
+        per_node = Counter(map(node_of, ranks)) if double and kind == "inter" and doc not in fixed else None
+        if per_node is not None and len(set(per_node.values())) == 1:
             rings.append(Ring(doc=doc, kind=kind, ranks=ranks, bounds=b, comm="double", groups=len(per_node)))
         else:
             rings.append(Ring(doc=doc, kind=kind, ranks=ranks, bounds=b, comm=comm))
-        queue, g = chunks[0 if kind == "inter" else 1], len(ranks)
+        queue, back = chunks[0 if kind == "inter" else 1], b[::-1]
         for i, r in enumerate(ranks):  # chunks i and 2g-1-i (Ring.chunks_of), empty ones left out
-            if b[i + 1] > b[i]:
-                queue[r].append(Segment(doc, b[i], b[i + 1]))
-                held[r] += b[i + 1] - b[i]
-            if b[2 * g - i] > b[2 * g - 1 - i]:
-                queue[r].append(Segment(doc, b[2 * g - 1 - i], b[2 * g - i]))
-                held[r] += b[2 * g - i] - b[2 * g - 1 - i]
+            start, end = b[i], b[i + 1]
+            if end > start:
+                queue[r].append(Segment(doc, start, end))
+                held[r] += end - start
+            start, end = back[i + 1], back[i]  # (b[2g-1-i], b[2g-i])
+            if end > start:
+                queue[r].append(Segment(doc, start, end))
+                held[r] += end - start
     batch = tuple(lengths)
     whole = whole_segments(batch)
     attention = tuple((*inter, *intra, *map(whole.__getitem__, sorted(docs)))  # local documents last

@@ -43,7 +43,8 @@ def lpt(docs: Iterable[int], work, lengths: list[int], load: np.ndarray, speed: 
         order = ids[np.lexsort((ids, -work[ids]))].tolist()  # ties in document order
     else:
         order = sorted(sorted(docs), key=costs.__getitem__, reverse=True)  # ties in document order
-    if len(set(speed.tolist())) > 1:
+    speeds = speed.tolist()
+    if speeds and speeds.count(speeds[0]) < len(speeds):
         return _lpt_uniform(order, work, lengths, load, speed, token_room, spill)
     loads, rooms = load.tolist(), token_room.tolist()
     heap = list(zip(loads, range(len(loads))))  # equal speeds: least loaded finishes first
@@ -55,7 +56,7 @@ def lpt(docs: Iterable[int], work, lengths: list[int], load: np.ndarray, speed: 
     out: dict[int, list[int]] = {}
     replace, pop, push = heapreplace, heappop, heappush
     for d in order:
-        L, w = lengths[d], float(costs[d])
+        L = lengths[d]
         while parked and -parked[0][0] >= L:
             _, li, i = pop(parked)
             push(heap, (li, i))
@@ -67,13 +68,13 @@ def lpt(docs: Iterable[int], work, lengths: list[int], load: np.ndarray, speed: 
                 raise NoRoom(d)
             spill.append(d)
             continue
-        i = heap[0][1]
+        li, i = heap[0]  # (li is loads[i]: a slot's entry is pushed with its load, which changes only here)
         got = out.get(i)
         if got is None:
             out[i] = [d]
         else:
             got.append(d)
-        loads[i] = li = loads[i] + w
+        loads[i] = li = li + float(costs[d])
         rooms[i] -= L
         replace(heap, (li, i))
     load[:] = loads
@@ -85,11 +86,11 @@ def _lpt_uniform(order, work, lengths, load, speed, token_room, spill) -> dict[i
     """`lpt` on slots of unequal speed (uniform machines), one vector step per document."""
     out: dict[int, list[int]] = {}
     per_slot = np.ndim(work) == 2
-    costs = work if per_slot else work.tolist() if isinstance(work, np.ndarray) else work
+    costs = work.T if per_slot else work.tolist() if isinstance(work, np.ndarray) else work  # (work.T[d]: d's per slot)
     finish = np.empty(len(load))
     least = float(token_room.min()) if len(token_room) else np.inf  # every slot has room for a document up to it
     for d in order:
-        w, L = (work[:, d] if per_slot else costs[d]), lengths[d]
+        w, L = costs[d], lengths[d]
         np.add(load, w, out=finish)
         np.divide(finish, speed, out=finish)
         if L > least:
@@ -120,7 +121,7 @@ def spread(room: np.ndarray, token_room: np.ndarray, work: float, per_token: flo
     caps = [min(r if r > 0.0 else 0.0, t * per_token) for r, t in zip(room.tolist(), token_room.tolist())]
     shares: dict[int, float] = {}
     left = work
-    for i in sorted(range(len(caps)), key=lambda i: -caps[i]):  # most room first, ties to the lower slot
+    for i in sorted(range(len(caps)), key=caps.__getitem__, reverse=True):  # most room first, ties to the lower slot
         if left <= 0 or caps[i] <= 0 or len(shares) == max_slots:
             break
         take = min(caps[i], left)

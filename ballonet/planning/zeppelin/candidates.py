@@ -34,7 +34,7 @@ from ballonet.planning.step_terms import final_grad_wait_seconds, overlap_slowdo
 from ballonet.planning.zeppelin.classes import NodeLevel
 from ballonet.planning.zeppelin.node_placement import level2
 from ballonet.planning.zeppelin.refinement import refine
-from ballonet.planning.zeppelin.state import Batch, Crossover, RankFill
+from ballonet.planning.zeppelin.state import Batch, Crossover, RankFill, node_ranks
 from ballonet.planning.zeppelin.thresholds import THRESHOLDS
 from ballonet.specs import ModelSpec
 
@@ -170,9 +170,9 @@ def _place(shared: NodeLevel, keep_tokens: bool) -> tuple[Placement, dict]:
         for n, w in sh.items():
             if w > 0:
                 water.setdefault(n, []).append((w, d))
-    for n, ranks in enumerate(nodes):
-        level2(batch, fill, np.array(ranks), node_load[n], node_docs.get(n, []), water.get(n, []),
-                batch.crossovers[dev.group[ranks[0]]].intra, stepped)
+    for n, node in enumerate(node_ranks(shared.batch, nodes)):
+        level2(batch, fill, node, node_load[n], node_docs.get(n, []), water.get(n, []),
+               batch.crossovers[dev.group[nodes[n][0]]].intra, stepped)
     return refine(batch, fill), {"inter_docs": len(inter_shares)}
 
 

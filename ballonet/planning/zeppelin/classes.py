@@ -22,7 +22,7 @@ from ballonet.planning.pricing import (
     ring_exposed_seconds,
     step_weights,
 )
-from ballonet.planning.zeppelin.state import Batch, Crossover
+from ballonet.planning.zeppelin.state import Batch, Crossover, node_ranks
 from ballonet.planning.zeppelin.thresholds import THRESHOLDS
 from ballonet.planning.zeppelin.water import split_work, water_level
 from ballonet.specs import ClusterSpec, ModelSpec
@@ -144,12 +144,13 @@ def level1(batch: Batch, nodes, intra, inter, span: dict[int, int], per_token: f
 
 def _level1(batch: Batch, nodes, intra, inter, span: dict[int, int], per_token: float,
             weights: StepWeights | None, rank_token: np.ndarray) -> Level1:
-    lengths, att, dev = batch.lengths, batch.work, batch.dev
+    lengths, att = batch.lengths, batch.work
     work = att + per_token * batch.length_array
-    node_speed = np.array([dev.speed[rs].sum() for rs in nodes])
+    facts = node_ranks(batch, nodes)
+    node_speed = np.array([f.speed_sum for f in facts])
     node_target = work.sum() * node_speed / node_speed.sum()
     node_load = np.zeros(len(nodes))
-    node_room = np.array([dev.token_cap[rs].sum() for rs in nodes], dtype=float)
+    node_room = np.array([f.token_sum for f in facts], dtype=float)
     shares: dict[int, dict[int, float]] = {}
     for d in sorted(np.nonzero(inter)[0].tolist(), key=lambda d: (-work[d], d)):
         got = _span_nodes(node_target - node_load, node_load, node_speed, node_room, work[d], work[d] / lengths[d],
@@ -166,8 +167,9 @@ def _level1(batch: Batch, nodes, intra, inter, span: dict[int, int], per_token: 
     node_docs: dict[int, list[int]] = {}
     multi = np.array([len(rs) > 1 for rs in nodes])
     spill: list[int] = []
-    for docs, pool in (([d for d in range(len(lengths)) if intra[d]], multi if multi.any() else ~multi),
-                       ([d for d in range(len(lengths)) if not intra[d] and not inter[d]], np.ones(len(nodes), bool))):
+    intra, inter = np.asarray(intra, dtype=bool), np.asarray(inter, dtype=bool)
+    for docs, pool in ((np.nonzero(intra)[0].tolist(), multi if multi.any() else ~multi),
+                       (np.nonzero(~intra & ~inter)[0].tolist(), np.ones(len(nodes), bool))):
         idx = np.nonzero(pool)[0]
         sub_load, sub_room = node_load[idx], node_room[idx]
         cost = per_node if per_node.ndim == 1 else per_node[idx]
@@ -204,7 +206,16 @@ def _node_work(batch: Batch, nodes, weights: StepWeights | None) -> np.ndarray:
     (`pricing.ring_exposed_seconds`: nothing over NVLink, much over PCIe). With `weights`,
     one that node cannot split (below its crossover, or a node of one rank) also counts
     the wait it leaves the node's other ranks: (work - fair share) each. On a mixed
-    cluster the same document is split more, so costs more, on slower nodes."""
+    cluster the same document is split more, so costs more, on slower nodes. Made once per
+    batch, nodes and weights (`Batch.memo`: the search's level 1s of one batch share it)."""
+    key = ("node_work", weights, tuple(map(tuple, nodes)))
+    if key not in batch.memo:
+        batch.memo[key] = _node_work_of(batch, nodes, weights)
+        batch.memo[key].setflags(write=False)
+    return batch.memo[key]
+
+
+def _node_work_of(batch: Batch, nodes, weights: StepWeights | None) -> np.ndarray:
     lengths, work, dev = batch.lengths, batch.work, batch.dev
     L = batch.length_array
     rows: dict[tuple, np.ndarray] = {}  # alike nodes (most of a cluster) share one row
@@ -283,8 +294,8 @@ def with_level1(batch: Batch, weights: StepWeights, per_token: float, rank_token
 def _node_totals(batch: Batch, nodes, lv: Level1, rank_token: np.ndarray) -> np.ndarray:
     """[nodes] each node's attention plus linear work after level 1, over its ranks' speed."""
     tokens = node_tokens(batch, nodes, lv)
-    return np.array([(lv.node_load[n] + rank_token[rs[0]] * tokens[n]) / batch.dev.speed[rs].sum()
-                     for n, rs in enumerate(nodes)])
+    return np.array([(lv.node_load[n] + rank_token[rs[0]] * tokens[n]) / f.speed_sum
+                     for n, (rs, f) in enumerate(zip(nodes, node_ranks(batch, nodes)))])
 
 
 def _widened(batch: Batch, nodes, intra, inter, span: dict[int, int], per_token: float, weights: StepWeights,
@@ -318,16 +329,17 @@ def _widened(batch: Batch, nodes, intra, inter, span: dict[int, int], per_token:
 
 def node_seconds(batch: Batch, nodes, lv: Level1, rank_token: np.ndarray, weights: StepWeights) -> float:
     """`NodeLevel.node_seconds` from level 1's node loads and the tokens each node holds."""
-    node_att, speed = lv.node_load, batch.dev.speed
+    node_att = lv.node_load
     tokens = node_tokens(batch, nodes, lv)
-    per_node = [(node_att[n] + rank_token[rs[0]] * tokens[n]) / speed[rs].sum() for n, rs in enumerate(nodes)]
+    per_node = [(node_att[n] + rank_token[rs[0]] * tokens[n]) / f.speed_sum
+                for n, (rs, f) in enumerate(zip(nodes, node_ranks(batch, nodes)))]
     return max(per_node) * weights.attention_step * batch.model.num_layers
 
 
 def node_tokens(batch: Batch, nodes, lv: Level1) -> np.ndarray:
     """[nodes] tokens each node holds after level 1."""
     lengths, work = batch.lengths, batch.work
-    tokens = np.array([float(sum(lengths[d] for d in lv.node_docs.get(n, []))) for n in range(len(nodes))])
+    tokens = np.array([float(sum(map(lengths.__getitem__, lv.node_docs.get(n, ())))) for n in range(len(nodes))])
     for d, sh in lv.shares.items():
         for n, w in sh.items():
             tokens[n] += w * lengths[d] / work[d]

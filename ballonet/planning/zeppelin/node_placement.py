@@ -17,20 +17,21 @@ from dataclasses import dataclass
 import numpy as np
 
 from ballonet.planning.packing import charge, lpt, spread
-from ballonet.planning.zeppelin.state import Batch, RankFill
+from ballonet.planning.zeppelin.state import Batch, NodeRanks, RankFill
 from ballonet.planning.zeppelin.thresholds import THRESHOLDS
-from ballonet.planning.zeppelin.water import water_level, water_level_list
+from ballonet.planning.zeppelin.water import ordered_sum, water_level, water_level_list
 
 __all__ = ["NodeFill", "level2", "node_fill", "split_to_level"]
 
 
-def level2(batch: Batch, fill: RankFill, ranks: np.ndarray, node_work: float, docs: list[int],
+def level2(batch: Batch, fill: RankFill, node: NodeRanks, node_work: float, docs: list[int],
            inter_water: list[tuple[float, int]], min_length: float | None, stepped: dict[float, Batch]) -> None:
     """Step 2, one node: `node_fill`, and once more on the excess over the light
     documents' mean work per token when the first leaves a rank at its memory cap; the
     fill whose busiest rank is least busy is kept; then `split_to_level`. On a node that
     keeps its tokens (no remap inside it), work is attention plus linear work (`stepped`:
     per linear work per token, the batch with it added, shared by alike nodes)."""
+    ranks = node.ranks
     per_token = float(batch.linear_on_rank[ranks[0]])
     if per_token:
         if per_token not in stepped:
@@ -41,24 +42,27 @@ def level2(batch: Batch, fill: RankFill, ranks: np.ndarray, node_work: float, do
             sum([w * per_token * size[d] / att[d] for w, d in inter_water])
         inter_water = [(w * step[d] / att[d], d) for w, d in inter_water]
         batch = stepped[per_token]
-    lengths, work, dev = batch.lengths, batch.work_list, batch.dev
-    speed = dev.speed[ranks]
-    target = node_work * speed / speed.sum()
-    most_tokens, fair = int(dev.token_cap[ranks].max()), float(target.max())
+    lengths, work, speed = batch.lengths, batch.work_list, node.speed
+    target = node_work * speed / node.speed_sum
+    most_tokens, fair = node.most_tokens, float(target.max())
     splits = ([d for d in docs if lengths[d] > most_tokens] if min_length is None else
               [d for d in docs if (k := lengths[d]) > most_tokens or (k >= min_length and work[d] > fair)])
     water = inter_water + [(work[d], d) for d in splits]
     split_set = set(splits)
     whole = [d for d in docs if d not in split_set]
     fills = [node_fill(batch, target, fill.token_room[ranks], speed, water, whole)]
-    if water and whole and (fills[0].room < THRESHOLDS.near_cap * dev.token_cap[ranks]).any():
+    if water and whole and (fills[0].room < node.near_cap).any():
         mean = sum([work[d] for d in whole]) / sum([lengths[d] for d in whole])
         light = [d for d in whole if work[d] <= mean * lengths[d]]  # none when rounding puts all above
         if light:
             dense = sum([work[d] for d in light]) / sum([lengths[d] for d in light])  # the light ones' mean
             fills.append(node_fill(batch, target, fill.token_room[ranks], speed, water, whole, dense, mean,
                                    min_length))
-    best = fills[0] if len(fills) == 1 else min(fills, key=lambda f: float((f.load / speed).max()))
+    if len(fills) == 1:
+        best = fills[0]
+    else:  # the fill whose busiest rank is least busy, `(f.load / speed).max()` on lists
+        speeds = speed.tolist()
+        best = min(fills, key=lambda f: max([x / s for x, s in zip(f.load.tolist(), speeds)]))
     rank_of = ranks.tolist()
     for i, ds in best.local.items():
         fill.local[rank_of[i]] = ds
@@ -99,7 +103,7 @@ def node_fill(batch: Batch, target: np.ndarray, room: np.ndarray, speed: np.ndar
     documents fill the rooms by LPT on their work. Otherwise the ring ranks spend their
     targets on a few long-document tokens and the others fill up with short documents to
     their caps, under target (docs/planner_evidence.md, step 2)."""
-    lengths, work = batch.lengths, batch.work
+    lengths, work = batch.lengths, batch.work_list  # (floats: numpy's scalars are slower, alike in value)
     room, load = room.astype(float), np.zeros(len(target))
     shares: dict[int, dict[int, float]] = {}
     spill: list[int] = []
@@ -164,12 +168,15 @@ def split_to_level(batch: Batch, fill: RankFill, ranks, load, speed, min_length:
     is above the intra-node crossover with the least busy rank that holds only whole
     documents too (step 3 levels the two). `load` is the node's, per rank of `ranks`;
     `in_water`, the ranks that hold shares of split documents (updated)."""
-    lengths, work, local = batch.lengths, batch.work, fill.local
+    lengths, work, local = batch.lengths, batch.work_list, fill.local
+    speeds = speed.tolist()
+    speed_sum = ordered_sum(speeds)  # (`speed.sum()`; lists: most nodes return at the first check)
     for _ in range(len(ranks)):
-        rel = load / speed
-        limit = float((1 + tolerance) * load.sum() / speed.sum())
-        if not rel.max() > limit:
+        loads = load.tolist()
+        limit = (1 + tolerance) * ordered_sum(loads) / speed_sum
+        if not max([x / s for x, s in zip(loads, speeds)]) > limit:
             return
+        rel = load / speed
         hi = next((i for i in np.argsort(-rel, kind="stable").tolist() if int(ranks[i]) not in in_water
                    and rel[i] > limit and any(lengths[d] >= min_length for d in local[int(ranks[i])])), None)
         if hi is None:

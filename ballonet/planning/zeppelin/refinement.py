@@ -120,6 +120,7 @@ def _start(batch: Batch, fill: RankFill, docs: list[int], local_tokens: np.ndarr
     tokens = local_tokens.astype(float).tolist()
     members, all_held, units, node_tokens = {}, {}, {}, {}
     linear = batch.linear_on_rank.tolist()
+    breakeven = {g: (batch.crossovers[g].intra or np.inf) / 2 for g in set(dev.group)}
     for d in docs:
         shares = fill.split_shares[d]
         m = sorted(shares)
@@ -140,7 +141,7 @@ def _start(batch: Batch, fill: RankFill, docs: list[int], local_tokens: np.ndarr
     return Levels(load=load, tokens=tokens, speed=dev.speed.astype(float).tolist(),
                   cap=dev.token_cap.astype(float).tolist(), node=node, node_ranks=dev.nodes(),
                   mean_level=float(np.sum(load) / dev.speed.sum()), members=members, held=all_held, unit=units,
-                  node_tokens=node_tokens, breakeven=[(batch.crossovers[g].intra or np.inf) / 2 for g in dev.group])
+                  node_tokens=node_tokens, breakeven=list(map(breakeven.__getitem__, dev.group)))
 
 
 def refine(batch: Batch, fill: RankFill) -> Placement:
@@ -168,18 +169,24 @@ def refine(batch: Batch, fill: RankFill) -> Placement:
     stamp, done, clock = [0] * R, dict.fromkeys(docs, -1), 0
     settled: set[int] = set()  # units checked against their shares since they last moved
     sliver, grow_level, change = THRESHOLDS.sliver, THRESHOLDS.grow_above * st.mean_level, THRESHOLDS.settled_change
+    members, helds, units, stamp_of = st.members, st.held, st.unit, stamp.__getitem__
+    keeps_none = not any(linear)  # (x + 0.0 is x for the positive units: the sum left out)
     for sweep in SWEEPS:
-        shared = _Shared.of(st) if sweep is Sweep.GROW else None
+        drop, grow = sweep is Sweep.DROP, sweep is Sweep.GROW
+        shared = _Shared.of(st) if grow else None
         for d in docs:
-            m, held, unit = st.members[d], st.held[d], st.unit[d]
-            dropping = sweep is Sweep.DROP and len(m) > 2 and min(held) < sliver * sum(held) / len(held)
-            still = not dropping and max(map(stamp.__getitem__, m)) <= done[d] \
-                and (sweep is not Sweep.GROW or st.level_of(m) <= grow_level)
+            m, held, unit = members[d], helds[d], units[d]
+            dropping = drop and len(m) > 2 and min(held) < sliver * sum(held) / len(held)
+            still = not dropping and max(map(stamp_of, m)) <= done[d] and (not grow or st.level_of(m) <= grow_level)
             if still and d in settled:
                 continue
             pt = per_token[d]
-            new_unit = ([pt / efficiency(h) + linear[r] for r, h in zip(m, held)]
-                        if any(held) else unit)
+            if not any(held):
+                new_unit = unit
+            elif keeps_none:
+                new_unit = [pt / efficiency(h) for h in held]
+            else:
+                new_unit = [pt / efficiency(h) + linear[r] for r, h in zip(m, held)]
             if still and all(abs(a - b) <= change * abs(b) for a, b in zip(new_unit, unit)):
                 settled.add(d)
                 continue
@@ -263,7 +270,7 @@ def _apportion_list(total: int, weights: list[float], caps: list[int]) -> list[i
         base = [math.floor(x) for x in ideal]
         rest = left - sum(base)
         frac = [x - b if f else -1.0 for x, b, f in zip(ideal, base, free)]
-        for i in sorted(range(n), key=lambda i: -frac[i])[:rest]:
+        for i in sorted(range(n), key=frac.__getitem__, reverse=True)[:rest]:  # (stable: ties to the lower index)
             base[i] += 1
         out = [o + b for o, b in zip(out, base)]
         left = 0

@@ -7,15 +7,16 @@ hands it, with the `RankFill` that level 2 fills node by node, to each step;
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from ballonet.cost import hardware
 from ballonet.planning.devices import Devices
+from ballonet.planning.zeppelin.thresholds import THRESHOLDS
 from ballonet.specs import ModelSpec
 
-__all__ = ["Batch", "Crossover", "RankFill"]
+__all__ = ["Batch", "Crossover", "NodeRanks", "RankFill", "node_ranks"]
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,9 @@ class Batch:
     linear_on_rank: np.ndarray
     """[R] linear work per token a rank keeps (`StepWeights.linear_per_token` on ranks of
     nodes the remap does not even out: PCIe-only nodes; else 0)."""
+    memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    """What the steps compute from this batch alone, kept for the search's other level 1s
+    of it (`classes._node_work`, `node_ranks`); `dataclasses.replace` starts a new one empty."""
 
 
 @dataclass
@@ -72,3 +76,36 @@ class RankFill:
     """Per split document, the work share of each member rank."""
     token_room: np.ndarray
     """[R] tokens each rank may still take under its memory cap."""
+
+
+@dataclass(frozen=True)
+class NodeRanks:
+    """One node's ranks and what levels 1 and 2 read of their devices (`node_ranks`)."""
+    ranks: np.ndarray
+    speed: np.ndarray
+    speed_sum: float
+    """`speed.sum()`: the node's speed."""
+    token_sum: int
+    """The tokens the node's ranks may hold."""
+    most_tokens: int
+    """The most tokens a rank of the node may hold."""
+    near_cap: np.ndarray
+    """[ranks] `Thresholds.near_cap` of each rank's token cap."""
+
+
+def node_ranks(batch: Batch, nodes: list[list[int]]) -> list[NodeRanks]:
+    """`NodeRanks` of each of `nodes` (the batch's devices' ranks), made once per batch and
+    nodes (`Batch.memo`) for every level 1 and placement of it."""
+    key = ("node_ranks", tuple(map(tuple, nodes)))
+    if key not in batch.memo:
+        dev = batch.dev
+        out = []
+        for rs in nodes:
+            ranks = np.array(rs)
+            speed, cap = dev.speed[ranks], dev.token_cap[ranks]
+            for a in (ranks, speed):
+                a.setflags(write=False)
+            out.append(NodeRanks(ranks=ranks, speed=speed, speed_sum=speed.sum(), token_sum=cap.sum(),
+                                 most_tokens=int(cap.max()), near_cap=THRESHOLDS.near_cap * cap))
+        batch.memo[key] = out
+    return batch.memo[key]

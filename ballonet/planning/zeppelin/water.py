@@ -35,13 +35,17 @@ def water_level_list(b: list, s: list, u: list, c: list, total: float) -> list:
     # tuple per event.)
     points: list[float] = []
     changes: list[float] = []
+    add_point, add_change = points.append, changes.append
     for bi, si, ui, ci in zip(b, s, u, c):
         if ci > 0:
             rate = si / ui
-            points += (bi / si, (bi + ui * ci) / si)
-            changes += (rate, -rate)
-    filled, rate, at = 0.0, 0.0, min(points)
-    for k in sorted(range(len(points)), key=points.__getitem__):
+            add_point(bi / si)
+            add_point((bi + ui * ci) / si)
+            add_change(rate)
+            add_change(-rate)
+    order = sorted(range(len(points)), key=points.__getitem__)
+    filled, rate, at = 0.0, 0.0, points[order[0]]  # (`min(points)`)
+    for k in order:
         point = points[k]
         more = filled + rate * (point - at)
         if more >= total and rate > 0:
