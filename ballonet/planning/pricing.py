@@ -145,7 +145,7 @@ def inter_node_span(model: ModelSpec, gpu: hardware.GPUType, length: int, step_w
                                                      dp_piece)
         dp_intra = DP_FORWARD_SHARE * dp_intra_seconds(model, gpu, ranks_per_node, routed[0]) if routed else 0.0
         return overload + ring_exposed_seconds(model, gpu, length, k * ranks_per_node, bandwidth, routed=routed,
-                                               dp_piece=dp_piece, dp_intra=dp_intra)
+                                               dp_piece=dp_piece, dp_intra=dp_intra, nodes=k)
 
     return min(range(1, max(most, 1) + 1), key=lambda k: (cost(k), k))
 
@@ -304,7 +304,8 @@ def crossing_exposed_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw
             dp_intra = DP_FORWARD_SHARE * dp_intra_seconds(model, dev.gpu[r], node_size[dev.node[r]], link_bw[r])
             out[list(ring.ranks)] += ring_exposed_seconds(model, dev.gpu[r], plan.lengths[ring.doc], len(ring.ranks),
                                                           nic_bw[r], routed=(link_bw[r], int(rails[r])),
-                                                          dp_piece=piece, dp_intra=dp_intra)
+                                                          dp_piece=piece, dp_intra=dp_intra,
+                                                          nodes=len({dev.node[x] for x in ring.ranks}))
     return out
 
 

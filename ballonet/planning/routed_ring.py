@@ -1,0 +1,191 @@
+"""A single ring across nodes whose crossing hops are routed over the nodes' rails, run
+as the simulator runs it (docs/design.md, sections 4, 6 and 7): every member forwards a
+block as soon as it is there, so blocks reach a crossing hop's dispatching port faster
+than the members compute them and queue there, and every link shares its bandwidth
+fairly among the transfers on it (processor sharing: the blocks of such a burst all
+arrive late, not one after another); in the backward each member waits for its
+predecessor's partial dK/dV after its step's compute, and those partials cross the same
+routed hops behind the relayed K/V. `pass_wait` gives what a member waits beyond its
+compute in one layer's pass; `ring_pricing` prices large routed rings by it."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+
+__all__ = ["pass_wait"]
+
+
+class _Links:
+    """Links that share their bandwidth equally among the transfers on them, each link its
+    own share (the simulator's `timeline.Timeline`): a transfer of d seconds alone that
+    joins a link at virtual time v leaves it at v + d; it is done when every link it
+    crosses has carried it."""
+
+    def __init__(self) -> None:
+        self.state: dict = {}  # link -> [transfers on it, virtual time, its real time, heap, version]
+        self.events: list = []  # (time, order, link, version)
+        self.left: dict = {}  # transfer -> (links still carrying it, what its end starts)
+        self.order = itertools.count()
+
+    def start(self, at: float, seconds: float, links: tuple, then) -> None:
+        tid = next(self.order)
+        self.left[tid] = [len(links), then]
+        for link in links:
+            st = self.state.get(link)
+            if st is None:
+                st = self.state[link] = [0, 0.0, at, [], 0]
+            elif st[0]:
+                st[1] += (at - st[2]) / st[0]
+            st[2] = at
+            st[0] += 1
+            heapq.heappush(st[3], (st[1] + seconds, tid))
+            self._next(link)
+
+    def _next(self, link) -> None:
+        st = self.state[link]
+        st[4] += 1
+        if st[0]:
+            heapq.heappush(self.events, (st[2] + (st[3][0][0] - st[1]) * st[0], next(self.order), link, st[4]))
+
+    def step(self) -> list:
+        """Advance to the next link event: [(time, what each finished transfer starts)]."""
+        at, _, link, version = heapq.heappop(self.events)
+        st = self.state[link]
+        if version != st[4]:
+            return []
+        tag, tid = heapq.heappop(st[3])
+        st[0] -= 1
+        st[1], st[2] = tag, at
+        finished = [tid]
+        while st[3] and st[3][0][0] <= tag:
+            finished.append(heapq.heappop(st[3])[1])
+            st[0] -= 1
+        self._next(link)
+        out = []
+        for tid in finished:
+            entry = self.left[tid]
+            entry[0] -= 1
+            if entry[0] == 0:
+                del self.left[tid]
+                out.append((at, entry[1]))
+        return out
+
+
+def pass_wait(per_node: int, members: int, rails: int, compute: float, kv: tuple[float, float, float],
+              grad: tuple[float, float, float] | None = None, dp: tuple[float, float] = (0.0, 0.0),
+              nodes: int = 1) -> float:
+    """Seconds the member of a ring of `members` that waits most waits beyond its compute in
+    one layer's forward (or, with `grad`, backward): `per_node` members on each node in
+    ring order (a node's last member sends to the next node's first), each step `compute`;
+    `kv`: seconds alone of a block over NVLink, and of one of its `rails` parts over
+    NVLink and over a NIC: a crossing hop's parts are dispatched from the source to the
+    node's rank of each local index, sent over that rail's NIC and combined on the far node
+    by its rank of that index, as `simulation.fabric.send_routed` sends them; `grad`: the
+    same of a partial dK/dV. `dp`: (seconds of the layer's FSDP collectives inside a node
+    alone on each rank's ports, of one NIC piece of them): `DP_PIECES` pieces on the ports
+    from the start, then on the NICs to the next node, as `layer_graph.data_parallel` runs
+    them. Every node runs alike, so `nodes` = 1 (the default) runs one node whose crossing
+    hop arrives back at it, standing for its predecessor's; more run that many nodes of the
+    ring (`members` a multiple of them), which gives the same."""
+    from ballonet.cost.seconds import DP_PIECES
+
+    g, n = nodes * per_node, per_node  # members run, each one's steps: `members`
+    links = _Links()
+    starts: list = []  # (time, order, seconds, links, what its end starts)
+    order = itertools.count()
+
+    def later(at: float, seconds: float, on: tuple, then) -> None:
+        heapq.heappush(starts, (at, next(order), seconds, on, then))
+
+    def port(j: int, x: int, y: int, z: int) -> tuple:  # node j's rank x -> node y's rank z, over NVLink
+        return (("out", j, x), ("in", y, z))
+
+    def send(i: int, at: float, what: tuple[float, float, float], then) -> None:
+        """Member i's block (or partial) to its successor, arriving: then(time)."""
+        (j, x), (y, z) = divmod(i, n), divmod((i + 1) % g, n)
+        if x < n - 1:
+            later(at, what[0], port(j, x, y, z), then)
+            return
+        count = [rails]
+
+        def part_done(t: float) -> None:
+            count[0] -= 1
+            if count[0] == 0:
+                then(t)
+        for r in range(rails):
+            def combine(t: float, r=r) -> None:
+                if r == z:
+                    part_done(t)
+                else:
+                    later(t, what[1], port(y, r, y, z), part_done)
+
+            def nic(t: float, r=r, combine=combine) -> None:
+                later(t, what[2], (("nic out", j, r), ("nic in", y, r)), combine)
+            if r == x:
+                nic(at)
+            else:
+                later(at, what[1], port(j, x, j, r), nic)
+
+    kv_at: dict = {}  # (member, step) -> when its block is there
+    dkv_at: dict = {}  # (member, step) -> when its predecessor's partial for that step is there
+    free = [0.0] * g
+    step = [0] * g
+    end = [0.0] * g
+    dirty: set = set()
+
+    def arrived(table: dict, i: int, s: int):
+        def there(t: float) -> None:
+            table[i, s] = t
+            dirty.add(i)
+            if table is kv_at and s < members - 1:
+                send(i, t, kv, arrived(kv_at, (i + 1) % g, s + 1))
+        return there
+
+    def run(i: int) -> None:  # member i's steps whose inputs are there, in order
+        while step[i] < members:
+            s = step[i]
+            if (i, s) not in kv_at:
+                return
+            done = max(free[i], kv_at[i, s]) + compute
+            if grad is not None and s >= 1:  # the partial of the block held at step s (from step 2 on)
+                if s >= 2:
+                    if (i, s) not in dkv_at:
+                        return
+                    done = max(done, dkv_at[i, s])
+                send(i, done, grad, arrived(dkv_at, (i + 1) % g, s + 1))
+            free[i] = done
+            step[i] += 1
+        if grad is None:
+            end[i] = free[i]
+        elif (i, members) in dkv_at:
+            end[i] = max(free[i], dkv_at[i, members])
+
+    for i in range(g):
+        arrived(kv_at, i, 0)(0.0)
+    for j in range(nodes if dp[0] > 0 or dp[1] > 0 else 0):
+        for x in range(max(n, rails)):
+            chain = [(dp[0] / DP_PIECES, port(j, x, j, x))] * (DP_PIECES if dp[0] > 0 else 0) + \
+                [(dp[1], (("nic out", j, x), ("nic in", (j + 1) % nodes, x)))] * (DP_PIECES if dp[1] > 0 else 0)
+
+            def piece(t: float, rest=tuple(chain)) -> None:
+                if rest:
+                    later(t, rest[0][0], rest[0][1], lambda t2, more=rest[1:]: piece(t2, more))
+            piece(0.0)
+    while True:
+        while dirty:
+            run(dirty.pop())
+        first_start = starts[0][0] if starts else float("inf")
+        first_end = links.events[0][0] if links.events else float("inf")
+        if first_start == first_end == float("inf"):
+            break
+        if first_start <= first_end:
+            at, _, seconds, on, then = heapq.heappop(starts)
+            if seconds > 0:
+                links.start(at, seconds, on, then)
+            else:
+                then(at)
+        else:
+            for t, then in links.step():
+                then(t)
+    return max(max(e - members * compute, 0.0) for e in end)
