@@ -145,7 +145,7 @@ def inter_node_span(model: ModelSpec, gpu: hardware.GPUType, length: int, step_w
                                                      dp_piece)
         dp_intra = DP_FORWARD_SHARE * dp_intra_seconds(model, gpu, ranks_per_node, routed[0]) if routed else 0.0
         return overload + ring_exposed_seconds(model, gpu, length, k * ranks_per_node, bandwidth, routed=routed,
-                                               dp_piece=dp_piece, dp_intra=dp_intra, nodes=k)
+                                               dp_piece=dp_piece, dp_intra=dp_intra)
 
     return min(range(1, max(most, 1) + 1), key=lambda k: (cost(k), k))
 

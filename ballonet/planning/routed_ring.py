@@ -82,7 +82,8 @@ def pass_wait(per_node: int, members: int, rails: int, compute: float, kv: tuple
     NVLink and over a NIC: a crossing hop's parts are dispatched from the source to the
     node's rank of each local index, sent over that rail's NIC and combined on the far node
     by its rank of that index, as `simulation.fabric.send_routed` sends them; `grad`: the
-    same of a partial dK/dV. `dp`: (seconds of the layer's FSDP collectives inside a node
+    same of a partial dK/dV (the wait for the member's own block's sum after its last step
+    is not counted: `step_terms.final_grad_wait_seconds` prices it). `dp`: (seconds of the layer's FSDP collectives inside a node
     alone on each rank's ports, of one NIC piece of them): `DP_PIECES` pieces on the ports
     from the start, then on the NICs to the next node, as `layer_graph.data_parallel` runs
     them. Every node runs alike, so `nodes` = 1 (the default) runs one node whose crossing
@@ -156,10 +157,7 @@ def pass_wait(per_node: int, members: int, rails: int, compute: float, kv: tuple
                 send(i, done, grad, arrived(dkv_at, (i + 1) % g, s + 1))
             free[i] = done
             step[i] += 1
-        if grad is None:
-            end[i] = free[i]
-        elif (i, members) in dkv_at:
-            end[i] = max(free[i], dkv_at[i, members])
+        end[i] = free[i]
 
     for i in range(g):
         arrived(kv_at, i, 0)(0.0)
