@@ -3,9 +3,12 @@
 larger of its compute and its block's transfer; a routed hop across nodes passes its
 blocks through dispatch, NIC legs and combine one after another (`crossing_pipeline`);
 the layer's FSDP collectives share a ring's ports fairly while they last
-(`dp_shared_seconds`), as the simulator's links share their bandwidth. `pricing` adds
-these to the partitioner's estimates (`inter_node_span`, `crossing_exposed_seconds`,
-`rank_step_seconds`)."""
+(`dp_shared_seconds`), as the simulator's links share their bandwidth. A candidate's
+single ring whose crossing hops routing cuts over several rails is run port by port
+instead (`routed_exposed_seconds`, `routed_ring.pass_wait`): the blocks its members relay
+reach a crossing hop in bursts that share its ports, every block of a burst late.
+`pricing` adds these to the partitioner's estimates (`inter_node_span`,
+`crossing_exposed_seconds`, `rank_step_seconds`)."""
 
 from __future__ import annotations
 
@@ -66,8 +69,8 @@ def ring_exposed_seconds(model: ModelSpec, gpu: hardware.GPUType, length: int, m
     if nic and routed is not None and nodes >= 2 and members > nodes:
         width = routed_width(kv_bytes(model, max(length // members, 1)), bandwidth, routed[0], routed[1])
         if width > 1:
-            args = (model, gpu, length, members, nodes, bandwidth, routed[0], width, dp_piece[0], dp_intra)
-            return routed_exposed_seconds(*args) if hardware.calibrated(gpu) else _routed_exposed_builtin(*args)
+            shape = (model, gpu, length, members, nodes, bandwidth, routed[0], width, dp_piece[0], dp_intra)
+            return routed_exposed_seconds(*shape) if hardware.calibrated(gpu) else _routed_exposed_builtin(*shape)
     return _ring_exposed_seconds(*args) if hardware.calibrated(gpu) else _ring_exposed_builtin(*args)
 
 
