@@ -27,6 +27,7 @@ class _Links:
         self.events: list = []  # (time, order, link, version)
         self.left: dict = {}  # transfer -> (links still carrying it, what its end starts)
         self.order = itertools.count()
+        self.dirty: set = set()  # links whose next end changed
 
     def start(self, at: float, seconds: float, links: tuple, then) -> None:
         tid = next(self.order)
@@ -40,13 +41,17 @@ class _Links:
             st[2] = at
             st[0] += 1
             heapq.heappush(st[3], (st[1] + seconds, tid))
-            self._next(link)
+            self.dirty.add(link)
 
-    def _next(self, link) -> None:
-        st = self.state[link]
-        st[4] += 1
-        if st[0]:
-            heapq.heappush(self.events, (st[2] + (st[3][0][0] - st[1]) * st[0], next(self.order), link, st[4]))
+    def next_end(self) -> float:
+        """When a transfer next leaves a link (inf: none is on one)."""
+        for link in self.dirty:
+            st = self.state[link]
+            st[4] += 1
+            if st[0]:
+                heapq.heappush(self.events, (st[2] + (st[3][0][0] - st[1]) * st[0], next(self.order), link, st[4]))
+        self.dirty.clear()
+        return self.events[0][0] if self.events else float("inf")
 
     def step(self) -> list:
         """Advance to the next link event: [(time, what each finished transfer starts)]."""
@@ -61,7 +66,7 @@ class _Links:
         while st[3] and st[3][0][0] <= tag:
             finished.append(heapq.heappop(st[3])[1])
             st[0] -= 1
-        self._next(link)
+        self.dirty.add(link)
         out = []
         for tid in finished:
             entry = self.left[tid]
@@ -174,15 +179,16 @@ def pass_wait(per_node: int, members: int, rails: int, compute: float, kv: tuple
         while dirty:
             run(dirty.pop())
         first_start = starts[0][0] if starts else float("inf")
-        first_end = links.events[0][0] if links.events else float("inf")
+        first_end = links.next_end()
         if first_start == first_end == float("inf"):
             break
         if first_start <= first_end:
-            at, _, seconds, on, then = heapq.heappop(starts)
-            if seconds > 0:
-                links.start(at, seconds, on, then)
-            else:
-                then(at)
+            while starts and starts[0][0] == first_start:  # every transfer starting now, then the links' ends
+                at, _, seconds, on, then = heapq.heappop(starts)
+                if seconds > 0:
+                    links.start(at, seconds, on, then)
+                else:
+                    then(at)
         else:
             for t, then in links.step():
                 then(t)
