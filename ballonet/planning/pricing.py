@@ -47,12 +47,14 @@ from ballonet.planning.ring_pricing import (
     dp_intra_seconds,
     dp_shared_seconds,
     ring_exposed_seconds,
+    routed_ring_width,
+    routed_waits,
 )
 from ballonet.specs import ModelSpec
 
 __all__ = ["StepWeights", "attention_kernels", "crossing_exposed_seconds", "crossing_pipeline", "crossing_seconds",
            "crossing_seconds_each", "double_exposed_seconds", "dp_intra_seconds", "dp_shared_seconds",
-           "inter_node_span", "linear_work_per_token", "rank_compute_seconds", "rank_remap_seconds",
+           "inter_node_span", "linear_work_per_token", "local_attention_seconds", "rank_compute_seconds", "rank_remap_seconds",
            "rank_step_seconds", "rank_tp_seconds", "recompute_modes", "remap_pairs", "remaps_inside",
            "ring_exposed_seconds", "ring_wait_seconds", "step_weights", "synchronous_step_seconds"]
 
@@ -294,19 +296,43 @@ def crossing_exposed_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw
                              rails: np.ndarray, dp_piece: np.ndarray | None = None) -> np.ndarray:
     """[R] what each member of a single ring across nodes leaves exposed in a step (its
     ring's `ring_exposed_seconds`, crossing hops at `nic_bw` routed over `rails`, 1:
-    direct), as level 1 priced it (`inter_node_span`)."""
+    direct), as level 1 priced it (`inter_node_span`); a ring whose crossing hops are cut
+    over several rails as the simulator runs it (`ring_pricing.routed_waits`), each
+    member's local documents filling its wait before its second step."""
     out = np.zeros(plan.num_ranks)
     node_size = np.bincount(np.asarray(dev.node))
+    local = None
     for ring in plan.rings:
         if ring.comm == "ring" and ring.kind == "inter":
-            r = ring.ranks[0]
+            r, members = ring.ranks[0], list(ring.ranks)
             piece = (0.0, 0.0) if dp_piece is None else tuple(dp_piece[r])
             dp_intra = DP_FORWARD_SHARE * dp_intra_seconds(model, dev.gpu[r], node_size[dev.node[r]], link_bw[r])
-            out[list(ring.ranks)] += ring_exposed_seconds(model, dev.gpu[r], plan.lengths[ring.doc], len(ring.ranks),
-                                                          nic_bw[r], routed=(link_bw[r], int(rails[r])),
-                                                          dp_piece=piece, dp_intra=dp_intra,
-                                                          nodes=len({dev.node[x] for x in ring.ranks}))
+            routed, nodes = (link_bw[r], int(rails[r])), len({dev.node[x] for x in members})
+            length = plan.lengths[ring.doc]
+            width = routed_ring_width(model, length, len(members), nodes, nic_bw[r], routed)
+            if not width:
+                out[members] += ring_exposed_seconds(model, dev.gpu[r], length, len(members), nic_bw[r],
+                                                     routed=routed, dp_piece=piece, dp_intra=dp_intra)
+                continue
+            (fwd, fwd_first), (bwd, bwd_first) = routed_waits(model, dev.gpu[r], length, len(members), nodes,
+                                                              nic_bw[r], link_bw[r], width, piece[0], dp_intra)
+            local = local_attention_seconds(plan, dev, model) if local is None else local
+            out[members] += model.num_layers * (fwd - np.minimum(fwd_first, local[0][members])
+                                                + bwd - np.minimum(bwd_first, local[1][members]))
     return out
+
+
+def local_attention_seconds(plan: Plan, dev: Devices, model: ModelSpec) -> tuple[np.ndarray, np.ndarray]:
+    """[R] one layer's attention over each rank's local documents (one call, as the runtime
+    runs them), forward and backward (under full recomputation with the forward again)."""
+    rank, fwd, bwd = attention_kernels(plan, dev, model)
+    n = sum(len(ring.ranks) for ring in plan.rings)  # the ring positions' kernels come last
+    R = plan.num_ranks
+    forward = np.bincount(rank[:len(rank) - n], weights=fwd[:len(rank) - n], minlength=R).astype(float)
+    backward = np.bincount(rank[:len(rank) - n], weights=bwd[:len(rank) - n], minlength=R).astype(float)
+    if recompute_attention(recompute_mode(model)):
+        backward += forward
+    return forward, backward
 
 
 def ring_wait_seconds(plan: Plan, dev: Devices, model: ModelSpec, kernels=None) -> np.ndarray:

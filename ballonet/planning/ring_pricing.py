@@ -28,7 +28,8 @@ from ballonet.cost.seconds import DP_BACKWARD_SHARE, DP_FORWARD_SHARE, DP_PIECES
 from ballonet.specs import ModelSpec
 
 __all__ = ["crossing_pipeline", "crossing_seconds", "crossing_seconds_each", "double_exposed_seconds", "double_pass", "double_wait_seconds", "dp_intra_seconds", "dp_shared_seconds",
-           "ring_exposed_seconds", "routed_exposed_seconds", "routed_width"]
+           "ring_exposed_seconds", "routed_exposed_seconds", "routed_ring_width", "routed_waits",
+           "routed_width"]
 
 
 def crossing_seconds(nbytes: float, nic_bw: float, intra_bw: float, rails: int, gpu: hardware.GPUType) -> float:
@@ -66,18 +67,30 @@ def ring_exposed_seconds(model: ModelSpec, gpu: hardware.GPUType, length: int, m
     routing cuts over several rails, the ring run as the simulator runs it
     (`routed_exposed_seconds`)."""
     args = (model, gpu, length, members, bandwidth, nic, routed, dp_piece, dp_intra)
-    if nic and routed is not None and nodes >= 2 and members > nodes:
-        width = routed_width(kv_bytes(model, max(length // members, 1)), bandwidth, routed[0], routed[1])
-        if width > 1:
-            shape = (model, gpu, length, members, nodes, bandwidth, routed[0], width, dp_piece[0], dp_intra)
-            return routed_exposed_seconds(*shape) if hardware.calibrated(gpu) else _routed_exposed_builtin(*shape)
+    width = routed_ring_width(model, length, members, nodes, bandwidth, routed) if nic else 0
+    if width and routed is not None:
+        return routed_exposed_seconds(model, gpu, length, members, nodes, bandwidth, routed[0], width, dp_piece[0],
+                                      dp_intra)
     return _ring_exposed_seconds(*args) if hardware.calibrated(gpu) else _ring_exposed_builtin(*args)
 
 
 def routed_exposed_seconds(model: ModelSpec, gpu: hardware.GPUType, length: int, members: int, nodes: int,
-                           nic_bw: float, intra_bw: float, width: int, dp_piece: float, dp_intra: float) -> float:
+                           nic_bw: float, intra_bw: float, width: int, dp_piece: float, dp_intra: float,
+                           local: tuple[float, float] = (0.0, 0.0)) -> float:
     """Seconds the member of a single ring across `nodes` nodes that waits most waits
-    beyond its compute in a step (all layers), its crossing hops cut over `width` rails as
+    beyond its compute in a step (all layers), its local documents (`local`: one layer's,
+    forward and backward) filling the wait before its second step (`routed_waits`)."""
+    (fwd, fwd_first), (bwd, bwd_first) = routed_waits(model, gpu, length, members, nodes, nic_bw, intra_bw, width,
+                                                      dp_piece, dp_intra)
+    return model.num_layers * (fwd - min(fwd_first, local[0]) + bwd - min(bwd_first, local[1]))
+
+
+def routed_waits(model: ModelSpec, gpu: hardware.GPUType, length: int, members: int, nodes: int,
+                 nic_bw: float, intra_bw: float, width: int, dp_piece: float, dp_intra: float) \
+        -> tuple[tuple[float, float], tuple[float, float]]:
+    """(forward, backward) of one layer: (seconds the member of a single ring across
+    `nodes` nodes that waits most waits beyond its compute, of which before its second
+    step), its crossing hops cut over `width` rails as
     `planning.routing` cuts them, run as the simulator runs them
     (`routed_ring.pass_wait`): blocks relayed as soon as they are there reach a crossing
     hop in bursts that share its ports, and in the backward the partial dK/dV queue behind
@@ -99,13 +112,22 @@ def routed_exposed_seconds(model: ModelSpec, gpu: hardware.GPUType, length: int,
     kv = seconds(kv_bytes(model, block))
     forward = _pass_wait(per_node, members, width, fwd_c, kv, None, (dp_intra, dp_piece))
     backward = _pass_wait(per_node, members, width, bwd_c, kv, seconds(kv_grad_bytes(model, block)), (0.0, 0.0))
-    return model.num_layers * (forward + backward)
+    return forward, backward
 
 
-_routed_exposed_builtin = functools.lru_cache(maxsize=4096)(routed_exposed_seconds)
 _pass_wait = functools.lru_cache(maxsize=4096)(pass_wait)
 """`routed_ring.pass_wait`, once per pass shape: its arguments are seconds, so recomputation
 modes that run the same steps (and profiles that give the same seconds) share it."""
+
+
+def routed_ring_width(model: ModelSpec, length: int, members: int, nodes: int, nic_bw: float,
+                      routed: tuple[float, int] | None) -> int:
+    """The rails a single ring of `members` over `nodes` nodes (0: unknown) has its crossing
+    hops cut over (`routed_width`) where that is 2 or more, else 0 (priced hop by hop)."""
+    if routed is None or nodes < 2 or members <= nodes:
+        return 0
+    width = routed_width(kv_bytes(model, max(length // members, 1)), nic_bw, routed[0], routed[1])
+    return width if width > 1 else 0
 
 
 def routed_width(nbytes: float, nic_bw: float, intra_bw: float, rails: int) -> int:

@@ -79,9 +79,10 @@ class _Links:
 
 def pass_wait(per_node: int, members: int, rails: int, compute: float, kv: tuple[float, float, float],
               grad: tuple[float, float, float] | None = None, dp: tuple[float, float] = (0.0, 0.0),
-              nodes: int = 1) -> float:
-    """Seconds the member of a ring of `members` that waits most waits beyond its compute in
-    one layer's forward (or, with `grad`, backward): `per_node` members on each node in
+              nodes: int = 1) -> tuple[float, float]:
+    """(Seconds the member of a ring of `members` that waits most waits beyond its compute in
+    one layer's forward (or, with `grad`, backward), and of those the wait before its
+    second step, which its local documents fill: the runtime queues them there): `per_node` members on each node in
     ring order (a node's last member sends to the next node's first), each step `compute`;
     `kv`: seconds alone of a block over NVLink, and of one of its `rails` parts over
     NVLink and over a NIC: a crossing hop's parts are dispatched from the source to the
@@ -138,6 +139,7 @@ def pass_wait(per_node: int, members: int, rails: int, compute: float, kv: tuple
     free = [0.0] * g
     step = [0] * g
     end = [0.0] * g
+    first = [0.0] * g  # what each member waits before its second step
     dirty: set = set()
 
     def arrived(table: dict, i: int, s: int):
@@ -153,6 +155,8 @@ def pass_wait(per_node: int, members: int, rails: int, compute: float, kv: tuple
             s = step[i]
             if (i, s) not in kv_at:
                 return
+            if s == 1:
+                first[i] = max(kv_at[i, s] - free[i], 0.0)
             done = max(free[i], kv_at[i, s]) + compute
             if grad is not None and s >= 1:  # the partial of the block held at step s (from step 2 on)
                 if s >= 2:
@@ -192,4 +196,5 @@ def pass_wait(per_node: int, members: int, rails: int, compute: float, kv: tuple
         else:
             for t, then in links.step():
                 then(t)
-    return max(max(e - members * compute, 0.0) for e in end)
+    most = max(range(g), key=lambda i: end[i])
+    return max(end[most] - members * compute, 0.0), first[most]
