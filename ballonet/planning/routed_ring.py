@@ -13,6 +13,8 @@ from __future__ import annotations
 import heapq
 import itertools
 
+from ballonet.cost.seconds import DP_PIECES
+
 __all__ = ["pass_wait"]
 
 
@@ -95,8 +97,6 @@ def pass_wait(per_node: int, members: int, rails: int, compute: float, kv: tuple
     them. Every node runs alike, so `nodes` = 1 (the default) runs one node whose crossing
     hop arrives back at it, standing for its predecessor's; more run that many nodes of the
     ring (`members` a multiple of them), which gives the same."""
-    from ballonet.cost.seconds import DP_PIECES
-
     g, n = nodes * per_node, per_node  # members run, each one's steps: `members`
     links = _Links()
     starts: list = []  # (time, order, seconds, links, what its end starts)
