@@ -301,7 +301,6 @@ def crossing_exposed_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw
     member's local documents filling its wait before its second step."""
     out = np.zeros(plan.num_ranks)
     node_size = np.bincount(np.asarray(dev.node))
-    local = None
     for ring in plan.rings:
         if ring.comm == "ring" and ring.kind == "inter":
             r, members = ring.ranks[0], list(ring.ranks)
@@ -316,20 +315,30 @@ def crossing_exposed_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw
                 continue
             (fwd, fwd_first), (bwd, bwd_first) = routed_waits(model, dev.gpu[r], length, len(members), nodes,
                                                               nic_bw[r], link_bw[r], width, piece[0], dp_intra)
-            local = local_attention_seconds(plan, dev, model) if local is None else local
-            out[members] += model.num_layers * (fwd - np.minimum(fwd_first, local[0][members])
-                                                + bwd - np.minimum(bwd_first, local[1][members]))
+            local = local_attention_seconds(plan, dev, model, members)
+            out[members] += model.num_layers * (fwd - np.minimum(fwd_first, local[0])
+                                                + bwd - np.minimum(bwd_first, local[1]))
     return out
 
 
-def local_attention_seconds(plan: Plan, dev: Devices, model: ModelSpec) -> tuple[np.ndarray, np.ndarray]:
-    """[R] one layer's attention over each rank's local documents (one call, as the runtime
-    runs them), forward and backward (under full recomputation with the forward again)."""
-    rank, fwd, bwd = attention_kernels(plan, dev, model)
-    n = sum(len(ring.ranks) for ring in plan.rings)  # the ring positions' kernels come last
-    R = plan.num_ranks
-    forward = np.bincount(rank[:len(rank) - n], weights=fwd[:len(rank) - n], minlength=R).astype(float)
-    backward = np.bincount(rank[:len(rank) - n], weights=bwd[:len(rank) - n], minlength=R).astype(float)
+def local_attention_seconds(plan: Plan, dev: Devices, model: ModelSpec, ranks) -> tuple[np.ndarray, np.ndarray]:
+    """[len(ranks)] one layer's attention over each of `ranks`' local documents (one call,
+    as the runtime runs them), forward and backward (under full recomputation with the
+    forward again)."""
+    in_ring = plan.ring_of_doc
+    rank, block = [], []
+    for i, r in enumerate(ranks):
+        for d in {s.doc for s in plan.attention[r]} - set(in_ring):
+            rank.append(i)
+            block.append(plan.lengths[d])
+    forward, backward = np.zeros(len(ranks)), np.zeros(len(ranks))
+    if rank:
+        index, lengths = np.asarray(rank), np.asarray(block, dtype=float)
+        flops = attention_flops(model, lengths)
+        for i, gpu in enumerate(dev.gpu_types):
+            on = dev.type_index[np.asarray(ranks)[index]] == i
+            np.add.at(forward, index[on], attention_seconds(model, gpu, flops[on], lengths[on]))
+            np.add.at(backward, index[on], attention_seconds(model, gpu, flops[on], lengths[on], backward=True))
     if recompute_attention(recompute_mode(model)):
         backward += forward
     return forward, backward
