@@ -26,6 +26,8 @@ a batch that needs more recomputation pays a second forward. The partitioner the
 
 from __future__ import annotations
 
+import contextlib
+from contextvars import ContextVar
 from dataclasses import dataclass
 from operator import attrgetter
 
@@ -54,7 +56,7 @@ from ballonet.specs import ModelSpec
 
 __all__ = ["StepWeights", "attention_kernels", "crossing_exposed_seconds", "crossing_pipeline", "crossing_seconds",
            "crossing_seconds_each", "double_exposed_seconds", "dp_intra_seconds", "dp_shared_seconds",
-           "inter_node_span", "linear_work_per_token", "local_attention_seconds", "rank_compute_seconds", "rank_remap_seconds",
+           "hop_by_hop", "inter_node_span", "linear_work_per_token", "local_attention_seconds", "rank_compute_seconds", "rank_remap_seconds",
            "rank_step_seconds", "rank_tp_seconds", "recompute_modes", "remap_pairs", "remaps_inside",
            "ring_exposed_seconds", "ring_wait_seconds", "step_weights", "synchronous_step_seconds"]
 
@@ -292,6 +294,37 @@ def synchronous_step_seconds(plan: Plan, dev: Devices, model: ModelSpec, kernels
     return float(forward.max() + runs)
 
 
+_PORT_BY_PORT: ContextVar[bool] = ContextVar("port_by_port", default=True)
+
+
+@contextlib.contextmanager
+def hop_by_hop():
+    """Inside it `crossing_exposed_seconds` prices every single ring across nodes hop by
+    hop (`ring_exposed_seconds`), `routed_rings` too: much cheaper than running their
+    ports, so the search prices its candidates so and runs the ports of the few that can
+    still win (`zeppelin.search.CandidateSearch._settle`)."""
+    token = _PORT_BY_PORT.set(False)
+    try:
+        yield
+    finally:
+        _PORT_BY_PORT.reset(token)
+
+
+def routed_rings(plan: Plan, dev: Devices, model: ModelSpec, link_bw: np.ndarray, nic_bw: np.ndarray,
+                 rails: np.ndarray) -> bool:
+    """Whether `plan` has a single ring across nodes whose crossing hops routing cuts over
+    several rails (`ring_pricing.routed_ring_width`): one `crossing_exposed_seconds`
+    runs port by port outside `hop_by_hop`."""
+    for ring in plan.rings:
+        if ring.comm == "ring" and ring.kind == "inter":
+            r, members = ring.ranks[0], ring.ranks
+            nodes = len({dev.node[x] for x in members})
+            if routed_ring_width(model, plan.lengths[ring.doc], len(members), nodes, nic_bw[r],
+                                 (link_bw[r], int(rails[r]))):
+                return True
+    return False
+
+
 def crossing_exposed_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw: np.ndarray, nic_bw: np.ndarray,
                              rails: np.ndarray, dp_piece: np.ndarray | None = None) -> np.ndarray:
     """[R] what each member of a single ring across nodes leaves exposed in a step (its
@@ -308,7 +341,8 @@ def crossing_exposed_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw
             dp_intra = DP_FORWARD_SHARE * dp_intra_seconds(model, dev.gpu[r], node_size[dev.node[r]], link_bw[r])
             routed, nodes = (link_bw[r], int(rails[r])), len({dev.node[x] for x in members})
             length = plan.lengths[ring.doc]
-            width = routed_ring_width(model, length, len(members), nodes, nic_bw[r], routed)
+            width = routed_ring_width(model, length, len(members), nodes, nic_bw[r], routed) \
+                if _PORT_BY_PORT.get() else 0
             if not width:
                 out[members] += ring_exposed_seconds(model, dev.gpu[r], length, len(members), nic_bw[r],
                                                      routed=routed, dp_piece=piece, dp_intra=dp_intra)
