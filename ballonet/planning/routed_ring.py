@@ -22,61 +22,75 @@ class _Links:
     """Links that share their bandwidth equally among the transfers on them, each link its
     own share (the simulator's `timeline.Timeline`): a transfer of d seconds alone that
     joins a link at virtual time v leaves it at v + d; it is done when every link it
-    crosses has carried it."""
+    crosses has carried it. Links are numbered; `run` advances them and the transfers
+    `later` queues to start, calling what each finished transfer starts."""
 
-    def __init__(self) -> None:
-        self.state: dict = {}  # link -> [transfers on it, virtual time, its real time, heap, version]
+    def __init__(self, count: int) -> None:
+        self.on = [0] * count  # transfers on each link
+        self.virtual = [0.0] * count  # each link's virtual time at `real`
+        self.real = [0.0] * count
+        self.tags: list[list] = [[] for _ in range(count)]  # (virtual end, transfer) heaps
+        self.version = [0] * count
         self.events: list = []  # (time, order, link, version)
-        self.left: dict = {}  # transfer -> (links still carrying it, what its end starts)
+        self.starts: list = []  # (time, order, seconds, links, what its end starts)
+        self.left: dict = {}  # transfer -> [links still carrying it, what its end starts]
         self.order = itertools.count()
-        self.dirty: set = set()  # links whose next end changed
 
-    def start(self, at: float, seconds: float, links: tuple, then) -> None:
-        tid = next(self.order)
-        self.left[tid] = [len(links), then]
-        for link in links:
-            st = self.state.get(link)
-            if st is None:
-                st = self.state[link] = [0, 0.0, at, [], 0]
-            elif st[0]:
-                st[1] += (at - st[2]) / st[0]
-            st[2] = at
-            st[0] += 1
-            heapq.heappush(st[3], (st[1] + seconds, tid))
-            self.dirty.add(link)
+    def later(self, at: float, seconds: float, links: tuple, then) -> None:
+        heapq.heappush(self.starts, (at, next(self.order), seconds, links, then))
 
-    def next_end(self) -> float:
-        """When a transfer next leaves a link (inf: none is on one)."""
-        for link in self.dirty:
-            st = self.state[link]
-            st[4] += 1
-            if st[0]:
-                heapq.heappush(self.events, (st[2] + (st[3][0][0] - st[1]) * st[0], next(self.order), link, st[4]))
-        self.dirty.clear()
-        return self.events[0][0] if self.events else float("inf")
-
-    def step(self) -> list:
-        """Advance to the next link event: [(time, what each finished transfer starts)]."""
-        at, _, link, version = heapq.heappop(self.events)
-        st = self.state[link]
-        if version != st[4]:
-            return []
-        tag, tid = heapq.heappop(st[3])
-        st[0] -= 1
-        st[1], st[2] = tag, at
-        finished = [tid]
-        while st[3] and st[3][0][0] <= tag:
-            finished.append(heapq.heappop(st[3])[1])
-            st[0] -= 1
-        self.dirty.add(link)
-        out = []
-        for tid in finished:
-            entry = self.left[tid]
-            entry[0] -= 1
-            if entry[0] == 0:
-                del self.left[tid]
-                out.append((at, entry[1]))
-        return out
+    def run(self, settle) -> None:
+        """Until no transfer is left: `settle()` after every instant's ends and starts."""
+        on, virtual, real, tags, version = self.on, self.virtual, self.real, self.tags, self.version
+        events, starts, left, order = self.events, self.starts, self.left, self.order
+        push, pop, inf = heapq.heappush, heapq.heappop, float("inf")
+        dirty: set = set()  # links whose next end changed
+        while True:
+            settle()
+            for link in dirty:
+                version[link] += 1
+                if on[link]:
+                    push(events, (real[link] + (tags[link][0][0] - virtual[link]) * on[link], next(order), link,
+                                  version[link]))
+            dirty.clear()
+            first_start = starts[0][0] if starts else inf
+            first_end = events[0][0] if events else inf
+            if first_start == first_end == inf:
+                return
+            if first_start <= first_end:  # every transfer starting now, then the links' ends
+                while starts and starts[0][0] == first_start:
+                    at, _, seconds, links, then = pop(starts)
+                    if seconds <= 0:
+                        then(at)
+                        continue
+                    tid = next(order)
+                    left[tid] = [len(links), then]
+                    for link in links:
+                        n = on[link]
+                        if n:
+                            virtual[link] += (at - real[link]) / n
+                        real[link] = at
+                        on[link] = n + 1
+                        push(tags[link], (virtual[link] + seconds, tid))
+                        dirty.add(link)
+                continue
+            at, _, link, v = pop(events)
+            if v != version[link]:
+                continue
+            heap = tags[link]
+            tag, tid = pop(heap)
+            finished = [tid]
+            while heap and heap[0][0] <= tag:
+                finished.append(pop(heap)[1])
+            on[link] -= len(finished)
+            virtual[link], real[link] = tag, at
+            dirty.add(link)
+            for tid in finished:
+                entry = left[tid]
+                entry[0] -= 1
+                if entry[0] == 0:
+                    del left[tid]
+                    entry[1](at)
 
 
 def pass_wait(per_node: int, members: int, rails: int, compute: float, kv: tuple[float, float, float],
@@ -98,15 +112,15 @@ def pass_wait(per_node: int, members: int, rails: int, compute: float, kv: tuple
     hop arrives back at it, standing for its predecessor's; more run that many nodes of the
     ring (`members` a multiple of them), which gives the same."""
     g, n = nodes * per_node, per_node  # members run, each one's steps: `members`
-    links = _Links()
-    starts: list = []  # (time, order, seconds, links, what its end starts)
-    order = itertools.count()
-
-    def later(at: float, seconds: float, on: tuple, then) -> None:
-        heapq.heappush(starts, (at, next(order), seconds, on, then))
+    width = max(n, rails)
+    links = _Links(4 * nodes * width)
+    later = links.later
 
     def port(j: int, x: int, y: int, z: int) -> tuple:  # node j's rank x -> node y's rank z, over NVLink
-        return (("out", j, x), ("in", y, z))
+        return (j * width + x, (nodes + y) * width + z)
+
+    def nic_link(j: int, r: int, y: int) -> tuple:  # node j's NIC of rail r -> node y's
+        return ((2 * nodes + j) * width + r, (3 * nodes + y) * width + r)
 
     def send(i: int, at: float, what: tuple[float, float, float], then) -> None:
         """Member i's block (or partial) to its successor, arriving: then(time)."""
@@ -128,7 +142,7 @@ def pass_wait(per_node: int, members: int, rails: int, compute: float, kv: tuple
                     later(t, what[1], port(y, r, y, z), part_done)
 
             def nic(t: float, r=r, combine=combine) -> None:
-                later(t, what[2], (("nic out", j, r), ("nic in", y, r)), combine)
+                later(t, what[2], nic_link(j, r, y), combine)
             if r == x:
                 nic(at)
             else:
@@ -171,30 +185,18 @@ def pass_wait(per_node: int, members: int, rails: int, compute: float, kv: tuple
     for i in range(g):
         arrived(kv_at, i, 0)(0.0)
     for j in range(nodes if dp[0] > 0 or dp[1] > 0 else 0):
-        for x in range(max(n, rails)):
+        for x in range(width):
             chain = [(dp[0] / DP_PIECES, port(j, x, j, x))] * (DP_PIECES if dp[0] > 0 else 0) + \
-                [(dp[1], (("nic out", j, x), ("nic in", (j + 1) % nodes, x)))] * (DP_PIECES if dp[1] > 0 else 0)
+                [(dp[1], nic_link(j, x, (j + 1) % nodes))] * (DP_PIECES if dp[1] > 0 else 0)
 
             def piece(t: float, rest=tuple(chain)) -> None:
                 if rest:
                     later(t, rest[0][0], rest[0][1], lambda t2, more=rest[1:]: piece(t2, more))
             piece(0.0)
-    while True:
+
+    def settle() -> None:
         while dirty:
             run(dirty.pop())
-        first_start = starts[0][0] if starts else float("inf")
-        first_end = links.next_end()
-        if first_start == first_end == float("inf"):
-            break
-        if first_start <= first_end:
-            while starts and starts[0][0] == first_start:  # every transfer starting now, then the links' ends
-                at, _, seconds, on, then = heapq.heappop(starts)
-                if seconds > 0:
-                    links.start(at, seconds, on, then)
-                else:
-                    then(at)
-        else:
-            for t, then in links.step():
-                then(t)
+    links.run(settle)
     most = max(range(g), key=lambda i: end[i])
     return max(end[most] - members * compute, 0.0), first[most]
