@@ -113,14 +113,14 @@ def pass_wait(per_node: int, members: int, rails: int, compute: float, kv: tuple
     ring (`members` a multiple of them), which gives the same."""
     g, n = nodes * per_node, per_node  # members run, each one's steps: `members`
     width = max(n, rails)
-    links = _Links(4 * nodes * width)
+    links = _Links(3 * nodes * width)
     later = links.later
 
     def port(j: int, x: int, y: int, z: int) -> tuple:  # node j's rank x -> node y's rank z, over NVLink
         return (j * width + x, (nodes + y) * width + z)
 
-    def nic_link(j: int, r: int, y: int) -> tuple:  # node j's NIC of rail r -> node y's
-        return ((2 * nodes + j) * width + r, (3 * nodes + y) * width + r)
+    def nic_link(j: int, r: int) -> tuple:  # node j's NIC of rail r -> the next node's: the one
+        return ((2 * nodes + j) * width + r,)  # link stands for both NICs, which carry the same transfers
 
     def send(i: int, at: float, what: tuple[float, float, float], then) -> None:
         """Member i's block (or partial) to its successor, arriving: then(time)."""
@@ -142,7 +142,7 @@ def pass_wait(per_node: int, members: int, rails: int, compute: float, kv: tuple
                     later(t, what[1], port(y, r, y, z), part_done)
 
             def nic(t: float, r=r, combine=combine) -> None:
-                later(t, what[2], nic_link(j, r, y), combine)
+                later(t, what[2], nic_link(j, r), combine)
             if r == x:
                 nic(at)
             else:
@@ -187,7 +187,7 @@ def pass_wait(per_node: int, members: int, rails: int, compute: float, kv: tuple
     for j in range(nodes if dp[0] > 0 or dp[1] > 0 else 0):
         for x in range(width):
             chain = [(dp[0] / DP_PIECES, port(j, x, j, x))] * (DP_PIECES if dp[0] > 0 else 0) + \
-                [(dp[1], nic_link(j, x, (j + 1) % nodes))] * (DP_PIECES if dp[1] > 0 else 0)
+                [(dp[1], nic_link(j, x))] * (DP_PIECES if dp[1] > 0 else 0)
 
             def piece(t: float, rest=tuple(chain)) -> None:
                 if rest:
