@@ -51,3 +51,33 @@ def test_the_estimate_of_a_routed_ring_over_three_nodes_is_what_the_simulator_ru
     assert plan.routes and any(r.comm == "ring" and r.kind == "inter" for r in plan.rings)
     step = simulate(plan, c, m).step_time_s
     assert plan.meta["estimated_step_s"] / step == pytest.approx(1.0, abs=0.05)
+
+
+def test_the_ports_of_some_rings_bound_the_estimate_with_every_ring_s_ports_from_below():
+    # The search's lower bound (`pricing.ports_of`): the routed rings of other documents
+    # expose nothing, those of the named ones what running their ports gives; hop by hop
+    # (`pricing.hop_by_hop`) no ring is run.
+    import numpy as np
+
+    from ballonet.planning.devices import devices
+    from ballonet.planning.pricing import crossing_exposed_seconds, hop_by_hop, ports_of, routed_ring_docs
+    from ballonet.planning.zeppelin.classes import crossover_lengths
+
+    c, m = ballonet.cluster("h200-8nic", num_nodes=4), ballonet.model("llama-7b")
+    lengths = [126274] + [2000] * ((16384 * 32 - 126274) // 2000)
+    plan = plan_batch(lengths, c, m, double=False)
+    dev = devices(c, m, False)
+    cross = crossover_lengths(c, m)[0]
+    link, nic = np.full(dev.num_ranks, cross.intra_bw), np.full(dev.num_ranks, cross.crossing_bw)
+    rails, piece = np.full(dev.num_ranks, cross.rails), np.zeros((dev.num_ranks, 2))
+    docs = routed_ring_docs(plan, dev, m, link, nic, rails)
+    assert docs == [0]
+    every = crossing_exposed_seconds(plan, dev, m, link, nic, rails, piece)
+    with ports_of(docs):
+        assert np.array_equal(crossing_exposed_seconds(plan, dev, m, link, nic, rails, piece), every)
+    with ports_of([]):
+        assert not crossing_exposed_seconds(plan, dev, m, link, nic, rails, piece).any()
+    with hop_by_hop():
+        by_hop = crossing_exposed_seconds(plan, dev, m, link, nic, rails, piece)
+    members = [r for ring in plan.rings if ring.doc == 0 for r in ring.ranks]
+    assert by_hop[members].min() > 0 and not np.allclose(by_hop, every)

@@ -57,8 +57,8 @@ from ballonet.specs import ModelSpec
 __all__ = ["StepWeights", "attention_kernels", "crossing_exposed_seconds", "crossing_pipeline", "crossing_seconds",
            "crossing_seconds_each", "double_exposed_seconds", "dp_intra_seconds", "dp_shared_seconds",
            "hop_by_hop", "inter_node_span", "linear_work_per_token", "local_attention_seconds", "rank_compute_seconds", "rank_remap_seconds",
-           "rank_step_seconds", "rank_tp_seconds", "recompute_modes", "remap_pairs", "remaps_inside",
-           "ring_exposed_seconds", "ring_wait_seconds", "step_weights", "synchronous_step_seconds"]
+           "ports_of", "rank_step_seconds", "rank_tp_seconds", "recompute_modes", "remap_pairs", "remaps_inside",
+           "ring_exposed_seconds", "ring_wait_seconds", "routed_ring_docs", "step_weights", "synchronous_step_seconds"]
 
 
 _doc = attrgetter("doc")
@@ -294,7 +294,9 @@ def synchronous_step_seconds(plan: Plan, dev: Devices, model: ModelSpec, kernels
     return float(forward.max() + runs)
 
 
-_PORT_BY_PORT: ContextVar[bool] = ContextVar("port_by_port", default=True)
+_PORT_BY_PORT: ContextVar[bool | frozenset] = ContextVar("port_by_port", default=True)
+"""Which `routed_ring_docs` `crossing_exposed_seconds` runs port by port: every one (True),
+none (False: `hop_by_hop`) or those of a set of documents (`ports_of`)."""
 
 
 @contextlib.contextmanager
@@ -310,19 +312,33 @@ def hop_by_hop():
         _PORT_BY_PORT.reset(token)
 
 
-def routed_rings(plan: Plan, dev: Devices, model: ModelSpec, link_bw: np.ndarray, nic_bw: np.ndarray,
-                 rails: np.ndarray) -> bool:
-    """Whether `plan` has a single ring across nodes whose crossing hops routing cuts over
-    several rails (`ring_pricing.routed_ring_width`): one `crossing_exposed_seconds`
-    runs port by port outside `hop_by_hop`."""
+@contextlib.contextmanager
+def ports_of(docs):
+    """Inside it `crossing_exposed_seconds` runs the ports of the routed rings of `docs`
+    only and counts the other routed rings' exposure as nothing: an estimate no longer than
+    the one running every ring's ports (each ring's exposure is at least nothing, and a
+    step grows with its members' exposure), at the cost of a few rings."""
+    token = _PORT_BY_PORT.set(frozenset(docs))
+    try:
+        yield
+    finally:
+        _PORT_BY_PORT.reset(token)
+
+
+def routed_ring_docs(plan: Plan, dev: Devices, model: ModelSpec, link_bw: np.ndarray, nic_bw: np.ndarray,
+                     rails: np.ndarray) -> list[int]:
+    """The documents of `plan`'s single rings across nodes whose crossing hops routing cuts
+    over several rails (`ring_pricing.routed_ring_width`), longest first: those
+    `crossing_exposed_seconds` runs port by port outside `hop_by_hop`."""
+    docs = []
     for ring in plan.rings:
         if ring.comm == "ring" and ring.kind == "inter":
             r, members = ring.ranks[0], ring.ranks
             nodes = len({dev.node[x] for x in members})
             if routed_ring_width(model, plan.lengths[ring.doc], len(members), nodes, nic_bw[r],
                                  (link_bw[r], int(rails[r]))):
-                return True
-    return False
+                docs.append(ring.doc)
+    return sorted(docs, key=lambda d: (-plan.lengths[d], d))
 
 
 def crossing_exposed_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw: np.ndarray, nic_bw: np.ndarray,
@@ -341,8 +357,11 @@ def crossing_exposed_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw
             dp_intra = DP_FORWARD_SHARE * dp_intra_seconds(model, dev.gpu[r], node_size[dev.node[r]], link_bw[r])
             routed, nodes = (link_bw[r], int(rails[r])), len({dev.node[x] for x in members})
             length = plan.lengths[ring.doc]
+            ports = _PORT_BY_PORT.get()
             width = routed_ring_width(model, length, len(members), nodes, nic_bw[r], routed) \
-                if _PORT_BY_PORT.get() else 0
+                if ports is not False else 0
+            if width and isinstance(ports, frozenset) and ring.doc not in ports:
+                continue
             if not width:
                 out[members] += ring_exposed_seconds(model, dev.gpu[r], length, len(members), nic_bw[r],
                                                      routed=routed, dp_piece=piece, dp_intra=dp_intra)

@@ -27,7 +27,7 @@ from paper_report import CLUSTERS
 from scale_one import grid, main_grid
 
 from ballonet import plan_batch, specs, workloads
-from ballonet.planning.pricing import routed_rings
+from ballonet.planning.pricing import routed_ring_docs
 from ballonet.planning.zeppelin import search
 
 _settle = search.CandidateSearch._settle
@@ -37,7 +37,7 @@ rows: list[tuple[float, float]] = []
 def _recording(self) -> None:
     for _, c, maker in self.pending:
         links = maker.links
-        if routed_rings(c.plan, c.dev, maker.model, links.link, links.nic, links.rails):
+        if routed_ring_docs(c.plan, c.dev, maker.model, links.link, links.nic, links.rails):
             rows.append((c.seconds, maker.price(c.plan).seconds))
         else:
             rows.append((c.seconds, c.seconds))

@@ -29,7 +29,7 @@ from ballonet.errors import InfeasiblePlan, InputError
 from ballonet.plan import Plan
 from ballonet.planning.assembly import Placement, over_cap
 from ballonet.planning.devices import check_lengths, devices, infeasibility
-from ballonet.planning.pricing import hop_by_hop, rank_compute_seconds, recompute_modes, routed_rings
+from ballonet.planning.pricing import hop_by_hop, ports_of, rank_compute_seconds, recompute_modes, routed_ring_docs
 from ballonet.planning.routing import plan_routes
 from ballonet.planning.step_terms import dp_send_seconds, fixed_tail_seconds
 from ballonet.planning.zeppelin.candidates import Candidate, CandidateMaker, fallback, place
@@ -49,6 +49,10 @@ PORT_MARGIN = 0.01
 this share above the least so run: port by port a single ring across nodes can also
 price lower than hop by hop, a plan's step by a few percent at most where measured
 (bench/investigations/port_margin.py)."""
+
+LOWER_RINGS = 2
+"""How many routed rings `CandidateSearch._settle` runs the ports of for a plan's lower
+bound before all of them."""
 
 Placed = dict[bool, tuple[Placement, dict] | None]
 """A level 1's placements (`candidates.place`) by keep_tokens, None where it found no room."""
@@ -296,24 +300,36 @@ class CandidateSearch:
 
     def _settle(self) -> None:
         """The best plan of the search's hop-by-hop part with its single rings across nodes
-        run port by port (`pricing.routed_rings`): its plans re-priced so in
-        ascending hop-by-hop estimate until the next one's is over the least re-priced by
-        `PORT_MARGIN`, those compared again in the search's order. The others keep their
-        hop-by-hop estimates in `compared`."""
+        run port by port (`pricing.routed_ring_docs`). The plans with none keep their
+        estimates; the others, in ascending hop-by-hop estimate until one's is over the least
+        estimate so far by `PORT_MARGIN`, are re-priced so where their estimate with the
+        ports of their `LOWER_RINGS` longest such rings run and the others' exposure
+        counted as nothing (`pricing.ports_of`, no longer than the whole) is not over it
+        by the same margin; those compared again in the search's order. The others keep
+        their hop-by-hop estimates in `compared`."""
         self.settled = True
         repriced: dict[int, Candidate] = {}
-        least = np.inf
-        for index, c, maker in sorted(self.pending, key=lambda x: x[1].seconds):
+        routed = []
+        for index, c, maker in self.pending:
+            links = maker.links
+            docs = routed_ring_docs(c.plan, c.dev, maker.model, links.link, links.nic, links.rails)
+            if docs:
+                routed.append((index, c, maker, docs))
+            else:
+                repriced[index] = c
+        least = min((c.seconds for c in repriced.values()), default=np.inf)
+        for index, c, maker, docs in sorted(routed, key=lambda x: x[1].seconds):
             if c.seconds > (1 + PORT_MARGIN) * least:
                 break
-            links = maker.links
-            if routed_rings(c.plan, c.dev, maker.model, links.link, links.nic, links.rails):
-                priced = maker.price(c.plan)
-                self.made = [(priced if x[0] is c else x[0], *x[1:]) for x in self.made]
-                self.compared[index]["estimated_step_s"] = priced.seconds
-                c = priced
-            repriced[index] = c
-            least = min(least, c.seconds)
+            if len(docs) > LOWER_RINGS and least < np.inf:
+                with ports_of(docs[:LOWER_RINGS]):
+                    if maker.price(c.plan).seconds > (1 + PORT_MARGIN) * least:
+                        continue
+            priced = maker.price(c.plan)
+            self.made = [(priced if x[0] is c else x[0], *x[1:]) for x in self.made]
+            self.compared[index]["estimated_step_s"] = priced.seconds
+            repriced[index] = priced
+            least = min(least, priced.seconds)
         self.best = None
         for index, _, _ in self.pending:
             if index in repriced and self._shorter(repriced[index]):
