@@ -50,7 +50,7 @@ this share above the least so run: port by port a single ring across nodes can a
 price lower than hop by hop, a plan's step by a few percent at most where measured
 (bench/investigations/port_margin.py)."""
 
-LOWER_RINGS = 2
+LOWER_RINGS = 1
 """How many routed rings `CandidateSearch._settle` runs the ports of for a plan's lower
 bound before all of them."""
 
