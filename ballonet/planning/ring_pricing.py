@@ -5,7 +5,8 @@ blocks through dispatch, NIC legs and combine one after another (`crossing_pipel
 the layer's FSDP collectives share a ring's ports fairly while they last
 (`dp_shared_seconds`), as the simulator's links share their bandwidth. A candidate's
 single ring whose crossing hops routing cuts over several rails is run port by port
-instead (`routed_exposed_seconds`, `routed_ring.pass_wait`): the blocks its members relay
+instead (`routed_exposed_seconds`, `routed_ring.pass_wait`; in the search's candidates
+that can still win only, `pricing.hop_by_hop`): the blocks its members relay
 reach a crossing hop in bursts that share its ports, every block of a burst late.
 `pricing` adds these to the partitioner's estimates (`inter_node_span`,
 `crossing_exposed_seconds`, `rank_step_seconds`)."""

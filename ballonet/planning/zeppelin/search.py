@@ -13,7 +13,9 @@ their members' waits as the simulator runs them (`variants.wider_level`, `member
 documents to the same nodes reuses its single one's placements (`_same_nodes`). Every
 prune is a named predicate (`_level_too_slow`, `_level_enough`, `_costlier_mode_loses`,
 `_plan_looser`), every step that can fail returns None, and the one reason the search
-refuses the batch is kept (`refusal`).
+refuses the batch is kept (`refusal`). Until the best plan's variants, candidates are
+priced with their routed single rings across nodes hop by hop (`pricing.hop_by_hop`);
+then the few that can still win run those rings' ports (`_settle`).
 """
 
 from __future__ import annotations
