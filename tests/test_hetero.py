@@ -191,17 +191,17 @@ def test_cli_assume_homogeneous(capsys):
 
 
 def test_routing_skips_pcie_dispatch_that_costs_more_than_it_saves():
-    from ballonet.planning.routing import _best_width
+    from ballonet.planning.routing import best_width
 
     m = 64e6
     pcie = NodeGroup(gpu="l40s", nics_per_node=2, nic_gbps=200)  # 25 GB/s PCIe, 25 GB/s NICs
     # routed over 2 rails: 2 * (m/2) / (25e9 * 0.8) + (m/2) / (25e9 * 0.9) > m / (25e9 * 0.9) direct
-    assert _best_width(m, 0.0, [0.0, 0.0], (pcie.intra_bw, pcie.intra_bw), pcie.nic_bw) == 1
+    assert best_width(m, 0.0, [0.0, 0.0], (pcie.intra_bw, pcie.intra_bw), pcie.nic_bw) == 1
     nvlink = NodeGroup(gpu="h800", nics_per_node=8, nic_gbps=400)  # 200 GB/s NVLink, 50 GB/s NICs
     # over 8 rails: 2 * (7m/8) / 160e9 + (m/8) / 45e9 = m/91e9 + m/360e9 < m / 45e9
-    assert _best_width(m, 0.0, [0.0] * 8, (nvlink.intra_bw, nvlink.intra_bw), nvlink.nic_bw) == 8
+    assert best_width(m, 0.0, [0.0] * 8, (nvlink.intra_bw, nvlink.intra_bw), nvlink.nic_bw) == 8
     # a busy own NIC makes a detour worth it even over PCIe: (m + 2m) / 22.5e9 > m/20e9 + m/45e9
-    assert _best_width(m, 2 * m, [0.0, 0.0], (pcie.intra_bw, pcie.intra_bw), pcie.nic_bw) == 2
+    assert best_width(m, 2 * m, [0.0, 0.0], (pcie.intra_bw, pcie.intra_bw), pcie.nic_bw) == 2
 
 
 def test_pcie_nodes_keep_their_tokens_and_balance_attention_plus_linear():

@@ -22,7 +22,7 @@ from ballonet.plan import Plan, Route
 from ballonet.planning.devices import rank_hardware
 from ballonet.specs import ClusterSpec, ModelSpec
 
-__all__ = ["plan_routes"]
+__all__ = ["best_width", "plan_routes"]
 
 
 def _hops(plan: Plan) -> list[tuple[float, int, int, int, int]]:
@@ -68,8 +68,8 @@ def plan_routes(plan: Plan, cluster: ClusterSpec, model: ModelSpec, local_index:
                 rails.append((max(load["out", key[0]], load["in", key[1]]), j, a, b))
         rails.sort()
         own = max(load["out", plan.nic_of_rank[src]], load["in", plan.nic_of_rank[dst]])
-        k = _best_width(m, own, [x[0] for x in rails], (hw.intra_bw[src], hw.intra_bw[dst]),
-                        min(hw.nic_bw[src], hw.nic_bw[dst]))
+        k = best_width(m, own, [x[0] for x in rails], (hw.intra_bw[src], hw.intra_bw[dst]),
+                       min(hw.nic_bw[src], hw.nic_bw[dst]))
         chosen = [(a, b) for _, _, a, b in rails[:k]] if k > 1 else [(src, dst)]
         for a, b in chosen:
             load["out", plan.nic_of_rank[a]] += m / len(chosen)
@@ -79,7 +79,7 @@ def plan_routes(plan: Plan, cluster: ClusterSpec, model: ModelSpec, local_index:
     return tuple(sorted(routes, key=lambda r: (r.doc, r.src)))
 
 
-def _best_width(m: float, own: float, rail_load: list[float], intra_bw: tuple[float, float], nic_bw: float) -> int:
+def best_width(m: float, own: float, rail_load: list[float], intra_bw: tuple[float, float], nic_bw: float) -> int:
     """Proxy count with the least predicted time for a hop of m bytes (1: direct, on NICs
     already carrying `own` bytes; k: the k least loaded rails, `rail_load` ascending),
     over the (source, destination) intra-node links `intra_bw` and NICs of `nic_bw`."""

@@ -13,7 +13,9 @@ their members' waits as the simulator runs them (`variants.wider_level`, `member
 documents to the same nodes reuses its single one's placements (`_same_nodes`). Every
 prune is a named predicate (`_level_too_slow`, `_level_enough`, `_costlier_mode_loses`,
 `_plan_looser`), every step that can fail returns None, and the one reason the search
-refuses the batch is kept (`refusal`).
+refuses the batch is kept (`refusal`). Until the best plan's variants, candidates are
+priced with their routed single rings across nodes hop by hop (`pricing.hop_by_hop`);
+then the few that can still win run those rings' ports (`_settle`).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from ballonet.errors import InfeasiblePlan, InputError
 from ballonet.plan import Plan
 from ballonet.planning.assembly import Placement, over_cap
 from ballonet.planning.devices import check_lengths, devices, infeasibility
-from ballonet.planning.pricing import rank_compute_seconds, recompute_modes
+from ballonet.planning.pricing import hop_by_hop, ports_of, rank_compute_seconds, recompute_modes, routed_ring_docs
 from ballonet.planning.routing import plan_routes
 from ballonet.planning.step_terms import dp_send_seconds, fixed_tail_seconds
 from ballonet.planning.zeppelin.candidates import Candidate, CandidateMaker, fallback, place
@@ -43,6 +45,16 @@ from ballonet.planning.zeppelin.variants import backward_level, doubled_level, s
 from ballonet.specs import ClusterSpec, ModelSpec
 
 __all__ = ["CandidateSearch", "ZeppelinOptions", "zeppelin"]
+
+PORT_MARGIN = 0.01
+"""`CandidateSearch._settle` runs the ports of the plans whose hop-by-hop estimate is within
+this share above the least so run: port by port a single ring across nodes can also
+price lower than hop by hop, a plan's step by a few percent at most where measured
+(bench/investigations/port_margin.py)."""
+
+LOWER_RINGS = 1
+"""How many routed rings `CandidateSearch._settle` runs the ports of for a plan's lower
+bound before all of them."""
 
 Placed = dict[bool, tuple[Placement, dict] | None]
 """A level 1's placements (`candidates.place`) by keep_tokens, None where it found no room."""
@@ -88,6 +100,9 @@ class CandidateSearch:
     """The last mode's reason for no plan (a batch over every cap)."""
     made: list = field(default_factory=list)
     """(plan, its maker, the level 1 it was made from, that level's placements) of every plan `_made`."""
+    pending: list = field(default_factory=list)
+    """(its place in `compared`, plan, its maker) of every plan compared hop by hop, for `_settle`."""
+    settled: bool = False
 
     @property
     def best_s(self) -> float:
@@ -102,6 +117,22 @@ class CandidateSearch:
     def run(self) -> Plan:
         opts, model = self.options, self.model
         self.crossovers = crossover_lengths(self.cluster, model)
+        with hop_by_hop():  # the candidates that can still win are run port by port after it (`_settle`)
+            self._search()
+        self._settle()
+        self._variants()
+        if self.best is None:
+            raise InfeasiblePlan(self.refusal)
+        best = self.best
+        plan = dataclasses.replace(best.plan, meta={**best.plan.meta, "candidates": self.compared,
+                                                    "estimated_step_s": best.seconds})
+        if opts.routing:
+            plan = dataclasses.replace(plan, routes=plan_routes(plan, self.cluster, best.model, best.dev.local_index))
+        return plan.validate()
+
+    def _search(self) -> None:
+        """Each mode's level 1s and their variants, then the double and spread level 1s."""
+        opts, model = self.options, self.model
         modes = recompute_modes(model) if opts.price_recompute else (recompute_mode(model),)
         trim = opts.price_recompute and model.recompute is None  # selective on as few layers as a plan needs
         singles: list[tuple[CandidateMaker, NodeLevel, Placed]] = []  # each mode's single-ring level 1, for `double`
@@ -127,7 +158,7 @@ class CandidateSearch:
                 plans = self._fallback(maker)
             if not plans:
                 continue
-            self._compare(plans)
+            self._compare(plans, maker)
             if level is not None:
                 singles.append((maker, level, placed))
                 top = min(plans, key=lambda c: c.seconds)  # a variant level 1 whose plan is the mode's best
@@ -148,7 +179,11 @@ class CandidateSearch:
             if opts.price_linear and opts.hierarchical and (s := spread_level(level)) is not None]
         for level, maker, placed in sorted(doubled + spread, key=lambda x: x[0].node_seconds):
             if not self._level_too_slow(level, maker, self.best_layers_s):
-                self._compare(self._made(maker, level, placed))
+                self._compare(self._made(maker, level, placed), maker)
+
+    def _variants(self) -> None:
+        """The best plan's variants (priced port by port)."""
+        opts = self.options
         # The best plan's most waiting double ring over one node more, compared by its members' waits (`member_waits`).
         for best, maker, level, _ in [x for x in self.made if x[0] is self.best][:1]:
             if level.double:
@@ -157,26 +192,18 @@ class CandidateSearch:
         for best, maker, level, _ in [x for x in self.made if x[0] is self.best][:1]:
             if pcie_ring_inside(best.plan, best.dev) and (unsplit := unsplit_level(level)) is not None \
                     and not self._level_too_slow(unsplit, maker, self.best_layers_s):
-                self._compare(self._made(maker, unsplit, {}))
+                self._compare(self._made(maker, unsplit, {}), maker)
         # The best plan's level 1 balanced on the backward, where every rank recomputes alike.
         for best, maker, level, _ in [x for x in self.made if x[0] is self.best][:1]:
             if opts.price_linear and maker.model.recompute not in BELOW and (b := backward_level(level)) is not None \
                     and not self._level_too_slow(b, maker, self.best_layers_s):
                 made = self._candidate(maker, b, best.plan.meta["keep_tokens"], {})  # as the best plan
                 if made is not None and made.seconds < (1 - THRESHOLDS.variant_margin) * best.seconds:
-                    self._compare([made])
+                    self._compare([made], maker)
         # The best plan, where it remaps, with its nodes' ranks evened in attention tokens (`evened`).
         for best, maker, _, placed in [x for x in self.made if x[0] is self.best][:1]:
             if not best.plan.meta["keep_tokens"] and (got := placed.get(False)) is not None:
-                self._compare(self._evened(best, maker, *got))
-        if self.best is None:
-            raise InfeasiblePlan(self.refusal)
-        best = self.best
-        plan = dataclasses.replace(best.plan, meta={**best.plan.meta, "candidates": self.compared,
-                                                    "estimated_step_s": best.seconds})
-        if opts.routing:
-            plan = dataclasses.replace(plan, routes=plan_routes(plan, self.cluster, best.model, best.dev.local_index))
-        return plan.validate()
+                self._compare(self._evened(best, maker, *got), maker)
 
     # ---- one mode ---------------------------------------------------------------------
 
@@ -265,11 +292,51 @@ class CandidateSearch:
             return []
         return [maker.price(plan)]
 
-    def _compare(self, plans: list[Candidate]) -> None:
+    def _compare(self, plans: list[Candidate], maker: CandidateMaker) -> None:
+        if not self.settled:
+            self.pending += [(len(self.compared) + i, c, maker) for i, c in enumerate(plans)]
         self._compare_only(plans)
         for c in plans:
             if self._shorter(c):
                 self.best = c
+
+    def _settle(self) -> None:
+        """The best plan of the search's hop-by-hop part with its single rings across nodes
+        run port by port (`pricing.routed_ring_docs`). The plans with none keep their
+        estimates; the others, in ascending hop-by-hop estimate until one's is over the least
+        estimate so far by `PORT_MARGIN`, are re-priced so where their estimate with the
+        ports of their `LOWER_RINGS` longest such rings run and the others' exposure
+        counted as nothing (`pricing.ports_of`, no longer than the whole) is not over it
+        by the same margin; those compared again in the search's order. The others keep
+        their hop-by-hop estimates in `compared`."""
+        self.settled = True
+        repriced: dict[int, Candidate] = {}
+        routed = []
+        for index, c, maker in self.pending:
+            links = maker.links
+            docs = routed_ring_docs(c.plan, c.dev, maker.model, links.link, links.nic, links.rails)
+            if docs:
+                routed.append((index, c, maker, docs))
+            else:
+                repriced[index] = c
+        least = min((c.seconds for c in repriced.values()), default=np.inf)
+        for index, c, maker, docs in sorted(routed, key=lambda x: x[1].seconds):
+            if c.seconds > (1 + PORT_MARGIN) * least:
+                break
+            if len(docs) > LOWER_RINGS and least < np.inf:
+                with ports_of(docs[:LOWER_RINGS]):
+                    if maker.price(c.plan).seconds > (1 + PORT_MARGIN) * least:
+                        continue
+            priced = maker.price(c.plan)
+            self.made = [(priced if x[0] is c else x[0], *x[1:]) for x in self.made]
+            self.compared[index]["estimated_step_s"] = priced.seconds
+            repriced[index] = priced
+            least = min(least, priced.seconds)
+        self.best = None
+        for index, _, _ in self.pending:
+            if index in repriced and self._shorter(repriced[index]):
+                self.best = repriced[index]
+        self.pending = []
 
     def _shorter(self, c: Candidate) -> bool:
         """Whether `c` is to replace the best plan: estimated shorter, but where one of
