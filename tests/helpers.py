@@ -456,3 +456,21 @@ def reference_run(steps, **config):
         optimizer.zero_grad()
         losses.append(loss.item())
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def round_robin(world_size):
+    """Whole documents to ranks in turn: a planner independent of ballonet.planning."""
+
+    def plan_fn(lengths):
+        attention = [[] for _ in range(world_size)]
+        for doc, n in enumerate(lengths):
+            attention[doc % world_size].append(Segment(doc, 0, n))
+        return Plan(planner="round_robin", lengths=tuple(lengths), node_of_rank=(0,) * world_size,
+                    nic_of_rank=tuple(range(world_size)), attention=tuple(map(tuple, attention))).validate()
+
+    return plan_fn
+
+
+def loader(corpus, world_size=1, rank=0, **kw):
+    kw.setdefault("global_tokens", 4)
+    return BalancedLoader(corpus, plan_fn=round_robin(world_size), rank=rank, world_size=world_size, **kw)

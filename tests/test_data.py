@@ -17,19 +17,7 @@ from ballonet.training.data.corpus import (
     load_corpus,
 )
 from ballonet.training.data.loader import IGNORE_INDEX, BalancedLoader, Piece
-
-
-def round_robin(world_size):
-    """Whole documents to ranks in turn: a planner independent of ballonet.planning."""
-
-    def plan_fn(lengths):
-        attention = [[] for _ in range(world_size)]
-        for doc, n in enumerate(lengths):
-            attention[doc % world_size].append(Segment(doc, 0, n))
-        return Plan(planner="round_robin", lengths=tuple(lengths), node_of_rank=(0,) * world_size,
-                    nic_of_rank=tuple(range(world_size)), attention=tuple(map(tuple, attention))).validate()
-
-    return plan_fn
+from tests.helpers import loader, round_robin
 
 
 def write_jsonl(path, records):
@@ -39,11 +27,6 @@ def write_jsonl(path, records):
 
 def ids_corpus(tmp_path, docs):
     return from_jsonl(write_jsonl(tmp_path / "c.jsonl", [{"input_ids": d} for d in docs]))
-
-
-def loader(corpus, world_size=1, rank=0, **kw):
-    kw.setdefault("global_tokens", 4)
-    return BalancedLoader(corpus, plan_fn=round_robin(world_size), rank=rank, world_size=world_size, **kw)
 
 
 def reference_stream(corpus, pieces):

@@ -8,7 +8,7 @@ from itertools import islice
 
 import numpy as np
 import pytest
-from test_data import loader, round_robin
+from tests.helpers import loader, round_robin
 
 from ballonet.errors import InputError
 from ballonet.outliers import outlier_level
