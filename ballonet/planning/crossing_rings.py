@@ -6,8 +6,7 @@ simulator runs them (`ring_pricing.routed_waits`), its members' local documents 
 their wait before the second step (`local_attention_seconds`). Running the ports costs
 far more, so which routed rings run them is the caller's choice (`PortRuns`): the search
 prices its candidates `HOP_BY_HOP` and runs the ports of the few that can still win
-(`zeppelin.search.CandidateSearch._settle`, first `ports_of` a plan's longest ring for a
-lower bound)."""
+(`zeppelin.settling.settle`, first `ports_of` a plan's longest ring for a lower bound)."""
 
 from __future__ import annotations
 
