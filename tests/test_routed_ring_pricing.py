@@ -54,13 +54,13 @@ def test_the_estimate_of_a_routed_ring_over_three_nodes_is_what_the_simulator_ru
 
 
 def test_the_ports_of_some_rings_bound_the_estimate_with_every_ring_s_ports_from_below():
-    # The search's lower bound (`pricing.ports_of`): the routed rings of other documents
-    # expose nothing, those of the named ones what running their ports gives; hop by hop
-    # (`pricing.hop_by_hop`) no ring is run.
+    # The search's lower bound (`crossing_rings.ports_of`): the routed rings of other
+    # documents expose nothing, those of the named ones what running their ports gives;
+    # hop by hop (`crossing_rings.HOP_BY_HOP`) no ring is run.
     import numpy as np
 
     from ballonet.planning.devices import devices
-    from ballonet.planning.pricing import crossing_exposed_seconds, hop_by_hop, ports_of, routed_ring_docs
+    from ballonet.planning.crossing_rings import HOP_BY_HOP, crossing_exposed_seconds, ports_of, routed_ring_docs
     from ballonet.planning.zeppelin.classes import crossover_lengths
 
     c, m = ballonet.cluster("h200-8nic", num_nodes=4), ballonet.model("llama-7b")
@@ -73,11 +73,8 @@ def test_the_ports_of_some_rings_bound_the_estimate_with_every_ring_s_ports_from
     docs = routed_ring_docs(plan, dev, m, link, nic, rails)
     assert docs == [0]
     every = crossing_exposed_seconds(plan, dev, m, link, nic, rails, piece)
-    with ports_of(docs):
-        assert np.array_equal(crossing_exposed_seconds(plan, dev, m, link, nic, rails, piece), every)
-    with ports_of([]):
-        assert not crossing_exposed_seconds(plan, dev, m, link, nic, rails, piece).any()
-    with hop_by_hop():
-        by_hop = crossing_exposed_seconds(plan, dev, m, link, nic, rails, piece)
+    assert np.array_equal(crossing_exposed_seconds(plan, dev, m, link, nic, rails, piece, ports_of(docs)), every)
+    assert not crossing_exposed_seconds(plan, dev, m, link, nic, rails, piece, ports_of([])).any()
+    by_hop = crossing_exposed_seconds(plan, dev, m, link, nic, rails, piece, HOP_BY_HOP)
     members = [r for ring in plan.rings if ring.doc == 0 for r in ring.ranks]
     assert by_hop[members].min() > 0 and not np.allclose(by_hop, every)

@@ -1,16 +1,18 @@
 """The CP baselines' groups: the ranks cut into consecutive groups of a CP degree, and the
 batch's documents packed into them (LPT on a weight a document, under each group's token
-caps), as te_cp, llama_cp, hybrid_dp, wlb_llm and magi group their ranks."""
+caps), as te_cp, llama_cp, hybrid_dp, wlb_llm and magi group their ranks; and the set-up
+wlb_llm and magi share (`cp_setup`)."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from ballonet.errors import InfeasiblePlan, InputError
-from ballonet.planning.devices import Devices
+from ballonet.planning.devices import Devices, check_feasible, check_lengths, devices
 from ballonet.planning.packing import NoRoom, lpt
+from ballonet.specs import ClusterSpec, ModelSpec
 
-__all__ = ["cp_groups", "node_cp_size", "pack_groups"]
+__all__ = ["cp_groups", "cp_setup", "node_cp_size", "pack_groups"]
 
 
 def node_cp_size(dev: Devices) -> int:
@@ -25,6 +27,19 @@ def cp_groups(num_ranks: int, cp_size, name: str) -> list[list[int]]:
     if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1 or num_ranks % cp_size:
         raise InputError(f"{name}: cp_size must divide the {num_ranks} ranks, got {cp_size!r}")
     return [list(range(i, i + cp_size)) for i in range(0, num_ranks, cp_size)]
+
+
+def cp_setup(lengths, cluster: ClusterSpec, model: ModelSpec, cp_size: int | None, name: str) \
+        -> tuple[list[int], Devices, int, list[list[int]]]:
+    """The checked batch, its devices (every document within the caps: `check_feasible`),
+    the CP degree (`cp_size`, default `node_cp_size`) and its `cp_groups` of a baseline
+    that keeps CP inside NVLink domains by default."""
+    lengths = check_lengths(lengths)
+    dev = devices(cluster, model)
+    check_feasible(lengths, dev, model)
+    if cp_size is None:
+        cp_size = node_cp_size(dev)
+    return lengths, dev, cp_size, cp_groups(dev.num_ranks, cp_size, name)
 
 
 def pack_groups(lengths: list[int], weights, groups: list[list[int]], dev: Devices, name: str) \

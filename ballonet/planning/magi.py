@@ -42,8 +42,7 @@ import numpy as np
 from ballonet.errors import InputError
 from ballonet.plan import Plan
 from ballonet.planning.assembly import Placement, assemble, with_memory
-from ballonet.planning.cp_groups import cp_groups, node_cp_size, pack_groups
-from ballonet.planning.devices import check_feasible, check_lengths, devices
+from ballonet.planning.cp_groups import cp_setup, pack_groups
 from ballonet.specs import ClusterSpec, ModelSpec
 
 __all__ = ["dispatch", "magi"]
@@ -100,17 +99,11 @@ def magi(lengths, cluster: ClusterSpec, model: ModelSpec, *, cp_size: int | None
     """MagiAttention (the module docstring says what it reproduces and where it departs).
     Configuration: `cp_size`, the CP degree (a divisor of the ranks; default one node's
     GPUs), the rest data-parallel; `chunk_size`, the dispatch granularity in tokens."""
-    lengths = check_lengths(lengths)
-    dev = devices(cluster, model)
-    check_feasible(lengths, dev, model)
-    R = dev.num_ranks
-    if cp_size is None:
-        cp_size = node_cp_size(dev)
-    groups = cp_groups(R, cp_size, "magi")
+    lengths, dev, cp_size, groups = cp_setup(lengths, cluster, model, cp_size, "magi")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise InputError(f"magi: chunk_size must be a positive integer, got {chunk_size!r}")
     packed = pack_groups(lengths, lengths, groups, dev, "magi")
-    placement = Placement(num_ranks=R)
+    placement = Placement(num_ranks=dev.num_ranks)
     for i, group in enumerate(groups):
         docs = sorted(packed[i])
         if not docs:

@@ -11,7 +11,7 @@ a batch that needs more recomputation pays a second forward. The partitioner the
   wider ring's exposed transfers, over as many nodes as pays best (`inter_node_span`;
   a ring's steps as the simulator runs them, `ring_pricing`: its crossing hops routed
   over the nodes' rails as the routing layer sends them, its ports shared with the
-  layer's FSDP collectives; estimates add them, `crossing_exposed_seconds`), and prices
+  layer's FSDP collectives; estimates add them, `crossing_rings`), and prices
   a ring on a node's own links (nothing over NVLink, much over PCIe);
 * remaps inside NVLink nodes, or keeps every rank's tokens (balancing attention plus
   linear work per rank; always on PCIe-only nodes, `remaps_inside`), whichever leaves
@@ -26,8 +26,6 @@ a batch that needs more recomputation pays a second forward. The partitioner the
 
 from __future__ import annotations
 
-import contextlib
-from contextvars import ContextVar
 from dataclasses import dataclass
 from operator import attrgetter
 
@@ -49,16 +47,14 @@ from ballonet.planning.ring_pricing import (
     dp_intra_seconds,
     dp_shared_seconds,
     ring_exposed_seconds,
-    routed_ring_width,
-    routed_waits,
 )
 from ballonet.specs import ModelSpec
 
-__all__ = ["StepWeights", "attention_kernels", "crossing_exposed_seconds", "crossing_pipeline", "crossing_seconds",
-           "crossing_seconds_each", "double_exposed_seconds", "dp_intra_seconds", "dp_shared_seconds",
-           "hop_by_hop", "inter_node_span", "linear_work_per_token", "local_attention_seconds", "rank_compute_seconds", "rank_remap_seconds",
-           "ports_of", "rank_step_seconds", "rank_tp_seconds", "recompute_modes", "remap_pairs", "remaps_inside",
-           "ring_exposed_seconds", "ring_wait_seconds", "routed_ring_docs", "step_weights", "synchronous_step_seconds"]
+__all__ = ["StepWeights", "attention_kernels", "crossing_pipeline", "crossing_seconds", "crossing_seconds_each",
+           "double_exposed_seconds", "dp_intra_seconds", "dp_shared_seconds", "inter_node_span",
+           "linear_work_per_token", "rank_compute_seconds", "rank_remap_seconds", "rank_step_seconds",
+           "rank_tp_seconds", "recompute_modes", "remap_pairs", "remaps_inside", "ring_exposed_seconds",
+           "ring_wait_seconds", "step_weights", "synchronous_step_seconds"]
 
 
 _doc = attrgetter("doc")
@@ -240,8 +236,8 @@ def rank_step_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw: np.nd
     was tried and mispredicted more choices than it fixed), but for rings across nodes,
     whose members wait for NIC transfers local work rarely fills: with `nic_bw` ([R] a
     rank's NIC share) each member of a "double" ring adds its `double_exposed_seconds`
-    (of a single ring, `crossing_exposed_seconds`, which the partitioner adds to
-    `compute`). `compute`: the plan's `rank_compute_seconds(..., split=True)` under
+    (of a single ring, `crossing_rings.crossing_exposed_seconds`, which the partitioner
+    adds to `compute`). `compute`: the plan's `rank_compute_seconds(..., split=True)` under
     `model.recompute`, when known."""
     start, linear = compute or rank_compute_seconds(plan, dev, model, model.recompute, split=True)
     start = start.copy()
@@ -292,109 +288,6 @@ def synchronous_step_seconds(plan: Plan, dev: Devices, model: ModelSpec, kernels
     cuts = sorted({0, L, *k.tolist()})
     runs = sum((hi - lo) * float((base + extra * (k > lo)).max()) for lo, hi in zip(cuts, cuts[1:]))
     return float(forward.max() + runs)
-
-
-_PORT_BY_PORT: ContextVar[bool | frozenset] = ContextVar("port_by_port", default=True)
-"""Which `routed_ring_docs` `crossing_exposed_seconds` runs port by port: every one (True),
-none (False: `hop_by_hop`) or those of a set of documents (`ports_of`)."""
-
-
-@contextlib.contextmanager
-def hop_by_hop():
-    """Inside it `crossing_exposed_seconds` prices every single ring across nodes hop by
-    hop (`ring_exposed_seconds`), `routed_rings` too: much cheaper than running their
-    ports, so the search prices its candidates so and runs the ports of the few that can
-    still win (`zeppelin.search.CandidateSearch._settle`)."""
-    token = _PORT_BY_PORT.set(False)
-    try:
-        yield
-    finally:
-        _PORT_BY_PORT.reset(token)
-
-
-@contextlib.contextmanager
-def ports_of(docs):
-    """Inside it `crossing_exposed_seconds` runs the ports of the routed rings of `docs`
-    only and counts the other routed rings' exposure as nothing: an estimate no longer than
-    the one running every ring's ports (each ring's exposure is at least nothing, and a
-    step grows with its members' exposure), at the cost of a few rings."""
-    token = _PORT_BY_PORT.set(frozenset(docs))
-    try:
-        yield
-    finally:
-        _PORT_BY_PORT.reset(token)
-
-
-def routed_ring_docs(plan: Plan, dev: Devices, model: ModelSpec, link_bw: np.ndarray, nic_bw: np.ndarray,
-                     rails: np.ndarray) -> list[int]:
-    """The documents of `plan`'s single rings across nodes whose crossing hops routing cuts
-    over several rails (`ring_pricing.routed_ring_width`), longest first: those
-    `crossing_exposed_seconds` runs port by port outside `hop_by_hop`."""
-    docs = []
-    for ring in plan.rings:
-        if ring.comm == "ring" and ring.kind == "inter":
-            r, members = ring.ranks[0], ring.ranks
-            nodes = len({dev.node[x] for x in members})
-            if routed_ring_width(model, plan.lengths[ring.doc], len(members), nodes, nic_bw[r],
-                                 (link_bw[r], int(rails[r]))):
-                docs.append(ring.doc)
-    return sorted(docs, key=lambda d: (-plan.lengths[d], d))
-
-
-def crossing_exposed_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw: np.ndarray, nic_bw: np.ndarray,
-                             rails: np.ndarray, dp_piece: np.ndarray | None = None) -> np.ndarray:
-    """[R] what each member of a single ring across nodes leaves exposed in a step (its
-    ring's `ring_exposed_seconds`, crossing hops at `nic_bw` routed over `rails`, 1:
-    direct), as level 1 priced it (`inter_node_span`); a ring whose crossing hops are cut
-    over several rails as the simulator runs it (`ring_pricing.routed_waits`), each
-    member's local documents filling its wait before its second step."""
-    out = np.zeros(plan.num_ranks)
-    node_size = np.bincount(np.asarray(dev.node))
-    for ring in plan.rings:
-        if ring.comm == "ring" and ring.kind == "inter":
-            r, members = ring.ranks[0], list(ring.ranks)
-            piece = (0.0, 0.0) if dp_piece is None else tuple(dp_piece[r])
-            dp_intra = DP_FORWARD_SHARE * dp_intra_seconds(model, dev.gpu[r], node_size[dev.node[r]], link_bw[r])
-            routed, nodes = (link_bw[r], int(rails[r])), len({dev.node[x] for x in members})
-            length = plan.lengths[ring.doc]
-            ports = _PORT_BY_PORT.get()
-            width = routed_ring_width(model, length, len(members), nodes, nic_bw[r], routed) \
-                if ports is not False else 0
-            if width and isinstance(ports, frozenset) and ring.doc not in ports:
-                continue
-            if not width:
-                out[members] += ring_exposed_seconds(model, dev.gpu[r], length, len(members), nic_bw[r],
-                                                     routed=routed, dp_piece=piece, dp_intra=dp_intra)
-                continue
-            (fwd, fwd_first), (bwd, bwd_first) = routed_waits(model, dev.gpu[r], length, len(members), nodes,
-                                                              nic_bw[r], link_bw[r], width, piece[0], dp_intra)
-            local = local_attention_seconds(plan, dev, model, members)
-            out[members] += model.num_layers * (fwd - np.minimum(fwd_first, local[0])
-                                                + bwd - np.minimum(bwd_first, local[1]))
-    return out
-
-
-def local_attention_seconds(plan: Plan, dev: Devices, model: ModelSpec, ranks) -> tuple[np.ndarray, np.ndarray]:
-    """[len(ranks)] one layer's attention over each of `ranks`' local documents (one call,
-    as the runtime runs them), forward and backward (under full recomputation with the
-    forward again)."""
-    in_ring = plan.ring_of_doc
-    rank, block = [], []
-    for i, r in enumerate(ranks):
-        for d in {s.doc for s in plan.attention[r]} - set(in_ring):
-            rank.append(i)
-            block.append(plan.lengths[d])
-    forward, backward = np.zeros(len(ranks)), np.zeros(len(ranks))
-    if rank:
-        index, lengths = np.asarray(rank), np.asarray(block, dtype=float)
-        flops = attention_flops(model, lengths)
-        for i, gpu in enumerate(dev.gpu_types):
-            on = dev.type_index[np.asarray(ranks)[index]] == i
-            np.add.at(forward, index[on], attention_seconds(model, gpu, flops[on], lengths[on]))
-            np.add.at(backward, index[on], attention_seconds(model, gpu, flops[on], lengths[on], backward=True))
-    if recompute_attention(recompute_mode(model)):
-        backward += forward
-    return forward, backward
 
 
 def ring_wait_seconds(plan: Plan, dev: Devices, model: ModelSpec, kernels=None) -> np.ndarray:

@@ -6,10 +6,10 @@ the layer's FSDP collectives share a ring's ports fairly while they last
 (`dp_shared_seconds`), as the simulator's links share their bandwidth. A candidate's
 single ring whose crossing hops routing cuts over several rails is run port by port
 instead (`routed_exposed_seconds`, `routed_ring.pass_wait`; in the search's candidates
-that can still win only, `pricing.hop_by_hop`): the blocks its members relay
+that can still win only, `crossing_rings.PortRuns`): the blocks its members relay
 reach a crossing hop in bursts that share its ports, every block of a burst late.
-`pricing` adds these to the partitioner's estimates (`inter_node_span`,
-`crossing_exposed_seconds`, `rank_step_seconds`)."""
+`pricing` and `crossing_rings` add these to the partitioner's estimates
+(`inter_node_span`, `rank_step_seconds`, `crossing_exposed_seconds`)."""
 
 from __future__ import annotations
 

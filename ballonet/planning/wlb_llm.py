@@ -45,8 +45,8 @@ from ballonet.errors import InputError
 from ballonet.outliers import outlier_level
 from ballonet.plan import Plan, chunk_bounds
 from ballonet.planning.assembly import Placement, assemble, with_memory
-from ballonet.planning.cp_groups import cp_groups, node_cp_size, pack_groups
-from ballonet.planning.devices import check_feasible, check_lengths, devices
+from ballonet.planning.cp_groups import cp_setup, node_cp_size, pack_groups
+from ballonet.planning.devices import devices
 from ballonet.specs import ClusterSpec, ModelSpec
 
 __all__ = ["SHARDINGS", "num_groups", "outlier_steps", "wlb_llm"]
@@ -170,15 +170,9 @@ def wlb_llm(lengths, cluster: ClusterSpec, model: ModelSpec, *, cp_size: int | N
     "document" or "sequence"."""
     if sharding not in SHARDINGS:
         raise InputError(f"wlb_llm option sharding must be one of {', '.join(SHARDINGS)}, got {sharding!r}")
-    lengths = check_lengths(lengths)
-    dev = devices(cluster, model)
-    check_feasible(lengths, dev, model)
-    R = dev.num_ranks
-    if cp_size is None:
-        cp_size = node_cp_size(dev)
-    groups = cp_groups(R, cp_size, "wlb_llm")
+    lengths, dev, cp_size, groups = cp_setup(lengths, cluster, model, cp_size, "wlb_llm")
     packed = pack_groups(lengths, _flops(model, lengths), groups, dev, "wlb_llm")
-    placement = Placement(num_ranks=R)
+    placement = Placement(num_ranks=dev.num_ranks)
     chosen = {"document": 0, "sequence": 0}
     for i, group in enumerate(groups):
         docs = sorted(packed[i])

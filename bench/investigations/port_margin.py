@@ -1,5 +1,5 @@
 """Whether zeppelin's search, pricing its candidates hop by hop and running the ports of
-those within `search.PORT_MARGIN` of the least (`CandidateSearch._settle`), picks the plan
+those within `settling.PORT_MARGIN` of the least (`CandidateSearch._settle`), picks the plan
 it picks with every candidate's ports run, and how far a candidate's port-by-port
 estimate falls below its hop-by-hop one.
 
@@ -13,7 +13,6 @@ that could win)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import time
@@ -27,7 +26,7 @@ from paper_report import CLUSTERS
 from scale_one import grid, main_grid
 
 from ballonet import plan_batch, specs, workloads
-from ballonet.planning.pricing import routed_ring_docs
+from ballonet.planning.crossing_rings import EVERY_PORT, HOP_BY_HOP, routed_ring_docs
 from ballonet.planning.zeppelin import search
 
 _settle = search.CandidateSearch._settle
@@ -69,12 +68,12 @@ def main(argv=None) -> int:
             lazy = plan_batch(lengths, c, m).meta["estimated_step_s"]
         finally:
             search.CandidateSearch._settle = _settle
-        search.hop_by_hop = contextlib.nullcontext  # every candidate's ports run in the search
+        search.HOP_BY_HOP = EVERY_PORT  # every candidate's ports run in the search
         t = time.process_time()
         try:
             every = plan_batch(lengths, c, m).meta["estimated_step_s"]
         finally:
-            search.hop_by_hop = _hop_by_hop
+            search.HOP_BY_HOP = HOP_BY_HOP
         every_s = time.process_time() - t
         least = min(r for _, r in rows)
         below = [(r / h, h / least - 1) for h, r in rows if r < h]
@@ -85,8 +84,6 @@ def main(argv=None) -> int:
     print(f"{differ} differ")
     return 0
 
-
-_hop_by_hop = search.hop_by_hop
 
 if __name__ == "__main__":
     sys.exit(main())

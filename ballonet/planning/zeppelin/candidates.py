@@ -17,12 +17,12 @@ from ballonet.errors import InfeasiblePlan
 from ballonet.plan import Plan
 from ballonet.plan.recompute import heaviest
 from ballonet.planning.assembly import Placement, assemble, over_cap, replaced, with_memory
+from ballonet.planning.crossing_rings import EVERY_PORT, PortRuns, crossing_exposed_seconds
 from ballonet.planning.devices import Devices
 from ballonet.planning.packing import NoRoom, apportion, lpt
 from ballonet.planning.pcie_rings import pcie_ring_exposed_seconds
 from ballonet.planning.pricing import (
     attention_kernels,
-    crossing_exposed_seconds,
     rank_compute_seconds,
     rank_step_seconds,
     ring_wait_seconds,
@@ -101,13 +101,15 @@ class CandidateMaker:
         return remapped(self.lengths, self.dev, placement, {**self.meta, **facts, "keep_tokens": keep, "double": double},
                         remap=self.remap and not keep, node_remap=self.price_linear, double=double)
 
-    def make(self, placement: Placement, facts: dict, *, keep: bool, double: bool) -> Candidate | None:
-        """The plan of `placement`, priced; None when a rank is over its memory cap."""
+    def make(self, placement: Placement, facts: dict, *, keep: bool, double: bool,
+             runs: PortRuns = EVERY_PORT) -> Candidate | None:
+        """The plan of `placement`, priced (`price`); None when a rank is over its memory cap."""
         plan = self.plan(placement, facts, keep=keep, double=double)
-        return None if over_cap(plan, self.dev) is not None else self.price(plan)
+        return None if over_cap(plan, self.dev) is not None else self.price(plan, runs)
 
-    def price(self, plan: Plan) -> Candidate:
-        """`plan` (within its caps) with its memory and estimated step."""
+    def price(self, plan: Plan, runs: PortRuns = EVERY_PORT) -> Candidate:
+        """`plan` (within its caps) with its memory and estimated step, its routed rings'
+        ports run as `runs` says (`crossing_rings.crossing_exposed_seconds`)."""
         model, dev, trim = self.model, self.dev, self.trim
         if not trim:
             plan = with_memory(plan, dev)
@@ -131,7 +133,7 @@ class CandidateMaker:
         attention, linear = rank_compute_seconds(plan, dev, priced, recompute_mode(priced), split=True, layers=layers,
                                                  kernels=kernels)
         seconds, exposed, skew = _step_seconds(plan, dev, priced, self.crossovers, (attention, linear), self.routing,
-                                               self.dp_send_s, self.links, kernels)
+                                               self.dp_send_s, self.links, kernels, runs)
         node = float(dev.node_means(attention + linear + exposed).max())
         busiest = float(seconds.max())
         step = max(busiest, synchronous_step_seconds(plan, dev, priced, kernels, seconds, attention + linear + skew,
@@ -240,19 +242,19 @@ def _links(dev: Devices, crossovers, routing: bool) -> _Links:
 
 
 def _step_seconds(plan: Plan, dev: Devices, model: ModelSpec, crossovers, compute,
-                  routing: bool, dp_send_s: float = 0.0, links: _Links | None = None, kernels=None) \
-        -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                  routing: bool, dp_send_s: float = 0.0, links: _Links | None = None, kernels=None,
+                  runs: PortRuns = EVERY_PORT) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """[R] what the partitioner compares its candidate plans by (`pricing.rank_step_seconds`),
-    and [R] the part of it single rings across nodes expose (`pricing.crossing_exposed_seconds`;
-    their crossing hops routed over the node's rails with `routing`) and rings inside
-    PCIe-only nodes (`pcie_rings`)."""
+    and [R] the part of it single rings across nodes expose (`crossing_rings.crossing_exposed_seconds`;
+    their crossing hops routed over the node's rails with `routing`, routed rings' ports
+    run as `runs` says) and rings inside PCIe-only nodes (`pcie_rings`)."""
     links = links if links is not None else _links(dev, crossovers, routing)
     link, nic, rails, dp_piece = links.link, links.nic, links.rails, links.dp_piece
     final = final_grad_wait_seconds(plan, dev, model, link, nic, rails)
     start, linear = compute
     slow = overlap_slowdown_seconds(plan, dev, model, link, nic, dp_send_s, start + linear)
     pcie = pcie_ring_exposed_seconds(plan, dev, model, link)
-    exposed = (crossing_exposed_seconds(plan, dev, model, link, nic, rails, dp_piece)
+    exposed = (crossing_exposed_seconds(plan, dev, model, link, nic, rails, dp_piece, runs)
                + ring_wait_seconds(plan, dev, model, kernels) + final + slow + pcie.forward + pcie.backward)
     seconds = rank_step_seconds(plan, dev, model, link, (start + exposed, linear), links.rank_nic, dp_piece)
     return seconds, exposed, pcie.backward_skew(final)

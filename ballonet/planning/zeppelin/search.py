@@ -14,8 +14,8 @@ documents to the same nodes reuses its single one's placements (`_same_nodes`). 
 prune is a named predicate (`_level_too_slow`, `_level_enough`, `_costlier_mode_loses`,
 `_plan_looser`), every step that can fail returns None, and the one reason the search
 refuses the batch is kept (`refusal`). Until the best plan's variants, candidates are
-priced with their routed single rings across nodes hop by hop (`pricing.hop_by_hop`);
-then the few that can still win run those rings' ports (`_settle`).
+priced with their routed single rings across nodes hop by hop (`crossing_rings.HOP_BY_HOP`);
+then the few that can still win run those rings' ports (`_settle`, `settling.py`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from ballonet.errors import InfeasiblePlan, InputError
 from ballonet.plan import Plan
 from ballonet.planning.assembly import Placement, over_cap
 from ballonet.planning.devices import check_lengths, devices, infeasibility
-from ballonet.planning.pricing import hop_by_hop, ports_of, rank_compute_seconds, recompute_modes, routed_ring_docs
+from ballonet.planning.crossing_rings import EVERY_PORT, HOP_BY_HOP, PortRuns
+from ballonet.planning.pricing import rank_compute_seconds, recompute_modes
 from ballonet.planning.routing import plan_routes
 from ballonet.planning.step_terms import dp_send_seconds, fixed_tail_seconds
 from ballonet.planning.zeppelin.candidates import Candidate, CandidateMaker, fallback, place
@@ -39,22 +40,13 @@ from ballonet.planning.zeppelin.classes import NodeLevel, crossover_lengths, lev
 from ballonet.planning.zeppelin.evened import evened
 from ballonet.planning.zeppelin.pcie_level import pcie_ring_inside, unsplit_level
 from ballonet.planning.zeppelin.recomputed import mixed, recomputed_levels
+from ballonet.planning.zeppelin.settling import settle
 from ballonet.planning.zeppelin.thresholds import THRESHOLDS
 from ballonet.planning.zeppelin.member_waits import corrected_step, double_wait_excess
 from ballonet.planning.zeppelin.variants import backward_level, doubled_level, spread_level, wider_level
 from ballonet.specs import ClusterSpec, ModelSpec
 
 __all__ = ["CandidateSearch", "ZeppelinOptions", "zeppelin"]
-
-PORT_MARGIN = 0.01
-"""`CandidateSearch._settle` runs the ports of the plans whose hop-by-hop estimate is within
-this share above the least so run: port by port a single ring across nodes can also
-price lower than hop by hop, a plan's step by a few percent at most where measured
-(bench/investigations/port_margin.py)."""
-
-LOWER_RINGS = 1
-"""How many routed rings `CandidateSearch._settle` runs the ports of for a plan's lower
-bound before all of them."""
 
 Placed = dict[bool, tuple[Placement, dict] | None]
 """A level 1's placements (`candidates.place`) by keep_tokens, None where it found no room."""
@@ -103,6 +95,7 @@ class CandidateSearch:
     pending: list = field(default_factory=list)
     """(its place in `compared`, plan, its maker) of every plan compared hop by hop, for `_settle`."""
     settled: bool = False
+    """Whether `_settle` has run: candidates made since run every routed ring's ports (`runs`)."""
 
     @property
     def best_s(self) -> float:
@@ -114,11 +107,15 @@ class CandidateSearch:
         prunes' bounds, which count layers only, are compared with."""
         return self.best.seconds - self.best.tail_s if self.best is not None else np.inf
 
+    @property
+    def runs(self) -> PortRuns:
+        """Which routed rings' ports the candidates made now run: none until `_settle`, every one after."""
+        return EVERY_PORT if self.settled else HOP_BY_HOP
+
     def run(self) -> Plan:
         opts, model = self.options, self.model
         self.crossovers = crossover_lengths(self.cluster, model)
-        with hop_by_hop():  # the candidates that can still win are run port by port after it (`_settle`)
-            self._search()
+        self._search()
         self._settle()
         self._variants()
         if self.best is None:
@@ -249,21 +246,21 @@ class CandidateSearch:
         self.made += [(c, maker, level, placed) for c in plans]
         return plans
 
-    @staticmethod
-    def _candidate(maker: CandidateMaker, level: NodeLevel, keep: bool, placed: Placed) -> Candidate | None:
+    def _candidate(self, maker: CandidateMaker, level: NodeLevel, keep: bool, placed: Placed) -> Candidate | None:
         if keep not in placed:
             placed[keep] = place(level, keep_tokens=keep)
         got = placed[keep]
         if got is None:
             return None
         placement, facts = got
-        return maker.make(placement.copy(), facts, keep=keep, double=level.double)
+        return maker.make(placement.copy(), facts, keep=keep, double=level.double, runs=self.runs)
 
     def _evened(self, best: Candidate, maker: CandidateMaker, placement: Placement, facts: dict) -> list[Candidate]:
         """`best`'s placement (`placement`, remapped) with its nodes' ranks evened in attention tokens."""
         work = attention_work(maker.model, self.lengths, maker.dev.gpu[int(np.argmax(maker.dev.speed))])
         even = evened(placement, self.lengths, work, maker.dev.nodes(), THRESHOLDS.even_tolerance)
-        made = maker.make(even, facts, keep=False, double=best.plan.meta["double"]) if even is not None else None
+        made = maker.make(even, facts, keep=False, double=best.plan.meta["double"], runs=self.runs) \
+            if even is not None else None
         return [made] if made is not None else []
 
     def _wider(self, best: Candidate, maker: CandidateMaker, level: NodeLevel) -> None:
@@ -290,7 +287,7 @@ class CandidateSearch:
         if why is not None:
             self.refusal = why
             return []
-        return [maker.price(plan)]
+        return [maker.price(plan, self.runs)]
 
     def _compare(self, plans: list[Candidate], maker: CandidateMaker) -> None:
         if not self.settled:
@@ -301,41 +298,18 @@ class CandidateSearch:
                 self.best = c
 
     def _settle(self) -> None:
-        """The best plan of the search's hop-by-hop part with its single rings across nodes
-        run port by port (`pricing.routed_ring_docs`). The plans with none keep their
-        estimates; the others, in ascending hop-by-hop estimate until one's is over the least
-        estimate so far by `PORT_MARGIN`, are re-priced so where their estimate with the
-        ports of their `LOWER_RINGS` longest such rings run and the others' exposure
-        counted as nothing (`pricing.ports_of`, no longer than the whole) is not over it
-        by the same margin; those compared again in the search's order. The others keep
-        their hop-by-hop estimates in `compared`."""
+        """The best plan of the search's hop-by-hop part, its candidates that can still win
+        re-priced with their routed rings' ports run (`settling.settle`: the new estimates
+        replace the old in `made` and `compared`)."""
         self.settled = True
-        repriced: dict[int, Candidate] = {}
-        routed = []
-        for index, c, maker in self.pending:
-            links = maker.links
-            docs = routed_ring_docs(c.plan, c.dev, maker.model, links.link, links.nic, links.rails)
-            if docs:
-                routed.append((index, c, maker, docs))
-            else:
-                repriced[index] = c
-        least = min((c.seconds for c in repriced.values()), default=np.inf)
-        for index, c, maker, docs in sorted(routed, key=lambda x: x[1].seconds):
-            if c.seconds > (1 + PORT_MARGIN) * least:
-                break
-            if len(docs) > LOWER_RINGS and least < np.inf:
-                with ports_of(docs[:LOWER_RINGS]):
-                    if maker.price(c.plan).seconds > (1 + PORT_MARGIN) * least:
-                        continue
-            priced = maker.price(c.plan)
-            self.made = [(priced if x[0] is c else x[0], *x[1:]) for x in self.made]
-            self.compared[index]["estimated_step_s"] = priced.seconds
-            repriced[index] = priced
-            least = min(least, priced.seconds)
+        estimates = settle(self.pending)
         self.best = None
-        for index, _, _ in self.pending:
-            if index in repriced and self._shorter(repriced[index]):
-                self.best = repriced[index]
+        for index, c, _ in self.pending:
+            if (priced := estimates.get(index)) is not None and priced is not c:
+                self.made = [(priced if x[0] is c else x[0], *x[1:]) for x in self.made]
+                self.compared[index]["estimated_step_s"] = priced.seconds
+            if priced is not None and self._shorter(priced):
+                self.best = priced
         self.pending = []
 
     def _shorter(self, c: Candidate) -> bool:
