@@ -48,7 +48,7 @@ class Candidate:
     seconds: float
     """Its estimated step: its layers, then what the step adds after them (`tail_s`)."""
     tail_s: float
-    """The LM head, the last gradient bucket and the optimizer (`pricing.step_tail_seconds`)."""
+    """The LM head, the last gradient bucket and the optimizer (`step_terms.step_tail_seconds`)."""
     binds: bool
     """Whether caps bind where that step is set (`caps_bind`)."""
     kernels: tuple
@@ -80,9 +80,9 @@ class CandidateMaker:
     price_linear: bool
     routing: bool
     fixed_tail_s: float = 0.0
-    """What every plan's step adds after its layers but its LM head (`pricing.fixed_tail_seconds`)."""
+    """What every plan's step adds after its layers but its LM head (`step_terms.fixed_tail_seconds`)."""
     dp_send_s: float = 0.0
-    """Seconds of sends of each rank's data-parallel collectives in a step (`pricing.dp_send_seconds`)."""
+    """Seconds of sends of each rank's data-parallel collectives in a step (`step_terms.dp_send_seconds`)."""
 
     @functools.cached_property
     def links(self) -> _Links:
