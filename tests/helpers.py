@@ -10,6 +10,7 @@ each imports what it shares from here.
     runtime_bytes                                                   what the runtime sends
     tp_groups                                                       a 2-D mesh for tensor parallelism
     mallinfo2                                                       glibc's heap accounting
+    lent_cluster_toml, free_port                                    two GPU types, a loaned group; a port
     MODEL, cluster, cluster_plan, FLAT, lin, head, nvlink, nic      the simulator's closed forms
 """
 
@@ -20,6 +21,7 @@ import ctypes.util
 import dataclasses
 import math
 import random
+import socket
 from collections import Counter
 
 import torch
@@ -480,6 +482,34 @@ def loader(corpus, world_size=1, rank=0, **kw):
     kw.setdefault("global_tokens", 4)
     return BalancedLoader(corpus, plan_fn=round_robin(world_size), rank=rank, world_size=world_size, **kw)
 
+
+
+# ---- launching: a cluster file of two GPU types, a free port ------------------------------
+
+
+def lent_cluster_toml(name: str, lent_nodes: int, lent_gpus_per_node: int) -> str:
+    """A cluster file of two GPU types: one node of 2 H800s (2 NICs), and a loaned group of
+    `lent_nodes` H20 nodes of `lent_gpus_per_node` GPUs (a NIC each)."""
+    return f"""
+name = "{name}"
+[[node_groups]]
+gpu = "h800"
+gpus_per_node = 2
+nics_per_node = 2
+[[node_groups]]
+gpu = "h20"
+num_nodes = {lent_nodes}
+gpus_per_node = {lent_gpus_per_node}
+nics_per_node = {lent_gpus_per_node}
+loaned = true
+"""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free now (for a rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 # ---- the simulator's closed forms ------------------------------------------------------
 # For the tests that write a simulated step out by hand (test_simulator, test_remap_pricing,
