@@ -5,11 +5,13 @@ never the simulator's own figures."""
 import dataclasses
 
 import pytest
+from helpers import EFF_F, HD, MODEL, PEAK, cluster_plan, lin, nic
 
 from ballonet.plan import Transfer
 from ballonet.simulation.simulator import simulate
 from ballonet.specs import ClusterSpec, NodeGroup
-from tests.test_simulator import EFF_F, HD, MODEL, PEAK, cluster_plan, flat_profile, lin, nic  # noqa: F401 (fixture)
+
+pytestmark = pytest.mark.usefixtures("flat_profile")  # conftest.py: the closed forms' calibration profile
 
 
 @pytest.mark.parametrize("slow_side", [0, 1])

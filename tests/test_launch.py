@@ -6,30 +6,18 @@ tests/test_lease.py runs its jobs beside one.)"""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
+from helpers import free_port, lent_cluster_toml
 
 import ballonet
 from ballonet import specs
 from ballonet.cli import build_parser, main
 from ballonet.training import preflight
 
-TWO = """
-name = "two-kinds"
-[[node_groups]]
-gpu = "h800"
-gpus_per_node = 2
-nics_per_node = 2
-[[node_groups]]
-gpu = "h20"
-num_nodes = 2
-gpus_per_node = 1
-nics_per_node = 1
-loaned = true
-"""
+TWO = lent_cluster_toml("two-kinds", lent_nodes=2, lent_gpus_per_node=1)
 TRAIN = ["--steps", "2", "--global-tokens", "512", "--max-doc-tokens", "256"]
 
 
@@ -81,18 +69,12 @@ def test_each_rank_is_checked_against_its_groups_gpu_and_torchruns_node(tmp_path
     assert preflight.placement_problem(one_node, 0, False) is None
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_torchrun_agents_train_as_two_nodes(tmp_path):
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     log = tmp_path / "log.jsonl"
     agents = [["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-id", "t",
-               "--rdzv-endpoint", f"127.0.0.1:{_port()}"]]
+               "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]]
     cmd = [torchrun, *agents[0], "-m", "ballonet", "train", "--nodes", "2", *TRAIN, "--json-log", str(log)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -16,24 +16,13 @@ import time
 import pytest
 import torch
 from distributed import run_ranks
-from helpers import BASE, ledger_reference, reference_run
+from helpers import BASE, free_port, ledger_reference, lent_cluster_toml, reference_run
 
 from ballonet.training.jobs.lease import (LEASE_EXIT, PREEMPTED_EXIT, Signals, StepBoundary, Stopped, read_lease,
                                           shared_store_problem)
 from ballonet.training.loop import TrainConfig, train
 
-TWO_GROUPS = """
-name = "lent-two"
-[[node_groups]]
-gpu = "h800"
-gpus_per_node = 2
-nics_per_node = 2
-[[node_groups]]
-gpu = "h20"
-gpus_per_node = 2
-nics_per_node = 2
-loaned = true
-"""
+TWO_GROUPS = lent_cluster_toml("lent-two", lent_nodes=1, lent_gpus_per_node=2)
 """Two GPU types (emulated on CPU ranks: the plans give the H800 ranks more work)."""
 
 
@@ -63,12 +52,6 @@ def _when(log, condition, action, timeout=240.0):
     thread = threading.Thread(target=watch, daemon=True)
     thread.start()
     return thread, seen
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _train(*args, cwd):
@@ -239,7 +222,7 @@ def test_bare_torchrun_nodes_in_any_order_lend_and_reclaim_a_node_group(tmp_path
     cluster, lease, log = tmp_path / "two.toml", tmp_path / "lease", tmp_path / "log.jsonl"
     cluster.write_text(TWO_GROUPS)
     max_steps = 1000  # never reached: the job is preempted once both nodes train again
-    port = _port()
+    port = free_port()
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
 
     def agent(group: int, address: str):

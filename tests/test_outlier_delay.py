@@ -164,6 +164,24 @@ def test_resume_mid_queue_equals_the_uninterrupted_run():
             loader(corpus, **dict(common, outlier_delay=other)).load_state_dict(state)
 
 
+def test_the_checkpoint_state_format_is_kept():
+    # The hand-computed case above after its first batch, as a checkpoint holds it: 12 and
+    # 14 (level 4) and 18 and 19 (level 5) waiting in the order they came, the stream at
+    # token 28 of document 6. A state written in this format resumes to the same batches.
+    lengths = [12, 5, 18, 14, 7, 19, 30, 3, 9, 25, 15]
+    state = {"epoch": 0, "position": 6, "offset": 28, "batch": 1,
+             "waiting": [[0, 0, 0, 12], [0, 2, 0, 18], [0, 3, 0, 14], [0, 5, 0, 19]],
+             "num_docs": 11, "num_tokens": 157, "global_tokens": 40, "max_doc_tokens": None, "seed": 0,
+             "shuffle": False, "outlier_delay": 2}
+    first = hand_loader(lengths, 40, 2)
+    next(iter(first))
+    assert first.state_dict() == state
+    resumed = hand_loader(lengths, 40, 2)
+    resumed.load_state_dict(state)
+    assert spans(resumed) == [[(0, 0, 12), (3, 0, 14), (6, 28, 30), (7, 0, 3), (8, 0, 9)],
+                              [(2, 0, 18), (5, 0, 19), (9, 0, 3)], [(9, 3, 25), (10, 0, 15)]]
+
+
 def test_bad_values_and_states_are_refused():
     corpus = from_lengths([10, 20, 30], seed=0)
     for bad in (0, 1, -2, 2.5, True):

@@ -9,6 +9,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+from helpers import EFF_F, GB, HD, MODEL, PEAK, cluster, cluster_plan, lin, nvlink
 
 from ballonet import specs, workloads
 from ballonet.cost.flops import remap_bytes
@@ -16,11 +17,8 @@ from ballonet.plan import Transfer
 from ballonet.planning.pricing import rank_remap_seconds
 from ballonet.planning.zeppelin.search import CandidateSearch, ZeppelinOptions
 from ballonet.simulation.simulator import simulate
-from tests.test_simulator import EFF_F, HD, MODEL, PEAK, cluster, cluster_plan, flat_profile, lin, nvlink
 
-__all__ = ["flat_profile"]  # the closed forms' flat calibration profile, for every test here
-
-GB = 1e9
+pytestmark = pytest.mark.usefixtures("flat_profile")  # conftest.py: the closed forms' calibration profile
 
 
 def test_remap_pair_moves_once_both_ranks_posted_and_the_sender_waits_for_it():

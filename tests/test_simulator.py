@@ -10,88 +10,22 @@ taken from the simulator or the cost model's time functions.
 import collections
 import dataclasses
 import json
-import math
 import random
 
 import pytest
+from helpers import BWD, EFF_F, FLAT, GB, HD, MODEL, PEAK, cluster, cluster_plan, head, lin, nic, nvlink
 
-from ballonet import calibration, specs
-from ballonet.calibration import Curve
+from ballonet import specs
 from ballonet.cost import hardware
 from ballonet.cost.flops import zigzag_flops
 from ballonet.cost.memory import MEMORY_RESERVE, activation_bytes, static_bytes
-from ballonet.plan import Plan, RankRecompute, RecomputeMode, Ring, Route, Segment, Transfer, chunk_bounds
+from ballonet.plan import Plan, RankRecompute, RecomputeMode, Route, Segment, Transfer
 from ballonet.simulation.fabric import Fabric
 from ballonet.simulation.layer_graph import ring_tables
 from ballonet.simulation.simulator import simulate
 from ballonet.simulation.timeline import Timeline
 
-MODEL = specs.ModelSpec(name="m", num_layers=2, hidden=1024, num_heads=8, num_kv_heads=8, ffn_hidden=2816,
-                        vocab_size=1000)
-HD = MODEL.num_heads * MODEL.head_dim
-GB = 1e9
-
-
-def cluster(nodes=1, gpus=1, nics=1, nic_gbps=400.0, intra=None):
-    return specs.ClusterSpec(name="t", groups=(specs.NodeGroup(
-        gpu="h100", num_nodes=nodes, gpus_per_node=gpus, nics_per_node=nics, nic_gbps=nic_gbps,
-        intra_link_bw=intra),))
-
-
-def cluster_plan(c, local=None, split=(), routes=(), planner="test"):
-    """local: {rank: [lengths]}; split: [(length, ranks)] zig-zag over even chunks."""
-    R = c.num_ranks
-    lengths, att, rings = [], [[] for _ in range(R)], []
-    for r, lens in (local or {}).items():
-        for L in lens:
-            att[r].append(Segment(len(lengths), 0, L))
-            lengths.append(L)
-    for L, ranks in split:
-        doc, g = len(lengths), len(ranks)
-        lengths.append(L)
-        kind = "inter" if len({c.node_of(r) for r in ranks}) > 1 else "intra"
-        ring = Ring(doc=doc, kind=kind, ranks=tuple(ranks), bounds=chunk_bounds(L, 2 * g))
-        rings.append(ring)
-        for i, r in enumerate(ranks):
-            att[r].extend(ring.chunks_of(i))
-    return Plan(planner=planner, lengths=tuple(lengths), node_of_rank=tuple(c.node_of(r) for r in range(R)),
-                nic_of_rank=tuple(c.nic_of(r) for r in range(R)), attention=tuple(map(tuple, att)),
-                rings=tuple(rings), routes=tuple(routes)).validate()
-
-
-PEAK = hardware.gpu("h100").peak_flops
-EFF_F, EFF_B, EFF_LIN = 0.4, 0.3, 0.6
-FLAT = dataclasses.replace(
-    hardware.profile("h100"), attention_forward=Curve(tokens=(1,), efficiency=(EFF_F,)),
-    attention_backward=Curve(tokens=(1,), efficiency=(EFF_B,)), attention_launch_s=0.0,
-    linear=Curve(tokens=(1,), efficiency=(EFF_LIN,)), overlap_slowdown=0.0,
-    memory_bw=math.inf, framework_s_per_layer=0.0, optimizer_s_per_param=0.0)  # GEMMs and attention only
-BWD = 2.5 * EFF_F / EFF_B
-"""Backward attention seconds over forward seconds under FLAT."""
-
-
-@pytest.fixture(autouse=True)
-def flat_profile():
-    with calibration.use(FLAT):
-        yield
-
-
-def lin(n):  # one layer's forward GEMMs on n tokens, by hand: 2 FLOPs per weight per token
-    h = MODEL.hidden
-    weights = 4 * h * h + 3 * h * MODEL.ffn_hidden
-    return 2 * weights * n / (PEAK * EFF_LIN)
-
-
-def head(n):
-    return 6 * MODEL.vocab_size * MODEL.hidden * n / (PEAK * EFF_LIN)
-
-
-def nvlink(nbytes, bw):
-    return FLAT.p2p_latency_s + nbytes / (bw * FLAT.p2p_efficiency)
-
-
-def nic(nbytes, bw):
-    return FLAT.nic_latency_s + nbytes / (bw * FLAT.nic_efficiency)
+pytestmark = pytest.mark.usefixtures("flat_profile")  # conftest.py: the FLAT profile installed
 
 
 def test_one_gpu_step_time_in_closed_form():
@@ -433,5 +367,5 @@ def test_backward_simulated_once_per_run_of_alike_layers_however_many():
     full, below = (linear_layer_seconds(model, gpu, 8192, m) for m in ("selective", "none"))
     runs = _runs_of_layers(model, fabric, tokens, per_rank, [full] * 16, [(0.0, 0.0)] * 16)
     assert [n for n, _, _ in runs] == [3] * 9 + [model.num_layers - 27]
-    for i, (_, lin, _) in enumerate(runs):  # run i covers layers [3i, 3i+3): rank r recomputes there iff 3r > 3i
-        assert lin == [full if r < 10 and r > i else below for r in range(16)]
+    for i, (_, linear, _) in enumerate(runs):  # run i covers layers [3i, 3i+3): rank r recomputes there iff 3r > 3i
+        assert linear == [full if r < 10 and r > i else below for r in range(16)]

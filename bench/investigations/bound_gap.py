@@ -34,10 +34,10 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from estimate import held_configs, scale_configs
-from paper import TOKENS_PER_GPU
-from paper_report import CLUSTERS
+from _common import write_text
+from first_batch import first_batch
 
-from ballonet import plan_batch, specs, workloads
+from ballonet import plan_batch
 from ballonet.cost import bounds
 from ballonet.cost.seconds import linear_layer_seconds
 from ballonet.simulation.simulator import simulate
@@ -57,8 +57,7 @@ def recompute_seconds(plan, res, c, m) -> np.ndarray:
 
 def one(cfg: tuple) -> dict:
     part, cl, nodes, mdl, tp, wl, ctx, seed = cfg
-    c, m = specs.cluster(CLUSTERS[cl], num_nodes=nodes), specs.model(mdl, tp=tp)
-    batch = next(iter(workloads.get(wl).batches(TOKENS_PER_GPU * c.num_ranks, seed, 1, ctx)))
+    c, m, batch = first_batch(cl, nodes, mdl, tp, wl, ctx, seed)
     plan = plan_batch(batch, c, m, "zeppelin")
     res = simulate(plan, c, m)
     bound = bounds.batch_lower_bound(batch, c, m)
@@ -103,8 +102,7 @@ def main(argv=None) -> int:
               f"imb {r['imbalance_s']:.3f} exp+idle {r['exposed_idle_s']:.3f} modes {r['plan_modes']} "
               f"lin max {r['linear_tokens_max']} mean {r['linear_tokens_mean']:.0f}", flush=True)
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(rows, f, indent=1)
+            write_text(args.json, json.dumps(rows, indent=1))
     return 0
 
 

@@ -18,18 +18,18 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from estimate import held_configs
-from paper import TOKENS_PER_GPU, ring_facts
-from paper_report import CLUSTERS
+from _common import write_text
+from first_batch import first_batch
+from paper import ring_facts
 
-from ballonet import plan_batch, specs, workloads
+from ballonet import plan_batch
 from ballonet.cost.bounds import batch_lower_bound
 from ballonet.simulation.simulator import simulate
 
 
 def one(index: int) -> dict:
     _, cl, nodes, mdl, tp, wl, ctx, seed = held_configs()[index]
-    c, m = specs.cluster(CLUSTERS[cl], num_nodes=nodes), specs.model(mdl, tp=tp)
-    batch = next(iter(workloads.get(wl).batches(TOKENS_PER_GPU * c.num_ranks, seed, 1, ctx)))
+    c, m, batch = first_batch(cl, nodes, mdl, tp, wl, ctx, seed)
     t = time.process_time()
     plan = plan_batch(batch, c, m, "zeppelin")
     plan_s = time.process_time() - t
@@ -62,8 +62,7 @@ def main(argv=None) -> int:
             for cnd in r["candidates"]:
                 print("     ", cnd)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_text(args.json, json.dumps(rows, indent=1))
     return 0
 
 

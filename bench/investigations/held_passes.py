@@ -20,10 +20,9 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from estimate import held_configs, scale_configs
-from paper import TOKENS_PER_GPU
-from paper_report import CLUSTERS
+from first_batch import first_batch
 
-from ballonet import plan_batch, specs, workloads
+from ballonet import plan_batch
 from ballonet.cost import hardware
 from ballonet.simulation.simulator import simulate
 
@@ -58,8 +57,7 @@ def main(argv) -> int:
     for w in argv:
         part, _, i = w.partition(":")
         _, cl, nodes, mdl, tp, wl, ctx, seed = parts[part][int(i)]
-        c, m = specs.cluster(CLUSTERS[cl], num_nodes=nodes), specs.model(mdl, tp=tp)
-        batch = next(iter(workloads.get(wl).batches(TOKENS_PER_GPU * c.num_ranks, seed, 1, ctx)))
+        c, m, batch = first_batch(cl, nodes, mdl, tp, wl, ctx, seed)
         res = simulate(plan_batch(batch, c, m, "zeppelin"), c, m)
         R, L = len(res.compute_s), m.num_layers
         print(f"{w} {cl} {c.num_ranks} {mdl} {wl} step {res.step_time_s:.3f} bound {res.lower_bound_s:.3f} "

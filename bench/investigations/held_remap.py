@@ -20,10 +20,8 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from estimate import held_configs
-from paper import TOKENS_PER_GPU
-from paper_report import CLUSTERS
+from first_batch import first_batch
 
-from ballonet import specs, workloads
 from ballonet.planning.zeppelin import candidates, zeppelin
 from ballonet.planning.zeppelin.search import CandidateSearch
 from ballonet.simulation.simulator import simulate
@@ -49,8 +47,7 @@ def main(argv) -> int:
     names = ("chosen", "remapped", "across") if "--cluster" in argv else ("chosen", "remapped")
     for i in (a for a in argv if a != "--cluster"):
         _, cl, nodes, mdl, tp, wl, ctx, seed = held_configs()[int(i)]
-        c, m = specs.cluster(CLUSTERS[cl], num_nodes=nodes), specs.model(mdl, tp=tp)
-        batch = next(iter(workloads.get(wl).batches(TOKENS_PER_GPU * c.num_ranks, seed, 1, ctx)))
+        c, m, batch = first_batch(cl, nodes, mdl, tp, wl, ctx, seed)
         for name in names:
             if name == "chosen":
                 plan = zeppelin(batch, c, m)

@@ -19,10 +19,12 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from paper import MODELS, SCALE_CONTEXTS, SCALE_GPUS, SCALE_MODELS, SCALE_WORKLOADS, TOKENS_PER_GPU
+from _common import write_text
+from first_batch import first_batch
+from paper import MODELS, SCALE_CONTEXTS, SCALE_GPUS, SCALE_MODELS, SCALE_WORKLOADS
 from paper_report import CLUSTERS, WORKLOADS
 
-from ballonet import plan_batch, specs, workloads
+from ballonet import plan_batch
 from ballonet.cost.bounds import batch_lower_bound, batch_recomputation
 from ballonet.simulation.simulator import simulate
 
@@ -46,8 +48,7 @@ def main_grid() -> list[tuple]:
 
 def one(index: int, configs=None) -> dict:
     cl, nodes, mdl, tp, wl, ctx = (configs or grid())[index]
-    c, m = specs.cluster(CLUSTERS[cl], num_nodes=nodes), specs.model(mdl, tp=tp)
-    batch = next(iter(workloads.get(wl).batches(TOKENS_PER_GPU * c.num_ranks, 0, 1, ctx)))
+    c, m, batch = first_batch(cl, nodes, mdl, tp, wl, ctx, seed=0)
     t = time.process_time()
     plan = plan_batch(batch, c, m, "zeppelin")
     plan_s = time.process_time() - t
@@ -90,8 +91,7 @@ def main(argv=None) -> int:
             for cnd in r["candidates"]:
                 print("     ", cnd)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_text(args.json, json.dumps(rows, indent=1))
     if args.md:
         with open(args.md, "w") as f:
             f.write(table(rows, args.before, argv if argv is not None else sys.argv[1:]))

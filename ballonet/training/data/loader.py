@@ -8,14 +8,9 @@ sequence of its own (attention and positions restart), but its labels run on int
 document: only a document's very last token has no label. So every token is an input
 once per epoch and every token but a document's first is a label once per epoch.
 
-With `outlier_delay` G the stream is WLB-LLM's order (docs/design.md, section 11): a
-piece that is an outlier (`outliers.outlier_level` of its whole length, as the stream
-takes it at a document's or context window's start, against T = `global_tokens`) waits
-in its level's queue instead of going in; when a level holds G, those G start the next
-batch, which the stream then fills as usual. An outlier whose level already holds G goes
-in as any other piece (so a queue never holds more than G), and at the end of the last
-epoch (`max_epochs`) the pieces still waiting go in, in the order they came. The queue
-is part of the cursor, and so of `state_dict()`.
+With `outlier_delay` G the stream is WLB-LLM's order (docs/design.md, section 11): the
+outliers wait in a queue and go in G at a time (`outlier_queue.py`); the queue is part of
+the cursor, and so of `state_dict()`.
 
 Batch composition depends on (corpus, global_tokens, max_doc_tokens, seed, shuffle,
 outlier_delay, position) only, never on the number of ranks: runs on 1, 2 or 4 ranks see
@@ -38,17 +33,14 @@ import dataclasses
 import functools
 import re
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from ballonet import runtime
 from ballonet.errors import InputError
-from ballonet.outliers import outlier_level
 from ballonet.plan import Plan
 from ballonet.runtime.layout import (
     LAYOUTS,
@@ -60,6 +52,8 @@ from ballonet.runtime.layout import (
 from ballonet.runtime.staging import Staged
 from ballonet.training.data.accumulation import micro_batches
 from ballonet.training.data.corpus import Corpus
+from ballonet.training.data.outlier_queue import OutlierQueue, queue_from_state, queue_state
+from ballonet.training.data.piece import Piece
 
 IGNORE_INDEX = -100
 """Label of a token with no next token in its document (torch cross_entropy's default)."""
@@ -81,20 +75,11 @@ def sample_offsets(num_tokens: int, index: int) -> np.ndarray:
 # ---- batches -------------------------------------------------------------------------
 
 
-class Piece(NamedTuple):
-    """Ledger entry: tokens [start, end) of document `doc`, consumed in epoch `epoch`."""
-
-    epoch: int
-    doc: int
-    start: int
-    end: int
-
-
 @dataclasses.dataclass(frozen=True)
 class Cursor:
     """Where the stream stands: the next token is at `offset` in the `position`-th
     document of epoch `epoch`'s order; `batch` batches were produced before it; `waiting`:
-    the outliers the outlier delay holds, in the order they came."""
+    the outliers the outlier delay holds, in the order they came (`outlier_queue.py`)."""
 
     epoch: int = 0
     position: int = 0
@@ -121,55 +106,24 @@ def take_pieces(lengths: np.ndarray, order: Callable[[int], np.ndarray], cursor:
     def ended() -> bool:
         return max_epochs is not None and epoch + (position == len(lengths)) >= max_epochs
 
-    waiting = list(cursor.waiting)
-    pieces = _release(waiting, global_tokens, outlier_delay) if outlier_delay and not ended() else []
+    queue = OutlierQueue(list(cursor.waiting), global_tokens, outlier_delay)
+    pieces = [] if ended() else queue.release()
     budget = global_tokens - sum(p.end - p.start for p in pieces)
-    held = Counter(outlier_level(p.end - p.start, global_tokens, outlier_delay) for p in waiting) \
-        if outlier_delay else Counter()
     while budget > 0 and not ended():
         if position == len(lengths):
             epoch, position = epoch + 1, 0
         doc = int(order(epoch)[position])
         length = int(lengths[doc])
         end = min(length, (offset // window + 1) * window)
-        level = outlier_level(end - offset, global_tokens, outlier_delay) \
-            if outlier_delay and offset % window == 0 else None
-        if level is not None and held[level] < outlier_delay:
-            waiting.append(Piece(epoch, doc, offset, end))
-            held[level] += 1
-        else:
+        waits = offset % window == 0 and queue.hold(Piece(epoch, doc, offset, end))
+        if not waits:
             end = min(end, offset + budget)
             pieces.append(Piece(epoch, doc, offset, end))
             budget -= end - offset
         position, offset = (position + 1, 0) if end == length else (position, end)
-    while budget > 0 and waiting and ended():  # the last epoch is over: the outliers still waiting go in
-        p = waiting[0]
-        end = min(p.end, p.start + budget)
-        pieces.append(p._replace(end=end))
-        budget -= end - p.start
-        if end == p.end:
-            waiting.pop(0)
-        else:
-            waiting[0] = p._replace(start=end)
-    return pieces, Cursor(epoch, position, offset, cursor.batch + (1 if pieces else 0), tuple(waiting))
-
-
-def _release(waiting: list[Piece], global_tokens: int, groups: int) -> list[Piece]:
-    """The `groups` waiting outliers of the level that filled first, taken out of
-    `waiting`; none while no level holds `groups`."""
-    levels = [outlier_level(p.end - p.start, global_tokens, groups) for p in waiting]
-    count: Counter = Counter()
-    for level in levels:
-        if level is None:
-            continue
-        count[level] += 1
-        if count[level] == groups:
-            released = [i for i, k in enumerate(levels) if k == level][:groups]
-            out = [waiting[i] for i in released]
-            for i in reversed(released):
-                del waiting[i]
-            return out
-    return []
+    if ended():  # the last epoch is over: the outliers still waiting go in
+        pieces += queue.flush(budget)
+    return pieces, Cursor(epoch, position, offset, cursor.batch + (1 if pieces else 0), tuple(queue.waiting))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
@@ -338,8 +292,8 @@ class BalancedLoader:
     (`accumulation.micro_batches`), one after the other, each planned on its own; take
     all `num_micro_batches` of them before `state_dict()`.
 
-    `outlier_delay` G (at least 2): WLB-LLM's outlier delay over G groups (the module
-    docstring).
+    `outlier_delay` G (at least 2): WLB-LLM's outlier delay over G groups
+    (`outlier_queue.py`).
     """
 
     def __init__(self, corpus: Corpus, *, global_tokens: int, plan_fn: Callable[[tuple[int, ...]], Plan],
@@ -417,7 +371,7 @@ class BalancedLoader:
         """The stream position after the last yielded batch (the same on every rank)."""
         c = self._cursor
         return {"epoch": c.epoch, "position": c.position, "offset": c.offset, "batch": c.batch,
-                "waiting": [list(p) for p in c.waiting], **self._config()}
+                "waiting": queue_state(c.waiting), **self._config()}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue after the batch `state` was taken at; call before iterating."""
@@ -425,7 +379,8 @@ class BalancedLoader:
             if state.get(key) != value:
                 raise InputError(f"loader state was saved with {key}={state.get(key)!r}, this loader has {value!r}")
         cursor = Cursor(state["epoch"], state["position"], state["offset"], state["batch"],
-                        self._waiting(state.get("waiting", []), state["epoch"]))
+                        queue_from_state(state.get("waiting", []), epoch=state["epoch"], corpus=self.corpus,
+                                         groups=self.outlier_delay))
         num_docs = self.corpus.num_docs
         if not 0 <= cursor.position <= num_docs:
             raise InputError(f"loader state: position {cursor.position} is outside the corpus's {num_docs} documents")
@@ -435,24 +390,6 @@ class BalancedLoader:
             raise InputError(f"loader state: offset {cursor.offset} is outside the {length} tokens of the document "
                              f"at position {cursor.position}")
         self._cursor = cursor
-
-    def _waiting(self, waiting, epoch) -> tuple[Piece, ...]:
-        """A state's outlier queue, each piece checked against the corpus."""
-        if not isinstance(waiting, list) or (waiting and not self.outlier_delay):
-            raise InputError(f"loader state: 'waiting' must be a list (empty without an outlier delay), got "
-                             f"{str(waiting)[:80]}")
-        out = []
-        for i, item in enumerate(waiting):
-            if not (isinstance(item, list) and len(item) == 4 and all(type(x) is int for x in item)):
-                raise InputError(f"loader state: waiting[{i}] must be 4 integers [epoch, doc, start, end], got "
-                                 f"{str(item)[:80]}")
-            piece = Piece(*item)
-            if not (0 <= piece.epoch <= epoch and 0 <= piece.doc < self.corpus.num_docs
-                    and 0 <= piece.start < piece.end <= int(self.corpus.lengths[piece.doc])):
-                raise InputError(f"loader state: waiting[{i}] {item} is no piece of a document of this corpus "
-                                 f"(epoch up to {epoch})")
-            out.append(piece)
-        return tuple(out)
 
     def _config(self) -> dict:
         return {"num_docs": self.corpus.num_docs, "num_tokens": self.corpus.num_tokens,
