@@ -1,7 +1,7 @@
 from pathlib import Path
 
 import pytest
-from helpers import FLAT
+from tests.closed_forms import FLAT
 
 from ballonet import calibration
 
@@ -17,6 +17,6 @@ def real_data() -> Path:
 
 @pytest.fixture
 def flat_profile():
-    """The closed forms' calibration profile (`helpers.FLAT`) installed for the test."""
+    """The closed forms' calibration profile (`closed_forms.FLAT`) installed for the test."""
     with calibration.use(FLAT):
         yield

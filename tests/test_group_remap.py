@@ -5,7 +5,7 @@ never the simulator's own figures."""
 import dataclasses
 
 import pytest
-from helpers import EFF_F, HD, MODEL, PEAK, cluster_plan, lin, nic
+from tests.closed_forms import EFF_F, HD, MODEL, PEAK, cluster_plan, lin, nic
 
 from ballonet.plan import Transfer
 from ballonet.simulation.simulator import simulate

@@ -9,7 +9,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from helpers import EFF_F, GB, HD, MODEL, PEAK, cluster, cluster_plan, lin, nvlink
+from tests.closed_forms import EFF_F, GB, HD, MODEL, PEAK, cluster, cluster_plan, lin, nvlink
 
 from ballonet import specs, workloads
 from ballonet.cost.flops import remap_bytes

@@ -13,7 +13,7 @@ import json
 import random
 
 import pytest
-from helpers import BWD, EFF_F, FLAT, GB, HD, MODEL, PEAK, cluster, cluster_plan, head, lin, nic, nvlink
+from tests.closed_forms import BWD, EFF_F, FLAT, GB, HD, MODEL, PEAK, cluster, cluster_plan, head, lin, nic, nvlink
 
 from ballonet import specs
 from ballonet.cost import hardware
