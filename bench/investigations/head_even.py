@@ -21,11 +21,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from _common import RESULTS, command, machine, write_text
 from estimate import grid_configs, held_configs, scale_configs
-from paper import TOKENS_PER_GPU
-from paper_report import CLUSTERS
+from first_batch import first_batch
 
 import ballonet.simulation.simulator as sim
-from ballonet import plan_batch, specs, workloads
+from ballonet import plan_batch
 from ballonet.cost.bounds import batch_lower_bound
 
 HEAD = sim.head_seconds
@@ -33,8 +32,7 @@ HEAD = sim.head_seconds
 
 def one(cfg: tuple) -> list:
     part, cl, nodes, mdl, tp, wl, ctx, seed = cfg
-    c, m = specs.cluster(CLUSTERS[cl], num_nodes=nodes), specs.model(mdl, tp=tp)
-    batch = next(iter(workloads.get(wl).batches(TOKENS_PER_GPU * c.num_ranks, seed, 1, ctx)))
+    c, m, batch = first_batch(cl, nodes, mdl, tp, wl, ctx, seed)
     plan = plan_batch(batch, c, m, "zeppelin")
     bound = batch_lower_bound(batch, c, m)
     as_is = sim.simulate(plan, c, m)

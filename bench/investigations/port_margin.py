@@ -21,8 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from estimate import held_configs
-from paper import TOKENS_PER_GPU
-from paper_report import CLUSTERS
+from first_batch import first_batch
 from scale_one import grid, main_grid
 
 from ballonet import plan_batch, specs, workloads
@@ -53,9 +52,8 @@ def configs(parts: list[str]):
         cfgs = {"main": lambda: [(None, *c, 0) for c in main_grid()], "scale": lambda: [(None, *c, 0) for c in grid()],
                 "held": held_configs}[part]()
         for i, (_, cl, nodes, mdl, tp, wl, ctx, seed) in enumerate(cfgs):
-            c, m = specs.cluster(CLUSTERS[cl], num_nodes=nodes), specs.model(mdl, tp=tp)
-            yield (f"{part} {i} {cl} {c.num_ranks} {mdl} {os.path.basename(wl)} {ctx // 1024}K s{seed}",
-                   next(iter(workloads.get(wl).batches(TOKENS_PER_GPU * c.num_ranks, seed, 1, ctx))), c, m)
+            c, m, batch = first_batch(cl, nodes, mdl, tp, wl, ctx, seed)
+            yield (f"{part} {i} {cl} {c.num_ranks} {mdl} {os.path.basename(wl)} {ctx // 1024}K s{seed}", batch, c, m)
 
 
 def main(argv=None) -> int:

@@ -13,18 +13,16 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from estimate import held_configs
-from paper import TOKENS_PER_GPU
-from paper_report import CLUSTERS
+from first_batch import first_batch
 
-from ballonet import plan_batch, specs, workloads
+from ballonet import plan_batch
 from ballonet.simulation.simulator import simulate
 
 
 def main(argv) -> int:
     i, rank = int(argv[0]), int(argv[1])
     _, cl, nodes, mdl, tp, wl, ctx, seed = held_configs()[i]
-    c, m = specs.cluster(CLUSTERS[cl], num_nodes=nodes), specs.model(mdl, tp=tp)
-    batch = next(iter(workloads.get(wl).batches(TOKENS_PER_GPU * c.num_ranks, seed, 1, ctx)))
+    c, m, batch = first_batch(cl, nodes, mdl, tp, wl, ctx, seed)
     res = simulate(plan_batch(batch, c, m, "zeppelin"), c, m)
     R = len(res.compute_s)
     for name, tl, start, finish, _ in res.timelines:

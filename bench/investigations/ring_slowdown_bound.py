@@ -21,10 +21,8 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from estimate import held_configs
-from paper import TOKENS_PER_GPU
-from paper_report import CLUSTERS
+from first_batch import first_batch
 
-from ballonet import specs, workloads
 from ballonet.cost import hardware
 from ballonet.cost.bounds import batch_lower_bound
 from ballonet.cost.flops import ATTENTION_BACKWARD_FACTOR, attention_flops, kv_bytes
@@ -33,9 +31,8 @@ from ballonet.cost.flops import ATTENTION_BACKWARD_FACTOR, attention_flops, kv_b
 def main(argv) -> int:
     for i in argv:
         _, cl, nodes, mdl, tp, wl, ctx, seed = held_configs()[int(i)]
-        c, m = specs.cluster(CLUSTERS[cl], num_nodes=nodes), specs.model(mdl, tp=tp)
-        lengths = np.array(next(iter(workloads.get(wl).batches(TOKENS_PER_GPU * c.num_ranks, seed, 1, ctx))),
-                           dtype=float)
+        c, m, batch = first_batch(cl, nodes, mdl, tp, wl, ctx, seed)
+        lengths = np.array(batch, dtype=float)
         g = c.groups[0]
         bound = batch_lower_bound(lengths, c, m)
         layer = bound / m.num_layers

@@ -24,11 +24,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from estimate import held_configs
-from paper import TOKENS_PER_GPU
-from paper_report import CLUSTERS
+from first_batch import first_batch
 from scale_one import grid, main_grid
 
-from ballonet import plan_batch, specs, workloads
+from ballonet import plan_batch
 from ballonet.cost.flops import kv_bytes, kv_grad_bytes
 from ballonet.cost.seconds import DP_FORWARD_SHARE, dp_piece_seconds
 from ballonet.planning import ring_pricing
@@ -40,8 +39,7 @@ def configuration(part: str, index: int) -> tuple:
         _, cl, nodes, mdl, tp, wl, ctx, seed = held_configs()[index]
     else:
         (cl, nodes, mdl, tp, wl, ctx), seed = (main_grid() if part == "main" else grid())[index], 0
-    c, m = specs.cluster(CLUSTERS[cl], num_nodes=nodes), specs.model(mdl, tp=tp)
-    return c, m, next(iter(workloads.get(wl).batches(TOKENS_PER_GPU * c.num_ranks, seed, 1, ctx)))
+    return first_batch(cl, nodes, mdl, tp, wl, ctx, seed)
 
 
 def simulated_waits(res, ring) -> list[float]:
