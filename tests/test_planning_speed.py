@@ -13,7 +13,7 @@ from ballonet.errors import InfeasiblePlan
 from ballonet.planning.assembly import Placement, assemble
 from ballonet.planning.devices import devices
 from ballonet.planning import pricing
-from ballonet.planning.packing import apportion
+from ballonet.planning.packing import apportion, lpt
 from ballonet.planning.remap import linear_targets, node_linear_targets
 from ballonet.planning.zeppelin import refinement, search
 from ballonet.planning.zeppelin.water import ordered_sum, water_level_list
@@ -178,3 +178,47 @@ def test_a_batch_memo_is_that_batch_s_own():
     for rs, node in zip(nodes, node_ranks(batch, nodes)):
         assert node.ranks.tolist() == rs and node.speed_sum == dev.speed[rs].sum()
         assert node.token_sum == dev.token_cap[rs].sum() and node.most_tokens == dev.token_cap[rs].max()
+
+
+def _lpt_by_scan(docs, work, lengths, load, speed, token_room):
+    """`packing.lpt` as its docstring says, slot by slot: each document, largest first (by
+    its least cost; ties in document order), to the first slot of least (load + cost) /
+    speed among those with memory for it, or least load where speeds are alike."""
+    work = np.asarray(work, dtype=float)
+    per_slot = work.ndim == 2 and not (work == work[0]).all()
+    cost = work if per_slot else np.broadcast_to(work[0] if work.ndim == 2 else work, (len(load), work.shape[-1]))
+    alike = len(set(speed.tolist())) == 1
+    out: dict[int, list[int]] = {}
+    spill = []
+    for d in sorted(docs, key=lambda d: (-float(cost[:, d].min()), d)):
+        fits = [i for i in range(len(load)) if token_room[i] >= lengths[d]]
+        if not fits:
+            spill.append(d)
+            continue
+        i = min(fits, key=lambda i: (float(load[i]), i) if alike and not per_slot else
+                ((load[i] + cost[i, d]) / speed[i], i))
+        out.setdefault(i, []).append(d)
+        load[i] += cost[i, d]
+        token_room[i] -= lengths[d]
+    return out, spill
+
+
+@pytest.mark.parametrize("shape", ["one row", "alike rows", "rows per slot", "unequal speeds"])
+def test_lpt_places_as_a_scan_of_the_slots_bit_for_bit(shape):
+    rng = np.random.default_rng(7)
+    slots, D = 8, 300
+    lengths = rng.integers(100, 5000, D).tolist()
+    row = rng.random(D) * np.asarray(lengths)
+    work = {"one row": row, "alike rows": np.tile(row, (slots, 1)),
+            "rows per slot": row * rng.choice([1.0, 1.25, 1.5], (slots, 1)), "unequal speeds": row}[shape]
+    speed = rng.choice([1.0, 2.0], slots) if shape == "unequal speeds" else np.full(slots, 3.0)
+    docs = rng.permutation(D)[:250].tolist()
+    room = np.full(slots, float(sum(lengths) // 10))  # tight: the last documents find no room
+    load = rng.random(slots) * row.sum() / 50
+    got_load, got_room, spill = load.copy(), room.copy(), []
+    got = lpt(docs, work, lengths, got_load, speed, got_room, spill)
+    want_load, want_room = load.copy(), room.copy()
+    want, want_spill = _lpt_by_scan(docs, work, lengths, want_load, speed, want_room)
+    assert spill and want_spill == spill
+    assert list(got.items()) == list(want.items())  # the same slots, in the order they got their first
+    assert got_load.tobytes() == want_load.tobytes() and got_room.tobytes() == want_room.tobytes()

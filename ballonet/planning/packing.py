@@ -34,8 +34,8 @@ def lpt(docs: Iterable[int], work, lengths: list[int], load: np.ndarray, speed: 
     if per_slot and (work == work[0]).all():
         work, per_slot = work[0], False  # alike slots (a homogeneous cluster): the cheaper heap below
     if per_slot:
-        least = np.min(work, axis=0)
-        order = sorted(docs, key=lambda d: (-least[d], d))
+        ids = np.array(list(docs), dtype=np.int64)
+        order = ids[np.lexsort((ids, -np.min(work, axis=0)[ids]))].tolist()  # ties in document order
         return _lpt_uniform(order, work, lengths, load, speed, token_room, spill)
     costs = work.tolist() if isinstance(work, np.ndarray) else work  # (indexing an array one by one is slow)
     if isinstance(work, np.ndarray) and len(docs := list(docs)) > 64:  # (level 1: every document of the batch)
@@ -53,6 +53,7 @@ def lpt(docs: Iterable[int], work, lengths: list[int], load: np.ndarray, speed: 
     # shorter one comes: under tight caps most slots are full for the long documents, and
     # popping them past every document would cost O(slots) each.
     parked: list[tuple[float, float, int]] = []
+    # A slot's load lives in its heap (or parked) entry alone until the end.
     out: dict[int, list[int]] = {}
     replace, pop, push = heapreplace, heappop, heappush
     for d in order:
@@ -68,15 +69,18 @@ def lpt(docs: Iterable[int], work, lengths: list[int], load: np.ndarray, speed: 
                 raise NoRoom(d)
             spill.append(d)
             continue
-        li, i = heap[0]  # (li is loads[i]: a slot's entry is pushed with its load, which changes only here)
+        li, i = heap[0]
         got = out.get(i)
         if got is None:
             out[i] = [d]
         else:
             got.append(d)
-        loads[i] = li = li + float(costs[d])
         rooms[i] -= L
-        replace(heap, (li, i))
+        replace(heap, (li + costs[d], i))  # (li + float(c) is li + c where li or c is a float, as here)
+    for li, i in heap:
+        loads[i] = li
+    for _, li, i in parked:
+        loads[i] = li
     load[:] = loads
     token_room[:] = rooms
     return out
@@ -85,14 +89,16 @@ def lpt(docs: Iterable[int], work, lengths: list[int], load: np.ndarray, speed: 
 def _lpt_uniform(order, work, lengths, load, speed, token_room, spill) -> dict[int, list[int]]:
     """`lpt` on slots of unequal speed (uniform machines), one vector step per document."""
     out: dict[int, list[int]] = {}
-    per_slot = np.ndim(work) == 2
+    per_slot = isinstance(work, np.ndarray) and work.ndim == 2  # (np.ndim would copy a list)
     costs = work.T if per_slot else work.tolist() if isinstance(work, np.ndarray) else work  # (work.T[d]: d's per slot)
     finish = np.empty(len(load))
-    least = float(token_room.min()) if len(token_room) else np.inf  # every slot has room for a document up to it
+    rooms = token_room.tolist()  # (read one by one; `token_room` kept alike for the mask)
+    least = min(rooms) if rooms else np.inf  # every slot has room for a document up to it
+    add, divide = np.add, np.divide
     for d in order:
         w, L = costs[d], lengths[d]
-        np.add(load, w, out=finish)
-        np.divide(finish, speed, out=finish)
+        add(load, w, out=finish)
+        divide(finish, speed, out=finish)
         if L > least:
             finish[token_room < L] = np.inf
             i = int(finish.argmin())
@@ -103,10 +109,16 @@ def _lpt_uniform(order, work, lengths, load, speed, token_room, spill) -> dict[i
                 continue
         else:
             i = int(finish.argmin())
-        out.setdefault(i, []).append(d)
+        got = out.get(i)
+        if got is None:
+            out[i] = [d]
+        else:
+            got.append(d)
         load[i] += w[i] if per_slot else w
-        token_room[i] = left = token_room[i] - L
-        least = min(least, float(left))
+        rooms[i] = left = rooms[i] - L
+        token_room[i] = left
+        if left < least:
+            least = left
     return out
 
 

@@ -9,6 +9,7 @@ variant levels (`variants.py`) call with theirs.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 
@@ -172,7 +173,7 @@ def _level1(batch: Batch, nodes, intra, inter, span: dict[int, int], per_token: 
                        (np.nonzero(~intra & ~inter)[0].tolist(), np.ones(len(nodes), bool))):
         idx = np.nonzero(pool)[0]
         sub_load, sub_room = node_load[idx], node_room[idx]
-        cost = per_node if per_node.ndim == 1 else per_node[idx]
+        cost = per_node if per_node.ndim == 1 or len(idx) == len(nodes) else per_node[idx]
         for i, ds in lpt(docs, cost, lengths, sub_load, node_speed[idx], sub_room, spill).items():
             node_docs.setdefault(int(idx[i]), []).extend(ds)
         node_load[idx], node_room[idx] = sub_load, sub_room
@@ -180,7 +181,10 @@ def _level1(batch: Batch, nodes, intra, inter, span: dict[int, int], per_token: 
         got = spread(node_target - node_load, node_room, work[d], work[d] / lengths[d])
         charge(got, d, work, lengths, node_load, node_room, out=shares)
     att_shares = {d: {n: w * att[d] / work[d] for n, w in sh.items()} for d, sh in shares.items()}
-    node_att = np.array([sum(att[d] for d in node_docs.get(n, [])) for n in range(len(nodes))], dtype=float)
+    node_att = np.zeros(len(nodes))  # each node's documents added in their order (`np.add.at`: one by one)
+    if node_docs:
+        np.add.at(node_att, np.repeat(list(node_docs), [len(ds) for ds in node_docs.values()]),
+                  att[list(chain.from_iterable(node_docs.values()))])
     for sh in att_shares.values():
         for n, w in sh.items():
             node_att[n] += w

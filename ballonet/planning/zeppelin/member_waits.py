@@ -66,12 +66,19 @@ def double_wait_excess(candidate, crossovers) -> dict[int, float]:
 def _local_attention(plan, dev, model) -> tuple[np.ndarray, np.ndarray]:
     """([R], [R]) one layer's forward and backward attention of each rank's local documents."""
     in_ring = plan.ring_of_doc
-    pairs = [(r, s.num_tokens) for r, segs in enumerate(plan.attention) for s in segs if s.doc not in in_ring]
+    ranks: list[int] = []
+    tokens: list[int] = []
+    add_rank, add_tokens = ranks.append, tokens.append
+    for r, segs in enumerate(plan.attention):
+        for s in segs:
+            if s.doc not in in_ring:
+                add_rank(r)
+                add_tokens(s.end - s.start)  # (`num_tokens`, without its property call)
     fwd, bwd = np.zeros(plan.num_ranks), np.zeros(plan.num_ranks)
-    if not pairs:
+    if not ranks:
         return fwd, bwd
-    rank = np.array([r for r, _ in pairs], dtype=np.int64)
-    block = np.array([n for _, n in pairs], dtype=float)
+    rank = np.array(ranks, dtype=np.int64)
+    block = np.array(tokens, dtype=float)
     for i, gpu in enumerate(dev.gpu_types):
         on = dev.type_index[rank] == i
         if on.any():
