@@ -144,8 +144,18 @@ def routed_ring_width(model: ModelSpec, length: int, members: int, nodes: int, n
 
 def routed_width(nbytes: float, nic_bw: float, intra_bw: float, rails: int) -> int:
     """How many rails `planning.routing` cuts a crossing hop of `nbytes` a step over, no
-    other hop loading them (`routing.best_width`)."""
+    other hop loading them (`routing.best_width`); under the built-in reference profile,
+    which prices it, once per hop shape: the search's candidates hold rings of the same
+    documents over the same nodes again and again."""
+    args = (nbytes, nic_bw, intra_bw, rails)
+    return _routed_width(*args) if hardware.calibrated(None) else _routed_width_builtin(*args)
+
+
+def _routed_width(nbytes: float, nic_bw: float, intra_bw: float, rails: int) -> int:
     return best_width(nbytes, 0.0, [0.0] * max(rails, 1), (intra_bw, intra_bw), nic_bw)
+
+
+_routed_width_builtin = functools.lru_cache(maxsize=4096)(_routed_width)
 
 
 def _ring_exposed_seconds(model: ModelSpec, gpu: hardware.GPUType, length: int, members: int, bandwidth: float,
