@@ -126,7 +126,7 @@ class CandidateMaker:
              runs: PortRuns = EVERY_PORT) -> Candidate | None:
         """The plan of `placement`, priced (`price`); None when a rank is over its memory cap."""
         plan = self.plan(placement, facts, keep=keep, double=double)
-        return None if over_cap(plan, self.dev) is not None else self.price(plan, runs)
+        return None if over_cap(plan, self.dev) is not None else self._estimate(self._priced(plan, within=True), runs)
 
     def price(self, plan: Plan, runs: PortRuns = EVERY_PORT) -> Candidate:
         """`plan` (within its caps) with its memory and estimated step, its routed rings'
@@ -139,11 +139,12 @@ class CandidateMaker:
         got = candidate.priced
         return self._estimate(got, runs) if got is not None else self.price(candidate.plan, runs)
 
-    def _priced(self, plan: Plan) -> _Priced:
+    def _priced(self, plan: Plan, within: bool = False) -> _Priced:
+        """`price` but its routed rings across nodes; `within`: `plan` is known within its caps."""
         model, dev, trim, links = self.model, self.dev, self.trim, self.links
         if not trim:
             plan = with_memory(plan, dev)
-        elif (why := over_cap(plan, dev)) is not None:  # (memory: each rank's under its own recomputation, below)
+        elif not within and (why := over_cap(plan, dev)) is not None:  # (memory: each rank's under its own recomputation, below)
             raise InfeasiblePlan(why)
         caps = recompute_mode(model)  # the mode whose caps the plan was made under
         priced, layers = model, recompute_layer_count(model)  # the model's own, or every layer
