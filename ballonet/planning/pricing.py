@@ -154,13 +154,10 @@ def attention_kernels(plan: Plan, dev: Devices, model: ModelSpec) -> tuple[np.nd
     """(rank, forward seconds, backward seconds) of every attention kernel of one layer:
     each local document and each ring position. The same under every recomputation
     (`rank_compute_seconds` adds the forward again under "full")."""
-    in_ring, lengths = plan.ring_of_doc, plan.lengths
-    rank: list[int] = []
-    block: list[int] = []
-    for r, segs in enumerate(plan.attention):
-        docs = [d for d in set(map(_doc, segs)) if d not in in_ring]
-        rank += [r] * len(docs)
-        block += [lengths[d] for d in docs]
+    in_ring = plan.ring_of_doc
+    local = [(r, d) for r, segs in enumerate(plan.attention) for d in set(map(_doc, segs)) if d not in in_ring]
+    rank = [r for r, _ in local]
+    block = [plan.lengths[d] for _, d in local]
     ring_rank, ring_flops, ring_block = _ring_kernels(model, plan.rings)
     rank_a = np.asarray(rank + ring_rank, dtype=np.int64)
     flops_a = np.concatenate([attention_flops(model, np.asarray(block, dtype=float)), ring_flops])
