@@ -403,10 +403,19 @@ def dp_intra_seconds(model: ModelSpec, gpu: hardware.GPUType, ranks_per_node: in
     """Seconds one layer's share of the gradient all-reduce holds each GPU's intra-node
     port alone (`cost.seconds.grad_allreduce_parts`' reduce-scatter and all-gather inside
     a node of `ranks_per_node` plan ranks); a layer's forward runs beside
-    `DP_FORWARD_SHARE` of it, its backward beside `DP_BACKWARD_SHARE`."""
+    `DP_FORWARD_SHARE` of it, its backward beside `DP_BACKWARD_SHARE`. Cached as
+    `ring_exposed_seconds` is: every ring of a candidate across nodes asks it."""
+    args = (model, gpu, ranks_per_node, intra_bw)
+    return _dp_intra_seconds(*args) if hardware.calibrated(gpu) else _dp_intra_builtin(*args)
+
+
+def _dp_intra_seconds(model: ModelSpec, gpu: hardware.GPUType, ranks_per_node: int, intra_bw: float) -> float:
     n = ranks_per_node * model.tp
     return sum(collective_time(op, grad_bytes(model), n, intra_bw, gpu)
                for op in ("reduce_scatter", "all_gather")) / model.num_layers
+
+
+_dp_intra_builtin = functools.lru_cache(maxsize=4096)(_dp_intra_seconds)
 
 
 def dp_shared_seconds(transfer: float, compute: float, steps: int, work: float, parts: int = 1) -> float:
