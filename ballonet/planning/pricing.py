@@ -26,6 +26,8 @@ a batch that needs more recomputation pays a second forward. The partitioner the
 
 from __future__ import annotations
 
+import functools
+import itertools
 from dataclasses import dataclass
 from operator import attrgetter
 
@@ -154,20 +156,30 @@ def attention_kernels(plan: Plan, dev: Devices, model: ModelSpec) -> tuple[np.nd
     """(rank, forward seconds, backward seconds) of every attention kernel of one layer:
     each local document and each ring position. The same under every recomputation
     (`rank_compute_seconds` adds the forward again under "full")."""
-    in_ring = plan.ring_of_doc
-    local = [(r, d) for r, segs in enumerate(plan.attention) for d in set(map(_doc, segs)) if d not in in_ring]
-    rank = [r for r, _ in local]
-    block = [plan.lengths[d] for _, d in local]
+    rank, block = _local_kernels(plan)
     ring_rank, ring_flops, ring_block = _ring_kernels(model, plan.rings)
-    rank_a = np.asarray(rank + ring_rank, dtype=np.int64)
-    flops_a = np.concatenate([attention_flops(model, np.asarray(block, dtype=float)), ring_flops])
-    block_a = np.concatenate([np.asarray(block, dtype=float), ring_block])
+    rank_a = np.concatenate([rank, np.asarray(ring_rank, dtype=np.int64)])
+    flops_a = np.concatenate([attention_flops(model, block), ring_flops])
+    block_a = np.concatenate([block, ring_block])
     fwd, bwd = np.zeros(len(rank_a)), np.zeros(len(rank_a))
     for i, gpu in enumerate(dev.gpu_types):
         on = dev.type_index[rank_a] == i
         fwd[on] = attention_seconds(model, gpu, flops_a[on], block_a[on])
         bwd[on] = attention_seconds(model, gpu, flops_a[on], block_a[on], backward=True)
     return rank_a, fwd, bwd
+
+
+def _local_kernels(plan: Plan) -> tuple[np.ndarray, np.ndarray]:
+    """(rank, tokens) of every local document's kernel (a document in no ring), each
+    rank's in the order of the set of its segments' documents: the sets are built in C
+    (`map`), the documents in rings dropped and the lengths read by numpy."""
+    sets = list(map(set, map(functools.partial(map, _doc), plan.attention)))
+    docs = np.fromiter(itertools.chain.from_iterable(sets), dtype=np.int64)
+    rank = np.repeat(np.arange(len(sets), dtype=np.int64), list(map(len, sets)))
+    in_ring = np.zeros(len(plan.lengths), dtype=bool)
+    in_ring[list(plan.ring_of_doc)] = True
+    keep = ~in_ring[docs]
+    return rank[keep], np.asarray(plan.lengths, dtype=float)[docs[keep]]
 
 
 def _ring_kernels(model: ModelSpec, rings) -> tuple[list[int], np.ndarray, np.ndarray]:
