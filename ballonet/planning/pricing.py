@@ -216,7 +216,8 @@ def rank_compute_seconds(plan: Plan, dev: Devices, model: ModelSpec, mode: str |
     attention = np.bincount(rank, weights=model.num_layers * ((1 + redo) * fwd + bwd), minlength=R)
     tokens, names = np.asarray(plan.linear_token_counts, dtype=float), dev.gpu_names
     linear = np.zeros(R)
-    if layers is not None and np.ndim(layers) > 0:  # rank r's first k layers recompute as m, the others below it
+    # rank r's first k layers recompute as m, the others below it (a list: no array made to ask its ndim)
+    if layers is not None and (isinstance(layers, list) or np.ndim(layers) > 0):
         modes = np.array([m for m, _ in layers])
         share = np.array([k for _, k in layers], dtype=float) / model.num_layers
         for gpu in dev.gpu_types:
