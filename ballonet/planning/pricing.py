@@ -185,20 +185,19 @@ def _local_kernels(plan: Plan) -> tuple[np.ndarray, np.ndarray]:
 def _ring_kernels(model: ModelSpec, rings) -> tuple[list[int], np.ndarray, np.ndarray]:
     """(rank, forward FLOPs, block tokens) of every position of `rings`, in ring order:
     `zigzag_flops` of them all at once, a position's blocks its chunks i and 2g-1-i
-    (`Ring.block_tokens`)."""
-    rank: list[int] = []
-    starts: list[int] = []
-    sizes: list[int] = []
-    front: list[int] = []
-    back: list[int] = []
-    for ring in rings:
-        b, g, o = ring.bounds, len(ring.ranks), len(sizes)
-        rank += ring.ranks
-        starts += b[:-1]
-        sizes += [hi - lo for lo, hi in zip(b, b[1:])]
-        front += range(o, o + g)
-        back += range(o + 2 * g - 1, o + g - 1, -1)
-    start, q = np.asarray(starts, dtype=float), np.asarray(sizes, dtype=float)
+    (`Ring.block_tokens`); every ring's bounds in one array, its chunks' starts and sizes
+    and positions' chunk indices read off it by numpy."""
+    rank = list(itertools.chain.from_iterable(ring.ranks for ring in rings))
+    bounds = [ring.bounds for ring in rings]
+    flat = np.fromiter(itertools.chain.from_iterable(bounds), dtype=float)
+    last = np.zeros(len(flat), dtype=bool)  # each ring's last bound, which starts no chunk
+    last[np.cumsum([len(b) for b in bounds], dtype=np.int64) - 1] = True
+    start, q = flat[~last], (flat[1:] - flat[:-1])[~last[:-1]]
+    g = np.array([len(ring.ranks) for ring in rings], dtype=np.int64)
+    chunks = np.array([len(b) - 1 for b in bounds], dtype=np.int64)
+    first = np.cumsum(chunks) - chunks  # each ring's first chunk
+    within = np.arange(int(g.sum()), dtype=np.int64) - np.repeat(np.cumsum(g) - g, g)
+    front, back = np.repeat(first, g) + within, np.repeat(first + 2 * g - 1, g) - within
     chunk = 4.0 * model.num_heads * model.head_dim * q * start + attention_flops(model, q)  # as `zigzag_flops`
     return rank, chunk[front] + chunk[back], q[front] + q[back]
 
