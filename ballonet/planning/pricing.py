@@ -217,11 +217,12 @@ def rank_compute_seconds(plan: Plan, dev: Devices, model: ModelSpec, mode: str |
     linear = np.zeros(R)
     # rank r's first k layers recompute as m, the others below it (a list: no array made to ask its ndim)
     if layers is not None and (isinstance(layers, list) or np.ndim(layers) > 0):
-        modes = np.array([m for m, _ in layers])
+        code = {m: i for i, m in enumerate(dict.fromkeys(m for m, _ in layers))}  # each mode's number: no string array
+        modes = np.fromiter((code[m] for m, _ in layers), dtype=np.int64, count=len(layers))
         share = np.array([k for _, k in layers], dtype=float) / model.num_layers
         for gpu in dev.gpu_types:
-            for m in set(modes.tolist()):
-                on = (names == gpu.name) & (modes == m)
+            for m, i in code.items():
+                on = (names == gpu.name) & (modes == i)
                 if not on.any():
                     continue
                 redo = sum(linear_layer_seconds(model, gpu, tokens[on], m, framework=False))
