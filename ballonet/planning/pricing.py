@@ -285,11 +285,13 @@ def synchronous_step_seconds(plan: Plan, dev: Devices, model: ModelSpec, kernels
     forward = L * np.bincount(rank, weights=fwd, minlength=R).astype(float)
     tokens, names = np.asarray(plan.linear_token_counts, dtype=float), dev.gpu_names
     extra = np.zeros(R)  # [R] a recomputing layer's backward over the same layer's below its mode
+    code = {m: i for i, m in enumerate(dict.fromkeys(m for m, _ in layers or ()))}  # each mode's number
+    modes = np.fromiter((code[m] for m, _ in layers or ()), dtype=np.int64, count=len(layers or ()))
     for gpu in dev.gpu_types:
         on = names == gpu.name
         forward[on] += L * linear_layer_seconds(model, gpu, tokens[on], "none", framework=False)[0]
-        for m in {m for m, _ in layers or ()} & set(BELOW):
-            sub = on & np.array([x == m for x, _ in layers])
+        for m in set(code) & set(BELOW):
+            sub = on & (modes == code[m])
             extra[sub] = (linear_layer_seconds(model, gpu, tokens[sub], m, framework=False)[1]
                           - linear_layer_seconds(model, gpu, tokens[sub], BELOW[m], framework=False)[1])
     forward += (seconds - compute) / 2
@@ -299,7 +301,9 @@ def synchronous_step_seconds(plan: Plan, dev: Devices, model: ModelSpec, kernels
     k = np.array([n if m in BELOW else 0 for m, n in layers])
     base = (backward - k * extra) / L  # [R] one layer's backward below the mode
     cuts = sorted({0, L, *k.tolist()})
-    runs = sum((hi - lo) * float((base + extra * (k > lo)).max()) for lo, hi in zip(cuts, cuts[1:]))
+    # each run's busiest rank, every run's at once: (base + extra * (k > lo)).max() a run
+    most = (base + extra * (k > np.array(cuts[:-1])[:, None])).max(axis=1).tolist()
+    runs = sum((hi - lo) * m for lo, hi, m in zip(cuts, cuts[1:], most))
     return float(forward.max() + runs)
 
 
