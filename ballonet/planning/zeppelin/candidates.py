@@ -312,10 +312,12 @@ def _rank_memory(model: ModelSpec, dev: Devices, linear, attention, per_rank) ->
     """[R] bytes each rank holds: its state and `activation_bytes` of its `linear` and
     `attention` tokens under its (mode, layers) of `per_rank`, the ranks of a mode at once."""
     lin, att = np.asarray(linear, dtype=np.int64), np.asarray(attention, dtype=np.int64)
-    modes, layers = [m for m, _ in per_rank], np.array([k for _, k in per_rank], dtype=np.int64)
-    out = np.zeros(len(modes))
-    for mode in set(modes):
-        on = np.array([m == mode for m in modes])
+    code = {m: i for i, m in enumerate(dict.fromkeys(m for m, _ in per_rank))}  # each mode's number
+    modes = np.fromiter((code[m] for m, _ in per_rank), dtype=np.int64, count=len(per_rank))
+    layers = np.array([k for _, k in per_rank], dtype=np.int64)
+    out = np.zeros(len(per_rank))
+    for mode, i in code.items():
+        on = modes == i
         out[on] = dev.static_bytes + activation_bytes(model, lin[on], att[on], mode, layers[on])
     return tuple(out.tolist())
 
