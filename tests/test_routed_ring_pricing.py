@@ -78,3 +78,25 @@ def test_the_ports_of_some_rings_bound_the_estimate_with_every_ring_s_ports_from
     by_hop = crossing_exposed_seconds(plan, dev, m, link, nic, rails, piece, HOP_BY_HOP)
     members = [r for ring in plan.rings if ring.doc == 0 for r in ring.ranks]
     assert by_hop[members].min() > 0 and not np.allclose(by_hop, every)
+
+
+def test_a_candidate_repriced_from_its_own_pricing_is_its_plan_priced_anew():
+    # `settle` re-prices candidates priced hop by hop with their ports run
+    # (`CandidateMaker.reprice`), reading what does not depend on the ports from the
+    # candidate: bit for bit what pricing its plan anew gives.
+    from ballonet.planning.crossing_rings import HOP_BY_HOP, ports_of
+    from ballonet.planning.zeppelin.search import CandidateSearch, ZeppelinOptions
+
+    c, m = ballonet.cluster("h200-8nic", num_nodes=4), ballonet.model("llama-7b")
+    lengths = [126274] + [2000] * ((16384 * 32 - 126274) // 2000)
+    plan = plan_batch(lengths, c, m, double=False)
+    search = CandidateSearch(lengths=lengths, cluster=c, model=m, options=ZeppelinOptions(double=False))
+    from ballonet.planning.zeppelin.classes import crossover_lengths
+    search.crossovers = crossover_lengths(c, m)
+    maker = search._maker(m, trim=True)
+    by_hop = maker.price(plan, HOP_BY_HOP)
+    for runs in (ports_of([0]), ports_of([])):
+        again, anew = maker.reprice(by_hop, runs), maker.price(plan, runs)
+        assert (again.seconds, again.busiest_s, again.node_floor_s, again.binds) == \
+            (anew.seconds, anew.busiest_s, anew.node_floor_s, anew.binds)
+    assert maker.reprice(by_hop).seconds == maker.price(plan).seconds != by_hop.seconds

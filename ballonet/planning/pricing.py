@@ -26,6 +26,8 @@ a batch that needs more recomputation pays a second forward. The partitioner the
 
 from __future__ import annotations
 
+import functools
+import itertools
 from dataclasses import dataclass
 from operator import attrgetter
 
@@ -154,14 +156,11 @@ def attention_kernels(plan: Plan, dev: Devices, model: ModelSpec) -> tuple[np.nd
     """(rank, forward seconds, backward seconds) of every attention kernel of one layer:
     each local document and each ring position. The same under every recomputation
     (`rank_compute_seconds` adds the forward again under "full")."""
-    in_ring = plan.ring_of_doc
-    local = [(r, d) for r, segs in enumerate(plan.attention) for d in set(map(_doc, segs)) if d not in in_ring]
-    rank = [r for r, _ in local]
-    block = [plan.lengths[d] for _, d in local]
+    rank, block = _local_kernels(plan)
     ring_rank, ring_flops, ring_block = _ring_kernels(model, plan.rings)
-    rank_a = np.asarray(rank + ring_rank, dtype=np.int64)
-    flops_a = np.concatenate([attention_flops(model, np.asarray(block, dtype=float)), ring_flops])
-    block_a = np.concatenate([np.asarray(block, dtype=float), ring_block])
+    rank_a = np.concatenate([rank, np.asarray(ring_rank, dtype=np.int64)])
+    flops_a = np.concatenate([attention_flops(model, block), ring_flops])
+    block_a = np.concatenate([block, ring_block])
     fwd, bwd = np.zeros(len(rank_a)), np.zeros(len(rank_a))
     for i, gpu in enumerate(dev.gpu_types):
         on = dev.type_index[rank_a] == i
@@ -170,23 +169,35 @@ def attention_kernels(plan: Plan, dev: Devices, model: ModelSpec) -> tuple[np.nd
     return rank_a, fwd, bwd
 
 
+def _local_kernels(plan: Plan) -> tuple[np.ndarray, np.ndarray]:
+    """(rank, tokens) of every local document's kernel (a document in no ring), each
+    rank's in the order of the set of its segments' documents: the sets are built in C
+    (`map`), the documents in rings dropped and the lengths read by numpy."""
+    sets = list(map(set, map(functools.partial(map, _doc), plan.attention)))
+    docs = np.fromiter(itertools.chain.from_iterable(sets), dtype=np.int64)
+    rank = np.repeat(np.arange(len(sets), dtype=np.int64), list(map(len, sets)))
+    in_ring = np.zeros(len(plan.lengths), dtype=bool)
+    in_ring[list(plan.ring_of_doc)] = True
+    keep = ~in_ring[docs]
+    return rank[keep], np.asarray(plan.lengths, dtype=float)[docs[keep]]
+
+
 def _ring_kernels(model: ModelSpec, rings) -> tuple[list[int], np.ndarray, np.ndarray]:
     """(rank, forward FLOPs, block tokens) of every position of `rings`, in ring order:
     `zigzag_flops` of them all at once, a position's blocks its chunks i and 2g-1-i
-    (`Ring.block_tokens`)."""
-    rank: list[int] = []
-    starts: list[int] = []
-    sizes: list[int] = []
-    front: list[int] = []
-    back: list[int] = []
-    for ring in rings:
-        b, g, o = ring.bounds, len(ring.ranks), len(sizes)
-        rank += ring.ranks
-        starts += b[:-1]
-        sizes += [hi - lo for lo, hi in zip(b, b[1:])]
-        front += range(o, o + g)
-        back += range(o + 2 * g - 1, o + g - 1, -1)
-    start, q = np.asarray(starts, dtype=float), np.asarray(sizes, dtype=float)
+    (`Ring.block_tokens`); every ring's bounds in one array, its chunks' starts and sizes
+    and positions' chunk indices read off it by numpy."""
+    rank = list(itertools.chain.from_iterable(ring.ranks for ring in rings))
+    bounds = [ring.bounds for ring in rings]
+    flat = np.fromiter(itertools.chain.from_iterable(bounds), dtype=float)
+    last = np.zeros(len(flat), dtype=bool)  # each ring's last bound, which starts no chunk
+    last[np.cumsum([len(b) for b in bounds], dtype=np.int64) - 1] = True
+    start, q = flat[~last], (flat[1:] - flat[:-1])[~last[:-1]]
+    g = np.array([len(ring.ranks) for ring in rings], dtype=np.int64)
+    chunks = np.array([len(b) - 1 for b in bounds], dtype=np.int64)
+    first = np.cumsum(chunks) - chunks  # each ring's first chunk
+    within = np.arange(int(g.sum()), dtype=np.int64) - np.repeat(np.cumsum(g) - g, g)
+    front, back = np.repeat(first, g) + within, np.repeat(first + 2 * g - 1, g) - within
     chunk = 4.0 * model.num_heads * model.head_dim * q * start + attention_flops(model, q)  # as `zigzag_flops`
     return rank, chunk[front] + chunk[back], q[front] + q[back]
 
@@ -204,12 +215,14 @@ def rank_compute_seconds(plan: Plan, dev: Devices, model: ModelSpec, mode: str |
     attention = np.bincount(rank, weights=model.num_layers * ((1 + redo) * fwd + bwd), minlength=R)
     tokens, names = np.asarray(plan.linear_token_counts, dtype=float), dev.gpu_names
     linear = np.zeros(R)
-    if layers is not None and np.ndim(layers) > 0:  # rank r's first k layers recompute as m, the others below it
-        modes = np.array([m for m, _ in layers])
+    # rank r's first k layers recompute as m, the others below it (a list: no array made to ask its ndim)
+    if layers is not None and (isinstance(layers, list) or np.ndim(layers) > 0):
+        code = {m: i for i, m in enumerate(dict.fromkeys(m for m, _ in layers))}  # each mode's number: no string array
+        modes = np.fromiter((code[m] for m, _ in layers), dtype=np.int64, count=len(layers))
         share = np.array([k for _, k in layers], dtype=float) / model.num_layers
         for gpu in dev.gpu_types:
-            for m in set(modes.tolist()):
-                on = (names == gpu.name) & (modes == m)
+            for m, i in code.items():
+                on = (names == gpu.name) & (modes == i)
                 if not on.any():
                     continue
                 redo = sum(linear_layer_seconds(model, gpu, tokens[on], m, framework=False))
@@ -272,11 +285,13 @@ def synchronous_step_seconds(plan: Plan, dev: Devices, model: ModelSpec, kernels
     forward = L * np.bincount(rank, weights=fwd, minlength=R).astype(float)
     tokens, names = np.asarray(plan.linear_token_counts, dtype=float), dev.gpu_names
     extra = np.zeros(R)  # [R] a recomputing layer's backward over the same layer's below its mode
+    code = {m: i for i, m in enumerate(dict.fromkeys(m for m, _ in layers or ()))}  # each mode's number
+    modes = np.fromiter((code[m] for m, _ in layers or ()), dtype=np.int64, count=len(layers or ()))
     for gpu in dev.gpu_types:
         on = names == gpu.name
         forward[on] += L * linear_layer_seconds(model, gpu, tokens[on], "none", framework=False)[0]
-        for m in {m for m, _ in layers or ()} & set(BELOW):
-            sub = on & np.array([x == m for x, _ in layers])
+        for m in set(code) & set(BELOW):
+            sub = on & (modes == code[m])
             extra[sub] = (linear_layer_seconds(model, gpu, tokens[sub], m, framework=False)[1]
                           - linear_layer_seconds(model, gpu, tokens[sub], BELOW[m], framework=False)[1])
     forward += (seconds - compute) / 2
@@ -286,7 +301,9 @@ def synchronous_step_seconds(plan: Plan, dev: Devices, model: ModelSpec, kernels
     k = np.array([n if m in BELOW else 0 for m, n in layers])
     base = (backward - k * extra) / L  # [R] one layer's backward below the mode
     cuts = sorted({0, L, *k.tolist()})
-    runs = sum((hi - lo) * float((base + extra * (k > lo)).max()) for lo, hi in zip(cuts, cuts[1:]))
+    # each run's busiest rank, every run's at once: (base + extra * (k > lo)).max() a run
+    most = (base + extra * (k > np.array(cuts[:-1])[:, None])).max(axis=1).tolist()
+    runs = sum((hi - lo) * m for lo, hi, m in zip(cuts, cuts[1:], most))
     return float(forward.max() + runs)
 
 

@@ -67,12 +67,22 @@ def ring_exposed_seconds(model: ModelSpec, gpu: hardware.GPUType, length: int, m
     With `nodes` (the ring's, its members spread evenly over them) and crossing hops that
     routing cuts over several rails, the ring run as the simulator runs it
     (`routed_exposed_seconds`)."""
+    bandwidth, routed, dp_piece, dp_intra = _floats(bandwidth, routed, dp_piece, dp_intra)
     args = (model, gpu, length, members, bandwidth, nic, routed, dp_piece, dp_intra)
     width = routed_ring_width(model, length, members, nodes, bandwidth, routed) if nic else 0
     if width and routed is not None:
         return routed_exposed_seconds(model, gpu, length, members, nodes, bandwidth, routed[0], width, dp_piece[0],
                                       dp_intra)
     return _ring_exposed_seconds(*args) if hardware.calibrated(gpu) else _ring_exposed_builtin(*args)
+
+
+def _floats(bandwidth, routed, dp_piece, dp_intra) -> tuple[float, tuple[float, int] | None, tuple[float, float],
+                                                            float]:
+    """The seconds and bandwidths of a ring's pricing as Python floats: callers index them
+    out of numpy arrays, and a float's arithmetic gives numpy's scalars' values at a
+    fraction of their cost (the same IEEE double operations)."""
+    return (float(bandwidth), None if routed is None else (float(routed[0]), routed[1]),
+            (float(dp_piece[0]), float(dp_piece[1])), float(dp_intra))
 
 
 def routed_exposed_seconds(model: ModelSpec, gpu: hardware.GPUType, length: int, members: int, nodes: int,
@@ -99,6 +109,7 @@ def routed_waits(model: ModelSpec, gpu: hardware.GPUType, length: int, members: 
     (`dp_intra` seconds alone on a port, pieces of `dp_piece` on a NIC). The backward's
     collectives run beside its linear layers, before its attention. Under full
     recomputation the backward's steps rerun the forward's kernels."""
+    nic_bw, intra_bw, dp_piece, dp_intra = float(nic_bw), float(intra_bw), float(dp_piece), float(dp_intra)
     block = max(length // members, 1)
     flops = block_flops(model, block, block) / 2  # a zig-zag step (`ring_exposed_seconds`)
     fwd_c = attention_seconds(model, gpu, flops, block, launch_floor=True)
@@ -133,8 +144,18 @@ def routed_ring_width(model: ModelSpec, length: int, members: int, nodes: int, n
 
 def routed_width(nbytes: float, nic_bw: float, intra_bw: float, rails: int) -> int:
     """How many rails `planning.routing` cuts a crossing hop of `nbytes` a step over, no
-    other hop loading them (`routing.best_width`)."""
+    other hop loading them (`routing.best_width`); under the built-in reference profile,
+    which prices it, once per hop shape: the search's candidates hold rings of the same
+    documents over the same nodes again and again."""
+    args = (nbytes, nic_bw, intra_bw, rails)
+    return _routed_width(*args) if hardware.calibrated(None) else _routed_width_builtin(*args)
+
+
+def _routed_width(nbytes: float, nic_bw: float, intra_bw: float, rails: int) -> int:
     return best_width(nbytes, 0.0, [0.0] * max(rails, 1), (intra_bw, intra_bw), nic_bw)
+
+
+_routed_width_builtin = functools.lru_cache(maxsize=4096)(_routed_width)
 
 
 def _ring_exposed_seconds(model: ModelSpec, gpu: hardware.GPUType, length: int, members: int, bandwidth: float,
@@ -198,8 +219,10 @@ def crossing_pipeline(nbytes: float, nic_bw: float, intra_bw: float, rails: int,
 
 def double_exposed_seconds(model: ModelSpec, gpu: hardware.GPUType, length: int, groups: int, group_size: int,
                            intra_bw: float, nic_bw: float, dp_piece: tuple[float, float] = (0.0, 0.0)) -> float:
-    """`_double_exposed_seconds`, cached as `ring_exposed_seconds` is."""
-    args = (model, gpu, length, groups, group_size, intra_bw, nic_bw, dp_piece)
+    """`_double_exposed_seconds`, cached as `ring_exposed_seconds` is (its bandwidths and
+    seconds as floats, `_floats`)."""
+    args = (model, gpu, length, groups, group_size, float(intra_bw), float(nic_bw),
+            (float(dp_piece[0]), float(dp_piece[1])))
     return _double_exposed_seconds(*args) if hardware.calibrated(gpu) else _double_exposed_builtin(*args)
 
 
@@ -250,7 +273,8 @@ def double_wait_seconds(model: ModelSpec, gpu: hardware.GPUType, length: int, gr
     """`_double_wait_seconds`, cached as `ring_exposed_seconds` is. What the simulator
     runs (`tests/test_double_ring_pricing.py`); the partitioner still prices double rings
     by `double_exposed_seconds` (docs/design.md, section 4: why)."""
-    args = (model, gpu, length, groups, group_size, intra_bw, nic_bw, node_ranks, lead, local)
+    args = (model, gpu, length, groups, group_size, float(intra_bw), float(nic_bw), node_ranks, float(lead),
+            (float(local[0]), float(local[1])))
     return _double_wait_seconds(*args) if hardware.calibrated(gpu) else _double_wait_builtin(*args)
 
 
@@ -379,10 +403,19 @@ def dp_intra_seconds(model: ModelSpec, gpu: hardware.GPUType, ranks_per_node: in
     """Seconds one layer's share of the gradient all-reduce holds each GPU's intra-node
     port alone (`cost.seconds.grad_allreduce_parts`' reduce-scatter and all-gather inside
     a node of `ranks_per_node` plan ranks); a layer's forward runs beside
-    `DP_FORWARD_SHARE` of it, its backward beside `DP_BACKWARD_SHARE`."""
+    `DP_FORWARD_SHARE` of it, its backward beside `DP_BACKWARD_SHARE`. Cached as
+    `ring_exposed_seconds` is: every ring of a candidate across nodes asks it."""
+    args = (model, gpu, ranks_per_node, intra_bw)
+    return _dp_intra_seconds(*args) if hardware.calibrated(gpu) else _dp_intra_builtin(*args)
+
+
+def _dp_intra_seconds(model: ModelSpec, gpu: hardware.GPUType, ranks_per_node: int, intra_bw: float) -> float:
     n = ranks_per_node * model.tp
     return sum(collective_time(op, grad_bytes(model), n, intra_bw, gpu)
                for op in ("reduce_scatter", "all_gather")) / model.num_layers
+
+
+_dp_intra_builtin = functools.lru_cache(maxsize=4096)(_dp_intra_seconds)
 
 
 def dp_shared_seconds(transfer: float, compute: float, steps: int, work: float, parts: int = 1) -> float:

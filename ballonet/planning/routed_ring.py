@@ -53,6 +53,8 @@ class _Links:
                     push(events, (real[link] + (tags[link][0][0] - virtual[link]) * on[link], next(order), link,
                                   version[link]))
             dirty.clear()
+            while events and events[0][3] != version[events[0][2]]:  # ends a later change replaced
+                pop(events)
             first_start = starts[0][0] if starts else inf
             first_end = events[0][0] if events else inf
             if first_start == first_end == inf:
@@ -74,9 +76,7 @@ class _Links:
                         push(tags[link], (virtual[link] + seconds, tid))
                         dirty.add(link)
                 continue
-            at, _, link, v = pop(events)
-            if v != version[link]:
-                continue
+            at, _, link, _ = pop(events)
             heap = tags[link]
             tag, tid = pop(heap)
             finished = [tid]

@@ -61,6 +61,27 @@ class Candidate:
     dev: Devices
     model: ModelSpec
     """The spec it was made for (the recomputation of its caps)."""
+    priced: _Priced | None = dataclasses.field(default=None, repr=False, compare=False)
+    """What its estimate read that does not depend on which routed rings ran their ports
+    (`CandidateMaker.reprice`)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Priced:
+    """A plan's pricing but its single rings across nodes (`CandidateMaker.price`): the
+    plan with its memory, the spec and layers it is priced under, its attention kernels,
+    [R] attention and linear seconds, the [R] terms its exposure adds after the crossing
+    rings' (ring waits, the final gradient wait, the overlap slowdown, the PCIe rings'
+    forward and backward, in that order), the PCIe rings' backward skew and the step's tail."""
+    plan: Plan
+    model: ModelSpec
+    layers: object
+    kernels: tuple
+    attention: np.ndarray
+    linear: np.ndarray
+    others: tuple
+    skew: np.ndarray
+    tail: float
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,15 +126,25 @@ class CandidateMaker:
              runs: PortRuns = EVERY_PORT) -> Candidate | None:
         """The plan of `placement`, priced (`price`); None when a rank is over its memory cap."""
         plan = self.plan(placement, facts, keep=keep, double=double)
-        return None if over_cap(plan, self.dev) is not None else self.price(plan, runs)
+        return None if over_cap(plan, self.dev) is not None else self._estimate(self._priced(plan, within=True), runs)
 
     def price(self, plan: Plan, runs: PortRuns = EVERY_PORT) -> Candidate:
         """`plan` (within its caps) with its memory and estimated step, its routed rings'
         ports run as `runs` says (`crossing_rings.crossing_exposed_seconds`)."""
-        model, dev, trim = self.model, self.dev, self.trim
+        return self._estimate(self._priced(plan), runs)
+
+    def reprice(self, candidate: Candidate, runs: PortRuns = EVERY_PORT) -> Candidate:
+        """`price(candidate.plan, runs)`, what does not depend on `runs` read from
+        `candidate`'s pricing (the same plan priced again gives the same)."""
+        got = candidate.priced
+        return self._estimate(got, runs) if got is not None else self.price(candidate.plan, runs)
+
+    def _priced(self, plan: Plan, within: bool = False) -> _Priced:
+        """`price` but its routed rings across nodes; `within`: `plan` is known within its caps."""
+        model, dev, trim, links = self.model, self.dev, self.trim, self.links
         if not trim:
             plan = with_memory(plan, dev)
-        elif (why := over_cap(plan, dev)) is not None:  # (memory: each rank's under its own recomputation, below)
+        elif not within and (why := over_cap(plan, dev)) is not None:  # (memory: each rank's under its own recomputation, below)
             raise InfeasiblePlan(why)
         caps = recompute_mode(model)  # the mode whose caps the plan was made under
         priced, layers = model, recompute_layer_count(model)  # the model's own, or every layer
@@ -132,15 +163,22 @@ class CandidateMaker:
         kernels = attention_kernels(plan, dev, priced)
         attention, linear = rank_compute_seconds(plan, dev, priced, recompute_mode(priced), split=True, layers=layers,
                                                  kernels=kernels)
-        seconds, exposed, skew = _step_seconds(plan, dev, priced, self.crossovers, (attention, linear), self.routing,
-                                               self.dp_send_s, self.links, kernels, runs)
+        others, skew = _other_exposed(plan, dev, priced, attention + linear, self.dp_send_s, links, kernels)
+        return _Priced(plan=plan, model=priced, layers=layers, kernels=kernels, attention=attention, linear=linear,
+                       others=others, skew=skew,
+                       tail=step_tail_seconds(plan, dev, priced, links.link, self.fixed_tail_s))
+
+    def _estimate(self, got: _Priced, runs: PortRuns) -> Candidate:
+        """The candidate of a plan's pricing (`_priced`), its routed rings' ports run as `runs` says."""
+        dev, plan, priced, attention, linear = self.dev, got.plan, got.model, got.attention, got.linear
+        seconds, exposed = _step_seconds(plan, dev, priced, (attention, linear), self.links, got.others, runs)
         node = float(dev.node_means(attention + linear + exposed).max())
         busiest = float(seconds.max())
-        step = max(busiest, synchronous_step_seconds(plan, dev, priced, kernels, seconds, attention + linear + skew,
-                                                     layers if trim else None))
-        tail = step_tail_seconds(plan, dev, priced, self.links.link, self.fixed_tail_s)
-        return Candidate(plan=plan, seconds=step + tail, tail_s=tail, binds=caps_bind(plan, dev, seconds), kernels=kernels,
-                         busiest_s=busiest, node_floor_s=node, dev=dev, model=model)
+        step = max(busiest, synchronous_step_seconds(plan, dev, priced, got.kernels, seconds,
+                                                     attention + linear + got.skew, got.layers if self.trim else None))
+        return Candidate(plan=plan, seconds=step + got.tail, tail_s=got.tail, binds=caps_bind(plan, dev, seconds),
+                         kernels=got.kernels, busiest_s=busiest, node_floor_s=node, dev=dev, model=self.model,
+                         priced=got)
 
 
 def place(shared: NodeLevel, keep_tokens: bool) -> tuple[Placement, dict] | None:
@@ -241,33 +279,45 @@ def _links(dev: Devices, crossovers, routing: bool) -> _Links:
                   rank_nic=np.array([c.rank_nic_bw for c in per_group]))
 
 
-def _step_seconds(plan: Plan, dev: Devices, model: ModelSpec, crossovers, compute,
-                  routing: bool, dp_send_s: float = 0.0, links: _Links | None = None, kernels=None,
-                  runs: PortRuns = EVERY_PORT) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _other_exposed(plan: Plan, dev: Devices, model: ModelSpec, compute: np.ndarray, dp_send_s: float, links: _Links,
+                   kernels) -> tuple[tuple, np.ndarray]:
+    """([R] terms of what `_step_seconds` adds to a rank's attention but its single rings
+    across nodes, in the order it adds them: ring waits (`pricing.ring_wait_seconds`), the
+    final gradient wait, the overlap slowdown, the PCIe-only nodes' rings' forward and
+    backward (`pcie_rings`); the latter's backward skew)."""
+    link, nic, rails = links.link, links.nic, links.rails
+    final = final_grad_wait_seconds(plan, dev, model, link, nic, rails)
+    slow = overlap_slowdown_seconds(plan, dev, model, link, nic, dp_send_s, compute)
+    pcie = pcie_ring_exposed_seconds(plan, dev, model, link)
+    return (ring_wait_seconds(plan, dev, model, kernels), final, slow, pcie.forward, pcie.backward), \
+        pcie.backward_skew(final)
+
+
+def _step_seconds(plan: Plan, dev: Devices, model: ModelSpec, compute, links: _Links, others: tuple,
+                  runs: PortRuns = EVERY_PORT) -> tuple[np.ndarray, np.ndarray]:
     """[R] what the partitioner compares its candidate plans by (`pricing.rank_step_seconds`),
     and [R] the part of it single rings across nodes expose (`crossing_rings.crossing_exposed_seconds`;
     their crossing hops routed over the node's rails with `routing`, routed rings' ports
-    run as `runs` says) and rings inside PCIe-only nodes (`pcie_rings`)."""
-    links = links if links is not None else _links(dev, crossovers, routing)
-    link, nic, rails, dp_piece = links.link, links.nic, links.rails, links.dp_piece
-    final = final_grad_wait_seconds(plan, dev, model, link, nic, rails)
+    run as `runs` says) and the `others` (`_other_exposed`) add."""
+    link, dp_piece = links.link, links.dp_piece
     start, linear = compute
-    slow = overlap_slowdown_seconds(plan, dev, model, link, nic, dp_send_s, start + linear)
-    pcie = pcie_ring_exposed_seconds(plan, dev, model, link)
-    exposed = (crossing_exposed_seconds(plan, dev, model, link, nic, rails, dp_piece, runs)
-               + ring_wait_seconds(plan, dev, model, kernels) + final + slow + pcie.forward + pcie.backward)
+    exposed = crossing_exposed_seconds(plan, dev, model, link, links.nic, links.rails, dp_piece, runs)
+    for term in others:
+        exposed = exposed + term
     seconds = rank_step_seconds(plan, dev, model, link, (start + exposed, linear), links.rank_nic, dp_piece)
-    return seconds, exposed, pcie.backward_skew(final)
+    return seconds, exposed
 
 
 def _rank_memory(model: ModelSpec, dev: Devices, linear, attention, per_rank) -> tuple[float, ...]:
     """[R] bytes each rank holds: its state and `activation_bytes` of its `linear` and
     `attention` tokens under its (mode, layers) of `per_rank`, the ranks of a mode at once."""
     lin, att = np.asarray(linear, dtype=np.int64), np.asarray(attention, dtype=np.int64)
-    modes, layers = [m for m, _ in per_rank], np.array([k for _, k in per_rank], dtype=np.int64)
-    out = np.zeros(len(modes))
-    for mode in set(modes):
-        on = np.array([m == mode for m in modes])
+    code = {m: i for i, m in enumerate(dict.fromkeys(m for m, _ in per_rank))}  # each mode's number
+    modes = np.fromiter((code[m] for m, _ in per_rank), dtype=np.int64, count=len(per_rank))
+    layers = np.array([k for _, k in per_rank], dtype=np.int64)
+    out = np.zeros(len(per_rank))
+    for mode, i in code.items():
+        on = modes == i
         out[on] = dev.static_bytes + activation_bytes(model, lin[on], att[on], mode, layers[on])
     return tuple(out.tolist())
 

@@ -46,9 +46,9 @@ def settle(pending) -> dict[int, Candidate]:
         if c.seconds > (1 + PORT_MARGIN) * least:
             break
         if len(docs) > LOWER_RINGS and least < np.inf \
-                and maker.price(c.plan, ports_of(docs[:LOWER_RINGS])).seconds > (1 + PORT_MARGIN) * least:
+                and maker.reprice(c, ports_of(docs[:LOWER_RINGS])).seconds > (1 + PORT_MARGIN) * least:
             continue
-        priced = maker.price(c.plan)
+        priced = maker.reprice(c)
         repriced[index] = priced
         least = min(least, priced.seconds)
     return repriced
