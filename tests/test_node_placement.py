@@ -136,7 +136,8 @@ def test_a_full_node_mixes_long_and_short_documents_on_every_rank():
 
 
 def test_inter_node_span_weighs_the_busiest_nodes_overload_against_the_wider_rings_transfers():
-    from ballonet.planning.pricing import inter_node_span, ring_exposed_seconds, step_weights
+    from ballonet.planning.pricing import inter_node_span, step_weights
+    from ballonet.planning.ring_pricing import ring_exposed_seconds
     gpu = specs.cluster("h200-8nic").groups[0].gpu_type
     weights = step_weights(MODEL, gpu, [65536] * 8, 64, specs.cluster("h200-8nic").groups[0].intra_bw)
     length, speed = 65536, gpu.peak_flops * 8

@@ -15,7 +15,7 @@ from ballonet.cost.seconds import attention_work, breakeven_chunk_tokens, p2p_ti
 from ballonet.errors import InfeasiblePlan, InputError
 from ballonet.plan import Segment, Transfer
 from ballonet.plan.recompute import heaviest
-from ballonet.planning import pricing
+from ballonet.planning import pricing, ring_pricing
 from ballonet.planning.assembly import Placement, assemble, zigzag_bounds
 from ballonet.planning.devices import devices
 from ballonet.planning.metrics import plan_metrics
@@ -573,8 +573,8 @@ def test_crossing_hops_are_priced_routed_over_the_nodes_rails():
     gpu = hardware.gpu("h200")
     m = kv_bytes(MODEL, 4096)
     direct = p2p_time(m, cross.crossing_bw, True, gpu)
-    assert pricing.crossing_seconds(m, cross.crossing_bw, cross.intra_bw, 1, gpu) == direct
-    assert pricing.crossing_seconds(m, cross.crossing_bw, cross.intra_bw, 8, gpu) < 0.7 * direct
+    assert ring_pricing.crossing_seconds(m, cross.crossing_bw, cross.intra_bw, 1, gpu) == direct
+    assert ring_pricing.crossing_seconds(m, cross.crossing_bw, cross.intra_bw, 8, gpu) < 0.7 * direct
     lengths = [100_000, 30_000] + [1_500] * 250
     routed, one_nic = plan_batch(lengths, cluster, MODEL), plan_batch(lengths, cluster, MODEL, routing=False)
     # The keep-tokens plan of the first mode sends the 100K document across the nodes

@@ -12,7 +12,7 @@ from ballonet import calibration
 from ballonet.cost import hardware
 from ballonet.cost.flops import block_flops, kv_bytes
 from ballonet.cost.seconds import attention_seconds, p2p_time
-from ballonet.planning import plan_batch, pricing
+from ballonet.planning import plan_batch, ring_pricing
 from ballonet.simulation import simulate
 
 
@@ -20,33 +20,33 @@ def test_ports_shared_with_the_fsdp_collectives_cost_what_fair_sharing_gives_by_
     # A transfer of 1 s alone beside 2 s of collectives, each step's compute 1.5 s: the
     # transfer takes 2 s (half the port), the collectives progress 1 s a step, so two
     # steps are slowed, each exposing 0.5 s more.
-    assert pricing.dp_shared_seconds(1.0, 1.5, 10, 2.0) == pytest.approx(1.0)
+    assert ring_pricing.dp_shared_seconds(1.0, 1.5, 10, 2.0) == pytest.approx(1.0)
     # Cut into 8 parts the transfer keeps 8/9 of the port: 0.8 s -> 0.9 s, the collectives
     # 0.1 s a step, so 0.2 s of them slow two steps by 0.1 s each beyond the 0.1 s exposed.
-    assert pricing.dp_shared_seconds(0.8, 0.7, 10, 0.2, parts=8) == pytest.approx(0.2)
+    assert ring_pricing.dp_shared_seconds(0.8, 0.7, 10, 0.2, parts=8) == pytest.approx(0.2)
     # Compute that hides even the slowed transfer hides the collectives too; fewer steps, less.
-    assert pricing.dp_shared_seconds(1.0, 2.5, 10, 2.0) == 0.0
-    assert pricing.dp_shared_seconds(1.0, 1.5, 1, 2.0) == pytest.approx(0.5)
+    assert ring_pricing.dp_shared_seconds(1.0, 2.5, 10, 2.0) == 0.0
+    assert ring_pricing.dp_shared_seconds(1.0, 1.5, 1, 2.0) == pytest.approx(0.5)
 
 
 def test_a_routed_hop_passes_blocks_through_its_stages_one_after_another():
     gpu = ballonet.cluster("h200-8nic").groups[0].gpu_type
     m, nic, intra = 80e6, 50e9, 450e9
-    first, each, k = pricing.crossing_pipeline(m, nic, intra, 8, gpu)
-    assert first == pricing.crossing_seconds(m, nic, intra, 8, gpu) and k > 1
+    first, each, k = ring_pricing.crossing_pipeline(m, nic, intra, 8, gpu)
+    assert first == ring_pricing.crossing_seconds(m, nic, intra, 8, gpu) and k > 1
     # a block a step: the slowest stage, the source's port carrying k parts (k - 1
     # dispatches and the combine of the hop into its node), each part its own message
     assert each == pytest.approx(max(k * p2p_time(m / k, intra, False, gpu), p2p_time(m / k, nic, True, gpu)))
     assert each < first
-    assert pricing.crossing_pipeline(m, nic, intra, 1, gpu) == (p2p_time(m, nic, True, gpu),) * 2 + (1,)
+    assert ring_pricing.crossing_pipeline(m, nic, intra, 1, gpu) == (p2p_time(m, nic, True, gpu),) * 2 + (1,)
 
 
 def test_crossing_hops_priced_as_arrays_cost_what_each_costs_alone():
     gpu = ballonet.cluster("h200-8nic").groups[0].gpu_type
     nbytes = np.array([0.0, 1e3, 80e6, 80e6, 3e8])
     nic, intra, rails = np.full(5, 50e9), np.array([450e9, 450e9, 450e9, 900e9, 450e9]), np.array([8, 1, 8, 4, 0])
-    each = pricing.crossing_seconds_each(nbytes, nic, intra, rails, gpu)
-    assert each.tolist() == [pricing.crossing_seconds(float(m), n, i, int(k), gpu)
+    each = ring_pricing.crossing_seconds_each(nbytes, nic, intra, rails, gpu)
+    assert each.tolist() == [ring_pricing.crossing_seconds(float(m), n, i, int(k), gpu)
                              for m, n, i, k in zip(nbytes, nic, intra, rails)]
 
 
@@ -60,8 +60,8 @@ def test_a_ring_step_computes_half_of_two_full_blocks():
     step = attention_seconds(model, gpu, block_flops(model, block, block) / 2, block, launch_floor=True)
     just_hidden = kv_bytes(model, block) / (step * 0.999)  # a link whose transfer a step just hides
     bw = just_hidden / hardware.profile(gpu).p2p_efficiency
-    assert pricing.ring_exposed_seconds(model, gpu, length, members, bw * 1.5, nic=False) == 0.0
-    assert pricing.ring_exposed_seconds(model, gpu, length, members, bw / 1.5, nic=False) > 0.0
+    assert ring_pricing.ring_exposed_seconds(model, gpu, length, members, bw * 1.5, nic=False) == 0.0
+    assert ring_pricing.ring_exposed_seconds(model, gpu, length, members, bw / 1.5, nic=False) > 0.0
 
 
 def test_rings_priced_once_per_shape_are_priced_anew_under_an_installed_profile():
@@ -71,12 +71,12 @@ def test_rings_priced_once_per_shape_are_priced_anew_under_an_installed_profile(
     gpu = ballonet.cluster("h200-8nic").groups[0].gpu_type
     ring = (model, gpu, 131072, 16, 50e9)
     double = (model, gpu, 131072, 2, 8, 450e9, 50e9)
-    before = pricing.ring_exposed_seconds(*ring), pricing.double_exposed_seconds(*double)
+    before = ring_pricing.ring_exposed_seconds(*ring), ring_pricing.double_exposed_seconds(*double)
     slow = dataclasses.replace(hardware.profile(gpu), nic_efficiency=hardware.profile(gpu).nic_efficiency / 2)
     with calibration.use(slow):
-        during = pricing.ring_exposed_seconds(*ring), pricing.double_exposed_seconds(*double)
+        during = ring_pricing.ring_exposed_seconds(*ring), ring_pricing.double_exposed_seconds(*double)
     assert during[0] > before[0] > 0 and during[1] > before[1] > 0
-    assert (pricing.ring_exposed_seconds(*ring), pricing.double_exposed_seconds(*double)) == before
+    assert (ring_pricing.ring_exposed_seconds(*ring), ring_pricing.double_exposed_seconds(*double)) == before
 
 
 def test_the_estimate_of_a_double_ring_across_two_nodes_is_what_the_simulator_runs():

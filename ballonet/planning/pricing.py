@@ -42,21 +42,15 @@ from ballonet.cost.tensor_parallel import tp_layer_seconds
 from ballonet.plan import Plan
 from ballonet.planning.devices import Devices
 from ballonet.planning.ring_pricing import (
-    crossing_pipeline,
-    crossing_seconds,
-    crossing_seconds_each,
     double_exposed_seconds,
     dp_intra_seconds,
-    dp_shared_seconds,
     ring_exposed_seconds,
 )
 from ballonet.specs import ModelSpec
 
-__all__ = ["StepWeights", "attention_kernels", "crossing_pipeline", "crossing_seconds", "crossing_seconds_each",
-           "double_exposed_seconds", "dp_intra_seconds", "dp_shared_seconds", "inter_node_span",
-           "linear_work_per_token", "rank_compute_seconds", "rank_remap_seconds", "rank_step_seconds",
-           "rank_tp_seconds", "recompute_modes", "remap_pairs", "remaps_inside", "ring_exposed_seconds",
-           "ring_wait_seconds", "step_weights", "synchronous_step_seconds"]
+__all__ = ["StepWeights", "attention_kernels", "inter_node_span", "linear_work_per_token", "rank_compute_seconds",
+           "rank_remap_seconds", "rank_step_seconds", "rank_tp_seconds", "recompute_modes", "remap_pairs",
+           "remaps_inside", "ring_wait_seconds", "step_weights", "synchronous_step_seconds"]
 
 
 _doc = attrgetter("doc")

@@ -25,7 +25,8 @@ from ballonet.cost.seconds import (
 from ballonet.cost.tensor_parallel import tp_step_collectives
 from ballonet.plan import Plan, Ring
 from ballonet.planning.devices import Devices
-from ballonet.planning.pricing import crossing_seconds_each, remap_pairs
+from ballonet.planning.pricing import remap_pairs
+from ballonet.planning.ring_pricing import crossing_seconds_each
 from ballonet.specs import ClusterSpec, ModelSpec
 
 __all__ = ["dp_send_seconds", "final_grad_wait_seconds", "fixed_tail_seconds", "overlap_slowdown_seconds",

@@ -20,9 +20,9 @@ from ballonet.planning.pricing import (
     StepWeights,
     inter_node_span,
     linear_work_per_token,
-    ring_exposed_seconds,
     step_weights,
 )
+from ballonet.planning.ring_pricing import ring_exposed_seconds
 from ballonet.planning.zeppelin.state import Batch, Crossover, node_ranks
 from ballonet.planning.zeppelin.thresholds import THRESHOLDS
 from ballonet.planning.zeppelin.water import split_work, water_level
@@ -207,7 +207,7 @@ def _node_work(batch: Batch, nodes, weights: StepWeights | None) -> np.ndarray:
     a rank's fair share there (and above the node group's intra-node crossover) will be
     split over about work / share of its ranks, at their shorter blocks' efficiency, and
     (with `weights`) its ring's exposed transfers on the node's own links are added
-    (`pricing.ring_exposed_seconds`: nothing over NVLink, much over PCIe). With `weights`,
+    (`ring_pricing.ring_exposed_seconds`: nothing over NVLink, much over PCIe). With `weights`,
     one that node cannot split (below its crossover, or a node of one rank) also counts
     the wait it leaves the node's other ranks: (work - fair share) each. On a mixed
     cluster the same document is split more, so costs more, on slower nodes. Made once per

@@ -30,13 +30,13 @@ class Crossover:
     """Bytes/s of a ring hop inside a node (NVLink, or PCIe on a PCIe-only node)."""
     crossing_bw: float
     """Bytes/s of one NIC at line rate, for a ring hop that crosses nodes (routed over
-    `rails` of them, `pricing.crossing_seconds`)."""
+    `rails` of them, `ring_pricing.crossing_seconds`)."""
     rank_nic_bw: float = 0.0
     """Bytes/s of one rank's NIC share when every rank of the node sends at once (a
     "double" ring's rounds): line rate over the GPUs a NIC serves."""
     rails: int = 1
     """Distinct NICs a node's ranks reach: the most proxy pairs a routed crossing hop
-    spreads over (`pricing.crossing_seconds`)."""
+    spreads over (`ring_pricing.crossing_seconds`)."""
     dp_piece: tuple[float, float] = (0.0, 0.0)
     """(forward, backward) seconds a piece of a layer's data-parallel collectives holds a
     rank's NIC share (`cost.seconds.dp_piece_seconds`): a crossing hop behind one waits."""
