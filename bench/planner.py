@@ -346,11 +346,11 @@ def write(rows, by_gpus, by_docs, full, double, command: str, seconds: float, ag
         "after the s7-speed step (py-spy samples), at 1024 GPUs refinement took 27% of a plan, level 2 23%, "
         "level 1s 15%, pricing 14%, assembly and remap 11%; at 128 GPUs 18%, 17%, 14%, 29% and 13%; a candidate "
         "costs about 6 ms at 128 GPUs and 50 ms at 1024, so the targets leave room for about 3 and 4 (the s8 "
-        "speed steps that evening took another 9% of the instructions off at both sizes: about 5.5 and 40 ms a "
+        "speed steps that evening took another 9% of the instructions off at both sizes: about 6 and 42 ms a "
         "candidate); refinement "
         "levelled in one numpy pass per wave of rings made the same plans but was slower in all, what "
         "surrounds each water level being per document "
-        "(docs/design.md, section 4, 'Planning time'); this shared VM's speed "
+        "(docs/planner_evidence.md, 'Planning time'); this shared VM's speed "
         "drifts between runs of the same code (1.5x to 4x on 2026-12-02), so compare the best of 7 and, with "
         "`--against`, the side-by-side speedup or, with `--instructions`, the instruction counts)")
     best = {r["gpus"]: r["plan_cpu_min_ms"] for r in by_gpus}
