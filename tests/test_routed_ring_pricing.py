@@ -1,5 +1,5 @@
 """Single rings whose crossing hops are routed, priced by running their ports as the
-simulator shares them (`planning.routed_ring`, `ring_pricing.routed_exposed_seconds`):
+simulator shares them (`planning.routed_ring`, `routed_ring.routed_exposed_seconds`):
 hand-computed waits, every node alike, and an estimate the simulator confirms."""
 
 import pytest

@@ -2,7 +2,7 @@
 partitioner's estimates add it (docs/design.md, section 4): each ring priced hop by hop as
 level 1 priced it (`ring_pricing.ring_exposed_seconds`), or, where routing cuts its
 crossing hops over several rails (`routed_ring_docs`), with its ports run as the
-simulator runs them (`ring_pricing.routed_waits`), its members' local documents filling
+simulator runs them (`routed_ring.routed_waits`), its members' local documents filling
 their wait before the second step (`local_attention_seconds`). Running the ports costs
 far more, so which routed rings run them is the caller's choice (`PortRuns`): the search
 prices its candidates `HOP_BY_HOP` and runs the ports of the few that can still win
@@ -20,7 +20,8 @@ from ballonet.cost.recompute import recompute_attention
 from ballonet.cost.seconds import DP_FORWARD_SHARE, attention_seconds
 from ballonet.plan import Plan
 from ballonet.planning.devices import Devices
-from ballonet.planning.ring_pricing import dp_intra_seconds, ring_exposed_seconds, routed_ring_width, routed_waits
+from ballonet.planning.ring_pricing import dp_intra_seconds, ring_exposed_seconds
+from ballonet.planning.routed_ring import routed_ring_width, routed_waits
 from ballonet.specs import ModelSpec
 
 __all__ = ["EVERY_PORT", "HOP_BY_HOP", "PortRuns", "crossing_exposed_seconds", "local_attention_seconds", "ports_of",
@@ -55,7 +56,7 @@ def ports_of(docs) -> PortRuns:
 def routed_ring_docs(plan: Plan, dev: Devices, model: ModelSpec, link_bw: np.ndarray, nic_bw: np.ndarray,
                      rails: np.ndarray) -> list[int]:
     """The documents of `plan`'s single rings across nodes whose crossing hops routing cuts
-    over several rails (`ring_pricing.routed_ring_width`), longest first: those
+    over several rails (`routed_ring.routed_ring_width`), longest first: those
     `crossing_exposed_seconds` runs port by port but `HOP_BY_HOP`."""
     docs = []
     for ring in plan.rings:
@@ -74,7 +75,7 @@ def crossing_exposed_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw
     """[R] what each member of a single ring across nodes leaves exposed in a step (its
     ring's `ring_exposed_seconds`, crossing hops at `nic_bw` routed over `rails`, 1:
     direct), as level 1 priced it (`pricing.inter_node_span`); a ring whose crossing hops
-    are cut over several rails as the simulator runs it (`ring_pricing.routed_waits`),
+    are cut over several rails as the simulator runs it (`routed_ring.routed_waits`),
     each member's local documents filling its wait before its second step, where `runs`
     runs its ports."""
     out = np.zeros(plan.num_ranks)

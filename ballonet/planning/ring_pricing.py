@@ -5,7 +5,7 @@ blocks through dispatch, NIC legs and combine one after another (`crossing_pipel
 the layer's FSDP collectives share a ring's ports fairly while they last
 (`dp_shared_seconds`), as the simulator's links share their bandwidth. A candidate's
 single ring whose crossing hops routing cuts over several rails is run port by port
-instead (`routed_exposed_seconds`, `routed_ring.pass_wait`; in the search's candidates
+instead (`routed_ring.routed_exposed_seconds`; in the search's candidates
 that can still win only, `crossing_rings.PortRuns`): the blocks its members relay
 reach a crossing hop in bursts that share its ports, every block of a burst late.
 `pricing` and `crossing_rings` add these to the partitioner's estimates
@@ -23,14 +23,12 @@ from ballonet.cost import hardware
 from ballonet.cost.flops import block_flops, grad_bytes, kv_bytes, kv_grad_bytes
 from ballonet.cost.memory import recompute_mode
 from ballonet.cost.recompute import recompute_attention
-from ballonet.planning.routed_ring import pass_wait
-from ballonet.planning.routing import best_width
+from ballonet.planning.routed_ring import routed_exposed_seconds, routed_ring_width
 from ballonet.cost.seconds import DP_BACKWARD_SHARE, DP_FORWARD_SHARE, DP_PIECES, attention_seconds, collective_time, p2p_time, p2p_times
 from ballonet.specs import ModelSpec
 
 __all__ = ["crossing_pipeline", "crossing_seconds", "crossing_seconds_each", "double_exposed_seconds", "double_pass", "double_wait_seconds", "dp_intra_seconds", "dp_shared_seconds",
-           "ring_exposed_seconds", "routed_exposed_seconds", "routed_ring_width", "routed_waits",
-           "routed_width"]
+           "ring_exposed_seconds"]
 
 
 def crossing_seconds(nbytes: float, nic_bw: float, intra_bw: float, rails: int, gpu: hardware.GPUType) -> float:
@@ -83,79 +81,6 @@ def _floats(bandwidth, routed, dp_piece, dp_intra) -> tuple[float, tuple[float, 
     fraction of their cost (the same IEEE double operations)."""
     return (float(bandwidth), None if routed is None else (float(routed[0]), routed[1]),
             (float(dp_piece[0]), float(dp_piece[1])), float(dp_intra))
-
-
-def routed_exposed_seconds(model: ModelSpec, gpu: hardware.GPUType, length: int, members: int, nodes: int,
-                           nic_bw: float, intra_bw: float, width: int, dp_piece: float, dp_intra: float,
-                           local: tuple[float, float] = (0.0, 0.0)) -> float:
-    """Seconds the member of a single ring across `nodes` nodes that waits most waits
-    beyond its compute in a step (all layers), its local documents (`local`: one layer's,
-    forward and backward) filling the wait before its second step (`routed_waits`)."""
-    (fwd, fwd_first), (bwd, bwd_first) = routed_waits(model, gpu, length, members, nodes, nic_bw, intra_bw, width,
-                                                      dp_piece, dp_intra)
-    return model.num_layers * (fwd - min(fwd_first, local[0]) + bwd - min(bwd_first, local[1]))
-
-
-def routed_waits(model: ModelSpec, gpu: hardware.GPUType, length: int, members: int, nodes: int,
-                 nic_bw: float, intra_bw: float, width: int, dp_piece: float, dp_intra: float) \
-        -> tuple[tuple[float, float], tuple[float, float]]:
-    """(forward, backward) of one layer: (seconds the member of a single ring across
-    `nodes` nodes that waits most waits beyond its compute, of which before its second
-    step), its crossing hops cut over `width` rails as
-    `planning.routing` cuts them, run as the simulator runs them
-    (`routed_ring.pass_wait`): blocks relayed as soon as they are there reach a crossing
-    hop in bursts that share its ports, and in the backward the partial dK/dV queue behind
-    the relayed K/V; the forward's ports and NICs also carry the layer's FSDP collectives
-    (`dp_intra` seconds alone on a port, pieces of `dp_piece` on a NIC). The backward's
-    collectives run beside its linear layers, before its attention. Under full
-    recomputation the backward's steps rerun the forward's kernels."""
-    nic_bw, intra_bw, dp_piece, dp_intra = float(nic_bw), float(intra_bw), float(dp_piece), float(dp_intra)
-    block = max(length // members, 1)
-    flops = block_flops(model, block, block) / 2  # a zig-zag step (`ring_exposed_seconds`)
-    fwd_c = attention_seconds(model, gpu, flops, block, launch_floor=True)
-    bwd_c = attention_seconds(model, gpu, flops, block, backward=True, launch_floor=True)
-    if recompute_attention(recompute_mode(model)):
-        bwd_c += fwd_c
-    per_node = -(-members // nodes)  # a node of the most members stands for each (`pass_wait`)
-
-    def seconds(nbytes: float) -> tuple[float, float, float]:
-        return (p2p_time(nbytes, intra_bw, False, gpu), p2p_time(nbytes / width, intra_bw, False, gpu),
-                p2p_time(nbytes / width, nic_bw, True, gpu))
-    kv = seconds(kv_bytes(model, block))
-    forward = _pass_wait(per_node, members, width, fwd_c, kv, None, (dp_intra, dp_piece))
-    backward = _pass_wait(per_node, members, width, bwd_c, kv, seconds(kv_grad_bytes(model, block)), (0.0, 0.0))
-    return forward, backward
-
-
-_pass_wait = functools.lru_cache(maxsize=4096)(pass_wait)
-"""`routed_ring.pass_wait`, once per pass shape: its arguments are seconds, so recomputation
-modes that run the same steps (and profiles that give the same seconds) share it."""
-
-
-def routed_ring_width(model: ModelSpec, length: int, members: int, nodes: int, nic_bw: float,
-                      routed: tuple[float, int] | None) -> int:
-    """The rails a single ring of `members` over `nodes` nodes (0: unknown) has its crossing
-    hops cut over (`routed_width`) where that is 2 or more, else 0 (priced hop by hop)."""
-    if routed is None or nodes < 2 or members <= nodes:
-        return 0
-    width = routed_width(kv_bytes(model, max(length // members, 1)), nic_bw, routed[0], routed[1])
-    return width if width > 1 else 0
-
-
-def routed_width(nbytes: float, nic_bw: float, intra_bw: float, rails: int) -> int:
-    """How many rails `planning.routing` cuts a crossing hop of `nbytes` a step over, no
-    other hop loading them (`routing.best_width`); under the built-in reference profile,
-    which prices it, once per hop shape: the search's candidates hold rings of the same
-    documents over the same nodes again and again."""
-    args = (nbytes, nic_bw, intra_bw, rails)
-    return _routed_width(*args) if hardware.calibrated(None) else _routed_width_builtin(*args)
-
-
-def _routed_width(nbytes: float, nic_bw: float, intra_bw: float, rails: int) -> int:
-    return best_width(nbytes, 0.0, [0.0] * max(rails, 1), (intra_bw, intra_bw), nic_bw)
-
-
-_routed_width_builtin = functools.lru_cache(maxsize=4096)(_routed_width)
 
 
 def _ring_exposed_seconds(model: ModelSpec, gpu: hardware.GPUType, length: int, members: int, bandwidth: float,

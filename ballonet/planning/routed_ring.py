@@ -6,16 +6,25 @@ fairly among the transfers on it (processor sharing: the blocks of such a burst 
 arrive late, not one after another); in the backward each member waits for its
 predecessor's partial dK/dV after its step's compute, and those partials cross the same
 routed hops behind the relayed K/V. `pass_wait` gives what a member waits beyond its
-compute in one layer's pass; `ring_pricing` prices large routed rings by it."""
+compute in one layer's pass, `routed_waits` and `routed_exposed_seconds` what a ring's
+members wait in a layer and a step, as `ring_pricing` and `crossing_rings` price large
+routed rings; `routed_width` how many rails routing cuts a crossing hop over."""
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 
-from ballonet.cost.seconds import DP_PIECES
+from ballonet.cost import hardware
+from ballonet.cost.flops import block_flops, kv_bytes, kv_grad_bytes
+from ballonet.cost.memory import recompute_mode
+from ballonet.cost.recompute import recompute_attention
+from ballonet.cost.seconds import DP_PIECES, attention_seconds, p2p_time
+from ballonet.planning.routing import best_width
+from ballonet.specs import ModelSpec
 
-__all__ = ["pass_wait"]
+__all__ = ["pass_wait", "routed_exposed_seconds", "routed_ring_width", "routed_waits", "routed_width"]
 
 
 class _Links:
@@ -200,3 +209,76 @@ def pass_wait(per_node: int, members: int, rails: int, compute: float, kv: tuple
     links.run(settle)
     most = max(range(g), key=lambda i: end[i])
     return max(end[most] - members * compute, 0.0), first[most]
+
+
+def routed_exposed_seconds(model: ModelSpec, gpu: hardware.GPUType, length: int, members: int, nodes: int,
+                           nic_bw: float, intra_bw: float, width: int, dp_piece: float, dp_intra: float,
+                           local: tuple[float, float] = (0.0, 0.0)) -> float:
+    """Seconds the member of a single ring across `nodes` nodes that waits most waits
+    beyond its compute in a step (all layers), its local documents (`local`: one layer's,
+    forward and backward) filling the wait before its second step (`routed_waits`)."""
+    (fwd, fwd_first), (bwd, bwd_first) = routed_waits(model, gpu, length, members, nodes, nic_bw, intra_bw, width,
+                                                      dp_piece, dp_intra)
+    return model.num_layers * (fwd - min(fwd_first, local[0]) + bwd - min(bwd_first, local[1]))
+
+
+def routed_waits(model: ModelSpec, gpu: hardware.GPUType, length: int, members: int, nodes: int,
+                 nic_bw: float, intra_bw: float, width: int, dp_piece: float, dp_intra: float) \
+        -> tuple[tuple[float, float], tuple[float, float]]:
+    """(forward, backward) of one layer: (seconds the member of a single ring across
+    `nodes` nodes that waits most waits beyond its compute, of which before its second
+    step), its crossing hops cut over `width` rails as
+    `planning.routing` cuts them, run as the simulator runs them
+    (`routed_ring.pass_wait`): blocks relayed as soon as they are there reach a crossing
+    hop in bursts that share its ports, and in the backward the partial dK/dV queue behind
+    the relayed K/V; the forward's ports and NICs also carry the layer's FSDP collectives
+    (`dp_intra` seconds alone on a port, pieces of `dp_piece` on a NIC). The backward's
+    collectives run beside its linear layers, before its attention. Under full
+    recomputation the backward's steps rerun the forward's kernels."""
+    nic_bw, intra_bw, dp_piece, dp_intra = float(nic_bw), float(intra_bw), float(dp_piece), float(dp_intra)
+    block = max(length // members, 1)
+    flops = block_flops(model, block, block) / 2  # a zig-zag step (`ring_exposed_seconds`)
+    fwd_c = attention_seconds(model, gpu, flops, block, launch_floor=True)
+    bwd_c = attention_seconds(model, gpu, flops, block, backward=True, launch_floor=True)
+    if recompute_attention(recompute_mode(model)):
+        bwd_c += fwd_c
+    per_node = -(-members // nodes)  # a node of the most members stands for each (`pass_wait`)
+
+    def seconds(nbytes: float) -> tuple[float, float, float]:
+        return (p2p_time(nbytes, intra_bw, False, gpu), p2p_time(nbytes / width, intra_bw, False, gpu),
+                p2p_time(nbytes / width, nic_bw, True, gpu))
+    kv = seconds(kv_bytes(model, block))
+    forward = _pass_wait(per_node, members, width, fwd_c, kv, None, (dp_intra, dp_piece))
+    backward = _pass_wait(per_node, members, width, bwd_c, kv, seconds(kv_grad_bytes(model, block)), (0.0, 0.0))
+    return forward, backward
+
+
+_pass_wait = functools.lru_cache(maxsize=4096)(pass_wait)
+"""`routed_ring.pass_wait`, once per pass shape: its arguments are seconds, so recomputation
+modes that run the same steps (and profiles that give the same seconds) share it."""
+
+
+def routed_ring_width(model: ModelSpec, length: int, members: int, nodes: int, nic_bw: float,
+                      routed: tuple[float, int] | None) -> int:
+    """The rails a single ring of `members` over `nodes` nodes (0: unknown) has its crossing
+    hops cut over (`routed_width`) where that is 2 or more, else 0 (priced hop by hop)."""
+    if routed is None or nodes < 2 or members <= nodes:
+        return 0
+    width = routed_width(kv_bytes(model, max(length // members, 1)), nic_bw, routed[0], routed[1])
+    return width if width > 1 else 0
+
+
+def routed_width(nbytes: float, nic_bw: float, intra_bw: float, rails: int) -> int:
+    """How many rails `planning.routing` cuts a crossing hop of `nbytes` a step over, no
+    other hop loading them (`routing.best_width`); under the built-in reference profile,
+    which prices it, once per hop shape: the search's candidates hold rings of the same
+    documents over the same nodes again and again."""
+    args = (nbytes, nic_bw, intra_bw, rails)
+    return _routed_width(*args) if hardware.calibrated(None) else _routed_width_builtin(*args)
+
+
+def _routed_width(nbytes: float, nic_bw: float, intra_bw: float, rails: int) -> int:
+    return best_width(nbytes, 0.0, [0.0] * max(rails, 1), (intra_bw, intra_bw), nic_bw)
+
+
+_routed_width_builtin = functools.lru_cache(maxsize=4096)(_routed_width)

@@ -1,5 +1,5 @@
 """What each single ring across nodes with routed crossing hops waits in the simulator
-beside what the estimate prices for it (`ring_pricing.routed_waits`), one configuration
+beside what the estimate prices for it (`routed_ring.routed_waits`), one configuration
 at a time.
 
     OMP_NUM_THREADS=1 python bench/investigations/routed_ring_waits.py {main,scale,held} INDEX [--single]
@@ -30,7 +30,7 @@ from scale_one import grid, main_grid
 from ballonet import plan_batch
 from ballonet.cost.flops import kv_bytes, kv_grad_bytes
 from ballonet.cost.seconds import DP_FORWARD_SHARE, dp_piece_seconds
-from ballonet.planning import ring_pricing
+from ballonet.planning import ring_pricing, routed_ring
 from ballonet.simulation.simulator import simulate
 
 
@@ -82,13 +82,13 @@ def main(argv=None) -> int:
         rails = max(1, min(group.gpus_per_node // group.gpus_per_nic, per_node))
         length, members = plan.lengths[ring.doc], len(ring.ranks)
         nic, intra = group.nic_bw, group.intra_bw
-        width = ring_pricing.routed_ring_width(priced, length, members, nodes, nic, (intra, rails))
+        width = routed_ring.routed_ring_width(priced, length, members, nodes, nic, (intra, rails))
         sim = simulated_waits(res, ring)
         line = (f"  ring of {members} over {nodes} nodes ({length} tokens): simulated {sim[0] * 1e3:.2f} + "
                 f"{sim[1] * 1e3:.2f} ms a layer")
         if width:
             dp = DP_FORWARD_SHARE * ring_pricing.dp_intra_seconds(m, group.gpu_type, per_node, intra)
-            (fwd, _), (bwd, _) = ring_pricing.routed_waits(priced, group.gpu_type, length, members, nodes, nic, intra,
+            (fwd, _), (bwd, _) = routed_ring.routed_waits(priced, group.gpu_type, length, members, nodes, nic, intra,
                                                            width, dp_piece_seconds(m, group, c.num_nodes)[0], dp)
             block = max(length // members, 1)
             last = ring_pricing.crossing_seconds(kv_grad_bytes(m, block), nic, intra, rails, group.gpu_type)
