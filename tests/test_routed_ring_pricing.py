@@ -85,13 +85,13 @@ def test_a_candidate_repriced_from_its_own_pricing_is_its_plan_priced_anew():
     # (`CandidateMaker.reprice`), reading what does not depend on the ports from the
     # candidate: bit for bit what pricing its plan anew gives.
     from ballonet.planning.crossing_rings import HOP_BY_HOP, ports_of
+    from ballonet.planning.zeppelin.classes import crossover_lengths
     from ballonet.planning.zeppelin.search import CandidateSearch, ZeppelinOptions
 
     c, m = ballonet.cluster("h200-8nic", num_nodes=4), ballonet.model("llama-7b")
     lengths = [126274] + [2000] * ((16384 * 32 - 126274) // 2000)
     plan = plan_batch(lengths, c, m, double=False)
     search = CandidateSearch(lengths=lengths, cluster=c, model=m, options=ZeppelinOptions(double=False))
-    from ballonet.planning.zeppelin.classes import crossover_lengths
     search.crossovers = crossover_lengths(c, m)
     maker = search._maker(m, trim=True)
     by_hop = maker.price(plan, HOP_BY_HOP)
