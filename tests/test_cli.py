@@ -200,3 +200,63 @@ def test_a_rank_s_bad_input_under_nproc_is_its_one_line_and_exit_2(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("ballonet train: error: ") and "Traceback" not in r.stderr
     assert re.search(r"max.doc(ument)?.tokens", lines[0], re.IGNORECASE), lines[0]
     assert list(tmp_path.iterdir()) == []
+
+
+# ---- a new user's slips (s9): each one line naming the flag, exit 2, nothing printed or written ----
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["cost", "--length", "4096", "--lenght", "5"],
+         "ballonet cost: error: unrecognized arguments: --lenght 5; did you mean --length? (see ballonet cost --help)"),
+        (["cost", "--length", "4096", "--len", "5", "--json"],
+         "ballonet cost: error: unrecognized arguments: --len 5; did you mean --length?"),  # no abbreviation: `train` hands its flags to torchrun
+        (["train", "--nproc", "2", "--npro", "2"], "ballonet train: error: unrecognized arguments: --npro 2; did you "
+                                                   "mean --nproc?"),
+        (["plan", "--check"], "unrecognized arguments: --check; did you mean --check-schedule?"),
+        (["plan", "--seed", "-1", "--json"], "ballonet plan: error: argument --seed: expected an integer from 0"),
+        (["simulate", "--seed", "-1"], "ballonet simulate: error: argument --seed: expected an integer from 0"),
+        (["demo", "--seed", "-1"], "ballonet demo: error: argument --seed: expected an integer from 0"),
+        (["demo", "--tokens-per-gpu", "100000000"], "ballonet demo: error: --tokens-per-gpu 100000000: a batch of "
+                                                    "3200000000 tokens, over the"),
+        (["plan", "--lengths", "lens.txt", "--tokens-per-gpu", "8", "--json"],
+         "--lengths is the batch itself, not sampled: --tokens-per-gpu does not apply"),
+        (["plan", "--lengths", "lens.txt", "--seed", "3"], "--seed does not apply"),
+        (["simulate", "--planners", "zeppelin,te_cp,zeppelin", "--json"],
+         "--planners zeppelin,te_cp,zeppelin: names zeppelin more than once"),
+        (["simulate", "--planners", "te_cp", "--no-remap", "--assume-homogeneous"],
+         "--planners te_cp runs no zeppelin: --no-remap, --assume-homogeneous do not apply"),
+        (["simulate", "--cluster", "h800+h20", "--loan-schedule", "day.toml", "--plot", "a.png", "--json"],
+         "--loan-schedule prices zeppelin's plans alone, in a table: --plot does not apply"),
+        (["simulate", "--cluster", "h800+h20", "--loan-schedule", "day.toml", "--planners", "te_cp", "--tune"],
+         "--planners, --tune do not apply"),
+        (["calibrate", "--compare", "p.json", "--out", "q.json", "--quick"],
+         "--compare measures nothing, it prints a table: --out, --quick do not apply"),
+        (["calibrate", "--compare", "p.json", "--json"], "--json does not apply"),
+        (["calibrate", "--quick", "--gpu", "h200", "--out", "q.json"],
+         "--gpu h200: this machine has no GPU, so it measures its CPU"),
+    ],
+)
+def test_a_slip_is_one_line_naming_the_flag_and_nothing_else(argv, message, tmp_path, monkeypatch, capsys):
+    import torch
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU machine, wherever the test runs
+    (tmp_path / "lens.txt").write_text("300\n20\n")
+    code, out, err = _main(argv, capsys)
+    assert code == 2 and out == "" and message in err and len(err.splitlines()) == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lens.txt"]
+
+
+def test_help_says_what_ballonet_is_and_where_to_start(capsys):
+    from tests.test_docs_flags import subcommand_flags
+
+    code, out, _ = _main(["--help"], capsys)
+    assert code == 0 and "Ballonet: plan, simulate and train" in out
+    assert "Start with `ballonet demo`" in " ".join(out.split()) and "ballonet COMMAND --help" in " ".join(out.split())
+    for name in subcommand_flags():
+        code, out, err = _main([name, "--help"], capsys)
+        assert code == 0 and out.startswith(f"usage: ballonet {name}") and err == "", name
+        if name in ("cost", "plan", "simulate"):  # --model takes a model file too, as in the README
+            assert "or TOML file" in " ".join(out.split("--model", 2)[2].split()[:20]), name
