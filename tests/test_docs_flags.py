@@ -3,7 +3,7 @@ that command's parser, so the docs cannot drift from the command line: command l
 fenced code blocks (continuation lines joined, `torchrun ... -m ballonet train ...`
 included) and in inline code spans (`ballonet plan --check-schedule`, or `plan
 --lengths`), and each bare flag span (`--eval-every N`) in some command or, for another
-tool's flag, in `OTHER_TOOLS`."""
+tool's flag, in `OTHER_TOOLS`; and the `ballonet` lines of the shell scripts a user runs."""
 
 import re
 from pathlib import Path
@@ -14,6 +14,9 @@ from ballonet import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ("README.md", "docs/guide.md", "docs/design.md")
+SCRIPTS = ("scripts/gpu_check.sh", "scripts/gpu_train_check.sh", "examples/lease_multinode.sh",
+           "examples/slurm_multinode.sh")
+"""Shell scripts a user runs or copies: their `ballonet` lines are checked as a code block's."""
 
 OTHER_TOOLS = {
     "--nnodes", "--nproc-per-node", "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id", "--rdzv-conf", "--local-addr",
@@ -67,21 +70,27 @@ def _commands(tokens: list[str], commands: set[str], anywhere: bool) -> list[tup
     return found
 
 
+def code_commands(code: str, first: int, commands: set[str]) -> list[tuple[int, str, list[str]]]:
+    """(line, subcommand, flags) of every `ballonet` command line of shell `code` whose first
+    line is line `first` (continuation lines joined, comments dropped)."""
+    found = []
+    joined, start = "", None
+    for n, line in enumerate(code.split("\n"), first):
+        start = n if start is None else start
+        if line.rstrip().endswith("\\"):
+            joined += line.rstrip()[:-1] + " "
+            continue
+        tokens = (joined + line).split(" #", 1)[0].split()
+        found += [(start, name, flags) for name, flags in _commands(tokens, commands, anywhere=False)]
+        joined, start = "", None
+    return found
+
+
 def doc_commands(text: str, commands: set[str]) -> list[tuple[int, str, list[str]]]:
     """(line, subcommand, flags) of every `ballonet` command line of a Markdown `text`."""
     found = []
     for block in _FENCE.finditer(text):
-        first = text.count("\n", 0, block.start(1)) + 1
-        lines = block.group(1).split("\n")
-        joined, start = "", None
-        for n, line in enumerate(lines, first):
-            start = n if start is None else start
-            if line.rstrip().endswith("\\"):
-                joined += line.rstrip()[:-1] + " "
-                continue
-            code = (joined + line).split(" #", 1)[0]
-            found += [(start, name, flags) for name, flags in _commands(code.split(), commands, anywhere=False)]
-            joined, start = "", None
+        found += code_commands(block.group(1), text.count("\n", 0, block.start(1)) + 1, commands)
     unfenced = re.sub(r"^```.*$", "", text, flags=re.M)  # spans in prose, and in a block's comments or listings
     for span in _SPAN.finditer(unfenced):
         line = unfenced.count("\n", 0, span.start()) + 1
@@ -101,17 +110,20 @@ def bare_flags(text: str) -> list[tuple[int, str]]:
     return found
 
 
-def misnamed(text: str, where: str, parsers: dict[str, set[str]]) -> list[str]:
-    """What `text` names that no parser has, as `where:line: ...` lines."""
+def misnamed(text: str, where: str, parsers: dict[str, set[str]], script: bool = False) -> list[str]:
+    """What `text` (Markdown, or with `script` a shell script) names that no parser has, as
+    `where:line: ...` lines."""
     every = set().union(*parsers.values())
     wrong = []
-    for line, name, flags in doc_commands(text, set(parsers)):
+    found = code_commands(text, 1, set(parsers)) if script else doc_commands(text, set(parsers))
+    for line, name, flags in found:
         if name not in parsers:
             wrong.append(f"{where}:{line}: `ballonet {name}` is no command (commands: {', '.join(sorted(parsers))})")
             continue
         wrong += [f"{where}:{line}: `ballonet {name}` has no flag {flag}" for flag in flags if flag not in parsers[name]]
-    wrong += [f"{where}:{line}: no command has the flag {flag}" for line, flag in bare_flags(text)
-              if flag not in every | OTHER_TOOLS]
+    if not script:
+        wrong += [f"{where}:{line}: no command has the flag {flag}" for line, flag in bare_flags(text)
+                  if flag not in every | OTHER_TOOLS]
     return wrong
 
 
@@ -123,11 +135,20 @@ def test_every_flag_the_docs_name_exists(doc):
     assert misnamed(text, doc, parsers) == []
 
 
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_flag_the_scripts_give_exists(script):
+    parsers = subcommand_flags()
+    text = (ROOT / script).read_text()
+    assert code_commands(text, 1, set(parsers)), f"{script}: no ballonet command line found"
+    assert misnamed(text, script, parsers, script=True) == []
+
+
 def test_the_check_finds_a_flag_or_command_that_does_not_exist():
     parsers = subcommand_flags()
     text = ("Run:\n\n```bash\nballonet plan --cluster cpu \\\n    --bogus-flag 3   # a comment --not-a-flag\n```\n\n"
             "then `ballonet simulate --json --tokens-per-gpux 8`, `plan --lenghts`, `--eval-evry N`,\n"
             "`torchrun --nnodes 2 -m ballonet train --nprocs 2`, `ballonet stepplot` and `ballonet COMMAND --help`.\n")
+    script = "set -e\nX=1 torchrun --nnodes 2 \\\n  -m ballonet train --steps 2 \\\n  --resum\n"
     assert misnamed(text, "doc.md", parsers) == [
         "doc.md:4: `ballonet plan` has no flag --bogus-flag",
         "doc.md:8: `ballonet simulate` has no flag --tokens-per-gpux",
@@ -137,3 +158,4 @@ def test_the_check_finds_a_flag_or_command_that_does_not_exist():
         "simulate, train)",
         "doc.md:8: no command has the flag --eval-evry",
     ]
+    assert misnamed(script, "run.sh", parsers, script=True) == ["run.sh:2: `ballonet train` has no flag --resum"]
