@@ -159,3 +159,19 @@ def test_the_check_finds_a_flag_or_command_that_does_not_exist():
         "doc.md:8: no command has the flag --eval-evry",
     ]
     assert misnamed(script, "run.sh", parsers, script=True) == ["run.sh:2: `ballonet train` has no flag --resum"]
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_the_docs_toml_examples_load(doc, tmp_path):
+    """A cluster file (`[[node_groups]]`) loads as `--cluster`, any other as `train --config`."""
+    from ballonet import specs
+    from ballonet.training.config import TrainConfig
+    from ballonet.training.config_file import read_config_file
+
+    for n, block in enumerate(re.findall(r"^```toml\n(.*?)^```", (ROOT / doc).read_text(), re.S | re.M)):
+        path = tmp_path / f"{n}.toml"
+        path.write_text(block)
+        if "[[node_groups]]" in block:
+            assert specs.cluster(str(path)).num_ranks > 0
+        else:
+            TrainConfig(**read_config_file(str(path), TrainConfig))
