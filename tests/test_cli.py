@@ -260,3 +260,16 @@ def test_help_says_what_ballonet_is_and_where_to_start(capsys):
         assert code == 0 and out.startswith(f"usage: ballonet {name}") and err == "", name
         if name in ("cost", "plan", "simulate"):  # --model takes a model file too, as in the README
             assert "or TOML file" in " ".join(out.split("--model", 2)[2].split()[:20]), name
+
+
+def test_the_loan_day_s_json_is_strict_as_every_json_output(tmp_path, monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    from ballonet.simulation import loans
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "day.toml").write_text("lent = [[0, 8]]\nhours = 24\n")
+    monkeypatch.setattr(loans, "membership", lambda *args, **kwargs: None)
+    monkeypatch.setattr(loans, "day", lambda *args: SimpleNamespace(to_dict=lambda: {"tokens_alone": float("nan")}))
+    code, out, err = _main(["simulate", "--cluster", "h800+h20", "--loan-schedule", "day.toml", "--json"], capsys)
+    assert code == 2 and out == "" and "a number JSON cannot hold (NaN or Infinity)" in err, (out, err)

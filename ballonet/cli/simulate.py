@@ -176,7 +176,7 @@ def _loan_day(args, cluster, model) -> int:
     if args.json:
         print(json.dumps({"cluster": cluster.name, "model": model.name, "workload": args.workload,
                           "tokens_per_gpu": args.tokens_per_gpu, "steps": args.steps, "seed": args.seed,
-                          "restart_s": restart_s, **day.to_dict()}, indent=2))
+                          "restart_s": restart_s, **day.to_dict()}, indent=2, allow_nan=False))
         return 0
     rows = [[f"{t.hour:g} h", t.to, f"{t.step_in_flight_s:.2f}", f"{t.save_s:.2f}", f"{t.restart_s:.1f}",
              f"{t.load_s:.2f}", f"{t.plan_s:.3f}", f"{t.downtime_s:.1f}", f"{t.lender_wait_s:.2f}"]
