@@ -273,3 +273,14 @@ def test_the_loan_day_s_json_is_strict_as_every_json_output(tmp_path, monkeypatc
     monkeypatch.setattr(loans, "day", lambda *args: SimpleNamespace(to_dict=lambda: {"tokens_alone": float("nan")}))
     code, out, err = _main(["simulate", "--cluster", "h800+h20", "--loan-schedule", "day.toml", "--json"], capsys)
     assert code == 2 and out == "" and "a number JSON cannot hold (NaN or Infinity)" in err, (out, err)
+
+
+def test_ctrl_c_is_one_line_exit_130_and_leaves_no_file(tmp_path):
+    script = ("import ballonet.planning\n"
+              "def interrupted(*args, **kwargs):\n    raise KeyboardInterrupt\n"
+              "ballonet.planning.plan_batch = interrupted\n"
+              "from ballonet import cli\n"
+              "raise SystemExit(cli.main(['plan', '--cluster', 'cpu', '--model', 'tiny', '--out', 'p.json']))\n")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, check=False)
+    assert r.returncode == 130 and r.stdout == "" and r.stderr == "ballonet plan: interrupted\n", r.stderr
+    assert list(tmp_path.iterdir()) == []

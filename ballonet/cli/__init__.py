@@ -64,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ballonet {args.command}: error: the result holds a number JSON cannot hold (NaN or Infinity), "
               "which strict parsers refuse; check the inputs' values", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line, not Python's traceback; outputs are written whole or not at all
+        print(f"ballonet {args.command}: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # what is still buffered goes nowhere
         print(f"ballonet {args.command}: error: the output was closed before all of it was written (broken pipe)",
