@@ -215,6 +215,11 @@ def test_a_rank_s_bad_input_under_nproc_is_its_one_line_and_exit_2(tmp_path):
         (["train", "--nproc", "2", "--npro", "2"], "ballonet train: error: unrecognized arguments: --npro 2; did you "
                                                    "mean --nproc?"),
         (["plan", "--check"], "unrecognized arguments: --check; did you mean --check-schedule?"),
+        (["train", "--train-iters", "100", "--lr", "1e-3"],
+         "unrecognized arguments: --train-iters 100; here, Megatron-LM's --train-iters is --steps"),
+        (["train", "--training.seq_len=4096"], "here, torchtitan's --training.seq_len is --max-doc-tokens"),
+        (["train", "--gradient_accumulation_steps", "4"],
+         "here, HF Trainer's --gradient_accumulation_steps is --grad-accum"),
         (["plan", "--seed", "-1", "--json"], "ballonet plan: error: argument --seed: expected an integer from 0"),
         (["simulate", "--seed", "-1"], "ballonet simulate: error: argument --seed: expected an integer from 0"),
         (["demo", "--seed", "-1"], "ballonet demo: error: argument --seed: expected an integer from 0"),
@@ -284,3 +289,12 @@ def test_ctrl_c_is_one_line_exit_130_and_leaves_no_file(tmp_path):
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, check=False)
     assert r.returncode == 130 and r.stdout == "" and r.stderr == "ballonet plan: interrupted\n", r.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_each_foreign_flag_names_a_flag_of_train():
+    from ballonet.cli.foreign_flags import FOREIGN_FLAGS
+    from tests.test_docs_flags import subcommand_flags
+
+    train = subcommand_flags()["train"]
+    for theirs, (tool, ours) in FOREIGN_FLAGS.items():
+        assert ours.split()[0] in train and theirs not in train and "_" not in theirs, (theirs, ours)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from ballonet import cli
+from ballonet.cli.foreign_flags import FOREIGN_FLAGS
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ("README.md", "docs/guide.md", "docs/design.md")
@@ -23,7 +24,8 @@ OTHER_TOOLS = {
     # (torchrun)
     "--recompute-num-layers",  # Megatron-LM, named for comparison
 }
-"""Flags of other tools (torchrun, Megatron-LM) the docs name in bare spans."""
+"""Flags of other tools (torchrun, Megatron-LM) the docs name in bare spans; and those
+`ballonet.cli.foreign_flags` translates."""
 
 _ENDS = {"&&", "||", "|", ";", "&", ">", ">>", "2>", "<"}
 _FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
@@ -123,7 +125,7 @@ def misnamed(text: str, where: str, parsers: dict[str, set[str]], script: bool =
         wrong += [f"{where}:{line}: `ballonet {name}` has no flag {flag}" for flag in flags if flag not in parsers[name]]
     if not script:
         wrong += [f"{where}:{line}: no command has the flag {flag}" for line, flag in bare_flags(text)
-                  if flag not in every | OTHER_TOOLS]
+                  if flag not in every | OTHER_TOOLS and flag.replace("_", "-") not in FOREIGN_FLAGS]
     return wrong
 
 

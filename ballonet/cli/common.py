@@ -24,11 +24,18 @@ class Parser(argparse.ArgumentParser):
 
 
 def unrecognized(extra: list[str], parser: argparse.ArgumentParser) -> str:
-    """argparse's "unrecognized arguments" line, with the flag meant where one is close."""
+    """argparse's "unrecognized arguments" line, with the flag meant: Ballonet's name for
+    another trainer's flag (`foreign_flags`), or a flag of this command close to it."""
     import difflib
+
+    from ballonet.cli.foreign_flags import equivalent
 
     message = f"unrecognized arguments: {' '.join(extra)}"
     known = [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
+    for arg in extra:
+        ours = equivalent(arg, set(known)) if arg.startswith("--") else None
+        if ours:
+            return f"{message}; {ours}"
     for arg in (a.split("=", 1)[0] for a in extra if a.startswith("--")):
         close = [k for k in known if k.startswith(arg)] or difflib.get_close_matches(arg, known, n=1)
         if close:
