@@ -298,3 +298,13 @@ def test_each_foreign_flag_names_a_flag_of_train():
     train = subcommand_flags()["train"]
     for theirs, (tool, ours) in FOREIGN_FLAGS.items():
         assert ours.split()[0] in train and theirs not in train and "_" not in theirs, (theirs, ours)
+
+
+def test_calibrate_names_each_file_it_wrote(capsys):
+    from tests.closed_forms import FLAT
+
+    from ballonet.cli.calibrate import _print_summary
+
+    _print_summary(FLAT, "my_gpu.json", "my_gpu.png")
+    out = capsys.readouterr().out
+    assert "wrote my_gpu.json" in out and "wrote the plot: my_gpu.png" in out
