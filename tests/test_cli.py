@@ -200,3 +200,111 @@ def test_a_rank_s_bad_input_under_nproc_is_its_one_line_and_exit_2(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("ballonet train: error: ") and "Traceback" not in r.stderr
     assert re.search(r"max.doc(ument)?.tokens", lines[0], re.IGNORECASE), lines[0]
     assert list(tmp_path.iterdir()) == []
+
+
+# ---- a new user's slips (s9): each one line naming the flag, exit 2, nothing printed or written ----
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["cost", "--length", "4096", "--lenght", "5"],
+         "ballonet cost: error: unrecognized arguments: --lenght 5; did you mean --length? (see ballonet cost --help)"),
+        (["cost", "--length", "4096", "--len", "5", "--json"],
+         "ballonet cost: error: unrecognized arguments: --len 5; did you mean --length?"),  # no abbreviation: `train` hands its flags to torchrun
+        (["train", "--nproc", "2", "--npro", "2"], "ballonet train: error: unrecognized arguments: --npro 2; did you "
+                                                   "mean --nproc?"),
+        (["plan", "--check"], "unrecognized arguments: --check; did you mean --check-schedule?"),
+        (["train", "--train-iters", "100", "--lr", "1e-3"],
+         "unrecognized arguments: --train-iters 100; here, Megatron-LM's --train-iters is --steps"),
+        (["train", "--training.seq_len=4096"], "here, torchtitan's --training.seq_len is --max-doc-tokens"),
+        (["train", "--gradient_accumulation_steps", "4"],
+         "here, HF Trainer's --gradient_accumulation_steps is --grad-accum"),
+        (["plan", "--seed", "-1", "--json"], "ballonet plan: error: argument --seed: expected an integer from 0"),
+        (["simulate", "--seed", "-1"], "ballonet simulate: error: argument --seed: expected an integer from 0"),
+        (["demo", "--seed", "-1"], "ballonet demo: error: argument --seed: expected an integer from 0"),
+        (["demo", "--tokens-per-gpu", "100000000"], "ballonet demo: error: --tokens-per-gpu 100000000: a batch of "
+                                                    "3200000000 tokens, over the"),
+        (["plan", "--lengths", "lens.txt", "--tokens-per-gpu", "8", "--json"],
+         "--lengths is the batch itself, not sampled: --tokens-per-gpu does not apply"),
+        (["plan", "--lengths", "lens.txt", "--seed", "3"], "--seed does not apply"),
+        (["simulate", "--planners", "zeppelin,te_cp,zeppelin", "--json"],
+         "--planners zeppelin,te_cp,zeppelin: names zeppelin more than once"),
+        (["simulate", "--planners", "te_cp", "--no-remap", "--assume-homogeneous"],
+         "--planners te_cp runs no zeppelin: --no-remap, --assume-homogeneous do not apply"),
+        (["simulate", "--cluster", "h800+h20", "--loan-schedule", "day.toml", "--plot", "a.png", "--json"],
+         "--loan-schedule prices zeppelin's plans alone, in a table: --plot does not apply"),
+        (["simulate", "--cluster", "h800+h20", "--loan-schedule", "day.toml", "--planners", "te_cp", "--tune"],
+         "--planners, --tune do not apply"),
+        (["calibrate", "--compare", "p.json", "--out", "q.json", "--quick"],
+         "--compare measures nothing, it prints a table: --out, --quick do not apply"),
+        (["calibrate", "--compare", "p.json", "--json"], "--json does not apply"),
+        (["calibrate", "--quick", "--gpu", "h200", "--out", "q.json"],
+         "--gpu h200: this machine has no GPU, so it measures its CPU"),
+    ],
+)
+def test_a_slip_is_one_line_naming_the_flag_and_nothing_else(argv, message, tmp_path, monkeypatch, capsys):
+    import torch
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU machine, wherever the test runs
+    (tmp_path / "lens.txt").write_text("300\n20\n")
+    code, out, err = _main(argv, capsys)
+    assert code == 2 and out == "" and message in err and len(err.splitlines()) == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lens.txt"]
+
+
+def test_help_says_what_ballonet_is_and_where_to_start(capsys):
+    from tests.test_docs_flags import subcommand_flags
+
+    code, out, _ = _main(["--help"], capsys)
+    assert code == 0 and "Ballonet: plan, simulate and train" in out
+    assert "Start with `ballonet demo`" in " ".join(out.split()) and "ballonet COMMAND --help" in " ".join(out.split())
+    for name in subcommand_flags():
+        code, out, err = _main([name, "--help"], capsys)
+        assert code == 0 and out.startswith(f"usage: ballonet {name}") and err == "", name
+        if name in ("cost", "plan", "simulate"):  # --model takes a model file too, as in the README
+            assert "or TOML file" in " ".join(out.split("--model", 2)[2].split()[:20]), name
+
+
+def test_the_loan_day_s_json_is_strict_as_every_json_output(tmp_path, monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    from ballonet.simulation import loans
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "day.toml").write_text("lent = [[0, 8]]\nhours = 24\n")
+    monkeypatch.setattr(loans, "membership", lambda *args, **kwargs: None)
+    monkeypatch.setattr(loans, "day", lambda *args: SimpleNamespace(to_dict=lambda: {"tokens_alone": float("nan")}))
+    code, out, err = _main(["simulate", "--cluster", "h800+h20", "--loan-schedule", "day.toml", "--json"], capsys)
+    assert code == 2 and out == "" and "a number JSON cannot hold (NaN or Infinity)" in err, (out, err)
+
+
+def test_ctrl_c_is_one_line_exit_130_and_leaves_no_file(tmp_path):
+    script = ("import ballonet.planning\n"
+              "def interrupted(*args, **kwargs):\n    raise KeyboardInterrupt\n"
+              "ballonet.planning.plan_batch = interrupted\n"
+              "from ballonet import cli\n"
+              "raise SystemExit(cli.main(['plan', '--cluster', 'cpu', '--model', 'tiny', '--out', 'p.json']))\n")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, check=False)
+    assert r.returncode == 130 and r.stdout == "" and r.stderr == "ballonet plan: interrupted\n", r.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_each_foreign_flag_names_a_flag_of_train():
+    from ballonet.cli.foreign_flags import FOREIGN_FLAGS
+    from tests.test_docs_flags import subcommand_flags
+
+    train = subcommand_flags()["train"]
+    for theirs, (tool, ours) in FOREIGN_FLAGS.items():
+        assert ours.split()[0] in train and theirs not in train and "_" not in theirs, (theirs, ours)
+
+
+def test_calibrate_names_each_file_it_wrote(capsys):
+    from tests.closed_forms import FLAT
+
+    from ballonet.cli.calibrate import _print_summary
+
+    _print_summary(FLAT, "my_gpu.json", "my_gpu.png")
+    out = capsys.readouterr().out
+    assert "wrote my_gpu.json" in out and "wrote the plot: my_gpu.png" in out

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import json
 
-from ballonet.cli.common import positive_int, stdout_console, subparser
+from ballonet.cli.common import positive_int, refuse_unused, stdout_console, subparser
+from ballonet.errors import InputError
 
 
 def register(sub) -> None:
@@ -23,7 +24,7 @@ def register(sub) -> None:
     p.add_argument("--gpu", default=None, help="GPU type the profile is for (default: detected; 'cpu' on a CPU)")
     p.add_argument("--model", default=None, help="model whose head shape and layers are timed "
                                                  "(default: tiny on CPU, llama-7b on a GPU)")
-    p.add_argument("--cluster", default="cpu", help="cluster preset giving the nominal NIC rate")
+    p.add_argument("--cluster", default="cpu", help="cluster preset giving the nominal NIC rate (default: cpu)")
     p.add_argument("--compare", metavar="PROFILE", default=None,
                    help="measure nothing: print PROFILE's figures against the built-in profile of its GPU type "
                         "(a Markdown table)")
@@ -31,6 +32,8 @@ def register(sub) -> None:
 
 def cmd_calibrate(args) -> int:
     if args.compare:
+        refuse_unused(args, "--compare", ("out", "json", "plot", "quick", "max_length", "gpu", "model", "cluster"),
+                      "measures nothing, it prints a table")
         from ballonet.calibration import load
         from ballonet.calibration.compare import compare
 
@@ -38,6 +41,8 @@ def cmd_calibrate(args) -> int:
         return 0
     from ballonet.calibration import calibrate
 
+    if args.gpu is not None:
+        _check_gpu_type(args.gpu)
     measured = calibrate.command(args)
     if measured is None:  # a rank other than 0
         return 0
@@ -45,8 +50,24 @@ def cmd_calibrate(args) -> int:
     if args.json:
         print(json.dumps({"profile": profile.to_dict(), "measurements": raw}, indent=1, allow_nan=False))
     else:
-        _print_summary(profile, args.out)
+        _print_summary(profile, args.out, args.plot)
     return 0
+
+
+def _check_gpu_type(gpu: str) -> None:
+    """--gpu names what this machine measures: a GPU type on a GPU, cpu on a CPU (a CPU's
+    timings as an h200's profile would price every h200 at a CPU's speed)."""
+    import torch
+
+    from ballonet.cost import hardware
+
+    hardware.gpu(gpu)  # an unknown type fails here
+    if torch.cuda.is_available() and gpu == "cpu":
+        raise InputError("--gpu cpu: this machine measures its GPU; leave --gpu out on a GPU machine, or name its "
+                         "GPU type")
+    if not torch.cuda.is_available() and gpu != "cpu":
+        raise InputError(f"--gpu {gpu}: this machine has no GPU, so it measures its CPU (a profile of 'cpu'); "
+                         f"run calibrate on that GPU to profile it")
 
 
 def _summary(profile) -> list[list[str]]:
@@ -58,7 +79,7 @@ def _summary(profile) -> list[list[str]]:
     return rows
 
 
-def _print_summary(profile, out: str | None) -> None:
+def _print_summary(profile, out: str | None, plot: str | None) -> None:
     try:
         from rich.table import Table
     except ImportError:  # a bare GPU machine
@@ -74,3 +95,5 @@ def _print_summary(profile, out: str | None) -> None:
     console.print(table)
     if out:
         console.print(f"wrote {out}")
+    if plot:
+        console.print(f"wrote the plot: {plot}")

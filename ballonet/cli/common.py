@@ -11,10 +11,55 @@ from ballonet.user_files import INT64_MAX
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse with its errors on one line (no usage block); `--help` is unchanged."""
+    """argparse with its errors on one line (no usage block) and no abbreviated flags (`--npro`
+    is refused, not taken for `--nproc`: `train` passes its flags on to torchrun's ranks, and
+    an abbreviation would meet torchrun's own parser); `--help` is unchanged."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def unrecognized(extra: list[str], parser: argparse.ArgumentParser) -> str:
+    """argparse's "unrecognized arguments" line, with the flag meant: Ballonet's name for
+    another trainer's flag (`foreign_flags`), or a flag of this command close to it."""
+    import difflib
+
+    from ballonet.cli.foreign_flags import equivalent
+
+    message = f"unrecognized arguments: {' '.join(extra)}"
+    known = [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
+    for arg in extra:
+        ours = equivalent(arg, set(known)) if arg.startswith("--") else None
+        if ours:
+            return f"{message}; {ours}"
+    for arg in (a.split("=", 1)[0] for a in extra if a.startswith("--")):
+        close = [k for k in known if k.startswith(arg)] or difflib.get_close_matches(arg, known, n=1)
+        if close:
+            return f"{message}; did you mean {' or '.join(close[:3])}?"
+    return message
+
+
+def seed(text: str) -> int:
+    """A sampler's seed: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if not 0 <= value <= INT64_MAX:
+        raise argparse.ArgumentTypeError(f"expected an integer from 0 to 2^63 - 1, got {text!r}")
+    return value
+
+
+def refuse_unused(args, flag: str, dests: tuple[str, ...], why: str) -> None:
+    """Refuse, in one line, each of `dests`' flags given (set off its default) beside `flag`,
+    which ignores them, instead of ignoring them silently."""
+    given = [f"--{d.replace('_', '-')}" for d in dests if getattr(args, d) != args.parser.get_default(d)]
+    if given:
+        raise InputError(f"{flag} {why}: {', '.join(given)} {'does' if len(given) == 1 else 'do'} not apply")
 
 
 def positive_int(text: str) -> int:
@@ -32,7 +77,7 @@ def positive_int(text: str) -> int:
 def subparser(sub, name: str, func, help: str, description: str) -> argparse.ArgumentParser:
     """The subcommand `name`, running `func(args)`."""
     p = sub.add_parser(name, help=help, description=description)
-    p.set_defaults(func=func)
+    p.set_defaults(func=func, parser=p)
     return p
 
 
@@ -42,7 +87,7 @@ def add_target_args(p) -> None:
     p.add_argument("--nodes", type=positive_int, default=None,
                    help="number of nodes (default: the preset's); a cluster of several node groups sets its nodes "
                         "per group, and --nodes, if given, must be their sum")
-    p.add_argument("--model", default="llama-7b", help=f"model preset ({', '.join(specs.MODELS)})")
+    p.add_argument("--model", default="llama-7b", help=f"model preset ({', '.join(specs.MODELS)}) or TOML file")
     p.add_argument("--tp", type=positive_int, default=None, help="tensor-parallel degree (default: the preset's)")
 
 
@@ -60,9 +105,13 @@ def add_zeppelin_options(p) -> None:
                         "the simulator still runs the real devices)")
 
 
+ZEPPELIN_OPTIONS = ("no_routing", "no_remap", "no_hierarchical", "no_double", "assume_homogeneous")
+"""The destinations of `add_zeppelin_options`'s flags."""
+
+
 def zeppelin_options(args) -> dict:
     """The planner options `add_zeppelin_options`'s flags ask for."""
-    options = {k: False for k in ("routing", "remap", "hierarchical", "double") if getattr(args, f"no_{k}")}
+    options = {k[3:]: False for k in ZEPPELIN_OPTIONS if k.startswith("no_") and getattr(args, k)}
     if args.assume_homogeneous:
         options["assume_homogeneous"] = True
     return options

@@ -17,7 +17,7 @@ def register(sub) -> None:
     p = subparser(sub, "cost", cmd_cost, help="FLOPs, time, memory and ring break-even of one document",
                   description="What one document of --length tokens costs on one GPU of the cluster: on each of "
                               "its GPU types, or on --gpu's.")
-    p.add_argument("--model", default="llama-7b", help=f"model preset ({', '.join(specs.MODELS)})")
+    p.add_argument("--model", default="llama-7b", help=f"model preset ({', '.join(specs.MODELS)}) or TOML file")
     p.add_argument("--cluster", default="h200-8nic", help=f"cluster preset ({', '.join(specs.CLUSTERS)}) or TOML file")
     p.add_argument("--length", type=positive_int, required=True, help="document length in tokens")
     p.add_argument("--tp", type=positive_int, default=None, help="tensor-parallel degree (default: the preset's)")

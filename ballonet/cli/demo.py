@@ -6,7 +6,15 @@ from __future__ import annotations
 import json
 
 from ballonet import specs
-from ballonet.cli.common import infeasible_footer, positive_int, print_table, row_cells, subparser
+from ballonet.cli.common import (
+    check_batch_fits,
+    infeasible_footer,
+    positive_int,
+    print_table,
+    row_cells,
+    seed,
+    subparser,
+)
 
 
 def register(sub) -> None:
@@ -15,7 +23,7 @@ def register(sub) -> None:
                               "train the tiny model on 4 CPU ranks with zeppelin plans.")
     p.add_argument("--steps", type=positive_int, default=20, help="training steps (default: %(default)s)")
     p.add_argument("--tokens-per-gpu", type=positive_int, default=16384, help="simulated tokens per GPU")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed, default=0, help="seed of the sampled batch and of the training")
 
 
 def cmd_demo(args) -> int:
@@ -27,6 +35,7 @@ def cmd_demo(args) -> int:
 
     cluster, model = specs.cluster("a800-4nic", num_nodes=4), specs.model("llama-7b")
     planners = ["zeppelin", "te_cp", "hybrid_dp", "packed_dp"]
+    check_batch_fits(args.tokens_per_gpu, cluster, model)  # before anything is printed
     print(f"1/2  Simulated: {model.name} on {cluster.num_ranks} A800 GPUs (4 nodes, 2 GPUs per 200 Gb/s NIC), "
           f"wlbllm documents, {args.tokens_per_gpu} tokens per GPU\n", flush=True)
     rows = comparison.compare(cluster, model, "wlbllm", args.tokens_per_gpu, planners, steps=1, seed=args.seed)

@@ -13,6 +13,8 @@ from ballonet.cli.common import (
     check_batch_fits,
     positive_int,
     print_table,
+    refuse_unused,
+    seed,
     subparser,
     zeppelin_options,
 )
@@ -33,7 +35,7 @@ def register(sub) -> None:
     src.add_argument("--lengths", default=None,
                      help=f"file of document lengths, the batch itself in order: {workloads.LENGTHS_FILE_KINDS}")
     p.add_argument("--tokens-per-gpu", type=positive_int, default=16384, help="batch tokens per GPU (with --workload)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the batch sampler")
+    p.add_argument("--seed", type=seed, default=0, help="seed of the batch sampler (with --workload)")
     p.add_argument("--planner", default="zeppelin", help=f"one of {', '.join(PLANNERS)}")
     add_zeppelin_options(p)
     p.add_argument("--out", default=None, help="write the plan as canonical JSON (Plan.from_json reads it)")
@@ -86,6 +88,7 @@ def cmd_plan(args) -> int:
     cluster = specs.cluster(args.cluster, num_nodes=args.nodes)
     model = specs.model(args.model, **({"tp": args.tp} if args.tp else {}))
     if args.lengths:
+        refuse_unused(args, "--lengths", ("tokens_per_gpu", "seed"), "is the batch itself, not sampled")
         lengths = workloads.load_lengths(args.lengths)
         if len(lengths) > workloads.MAX_DOCUMENTS:
             raise workloads.too_many_documents(f"--lengths {args.lengths}")

@@ -9,6 +9,7 @@ import sys
 
 from ballonet import specs, workloads
 from ballonet.cli.common import (
+    ZEPPELIN_OPTIONS,
     add_calibration_arg,
     add_target_args,
     add_zeppelin_options,
@@ -16,7 +17,9 @@ from ballonet.cli.common import (
     infeasible_footer,
     positive_int,
     print_table,
+    refuse_unused,
     row_cells,
+    seed,
     subparser,
     zeppelin_options,
 )
@@ -37,7 +40,7 @@ def register(sub) -> None:
     p.add_argument("--max-length", type=positive_int, default=None, help="context window: documents are cut to it")
     p.add_argument("--planners", default="all", help="'all' or a comma-separated list (e.g. zeppelin,te_cp)")
     p.add_argument("--steps", type=positive_int, default=1, help="sampled batches to average over")
-    p.add_argument("--seed", type=int, default=0, help="seed of the batch sampler")
+    p.add_argument("--seed", type=seed, default=0, help="seed of the batch sampler")
     add_zeppelin_options(p)
     p.add_argument("--no-engine", action="store_true",
                    help="every planner's sends posted behind the kernels queued before them (no communication "
@@ -81,10 +84,17 @@ def cmd_simulate(args) -> int:
     cluster = specs.cluster(args.cluster, num_nodes=args.nodes)
     model = specs.model(args.model, **({"tp": args.tp} if args.tp else {}))
     if args.loan_schedule:
+        refuse_unused(args, "--loan-schedule", ("planners", "tune", "no_engine", "one_group", "plot", "trace"),
+                      "prices zeppelin's plans alone, in a table")
         return _loan_day(args, cluster, model)
     if args.restart_s is not None:
         raise InputError("--restart-s needs --loan-schedule")
     planners = comparison.parse_planners(args.planners)
+    twice = sorted({name for name in planners if planners.count(name) > 1})
+    if twice:
+        raise InputError(f"--planners {args.planners}: names {', '.join(twice)} more than once")
+    if "zeppelin" not in planners:
+        refuse_unused(args, "--planners", ZEPPELIN_OPTIONS, f"{args.planners} runs no zeppelin")
     check_batch_fits(args.tokens_per_gpu, cluster, model)
     traces = _trace_paths(args.trace, planners) if args.trace else {}
     for path in traces.values():
@@ -166,7 +176,7 @@ def _loan_day(args, cluster, model) -> int:
     if args.json:
         print(json.dumps({"cluster": cluster.name, "model": model.name, "workload": args.workload,
                           "tokens_per_gpu": args.tokens_per_gpu, "steps": args.steps, "seed": args.seed,
-                          "restart_s": restart_s, **day.to_dict()}, indent=2))
+                          "restart_s": restart_s, **day.to_dict()}, indent=2, allow_nan=False))
         return 0
     rows = [[f"{t.hour:g} h", t.to, f"{t.step_in_flight_s:.2f}", f"{t.save_s:.2f}", f"{t.restart_s:.1f}",
              f"{t.load_s:.2f}", f"{t.plan_s:.3f}", f"{t.downtime_s:.1f}", f"{t.lender_wait_s:.2f}"]
