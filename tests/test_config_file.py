@@ -77,6 +77,8 @@ def test_options_that_do_nothing_alone_are_refused_in_one_line(tmp_path):
              (["--eval-every", "50", "--steps", "20"], "--eval-every 50 is over --steps 20"),
              (["--checkpoint-every", "50", "--checkpoint-dir", "ck"], "--checkpoint-every 50 is over --steps 20"),
              (["--resume-from", "4"], "needs --checkpoint-dir"),
+             (["--keep-checkpoints", "5"], "--keep-checkpoints needs --checkpoint-dir"),
+             (["--checkpoint-dir", "ck", "--resume-from", "3", "--no-resume"], "it contradicts --no-resume"),
              (["--profile-steps", "3"], "--profile-steps must be A:B"),
              (["--profile-steps", "5:30"], "1 <= A <= B <= --steps 20"),
              (["--seed", str(2**80)], "--seed must be at most"),

@@ -231,8 +231,8 @@ def test_bad_tp_combinations_are_one_line_and_exit_2(tmp_path, capsys):
     LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=1, intermediate_size=176, vocab_size=256,
                 num_hidden_layers=2).save_pretrained(mqa)
     cases = [
-        (["--nproc", "4", "--tp", "3"], "4 ranks are not a multiple of --tp 3"),
-        (["--tp", "2"], "1 ranks are not a multiple of --tp 2"),
+        (["--nproc", "4", "--tp", "3"], "4 ranks (the world size) are not a multiple of --tp 3"),
+        (["--tp", "2"], "1 rank (the world size) is not a multiple of --tp 2"),
         (["--nproc", "4", "--nodes", "2", "--tp", "4"], "--tp 4 does not divide the 2 ranks of a node (--nodes 2)"),
         (["--nproc", "8", "--tp", "8"], "--tp 8 must divide its 4 query heads and 2 KV heads"),
         (["--nproc", "4", "--tp", "2", "--model", f"hf:{mqa}"], "--tp 2 must divide its 4 query heads and 1 KV heads"),

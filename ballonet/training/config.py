@@ -289,5 +289,10 @@ def config_from_args(args) -> TrainConfig:
     overridden by the flags given."""
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     values = read_config_file(args.config, TrainConfig) if getattr(args, "config", None) else {}
-    values.update({k: v for k, v in vars(args).items() if k in names})
+    given = {k: v for k, v in vars(args).items() if k in names}
+    if given.get("resume") is False and given.get("resume_from") is not None:
+        raise InputError(f"--resume-from {given['resume_from']} resumes: it contradicts --no-resume")
+    values.update(given)
+    if "keep_checkpoints" in values and not values.get("checkpoint_dir"):
+        raise InputError("--keep-checkpoints needs --checkpoint-dir")
     return TrainConfig(**values)

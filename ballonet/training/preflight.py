@@ -102,7 +102,8 @@ def preflight(config: TrainConfig, world_size: int):
 def _check_tp(config: TrainConfig, world_size: int, spec: ballonet.ModelSpec, cluster: ballonet.ClusterSpec) -> None:
     """--tp: a TP group is `tp` ranks of one node, and `tp` divides the model's heads."""
     if world_size % config.tp:
-        raise InputError(f"{world_size} ranks are not a multiple of --tp {config.tp}")
+        raise InputError(f"{world_size} rank{'s' if world_size != 1 else ''} (the world size) {'are' if world_size != 1 else 'is'} "
+                         f"not a multiple of --tp {config.tp}")
     for per_node in sorted({g.gpus_per_node for g in cluster.groups}):
         if per_node % config.tp:
             raise InputError(f"--tp {config.tp} does not divide the {per_node} ranks of a node (--nodes "
