@@ -12,7 +12,8 @@ from collections import Counter
 import pytest
 import torch
 from distributed import run_ranks
-from helpers import H_KV, D, H, attention_reference, check_attention_plan, hand_plans, make_plan, run_attention
+from attention_checks import H_KV, D, H, attention_reference, check_attention_plan, run_attention
+from plans_by_hand import hand_plans, make_plan
 
 import ballonet
 from ballonet.plan import Plan

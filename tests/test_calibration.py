@@ -18,7 +18,7 @@ from ballonet.cost import hardware
 from ballonet.cost.seconds import attention_seconds
 from ballonet.errors import InputError
 from tests.distributed import run_ranks
-from tests.helpers import mallinfo2
+from tests.heap_accounting import mallinfo2
 
 
 def _profile_dict() -> dict:

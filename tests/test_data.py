@@ -17,7 +17,7 @@ from ballonet.training.data.corpus import (
     load_corpus,
 )
 from ballonet.training.data.loader import IGNORE_INDEX, BalancedLoader, Piece
-from tests.helpers import loader, round_robin
+from tests.training_reference import loader, round_robin
 
 
 def write_jsonl(path, records):

@@ -10,7 +10,7 @@ import socket
 import pytest
 import torch
 from distributed import run_ranks
-from helpers import remap_plan
+from plans_by_hand import remap_plan
 
 from ballonet import runtime
 from ballonet.errors import InputError

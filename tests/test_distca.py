@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 import torch
 from distributed import run_ranks
-from helpers import SPEC, assert_grads_close, batch, check_attention_plan, model_reference, rank_outputs, runtime_bytes
+from attention_checks import check_attention_plan
+from runtime_traffic import runtime_bytes
+from tiny_model import SPEC, assert_grads_close, batch, model_reference, rank_outputs
 
 import ballonet
 from ballonet import plan_batch, runtime, specs, workloads
@@ -197,7 +199,7 @@ def _gloo_plans() -> dict[str, Plan]:
 
 
 def _on_ranks(rank: int, world: int, plans: dict) -> tuple[list, list]:
-    """(attention engine checks of `helpers.check_attention_plan`, per plan the whole
+    """(attention engine checks of `attention_checks.check_attention_plan`, per plan the whole
     model's loss, gradients and logits on this rank, as numpy)."""
     rows, model_out = [], []
     for name, plan in plans.items():

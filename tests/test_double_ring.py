@@ -13,7 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_ranks
-from helpers import NODES4, H_KV, SPEC, D, H, batch, check_attention_plan, plans4, plans6
+from attention_checks import H_KV, D, H, check_attention_plan
+from plans_by_hand import NODES4, plans4, plans6
+from tiny_model import SPEC, batch
 
 from ballonet.plan import Plan
 from ballonet.runtime import attention, comm, token_index

@@ -10,7 +10,9 @@ import torch
 from ballonet.training.jobs import host
 from ballonet.training.parallelism.model import Transformer
 from tests.distributed import run_ranks
-from tests.helpers import SPEC, batch, mallinfo2, one_rank_plan
+from tests.heap_accounting import mallinfo2
+from tests.plans_by_hand import one_rank_plan
+from tests.tiny_model import SPEC, batch
 
 
 def test_without_glibc_mallopt_a_cpu_rank_still_runs_one_thread_and_says_the_allocator_refused(monkeypatch):

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import free_port, lent_cluster_toml
+from launching import free_port, lent_cluster_toml
 
 import ballonet
 from ballonet import specs

@@ -16,7 +16,8 @@ import time
 import pytest
 import torch
 from distributed import run_ranks
-from helpers import BASE, free_port, ledger_reference, lent_cluster_toml, reference_run
+from launching import free_port, lent_cluster_toml
+from training_reference import BASE, ledger_reference, reference_run
 
 from ballonet.training.jobs.lease import (LEASE_EXIT, PREEMPTED_EXIT, Signals, StepBoundary, Stopped, read_lease,
                                           shared_store_problem)

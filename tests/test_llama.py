@@ -6,7 +6,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from distributed import run_ranks
-from helpers import SPEC, assert_grads_close, batch, model_reference, one_rank_plan, rank_outputs, remap_plan
+from plans_by_hand import one_rank_plan, remap_plan
+from tiny_model import SPEC, assert_grads_close, batch, model_reference, rank_outputs
 
 import ballonet
 from ballonet import runtime

@@ -8,7 +8,7 @@ from itertools import islice
 
 import numpy as np
 import pytest
-from tests.helpers import loader, round_robin
+from tests.training_reference import loader, round_robin
 
 from ballonet.errors import InputError
 from ballonet.outliers import outlier_level
@@ -232,7 +232,7 @@ def test_cli_refuses_a_bad_delay_with_one_line(tmp_path):
 
 
 def test_training_runs_the_delayed_order_and_resume_keeps_it(tmp_path):
-    from helpers import BASE, whole_docs
+    from training_reference import BASE, whole_docs
 
     from ballonet.training.data.corpus import load_corpus
     from ballonet.training.loop import train

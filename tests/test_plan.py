@@ -3,7 +3,7 @@ import json
 
 import pytest
 import torch
-from helpers import small_plan
+from plans_by_hand import small_plan
 
 from ballonet import runtime
 from ballonet.plan import (

@@ -5,7 +5,8 @@ saved-tensor hooks on one process."""
 import dataclasses
 
 import torch
-from helpers import SPEC, one_rank_plan
+from plans_by_hand import one_rank_plan
+from tiny_model import SPEC
 from torch.utils.checkpoint import checkpoint
 
 import ballonet

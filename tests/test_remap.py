@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_ranks
-from helpers import one_rank_plan, remap_plan, small_plan
+from plans_by_hand import one_rank_plan, remap_plan, small_plan
 
 from ballonet import runtime
 from ballonet.plan import Plan

@@ -13,7 +13,9 @@ from collections import Counter
 import pytest
 import torch
 from distributed import run_ranks
-from helpers import H_KV, SPEC, D, H, make_plan, run_attention, total_bytes
+from attention_checks import H_KV, D, H, run_attention, total_bytes
+from plans_by_hand import make_plan
+from tiny_model import SPEC
 
 import ballonet
 from ballonet.cost.flops import kv_bytes

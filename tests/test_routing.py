@@ -14,22 +14,9 @@ from collections import Counter
 import pytest
 import torch
 from distributed import run_ranks
-from helpers import (
-    H_KV,
-    SPEC,
-    D,
-    H,
-    attention_reference,
-    batch,
-    hand_plans,
-    make_plan,
-    rails_plan,
-    remap_plan,
-    routed,
-    run_attention,
-    tangled_plan,
-    total_bytes,
-)
+from attention_checks import H_KV, D, H, attention_reference, run_attention, total_bytes
+from plans_by_hand import hand_plans, make_plan, rails_plan, remap_plan, routed, tangled_plan
+from tiny_model import SPEC, batch
 
 import ballonet
 from ballonet.plan import InvalidPlan, Plan, Route

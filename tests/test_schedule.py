@@ -22,7 +22,7 @@ import json
 
 import pytest
 import torch
-from helpers import plans4, plans6, rails_plan, tangled_plan
+from plans_by_hand import plans4, plans6, rails_plan, tangled_plan
 
 import ballonet
 from ballonet import workloads

@@ -19,7 +19,9 @@ from collections import Counter
 import pytest
 import torch
 from distributed import run_ranks
-from helpers import batch, runtime_bytes, tp_groups
+from runtime_traffic import runtime_bytes
+from tiny_model import batch
+from tp_mesh import tp_groups
 
 import ballonet
 from ballonet.cost import hardware, memory

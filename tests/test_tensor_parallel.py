@@ -30,7 +30,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from distributed import run_ranks
-from helpers import batch, make_plan, model_reference, tp_groups
+from plans_by_hand import make_plan
+from tiny_model import batch, model_reference
+from tp_mesh import tp_groups
 
 import ballonet
 from ballonet import runtime

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from distributed import run_ranks
-from helpers import BASE, ledger_reference, reference_loader, reference_run
+from training_reference import BASE, ledger_reference, reference_loader, reference_run
 
 import ballonet
 from ballonet.training.data.corpus import load_corpus

@@ -32,7 +32,11 @@ class _Links:
     own share (the simulator's `timeline.Timeline`): a transfer of d seconds alone that
     joins a link at virtual time v leaves it at v + d; it is done when every link it
     crosses has carried it. Links are numbered; `run` advances them and the transfers
-    `later` queues to start, calling what each finished transfer starts."""
+    `later` queues to start, calling what each finished transfer starts. The model is
+    written out here and in the timeline's loop alike: one implementation of it in
+    `ballonet.cost` for both gave the same results at a call per join, end and
+    rescheduling, 10-15% more instructions in `pass_wait` and 7-10% in `Timeline.run`
+    (callgrind, 2026-12-07)."""
 
     def __init__(self, count: int) -> None:
         self.on = [0] * count  # transfers on each link

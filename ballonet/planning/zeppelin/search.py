@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -50,6 +51,16 @@ __all__ = ["CandidateSearch", "ZeppelinOptions", "zeppelin"]
 
 Placed = dict[bool, tuple[Placement, dict] | None]
 """A level 1's placements (`candidates.place`) by keep_tokens, None where it found no room."""
+
+
+class Made(NamedTuple):
+    """A plan `CandidateSearch._made`, with where it came from."""
+    candidate: Candidate
+    maker: CandidateMaker
+    level: NodeLevel
+    """The level 1 it was made from."""
+    placed: Placed
+    """That level's placements."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,8 +101,8 @@ class CandidateSearch:
     compared: list[dict] = field(default_factory=list)
     refusal: str | None = None
     """The last mode's reason for no plan (a batch over every cap)."""
-    made: list = field(default_factory=list)
-    """(plan, its maker, the level 1 it was made from, that level's placements) of every plan `_made`."""
+    made: list[Made] = field(default_factory=list)
+    """Every plan `_made`, with where it came from."""
     pending: list = field(default_factory=list)
     """(its place in `compared`, plan, its maker) of every plan compared hop by hop, for `_settle`."""
     settled: bool = False
@@ -179,28 +190,33 @@ class CandidateSearch:
                 self._compare(self._made(maker, level, placed), maker)
 
     def _variants(self) -> None:
-        """The best plan's variants (priced port by port)."""
+        """The best plan's variants (priced port by port). Each reads the best plan as the
+        variants before it left it (`_best_made`)."""
         opts = self.options
         # The best plan's most waiting double ring over one node more, compared by its members' waits (`member_waits`).
-        for best, maker, level, _ in [x for x in self.made if x[0] is self.best][:1]:
-            if level.double:
-                self._wider(best, maker, level)
+        if (best := self._best_made()) is not None and best.level.double:
+            self._wider(best.candidate, best.maker, best.level)
         # The best plan's level 1 with no ring inside a PCIe-only node, where it has one (`pcie_level`).
-        for best, maker, level, _ in [x for x in self.made if x[0] is self.best][:1]:
-            if pcie_ring_inside(best.plan, best.dev) and (unsplit := unsplit_level(level)) is not None \
-                    and not self._level_too_slow(unsplit, maker, self.best_layers_s):
-                self._compare(self._made(maker, unsplit, {}), maker)
+        if (best := self._best_made()) is not None and pcie_ring_inside(best.candidate.plan, best.candidate.dev) \
+                and (unsplit := unsplit_level(best.level)) is not None \
+                and not self._level_too_slow(unsplit, best.maker, self.best_layers_s):
+            self._compare(self._made(best.maker, unsplit, {}), best.maker)
         # The best plan's level 1 balanced on the backward, where every rank recomputes alike.
-        for best, maker, level, _ in [x for x in self.made if x[0] is self.best][:1]:
-            if opts.price_linear and maker.model.recompute not in BELOW and (b := backward_level(level)) is not None \
-                    and not self._level_too_slow(b, maker, self.best_layers_s):
-                made = self._candidate(maker, b, best.plan.meta["keep_tokens"], {})  # as the best plan
-                if made is not None and made.seconds < (1 - THRESHOLDS.variant_margin) * best.seconds:
-                    self._compare([made], maker)
+        if (best := self._best_made()) is not None and opts.price_linear and best.maker.model.recompute not in BELOW \
+                and (backward := backward_level(best.level)) is not None \
+                and not self._level_too_slow(backward, best.maker, self.best_layers_s):
+            made = self._candidate(best.maker, backward, best.candidate.plan.meta["keep_tokens"], {})  # as the best plan
+            if made is not None and made.seconds < (1 - THRESHOLDS.variant_margin) * best.candidate.seconds:
+                self._compare([made], best.maker)
         # The best plan, where it remaps, with its nodes' ranks evened in attention tokens (`evened`).
-        for best, maker, _, placed in [x for x in self.made if x[0] is self.best][:1]:
-            if not best.plan.meta["keep_tokens"] and (got := placed.get(False)) is not None:
-                self._compare(self._evened(best, maker, *got), maker)
+        if (best := self._best_made()) is not None and not best.candidate.plan.meta["keep_tokens"] \
+                and (got := best.placed.get(False)) is not None:
+            self._compare(self._evened(best.candidate, best.maker, *got), best.maker)
+
+    def _best_made(self) -> Made | None:
+        """The best plan as it is now, with where it came from (its entry in `made`); None
+        where it was not made from a level 1 (a fallback) or there is none."""
+        return next((x for x in self.made if x.candidate is self.best), None)
 
     # ---- one mode ---------------------------------------------------------------------
 
@@ -243,7 +259,7 @@ class CandidateSearch:
         """`_plans` (with `keep`, that plan alone), each kept in `made` with where it came from."""
         plans = self._plans(maker, level, placed) if keep is None else [
             c for c in (self._candidate(maker, level, keep, placed),) if c is not None]
-        self.made += [(c, maker, level, placed) for c in plans]
+        self.made += [Made(c, maker, level, placed) for c in plans]
         return plans
 
     def _candidate(self, maker: CandidateMaker, level: NodeLevel, keep: bool, placed: Placed) -> Candidate | None:
@@ -306,7 +322,7 @@ class CandidateSearch:
         self.best = None
         for index, c, _ in self.pending:
             if (priced := estimates.get(index)) is not None and priced is not c:
-                self.made = [(priced if x[0] is c else x[0], *x[1:]) for x in self.made]
+                self.made = [x._replace(candidate=priced) if x.candidate is c else x for x in self.made]
                 self.compared[index]["estimated_step_s"] = priced.seconds
             if priced is not None and self._shorter(priced):
                 self.best = priced

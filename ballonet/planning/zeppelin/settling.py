@@ -9,14 +9,9 @@ import numpy as np
 
 from ballonet.planning.crossing_rings import ports_of, routed_ring_docs
 from ballonet.planning.zeppelin.candidates import Candidate
+from ballonet.planning.zeppelin.thresholds import THRESHOLDS
 
-__all__ = ["LOWER_RINGS", "PORT_MARGIN", "settle"]
-
-PORT_MARGIN = 0.01
-"""`settle` runs the ports of the plans whose hop-by-hop estimate is within this share
-above the least so run: port by port a single ring across nodes can also price lower
-than hop by hop, a plan's step by a few percent at most where measured
-(bench/investigations/port_margin.py)."""
+__all__ = ["LOWER_RINGS", "settle"]
 
 LOWER_RINGS = 1
 """How many routed rings `settle` runs the ports of for a plan's lower bound before all
@@ -28,7 +23,7 @@ def settle(pending) -> dict[int, Candidate]:
     candidate, its `CandidateMaker`) of each plan priced hop by hop) by place: the plans
     with no routed ring (`crossing_rings.routed_ring_docs`) as they are; the others, in
     ascending hop-by-hop estimate until one's is over the least estimate so far by
-    `PORT_MARGIN`, re-priced with their rings' ports run where their estimate with the
+    `Thresholds.port_margin`, re-priced with their rings' ports run where their estimate with the
     ports of their `LOWER_RINGS` longest such rings run and the others' exposure counted
     as nothing (`crossing_rings.ports_of`, no longer than the whole) is not over it by
     the same margin. The plans left out cannot win."""
@@ -43,10 +38,10 @@ def settle(pending) -> dict[int, Candidate]:
             repriced[index] = c
     least = min((c.seconds for c in repriced.values()), default=np.inf)
     for index, c, maker, docs in sorted(routed, key=lambda x: x[1].seconds):
-        if c.seconds > (1 + PORT_MARGIN) * least:
+        if c.seconds > (1 + THRESHOLDS.port_margin) * least:
             break
         if len(docs) > LOWER_RINGS and least < np.inf \
-                and maker.reprice(c, ports_of(docs[:LOWER_RINGS])).seconds > (1 + PORT_MARGIN) * least:
+                and maker.reprice(c, ports_of(docs[:LOWER_RINGS])).seconds > (1 + THRESHOLDS.port_margin) * least:
             continue
         priced = maker.reprice(c)
         repriced[index] = priced

@@ -52,6 +52,14 @@ class Thresholds:
     widened plan, 0.1% shorter so, replaced the best plan before its backward-balanced
     variant (2.170 s simulated) was made: 2.203 s; B 256 llama-7b prolong 128K's is 2.4%
     shorter (1.908 -> 1.830 s simulated)."""
+    port_margin: float = 0.01
+    """After the search's hop-by-hop part, the routed rings' ports of the plans whose
+    estimate is within this share above the least estimate so far are run
+    (`settling.settle`): running them can price a plan lower than hop by hop (down to
+    0.897 of its estimate at scale-grid A 1024 llama-7b prolong 128K, 26% above the least),
+    so the margin is not a proof; at 0.01 the search picks the plan it picks with every
+    plan's ports run on all 70 main-grid, scale-grid, held-out and planner-benchmark
+    configurations (bench/results/port_margin.txt, from bench/investigations/port_margin.py)."""
     even_tolerance: float = 0.01
     """A remapping plan's ranks are evened in attention tokens (`evened.evened`) with no
     rank's attention work over this much more than its node's busiest. On the main grid
