@@ -255,7 +255,7 @@ def test_a_slip_is_one_line_naming_the_flag_and_nothing_else(argv, message, tmp_
 
 
 def test_help_says_what_ballonet_is_and_where_to_start(capsys):
-    from tests.test_docs_flags import subcommand_flags
+    from tests.parsers import subcommand_flags
 
     code, out, _ = _main(["--help"], capsys)
     assert code == 0 and "Ballonet: plan, simulate and train" in out
@@ -293,7 +293,7 @@ def test_ctrl_c_is_one_line_exit_130_and_leaves_no_file(tmp_path):
 
 def test_each_foreign_flag_names_a_flag_of_train():
     from ballonet.cli.foreign_flags import FOREIGN_FLAGS
-    from tests.test_docs_flags import subcommand_flags
+    from tests.parsers import subcommand_flags
 
     train = subcommand_flags()["train"]
     for theirs, (tool, ours) in FOREIGN_FLAGS.items():

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from ballonet import cli
+from tests.parsers import subcommand_flags
+
 from ballonet.cli.foreign_flags import FOREIGN_FLAGS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,15 +31,6 @@ OTHER_TOOLS = {
 _ENDS = {"&&", "||", "|", ";", "&", ">", ">>", "2>", "<"}
 _FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
 _SPAN = re.compile(r"`([^`]+)`")
-
-
-def subcommand_flags() -> dict[str, set[str]]:
-    """Each `ballonet` subcommand's option strings, from the real parsers."""
-    import argparse
-
-    parser = cli.build_parser()
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return {name: set(p._option_string_actions) for name, p in sub.choices.items()}
 
 
 def _is_ballonet(token: str) -> bool:

@@ -62,3 +62,18 @@ def test_version_and_license():
     assert r.returncode == 0 and r.stdout.strip() == f"ballonet {ballonet.__version__}"
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert project["license"] == "Apache-2.0"  # an SPDX expression (PEP 639), not the deprecated table
+
+
+def test_no_test_file_imports_another():
+    """Tests share code through modules that hold no tests (tests/conftest.py, tests/closed_forms.py,
+    tests/plans_by_hand.py, ...), never by importing a test file: a test file's tests would
+    then be collected twice, or its fixtures run where nobody asked for them."""
+    tests = ROOT / "tests"
+    names = {p.stem for p in tests.glob("test_*.py")}
+    offenders = []
+    for path in sorted(tests.glob("*.py")):
+        for line in path.read_text().splitlines():
+            m = re.match(r"\s*(?:from|import)\s+(?:tests\.)?(test_\w+)", line)
+            if m and m.group(1) in names:
+                offenders.append(f"{path.name}: {line.strip()}")
+    assert not offenders, offenders

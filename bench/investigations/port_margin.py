@@ -1,5 +1,5 @@
 """Whether zeppelin's search, pricing its candidates hop by hop and running the ports of
-those within `settling.PORT_MARGIN` of the least (`CandidateSearch._settle`), picks the plan
+those within `Thresholds.port_margin` of the least (`CandidateSearch._settle`), picks the plan
 it picks with every candidate's ports run, and how far a candidate's port-by-port
 estimate falls below its hop-by-hop one.
 
@@ -8,7 +8,7 @@ estimate falls below its hop-by-hop one.
 Per configuration: both chosen estimates, whether they are equal, and the least ratio of
 port-by-port to hop-by-hop estimate over the candidates with routed rings (below 1:
 running the ports priced that candidate lower), with that candidate's hop-by-hop gap
-above the least port-by-port estimate (`PORT_MARGIN` must cover the gaps of ratios below 1
+above the least port-by-port estimate (`Thresholds.port_margin` must cover the gaps of ratios below 1
 that could win)."""
 
 from __future__ import annotations
