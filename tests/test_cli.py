@@ -21,6 +21,25 @@ def test_cost_json_has_the_documented_keys():
     assert d["breakeven_chunk_tokens"]["inter"] > d["breakeven_chunk_tokens"]["intra"] > 0
 
 
+def test_cost_nodes_shard_the_model_state_and_so_set_the_recomputation():
+    """`cost --nodes`, as plan and simulate take it: the more GPUs the optimizer state is
+    sharded over, the more memory is left for activations, and the less a document recomputes."""
+    from ballonet import specs
+    from ballonet.cost.memory import memory_cap
+
+    def cost(nodes):
+        r = run("cost", "--model", "llama-13b", "--cluster", "a800-4nic", "--nodes", str(nodes), "--length", "8192",
+                "--json")
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)["recompute"]
+
+    model, gpu = specs.model("llama-13b"), specs.cluster("a800-4nic").groups[0].gpu_type
+    assert memory_cap(model, gpu, 8) < memory_cap(model, gpu, 128)
+    assert (cost(1), cost(16)) == ("selective", "none")
+    r = run("cost", "--cluster", "h800+h20", "--nodes", "3", "--length", "1000")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "--nodes 3" in r.stderr
+
+
 def test_cost_table_and_help():
     r = run("cost", "--length", "4096")
     assert r.returncode == 0 and "break-even" in r.stdout
