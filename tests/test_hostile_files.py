@@ -42,3 +42,29 @@ def test_a_model_file_s_base_and_name_are_strings(tmp_path, text):
     path = tmp_path / "m.toml"
     path.write_text(text)
     assert "must be a string" in _refused(lambda: specs.model_from_toml(str(path)), str(path))
+
+
+def test_a_config_file_gives_each_setting_once(tmp_path):
+    """`global-tokens` and `global_tokens` in one file: the later one won, silently."""
+    from ballonet.training.config import TrainConfig
+    from ballonet.training.config_file import read_config_file
+
+    path = tmp_path / "run.toml"
+    path.write_text("global-tokens = 256\nglobal_tokens = 512\n")
+    assert "given twice" in _refused(lambda: read_config_file(str(path), TrainConfig), str(path))
+
+
+# ---- the lease ---------------------------------------------------------------------------
+
+
+def test_a_lease_that_cannot_be_read_or_says_more_is_one_line(tmp_path):
+    """A regular file whose read fails (/proc/self/mem: EIO) was an OSError traceback on
+    every rank; a lease of `lent` followed by more than 64 bytes read as `lent`."""
+    from ballonet.training.jobs.lease import read_lease
+
+    _refused(lambda: read_lease("/proc/self/mem"), "--lease /proc/self/mem: cannot read it")
+    path = tmp_path / "lease"
+    path.write_text("lent" + " " * 60 + "reclaimed")
+    _refused(lambda: read_lease(str(path)), "over 64 bytes")
+    path.write_text("lent" + " " * 60)  # 64 bytes: still a lease
+    assert read_lease(str(path)) == "lent"
