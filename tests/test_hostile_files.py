@@ -7,6 +7,8 @@ naming the file (an `InputError`), promptly, and nothing is allocated or run."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from ballonet import specs
@@ -68,3 +70,44 @@ def test_a_lease_that_cannot_be_read_or_says_more_is_one_line(tmp_path):
     _refused(lambda: read_lease(str(path)), "over 64 bytes")
     path.write_text("lent" + " " * 60)  # 64 bytes: still a lease
     assert read_lease(str(path)) == "lent"
+
+
+# ---- checkpoints -------------------------------------------------------------------------
+
+
+def _chunked(size: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]):
+    """DCP metadata of one float32 tensor `x` of `size` in the chunks `boxes` (offsets,
+    sizes), each chunk's bytes stored (at one place: only the lengths are checked)."""
+    import torch
+    from torch.distributed.checkpoint import metadata as dcp_metadata
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    chunks = [dcp_metadata.ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(n)) for o, n in boxes]
+    item = dcp_metadata.TensorStorageMetadata(properties=dcp_metadata.TensorProperties(dtype=torch.float32),
+                                              size=torch.Size(size), chunks=chunks)
+    storage = {dcp_metadata.MetadataIndex("x", torch.Size(o)): _StorageInfo("data.distcp", 0, 4 * math.prod(n))
+               for o, n in boxes}
+    return dcp_metadata.Metadata(state_dict_metadata={"x": item}, storage_data=storage)
+
+
+@pytest.mark.timeout(60)  # a hang guard: the pairwise check took 30 s for 8000 chunks, 190 s for 20000
+def test_a_checkpoint_of_twenty_thousand_chunks_is_checked_promptly_and_exactly():
+    import torch
+
+    from ballonet.training.checkpoints.safe_dcp import check_tensors
+
+    def check(size, boxes):
+        check_tensors(_chunked(size, boxes), {"x": (torch.Size(size), torch.float32)}, "ck", scope=("x",))
+
+    n = 20_000
+    check((n,), [((i,), (1,)) for i in range(n)])
+    check((100, 200), [((r, c), (1, 200 // 4)) for r in range(100) for c in range(0, 200, 50)])  # a 2-D grid
+    check((0, 64), [((0, 0), (0, 64))])  # an empty tensor
+    overlapping = [((n,), [((i,), (1,)) for i in range(n)] + [((5,), (1,))]),  # one chunk twice
+                   ((3,), [((0,), (2,)), ((1,), (1,))]),  # the volumes add up: one element twice, one never
+                   ((2, 2), [((0, 0), (1, 2)), ((0, 0), (1, 2))])]
+    for size, boxes in overlapping:
+        with pytest.raises(InputError, match="overlapping chunks"):
+            check(size, boxes)
+    with pytest.raises(InputError, match="hold 19999 of its 20000"):
+        check((n,), [((i,), (1,)) for i in range(1, n)])
