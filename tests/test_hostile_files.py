@@ -8,6 +8,7 @@ naming the file (an `InputError`), promptly, and nothing is allocated or run."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -18,7 +19,8 @@ GROUP = '[[node_groups]]\ngpu = "h200"\nnum_nodes = 2\n'
 
 
 def _refused(read, match: str) -> str:
-    with pytest.raises(InputError, match=match) as e:
+    """The one-line InputError `read()` raises, which says `match` (a plain string)."""
+    with pytest.raises(InputError, match=re.escape(match)) as e:
         read()
     assert "\n" not in str(e.value)
     return str(e.value)
@@ -111,3 +113,30 @@ def test_a_checkpoint_of_twenty_thousand_chunks_is_checked_promptly_and_exactly(
             check(size, boxes)
     with pytest.raises(InputError, match="hold 19999 of its 20000"):
         check((n,), [((i,), (1,)) for i in range(1, n)])
+
+
+# ---- Hugging Face model folders ----------------------------------------------------------
+
+HF_CONFIG = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 256}
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"rope_scaling": 5}, "transformers cannot read it (Validation error for field 'rope_parameters': TypeError"),
+    ({"model_type": ["llama"]}, "transformers cannot read it (unhashable type: 'list')"),
+    ({"head_dim": 0}, "cannot build a causal LM from it (0.0 cannot be raised to a negative power)"),
+    ({"model_type": "bert"}, "BertLMHeadModel has no decoder layers at model.layers or model.model.layers"),
+], ids=["rope_scaling 5", "model_type a list", "head_dim 0", "an encoder"])
+def test_a_model_config_transformers_refuses_in_its_own_words_is_one_line(tmp_path, change, message):
+    """Each was a traceback: huggingface_hub's StrictDataclassFieldValidationError, a
+    TypeError, a ZeroDivisionError building the rotary embedding, and the ValueError of
+    FSDP's sharding finding no decoder layers."""
+    import json
+
+    import torch
+
+    from ballonet.integrations import hf_model
+
+    pytest.importorskip("transformers")
+    (tmp_path / "config.json").write_text(json.dumps({**HF_CONFIG, **change}))
+    _refused(lambda: hf_model.build_model(f"hf:{tmp_path}", 0, torch.device("cpu")), message)
