@@ -140,3 +140,48 @@ def test_a_model_config_transformers_refuses_in_its_own_words_is_one_line(tmp_pa
     pytest.importorskip("transformers")
     (tmp_path / "config.json").write_text(json.dumps({**HF_CONFIG, **change}))
     _refused(lambda: hf_model.build_model(f"hf:{tmp_path}", 0, torch.device("cpu")), message)
+
+
+# ---- corpora -----------------------------------------------------------------------------
+
+
+def test_a_prepared_shard_that_shrinks_while_in_use_is_one_line(tmp_path):
+    """Its shards were memory-mapped: truncated under a running corpus, the next read of a
+    page past the new end killed the process with SIGBUS (exit 135, no message)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from ballonet.training.data import prepare
+
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": f"document {i} " + "abc" * 2000}) + "\n" for i in range(4)))
+    prepare.prepare(prepare.PrepareConfig(data=str(data), out=str(tmp_path / "corpus")))
+    script = ("import os, sys\n"
+              "from ballonet.errors import InputError\n"
+              "from ballonet.training.data.corpus import from_prepared\n"
+              "corpus = from_prepared(sys.argv[1])\n"
+              "corpus.tokens(0)\n"
+              "os.truncate(os.path.join(sys.argv[1], 'tokens-00000.bin'), 100)\n"
+              "try:\n"
+              "    corpus.tokens(3)\n"
+              "except InputError as e:\n"
+              "    print(e)\n")
+    r = subprocess.run([sys.executable, "-c", script, str(tmp_path / "corpus")], capture_output=True, text=True,
+                       timeout=120, check=False, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0 and "tokens-00000.bin: changed while in use" in r.stdout, (r.returncode, r.stderr[-300:])
+
+
+def test_a_lone_surrogate_in_a_jsonl_corpus_is_its_bytes_as_prepare_writes_them(tmp_path):
+    """JSON's "\\ud800" decodes to a str UTF-8 cannot encode: `train --corpus` raised
+    UnicodeEncodeError (a traceback), where `ballonet prepare` wrote its 3 bytes."""
+    from ballonet.training.data import prepare
+    from ballonet.training.data.corpus import from_prepared, load_corpus
+
+    path = tmp_path / "docs.jsonl"
+    path.write_text('{"text": "\\ud800abc"}\n')
+    prepare.prepare(prepare.PrepareConfig(data=str(path), out=str(tmp_path / "corpus")))
+    tokens = load_corpus(str(path)).tokens(0)
+    assert tokens.tolist() == [0xED, 0xA0, 0x80, *b"abc"]
+    assert tokens.tolist() == from_prepared(tmp_path / "corpus").tokens(0).tolist()
