@@ -185,3 +185,31 @@ def test_a_lone_surrogate_in_a_jsonl_corpus_is_its_bytes_as_prepare_writes_them(
     tokens = load_corpus(str(path)).tokens(0)
     assert tokens.tolist() == [0xED, 0xA0, 0x80, *b"abc"]
     assert tokens.tolist() == from_prepared(tmp_path / "corpus").tokens(0).tolist()
+
+
+# ---- the one door ------------------------------------------------------------------------
+
+
+def test_a_folder_swapped_for_a_link_out_between_the_check_and_the_open_is_refused(tmp_path, monkeypatch):
+    """The symlink policy was checked on the path, then the path resolved again and opened:
+    a folder on the way swapped for a link out in between (O_NOFOLLOW guards only the last
+    name) opened the file outside the user's folder."""
+    import os
+
+    from ballonet import user_files
+
+    folder, outside = tmp_path / "corpus", tmp_path / "outside"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "sub" / "doc.txt").write_text("mine")
+    outside.mkdir()
+    (outside / "doc.txt").write_text("secret")
+    real_open = os.open
+
+    def racing_open(path, flags, *args, **kwargs):
+        if str(path).endswith("doc.txt") and not os.path.islink(folder / "sub"):
+            os.rename(folder / "sub", tmp_path / "moved")
+            os.symlink(outside, folder / "sub")
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", racing_open)
+    _refused(lambda: user_files.read_bytes(folder / "sub" / "doc.txt", "document", folder), "a symbolic link out of")
