@@ -213,3 +213,27 @@ def test_a_folder_swapped_for_a_link_out_between_the_check_and_the_open_is_refus
 
     monkeypatch.setattr(os, "open", racing_open)
     _refused(lambda: user_files.read_bytes(folder / "sub" / "doc.txt", "document", folder), "a symbolic link out of")
+
+
+def test_export_reads_no_folder_a_checkpoint_s_config_names_but_a_prepared_corpus(tmp_path, capsys):
+    """The checkpoint's config.toml names the corpus its run trained on, whose tokenizer
+    export copies: any folder it named (a stranger's checkpoint: `corpus = "/home/you/x"`)
+    had its tokenizer.json, vocab.json, merges.txt, ... copied into the export."""
+    from ballonet import cli
+    from ballonet.training.config import TrainConfig
+    from ballonet.training.loop import train
+
+    pytest.importorskip("transformers")
+    ck = tmp_path / "ck"
+    train(TrainConfig(model="tiny", global_tokens=256, max_doc_tokens=128, steps=1, checkpoint_dir=str(ck),
+                      checkpoint_every=1))
+    named = tmp_path / "yours"
+    named.mkdir()
+    for name in ("tokenizer.json", "vocab.json", "merges.txt"):
+        (named / name).write_text(f"your {name}")
+    config = ck / "config.toml"
+    config.write_text(config.read_text().replace('corpus = "stdlib"', f'corpus = "{named}"'))
+    assert f'corpus = "{named}"' in config.read_text()
+    assert cli.main(["export", "--checkpoint", str(ck), "--out", str(tmp_path / "out")]) == 0
+    capsys.readouterr()
+    assert not {"tokenizer.json", "vocab.json", "merges.txt"} & {p.name for p in (tmp_path / "out").iterdir()}
