@@ -237,3 +237,32 @@ def test_export_reads_no_folder_a_checkpoint_s_config_names_but_a_prepared_corpu
     assert cli.main(["export", "--checkpoint", str(ck), "--out", str(tmp_path / "out")]) == 0
     capsys.readouterr()
     assert not {"tokenizer.json", "vocab.json", "merges.txt"} & {p.name for p in (tmp_path / "out").iterdir()}
+
+
+@pytest.mark.timeout(120)  # a hang guard: DCP's own open of a FIFO blocked for ever
+def test_a_checkpoint_data_file_swapped_for_a_fifo_after_its_check_is_one_line(tmp_path, monkeypatch, capsys):
+    import os
+
+    from ballonet import cli
+    from ballonet.training.checkpoints import safe_dcp
+    from ballonet.training.config import TrainConfig
+    from ballonet.training.loop import train
+
+    pytest.importorskip("transformers")
+    ck = tmp_path / "ck"
+    train(TrainConfig(model="tiny", global_tokens=256, max_doc_tokens=128, steps=1, checkpoint_dir=str(ck),
+                      checkpoint_every=1))
+    read_metadata = safe_dcp.SafeReader.read_metadata
+
+    def read_then_swap(reader):  # DCP's last look at the metadata before it opens the data files
+        metadata = read_metadata(reader)
+        for data in {info.relative_path for info in metadata.storage_data.values()}:
+            os.remove(os.path.join(reader.path, data))
+            os.mkfifo(os.path.join(reader.path, data))
+        return metadata
+
+    monkeypatch.setattr(safe_dcp.SafeReader, "read_metadata", read_then_swap)
+    assert cli.main(["export", "--checkpoint", str(ck), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is a named pipe (FIFO)" in err[0], err
+    assert not (tmp_path / "out").exists()

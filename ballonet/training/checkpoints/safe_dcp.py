@@ -11,6 +11,7 @@ else; every storage item must lie inside a plain file of the checkpoint folder
 
 from __future__ import annotations
 
+import contextlib
 import io
 import itertools
 import math
@@ -24,7 +25,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
 
 from ballonet import user_files
 from ballonet.errors import InputError
@@ -209,10 +210,32 @@ def _check_storage(storage: dict, path, folder) -> None:
                                         f"{str(info.transform_descriptors)[:80]}, which Ballonet never writes")
 
 
+class _FolderFiles(FileSystem):
+    """DCP's file system, its files opened through `user_files` (a regular file inside the
+    checkpoint folder, opened non-blocking): a data file swapped for a FIFO after the
+    metadata was checked would have blocked DCP's plain `open` for ever."""
+
+    def __init__(self, folder):
+        super().__init__()
+        self.folder = folder
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode: str):
+        if mode != "rb":
+            raise ValueError(f"{path}: a checkpoint is only read here")
+        with user_files.open_file(path, "data", self.folder, what="a checkpoint's data file") as f:
+            yield f
+
+
 class SafeReader(dcp.FileSystemReader):
-    """A FileSystemReader reading `.metadata` weights-only (`read_safe_metadata`). Its
-    `read_metadata` takes no rank: DCP then never falls back to per-rank metadata files
-    (which Ballonet does not write) after logging the first failure with a traceback."""
+    """A FileSystemReader reading `.metadata` weights-only (`read_safe_metadata`), its
+    files through `user_files` (`_FolderFiles`). Its `read_metadata` takes no rank: DCP then
+    never falls back to per-rank metadata files (which Ballonet does not write) after
+    logging the first failure with a traceback."""
+
+    def __init__(self, path):
+        super().__init__(path)
+        self.fs = _FolderFiles(self.path)
 
     def read_metadata(self):
         metadata = read_safe_metadata(self._get_metadata_path(), self.path)
