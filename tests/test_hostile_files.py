@@ -266,3 +266,33 @@ def test_a_checkpoint_data_file_swapped_for_a_fifo_after_its_check_is_one_line(t
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "is a named pipe (FIFO)" in err[0], err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_tokenizer_whose_ids_pass_its_vocabulary_count_is_prepared_or_refused(tmp_path):
+    """A WordLevel vocabulary {a: 0, [UNK]: 1, b: 1000} counts 3 tokens: prepare chose uint8
+    shards and numpy raised OverflowError (a traceback) on id 1000. Its ids now size the
+    vocabulary (1001); an id no vocabulary holds (a post-processor's special token) is one
+    line naming the tokenizer file."""
+    pytest.importorskip("tokenizers")
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    from ballonet.training.data import prepare
+    from ballonet.training.data.corpus import from_prepared
+
+    data = tmp_path / "docs.jsonl"
+    data.write_text(json.dumps({"text": "a b a"}) + "\n")
+    sparse = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1, "b": 1000}, unk_token="[UNK]"))
+    sparse.pre_tokenizer = pre_tokenizers.Whitespace()
+    (tmp_path / "sparse.json").write_text(sparse.to_str())
+    manifest = prepare.prepare(prepare.PrepareConfig(data=str(data), out=str(tmp_path / "out"),
+                                                     tokenizer=str(tmp_path / "sparse.json")))
+    assert (manifest["vocab_size"], manifest["dtype"]) == (1001, "uint16")
+    assert from_prepared(tmp_path / "out").tokens(0).tolist() == [0, 1000, 0]
+    sparse.post_processor = processors.TemplateProcessing(single="[BOS] $A", special_tokens=[("[BOS]", 5000)])
+    (tmp_path / "bos.json").write_text(sparse.to_str())
+    _refused(lambda: prepare.prepare(prepare.PrepareConfig(data=str(data), out=str(tmp_path / "out2"),
+                                                           tokenizer=str(tmp_path / "bos.json"))),
+             "bos.json: the tokenizer gives token id 5000, beyond its vocabulary of 1001")
+    assert not (tmp_path / "out2").exists()
