@@ -296,3 +296,25 @@ def test_a_tokenizer_whose_ids_pass_its_vocabulary_count_is_prepared_or_refused(
                                                            tokenizer=str(tmp_path / "bos.json"))),
              "bos.json: the tokenizer gives token id 5000, beyond its vocabulary of 1001")
     assert not (tmp_path / "out2").exists()
+
+
+def test_an_export_s_record_deletes_only_files_an_export_writes(tmp_path, capsys):
+    """`--out` holding `ballonet-export.json` is an earlier export, replaced without
+    --overwrite, and the files its record lists went with it: a record listing `notes.txt`
+    (or `../x`, `[1]`) had the user's notes deleted."""
+    import json
+
+    from ballonet import cli
+    from ballonet.training.config import TrainConfig
+    from ballonet.training.loop import train
+
+    pytest.importorskip("transformers")
+    ck, out = tmp_path / "ck", tmp_path / "out"
+    train(TrainConfig(model="tiny", global_tokens=256, max_doc_tokens=128, steps=1, checkpoint_dir=str(ck),
+                      checkpoint_every=1))
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    (out / "ballonet-export.json").write_text(json.dumps({"files": ["notes.txt", [1], "../x", "config.json"]}))
+    assert cli.main(["export", "--checkpoint", str(ck), "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert (out / "notes.txt").read_text() == "mine" and (out / "model.safetensors").exists()

@@ -36,6 +36,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.json", "merges.txt", "added_tokens.json")
 """The files of a Hugging Face tokenizer, as `save_pretrained` writes them."""
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".index.json")
+EXPORT_FILES = frozenset({"config.json", GENERATION, MARKER, *TOKENIZER_FILES})
+"""The names an export writes besides its weights (which go anyway: `_is_weights`)."""
 
 
 def check_out(out: str, overwrite: bool) -> None:
@@ -55,13 +57,14 @@ def check_out(out: str, overwrite: bool) -> None:
 
 
 def _earlier_files(out: str) -> set[str]:
-    """The files the export that wrote `out` listed in its marker (none if unreadable)."""
+    """The files the export that wrote `out` listed in its marker (none if unreadable),
+    of the names an export writes: a marker listing `notes.txt` deletes no notes."""
     try:
         record = user_files.read_json(os.path.join(out, MARKER), "json", out, what="an export's record")
     except InputError:
         return set()
     files = record.get("files") if isinstance(record, dict) else None
-    return {n for n in files if isinstance(n, str) and os.sep not in n} if isinstance(files, list) else set()
+    return {n for n in files if isinstance(n, str) and n in EXPORT_FILES} if isinstance(files, list) else set()
 
 
 def _is_weights(name: str) -> bool:
