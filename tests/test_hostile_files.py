@@ -318,3 +318,14 @@ def test_an_export_s_record_deletes_only_files_an_export_writes(tmp_path, capsys
     assert cli.main(["export", "--checkpoint", str(ck), "--out", str(out)]) == 0
     capsys.readouterr()
     assert (out / "notes.txt").read_text() == "mine" and (out / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("kv", [0, False])
+def test_a_model_config_of_zero_kv_heads_is_refused_not_read_as_full_attention(tmp_path, kv):
+    """`num_key_value_heads: 0` was taken as absent (`or`): planned as 4 KV heads, silently."""
+    import json
+
+    from ballonet.integrations import hf_model
+
+    (tmp_path / "config.json").write_text(json.dumps({**HF_CONFIG, "num_key_value_heads": kv}))
+    _refused(lambda: hf_model.model_spec(f"hf:{tmp_path}"), f"num_kv_heads must be a positive integer, got {kv}")

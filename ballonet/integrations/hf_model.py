@@ -124,7 +124,8 @@ def model_spec(name: str) -> ModelSpec:
         raise InputError(f"{path}: no integer {', '.join(missing)} (a decoder-only causal LM config has them)")
     return ModelSpec(name=str(path), num_layers=config["num_hidden_layers"], hidden=config["hidden_size"],
                      num_heads=config["num_attention_heads"],
-                     num_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
+                     num_kv_heads=config["num_attention_heads"] if config.get("num_key_value_heads") is None
+                     else config["num_key_value_heads"],
                      ffn_hidden=config["intermediate_size"], vocab_size=config["vocab_size"])
 
 
