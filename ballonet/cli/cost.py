@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from ballonet import specs
-from ballonet.cli.common import add_calibration_arg, positive_int, print_table, subparser
+from ballonet.cli.common import add_calibration_arg, positive_int, print_table, subparser, target_model
 from ballonet.cost.memory import BELOW, activation_bytes, memory_cap
 from ballonet.cost.recompute import cheapest_per_rank
 from ballonet.cost.seconds import sequence_cost
@@ -17,7 +17,8 @@ def register(sub) -> None:
     p = subparser(sub, "cost", cmd_cost, help="FLOPs, time, memory and ring break-even of one document",
                   description="What one document of --length tokens costs on one GPU of the cluster: on each of "
                               "its GPU types, or on --gpu's.")
-    p.add_argument("--model", default="llama-7b", help=f"model preset ({', '.join(specs.MODELS)}) or TOML file")
+    p.add_argument("--model", default="llama-7b",
+                   help=f"model preset ({', '.join(specs.MODELS)}), TOML file, or hf:DIR (a Hugging Face folder)")
     p.add_argument("--cluster", default="h200-8nic", help=f"cluster preset ({', '.join(specs.CLUSTERS)}) or TOML file")
     p.add_argument("--length", type=positive_int, required=True, help="document length in tokens")
     p.add_argument("--tp", type=positive_int, default=None, help="tensor-parallel degree (default: the preset's)")
@@ -30,7 +31,7 @@ def register(sub) -> None:
 
 def cmd_cost(args) -> int:
     cluster = specs.cluster(args.cluster)
-    model = specs.model(args.model, **({"tp": args.tp} if args.tp else {}))
+    model = target_model(args)
     types = list(dict.fromkeys(g.gpu for g in cluster.groups))
     if args.gpu is not None and args.gpu not in types:
         raise InputError(f"--gpu {args.gpu}: cluster {cluster.name!r} has no such GPU (it has {', '.join(types)})")
