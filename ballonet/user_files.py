@@ -102,13 +102,15 @@ def open_file(path, kind: str, folder=None, what: str = "file") -> BinaryIO:
     """The regular file `path` open for binary reading (see `check`): opened non-blocking,
     without following a last symlink (its real path is opened), checked again once open."""
     check(path, kind, folder, what)
-    real = os.path.realpath(path)
+    real = inside(folder, path) if folder is not None else os.path.realpath(path)
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
         fd = os.open(real, flags)
     except OSError as e:
         raise _cannot(path, e, what) from None
     try:
+        if folder is not None:
+            _opened_inside(fd, folder, path)
         st = os.fstat(fd)
         error = _not_regular(path, st.st_mode, what)
         if error:
@@ -120,6 +122,20 @@ def open_file(path, kind: str, folder=None, what: str = "file") -> BinaryIO:
     except BaseException:
         os.close(fd)
         raise
+
+
+def _opened_inside(fd: int, folder, path) -> None:
+    """InputError unless the file open as `fd` lies in `folder`: a folder on the way to it
+    swapped for a link out between the check and the open (O_NOFOLLOW guards only the last
+    name) is caught by where the open landed (Linux's /proc; elsewhere the check stands)."""
+    try:
+        opened = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return
+    root = os.path.realpath(folder)
+    if os.path.commonpath([root, opened]) != root:
+        raise InputError(f"{path}: a symbolic link out of {folder} (only links inside the folder are followed; "
+                         "a folder on its way changed as it was opened)")
 
 
 def read_bytes(path, kind: str, folder=None, what: str = "file") -> bytes:

@@ -216,7 +216,7 @@ def _jsonl_length(row, where: str):
         if isinstance(row.get("input_ids"), list):
             return len(row["input_ids"])
         if isinstance(row.get("text"), str):
-            return len(row["text"].encode("utf-8"))
+            return len(row["text"].encode("utf-8", "surrogatepass"))  # a lone surrogate as prepare writes it
     raise InputError(f"{where}: expected an object with a 'length', 'input_ids' (list) or 'text' (string) field")
 
 

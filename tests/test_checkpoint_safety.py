@@ -3,13 +3,17 @@ model the run builds (or the one `ballonet.json` records, for export) before any
 allocated; `ballonet.json`'s fields typed and bounded; a far step refused in one line. Each
 case through the command line: exit 2, one line naming the file, nothing written."""
 
+import base64
+import io
 import json
 import pickle
 import resource
 import shutil
+import zipfile
 
 import pytest
 import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
 from ballonet import cli
@@ -89,6 +93,32 @@ BYTEARRAY = (pickle.PROTO + bytes([2]) + pickle.GLOBAL + b"builtins\nbytearray\n
              + (2**31 - 1).to_bytes(4, "little") + pickle.TUPLE1 + pickle.REDUCE + pickle.STOP)
 """The issue's 40-byte `.metadata`: `bytearray(2**31 - 1)` (the issue: 3e9), which torch's weights-only unpickler runs."""
 
+
+def _stored_item(pickled: bytes, pad: int = 70_000):
+    """The embedding's stored item replaced by `torch.save`'s zip of a tensor with its pickle
+    swapped for `pickled` (padded past the item's size), appended to the data file."""
+    def apply(step):
+        saved = io.BytesIO()
+        torch.save(torch.zeros(4), saved)
+        with zipfile.ZipFile(saved) as src, zipfile.ZipFile(blob := io.BytesIO(), "w") as out:
+            for info in src.infolist():
+                out.writestr(info.filename, pickled if info.filename.endswith("data.pkl") else src.read(info))
+            out.writestr(src.infolist()[0].filename.split("/")[0] + "/pad", bytes(pad))
+        data = next(step.glob("*.distcp"))
+        offset = data.stat().st_size
+        data.write_bytes(data.read_bytes() + blob.getvalue())
+        md = _metadata(step)
+        for index, info in md.storage_data.items():
+            if index.fqn == EMBED:
+                md.storage_data[index] = _StorageInfo(info.relative_path, offset, len(blob.getvalue()))
+        (step / ".metadata").write_bytes(pickle.dumps(md, protocol=2))
+    return apply
+
+
+def _transformed(md):
+    index = next(i for i in md.storage_data if i.fqn == EMBED)
+    md.storage_data[index].transform_descriptors = ["stream.zstd"]
+
 CASES = [
     ("sizes as strings", _set("size", ("256", "64")), "has size"),
     ("a negative size", _set("size", torch.Size([-1, 64])), "has size"),
@@ -104,6 +134,9 @@ CASES = [
     ("bytearray(3e9)", _raw(BYTEARRAY), "calls 'builtins bytearray'"),
     ("a tensor of another model", _craft(lambda md: md.state_dict_metadata.pop("model.norm.weight")),
      "no tensor 'model.norm.weight'"),
+    # torch's weights-only unpickler runs bytearray(2**31 - 1): 2.3 GB, then an export traceback
+    ("a stored tensor calling bytearray(2**31 - 1)", _stored_item(BYTEARRAY), "calls 'builtins bytearray'"),
+    ("a stored item compressed (zstd)", _craft(_transformed), "stored through transforms ['stream.zstd']"),
 ]
 EXPORT_ONLY = [
     ("a negative vocab_size", _meta(model_vocab_size=-5), "field 'model.vocab_size'"),
@@ -138,7 +171,9 @@ def test_crafted_checkpoints_and_a_far_step_are_refused_on_resume(clean, tmp_pat
     --steps (it trained nothing, exit 0)."""
     cases = [CASES[2], CASES[6], CASES[11], CASES[12],
              ("a step of 1e12", _meta(step=10**12), "at step 1000000000000, past --steps 3"),
-             ("a step past --steps", _meta(step=4), "at step 4, past --steps 3")]
+             ("a step past --steps", _meta(step=4), "at step 4, past --steps 3"),
+             ("an RNG state torch refuses", _meta(rng=[base64.b64encode(bytes([255]) * 5056).decode()]),
+              "field 'rng' holds no RNG state torch takes (Invalid mt19937 state)")]
     for i, (what, craft, message) in enumerate(cases):
         ck, step = _copy(clean, tmp_path, f"ck{i}")
         craft(step)

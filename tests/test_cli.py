@@ -38,6 +38,36 @@ def test_cost_nodes_shard_the_model_state_and_so_set_the_recomputation():
     assert (cost(1), cost(16)) == ("selective", "none")
     r = run("cost", "--cluster", "h800+h20", "--nodes", "3", "--length", "1000")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "--nodes 3" in r.stderr
+def test_plan_cost_and_simulate_read_a_hugging_face_folder_as_train_does(tmp_path):
+    """--model hf:DIR: the folder's config.json, as `train` reads it (it was read as a TOML path)."""
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": "llama", "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "intermediate_size": 688, "num_hidden_layers": 2, "vocab_size": 1000}))
+    r = run("plan", "--cluster", "cpu", "--model", f"hf:{tmp_path}", "--tokens-per-gpu", "2048", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["model"] == str(tmp_path / "config.json")
+    r = run("cost", "--cluster", "cpu", "--model", f"hf:{tmp_path}", "--length", "4096", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["attention_flops_fwd"] == 2 * 256 * 4096 * 4097 * 1, r.stderr
+    r = run("simulate", "--cluster", "cpu", "--model", f"hf:{tmp_path / 'none'}", "--tokens-per-gpu", "1024")
+    assert r.returncode == 2 and "not a folder" in r.stderr and len(r.stderr.splitlines()) == 1
+
+
+def test_an_error_naming_a_file_with_a_newline_is_still_one_line(tmp_path):
+    import os
+
+    corpus = tmp_path / "t"
+    corpus.mkdir()
+    os.mkfifo(corpus / "c\nd")
+    r = run("train", "--corpus", str(corpus), "--steps", "1")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "c\\nd" in r.stderr, r.stderr
+
+
+def test_a_lone_surrogate_in_a_jsonl_text_is_its_three_bytes(tmp_path):
+    path = tmp_path / "s.jsonl"
+    path.write_text('{"text": "\\ud800abc"}\n')
+    from ballonet import workloads
+
+    assert list(workloads.get(str(path)).lengths) == [6]
 
 
 def test_cost_table_and_help():

@@ -19,6 +19,12 @@ def test_changes_of_a_repeating_day():
                           (((0, 5), (4, 8)), "overlap at hour 4")]:
         with pytest.raises(InputError, match=message):
             loans.LoanSchedule(lent=lent)
+    # A period whose tokens would overflow to inf, or vanish, and a schedule of thousands of spans:
+    for hours, lent, message in [(1e308, ((0, 1e307),), "hours must be a number from"),
+                                 (1e-300, (), "hours must be a number from"),
+                                 (24.0, tuple((i / 100, (i + 0.5) / 100) for i in range(2000)), "2000 lent spans")]:
+        with pytest.raises(InputError, match=message):
+            loans.LoanSchedule(lent=lent, hours=hours)
 
 
 def test_each_change_is_priced_and_the_day_counts_its_downtime():

@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as e:
         from ballonet.training.jobs.launch import report_rank_error
 
-        line = f"ballonet {args.command}: error: {e}"
+        line = f"ballonet {args.command}: error: {_one_line(str(e))}"
         if not report_rank_error(line):
             print(line, file=sys.stderr)
         return e.exit_code
@@ -72,3 +72,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ballonet {args.command}: error: the output was closed before all of it was written (broken pipe)",
               file=sys.stderr)
         return 2
+
+
+def _one_line(message: str) -> str:
+    """`message` with its control characters escaped (a file name may hold a newline), so
+    that an error stays one line."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)

@@ -4,6 +4,7 @@ groups, `--calibration`, and the rich tables the human views print."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from ballonet import specs
 from ballonet.errors import InputError
@@ -81,13 +82,23 @@ def subparser(sub, name: str, func, help: str, description: str) -> argparse.Arg
     return p
 
 
+def target_model(args):
+    """--model (a preset, a model TOML file, or hf:DIR: a Hugging Face folder's config.json,
+    as `train` reads it) with --tp."""
+    from ballonet.integrations import hf_model
+
+    spec = hf_model.model_spec(args.model) if args.model.startswith(hf_model.PREFIX) else specs.model(args.model)
+    return dataclasses.replace(spec, tp=args.tp) if args.tp else spec
+
+
 def add_target_args(p) -> None:
     """--cluster, --nodes, --model, --tp: what is planned or simulated."""
     p.add_argument("--cluster", default="h200-8nic", help=f"cluster preset ({', '.join(specs.CLUSTERS)}) or TOML file")
     p.add_argument("--nodes", type=positive_int, default=None,
                    help="number of nodes (default: the preset's); a cluster of several node groups sets its nodes "
                         "per group, and --nodes, if given, must be their sum")
-    p.add_argument("--model", default="llama-7b", help=f"model preset ({', '.join(specs.MODELS)}) or TOML file")
+    p.add_argument("--model", default="llama-7b",
+                   help=f"model preset ({', '.join(specs.MODELS)}), TOML file, or hf:DIR (a Hugging Face folder)")
     p.add_argument("--tp", type=positive_int, default=None, help="tensor-parallel degree (default: the preset's)")
 
 

@@ -6,7 +6,14 @@ from __future__ import annotations
 import json
 
 from ballonet import specs
-from ballonet.cli.common import add_calibration_arg, add_target_args, positive_int, print_table, subparser
+from ballonet.cli.common import (
+    add_calibration_arg,
+    add_target_args,
+    positive_int,
+    print_table,
+    subparser,
+    target_model,
+)
 from ballonet.cost.memory import BELOW, activation_bytes, memory_cap
 from ballonet.cost.recompute import cheapest_per_rank
 from ballonet.cost.seconds import sequence_cost
@@ -28,7 +35,7 @@ def register(sub) -> None:
 
 def cmd_cost(args) -> int:
     cluster = specs.cluster(args.cluster, num_nodes=args.nodes)
-    model = specs.model(args.model, **({"tp": args.tp} if args.tp else {}))
+    model = target_model(args)
     types = list(dict.fromkeys(g.gpu for g in cluster.groups))
     if args.gpu is not None and args.gpu not in types:
         raise InputError(f"--gpu {args.gpu}: cluster {cluster.name!r} has no such GPU (it has {', '.join(types)})")

@@ -16,6 +16,7 @@ from ballonet.cli.common import (
     refuse_unused,
     seed,
     subparser,
+    target_model,
     zeppelin_options,
 )
 from ballonet.paths import check_output, write_atomic
@@ -86,7 +87,7 @@ def cmd_plan(args) -> int:
     if args.out:
         check_output(args.out, "--out")
     cluster = specs.cluster(args.cluster, num_nodes=args.nodes)
-    model = specs.model(args.model, **({"tp": args.tp} if args.tp else {}))
+    model = target_model(args)
     if args.lengths:
         refuse_unused(args, "--lengths", ("tokens_per_gpu", "seed"), "is the batch itself, not sampled")
         lengths = workloads.load_lengths(args.lengths)

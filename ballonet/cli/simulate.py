@@ -21,6 +21,7 @@ from ballonet.cli.common import (
     row_cells,
     seed,
     subparser,
+    target_model,
     zeppelin_options,
 )
 from ballonet.errors import InputError
@@ -82,7 +83,7 @@ def cmd_simulate(args) -> int:
     from ballonet.simulation import comparison
 
     cluster = specs.cluster(args.cluster, num_nodes=args.nodes)
-    model = specs.model(args.model, **({"tp": args.tp} if args.tp else {}))
+    model = target_model(args)
     if args.loan_schedule:
         refuse_unused(args, "--loan-schedule", ("planners", "tune", "no_engine", "one_group", "plot", "trace"),
                       "prices zeppelin's plans alone, in a table")

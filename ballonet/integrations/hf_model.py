@@ -124,7 +124,8 @@ def model_spec(name: str) -> ModelSpec:
         raise InputError(f"{path}: no integer {', '.join(missing)} (a decoder-only causal LM config has them)")
     return ModelSpec(name=str(path), num_layers=config["num_hidden_layers"], hidden=config["hidden_size"],
                      num_heads=config["num_attention_heads"],
-                     num_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
+                     num_kv_heads=config["num_attention_heads"] if config.get("num_key_value_heads") is None
+                     else config["num_key_value_heads"],
                      ffn_hidden=config["intermediate_size"], vocab_size=config["vocab_size"])
 
 
@@ -262,6 +263,13 @@ def load_shards(model: nn.Module, name: str) -> None:
         raise InputError(f"{folder}: cannot read its weights ({str(e).splitlines()[0][:200]})") from None
 
 
+def _first_line(e: BaseException) -> str:
+    """An exception's message in one line (a first line that ends with a colon, as the
+    hub's validation errors do, with the line after it)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
+    return (lines[0] + (f" {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else ""))[:200]
+
+
 def build_model(name: str, seed: int, device: torch.device, recompute: str = "none",
                 recompute_layers: int | None = None) -> torch.nn.Module:
     """The causal LM of `hf:DIR` with attn_implementation="ballonet", fp32, on `device`,
@@ -280,8 +288,8 @@ def build_model(name: str, seed: int, device: torch.device, recompute: str = "no
     try:
         with _no_prompt():
             config = AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
-    except (ValueError, KeyError, OSError, EOFError) as e:
-        raise InputError(f"{folder / CONFIG}: transformers cannot read it ({str(e).splitlines()[0][:200]})") from None
+    except Exception as e:  # noqa: BLE001 - transformers refuses a config with many types (TypeError, hub's validation)
+        raise InputError(f"{folder / CONFIG}: transformers cannot read it ({_first_line(e)})") from None
     kw = {"attn_implementation": hf.ATTENTION, "dtype": torch.float32}
     has_weights = any((folder / w).is_file() for w in WEIGHTS)
     pickled = [w for w in PICKLED if (folder / w).is_file()]
@@ -302,8 +310,13 @@ def build_model(name: str, seed: int, device: torch.device, recompute: str = "no
             else:
                 torch.manual_seed(seed)  # every rank draws the same weights
                 model = AutoModelForCausalLM.from_config(config, trust_remote_code=False, **kw)
-    except (ValueError, KeyError, OSError, EOFError, SafetensorError) as e:  # SafetensorError: a garbage weights file
-        raise InputError(f"{folder}: cannot build a causal LM from it ({str(e).splitlines()[0][:200]})") from None
+    except (Exception, SafetensorError) as e:  # noqa: BLE001 - a config transformers took may still fail to build
+        raise InputError(f"{folder}: cannot build a causal LM from it ({_first_line(e)})") from None
+    try:
+        transformer_blocks(model)
+    except ValueError:
+        raise InputError(f"{folder}: {type(model).__name__} has no decoder layers at model.layers or "
+                         "model.model.layers, which Ballonet shards and plans block by block") from None
     if has_weights and missing:  # transformers would initialise them at random, with only a warning
         raise InputError(f"{folder}: its weights lack {len(missing)} of the model's tensors ({missing[0]}, ...): "
                          "stored under other names, or absent")

@@ -13,7 +13,6 @@ rate (a parallel file system that keeps up): the cluster's bandwidth, as the iss
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -32,6 +31,12 @@ model built (CPU gloo ranks of the tiny model took 8-12 s on a loaded 2-core mac
 CHECKPOINT_BYTES_PER_PARAM = 12
 
 
+MAX_HOURS = 8784
+"""The longest period a schedule may cover (a leap year): its tokens and prices stay finite."""
+MAX_SPANS = 1000
+"""The most lent spans a schedule may hold (each is a row of the report and two changes priced)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class LoanSchedule:
     """Hours of a period (`hours`, a day by default) in which the loaned groups are lent:
@@ -41,8 +46,11 @@ class LoanSchedule:
     hours: float = 24.0
 
     def __post_init__(self):
-        if not (isinstance(self.hours, (int, float)) and math.isfinite(self.hours) and self.hours > 0):
-            raise InputError(f"loan schedule: hours must be a positive number, got {self.hours!r}")
+        if not (isinstance(self.hours, (int, float)) and 1 / 60 <= self.hours <= MAX_HOURS):
+            raise InputError(f"loan schedule: hours must be a number from 1/60 (a minute) to {MAX_HOURS} (a year), "
+                             f"got {self.hours!r}")
+        if len(self.lent) > MAX_SPANS:
+            raise InputError(f"loan schedule: {len(self.lent)} lent spans, at most {MAX_SPANS}")
         spans = sorted(tuple(s) for s in self.lent)
         for start, end in spans:
             if not 0 <= start < end <= self.hours:

@@ -16,6 +16,9 @@ MAX_GPUS = 1 << 14
 """The most GPUs a cluster may have: planning time grows faster than the GPU count (one
 batch of 16K tokens per GPU: 0.3 s on 2048 GPUs, 3.7 s on 8192, on one CPU core), and a
 rank table of millions of GPUs would not fit in memory."""
+RANGES = {"nic_gbps": (1e-3, 1e6), "intra_link_bw": (1e6, 1e15), "memory_gb": (1e-6, 1e6)}
+"""What a node group's figures may be (Gb/s, bytes/s, GB), far beyond any real link or GPU:
+a bandwidth of 5e-324 or a memory of 1e308 prices a step at Infinity or NaN, or overflows."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,12 +45,14 @@ class NodeGroup:
         hardware.gpu(self.gpu)
         if not isinstance(self.loaned, bool):
             raise InputError(f"node group {self.gpu!r}: loaned must be true or false, got {self.loaned!r}")
-        for name in ("nic_gbps", "intra_link_bw", "memory_gb"):
+        for name, (lo, hi) in RANGES.items():
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
                 raise InputError(f"node group {self.gpu!r}: {name} must be a number, got {value!r}")
             if value is not None and not math.isfinite(value):
                 raise InputError(f"node group {self.gpu!r}: {name} must be finite, got {value!r}")
+            if value is not None and value > 0 and not lo <= value <= hi:
+                raise InputError(f"node group {self.gpu!r}: {name} must lie in [{lo:g}, {hi:g}], got {value!r}")
         for name in ("num_nodes", "gpus_per_node", "nics_per_node"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -61,6 +61,9 @@ def model_from_toml(path: str) -> ModelSpec:
     if unknown:
         raise InputError(f"{path}: unknown field {unknown[0]!r}; known: base, {', '.join(sorted(known))}")
     values: dict[str, Any] = {"name": os.path.splitext(os.path.basename(path))[0]}
+    for field in ("base", "name"):
+        if field in data and not isinstance(data[field], str):
+            raise InputError(f"{path}: field {field!r} must be a string, got {data[field]!r}")
     base = data.pop("base", None)
     if base is not None:
         if base not in MODELS:

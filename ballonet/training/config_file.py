@@ -45,6 +45,8 @@ def read_config_file(path: str, config_class: type) -> dict:
     values = {}
     for key, value in data.items():
         name = key.replace("-", "_")
+        if name in values:
+            raise InputError(f"{path}: {key} is given twice (as {name} and {name.replace('_', '-')}); give it once")
         if name not in hints:
             raise InputError(f"{path}: unknown setting {key!r} (the settings are TrainConfig's fields, as in "
                              f"`ballonet train --help`)")

@@ -85,9 +85,12 @@ def _set_rng(encoded: str, device: torch.device, where: str) -> None:
     cpu_size = torch.get_rng_state().numel()
     if state.numel() < cpu_size:
         raise InputError(f"{where}: field 'rng' holds a state of {state.numel()} bytes, not {cpu_size}")
-    torch.set_rng_state(state[:cpu_size].clone())
-    if device.type == "cuda" and state.numel() > cpu_size:
-        torch.cuda.set_rng_state(state[cpu_size:].clone(), device)
+    try:
+        torch.set_rng_state(state[:cpu_size].clone())
+        if device.type == "cuda" and state.numel() > cpu_size:
+            torch.cuda.set_rng_state(state[cpu_size:].clone(), device)
+    except RuntimeError as e:  # torch checks the state's contents: "Invalid mt19937 state"
+        raise InputError(f"{where}: field 'rng' holds no RNG state torch takes ({last_line(e)})") from None
 
 
 # ---- save and load ---------------------------------------------------------------------

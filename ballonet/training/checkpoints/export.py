@@ -20,6 +20,7 @@ import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ballonet.errors import InputError
 from ballonet.specs import ModelSpec
@@ -129,8 +130,8 @@ def read_model_state(path: str, model: dict) -> dict[str, torch.Tensor]:
             warnings.filterwarnings("ignore", message="Detected pickle protocol")  # the refusal says it
             dcp.load({"model": state}, storage_reader=safe_dcp.SafeReader(path),
                      planner=safe_dcp.SafeLoadPlanner(), no_dist=True)
-    except Exception as e:  # noqa: BLE001 - DCP wraps every failure in its own exception
-        raise InputError(f"{path}: corrupt or foreign checkpoint ({_last_line(e)})") from None
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's own is not an Exception
+        raise InputError(f"{path}: corrupt or foreign checkpoint ({safe_dcp.last_line(e)})") from None
     return state
 
 

@@ -10,8 +10,9 @@ not make.
   index: `transformers` could load them instead of the new weights) go; the user's other
   files (a README, say) move into the new folder. A full disk or any failure leaves
   `--out` as it was and no temporary folder behind.
-- The tokenizer's files (`tokenizer.json`, ...) of the corpus folder the run trained on
-  (its `config.toml` in the checkpoint folder says which) or of `--tokenizer`, and a
+- The tokenizer's files (`tokenizer.json`, ...) of `--tokenizer`, or the `tokenizer.json`
+  of the prepared corpus the run trained on (its `config.toml` in the checkpoint folder
+  says which; a folder that `ballonet prepare` did not write is not read), and a
   `generation_config.json`, so that `AutoTokenizer` and `generate` load the folder. Every
   file is read through `user_files` (regular files, capped, links only inside the folder).
 """
@@ -27,6 +28,7 @@ from ballonet import user_files
 from ballonet.errors import InputError
 from ballonet.training.checkpoints.safe_dcp import fsync_path
 from ballonet.training.config_file import RESOLVED
+from ballonet.training.data.corpus import MANIFEST, PREPARED_FORMAT, TOKENIZER_FILE
 
 MARKER = "ballonet-export.json"
 GENERATION = "generation_config.json"
@@ -34,6 +36,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.json", "merges.txt", "added_tokens.json")
 """The files of a Hugging Face tokenizer, as `save_pretrained` writes them."""
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".index.json")
+EXPORT_FILES = frozenset({"config.json", GENERATION, MARKER, *TOKENIZER_FILES})
+"""The names an export writes besides its weights (which go anyway: `_is_weights`)."""
 
 
 def check_out(out: str, overwrite: bool) -> None:
@@ -53,13 +57,14 @@ def check_out(out: str, overwrite: bool) -> None:
 
 
 def _earlier_files(out: str) -> set[str]:
-    """The files the export that wrote `out` listed in its marker (none if unreadable)."""
+    """The files the export that wrote `out` listed in its marker (none if unreadable),
+    of the names an export writes: a marker listing `notes.txt` deletes no notes."""
     try:
         record = user_files.read_json(os.path.join(out, MARKER), "json", out, what="an export's record")
     except InputError:
         return set()
     files = record.get("files") if isinstance(record, dict) else None
-    return {n for n in files if isinstance(n, str) and os.sep not in n} if isinstance(files, list) else set()
+    return {n for n in files if isinstance(n, str) and n in EXPORT_FILES} if isinstance(files, list) else set()
 
 
 def _is_weights(name: str) -> bool:
@@ -130,14 +135,18 @@ def generation_config(config: dict) -> dict:
 
 
 def _corpus_folder(step_path: str) -> str | None:
-    """The corpus folder the run that wrote checkpoint `step_path` trained on, from the
-    `config.toml` beside it (None if it trained on no folder, or says nothing)."""
+    """The prepared corpus folder the run that wrote checkpoint `step_path` trained on,
+    from the `config.toml` beside it (None if it trained on no folder written by `ballonet
+    prepare`, or says nothing): a name in a checkpoint's file leads to no other folder."""
     resolved = os.path.join(os.path.dirname(os.path.abspath(step_path)), RESOLVED)
     if not os.path.lexists(resolved):
         return None
     user_files.inside(os.path.dirname(resolved), resolved)
     corpus = user_files.read_toml(resolved, "resolved config").get("corpus")
-    return corpus if isinstance(corpus, str) and os.path.isdir(corpus) else None
+    if not isinstance(corpus, str) or not os.path.isdir(corpus) or not os.path.lexists(os.path.join(corpus, MANIFEST)):
+        return None
+    manifest = user_files.read_json(os.path.join(corpus, MANIFEST), "json", corpus, what="a prepared corpus manifest")
+    return corpus if isinstance(manifest, dict) and manifest.get("format") == PREPARED_FORMAT else None
 
 
 def tokenizer_files(tokenizer: str | None, step_path: str) -> list[str]:
@@ -153,7 +162,7 @@ def tokenizer_files(tokenizer: str | None, step_path: str) -> list[str]:
             raise InputError(f"--tokenizer {tokenizer}: holds no tokenizer file ({', '.join(TOKENIZER_FILES)})")
         return found
     folder = _corpus_folder(step_path)
-    return _regular(folder) if folder else []
+    return [p for p in _regular(folder) if os.path.basename(p) == TOKENIZER_FILE] if folder else []
 
 
 def _regular(folder: str) -> list[str]:

@@ -11,7 +11,9 @@ else; every storage item must lie inside a plain file of the checkpoint folder
 
 from __future__ import annotations
 
+import contextlib
 import io
+import itertools
 import math
 import os
 import pathlib
@@ -23,7 +25,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
 
 from ballonet import user_files
 from ballonet.errors import InputError
@@ -148,7 +150,8 @@ def _check_tensor(fqn: str, item, storage: dict, path) -> None:
         raise _metadata_error(path, f"tensor {fqn!r} has size {size!r}")
     if not isinstance(chunks, list) or not chunks:
         raise _metadata_error(path, f"tensor {fqn!r} has no chunks (its values are stored nowhere)")
-    boxes, total = [], 0
+    corners: set[tuple[int, ...]] = set()
+    total = 0
     for chunk in chunks:
         if (type(chunk) is not dcp_metadata.ChunkStorageMetadata or not _ints(chunk.offsets, len(size))
                 or not _ints(chunk.sizes, len(size))
@@ -160,14 +163,25 @@ def _check_tensor(fqn: str, item, storage: dict, path) -> None:
             if stored is None or stored.length < volume * dtype.itemsize:
                 raise _metadata_error(path, f"tensor {fqn!r}: a chunk at {list(chunk.offsets)} has "
                                             f"{'no' if stored is None else 'too few'} stored bytes")
-            boxes.append((chunk.offsets, chunk.sizes))
+            corners ^= _corners(chunk.offsets, chunk.sizes)
         total += volume
-    for i, (a_off, a_size) in enumerate(boxes):
-        for b_off, b_size in boxes[i + 1:]:
-            if all(ao < bo + bs and bo < ao + az for ao, az, bo, bs in zip(a_off, a_size, b_off, b_size)):
-                raise _metadata_error(path, f"tensor {fqn!r} has overlapping chunks")
-    if total != math.prod(size):
+    if total < math.prod(size):
         raise _metadata_error(path, f"tensor {fqn!r}: its chunks hold {total} of its {math.prod(size)} elements")
+    if total > math.prod(size) or corners != _corners((0,) * len(size), tuple(size)):
+        raise _metadata_error(path, f"tensor {fqn!r} has overlapping chunks")
+
+
+def _corners(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> set[tuple[int, ...]]:
+    """The corners of a box, counted mod 2 (an empty box's cancel out). Boxes inside a
+    tensor whose volumes add up to the tensor's tile it exactly if and only if the corners
+    an odd number of boxes have are the tensor's own: the parity of how many boxes cover
+    each element follows from the corners' (its d-dimensional difference is theirs), so an
+    element covered twice leaves a corner behind. Linear in the chunks, where comparing
+    every pair of them took 30 s for 8000 chunks."""
+    out: set[tuple[int, ...]] = set()
+    for corner in itertools.product(*((o, o + n) for o, n in zip(offsets, sizes))):
+        out ^= {corner}
+    return out
 
 
 def _check_storage(storage: dict, path, folder) -> None:
@@ -191,15 +205,37 @@ def _check_storage(storage: dict, path, folder) -> None:
                 or offset + length > sizes[name]):
             raise _metadata_error(path, f"item {index.fqn!r}: bytes [{offset!r}, +{length!r}) outside {name} "
                                         f"({sizes[name]} bytes)")
-        descriptors = info.transform_descriptors
-        if descriptors is not None and not all(isinstance(d, str) for d in descriptors):
-            raise _metadata_error(path, f"item {index.fqn!r}: transform descriptors are not strings")
+        if info.transform_descriptors:  # DCP would decompress it (zstd) into memory, unbounded
+            raise _metadata_error(path, f"item {index.fqn!r} is stored through transforms "
+                                        f"{str(info.transform_descriptors)[:80]}, which Ballonet never writes")
+
+
+class _FolderFiles(FileSystem):
+    """DCP's file system, its files opened through `user_files` (a regular file inside the
+    checkpoint folder, opened non-blocking): a data file swapped for a FIFO after the
+    metadata was checked would have blocked DCP's plain `open` for ever."""
+
+    def __init__(self, folder):
+        super().__init__()
+        self.folder = folder
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode: str):
+        if mode != "rb":
+            raise ValueError(f"{path}: a checkpoint is only read here")
+        with user_files.open_file(path, "data", self.folder, what="a checkpoint's data file") as f:
+            yield f
 
 
 class SafeReader(dcp.FileSystemReader):
-    """A FileSystemReader reading `.metadata` weights-only (`read_safe_metadata`). Its
-    `read_metadata` takes no rank: DCP then never falls back to per-rank metadata files
-    (which Ballonet does not write) after logging the first failure with a traceback."""
+    """A FileSystemReader reading `.metadata` weights-only (`read_safe_metadata`), its
+    files through `user_files` (`_FolderFiles`). Its `read_metadata` takes no rank: DCP then
+    never falls back to per-rank metadata files (which Ballonet does not write) after
+    logging the first failure with a traceback."""
+
+    def __init__(self, path):
+        super().__init__(path)
+        self.fs = _FolderFiles(self.path)
 
     def read_metadata(self):
         metadata = read_safe_metadata(self._get_metadata_path(), self.path)
@@ -207,6 +243,12 @@ class SafeReader(dcp.FileSystemReader):
             metadata.storage_meta = dcp.metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def _slice_file(self, file, sinfo):
+        """Each item DCP reads, checked first (`check_stored_item`)."""
+        where = f"{os.path.join(self.path, sinfo.relative_path)} (bytes {sinfo.offset}+{sinfo.length})"
+        check_stored_item(_Slice(file, sinfo.offset, sinfo.length), where)
+        return super()._slice_file(file, sinfo)
 
 
 class SafeWriter(dcp.FileSystemWriter):
@@ -235,6 +277,63 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 MAX_ITEM_PICKLE = 16 << 20
 """Bytes of one non-tensor item's pickle (a few hundred, for an optimizer's hyperparameters)."""
+ITEM_GLOBALS = frozenset({"torch._utils _rebuild_tensor_v2", "collections OrderedDict"}
+                         | {f"torch {name}" for name in ("FloatStorage", "BFloat16Storage", "HalfStorage",
+                                                          "DoubleStorage", "LongStorage", "IntStorage")})
+"""Every global the pickle of a stored item names: `torch.save` of a tensor of `DTYPES`
+(its rebuild function, its storage's class, its hooks' OrderedDict), or none (a plain value)."""
+_ITEM_REFUSED_OPS = _REFUSED_OPS - {"BINPERSID"}
+"""A stored tensor names its storage by BINPERSID, which torch's loader resolves itself."""
+
+
+class _Slice(io.RawIOBase):
+    """Bytes [offset, offset + length) of a seekable binary file, as a file of their own."""
+
+    def __init__(self, file, offset: int, length: int):
+        super().__init__()
+        self._file, self._start, self._length, self._pos = file, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self._length}[whence]
+        self._pos = min(max(base + offset, 0), self._length)
+        return self._pos
+
+    def readinto(self, buffer) -> int:
+        view = memoryview(buffer)[:max(self._length - self._pos, 0)]
+        self._file.seek(self._start + self._pos)
+        n = self._file.readinto(view) or 0
+        self._pos += n
+        return n
+
+
+def check_stored_item(item, where: str) -> None:
+    """Before `torch.load` reads a stored item (a tensor, or a plain value): it is
+    `torch.save`'s zip, its entries stored uncompressed (so no entry holds more than the
+    item's own bytes: no decompression bomb), one pickle whose globals are `ITEM_GLOBALS`
+    (a tensor's rebuild, never `bytearray(2**31)`, which torch's weights-only unpickler
+    allows and which allocated 2.3 GB from a 70 KB item). InputError naming `where`."""
+    try:
+        with zipfile.ZipFile(item) as z:
+            infos = z.infolist()
+            pickles = [i for i in infos if i.filename.endswith("data.pkl")]
+            if any(i.compress_type != zipfile.ZIP_STORED for i in infos):
+                raise ValueError("a compressed entry, which torch.save never writes")
+            if len(pickles) != 1 or pickles[0].file_size > MAX_ITEM_PICKLE:
+                raise ValueError("not one torch.save pickle")
+            for op, arg, _ in pickletools.genops(z.read(pickles[0])):
+                if op.name in _ITEM_REFUSED_OPS or (op.name == "GLOBAL" and arg not in ITEM_GLOBALS):
+                    raise ValueError(f"its pickle calls {arg or op.name!r}, which no stored tensor holds")
+    except (zipfile.BadZipFile, ValueError, EOFError, OSError, NotImplementedError) as e:
+        raise InputError(f"{where}: not an item a checkpoint stores ({str(e)[:160]})") from None
 
 
 def _check_plain_item(value: io.BytesIO, fqn: str) -> None:
@@ -286,4 +385,5 @@ def last_line(e: BaseException) -> str:
     """The innermost message of a (possibly DCP-wrapped, multi-line) exception, one line."""
     lines = [line.strip() for line in str(e).splitlines()
              if line.strip() and not line.strip().startswith(_BOILERPLATE)]
-    return (lines[-1] if lines else type(e).__name__)[:300]
+    line = lines[-1] if lines else type(e).__name__
+    return line.removeprefix(f"{InputError.__module__}.{InputError.__name__}: ")[:300]  # ours, as DCP relays it

@@ -32,7 +32,8 @@ class ByteTokenizer:
     vocab_size: int = 256
 
     def encode(self, text: str) -> np.ndarray:
-        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+        """A lone surrogate (JSON's "\\ud800") is its 3 bytes, as `ballonet prepare` writes it."""
+        return np.frombuffer(text.encode("utf-8", errors="surrogatepass"), dtype=np.uint8).astype(np.int64)
 
     def decode(self, ids) -> str:
         ids = np.asarray(ids, dtype=np.int64)
@@ -286,19 +287,45 @@ def _read_index(root: Path, manifest: dict) -> np.ndarray:
     return index
 
 
-def _open_shards(root: Path, manifest: dict, index: np.ndarray) -> list[np.ndarray]:
+class _Shard:
+    """A token shard, open: `read` takes tokens [start, end) with one `pread`. Not memory-
+    mapped: a shard that shrinks while in use (truncated, rewritten) would kill the process
+    with SIGBUS at the first page past its new end; a short read here is one line."""
+
+    def __init__(self, path: Path, file, dtype: np.dtype, num_tokens: int):
+        self.path, self._file, self.dtype, self.num_tokens = path, file, dtype, num_tokens
+
+    def read(self, start: int, end: int) -> np.ndarray:
+        size = self.dtype.itemsize
+        try:
+            data = os.pread(self._file.fileno(), (end - start) * size, start * size)
+        except OSError as e:
+            raise InputError(f"{self.path}: cannot read a token shard ({e.strerror})") from None
+        if len(data) != (end - start) * size:
+            raise InputError(f"{self.path}: changed while in use (tokens [{start}, {end}) are no longer there)")
+        return np.frombuffer(data, dtype=self.dtype)
+
+    def largest(self) -> int:
+        """The largest token id, read a block at a time."""
+        block = 1 << 24
+        return max((int(self.read(s, min(s + block, self.num_tokens)).max())
+                    for s in range(0, self.num_tokens, block)), default=0)
+
+
+def _open_shards(root: Path, manifest: dict, index: np.ndarray) -> list[_Shard]:
     dtype = np.dtype(manifest["dtype"])
     shards = []
     for i, shard in enumerate(manifest["shards"]):
         path = root / shard["file"]
         expected = int(index[index[:, 0] == i, 2].sum())
-        with user_files.open_file(path, "data", root, what="a token shard") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size != expected * dtype.itemsize or shard["num_tokens"] != expected:
-                raise InputError(f"{path}: {size} bytes, the index says {expected} tokens of {dtype.name}: corrupt")
-            shards.append(np.memmap(f, dtype=dtype, mode="r") if expected else np.zeros(0, dtype))
+        f = user_files.open_file(path, "data", root, what="a token shard")
+        size = os.fstat(f.fileno()).st_size
+        if size != expected * dtype.itemsize or shard["num_tokens"] != expected:
+            f.close()
+            raise InputError(f"{path}: {size} bytes, the index says {expected} tokens of {dtype.name}: corrupt")
+        shards.append(_Shard(path, f, dtype, expected))
     if "max_token_id" not in manifest:  # written before prepare recorded it: one pass over the shards
-        largest = max((int(s.max()) for s in shards if len(s)), default=0)
+        largest = max((s.largest() for s in shards), default=0)
         if largest >= manifest["vocab_size"]:
             raise InputError(f"{root / MANIFEST}: field 'vocab_size': {manifest['vocab_size']}, but token ids "
                              f"reach {largest}")
@@ -319,7 +346,7 @@ def from_prepared(path: str | os.PathLike) -> Corpus:
 
     def read_range(doc: int, start: int, end: int) -> np.ndarray:
         begin = int(offset_T[doc]) + start
-        ids = np.asarray(shards[shard_T[doc]][begin: begin + end - start], dtype=np.int64)
+        ids = shards[shard_T[doc]].read(begin, begin + end - start).astype(np.int64)
         if len(ids) and int(ids.max()) >= vocab_size:
             raise InputError(f"{root / manifest['shards'][shard_T[doc]]['file']}: token id {int(ids.max())} of "
                              f"document {names[doc]} is not below the manifest's vocab_size {vocab_size}")

@@ -95,13 +95,19 @@ def _encode_bytes(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     return np.frombuffer(b"".join(blobs), dtype=np.uint8), np.fromiter(map(len, blobs), np.int64, len(blobs))
 
 
-def hf_encode_fn(tokenizer, add_special_tokens: bool, dtype) -> Callable[[list[str]], tuple[np.ndarray, np.ndarray]]:
-    """The `tokenizers` library's batch encoding (offsets skipped), flattened to numpy."""
+def hf_encode_fn(tokenizer, add_special_tokens: bool, dtype, vocab_size: int,
+                 where: str) -> Callable[[list[str]], tuple[np.ndarray, np.ndarray]]:
+    """The `tokenizers` library's batch encoding (offsets skipped), flattened to numpy; an
+    id at or above `vocab_size` (a special token its post-processor adds, say, that its
+    vocabulary lacks) is an InputError naming the tokenizer file `where`."""
     def encode(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         encodings = tokenizer.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
         lengths = np.fromiter((len(e.ids) for e in encodings), np.int64, len(encodings))
-        ids = np.fromiter(itertools.chain.from_iterable(e.ids for e in encodings), dtype, int(lengths.sum()))
-        return ids, lengths
+        ids = np.fromiter(itertools.chain.from_iterable(e.ids for e in encodings), np.int64, int(lengths.sum()))
+        if ids.size and int(ids.max()) >= vocab_size:
+            raise InputError(f"{where}: the tokenizer gives token id {int(ids.max())}, beyond its vocabulary of "
+                             f"{vocab_size}")
+        return ids.astype(dtype), lengths
 
     return encode
 
@@ -127,9 +133,12 @@ def load_tokenizer(spec: str, add_special_tokens: bool = True) -> Encoder:
     except Exception as e:  # noqa: BLE001 - the library raises plain Exception on bad files
         reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
         raise InputError(f"{path}: not a Hugging Face tokenizer file ({reason})") from None
-    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+    # The ids its vocabulary holds need not be 0..n-1: the largest bounds the embedding.
+    ids = tokenizer.get_vocab(with_added_tokens=True).values()
+    vocab = max(tokenizer.get_vocab_size(with_added_tokens=True), max(ids, default=-1) + 1)
     encoder = Encoder(str(path), vocab, None, path, text)  # type: ignore[arg-type]
-    return dataclasses.replace(encoder, encode=hf_encode_fn(tokenizer, add_special_tokens, encoder.dtype))
+    return dataclasses.replace(encoder, encode=hf_encode_fn(tokenizer, add_special_tokens, encoder.dtype, vocab,
+                                                            str(path)))
 
 
 # ---- sources -------------------------------------------------------------------------

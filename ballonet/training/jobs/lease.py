@@ -46,9 +46,13 @@ def read_lease(path: str) -> str | None:
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise InputError(f"--lease {path}: not a regular file")
-        data = os.read(fd, _MAX_BYTES)
+        data = os.read(fd, _MAX_BYTES + 1)
+    except OSError as e:
+        raise InputError(f"--lease {path}: cannot read it ({e.strerror})") from None
     finally:
         os.close(fd)
+    if len(data) > _MAX_BYTES:
+        raise InputError(f"--lease {path}: over {_MAX_BYTES} bytes; it must say {LENT!r} or {RECLAIMED!r}")
     text = data.decode("utf-8", "replace").strip()
     if not text or (LENT.startswith(text) or RECLAIMED.startswith(text)) and text not in (LENT, RECLAIMED):
         return None  # being written
