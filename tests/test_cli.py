@@ -154,10 +154,10 @@ def test_plan_out_is_the_plan_written_whole(tmp_path, monkeypatch, capsys):
 
 
 def _infeasible_setup(tmp_path, monkeypatch):
-    """packed_dp cannot place a 30000-token document on an H800 with llama-13b (at most
-    ~25.8K tokens per GPU); zeppelin and te_cp split it."""
+    """packed_dp cannot place a 120000-token document on an H800 with llama-13b (at most
+    ~103.8K tokens per GPU); zeppelin and te_cp split it."""
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "big.txt").write_text("30000\n")
+    (tmp_path / "big.txt").write_text("120000\n")
     return ["simulate", "--cluster", "h800-8nic", "--nodes", "4", "--model", "llama-13b", "--workload", "big.txt",
             "--tokens-per-gpu", "4096", "--planners", "zeppelin,packed_dp,te_cp"]
 
