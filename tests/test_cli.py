@@ -312,8 +312,9 @@ def test_help_says_what_ballonet_is_and_where_to_start(capsys):
     for name in subcommand_flags():
         code, out, err = _main([name, "--help"], capsys)
         assert code == 0 and out.startswith(f"usage: ballonet {name}") and err == "", name
-        if name in ("cost", "plan", "simulate"):  # --model takes a model file too, as in the README
-            assert "or TOML file" in " ".join(out.split("--model", 2)[2].split()[:20]), name
+        if name in ("cost", "plan", "simulate"):  # --model takes a model file and a HF folder too, as in the README
+            model_help = " ".join(out.split("--model", 2)[2].split()[:24])
+            assert "TOML file" in model_help and "hf:DIR" in model_help, name
 
 
 def test_the_loan_day_s_json_is_strict_as_every_json_output(tmp_path, monkeypatch, capsys):
