@@ -204,3 +204,14 @@ def test_a_recorded_config_builds_only_a_model_type_transformers_ships():
     assert type(built).__name__ == "LlamaConfig" and built.hidden_size == 64 and not hasattr(built, "auto_map")
     with pytest.raises(InputError, match="model_type 'pwned-model' is not one transformers ships"):
         export._hf_config({"config": {**config, "model_type": "pwned-model"}}, "ck/ballonet.json")
+
+
+def test_an_export_into_a_folder_that_does_not_exist_is_refused_before_any_work(tmp_path):
+    """As every other output: a mistyped --out makes no tree of folders (it made every missing parent)."""
+    from ballonet.errors import InputError
+    from ballonet.training.checkpoints.export_folder import check_out
+
+    with pytest.raises(InputError, match="does not exist"):
+        check_out(str(tmp_path / "no" / "such" / "out"), overwrite=False)
+    assert not (tmp_path / "no").exists()
+    check_out(str(tmp_path / "out"), overwrite=False)

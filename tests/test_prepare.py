@@ -149,6 +149,8 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, tokenizer_di
          "bad_tok.json: not a Hugging Face tokenizer"),
         (["--data", tmp_path / "missing.jsonl"], "missing.jsonl"),
         (["--data", sources["jsonl"], "--text-column", "body", "--out", tmp_path / "exists"], "already exists"),
+        (["--data", sources["jsonl"], "--text-column", "body", "--out", tmp_path / "no" / "such" / "out"],
+         "does not exist"),
     ]
     for argv, message in cases:
         if "--out" not in argv:

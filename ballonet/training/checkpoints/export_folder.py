@@ -54,6 +54,8 @@ def check_out(out: str, overwrite: bool) -> None:
     parent = os.path.dirname(os.path.abspath(out))
     if os.path.exists(parent) and not os.path.isdir(parent):
         raise InputError(f"--out {out}: {parent} is a file")
+    if not os.path.isdir(parent):  # as every other output: a mistyped path makes no tree of folders
+        raise InputError(f"--out {out}: folder {parent!r} does not exist")
 
 
 def _earlier_files(out: str) -> set[str]:
@@ -81,7 +83,6 @@ def replace_folder(out: str, write: Callable[[str], None], info: dict) -> list[s
     old = os.path.join(parent, f".{name}.export-old-{os.getpid()}")
     moved: list[str] = []
     try:
-        os.makedirs(parent, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
         write(tmp)

@@ -321,9 +321,10 @@ def prepare(config: PrepareConfig, progress: Progress = lambda n: None) -> dict:
         raise InputError(f"{out}: already exists (prepare writes a new folder; remove it or choose another)")
     encoder = load_tokenizer(config.tokenizer, config.add_special_tokens)
     sources = list_sources(config.data)  # bad --data fails before a folder is made
+    if not out.parent.is_dir():  # as every other output: a mistyped path makes no tree of folders
+        raise InputError(f"--out {out}: folder {str(out.parent)!r} does not exist")
     _check_room(out, sources, encoder)
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
