@@ -142,13 +142,13 @@ def _gap_lines(runs: list[dict], gap: dict | None) -> list[str]:
         "- Where the rest goes (`bench/results/hetero_gap.md`, command there; the same batches): "
         "a perfect estimate choosing among zeppelin's own candidate plans by their simulated step would reach "
         + ", ".join(f"{g['oracle_to_bound']:.3f}x" for g in rows) + " (now "
-        + ", ".join(f"{g['to_bound']:.3f}x" for g in rows) + "). Memory is most of the rest on `h800+h20`: "
-        f"with {rows[0]['ample_memory']}x each GPU's memory (nothing recomputed) zeppelin is at "
-        + ", ".join(f"{g['ample_to_bound']:.3f}x" for g in rows) + " of that cluster's bound. An H800 runs most "
-        "of the GEMMs, so it holds three to six times an H20's tokens in its 80 GB and recomputes linear or full "
-        "layers (fully on every rank once one rank needs it), where the bound, each group's memory its own "
-        "holding both layouts, mixes recomputation modes freely over a group's pooled memory and layers. "
-        "Not on `a800+l40s`: there "
+        + ", ".join(f"{g['to_bound']:.3f}x" for g in rows) + "). "
+        f"With {rows[0]['ample_memory']}x each GPU's memory (nothing recomputed) zeppelin is at "
+        + ", ".join(f"{g['ample_to_bound']:.3f}x" for g in rows) + " of that cluster's bound. Memory was most of "
+        "the rest on `h800+h20` (1.175x and 1.177x) while the cost model charged every GPU ZeRO-1's unsharded "
+        "bf16 weights and gradients, which the runtime's FSDP2 never holds (until 2026-12-07; docs/design.md, "
+        "section 3): an H800, running most of the GEMMs, then recomputed linear or full layers. "
+        "On `a800+l40s` "
         "more memory leaves zeppelin about as far off or farther (its bound falls as much as its step or more); the distance is exposed "
         "communication (the gradient all-reduce's intra-node part over PCIe at 25 GB/s on L40S nodes, the "
         "inference nodes' few NICs) and batches such as "
@@ -174,16 +174,17 @@ def _gap_lines(runs: list[dict], gap: dict | None) -> list[str]:
         "holds the groups' NICs (the simulator runs the remap on the NICs, not on the ranks' compute streams), "
         "which binds on none of these batches, so it still lets the memory-rich group hold "
         "attention-layout tokens whose GEMMs run on the other: on these networks a plan cannot.",
-        "- Full recomputation on fewer layers: the runtime reruns a fully recomputed layer's ring and remap, so "
-        "every rank recomputes fully on every layer or none does; full recomputation replaced by linear on every "
-        "layer of every rank (memory ignored: more than full recomputation on some layers and linear on the others could buy) brings the plans to "
-        + ", ".join(f"{g['linear_for_full_to_bound']:.3f}x" for g in rows) + ".",
-        f"- So 1.15x was reached on {_within(rows)}: what is left is how plans recompute within each GPU's own memory "
-        "(whole modes per rank, full recomputation everywhere once one rank needs it), memory the bound lets a plan "
-        "reach through a remap across groups that costs more than it saves (charged only its NIC time, about 1% of "
-        "the bound, docs/design.md section 3), exposed communication over the inference nodes' links, and the "
-        "placement and kernels' own distance, which the same planner also has on homogeneous clusters "
-        "(`bench/results/paper.md`, column step/bound)."]
+        *(["- Full recomputation on fewer layers: the runtime reruns a fully recomputed layer's ring and remap, so "
+           "every rank recomputes fully on every layer or none does; full recomputation replaced by linear on every "
+           "layer of every rank (memory ignored: more than full recomputation on some layers and linear on the "
+           "others could buy) brings the plans to "
+           + ", ".join(f"{g['linear_for_full_to_bound']:.3f}x" for g in rows) + "."]
+          if any(g["linear_for_full_to_bound"] != g["to_bound"] for g in rows) else []),
+        f"- So 1.15x was reached on {_within(rows)}: what is left is exposed communication over the inference "
+        "nodes' links, above all a long document's ring inside a PCIe-only node (its members' traffic does not "
+        "shrink as the ring grows; a split whose traffic does, such as DeepSpeed-Ulysses' all-to-all over "
+        "heads, is not built), and the placement and kernels' own distance, which the same planner also has on "
+        "homogeneous clusters (`bench/results/paper.md`, column step/bound)."]
 
 
 def _trace_line(rows: list[dict]) -> str:
@@ -205,11 +206,10 @@ def _trace_line(rows: list[dict]) -> str:
                      f"busiest {over:.3f}x that group's mean")
     return ("- The steps taken apart (`bench/results/hetero_gap.md`, its `trace`: seconds summed over the batches "
             "over the bounds summed; the bound's part that binds, by batch: " + binds + "): " + "; ".join(parts)
-            + ". So on `h800+h20` the groups' mean compute alone is about 1.10x the bound (the bound's memory and "
-            "recomputation, next bullets), a few percent more is the busiest rank over its group's mean (whole "
-            "documents of about a rank's share on the H20s, which hold 4-8K tokens each), and the rest exposed "
-            "communication and waiting; on `a800+l40s` wlbllm the slowest rank's compute is near the bound and "
-            "the distance is exposed communication.")
+            + ". So on `h800+h20` the groups' mean compute is within about 1% of the bound, the busiest rank a few "
+            "percent over its group's mean (whole documents of about a rank's share on the H20s, which hold 4-8K "
+            "tokens each), and the rest exposed communication and waiting; on `a800+l40s` wlbllm the slowest "
+            "rank's compute is at or under the bound and the distance is exposed communication.")
 
 
 def _within(rows: list[dict]) -> str:
@@ -228,9 +228,13 @@ def _pcie_ring_text(batch: dict) -> str:
     return (f", where a {length // 1024}K-token document's ring over {members} L40S of one node, on PCIe, leaves "
             f"{batch['pcie_ring_exposed_s']:.1f} s of communication exposed on its ranks "
             f"({batch['pcie_other_exposed_s']:.1f} s on the L40S nodes' other ranks). The candidates' estimate prices "
-            "it as the simulator runs it (`planning/pcie_rings.py`: each member's K/V and partial dK/dV go round "
+            "it (`planning/pcie_rings.py`: each member's K/V and partial dK/dV go round "
             "the ring over its PCIe port, beside the layer's data-parallel collectives; that batch "
-            f"{batch['estimate_s']:.2f} s estimated, {batch['step_s']:.2f} s simulated), and where the best plan has such a "
+            f"{batch['estimate_s']:.2f} s estimated, {batch['step_s']:.2f} s simulated"
+            + ("" if abs(batch["estimate_s"] / batch["step_s"] - 1) < 0.01 else
+               ": the two agreed under full recomputation; under the selective recomputation the plan now affords, "
+               "the estimate is short of the simulated step, not yet explained")
+            + "), and where the best plan has such a "
             "ring the search also plans the batch with no document split inside a PCIe-only node "
             "(`zeppelin/pcie_level.py`; on a800+l40s prolong's batch 6 it replaced a 28K-token ring over 3 L40S, "
             "1.31x of that batch's bound, by a plan at 1.19x, commit a7b3e2e). "

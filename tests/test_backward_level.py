@@ -14,6 +14,8 @@ import dataclasses
 
 import numpy as np
 
+from tests.tight_memory import tight
+
 from ballonet import plan_batch, specs, workloads
 from ballonet.planning.devices import devices
 from ballonet.planning.zeppelin import search
@@ -21,7 +23,8 @@ from ballonet.planning.zeppelin.classes import crossover_lengths, level_nodes, n
 from ballonet.planning.zeppelin.variants import backward_level
 from ballonet.simulation.simulator import simulate
 
-CLUSTER, MODEL = specs.cluster("a800-4nic", num_nodes=4), specs.model("llama-30b", tp=4)
+MODEL = specs.model("llama-30b", tp=4)
+CLUSTER = tight(specs.cluster("a800-4nic", num_nodes=4), MODEL)
 
 
 def _batch() -> list[int]:

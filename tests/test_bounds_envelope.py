@@ -7,6 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.tight_memory import tight
+
 from ballonet import plan_batch, simulate, specs
 from ballonet.cost import bounds, gemm_envelope, hardware
 from ballonet.specs import NodeGroup
@@ -77,7 +79,8 @@ def test_tp_plans_above_it():
     """A batch that LLaMA-13B at tp 2 on one H800 node holds only under linear
     recomputation on most layers: no plan simulates under the bound, which now counts the
     TP collectives the recomputation reruns."""
-    c, m = specs.cluster("h800-8nic", num_nodes=1), specs.model("llama-13b", tp=2)
+    m = specs.model("llama-13b", tp=2)
+    c = tight(specs.cluster("h800-8nic", num_nodes=1), m)
     lengths = [24000, 18000, 12000, 7200, 4800, 4800, 3600, 2400, 1200, 643]  # 9.8K tokens a GPU
     mode, layers = bounds.batch_recomputation(lengths, c, m)
     assert mode == "linear" and layers > 10

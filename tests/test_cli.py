@@ -21,6 +21,23 @@ def test_cost_json_has_the_documented_keys():
     assert d["breakeven_chunk_tokens"]["inter"] > d["breakeven_chunk_tokens"]["intra"] > 0
 
 
+def test_cost_nodes_shard_the_model_state_and_so_set_the_recomputation():
+    """`cost --nodes`, as plan and simulate take it: the more GPUs the optimizer state is
+    sharded over, the more memory is left for activations, and the less a document recomputes."""
+    from ballonet import specs
+    from ballonet.cost.memory import memory_cap
+
+    def cost(nodes):
+        r = run("cost", "--model", "llama-13b", "--cluster", "a800-4nic", "--nodes", str(nodes), "--length", "8192",
+                "--json")
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)["recompute"]
+
+    model, gpu = specs.model("llama-13b"), specs.cluster("a800-4nic").groups[0].gpu_type
+    assert memory_cap(model, gpu, 8) < memory_cap(model, gpu, 128)
+    assert (cost(1), cost(16)) == ("selective", "none")
+    r = run("cost", "--cluster", "h800+h20", "--nodes", "3", "--length", "1000")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "--nodes 3" in r.stderr
 def test_plan_cost_and_simulate_read_a_hugging_face_folder_as_train_does(tmp_path):
     """--model hf:DIR: the folder's config.json, as `train` reads it (it was read as a TOML path)."""
     (tmp_path / "config.json").write_text(json.dumps(
@@ -137,10 +154,10 @@ def test_plan_out_is_the_plan_written_whole(tmp_path, monkeypatch, capsys):
 
 
 def _infeasible_setup(tmp_path, monkeypatch):
-    """packed_dp cannot place a 30000-token document on an H800 with llama-13b (at most
-    ~25.8K tokens per GPU); zeppelin and te_cp split it."""
+    """packed_dp cannot place a 120000-token document on an H800 with llama-13b (at most
+    ~103.8K tokens per GPU); zeppelin and te_cp split it."""
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "big.txt").write_text("30000\n")
+    (tmp_path / "big.txt").write_text("120000\n")
     return ["simulate", "--cluster", "h800-8nic", "--nodes", "4", "--model", "llama-13b", "--workload", "big.txt",
             "--tokens-per-gpu", "4096", "--planners", "zeppelin,packed_dp,te_cp"]
 

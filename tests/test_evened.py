@@ -10,6 +10,8 @@ compared are the simulator's, never the planner's own estimate.
 
 import numpy as np
 
+from tests.tight_memory import tight
+
 from ballonet import plan_batch, specs, workloads
 from ballonet.planning.assembly import Placement
 from ballonet.planning.zeppelin import search
@@ -45,7 +47,8 @@ def test_a_split_documents_share_counts_toward_its_members_tokens():
 
 
 def test_the_evened_plan_is_planned_where_it_prices_shorter(monkeypatch):
-    cluster, model = specs.cluster("h800-8nic", num_nodes=4), specs.model("llama-13b", tp=2)
+    model = specs.model("llama-13b", tp=2)
+    cluster = tight(specs.cluster("h800-8nic", num_nodes=4), model)
     lengths = next(iter(workloads.get("prolong").batches(16384 * cluster.num_ranks, 0, 1, 65536)))
     step = simulate(plan_batch(lengths, cluster, model), cluster, model).step_time_s
     monkeypatch.setattr(search, "evened", lambda *args: None)  # the search before

@@ -12,6 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.tight_memory import tight
+
 from ballonet import calibration, plan_batch, specs, workloads
 from ballonet.cli import main
 from ballonet.cost import hardware
@@ -56,7 +58,7 @@ def quadratic_share(plan: Plan, rank: int) -> float:
 
 
 def test_twice_as_fast_gpu_gets_two_thirds_of_a_split_document(half_h100):
-    plan = plan_batch([65536], two_gpus(), MODEL)
+    plan = plan_batch([65536], tight(two_gpus(), MODEL), MODEL)
     assert len(plan.rings) == 1 and plan.rings[0].kind == "inter"
     assert quadratic_share(plan, 0) == pytest.approx(2 / 3, abs=0.02)
     assert plan.linear_tokens(0) == pytest.approx(2 / 3 * 65536, abs=1)
@@ -79,10 +81,13 @@ def test_assume_homogeneous_plans_equal_shares(half_h100):
 
 
 def _token_cap(gpu: hardware.GPUType, model, num_ranks: int) -> int:
-    """Most tokens a GPU holds: (memory * reserve - weights, grads and sharded Adam) / bytes per token."""
+    """Most tokens a GPU holds: (memory * reserve - FSDP2's sharded fp32 weights, grads and
+    Adam, and its gathered bf16 embedding, head and two blocks) / bytes per token."""
     h, kv, f = model.hidden, model.kv_dim, model.ffn_hidden
-    params = model.num_layers * (h * (h + 2 * kv) + h * h + 3 * h * f + 2 * h) + 2 * model.vocab_size * h + h
-    state = params * (2 + 2 + 12 / num_ranks)
+    block = h * (h + 2 * kv) + h * h + 3 * h * f + 2 * h
+    params = model.num_layers * block + 2 * model.vocab_size * h + h
+    state = params * 16 / num_ranks + (2 * model.vocab_size * h + 2 * (params - 2 * model.vocab_size * h)
+                                       / model.num_layers) * 2
     layer = (5 * h + 4 * f) + (2 * h + 2 * kv)  # one layer's saved tensors (cost.memory, by hand)
     per_token = (model.num_layers * h + layer) * 2  # full recomputation: layer inputs + one layer
     return int((gpu.memory_bytes * 0.9 - state) // per_token)
@@ -91,8 +96,10 @@ def _token_cap(gpu: hardware.GPUType, model, num_ranks: int) -> int:
 @pytest.mark.parametrize("assume_homogeneous", [False, True])
 def test_memory_cap_of_the_small_gpu_is_respected(assume_homogeneous):
     # L40S (48 GB) is faster than A800 (80 GB): by speed it would take more tokens than it can hold.
-    cluster, model = specs.cluster("a800+l40s"), specs.model("llama-7b")
-    cap = _token_cap(hardware.gpu("l40s"), model, cluster.num_ranks)
+    model = specs.model("llama-7b")
+    cluster = tight(specs.cluster("a800+l40s"), model)
+    l40s = cluster.groups[1].gpu_type
+    cap = _token_cap(l40s, model, cluster.num_ranks)
     per_gpu = 40_000
     assert per_gpu * 362 / 337 > cap  # the speed-proportional share is over the cap
     rng = np.random.default_rng(3)
@@ -103,7 +110,7 @@ def test_memory_cap_of_the_small_gpu_is_respected(assume_homogeneous):
     plan = plan_batch(lengths, cluster, model, assume_homogeneous=assume_homogeneous)
     for r in range(16, 32):
         assert plan.attention_tokens(r) <= cap and plan.linear_tokens(r) <= cap
-        assert plan.memory_bytes[r] <= hardware.gpu("l40s").memory_bytes * 0.9
+        assert plan.memory_bytes[r] <= l40s.memory_bytes * 0.9
     assert sum(plan.linear_tokens(r) for r in range(32)) == sum(lengths)
     assert all(plan.node_of_rank[t.src] == plan.node_of_rank[t.dst] for t in plan.remap)
 
@@ -205,7 +212,8 @@ def test_routing_skips_pcie_dispatch_that_costs_more_than_it_saves():
 
 
 def test_pcie_nodes_keep_their_tokens_and_balance_attention_plus_linear():
-    cluster, model = specs.cluster("a800+l40s"), specs.model("llama-7b")
+    model = specs.model("llama-7b")
+    cluster = tight(specs.cluster("a800+l40s"), model)
     pcie = {r for r in range(cluster.num_ranks) if cluster.gpu_of(r).intra_link == "pcie"}
     # A batch where the remap pays on the NVLink nodes: they even their tokens, the PCIe
     # nodes keep theirs (under selective recomputation; with the linear layers recomputed
@@ -302,6 +310,7 @@ def test_no_planner_beats_the_per_group_memory_bound():
     c = ClusterSpec(name="roomy+cramped", groups=(NodeGroup(gpu="h100", gpus_per_node=4),
                                                   NodeGroup(gpu="h100", gpus_per_node=4, memory_gb=45)))
     m = specs.model("llama-7b")
+    c = tight(c, m)
     lengths = next(iter(workloads.get("wlbllm").batches(24000 * 8, 1, 1, 65536)))
     pooled, held = bound_parts(lengths, c, m, communication=False)
     assert held > pooled * 1.1

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.tight_memory import tight
+
 from ballonet import InfeasiblePlan, plan_batch, specs, workloads
 from ballonet.simulation import hill_climb
 from ballonet.simulation.simulator import simulate
@@ -21,7 +23,8 @@ SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "investigations" / "hil
 def test_rebuilt_placement_is_the_plan_and_a_climb_never_lengthens_it(cluster, model, workload, kind):
     # (The double ring's batch is test_sim_truth's: since the partitioner prices the waits of
     # the runtime's ring order, a main-grid batch keeps single rings.)
-    c, m = specs.cluster(cluster, num_nodes=2), specs.model(model)
+    m = specs.model(model)
+    c = tight(specs.cluster(cluster, num_nodes=2), m)
     batch = workload if isinstance(workload, list) else \
         next(iter(workloads.get(workload).batches(16384 * c.num_ranks, 0, 1, 65536)))
     plan = plan_batch(batch, c, m, "zeppelin")

@@ -8,6 +8,8 @@ import dataclasses
 import numpy as np
 import pytest
 
+from tests.tight_memory import tight
+
 import ballonet
 from ballonet import workloads
 from ballonet.cost import hardware
@@ -74,10 +76,11 @@ def test_a_64k_ring_over_8_l40s_exposes_what_pcie_takes_beyond_its_kernels_by_ha
 def test_the_estimate_of_a_ring_inside_a_pcie_node_is_what_the_simulator_runs(lengths, within):
     # Without the ring's PCIe transfers the estimate was 0.76x and 0.68x of the simulated step.
     model = ballonet.model("llama-7b")
-    plan = plan_batch(lengths, L40S_NODE, model)
+    node = tight(L40S_NODE, model)
+    plan = plan_batch(lengths, node, model)
     assert any(len(r.ranks) > 2 for r in plan.rings)
     estimate = min(x["estimated_step_s"] for x in plan.meta["candidates"])
-    assert estimate / simulate(plan, L40S_NODE, model).step_time_s == pytest.approx(1.0, abs=within)
+    assert estimate / simulate(plan, node, model).step_time_s == pytest.approx(1.0, abs=within)
 
 
 def test_rings_over_nvlink_are_priced_as_before():

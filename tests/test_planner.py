@@ -6,6 +6,8 @@ import dataclasses
 import numpy as np
 import pytest
 
+from tests.tight_memory import tight
+
 import ballonet
 from ballonet import PLANNERS, plan_batch, specs, workloads
 from ballonet.cost import hardware
@@ -99,7 +101,7 @@ def test_zeppelin_remap_reaches_equal_tokens_with_surplus_only(price_linear):
     # Under selective recomputation (with linear recomputation every rank keeping its tokens
     # prices, and simulates, shorter: 4.80 s against 4.78 s remapped, 4.99 s selective)
     selective = dataclasses.replace(MODEL, recompute="selective")
-    plan = plan_batch(lengths, h200(num_nodes=2), selective, price_linear=price_linear, routing=False)
+    plan = plan_batch(lengths, tight(h200(num_nodes=2), selective), selective, price_linear=price_linear, routing=False)
     assert not plan.meta["keep_tokens"]  # priced: remapping beats every rank keeping its tokens here
     att = [plan.attention_tokens(r) for r in range(16)]
     lin = [plan.linear_tokens(r) for r in range(16)]
@@ -176,7 +178,7 @@ def test_zeppelin_balances_compute_and_leads_every_baseline_on_a_real_workload(r
 def test_zeppelin_keeps_tokens_where_the_remap_does_not_pay():
     # Two long documents over two nodes: balancing attention plus linear work per rank
     # leaves a shorter step than remapping q, k, v and o inside the nodes.
-    cluster = h200(num_nodes=2)
+    cluster = tight(h200(num_nodes=2), MODEL)
     lengths = [120_000, 40_000] + [1_500] * 60
     kept = plan_batch(lengths, cluster, MODEL)
     assert kept.meta["keep_tokens"] and kept.remap == ()
@@ -454,7 +456,8 @@ def test_double_rings_are_planned_where_they_send_a_document_across_nodes(tmp_pa
     # them, its waits for partial dK/dV; docs/design.md, section 7) the double ring's plan
     # simulates 5% slower than the single rings' (1.50 against 1.43 s), and the estimate,
     # which prices those waits' local part (`pricing.ring_wait_seconds`), keeps the single.
-    cluster, model = specs.cluster("h800-8nic", num_nodes=4), specs.model("llama-3b")
+    model = specs.model("llama-3b")
+    cluster = tight(specs.cluster("h800-8nic", num_nodes=4), model)
     lengths, other = workloads.get("wlbllm").batches(16384 * 32, 0, 2, 65536)
     longest = max(range(len(lengths)), key=lambda d: lengths[d])
     single, chosen = (plan_batch(lengths, cluster, model, double=d) for d in (False, True))
@@ -474,9 +477,12 @@ def test_double_rings_are_planned_where_they_send_a_document_across_nodes(tmp_pa
 
     batch = tmp_path / "batch.txt"
     batch.write_text("\n".join(map(str, lengths)))
+    (group,) = cluster.groups
+    toml = tmp_path / "cluster.toml"
+    toml.write_text(f'name = "h800-tight"\n[[node_groups]]\ngpu = "h800"\nnum_nodes = 4\nmemory_gb = {group.memory_gb!r}\n')
     for flags, double_rings in (([], True), (["--no-double"], False)):
         out = tmp_path / f"plan{len(flags)}.json"
-        assert cli.main(["plan", "--cluster", "h800-8nic", "--nodes", "4", "--model", "llama-3b", "--lengths",
+        assert cli.main(["plan", "--cluster", str(toml), "--model", "llama-3b", "--lengths",
                          str(batch), "--out", str(out), *flags]) == 0
         assert any(c["double"] for c in Plan.from_json(out.read_text()).meta["candidates"]) == double_rings
     capsys.readouterr()
@@ -508,7 +514,8 @@ def test_caps_that_bind_where_the_step_is_set_get_a_selective_plan_too():
     # is slower; it wins the estimate and the simulated step (0.854 s against 0.878 s).
     # (On the second batch it won until 2026-12-02, when level 2 and refinement made the
     # plan without recomputation 7% shorter, and now loses, as simulated.)
-    cluster, model = specs.cluster("h800-8nic", num_nodes=4), specs.model("llama-3b")
+    model = specs.model("llama-3b")
+    cluster = tight(specs.cluster("h800-8nic", num_nodes=4), model)
     lengths = next(iter(workloads.get("prolong").batches(16384 * 32, 0, 1, 65536)))
     plan = plan_batch(lengths, cluster, model)
     assert {c["recompute"] for c in plan.meta["candidates"]} == {"none", "selective"}
@@ -535,7 +542,7 @@ def test_the_estimate_prices_the_layers_where_a_few_ranks_recompute():
     # estimate was 5% under the simulated layers; layer by layer, with what the step adds
     # after them (`Candidate.tail_s`), it is within 1% of the simulated step (1.709
     # against 1.717 s).
-    cluster, model = h200(num_nodes=2), MODEL
+    cluster, model = tight(h200(num_nodes=2), MODEL), MODEL
     plan = plan_batch([48_000] + [1_000] * 214, cluster, model, double=False)
     mode, layers = heaviest(plan.recompute)
     assert mode == "selective" and 0 < layers < model.num_layers
@@ -567,7 +574,7 @@ def test_crossing_hops_are_priced_routed_over_the_nodes_rails():
     # Two H200 nodes: a crossing hop routed over the node's 8 rails costs a NIC transfer
     # of an eighth of it plus 14 dispatch and combine messages over NVLink, so
     # the 100K document goes across the nodes, where priced over one NIC it stays in one.
-    cluster = h200(num_nodes=2)
+    cluster = tight(h200(num_nodes=2), MODEL)
     (cross,) = crossover_lengths(cluster, MODEL)
     assert cross.rails == 8
     gpu = hardware.gpu("h200")

@@ -11,13 +11,16 @@ import dataclasses
 
 import numpy as np
 
+from tests.tight_memory import tight
+
 from ballonet import plan_batch, specs, workloads
 from ballonet.planning.devices import devices
 from ballonet.planning.zeppelin.classes import crossover_lengths, level_nodes
 from ballonet.planning.zeppelin.recomputed import mixed, node_recompute, recomputed_level
 from ballonet.simulation.simulator import simulate
 
-CLUSTER, MODEL = specs.cluster("h800+h20"), specs.model("llama-7b")
+MODEL = specs.model("llama-7b")
+CLUSTER = tight(specs.cluster("h800+h20"), MODEL)
 
 
 def _batch() -> list[int]:
@@ -57,7 +60,8 @@ def test_on_one_gpu_type_the_recomputed_level_is_planned_beside_the_uniform_one(
     1.495 -> 1.443 s simulated."""
     from ballonet.planning.zeppelin import search
 
-    cluster, model = specs.cluster("h200-8nic", num_nodes=4), specs.model("llama-7b")
+    model = specs.model("llama-7b")
+    cluster = tight(specs.cluster("h200-8nic", num_nodes=4), model)
     lengths = next(iter(workloads.get("prolong").batches(16384 * cluster.num_ranks, 0, 1, 65536)))
     step = simulate(plan_batch(lengths, cluster, model), cluster, model).step_time_s
     monkeypatch.setattr(search, "recomputed_levels", lambda level, mixed_cluster: [level])  # the uniform only
@@ -72,7 +76,8 @@ def test_a_variant_level_whose_plan_is_its_modes_best_is_also_planned_on_double_
     wlb_llm's 6.594 at its tuned degree); from the variant too, 6.513 s."""
     from ballonet.planning.zeppelin import search
 
-    cluster, model = specs.cluster("a800-4nic", num_nodes=8), specs.model("llama3-8b")
+    model = specs.model("llama3-8b")
+    cluster = tight(specs.cluster("a800-4nic", num_nodes=8), model)
     lengths = next(iter(workloads.get("wlbllm").batches(16384 * cluster.num_ranks, 0, 1, 262144)))
     plan = plan_batch(lengths, cluster, model)
     step = simulate(plan, cluster, model).step_time_s

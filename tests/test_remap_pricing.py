@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 from tests.closed_forms import EFF_F, GB, HD, MODEL, PEAK, cluster, cluster_plan, lin, nvlink
 
+from tests.tight_memory import tight
+
 from ballonet import specs, workloads
 from ballonet.cost.flops import remap_bytes
 from ballonet.plan import Transfer
@@ -63,7 +65,8 @@ def test_remapping_plans_on_a_mixed_cluster_are_estimated_as_simulated():
     # remapping plan is in a 4-rank ring of a 563-token document beside a 2-rank ring of a
     # 12,925-token one: the large ring's steps fill its wait for the members' local
     # documents, which `ring_wait_seconds` once charged whole (estimate 5.8% over).
-    c, m = specs.cluster("h800+h20"), specs.model("llama-7b")
+    m = specs.model("llama-7b")
+    c = tight(specs.cluster("h800+h20"), m)
     batch = list(workloads.get("wlbllm").batches(16384 * c.num_ranks, 0, 2, 65536))[1]
     search = CandidateSearch(lengths=batch, cluster=c, model=m, options=ZeppelinOptions())
     search.run()

@@ -15,6 +15,8 @@ import random
 import pytest
 from tests.closed_forms import BWD, EFF_F, FLAT, GB, HD, MODEL, PEAK, cluster, cluster_plan, head, lin, nic, nvlink
 
+from tests.tight_memory import tight
+
 from ballonet import specs
 from ballonet.cost import hardware
 from ballonet.cost.flops import zigzag_flops
@@ -345,7 +347,8 @@ def test_no_engine_posts_double_rings_sends_behind_queued_kernels_too():
     # rings always sent early). Without FSDP's collectives on the links, whose pieces a
     # later send can let through first (links serve transfers in order).
     from ballonet import plan_batch
-    c, m = specs.cluster("h200-8nic", num_nodes=2), specs.model("llama-7b")
+    m = specs.model("llama-7b")
+    c = tight(specs.cluster("h200-8nic", num_nodes=2), m)
     plan = plan_batch([64000] + [1000] * 190, c, m)
     assert any(r.comm == "double" for r in plan.rings)
     engine, no_engine = (simulate(plan, c, m, engine=e, overlap_grad_allreduce=False) for e in (True, False))

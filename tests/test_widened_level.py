@@ -12,6 +12,8 @@ import dataclasses
 
 import numpy as np
 
+from tests.tight_memory import tight
+
 from ballonet import plan_batch, specs, workloads
 from ballonet.planning.devices import devices
 from ballonet.planning.zeppelin import classes
@@ -19,7 +21,8 @@ from ballonet.planning.zeppelin.classes import crossover_lengths, level_nodes
 from ballonet.planning.zeppelin.variants import doubled_level
 from ballonet.simulation.simulator import simulate
 
-CLUSTER, MODEL = specs.cluster("h200-8nic", num_nodes=16), specs.model("llama3-8b")
+MODEL = specs.model("llama3-8b")
+CLUSTER = tight(specs.cluster("h200-8nic", num_nodes=16), MODEL)
 
 
 def _batch() -> list[int]:

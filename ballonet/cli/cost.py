@@ -6,7 +6,14 @@ from __future__ import annotations
 import json
 
 from ballonet import specs
-from ballonet.cli.common import add_calibration_arg, positive_int, print_table, subparser, target_model
+from ballonet.cli.common import (
+    add_calibration_arg,
+    add_target_args,
+    positive_int,
+    print_table,
+    subparser,
+    target_model,
+)
 from ballonet.cost.memory import BELOW, activation_bytes, memory_cap
 from ballonet.cost.recompute import cheapest_per_rank
 from ballonet.cost.seconds import sequence_cost
@@ -17,11 +24,8 @@ def register(sub) -> None:
     p = subparser(sub, "cost", cmd_cost, help="FLOPs, time, memory and ring break-even of one document",
                   description="What one document of --length tokens costs on one GPU of the cluster: on each of "
                               "its GPU types, or on --gpu's.")
-    p.add_argument("--model", default="llama-7b",
-                   help=f"model preset ({', '.join(specs.MODELS)}), TOML file, or hf:DIR (a Hugging Face folder)")
-    p.add_argument("--cluster", default="h200-8nic", help=f"cluster preset ({', '.join(specs.CLUSTERS)}) or TOML file")
+    add_target_args(p)  # the nodes shard the model state, so they set the memory left for activations
     p.add_argument("--length", type=positive_int, required=True, help="document length in tokens")
-    p.add_argument("--tp", type=positive_int, default=None, help="tensor-parallel degree (default: the preset's)")
     p.add_argument("--gpu", default=None, help="price this GPU type of the cluster only (default: each of its types)")
     p.add_argument("--json", action="store_true",
                    help="print a JSON object (a cluster of several GPU types without --gpu: one per type, under "
@@ -30,7 +34,7 @@ def register(sub) -> None:
 
 
 def cmd_cost(args) -> int:
-    cluster = specs.cluster(args.cluster)
+    cluster = specs.cluster(args.cluster, num_nodes=args.nodes)
     model = target_model(args)
     types = list(dict.fromkeys(g.gpu for g in cluster.groups))
     if args.gpu is not None and args.gpu not in types:

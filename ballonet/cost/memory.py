@@ -87,10 +87,20 @@ def activation_bytes_per_token(model: ModelSpec, mode: str | None = None, layers
     return activation_bytes(model, 1, 1, mode, layers)
 
 
+def gathered_bytes(model: ModelSpec) -> float:
+    """Weights a GPU holds whole under FSDP2 (`training.parallelism.parallel`), in the compute
+    dtype, split by tp: the root's embedding and head from forward to backward (the root is not
+    resharded after forward) and two blocks at once (FSDP2 prefetches the next)."""
+    embed_head = 2 * model.vocab_size * model.hidden
+    block = (model.num_params - embed_head) / model.num_layers
+    return (embed_head + 2 * block) * model.dtype_bytes / model.tp
+
+
 def static_bytes(model: ModelSpec, num_dp_ranks: int) -> float:
-    """bf16 weights and gradients, plus fp32 Adam states sharded over data-parallel ranks
-    (Megatron's distributed optimizer / ZeRO-1)."""
-    return model.num_params * (2 + 2 + 12 / max(num_dp_ranks, 1)) / model.tp
+    """A GPU's weights, gradients and optimizer state as the runtime holds them (FSDP2, shard
+    "full"): fp32 weights, gradients and Adam's two moments, 16 bytes a parameter, sharded over
+    the data-parallel ranks (each holding 1/tp of every weight), plus `gathered_bytes`."""
+    return model.num_params * 16 / (max(num_dp_ranks, 1) * model.tp) + gathered_bytes(model)
 
 
 def memory_cap(model: ModelSpec, gpu: GPUType, num_dp_ranks: int) -> float:

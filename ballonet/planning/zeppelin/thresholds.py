@@ -1,5 +1,7 @@
 """Every margin the partitioner decides by, with the reason it has its value (the
-measurements behind them: docs/planner_evidence.md)."""
+measurements behind them: docs/planner_evidence.md). The steps quoted were simulated
+before 2026-12-07, when the cost model charged ZeRO-1's memory (docs/design.md, section 3);
+they were not measured again under FSDP2's."""
 
 from __future__ import annotations
 

@@ -45,7 +45,7 @@ from torch.distributed.fsdp import (
     register_fsdp_forward_method,
 )
 
-from ballonet.cost.memory import MEMORY_RESERVE
+from ballonet.cost.memory import MEMORY_RESERVE, gathered_bytes
 from ballonet.specs import ModelSpec
 from ballonet.training.metrics import training_bytes_per_token
 
@@ -177,10 +177,7 @@ def rank_bytes(model: ModelSpec, num_ranks: int, tokens_per_rank: float) -> floa
     dtype the root's embedding and head whole from forward to backward (the root is not
     resharded after forward) and two blocks gathered at once (FSDP2 prefetches the next);
     and the activations of `tokens_per_rank` tokens (`metrics.training_bytes_per_token`)."""
-    embed_head = 2 * model.vocab_size * model.hidden
-    block = (model.num_params - embed_head) / model.num_layers
-    gathered = (embed_head + 2 * block) * model.dtype_bytes / model.tp
-    return model.num_params * 16 / num_ranks + gathered + tokens_per_rank * training_bytes_per_token(model)
+    return model.num_params * 16 / num_ranks + gathered_bytes(model) + tokens_per_rank * training_bytes_per_token(model)
 
 
 def fewest_gpus(model: ModelSpec, gpu_memory_bytes: float, tokens_per_gpu: float) -> int | None:
