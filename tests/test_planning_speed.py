@@ -1,6 +1,6 @@
 """Speed-ups of the partitioner that must leave its plans as they were: the search's reuse
 of placements (a double level 1 that sends the same documents to the same nodes as its
-mode's single one is placed as that one was, `search._same_nodes`), list versions of
+mode's single one is placed as that one was, `prunes.same_nodes`), list versions of
 numpy steps."""
 
 import dataclasses
@@ -26,11 +26,11 @@ def test_a_double_level_of_the_same_nodes_plans_as_if_placed_afresh(monkeypatch)
     # (none's) do not.
     lengths = workloads.get("wlbllm").sample_batch(16384 * 128, 0)
     cluster, model = specs.cluster("h200-8nic", num_nodes=16), specs.model("llama-7b")
-    same, real = [], search._same_nodes
-    monkeypatch.setattr(search, "_same_nodes", lambda a, b: same.append(real(a, b)) or same[-1])
+    same, real = [], search.same_nodes
+    monkeypatch.setattr(search, "same_nodes", lambda a, b: same.append(real(a, b)) or same[-1])
     reused = plan_batch(lengths, cluster, model)
     assert True in same and False in same
-    monkeypatch.setattr(search, "_same_nodes", lambda a, b: False)
+    monkeypatch.setattr(search, "same_nodes", lambda a, b: False)
     fresh = plan_batch(lengths, cluster, model)
     assert reused.digest == fresh.digest
     assert reused.meta["candidates"] == fresh.meta["candidates"]

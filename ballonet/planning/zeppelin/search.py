@@ -10,9 +10,9 @@ and one balanced on the backward (`variants.backward_level`), the best plan, whe
 remaps, with its nodes' ranks evened in attention tokens (`evened.py`), and, where its rings
 across nodes are double, with its most waiting one over one node more, compared with it by
 their members' waits as the simulator runs them (`variants.wider_level`, `member_waits.py`). A double level 1 that sends the same
-documents to the same nodes reuses its single one's placements (`_same_nodes`). Every
-prune is a named predicate (`_level_too_slow`, `_level_enough`, `_costlier_mode_loses`,
-`_plan_looser`), every step that can fail returns None, and the one reason the search
+documents to the same nodes reuses its single one's placements (`prunes.same_nodes`). Every
+prune is a named predicate (`prunes.py`: `level_too_slow`, `level_enough`, `costlier_mode_loses`,
+`plan_looser`), every step that can fail returns None, and the one reason the search
 refuses the batch is kept (`refusal`). Until the best plan's variants, candidates are
 priced with their routed single rings across nodes hop by hop (`crossing_rings.HOP_BY_HOP`);
 then the few that can still win run those rings' ports (`_settle`, `settling.py`).
@@ -33,13 +33,20 @@ from ballonet.plan import Plan
 from ballonet.planning.assembly import Placement, over_cap
 from ballonet.planning.devices import check_lengths, devices, infeasibility
 from ballonet.planning.crossing_rings import EVERY_PORT, HOP_BY_HOP, PortRuns
-from ballonet.planning.pricing import rank_compute_seconds, recompute_modes
+from ballonet.planning.pricing import recompute_modes
 from ballonet.planning.routing import plan_routes
 from ballonet.planning.step_terms import dp_send_seconds, fixed_tail_seconds
 from ballonet.planning.zeppelin.candidates import Candidate, CandidateMaker, fallback, place
 from ballonet.planning.zeppelin.classes import NodeLevel, crossover_lengths, level_nodes
 from ballonet.planning.zeppelin.evened import evened
 from ballonet.planning.zeppelin.pcie_level import pcie_ring_inside, unsplit_level
+from ballonet.planning.zeppelin.prunes import (
+    costlier_mode_loses,
+    level_enough,
+    level_too_slow,
+    plan_looser,
+    same_nodes,
+)
 from ballonet.planning.zeppelin.recomputed import mixed, recomputed_levels
 from ballonet.planning.zeppelin.settling import settle
 from ballonet.planning.zeppelin.thresholds import THRESHOLDS
@@ -155,12 +162,12 @@ class CandidateSearch:
             if level is not None and level.level1 is not None and maker.trim and opts.price_linear \
                     and not opts.assume_homogeneous:  # nodes priced under what their shares recompute
                 level, *extra = recomputed_levels(level, mixed_cluster=mixed(maker.dev))
-            if level is not None and self._level_too_slow(level, maker, np.inf if looser else self.best_layers_s):
+            if level is not None and level_too_slow(level, maker, np.inf if looser else self.best_layers_s):
                 break  # and costlier modes, whose caps are tighter nowhere
             placed: Placed = {}
             plans = self._made(maker, level, placed) if level is not None else []
             for lv in extra if plans else ():  # as the mode's best plan: keeping tokens or remapping them
-                if not self._level_too_slow(lv, maker, np.inf if looser else self.best_layers_s):
+                if not level_too_slow(lv, maker, np.inf if looser else self.best_layers_s):
                     plans += self._made(maker, lv, {}, keep=min(plans, key=lambda c: c.seconds).plan.meta["keep_tokens"])
             if not plans and i == len(modes) - 1 and self.best is None:
                 plans = self._fallback(maker)
@@ -172,21 +179,21 @@ class CandidateSearch:
                 top = min(plans, key=lambda c: c.seconds)  # a variant level 1 whose plan is the mode's best
                 singles += [(maker, lv, p) for c, _, lv, p in self.made if c is top and lv is not level]
             if i + 1 < len(modes):
-                looser = self._plan_looser(trim, modes[i + 1])
-                if not looser and self._costlier_mode_loses(plans[0], modes[i + 1]):
+                looser = plan_looser(trim, modes[i + 1], self.best)
+                if not looser and costlier_mode_loses(plans[0], modes[i + 1], self.best_layers_s):
                     break
         # After the single-ring search, so that it prunes as without `double`; the most
         # promising level 1 first, so that the others' prune meets the best plan it makes.
         # A double level 1 that sends the same documents to the same nodes as the single one
         # places them alike: only the rings across nodes run (and are priced) otherwise.
-        doubled = [(d, maker, placed if _same_nodes(level, d) else {}) for maker, level, placed in singles
+        doubled = [(d, maker, placed if same_nodes(level, d) else {}) for maker, level, placed in singles
                    if opts.double
                    and (d := doubled_level(level, price_linear=opts.price_linear, routing=opts.routing)) is not None]
         spread: list[tuple[NodeLevel, CandidateMaker, Placed]] = [  # heavy documents over two nodes
             (s, maker, {}) for maker, level, _ in singles
             if opts.price_linear and opts.hierarchical and (s := spread_level(level)) is not None]
         for level, maker, placed in sorted(doubled + spread, key=lambda x: x[0].node_seconds):
-            if not self._level_too_slow(level, maker, self.best_layers_s):
+            if not level_too_slow(level, maker, self.best_layers_s):
                 self._compare(self._made(maker, level, placed), maker)
 
     def _variants(self) -> None:
@@ -199,12 +206,12 @@ class CandidateSearch:
         # The best plan's level 1 with no ring inside a PCIe-only node, where it has one (`pcie_level`).
         if (best := self._best_made()) is not None and pcie_ring_inside(best.candidate.plan, best.candidate.dev) \
                 and (unsplit := unsplit_level(best.level)) is not None \
-                and not self._level_too_slow(unsplit, best.maker, self.best_layers_s):
+                and not level_too_slow(unsplit, best.maker, self.best_layers_s):
             self._compare(self._made(best.maker, unsplit, {}), best.maker)
         # The best plan's level 1 balanced on the backward, where every rank recomputes alike.
         if (best := self._best_made()) is not None and opts.price_linear and best.maker.model.recompute not in BELOW \
                 and (backward := backward_level(best.level)) is not None \
-                and not self._level_too_slow(backward, best.maker, self.best_layers_s):
+                and not level_too_slow(backward, best.maker, self.best_layers_s):
             made = self._candidate(best.maker, backward, best.candidate.plan.meta["keep_tokens"], {})  # as the best plan
             if made is not None and made.seconds < (1 - THRESHOLDS.variant_margin) * best.candidate.seconds:
                 self._compare([made], best.maker)
@@ -241,15 +248,15 @@ class CandidateSearch:
     def _plans(self, maker: CandidateMaker, level: NodeLevel, placed: Placed) -> list[Candidate]:
         """From one level 1: every rank keeping its tokens (attention plus linear work
         balanced per rank; when pricing may prefer it), then remapping tokens inside
-        nodes unless the first is already `_level_enough`. A plan the greedy steps cannot
+        nodes unless the first is already `level_enough`. A plan the greedy steps cannot
         fit is left out: [] when neither fits. `placed`: the placements of a level 1 of
-        the same nodes (`_same_nodes`), by keep; those made here are added."""
+        the same nodes (`prunes.same_nodes`), by keep; those made here are added."""
         out = []
         if self.options.price_linear and self.options.remap:
             kept = self._candidate(maker, level, True, placed)
             if kept is not None:
                 out.append(kept)
-                if self._level_enough(kept):
+                if level_enough(kept):
                     return out
         remapped = self._candidate(maker, level, False, placed)
         return out + ([remapped] if remapped is not None else [])
@@ -348,55 +355,6 @@ class CandidateSearch:
             self.compared.append({"recompute": c.plan.meta["recompute"], "keep_tokens": c.plan.meta["keep_tokens"],
                                   "recompute_layers": c.plan.meta["recompute_layers"], "estimated_step_s": c.seconds,
                                   "double": c.plan.meta["double"]})
-
-    # ---- the prunes -------------------------------------------------------------------
-
-    @staticmethod
-    def _level_too_slow(level: NodeLevel, maker: CandidateMaker, beat: float) -> bool:
-        """Level 1 already leaves a node slower than `beat` seconds by the node margin,
-        with what every rank adds to its compute (`CandidateMaker.every_rank_s`): no plan
-        of its nodes beats it."""
-        return level.node_seconds + maker.every_rank_s > (1 + THRESHOLDS.node_prune_margin) * beat
-
-    @staticmethod
-    def _level_enough(kept: Candidate) -> bool:
-        """The keep-tokens plan's busiest rank is within the keep margin of its busiest
-        node's mean compute: no plan of the same nodes goes below that mean, and the remap
-        only adds traffic."""
-        return kept.busiest_s <= (1 + THRESHOLDS.keep_margin) * kept.node_floor_s
-
-    def _plan_looser(self, trim: bool, next_mode: str) -> bool:
-        """Plan the next mode whatever its cost on every layer: selective recomputation on
-        as few layers as a plan needs costs little more than none, and where caps bind in
-        the node that sets the best plan's step its looser caps may pay (linear
-        recomputation's looser caps planned so too did not pay: docs/planner_evidence.md,
-        step 0); and so where memory is nearly full on any rank (`_nearly_full`)."""
-        best = self.best
-        return trim and next_mode == "selective" and best is not None and (best.binds or _nearly_full(best))
-
-    def _costlier_mode_loses(self, first: Candidate, next_mode: str) -> bool:
-        """The next mode's compute of this mode's first plan, spread over the ranks by
-        speed (on every layer), is already slower than the best plan's estimated layers."""
-        dev = first.dev
-        seconds = rank_compute_seconds(first.plan, dev, first.model, next_mode, kernels=first.kernels)
-        return np.average(seconds, weights=dev.speed) >= self.best_layers_s
-
-
-def _same_nodes(single: NodeLevel, double: NodeLevel) -> bool:
-    """Whether two level 1s of one batch send the same documents (and shares) to the same
-    nodes: steps 2-3 then place them alike (`place` reads nothing else that differs)."""
-    a, b = single.level1, double.level1
-    return (a is not None and b is not None and single.batch is double.batch
-            and single.rank_token is double.rank_token and np.array_equal(single.intra, double.intra)
-            and a.node_docs == b.node_docs and a.shares == b.shares and np.array_equal(a.node_load, b.node_load))
-
-
-def _nearly_full(best: Candidate) -> bool:
-    """Whether a rank of `best` is within `Thresholds.full_slack` of its memory cap: its
-    caps shaped the placement there, and selective recomputation on the few layers a plan
-    needs may even it out (in any node, not only the one whose rank sets the step)."""
-    used, total = np.asarray(best.plan.memory_bytes), np.asarray(best.dev.memory_total)
-    return bool((used >= (1 - THRESHOLDS.full_slack) * total).any())
 
 
 def zeppelin(lengths, cluster: ClusterSpec, model: ModelSpec, *, routing: bool = True, remap: bool = True,

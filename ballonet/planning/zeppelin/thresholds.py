@@ -18,7 +18,7 @@ class Thresholds:
     then can a costlier recomputation's looser caps shorten the step."""
     full_slack: float = 0.03
     """A rank within this share of its memory cap makes memory nearly full
-    (`search._nearly_full`): selective recomputation on as few layers as a plan needs is
+    (`prunes.nearly_full`): selective recomputation on as few layers as a plan needs is
     planned too (97% memory: a plan evened by it was 4.4% faster; issue 49)."""
     node_prune_margin: float = 0.05
     """A recomputation mode (or a double-ring level 1) is not planned when its level 1
