@@ -29,6 +29,8 @@ GRAD_BYTES = 2
 """Bytes per gradient element in the data-parallel all-reduce (bf16)."""
 KV_GRAD_BYTES = 4
 """Bytes per dK/dV element sent back around a ring: fp32 partial sums (`runtime.comm.GRAD_DTYPE`)."""
+LSE_BYTES = 4
+"""Bytes per log-sum-exp element (fp32, one per row and head)."""
 
 
 def attention_flops(model: ModelSpec, lengths):
@@ -83,6 +85,28 @@ def kv_grad_bytes(model: ModelSpec, rows):
     """dK and dV of `rows` tokens as the runtime returns them (fp32 partial sums): a float
     for a number, an array for an array."""
     return 2.0 * rows * model.kv_dim * KV_GRAD_BYTES / model.tp
+
+
+def heads_divide(model: ModelSpec, members: int) -> bool:
+    """Whether a "heads" document can have `members` members: each takes a whole share of
+    the K/V heads on its GPU (their tp shard) and as many query heads for each."""
+    return members >= 1 and (model.num_kv_heads // model.tp) % members == 0
+
+
+def message_bytes(model: ModelSpec, payload: str, rows, members: int = 1):
+    """Bytes of a split document's message (`plan.RingMessage`) of `rows` rows on one GPU
+    (its tp shard of the heads): "kv" `kv_bytes`, "grad" `kv_grad_bytes`; a "heads"
+    document of `members` members: "qkv" and "dqkv" q, k and v of 1/members of the heads
+    (dtype of q), "out" o of them, "dout" o, dO and their fp32 log-sum-exp."""
+    if payload == "kv":
+        return kv_bytes(model, rows)
+    if payload == "grad":
+        return kv_grad_bytes(model, rows)
+    width = {"qkv": (model.hidden + 2 * model.kv_dim) * model.dtype_bytes,
+             "dqkv": (model.hidden + 2 * model.kv_dim) * model.dtype_bytes,
+             "out": model.hidden * model.dtype_bytes,
+             "dout": 2 * model.hidden * model.dtype_bytes + model.num_heads * LSE_BYTES}[payload]
+    return rows * width / (members * model.tp)
 
 
 def hidden_bytes(model: ModelSpec, rows: int) -> float:

@@ -20,7 +20,9 @@ metrics, the routing planner, the simulator and the runtime's byte prediction sh
 on) the K/V block of position (i - s) mod g (`ring_schedule`). An "allgather" document
 sends every block to every other member before attention, and every block's dK/dV back to
 its owner after. A "double" document runs an inner ring inside each node and passes each
-block once per round to the same position of the next node (`ring_traffic`).
+block once per round to the same position of the next node (`ring_traffic`). A "heads"
+document (DeepSpeed-Ulysses, inside one node) gathers every member's q, k, v rows for
+each member's 1/g of the heads, and sends each result row back to its owner.
 
 Inter-node ring hops may carry a `Route`: each message of the hop (K/V or dK/dV rows) is
 cut into len(proxies) row ranges (`Route.part_bounds`, i.e. `chunk_bounds(rows, k)`), and
@@ -230,6 +232,8 @@ class Plan:
                    f"ring of document {ring.doc}: its {k} groups are not one node each")
         else:
             _check(ring.groups == 1, f"ring of document {ring.doc}: groups {ring.groups} with comm {ring.comm}")
+        _check(ring.comm != "heads" or ring.kind == "intra",
+               f"ring of document {ring.doc}: comm heads spans {len(nodes)} nodes (heads are split inside one node)")
         for i, rank in enumerate(ring.ranks):
             held = tuple(held_by.get((rank, ring.doc), ()))
             if held != ring.chunks_of(i):

@@ -19,9 +19,14 @@ __all__ = ["PAYLOADS", "PHASES", "RING_COMMS", "SPLIT_KINDS", "Ring", "RingMessa
            "forward_link_rows", "ring_messages", "ring_schedule"]
 
 SPLIT_KINDS = ("intra", "inter")
-RING_COMMS = ("ring", "allgather", "double")
+RING_COMMS = ("ring", "allgather", "double", "heads")
 PHASES = ("forward", "backward")
-PAYLOADS = ("kv", "grad")
+PAYLOADS = ("kv", "grad", "qkv", "out", "dout", "dqkv")
+"""What a message carries per row (`cost.flops.message_bytes` prices each): "kv" K and V
+(dtype of K/V); "grad" their fp32 partial dK/dV; a "heads" document's "qkv" (q, k and v
+of the receiver's 1/g of the heads), "out" (o of the receiver's rows for the sender's
+heads), "dout" (o, dO and the fp32 log-sum-exp of the sender's rows for the receiver's
+heads) and "dqkv" (dq, dk and dv of the receiver's rows for the sender's heads)."""
 
 
 @dataclass(frozen=True)
@@ -36,8 +41,11 @@ class Ring:
     bounds: tuple[int, ...]
     """2g + 1 increasing chunk boundaries over the document, from 0 to its length."""
     comm: str = "ring"
-    """"ring" (P2P K/V passing), "allgather" (Llama-3 style: K/V all-gathered) or "double"
-    (a ring inside each node and one across nodes between rail peers, `ring_traffic`)."""
+    """"ring" (P2P K/V passing), "allgather" (Llama-3 style: K/V all-gathered), "double"
+    (a ring inside each node and one across nodes between rail peers, `ring_traffic`) or
+    "heads" (DeepSpeed-Ulysses, one node: each member gathers the whole document's q, k
+    and v for its 1/g of the heads, computes them, and sends each row's o back to the
+    row's owner; g must divide the model's K/V heads per GPU)."""
     groups: int = 1
     """"double": the number of node groups k; ranks are node-major, group a is ranks
     [a*n, (a+1)*n) (n = g // k), all on one node, each group on its own node. 1 otherwise."""
@@ -145,6 +153,23 @@ def _double_messages(ring: Ring, phase: str, blocks: list[int]) -> Iterator[Ring
                 yield from _message(phase, "grad", doc, sent, ranks[i], ranks[owner], blocks[owner])
 
 
+def _heads_messages(ring: Ring, phase: str, blocks: list[int]) -> Iterator[RingMessage]:
+    """A "heads" document's messages of one pass (`ring_messages`): at step 0 every member
+    i sends every other member j its block's rows for j's heads ("qkv"; in the backward
+    also "dout", what the backward kernel needs beside q, k and v: nothing of the forward
+    is kept across the pass), at step 1 each j returns i's rows of its heads' result ("out";
+    in the backward "dqkv")."""
+    ranks, doc = ring.ranks, ring.doc
+    pairs = [(i, j) for i in range(len(ranks)) for j in range(len(ranks)) if i != j]
+    gathered = ("qkv", "dout") if phase == "backward" else ("qkv",)
+    for payload in gathered:
+        for i, j in pairs:
+            yield from _message(phase, payload, doc, 0, ranks[i], ranks[j], blocks[i])
+    back = "dqkv" if phase == "backward" else "out"
+    for i, j in pairs:
+        yield from _message(phase, back, doc, 1, ranks[j], ranks[i], blocks[i])
+
+
 def ring_messages(ring: Ring) -> Iterator[RingMessage]:
     """Every message of a split document's attention, forward then backward, per step;
     empty ones left out. "ring": at step s position i holds the block of position
@@ -160,10 +185,13 @@ def ring_messages(ring: Ring) -> Iterator[RingMessage]:
     to the same position of the next group (rail peers, once per round, with the round's
     n steps to hide it), and in the backward, after each round j >= 1, the node's sum for
     that block straight to its owner j groups back (at the next round's first step, where
-    the runtime posts it, or at the last step)."""
+    the runtime posts it, or at the last step). "heads": `_heads_messages`."""
     g, ranks = len(ring.ranks), ring.ranks
     blocks = [ring.block_tokens(i) for i in range(g)]
     for phase in PHASES:
+        if ring.comm == "heads":
+            yield from _heads_messages(ring, phase, blocks)
+            continue
         if ring.comm == "double":
             yield from _double_messages(ring, phase, blocks)
             continue
