@@ -161,6 +161,21 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, tokenizer_di
         assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "a temporary folder was left"
 
 
+def test_parquet_row_group_over_the_limit_is_refused_before_it_is_read(tmp_path, capsys, monkeypatch):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from ballonet.training.data import prepare as module
+    bomb = tmp_path / "bomb.parquet"  # 4 MB of text in a few KB
+    pq.write_table(pa.table({"text": ["a" * (1 << 20)] * 4}), bomb, compression="zstd", use_dictionary=False)
+    assert bomb.stat().st_size < 64 << 10
+    monkeypatch.setattr(module, "MAX_ROW_GROUP", 2 << 20)
+    monkeypatch.setattr(pq.ParquetFile, "iter_batches", lambda *a, **k: pytest.fail("read before the check"))
+    code, err = run_cli(capsys, "--data", bomb, "--out", tmp_path / "out")
+    assert code == 2 and "bomb.parquet: row group 0 holds 4 MiB of text uncompressed, over 2 MiB" in err and "smaller row groups" in err, err
+    assert not (tmp_path / "out").exists()
+
+
 def test_interrupted_prepare_leaves_nothing(tmp_path):
     source = write_sources(tmp_path)["folder"]
 

@@ -189,6 +189,12 @@ def _parquet_batches(path: Path, source: int, column: str, size: int, progress: 
     kind = file.schema_arrow.field(column).type
     if str(kind) not in ("string", "large_string", "string_view"):
         raise InputError(f"{path}: column {column!r} holds {kind}, not text")
+    index = names.index(column)
+    for g in range(file.metadata.num_row_groups):  # a few KB of zstd can hold GBs of text
+        text_bytes = file.metadata.row_group(g).column(index).total_uncompressed_size
+        if text_bytes > MAX_ROW_GROUP:
+            raise InputError(f"{path}: row group {g} holds {text_bytes >> 20:,} MiB of text uncompressed, over "
+                             f"{MAX_ROW_GROUP >> 20:,} MiB: write it with smaller row groups (pyarrow's row_group_size)")
     num_rows, row, file_bytes = max(file.metadata.num_rows, 1), 0, path.stat().st_size
     for batch in file.iter_batches(batch_size=size, columns=[column]):
         texts = batch.column(0).to_pylist()
@@ -212,6 +218,9 @@ def _folder_batches(root: Path, files: list[Path], size: int, progress: Progress
 
 MAX_LINE = 256 << 20
 """Bytes of one JSON Lines line (one document)."""
+MAX_ROW_GROUP = 1 << 30
+"""Uncompressed bytes of a Parquet row group's text column (what reading it may hold in
+memory; pyarrow writes row groups of about 64-128 MB by default)."""
 
 
 def list_sources(data: str) -> list[Path]:
