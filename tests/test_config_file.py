@@ -44,13 +44,17 @@ def test_bad_config_files_are_one_line(tmp_path):
     cases = [("lr = 'fast'\n", "lr must be a number"), ("warmup_steps = 1.5\n", "warmup_steps must be an integer"),
              ("resume = 1\n", "resume must be true or false"), ("steps = true\n", "steps must be an integer"),
              ("learning_rate = 1\n", "unknown setting 'learning_rate'"), ("lr = \n", "malformed TOML"),
-             ("lr_decay = 'exp'\n", "--lr-decay must be one of constant, linear, cosine")]
+             ("lr_decay = 'exp'\n", "lr_decay must be one of constant, linear, cosine"),
+             ("steps = -3\n", "steps must be positive, got -3")]
     for text, message in cases:
         path = tmp_path / "bad.toml"
         path.write_text(text)
         with pytest.raises(ballonet.InputError, match=message) as e:
             _resolve("--config", str(path))
-        assert "\n" not in str(e.value) and (str(path) in str(e.value) or "--lr-decay" in str(e.value))
+        assert "\n" not in str(e.value) and str(e.value).startswith(f"{path}: "), e.value  # named as the file names it
+    path.write_text("steps = 3\n")  # a flag's own bad value is the flag's
+    with pytest.raises(ballonet.InputError, match="^--steps must be positive"):
+        _resolve("--config", str(path), "--steps", "-2")
     with pytest.raises(ballonet.InputError, match="cannot read config file"):
         _resolve("--config", str(tmp_path / "missing.toml"))
 
@@ -89,7 +93,7 @@ def test_options_that_do_nothing_alone_are_refused_in_one_line(tmp_path):
         assert "\n" not in str(e.value)
     path = tmp_path / "run.toml"
     path.write_text("async_checkpoint = true\n")
-    with pytest.raises(ballonet.InputError, match="--async-checkpoint needs --checkpoint-dir"):
+    with pytest.raises(ballonet.InputError, match="run.toml: async_checkpoint needs --checkpoint-dir"):
         _resolve("--config", str(path))
     config = _resolve("--checkpoint-dir", str(tmp_path), "--resume-from", "4", "--profile-steps", "2:3")
     assert config.resume and config.profile_range() == (2, 3)

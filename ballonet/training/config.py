@@ -292,7 +292,15 @@ def config_from_args(args) -> TrainConfig:
     given = {k: v for k, v in vars(args).items() if k in names}
     if given.get("resume") is False and given.get("resume_from") is not None:
         raise InputError(f"--resume-from {given['resume_from']} resumes: it contradicts --no-resume")
+    from_file = set(values) - set(given)
     values.update(given)
     if "keep_checkpoints" in values and not values.get("checkpoint_dir"):
         raise InputError("--keep-checkpoints needs --checkpoint-dir")
-    return TrainConfig(**values)
+    try:
+        return TrainConfig(**values)
+    except InputError as e:  # a value the file gave is named as the file names it
+        flag, _, rest = str(e).partition(" ")
+        key = flag.removeprefix("--").replace("-", "_")
+        if flag.startswith("--") and key in from_file:
+            raise InputError(f"{args.config}: {key} {rest}") from None
+        raise
