@@ -13,10 +13,12 @@ from tests.tight_memory import tight
 import ballonet
 from ballonet import workloads
 from ballonet.cost import hardware
+from ballonet.cost.flops import heads_divide
 from ballonet.cost.recompute import per_rank_recompute
-from ballonet.cost.seconds import attention_seconds
+from ballonet.cost.seconds import DP_FORWARD_SHARE, attention_seconds
 from ballonet.planning import plan_batch
 from ballonet.planning.devices import devices
+from ballonet.planning.heads_exposure import heads_exposed_seconds
 from ballonet.planning.routing import plan_routes
 from ballonet.planning.zeppelin.pcie_level import pcie_ring_inside
 from ballonet.planning.zeppelin.search import CandidateSearch, ZeppelinOptions
@@ -109,3 +111,46 @@ def test_the_search_also_plans_no_ring_inside_a_pcie_node_and_keeps_it_where_it_
     inside = [dataclasses.replace(c.plan, routes=plan_routes(c.plan, cluster, c.model, c.dev.local_index))
               for c, *_ in search.made if pcie_ring_inside(c.plan, c.dev)]  # routed, as the chosen plan
     assert inside and simulated(plan) < 0.95 * min(simulated(p) for p in inside)
+
+
+@pytest.mark.parametrize("tight_caps", [False, True])
+def test_a_heads_split_inside_a_pcie_node_beats_its_ring_and_is_estimated_as_simulated(tight_caps):
+    # A 32K document over 4 L40S: its ring passes every K/V block through every member's
+    # PCIe port; split by heads each port carries 1/4 of q, k, v and o of its own rows to
+    # each other member. The attention layout is the same, so memory and recomputation too.
+    model = ballonet.model("llama-7b")
+    node = tight(L40S_NODE, model) if tight_caps else L40S_NODE
+    search = CandidateSearch(lengths=[32768] + [2048] * 32, cluster=node, model=model, options=ZeppelinOptions())
+    plan = search.run()
+    maker = next(m for _, m, *_ in search.made if m.model == search.best.model)
+    (ring,) = plan.rings
+    assert ring.comm == "ring" and len(ring.ranks) == 4 and heads_divide(model, 4)
+    heads = dataclasses.replace(plan, rings=(dataclasses.replace(ring, comm="heads"),)).validate()
+    simulated, estimated = simulate(heads, node, model).step_time_s, maker.price(heads).seconds
+    assert simulated < 0.95 * simulate(plan, node, model).step_time_s
+    assert estimated / simulated == pytest.approx(1.0, abs=0.05)
+
+
+def test_a_heads_member_waits_for_its_gathers_then_returns_by_hand():
+    # Two members of 1000 rows, nothing else on their streams: each pass's gathers (one
+    # message each way and payload) before the kernel, the returns after it, all exposed.
+    # The backward's qkv and dout share the port fairly: both in after their seconds summed.
+    model, gpu = dataclasses.replace(ballonet.model("llama-7b"), recompute="none"), hardware.gpu("l40s")
+    link, rows, L = 25e9, 1000, 2000
+    p = hardware.profile(gpu)
+
+    def hop(nbytes):
+        return p.p2p_latency_s + nbytes / (link * p.p2p_efficiency)
+    qkv = hop(rows * (model.hidden + 2 * model.kv_dim) * 2 / 2)  # 1/2 of the heads of q, k and v, bf16
+    out = hop(rows * model.hidden * 2 / 2)
+    dout = hop(rows * (2 * model.hidden * 2 + model.num_heads * 4) / 2)  # o, dO and the fp32 log-sum-exp
+    forward, backward = heads_exposed_seconds(model, gpu, [L], [rows, rows], link, 0.0)
+    assert forward == pytest.approx([32 * (qkv + out)] * 2, rel=1e-9)
+    assert backward == pytest.approx([32 * (qkv + dout + qkv)] * 2, rel=1e-9)  # dq, dk, dv as wide as q, k, v
+    # local documents of 1 s a layer fill the gathers; the returns stay exposed
+    forward, _ = heads_exposed_seconds(model, gpu, [L], [rows, rows], link, 0.0, fill=(1.0, 1.0))
+    assert forward == pytest.approx([32 * out] * 2, rel=1e-9)
+    # 1 s of the layer's collectives beside them (longer than every message): each port's
+    # messages take as long again as the longest of them
+    forward, _ = heads_exposed_seconds(model, gpu, [L], [rows, rows], link, 1.0 / DP_FORWARD_SHARE)
+    assert forward == pytest.approx([32 * (2 * qkv + 2 * out)] * 2, rel=1e-9)

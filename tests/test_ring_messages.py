@@ -18,6 +18,7 @@ from plans_by_hand import make_plan
 from tiny_model import SPEC
 
 import ballonet
+from ballonet.cost import flops
 from ballonet.cost.flops import kv_bytes
 from ballonet.plan import Plan, Route, ring_schedule
 from ballonet.planning.metrics import plan_metrics
@@ -41,6 +42,23 @@ def test_schedule_and_messages_of_a_ring_by_hand():
     grads = [("backward", "grad", 1, 0, 1, 2), ("backward", "grad", 1, 1, 2, 3), ("backward", "grad", 1, 2, 0, 2),
              ("backward", "grad", 2, 0, 1, 2), ("backward", "grad", 2, 1, 2, 2), ("backward", "grad", 2, 2, 0, 3)]
     assert sorted(got) == sorted(forward + backward + grads)
+
+
+def test_a_heads_documents_messages_by_hand_and_its_metrics_bytes():
+    # Length 7 over 3 ranks split by heads: blocks of 3, 2, 2 rows. Step 0: each member's
+    # rows of q, k, v to each other member (backward: and o, dO, log-sum-exp), step 1 each
+    # member's rows of the others' heads' result back to it.
+    plan = make_plan([7, 5], [(0, 1, 2), 3], (0, 0, 0, 0), comms={0: "heads"})
+    got = sorted((m.phase, m.payload, m.step, m.src, m.dst, m.rows) for m in plan.ring_messages())
+    rows, pairs = {0: 3, 1: 2, 2: 2}, [(i, j) for i in range(3) for j in range(3) if i != j]
+    want = [(phase, p, 0, i, j, rows[i]) for phase, payloads in (("forward", ("qkv",)), ("backward", ("qkv", "dout")))
+            for p in payloads for i, j in pairs]
+    want += [(phase, p, 1, j, i, rows[i]) for phase, p in (("forward", "out"), ("backward", "dqkv")) for i, j in pairs]
+    assert got == sorted(want)
+    model = ballonet.model("llama-7b")
+    forward = sum(flops.message_bytes(model, m.payload, m.rows, 3) for m in plan.ring_messages() if m.phase == "forward")
+    metrics = plan_metrics(plan, ballonet.cluster("a800-4nic", num_nodes=1, gpus_per_node=4), model)
+    assert metrics["kv_bytes"] == pytest.approx(forward) and forward > 0
 
 
 def _plans() -> dict[str, Plan]:

@@ -19,7 +19,7 @@ from tests.tight_memory import tight
 
 from ballonet import specs
 from ballonet.cost import hardware
-from ballonet.cost.flops import zigzag_flops
+from ballonet.cost.flops import message_bytes, zigzag_flops
 from ballonet.cost.memory import MEMORY_RESERVE, activation_bytes, static_bytes
 from ballonet.plan import Plan, RankRecompute, RecomputeMode, Route, Segment, Transfer
 from ballonet.simulation.fabric import Fabric
@@ -220,6 +220,57 @@ def test_allgather_ring_and_tensor_parallel():
                    for op in ("all_gather", "reduce_scatter"))
     assert two.layer_forward_s == pytest.approx(one.layer_forward_s / 2 + coll, rel=1e-9)
     assert two.num_gpus == 2 and two.mfu == pytest.approx(one.mfu * one.step_time_s / two.step_time_s / 2)
+
+
+def _as_heads(plan: Plan) -> Plan:
+    """`plan` with every split document split by heads ("heads") instead of a ring."""
+    return dataclasses.replace(plan, rings=tuple(dataclasses.replace(r, comm="heads") for r in plan.rings)).validate()
+
+
+def test_a_heads_document_gathers_computes_its_heads_and_returns_by_hand():
+    # Two members of 2c rows each (a document of 4c): each gathers the other's rows of
+    # q, k and v for its half of the heads, computes them over the whole document, and
+    # returns the other's rows of o. Backward: q, k, v and o, dO, log-sum-exp gathered
+    # (the two messages share the port: both in after their seconds summed), then dq,
+    # dk, dv returned. A slow link, so every message shows.
+    c, bw = 2048, 5 * GB
+    C = cluster(gpus=2, nics=2, intra=bw)
+    plan = _as_heads(cluster_plan(C, split=[(4 * c, (0, 1))]))
+    res = simulate(plan, C, MODEL, overlap_grad_allreduce=False)
+    h, kv = MODEL.hidden, MODEL.kv_dim
+    att = 2 * HD * 4 * c * (4 * c + 1) / 2 / (PEAK * EFF_F)  # half the heads of the whole document
+    qkv = nvlink(2 * c * (h + 2 * kv) * 2 / 2, bw)
+    out = nvlink(2 * c * h * 2 / 2, bw)
+    dout = nvlink(2 * c * (2 * h * 2 + MODEL.num_heads * 4) / 2, bw)
+    assert res.recompute == "none"
+    assert res.layer_forward_s == pytest.approx(qkv + att + out + lin(2 * c), rel=1e-9)
+    assert res.layer_backward_s == pytest.approx(2 * lin(2 * c) + qkv + dout + BWD * att + qkv, rel=1e-9)
+
+
+def test_a_heads_documents_sends_are_its_messages_and_full_recomputation_resends_the_forwards():
+    # Two "heads" documents over the same 4 ranks (one kernel, one message a pair and
+    # payload for both) beside local documents: the bytes per payload and pair are those
+    # of `Plan.ring_messages`, priced by `message_bytes`; under full recomputation the
+    # backward first reruns the forward, its gathers and returns too.
+    C = cluster(gpus=4, nics=4)
+    plan = _as_heads(cluster_plan(C, local={0: [3000], 2: [500, 700]},
+                                  split=[(10007, (0, 1, 2, 3)), (4096, (0, 1, 2, 3))]))
+    heads = ("qkv", "out", "dout", "dqkv")
+    for model in (MODEL, dataclasses.replace(MODEL, recompute="full")):
+        sent = simulate(plan, C, model).bytes_sent
+        for phase in ("forward", "backward"):
+            want = collections.Counter()
+            for msg in plan.ring_messages():
+                if msg.phase == phase:
+                    want[msg.payload, msg.src, msg.dst] += message_bytes(model, msg.payload, msg.rows, 4)
+            if phase == "backward" and model.recompute == "full":
+                for key, n in sent["forward"].items():
+                    if key[0] in heads:
+                        want[key] += n
+            got = {k: v for k, v in sent[phase].items() if k[0] in heads}
+            assert got == pytest.approx(dict(want), rel=1e-12), (model.recompute, phase)
+            payloads = 2 if phase == "forward" else 3 + (model.recompute == "full")  # "out" again in the rerun
+            assert len(got) == 12 * payloads  # every ordered pair of 4 members
 
 
 def test_chrome_trace_is_valid(tmp_path):

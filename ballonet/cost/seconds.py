@@ -56,6 +56,17 @@ def attention_seconds(model: ModelSpec, gpu: hardware.GPUType, flops, length, ba
     return float(seconds) if seconds.ndim == 0 else seconds
 
 
+def heads_kernel_seconds(model: ModelSpec, gpu: hardware.GPUType, lengths, members: int,
+                         backward: bool = False) -> float:
+    """Seconds of a "heads" member's one kernel call over documents of `lengths` tokens
+    split by heads over `members` (`plan.Ring` comm "heads"): 1/members of each one's
+    attention FLOPs at the efficiency of its whole length, forward or backward; at least
+    a launch."""
+    L = np.asarray(lengths, dtype=float)
+    total = float(np.sum(attention_seconds(model, gpu, attention_flops(model, L) / members, L, backward)))
+    return max(total, hardware.profile(gpu).attention_launch_s) if total > 0 else 0.0
+
+
 def attention_work(model: ModelSpec, lengths, gpu=None) -> np.ndarray:
     """[D] forward attention cost of each whole document in peak-FLOP units per GPU: its
     FLOPs over the kernel efficiency at its length (of `gpu`'s profile; default the

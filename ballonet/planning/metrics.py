@@ -1,13 +1,15 @@
 """Balance and traffic figures of a plan, from the cost model (per layer, forward).
 
 * attention cost of a rank: seconds of its local documents (`attention_flops` at their
-  length) plus its ring positions (`zigzag_flops`, efficiency at its block length);
+  length) plus its ring positions (`zigzag_flops`, efficiency at its block length; a
+  "heads" document's member: 1/g of its FLOPs at its whole length's efficiency);
 * `attention_imbalance`: max / mean of those seconds;
 * `compute_imbalance`: max / mean of a step's attention plus linear seconds per rank
   (`pricing.rank_compute_seconds`): what the partitioner balances;
 * `linear_imbalance`: max / mean of tokens after remap, each rank's tokens divided by its
   share of the cluster's speed (plain max / mean of tokens on a homogeneous cluster);
-* bytes: forward K/V of every ring plus what the runtime's remap moves (`cost.flops.
+* bytes: forward K/V of every ring (a "heads" document's forward messages, q, k, v out
+  and o back, `cost.flops.message_bytes`) plus what the runtime's remap moves (`cost.flops.
   remap_bytes`: q, k and v toward the attention layout, o back); inter-node
   bytes are those that cross nodes; `max_nic_bytes` is the busiest NIC direction, with
   routed hops spread over their proxies' NICs.
@@ -20,7 +22,7 @@ from collections import Counter, defaultdict
 
 import numpy as np
 
-from ballonet.cost.flops import attention_flops, kv_bytes, remap_bytes, zigzag_flops
+from ballonet.cost.flops import attention_flops, kv_bytes, message_bytes, remap_bytes, zigzag_flops
 from ballonet.cost.recompute import plan_recompute
 from ballonet.cost.seconds import attention_seconds
 from ballonet.plan import Plan, Ring
@@ -41,14 +43,19 @@ def rank_attention_seconds(plan: Plan, cluster: ClusterSpec, model: ModelSpec) -
             L = plan.lengths[d]
             out[r] += attention_seconds(model, gpu[r], attention_flops(model, L), L, launch_floor=True)
     for ring in plan.rings:
+        if ring.comm == "heads":
+            L, g = plan.lengths[ring.doc], len(ring.ranks)
+            for r in ring.ranks:
+                out[r] += attention_seconds(model, gpu[r], attention_flops(model, L) / g, L, launch_floor=True)
+            continue
         for i, (r, flops) in enumerate(zip(ring.ranks, zigzag_flops(model, ring.bounds).tolist())):
             out[r] += attention_seconds(model, gpu[r], flops, ring.block_tokens(i), launch_floor=True)
     return out
 
 
 def _traffic(plan: Plan, model: ModelSpec) -> dict:
-    """Bytes: forward K/V (`Ring.forward_link_rows`), remap, crossing nodes, busiest NIC
-    direction, and per rank out/in."""
+    """Bytes: forward K/V (`Ring.forward_link_rows`; a "heads" document's forward
+    messages), remap, crossing nodes, busiest NIC direction, and per rank out/in."""
     R = plan.num_ranks
     out, inn = [0.0] * R, [0.0] * R
     nic: dict[tuple[str, int], float] = defaultdict(float)
@@ -70,6 +77,12 @@ def _traffic(plan: Plan, model: ModelSpec) -> dict:
     for ring in plan.rings:
         if ring.comm == "allgather":
             _allgather_traffic(plan, model, ring, out, inn, nic, total)
+            continue
+        if ring.comm == "heads":
+            g = len(ring.ranks)
+            for msg in ring.messages():
+                if msg.phase == "forward":
+                    send(msg.src, msg.dst, message_bytes(model, msg.payload, msg.rows, g), "kv")
             continue
         for src, dst, rows in ring.forward_link_rows():
             send(src, dst, kv_bytes(model, rows), "kv", routes.get((ring.doc, src, dst)))

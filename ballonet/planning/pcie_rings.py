@@ -31,9 +31,17 @@ from ballonet.cost import hardware
 from ballonet.cost.flops import attention_flops, kv_bytes, kv_grad_bytes
 from ballonet.cost.memory import recompute_mode
 from ballonet.cost.recompute import recompute_attention
-from ballonet.cost.seconds import DP_BACKWARD_SHARE, DP_FORWARD_SHARE, attention_seconds, linear_layer_seconds, p2p_time
+from ballonet.cost.seconds import (
+    DP_BACKWARD_SHARE,
+    DP_FORWARD_SHARE,
+    attention_seconds,
+    heads_kernel_seconds,
+    linear_layer_seconds,
+    p2p_time,
+)
 from ballonet.plan import Plan
 from ballonet.planning.devices import Devices
+from ballonet.planning.heads_exposure import heads_exposed_seconds
 from ballonet.planning.ring_pricing import dp_intra_seconds
 from ballonet.specs import ModelSpec
 
@@ -135,24 +143,35 @@ def pcie_ring_exposed_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_b
     pass (`pcie_ring_seconds`; rings over the same ranks run as one, as the simulator runs
     them; a member's local documents and its other rings' steps fill its waits), over
     its node's links of `link_bw[r]` bytes/s; zeros where no ring is inside such a node
-    (NVLink nodes: the estimate is unchanged)."""
+    (NVLink nodes: the estimate is unchanged). A "heads" document's members, on any node,
+    `heads_exposure.heads_exposed_seconds` (documents over the same ranks as one kernel)."""
     R = plan.num_ranks
     forward, backward, members = np.zeros(R), np.zeros(R), np.zeros(R, dtype=bool)
     groups: dict[tuple[int, ...], list] = defaultdict(list)
+    heads: dict[tuple[int, ...], list] = defaultdict(list)
     for ring in plan.rings:
         r = ring.ranks[0]
-        if (ring.comm == "ring" and dev.gpu[r].intra_link == "pcie"
+        if ring.comm == "heads":
+            heads[tuple(ring.ranks)].append(ring)
+        elif (ring.comm == "ring" and dev.gpu[r].intra_link == "pcie"
                 and all(dev.node[x] == dev.node[r] for x in ring.ranks)):
             groups[tuple(ring.ranks)].append(_block_tokens(ring.bounds, len(ring.ranks)))
-    if not groups:
+    if not groups and not heads:
         return PcieExposure(forward=forward, backward=backward, members=members)
     mode = recompute_mode(model)
+    redo = recompute_attention(mode)
     steps = {ranks: ring_step_seconds(model, dev.gpu[ranks[0]], rows) for ranks, rows in groups.items()}
     busy = np.zeros((2, R))  # (forward, backward) seconds a layer of each member's attention
     for ranks, (f, b) in steps.items():
         busy[:, list(ranks)] += len(ranks) * np.stack([f, b])
+    kernels: dict[tuple[int, ...], np.ndarray] = {}  # a "heads" group's (forward, backward) kernel a member
+    for ranks, rings in heads.items():
+        lengths, gpu = [plan.lengths[ring.doc] for ring in rings], dev.gpu[ranks[0]]
+        fk, bk = (heads_kernel_seconds(model, gpu, lengths, len(ranks), backward) for backward in (False, True))
+        kernels[ranks] = np.array([[fk], [bk + (fk if redo else 0.0)]])
+        busy[:, list(ranks)] += kernels[ranks]
     in_ring = plan.ring_of_doc
-    on = sorted({r for ranks in groups for r in ranks})
+    on = sorted({r for ranks in groups for r in ranks} | {r for ranks in heads for r in ranks})
     local = [(r, s.num_tokens) for r in on for s in plan.attention[r] if s.doc not in in_ring]
     rank = np.array([r for r, _ in local], dtype=np.int64)
     tokens = np.array([n for _, n in local], dtype=float)
@@ -165,8 +184,7 @@ def pcie_ring_exposed_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_b
             f = attention_seconds(model, gpu, flops, tokens[mine])
             b = attention_seconds(model, gpu, flops, tokens[mine], backward=True)
             busy += np.stack([np.bincount(rank[mine], weights=f, minlength=R),
-                              np.bincount(rank[mine], weights=b + (f if recompute_attention(mode) else 0.0),
-                                          minlength=R)])
+                              np.bincount(rank[mine], weights=b + (f if redo else 0.0), minlength=R)])
         sel = (names == gpu.name) & np.isin(np.arange(R), on)
         linear[sel] = linear_layer_seconds(model, gpu, counts[sel], mode, framework=False)[1]
     node_size = np.bincount(np.asarray(dev.node))
@@ -175,6 +193,16 @@ def pcie_ring_exposed_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_b
         other = busy[:, idx] - g * np.stack(steps[ranks])
         f, b = pcie_ring_seconds(model, dev.gpu[ranks[0]], rows, g, float(link_bw[ranks[0]]),
                                  int(node_size[dev.node[ranks[0]]]), (other[0], other[1]), linear[idx], steps[ranks])
+        forward[idx] += f
+        backward[idx] += b
+        members[idx] = True
+    for ranks, rings in heads.items():
+        idx, r, gpu = list(ranks), ranks[0], dev.gpu[ranks[0]]
+        other = busy[:, idx] - kernels[ranks]
+        blocks = np.sum([_block_tokens(ring.bounds, len(ranks)) for ring in rings], axis=0)
+        dp = dp_intra_seconds(model, gpu, int(node_size[dev.node[r]]), float(link_bw[r]))
+        f, b = heads_exposed_seconds(model, gpu, [plan.lengths[ring.doc] for ring in rings], blocks,
+                                     float(link_bw[r]), dp, (other[0], other[1]), linear[idx], rerun=redo)
         forward[idx] += f
         backward[idx] += b
         members[idx] = True

@@ -177,8 +177,9 @@ def _local_kernels(plan: Plan) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _ring_kernels(model: ModelSpec, rings) -> tuple[list[int], np.ndarray, np.ndarray]:
-    """(rank, forward FLOPs, block tokens) of every position of `rings`, in ring order:
-    `zigzag_flops` of them all at once, a position's blocks its chunks i and 2g-1-i
+    """(rank, forward FLOPs, block tokens) of every position of `rings`, in ring order (a
+    "heads" document's member: 1/g of its attention FLOPs, and its whole length, at whose
+    efficiency its kernel runs): `zigzag_flops` of them all at once, a position's blocks its chunks i and 2g-1-i
     (`Ring.block_tokens`); every ring's bounds in one array, its chunks' starts and sizes
     and positions' chunk indices read off it by numpy."""
     rank = list(itertools.chain.from_iterable(ring.ranks for ring in rings))
@@ -193,7 +194,13 @@ def _ring_kernels(model: ModelSpec, rings) -> tuple[list[int], np.ndarray, np.nd
     within = np.arange(int(g.sum()), dtype=np.int64) - np.repeat(np.cumsum(g) - g, g)
     front, back = np.repeat(first, g) + within, np.repeat(first + 2 * g - 1, g) - within
     chunk = 4.0 * model.num_heads * model.head_dim * q * start + attention_flops(model, q)  # as `zigzag_flops`
-    return rank, chunk[front] + chunk[back], q[front] + q[back]
+    flops, block = chunk[front] + chunk[back], q[front] + q[back]
+    if any(ring.comm == "heads" for ring in rings):  # 1/g of the whole document's heads, at its length
+        heads = np.repeat([ring.comm == "heads" for ring in rings], g)
+        length = np.repeat([float(ring.bounds[-1] - ring.bounds[0]) for ring in rings], g)
+        flops[heads] = attention_flops(model, length[heads]) / np.repeat(g, g)[heads]
+        block[heads] = length[heads]
+    return rank, flops, block
 
 
 def rank_compute_seconds(plan: Plan, dev: Devices, model: ModelSpec, mode: str | None, split: bool = False,
@@ -317,9 +324,10 @@ def ring_wait_seconds(plan: Plan, dev: Devices, model: ModelSpec, kernels=None) 
     `final_grad_wait_seconds`). A member's other rings' steps fill its wait as its local
     documents do (the engine steps its rings round-robin): not counting them charged a
     member of a small ring beside a large one up to 12% of its step on mixed clusters.
+    A "heads" document's members wait too, in both passes: `heads_exposure` prices them.
     `kernels`: the plan's `attention_kernels`, when known (read, not recomputed)."""
     R = plan.num_ranks
-    rings = [ring.ranks for ring in plan.rings if len(ring.ranks) > 2]
+    rings = [ring.ranks for ring in plan.rings if _waits(ring)]
     if not rings:
         return np.zeros(R)
     rank, _, bwd = kernels if kernels is not None else attention_kernels(plan, dev, model)
@@ -327,7 +335,7 @@ def ring_wait_seconds(plan: Plan, dev: Devices, model: ModelSpec, kernels=None) 
     ring_rank, own = rank[len(rank) - n:], bwd[len(rank) - n:]
     local = np.bincount(rank[:len(rank) - n], weights=bwd[:len(rank) - n], minlength=R).astype(float)
     fill = local + np.bincount(ring_rank, weights=own, minlength=R)  # [R] local documents and every ring step
-    big = np.repeat([len(ring.ranks) > 2 for ring in plan.rings], [len(ring.ranks) for ring in plan.rings])
+    big = np.repeat([_waits(ring) for ring in plan.rings], [len(ring.ranks) for ring in plan.rings])
     members = ring_rank[big]
     sizes = [len(ranks) for ranks in rings]
     slowest = np.maximum.reduceat(local[members], np.cumsum([0] + sizes[:-1]))  # per ring
@@ -335,6 +343,12 @@ def ring_wait_seconds(plan: Plan, dev: Devices, model: ModelSpec, kernels=None) 
     # the most over a rank's rings; what fills it: all but this ring's own steps
     np.maximum.at(out, members, np.repeat(slowest, sizes) - (fill[members] - own[big]))
     return model.num_layers * out
+
+
+def _waits(ring) -> bool:
+    """Whether `ring_wait_seconds` prices `ring`'s members' waits: over two members, not a
+    "heads" document (`heads_exposure` prices its waits for its slowest member)."""
+    return len(ring.ranks) > 2 and ring.comm != "heads"
 
 
 def rank_tp_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw: np.ndarray) -> np.ndarray:

@@ -1,14 +1,16 @@
 """What a step costs beyond its ranks' kernels and the transfers `pricing` already
 charges, as the simulator runs it (docs/design.md, sections 4 and 7): what the step adds
 after its layers, each single ring member's last dK/dV hop home, and the compute that
-sends running beside it slow. The partitioner adds them to each candidate's estimate."""
+sends running beside it slow. The partitioner adds them to each candidate's estimate.
+A "heads" document has no trailing hop: its returns are priced with its gathers
+(`heads_exposure`)."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from ballonet.cost import hardware
-from ballonet.cost.flops import kv_bytes, kv_grad_bytes, remap_bytes
+from ballonet.cost.flops import kv_bytes, kv_grad_bytes, message_bytes, remap_bytes
 from ballonet.cost.memory import recompute_mode
 from ballonet.cost.recompute import recompute_attention
 from ballonet.cost.seconds import (
@@ -69,7 +71,8 @@ def final_grad_wait_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw:
     layer, for its own block's summed dK/dV (fp32), which its predecessor sends only
     after its own last step (`runtime.ring.ring_pass`; the simulator's `ring_backward`):
     the hop into it, across nodes at `nic_bw` routed over `rails` (1: direct), inside a
-    node over `link_bw`; nothing hides it."""
+    node over `link_bw`; nothing hides it. Not "allgather", "double" or "heads" documents
+    (a "heads" member's last messages, the returns of its rows, `heads_exposure` prices)."""
     out = np.zeros(plan.num_ranks)
     member: list[int] = []  # every single ring's members, their blocks and predecessors, ring by ring
     block: list[int] = []
@@ -103,8 +106,8 @@ def overlap_slowdown_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw
     sends (at most its `compute`, [R]): its rings' K/V (forward, and again under full
     recomputation) and in the backward K/V and partial dK/dV, each hop at its link's
     bandwidth (`link_bw` inside a node, `nic_bw` across; a "double" ring's inner steps
-    inside, its rounds across), its remap, and `dp_send_s`, the layers' data-parallel
-    collectives every rank sends."""
+    inside, its rounds across), its "heads" documents' messages (`_heads_send_seconds`),
+    its remap, and `dp_send_s`, the layers' data-parallel collectives every rank sends."""
     factor = dev.per_type([hardware.profile(g).overlap_slowdown for g in dev.gpu_types])
     if not factor.any():
         return np.zeros(plan.num_ranks)
@@ -137,10 +140,37 @@ def overlap_slowdown_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw
         per_byte = 1 / np.where(across, nic_bw[ra] * eff_nic[ra], link_bw[ra] * eff_link[ra])
         seconds = passes * (m * lat + kv_row * kv * per_byte) + m * lat + grad_row * grad * per_byte
         sent += model.num_layers * np.bincount(ra, weights=np.where(m > 0, seconds, 0.0), minlength=plan.num_ranks)
+    if any(ring.comm == "heads" for ring in plan.rings):
+        sent += model.num_layers * _heads_send_seconds(plan, dev, model, link_bw, passes - 1)
     per_token = remap_bytes(model, 1, True) + remap_bytes(model, 1, False)
     src, _, tokens = remap_pairs(plan)
     np.add.at(sent, src, 2 * model.num_layers * tokens * per_token / link_bw[src])
     return factor * np.minimum(sent, compute)
+
+
+def _heads_send_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw: np.ndarray, forwards: int) -> np.ndarray:
+    """[R] seconds of what a layer's "heads" documents send from each member (one message
+    a payload and pair for the documents over the same ranks, as the simulator sends
+    them): its rows of q, k, v to every other member and each other member's rows of the
+    result back, in `forwards` forward passes (2 under full recomputation) and the
+    backward (also "dout" out, "dqkv" back)."""
+    groups: dict[tuple[int, ...], np.ndarray] = {}
+    for ring in plan.rings:
+        if ring.comm == "heads":
+            rows = np.asarray(_block_tokens(ring), dtype=float)
+            groups[ring.ranks] = groups[ring.ranks] + rows if ring.ranks in groups else rows
+    lat, eff = _p2p_terms(dev, nic=False)
+    out = np.zeros(plan.num_ranks)
+    for ranks, rows in groups.items():
+        r, g = np.array(ranks), len(ranks)
+        theirs = rows.sum() - rows  # every other member's rows, returned to them
+
+        def seconds(payload: str, n: np.ndarray) -> np.ndarray:
+            return (g - 1) * lat[r] + message_bytes(model, payload, n, g) / (link_bw[r] * eff[r])
+        forward = seconds("qkv", rows) + seconds("out", theirs)
+        backward = seconds("qkv", rows) + seconds("dout", rows) + seconds("dqkv", theirs)
+        np.add.at(out, r, forwards * forward + backward)
+    return out
 
 
 def dp_send_seconds(cluster: ClusterSpec, model: ModelSpec) -> float:

@@ -4,9 +4,12 @@ Attention: split documents sharing a ring of ranks run as one ring (per step one
 and one K/V transfer per rank, as TransformerEngine does for packed sequences); a rank's
 local documents are one varlen kernel call (as `runtime.engine` runs them). Then the
 remap all-to-all, the linear layers and the TP collectives, and the remap back
-(backward: the reverse order). Every transfer moves what the runtime sends: K/V rows of
-`dtype_bytes`, dK/dV as fp32, q/k/v out to the attention layout and o back
-(`cost.flops.remap_bytes`); `LayerGraph.sent` records the bytes per (class, src, dst).
+(backward: the reverse order). A "heads" document's members gather q, k and v for their
+heads, each computes its heads over the whole document, and returns each member's rows
+(`ring_patterns.heads`). Every transfer moves what the runtime sends: K/V rows of
+`dtype_bytes`, dK/dV as fp32, a "heads" document's messages (`cost.flops.message_bytes`),
+q/k/v out to the attention layout and o back (`cost.flops.remap_bytes`);
+`LayerGraph.sent` records the bytes per (class, src, dst).
 In the backward, one layer's gradient all-reduce bucket shares the links with it. See
 `simulator.py` for the model as a whole and `timeline.py` for how tasks are scheduled.
 """
@@ -20,8 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ballonet.cost import hardware
-from ballonet.cost.flops import ATTENTION_BACKWARD_FACTOR, attention_flops, kv_bytes, kv_grad_bytes, remap_bytes
-from ballonet.cost.seconds import DP_PIECES, attention_seconds
+from ballonet.cost.flops import ATTENTION_BACKWARD_FACTOR, attention_flops, message_bytes, remap_bytes
+from ballonet.cost.seconds import DP_PIECES, attention_seconds, heads_kernel_seconds
 from ballonet.plan import Plan, chunk_bounds
 from ballonet.simulation import ring_patterns
 from ballonet.simulation.fabric import Fabric
@@ -95,6 +98,13 @@ def _ring_table(plan: Plan, rings: list, model: ModelSpec, gpu, backward: bool) 
     return flops * factor / (gpu.peak_flops * model.tp), (block[a] + block[2 * g - 1 - a])[src]
 
 
+def heads_seconds(plan: Plan, rings: list, model: ModelSpec, fabric: Fabric, backward: bool = False) -> list[float]:
+    """Per member, seconds of its one kernel over a "heads" group's documents, forward or
+    backward (`cost.seconds.heads_kernel_seconds`)."""
+    lengths = [plan.lengths[ring.doc] for ring in rings]
+    return [heads_kernel_seconds(model, fabric.gpu[r], lengths, len(rings[0].ranks), backward) for r in rings[0].ranks]
+
+
 @dataclass
 class LayerGraph:
     """Builds one layer's forward or backward task graph; `build` returns, per rank, the
@@ -150,7 +160,8 @@ class LayerGraph:
     """Share of the plan's work and bytes this graph carries (a nano-batch: 1/2)."""
     tl: Timeline = None
     sent: Counter = None
-    """Bytes per (class, src, dst): "kv", "grad" (dK/dV), "remap", "allreduce"."""
+    """Bytes per (class, src, dst): "kv", "grad" (dK/dV), a "heads" document's payloads
+    ("qkv", "out", "dout", "dqkv"), "remap", "allreduce"."""
 
     def __post_init__(self):
         base = self.shared
@@ -218,13 +229,15 @@ class LayerGraph:
                 after = list(after) + [self.dp_end[src], self.dp_end[dst]]
         return self.fabric.send(self.tl, src, dst, nbytes, after, name)
 
-    def send(self, hop: tuple[int, int], rows: int, after, name, kind: str = "kv") -> int | None:
-        """K/V rows (kind "kv") or their fp32 gradients ("grad") over a ring hop; a routed
-        hop cuts the rows into one part per proxy pair (`plan.chunk_bounds`), each
-        dispatched, sent across nodes and combined, as `runtime.routing` does (relays
-        forward as soon as a part arrives)."""
+    def send(self, hop: tuple[int, int], rows: int, after, name, kind: str = "kv", members: int = 1) -> int | None:
+        """`rows` rows of a split document's message over a hop, kind its payload
+        (`plan.PAYLOADS`: "kv" K/V, "grad" their fp32 gradients, or a "heads" document's
+        of `members` members), priced by `cost.flops.message_bytes`; a routed hop cuts the
+        rows into one part per proxy pair (`plan.chunk_bounds`), each dispatched, sent
+        across nodes and combined, as `runtime.routing` does (relays forward as soon as a
+        part arrives)."""
         src, dst = hop
-        per_row = (kv_bytes if kind == "kv" else kv_grad_bytes)(self.model, 1)
+        per_row = message_bytes(self.model, kind, 1, members)
         proxies = self.routes.get(hop)
         if rows <= 0:
             return self.tl.join(after)
@@ -244,6 +257,17 @@ class LayerGraph:
         ends = [[b] for b in begin]
         groups = ring_groups(self.plan)
         for q, (ranks, comm, rings) in enumerate(groups):
+            name = f"doc {rings[0].doc}" + "+" * (len(rings) > 1)
+            if comm == "heads":
+                blocks = [sum(ring.block_tokens(i) for ring in rings) for i in range(len(ranks))]
+                rerun = heads_seconds(self.plan, rings, self.model, self.fabric) \
+                    if self.backward and self.recompute == "full" else None
+                done = ring_patterns.heads(self, ranks, rings[0].kind, q,
+                                           heads_seconds(self.plan, rings, self.model, self.fabric, self.backward),
+                                           blocks, begin, name, rerun)
+                for i, r in enumerate(ranks):
+                    ends[r].append(done[i])
+                continue
             seconds, rows = ring_tables(self.plan, rings, self.model, self.fabric, self.backward)
             if self.backward and self.recompute == "full":
                 seconds = seconds + ring_tables(self.plan, rings, self.model, self.fabric)[0]
@@ -254,7 +278,6 @@ class LayerGraph:
                     np.repeat(rows[:, :1], g, axis=1) * (1 - np.eye(g))  # [i, j]: i's whole block to every j
             floor = np.array([[hardware.profile(self.fabric.gpu[r]).attention_launch_s] for r in ranks])
             seconds = np.where(seconds > 0, np.maximum(seconds, floor), 0.0).tolist()
-            name = f"doc {rings[0].doc}" + "+" * (len(rings) > 1)
             if comm == "double":
                 done = ring_patterns.double(self, ranks, q, rings[0].groups, seconds, rows.tolist(), begin, name)
             else:

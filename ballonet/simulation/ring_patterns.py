@@ -1,7 +1,8 @@
 """The task patterns of a layer's split documents on a `LayerGraph`'s primitives
 (`compute`, `post`, `send`, `wait`), as `runtime.ring` runs them: a ring forward and
-backward, a "double" ring (a ring in each node group, rounds between them), and the
-gather of every member's K/V (DistCA, MagiAttention). Each takes the graph, the ring's
+backward, a "double" ring (a ring in each node group, rounds between them), the
+gather of every member's K/V (DistCA, MagiAttention), and a "heads" document's gather of
+q, k and v by heads (DeepSpeed-Ulysses). Each takes the graph, the ring's
 ranks, its queue position `q`, the per-member per-step kernel seconds and K/V rows, and
 the tasks each member starts after; it returns per member the task that ends its part.
 The graph is anything with `Graph`'s primitives, so this module sits below `layer_graph`.
@@ -25,7 +26,8 @@ class Graph(Protocol):
 
     def post(self, rank: int, key: tuple, after) -> list: ...
 
-    def send(self, hop: tuple[int, int], rows: int, after, name, kind: str = "kv") -> int | None: ...
+    def send(self, hop: tuple[int, int], rows: int, after, name, kind: str = "kv",
+             members: int = 1) -> int | None: ...
 
     def wait(self, rank: int, key: tuple, after, name) -> int | None: ...
 
@@ -184,4 +186,45 @@ def gather_backward(graph: Graph, ranks, kind, q, seconds, rows, begin, name) ->
                 back[j].append(graph.send((ranks[i], ranks[j]), rows[j][i],
                                          graph.post(ranks[i], (1, q, 3), [comp[i]]), (name, "dkv"), "grad"))
     return [graph.tl.join([own[i], comp[i], graph.wait(r, (2, q, 2), back[i], (name, "dkv wait", 2))])
+            for i, r in enumerate(ranks)]
+
+
+def heads(graph: Graph, ranks, kind, q, seconds, rows, begin, name, rerun=None) -> list:
+    """A "heads" document's pass (`ring_traffic._heads_messages`), as the runtime runs it:
+    at the first round each member posts its rows of q, k and v (in the backward also
+    "dout") to every other member, for that member's heads; at the next round its one
+    kernel over the whole document for its own heads (`seconds[i]`) waits for all of them
+    (the local documents, queued after the first round, fill the wait); then it returns
+    each member's rows of the result ("out"; "dqkv"), and its part ends once every other
+    member's return of its own rows is in. `rows[i]`: member i's rows. With `rerun`
+    (full recomputation, backward) the forward runs first, its kernel of `rerun[i]`
+    seconds and its messages, and the backward's gathers leave once its returns are in."""
+    after, first = [begin[r] for r in ranks], 0
+    if rerun is not None:
+        after, first = _heads_round(graph, ranks, kind, q, 0, rerun, rows, ("qkv",), "out", after, name), 2
+    gathered, back = (("qkv", "dout"), "dqkv") if graph.backward else (("qkv",), "out")
+    return _heads_round(graph, ranks, kind, q, first, seconds, rows, gathered, back, after, name)
+
+
+def _heads_round(graph: Graph, ranks, kind, q, s: int, seconds, rows, gathered: tuple, back: str, after,
+                 name) -> list:
+    """`heads`' gather (posted at round `s`), kernel (round s + 1) and returns, waited for
+    at round s + 2; per member the task that ends it."""
+    g = len(ranks)
+    arrive = [[a] for a in after]
+    for i, r in enumerate(ranks):
+        post = graph.post(r, (s, q, 0 if s == 0 else 3), [after[i]])
+        for payload in gathered:
+            for j in range(g):
+                if j != i:
+                    arrive[j].append(graph.send((r, ranks[j]), rows[i], post, (name, payload), payload, g))
+    comp = [graph.compute(r, seconds[i], kind, (s + 1, q, 1), arrive[i], (name, "heads", s + 1))
+            for i, r in enumerate(ranks)]
+    returned: list[list] = [[] for _ in range(g)]
+    for j, r in enumerate(ranks):
+        post = graph.post(r, (s + 1, q, 3), [comp[j]])
+        for i in range(g):
+            if i != j:  # member i's rows of j's heads
+                returned[i].append(graph.send((r, ranks[i]), rows[i], post, (name, back), back, g))
+    return [graph.tl.join([comp[i], graph.wait(r, (s + 2, q, 2), returned[i], (name, f"{back} wait", s + 2))])
             for i, r in enumerate(ranks)]
