@@ -121,14 +121,15 @@ def test_a_heads_split_inside_a_pcie_node_beats_its_ring_and_is_estimated_as_sim
     model = ballonet.model("llama-7b")
     node = tight(L40S_NODE, model) if tight_caps else L40S_NODE
     search = CandidateSearch(lengths=[32768] + [2048] * 32, cluster=node, model=model, options=ZeppelinOptions())
-    plan = search.run()
-    maker = next(m for _, m, *_ in search.made if m.model == search.best.model)
-    (ring,) = plan.rings
-    assert ring.comm == "ring" and len(ring.ranks) == 4 and heads_divide(model, 4)
-    heads = dataclasses.replace(plan, rings=(dataclasses.replace(ring, comm="heads"),)).validate()
+    heads = search.run()  # the search's last variant (`pcie_level.by_heads`)
+    maker = next(x.maker for x in search.made if x.candidate is search.best)
+    (split,) = heads.rings
+    assert split.comm == "heads" and len(split.ranks) == 4 and heads_divide(model, 4)
+    plan = dataclasses.replace(heads, rings=(dataclasses.replace(split, comm="ring"),)).validate()
     simulated, estimated = simulate(heads, node, model).step_time_s, maker.price(heads).seconds
     assert simulated < 0.95 * simulate(plan, node, model).step_time_s
     assert estimated / simulated == pytest.approx(1.0, abs=0.05)
+    assert maker.price(plan).seconds > estimated  # why the search chose it
 
 
 def test_a_heads_member_waits_for_its_gathers_then_returns_by_hand():

@@ -217,9 +217,12 @@ def forward_link_rows(ring: Ring) -> list[tuple[int, int, int]]:
     """(src, dst, rows): the forward K/V rows of `ring_messages` summed per link, in O(g)
     for a "ring" (over its g - 1 steps the hop out of position i carries every block
     but its successor's); an "allgather" sends each block to every other member; a
-    "double" sums its forward messages (O(g^2), as few rings are)."""
+    "double" sums its forward messages (O(g^2), as few rings are); a "heads" document has
+    none (ValueError)."""
     g, L = len(ring.ranks), ring.bounds[-1]
     blocks = [ring.block_tokens(i) for i in range(g)]
+    if ring.comm == "heads":
+        raise ValueError(f"document {ring.doc} is split by heads: it sends no K/V rows (its messages: `messages`)")
     if ring.comm == "double":
         links: dict[tuple[int, int], int] = {}
         for m in _double_messages(ring, "forward", blocks):

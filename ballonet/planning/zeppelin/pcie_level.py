@@ -9,18 +9,25 @@ candidates' estimate does. So where the best plan puts a ring inside a PCIe-only
 the search also plans the same batch with every node of those groups unable to split a
 document (`unsplit_level`: their intra-node crossover unset, so level 1 charges a long
 document there the wait it leaves the node's other ranks, and level 2 keeps documents
-whole there), and the estimate chooses.
+whole there), and the estimate chooses. Last, the chosen plan is also priced with its rings
+inside PCIe-only nodes split by heads instead (`by_heads`: DeepSpeed-Ulysses, each member
+sends the others 1/g of its rows' q, k, v and gets o back, instead of passing every
+block's K/V round the ring: about g/2 times fewer bytes forward through each port, though
+none of it hides behind the document's own compute), and the estimate chooses again.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from ballonet.cost.flops import heads_divide
 from ballonet.plan import Plan, Ring
+from ballonet.planning.assembly import replaced
 from ballonet.planning.devices import Devices
 from ballonet.planning.zeppelin.classes import NodeLevel, with_level1
+from ballonet.specs import ModelSpec
 
-__all__ = ["inside_pcie_node", "pcie_ring_inside", "unsplit_level"]
+__all__ = ["by_heads", "inside_pcie_node", "pcie_ring_inside", "unsplit_level"]
 
 
 def inside_pcie_node(ring: Ring, dev: Devices) -> bool:
@@ -31,6 +38,14 @@ def inside_pcie_node(ring: Ring, dev: Devices) -> bool:
 def pcie_ring_inside(plan: Plan, dev: Devices) -> bool:
     """Whether `plan` runs a ring inside a PCIe-only node."""
     return any(inside_pcie_node(r, dev) for r in plan.rings)
+
+
+def by_heads(plan: Plan, dev: Devices, model: ModelSpec) -> Plan | None:
+    """`plan` with each of its rings inside a PCIe-only node whose members divide the
+    model's K/V heads split by heads (comm "heads"); None where it has none."""
+    rings = tuple(dataclasses.replace(r, comm="heads") if r.comm == "ring" and inside_pcie_node(r, dev)
+                  and heads_divide(model, len(r.ranks)) else r for r in plan.rings)
+    return replaced(plan, rings=rings) if rings != plan.rings else None
 
 
 def unsplit_level(shared: NodeLevel) -> NodeLevel | None:

@@ -9,7 +9,9 @@ with no document split inside a PCIe-only node where it has a ring there (`pcie_
 and one balanced on the backward (`variants.backward_level`), the best plan, where it
 remaps, with its nodes' ranks evened in attention tokens (`evened.py`), and, where its rings
 across nodes are double, with its most waiting one over one node more, compared with it by
-their members' waits as the simulator runs them (`variants.wider_level`, `member_waits.py`). A double level 1 that sends the same
+their members' waits as the simulator runs them (`variants.wider_level`, `member_waits.py`),
+and last the chosen plan with its rings inside PCIe-only nodes split by heads
+(`pcie_level.by_heads`). A double level 1 that sends the same
 documents to the same nodes reuses its single one's placements (`prunes.same_nodes`). Every
 prune is a named predicate (`prunes.py`: `level_too_slow`, `level_enough`, `costlier_mode_loses`,
 `plan_looser`), every step that can fail returns None, and the one reason the search
@@ -39,7 +41,7 @@ from ballonet.planning.step_terms import dp_send_seconds, fixed_tail_seconds
 from ballonet.planning.zeppelin.candidates import Candidate, CandidateMaker, fallback, place
 from ballonet.planning.zeppelin.classes import NodeLevel, crossover_lengths, level_nodes
 from ballonet.planning.zeppelin.evened import evened
-from ballonet.planning.zeppelin.pcie_level import pcie_ring_inside, unsplit_level
+from ballonet.planning.zeppelin.pcie_level import by_heads, pcie_ring_inside, unsplit_level
 from ballonet.planning.zeppelin.prunes import (
     costlier_mode_loses,
     level_enough,
@@ -219,6 +221,12 @@ class CandidateSearch:
         if (best := self._best_made()) is not None and not best.candidate.plan.meta["keep_tokens"] \
                 and (got := best.placed.get(False)) is not None:
             self._compare(self._evened(best.candidate, best.maker, *got), best.maker)
+        # The chosen plan with its rings inside PCIe-only nodes split by heads (`pcie_level.by_heads`).
+        if (best := self._best_made()) is not None \
+                and (heads := by_heads(best.candidate.plan, best.candidate.dev, best.candidate.model)) is not None:
+            made = best.maker.price(heads, self.runs)
+            self.made.append(best._replace(candidate=made))
+            self._compare([made], best.maker)
 
     def _best_made(self) -> Made | None:
         """The best plan as it is now, with where it came from (its entry in `made`); None
