@@ -1,8 +1,8 @@
 """"heads" documents (DeepSpeed-Ulysses inside one node) in the attention engine.
 
 * On 2 and 4 gloo ranks, hand plans with "heads" documents of 2, 3 and 4 members beside
-  local documents, "ring" and "allgather" documents, one node and two, with members of
-  uneven tokens and members holding no row: every rank's rows of the output and of the
+  local documents, "ring" (routed or not), "allgather" and "double" documents, one node
+  and two, with members of uneven tokens and members holding no row: every rank's rows of the output and of the
   q, k, v gradients equal a single-process reference on the unsharded batch (MHA and
   GQA), and the bytes sent equal `routing.predicted_bytes`.
 * The metadata and the predicted bytes by hand, against `cost.flops.message_bytes`; a
@@ -15,7 +15,7 @@ import pytest
 import torch
 from attention_checks import D, check_attention_plan
 from distributed import run_ranks
-from plans_by_hand import make_plan
+from plans_by_hand import heads_plan, make_plan
 
 import ballonet
 from ballonet.cost.flops import LSE_BYTES, message_bytes
@@ -39,7 +39,7 @@ def plans4() -> dict:
                     tokens={6: [2, 0, 12, 3], 7: [14, 0]})
     two = make_plan([21, 19, 26, 7, 4, 10], [(0, 1), (3, 2), (0, 2, 1, 3), 1, 3, (2, 3)], TWO_NODES,
                     comms={0: "heads", 1: "heads", 5: "heads"}, seed=3, tokens={5: [3, 7]})
-    return {"one node": one, "two nodes": two}
+    return {"one node": one, "two nodes": two, "beside double and routed rings": heads_plan()}
 
 
 def plan3() -> dict:
