@@ -6,7 +6,8 @@ In attention member j computes query heads [j H/g, (j+1) H/g) and K/V heads
 [j H_kv/g, (j+1) H_kv/g) over the whole document, one causal sequence of L rows in
 document order. At round (0, KV, 0) every member sends every other member its rows of
 q, k, v for the receiver's heads ("qkv"; in the backward also o, dO and the fp32 LSE,
-"dout"); the receiver computes, and at round (0, GRAD, 0) returns each member its rows
+"dout"); the receiver computes (after round (0, KV, 1): behind the compute the other
+tasks queue at round (0, KV, 0)), and at round (0, GRAD, 0) returns each member its rows
 of the result: o and the LSE in the forward ("out"), dq, dk, dv in the backward
 ("dqkv": complete sums, in the dtype of q). Nothing is kept across the passes: the
 forward returns each row's LSE to its owner, which sends it back with o and dO.
@@ -90,6 +91,9 @@ def heads_pass(p2p: P2P, meta: RingMeta, parts: list, compute: Compute) -> Task:
         ready=p2p.ready())
     for part, buf in zip(parts, gathered):
         buf[p, :rows[p]] = part[p]
+    # Compute after the round's other tasks have queued theirs (local documents, rings'
+    # own blocks), which hides the gather.
+    yield Post(key=(0, KV, 1))
     p2p.wait(_with(sent.inner, gathered))
     results = compute(gathered)
     back = [p2p.empty(result, rows[p]) for result in results]
@@ -115,9 +119,14 @@ def _all_heads(back: torch.Tensor) -> torch.Tensor:
     return back.transpose(0, 1).flatten(1, 2)
 
 
-def _doc(buf: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-    """A gathered [g, n_max, ...] -> the document's rows [L, ...], in document order."""
-    return buf.flatten(0, 1)[order]
+def _doc(buf: torch.Tensor, order: torch.Tensor, *widths: int) -> list[torch.Tensor]:
+    """A gathered [g, n_max, w, ...] -> the document's rows [L, w_i, ...] in document
+    order, per consecutive width w_i of the third dimension (each contiguous)."""
+    flat, out, start = buf.flatten(0, 1), [], 0
+    for w in widths:
+        out.append(flat[order, start:start + w])
+        start += w
+    return out
 
 
 def _scatter(x: torch.Tensor, order: torch.Tensor, g: int, n_max: int) -> torch.Tensor:
@@ -135,8 +144,7 @@ def heads_forward(p2p: P2P, meta: RingMeta, q, k, v, kernel: Kernel, scale: floa
     h, h_kv, rows = q.shape[1] // g, k.shape[1] // g, calls.rows
 
     def compute(gathered: list) -> list:
-        qkv = _doc(gathered[0], calls.order)
-        out, lse = kernel.forward(qkv[:, :h], qkv[:, h:h + h_kv], qkv[:, h + h_kv:], calls.packing, scale)
+        out, lse = kernel.forward(*_doc(gathered[0], calls.order, h, h_kv, h_kv), calls.packing, scale)
         return [_scatter(out.to(q.dtype), calls.order, g, n_max), _scatter(lse, calls.order, g, n_max)]
 
     out, lse = yield from heads_pass(p2p, meta, [_by_member(g, q[rows], k[rows], v[rows])], compute)
@@ -152,9 +160,10 @@ def heads_backward(p2p: P2P, meta: RingMeta, dout, q, k, v, out, lse, kernel: Ke
     h, h_kv, rows = q.shape[1] // g, k.shape[1] // g, calls.rows
 
     def compute(gathered: list) -> list:
-        qkv, o_do, lse_doc = (_doc(buf, calls.order) for buf in gathered)
-        grads = kernel.backward(o_do[:, h:], qkv[:, :h], qkv[:, h:h + h_kv], qkv[:, h + h_kv:], o_do[:, :h], lse_doc,
-                                calls.packing, scale)
+        q_doc, k_doc, v_doc = _doc(gathered[0], calls.order, h, h_kv, h_kv)
+        o_doc, do_doc = _doc(gathered[1], calls.order, h, h)
+        (lse_doc,) = _doc(gathered[2], calls.order, h)
+        grads = kernel.backward(do_doc, q_doc, k_doc, v_doc, o_doc, lse_doc, calls.packing, scale)
         return [_scatter(torch.cat([x.to(q.dtype) for x in grads], dim=1), calls.order, g, n_max)]
 
     parts = [_by_member(g, q[rows], k[rows], v[rows]), _by_member(g, out[rows], dout[rows]), _by_member(g, lse[rows])]
