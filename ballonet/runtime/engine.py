@@ -8,9 +8,10 @@ Queues run in the order inter-node rings, intra-node rings, local documents
 (docs/design.md, section 8): every split document is its own ring over its own ranks,
 each a task that yields its transfers of every round and computes in between
 (`ring.ring_pass`; a "heads" document gathers each member's share of the heads over
-the whole document and returns the results, `heads.py`); `comm.drive` posts every task's transfers of a round as one batch per
-process group and resumes the tasks in queue order, and the local documents (one varlen
-call) run after the first round, filling the wait. Partial results merge in fp32 with
+the whole document and returns the results, `heads.py`); `comm.drive` posts every
+task's transfers of a round as one batch per process group and resumes the tasks in
+queue order, and the local documents (one varlen call) run after the first round,
+filling the wait. Partial results merge in fp32 with
 the log-sum-exp rule; the backward passes K/V again and returns dK/dV to their owners.
 Hops the plan routes (`plan.routes`) go over proxy ranks, which forward in relay tasks
 queued right after the ring's (`runtime.routing`); results do not depend on routing.
