@@ -25,8 +25,8 @@ def attention_reference(q, k, v, dout, lengths, math: bool):
     for n in lengths:
         qd, kd, vd = (x[start:start + n].transpose(0, 1) for x in (q, k, v))
         if math:
-            kd, vd = (x.repeat_interleave(H // H_KV, dim=0) for x in (kd, vd))
-            s = (qd @ kd.transpose(1, 2)) / D ** 0.5
+            kd, vd = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=0) for x in (kd, vd))
+            s = (qd @ kd.transpose(1, 2)) / q.shape[2] ** 0.5
             s = s.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
             outs.append((torch.softmax(s, dim=-1) @ vd).transpose(0, 1))
         else:
@@ -64,12 +64,12 @@ def total_bytes(counter: ByteCounter, world: int) -> ByteCounter:
     return total
 
 
-def check_attention_plan(name, plan, rank, world, outer_group=None):
+def check_attention_plan(name, plan, rank, world, outer_group=None, heads=(H, H_KV)):
     """[(check, error, tolerance)] for one plan on this rank (`outer_group`: as in
-    `attention`)."""
+    `attention`; `heads`: query and key/value heads)."""
     gen = torch.Generator().manual_seed(len(name) + plan.num_tokens)
-    N = plan.num_tokens
-    inputs = [torch.randn(N, h, D, generator=gen) for h in (H, H_KV, H_KV, H)]  # q, k, v, dout
+    N, (h, h_kv) = plan.num_tokens, heads
+    inputs = [torch.randn(N, n, D, generator=gen) for n in (h, h_kv, h_kv, h)]  # q, k, v, dout
     rows = []
     ref32 = attention_reference(*(x.double() for x in inputs), plan.lengths, math=True)
     counter = ByteCounter()
@@ -87,7 +87,7 @@ def check_attention_plan(name, plan, rank, world, outer_group=None):
         rows.append((f"{name} bf16 {what}", _max_err(a, b[idx]), 2 * _max_err(y, b)))
     # Bytes: every rank's sends, summed, equal the plan's prediction exactly.
     total = total_bytes(counter, world)
-    predicted = predicted_bytes(plan, H_KV, D, torch.float32)
+    predicted = predicted_bytes(plan, h_kv, D, torch.float32, num_heads=h)
     for phase in ("forward", "backward"):
         got_bytes, want = getattr(total, phase), getattr(predicted, phase)
         rows.append((f"{name} bytes {phase} {dict(got_bytes)} vs {dict(want)}", float(got_bytes != want), 0.0))

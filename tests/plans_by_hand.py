@@ -167,3 +167,13 @@ def plans6() -> dict[str, Plan]:
     placement = [(0, 1, 2, 3, 4, 5), (4, 0, 2), (2, 3, 4, 5), (5, 1), (1, 3, 5), 0, 4]
     return {"three nodes": make_plan(lengths, placement, NODES6, seed=5, groups={0: 3, 1: 3, 2: 2, 3: 2},
                                      tokens={0: [9, 6, 8, 7, 10, 5], 1: [5, 3, 4]})}
+
+
+def heads_plan() -> Plan:
+    """"heads" documents (one of a member holding no row) beside a double ring, a routed
+    ring, an all-gather ring, a ring and local documents, on 2 nodes x 2 ranks."""
+    plan = make_plan([37, 13, 20, 9, 21, 19, 5, 3, 11],
+                     [(0, 1, 2, 3), (0, 2), (0, 1, 2, 3), (1, 2), (0, 1), (3, 2), 1, 3, (2, 3)], NODES4,
+                     comms={3: "allgather", 4: "heads", 5: "heads", 8: "heads"}, seed=6, groups={0: 2},
+                     tokens={5: [19, 0]})
+    return routed(plan, (2, 1, 2, ((0, 2), (1, 3))), (2, 3, 0, ((2, 0), (3, 1))))

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections import Counter
 
 import pytest
 import torch
-from plans_by_hand import plans4, plans6, rails_plan, tangled_plan
+from plans_by_hand import heads_plan, make_plan, plans4, plans6, rails_plan, tangled_plan
 
 import ballonet
 from ballonet import workloads
@@ -175,7 +176,7 @@ def test_the_relay_order_before_rounds_deadlocks_and_the_engines_does_not():
 
 
 def test_hand_plans_with_routes_double_rings_and_all_gathers_complete():
-    plans = {"rails": rails_plan(), "tangled": tangled_plan(), **plans4(), **plans6()}
+    plans = {"rails": rails_plan(), "tangled": tangled_plan(), **plans4(), **plans6(), "heads": heads_plan()}
     for name, plan in plans.items():
         for outer in (True, False):
             check = check_schedule(plan, outer_group=outer)
@@ -232,7 +233,7 @@ def test_1024_ranks_complete():
 def test_recorded_queues_are_the_engines():
     from ballonet.runtime.schedule import _queues
 
-    for plan in (tangled_plan(), plans4()["mixed routed"], issue_plan()):
+    for plan in (tangled_plan(), plans4()["mixed routed"], issue_plan(), heads_plan()):
         routes = routes_by_hop(plan)
         for rank, queue in enumerate(_queues(plan, routes)):
             engines = engine.rank_queue(plan, rank, ring_meta(plan, rank, routes, with_calls=False), routes)
@@ -246,6 +247,19 @@ def test_recorded_bytes_are_the_engines_prediction():
         sent = sum(n for sends in b.sends for _, n, _ in sends)
         # K and V are two messages of one element per row each: the prediction counts both.
         assert sent == sum(predicted.total().values()), plan.planner
+
+
+def test_recorded_heads_messages_are_the_plans():
+    # A "heads" document's messages, as the engine posts them per (src, dst): q, k, v as one
+    # message, o and the LSE as two ("out"), o and dO and the LSE as two ("dout"), dq, dk, dv as one.
+    plan = make_plan([13, 7, 4, 10], [(0, 1, 2, 3), (2, 3), 1, (3, 1)], (0, 0, 0, 0),
+                     comms={0: "heads", 1: "heads", 3: "heads"}, tokens={3: [10, 0]})
+    b = record(plan, recompute=False)
+    sent = Counter((b.rank[i], peer) for i, sends in enumerate(b.sends) for peer, _, _ in sends)
+    want: Counter = Counter()
+    for msg in plan.ring_messages():
+        want[msg.src, msg.dst] += {"qkv": 1, "out": 2, "dout": 2, "dqkv": 1}[msg.payload]
+    assert sent == want and replay(b).completes
 
 
 # ---- the command ---------------------------------------------------------------------------

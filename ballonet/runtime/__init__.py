@@ -1,7 +1,7 @@
 """The runtime: a plan executed on torch.distributed. Depends on `ballonet.plan` only.
 
 `engine.py` runs distributed variable-length attention (ring queues per split document,
-`ring.py`; routed inter-node hops, `routing.py`; transfers posted in rounds, `comm.py`;
+`ring.py`; documents that split their heads, `heads.py`; routed inter-node hops, `routing.py`; transfers posted in rounds, `comm.py`;
 kernels, `kernels.py`); `remapping.py` moves tokens between the attention and the
 token-balanced linear layout; `step.py` builds what the layers need once per step and
 `staging.py` moves it to the device in one copy; `plan_check.py` checks that the ranks

@@ -7,9 +7,11 @@ nothing across documents.
 Queues run in the order inter-node rings, intra-node rings, local documents
 (docs/design.md, section 8): every split document is its own ring over its own ranks,
 each a task that yields its transfers of every round and computes in between
-(`ring.ring_pass`); `comm.drive` posts every task's transfers of a round as one batch per
-process group and resumes the tasks in queue order, and the local documents (one varlen
-call) run after the first round, filling the wait. Partial results merge in fp32 with
+(`ring.ring_pass`; a "heads" document gathers each member's share of the heads over
+the whole document and returns the results, `heads.py`); `comm.drive` posts every
+task's transfers of a round as one batch per process group and resumes the tasks in
+queue order, and the local documents (one varlen call) run after the first round,
+filling the wait. Partial results merge in fp32 with
 the log-sum-exp rule; the backward passes K/V again and returns dK/dV to their owners.
 Hops the plan routes (`plan.routes`) go over proxy ranks, which forward in relay tasks
 queued right after the ring's (`runtime.routing`); results do not depend on routing.
@@ -29,8 +31,9 @@ import torch.distributed as dist
 from ballonet.plan import Plan
 from ballonet.runtime import kernels
 from ballonet.runtime.comm import KV, P2P, ByteCounter, Post, drive
+from ballonet.runtime.heads import heads_backward, heads_forward
 from ballonet.runtime.kernels import Kernel, Packing
-from ballonet.runtime.plan_check import check_plan
+from ballonet.runtime.plan_check import check_heads, check_plan
 from ballonet.runtime.ring import RingMeta, ring_meta, ring_pass, ring_queue
 from ballonet.runtime.routing import RelayMeta, relay_meta, relay_pass, routes_by_hop
 from ballonet.runtime.staging import to_device
@@ -72,12 +75,13 @@ def rank_meta(plan: Plan, rank: int) -> RankMeta:
                     queue=rank_queue(plan, rank, ring_meta(plan, rank, routes), routes))
 
 
-def run_pass(p2p, queue, ring_task, local, like: torch.Tensor, backward: bool) -> None:
-    """One pass over the queue: ring_task(ring) per ring, `relay_pass` per relay entry
-    (`like`: a K/V block [2, 0, H_kv, D] for their buffers), and `local()` after the
-    first round, all driven in rounds (`comm.drive`). The schedule checker runs this
-    very function with stand-in tensors (`schedule.py`)."""
-    tasks = [ring_task(x) if isinstance(x, RingMeta) else relay_pass(p2p, x, like, backward) for x in queue]
+def run_pass(p2p, queue, ring_task, heads_task, local, like: torch.Tensor, backward: bool) -> None:
+    """One pass over the queue: ring_task(ring) per ring, heads_task(ring) per "heads"
+    document, `relay_pass` per relay entry (`like`: a K/V block [2, 0, H_kv, D] for their
+    buffers), and `local()` after the first round, all driven in rounds (`comm.drive`).
+    The schedule checker runs this very function with stand-in tensors (`schedule.py`)."""
+    tasks = [relay_pass(p2p, x, like, backward) if not isinstance(x, RingMeta)
+             else heads_task(x) if x.comm == "heads" else ring_task(x) for x in queue]
     drive(p2p, tasks + [_local_task(local)])
 
 
@@ -120,12 +124,16 @@ def _forward(p2p: P2P, meta: RankMeta, q, k, v, kernel: Kernel, scale: float):
         yield from ring_pass(p2p, ring, _kv(k, v, rows), compute)
         out[rows], lse[rows] = out_acc.to(out.dtype), lse_acc
 
+    def heads_task(ring: RingMeta):
+        rows = ring.calls.rows
+        out[rows], lse[rows] = yield from heads_forward(p2p, ring, q, k, v, kernel, scale)
+
     def local():
         rows = meta.local_rows
         if rows.numel():
             out[rows], lse[rows] = kernel.forward(q[rows], k[rows], v[rows], meta.local_packing, scale)
 
-    run_pass(p2p, meta.queue, ring_task, local, _kv(k, v, meta.local_rows[:0]), backward=False)
+    run_pass(p2p, meta.queue, ring_task, heads_task, local, _kv(k, v, meta.local_rows[:0]), backward=False)
     return out, lse
 
 
@@ -153,6 +161,10 @@ def _backward(p2p: P2P, meta: RankMeta, dout, q, k, v, out, lse, kernel: Kernel,
         dkv = yield from ring_pass(p2p, ring, _kv(k, v, rows), compute)
         dq[rows], dk[rows], dv[rows] = dq_acc.to(dq.dtype), dkv[0].to(dk.dtype), dkv[1].to(dv.dtype)
 
+    def heads_task(ring: RingMeta):
+        rows = ring.calls.rows
+        dq[rows], dk[rows], dv[rows] = yield from heads_backward(p2p, ring, dout, q, k, v, out, lse, kernel, scale)
+
     def local():
         rows = meta.local_rows
         if rows.numel():
@@ -160,7 +172,7 @@ def _backward(p2p: P2P, meta: RankMeta, dout, q, k, v, out, lse, kernel: Kernel,
             for grad, part in zip((dq, dk, dv), grads):
                 grad[rows] = part.to(grad.dtype)
 
-    run_pass(p2p, meta.queue, ring_task, local, _kv(k, v, meta.local_rows[:0]), backward=True)
+    run_pass(p2p, meta.queue, ring_task, heads_task, local, _kv(k, v, meta.local_rows[:0]), backward=True)
     return dq, dk, dv
 
 
@@ -203,6 +215,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, ran
                          f"[{num_rows}, H_kv, D] twice; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if q.shape[2] != k.shape[2] or q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads {q.shape[1]} must be a multiple of key/value heads {k.shape[1]}, same head size")
+    check_heads(plan, k.shape[1])
     if verify_plan:  # one all_gather; a caller running many layers on one plan may check once
         check_plan(plan, rank, group, q.device, outer_group=outer_group)
     if meta is None:

@@ -9,6 +9,9 @@ rows to the host. Every rank decides from the same rows, so ranks that disagree 
 together, each with the same one line. Ranks that read from different data differ on a
 share read by a rank and by its predecessor wherever the ring of successors crosses from
 one to the other (on the sampled tokens: data that differ only elsewhere pass).
+
+`check_heads`, with no exchange: the plan's "heads" documents fit the heads the ranks
+hold (every rank raises alike, before any exchange).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import torch.distributed as dist
 
 from ballonet.plan import Plan
 
-__all__ = ["CONTENT_BYTES", "check_plan", "content_digest"]
+__all__ = ["CONTENT_BYTES", "check_heads", "check_plan", "content_digest"]
 
 CONTENT_BYTES = 16
 """Bytes of a token digest (BLAKE2b)."""
@@ -39,6 +42,15 @@ def content_digest(*arrays) -> bytes:
 
 def _words(data: bytes) -> list[int]:
     return np.frombuffer(data, dtype=np.int64).tolist()
+
+
+def check_heads(plan: Plan, num_kv_heads: int) -> None:
+    """ValueError unless every "heads" document's member count divides `num_kv_heads`
+    (the K/V heads of each rank's q, k, v): each member takes a whole share of them."""
+    for ring in plan.rings:
+        if ring.comm == "heads" and num_kv_heads % len(ring.ranks):
+            raise ValueError(f"document {ring.doc} splits its heads over {len(ring.ranks)} ranks, which does not "
+                             f"divide the {num_kv_heads} key/value heads of each rank")
 
 
 def check_plan(plan: Plan, rank: int, group: dist.ProcessGroup | None, device: torch.device, *,

@@ -16,6 +16,9 @@ one batch per group). A hop between ring positions may be routed over proxies
 (`routing.Hop`): the ring posts its first leg at stage 0 and receives the last leg at the
 stage that leg is (0 to 2); the proxies forward the rest in `routing.relay_pass`.
 
+A "heads" document is a `RingMeta` too (its calls a `heads.HeadsCalls`), run by its own
+task (`heads.heads_pass`) rather than this loop.
+
 A "double" ring (k node groups of n ranks, node-major) runs k rounds of n steps: in each
 round an inner ring over n ranks inside each node, as "ring" does; at a round's first step
 each rank also sends the block it holds to the same position of the next group, which
@@ -40,6 +43,7 @@ import torch
 
 from ballonet.plan import Plan, Ring
 from ballonet.runtime.comm import GRAD, KV, NUM_STAGES, P2P, Message, Pending, Post, Sent
+from ballonet.runtime.heads import HeadsCalls, heads_calls
 from ballonet.runtime.kernels import Packing
 from ballonet.runtime.routing import Hop, message_tag, ring_hop
 
@@ -87,8 +91,9 @@ class RingMeta:
     """"double" comm: the number of node groups (`Ring.groups`)."""
     index: int = 0
     """Its index in plan.rings."""
-    calls: RingCalls | None = field(default=None, compare=False)
-    """What it computes with (`with_calls`); None in a schedule alone."""
+    calls: RingCalls | HeadsCalls | None = field(default=None, compare=False)
+    """What it computes with (`with_calls`; `heads.HeadsCalls` for "heads" comm); None in
+    a schedule alone."""
 
 
 def _chunk_offsets(chunks) -> list[int]:
@@ -167,6 +172,8 @@ def _one_ring(plan: Plan, index: int, p: int, routes: dict) -> RingMeta:
 
 
 def _with_calls(ring: Ring, meta: RingMeta, offsets: dict) -> RingMeta:
+    if ring.comm == "heads":
+        return dataclasses.replace(meta, calls=heads_calls(ring, meta.position, offsets))
     parts = [torch.arange(offsets[c], offsets[c] + c.num_tokens) for c in ring.chunks_of(meta.position)]
     rows = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
     calls = tuple(_step_call(ring, meta.position, j) for j in meta.held)

@@ -18,7 +18,7 @@ tag on both ends, so both match them alike. docs/design.md, section 8, gives the
 argument that this cannot deadlock.
 
 `predicted_bytes` is what the engine sends per (src, dst) pair for a plan, routes
-followed; `comm.link_bytes` and `comm.nic_bytes` turn it into link-class and NIC figures.
+followed ("heads" documents' messages too, `heads_row_bytes`); `comm.link_bytes` and `comm.nic_bytes` turn it into link-class and NIC figures.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from ballonet.plan import Plan, Ring, Route, chunk_bounds
 from ballonet.runtime.comm import GRAD, GRAD_DTYPE, KV, NUM_STAGES, P2P, ByteCounter, Message, Post, Sent
 
 __all__ = ["MAX_PARTS", "MAX_RANKS", "MAX_RINGS", "Hop", "Relay", "RelayMeta", "hop_paths", "message_tag",
-           "predicted_bytes", "relay_meta", "relay_pass", "ring_hop", "routes_by_hop"]
+           "heads_row_bytes", "predicted_bytes", "relay_meta", "relay_pass", "ring_hop", "routes_by_hop"]
 
 MAX_RANKS, MAX_PARTS, MAX_RINGS = 1024, 16, 2**14
 """Bounds of the tag encoding (tags are nonnegative int32)."""
@@ -192,15 +192,35 @@ def relay_pass(p2p: P2P, meta: RelayMeta, like: torch.Tensor, backward: bool) ->
 # ---- predictions, from the plan alone --------------------------------------------------
 
 
-def predicted_bytes(plan: Plan, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> ByteCounter:
+def heads_row_bytes(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                    members: int) -> dict[str, int]:
+    """Bytes per row of a "heads" document's messages (`heads.py`) with `members` members,
+    by payload: q, k, v of a member's share of the heads ("qkv", and "dqkv" back), o and
+    the fp32 LSE ("out"), o, dO and the LSE ("dout")."""
+    h, h_kv, e = num_heads // members, num_kv_heads // members, dtype.itemsize
+    lse = h * GRAD_DTYPE.itemsize
+    return {"qkv": (h + 2 * h_kv) * head_dim * e, "dqkv": (h + 2 * h_kv) * head_dim * e,
+            "out": h * head_dim * e + lse, "dout": 2 * h * head_dim * e + lse}
+
+
+def predicted_bytes(plan: Plan, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                    num_heads: int | None = None) -> ByteCounter:
     """Bytes per (src, dst) the engine sends for `plan` (`Plan.ring_messages`), routes
-    followed, with K/V of `dtype` and dK/dV in fp32 (`GRAD_DTYPE`). A routed hop's
-    message is cut by `Route.part_bounds`, each part counted once on each leg of its path."""
-    row_bytes = {payload: 2 * num_kv_heads * head_dim * torch.empty(0, dtype=t).element_size()
-                 for payload, t in (("kv", dtype), ("grad", GRAD_DTYPE))}
+    followed, with K/V of `dtype` and dK/dV in fp32 (`GRAD_DTYPE`); "heads" documents'
+    messages by `heads_row_bytes` (`num_heads` query heads: needed only if there are any).
+    A routed hop's message is cut by `Route.part_bounds`, each part counted once on each
+    leg of its path."""
+    row_bytes = {payload: 2 * num_kv_heads * head_dim * t.itemsize for payload, t in (("kv", dtype), ("grad", GRAD_DTYPE))}
     routes = routes_by_hop(plan)
     out = ByteCounter()
     for msg in plan.ring_messages():
+        if msg.payload not in row_bytes:
+            if num_heads is None:
+                raise ValueError(f"document {msg.doc} splits its heads: predicted_bytes needs num_heads")
+            members = len(plan.ring_of_doc[msg.doc].ranks)
+            out.add(msg.phase, msg.src, msg.dst,
+                    msg.rows * heads_row_bytes(num_heads, num_kv_heads, head_dim, dtype, members)[msg.payload])
+            continue
         route = routes.get((msg.doc, msg.src, msg.dst))
         bounds = route.part_bounds(msg.rows) if route else (0, msg.rows)
         for j, path in enumerate(hop_paths(msg.src, msg.dst, route)):

@@ -7,10 +7,11 @@ forward and the remap of its output back (as `training.parallelism.model.Block` 
 `integrations.hf` run a layer), and the backward in reverse, by default with full
 recomputation (the layer's forward, exchanges included, rerun before its backward).
 The attention passes run the engine's own code (`engine.run_pass`, `ring.ring_pass`,
-`routing.relay_pass`, `comm.drive`) against `Recorder`, a stand-in for `comm.P2P` that
-records each round's batches (`comm.round_batches`, as `P2P.post` forms them) instead of
-sending them, with `Rows` standing in for K/V blocks: nothing is computed or sent, so a
-1024-rank plan is recorded in seconds.
+`heads.heads_pass`, `routing.relay_pass`, `comm.drive`) against `Recorder`, a stand-in
+for `comm.P2P` that records each round's batches (`comm.round_batches`, as `P2P.post`
+forms them) instead of sending them, with `Rows` standing in for K/V blocks (and a
+"heads" document's buffers): nothing is computed or sent, so a 1024-rank plan is
+recorded in seconds.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from ballonet.plan import Plan
 from ballonet.runtime.comm import Pending, Post, Sent, round_batches
 from ballonet.runtime.engine import run_pass
+from ballonet.runtime.heads import heads_pass
 from ballonet.runtime.replay import ScheduleBuilder, ScheduleCheck, replay
 from ballonet.runtime.ring import all_ring_metas, ring_pass, ring_queue
 from ballonet.runtime.routing import relay_meta, routes_by_hop
@@ -30,35 +32,43 @@ __all__ = ["Recorder", "Rows", "check_schedule", "record"]
 
 
 class Rows:
-    """A stand-in for a K/V block [2, rows, ...] (`pair`) or one half of it [rows, ...] in
-    a recording: only its rows and element type matter. It has the few tensor methods the
-    ring loops use on blocks."""
+    """A stand-in for a stack of row blocks [lead, rows, ...] (a K/V block: lead 2; a
+    "heads" document's buffers: one per member) or for one of them [rows, ...] (lead 0)
+    in a recording: only its rows and element type matter. It has the few tensor methods
+    the ring and heads loops use on blocks."""
 
-    __slots__ = ("rows", "dtype", "pair")
+    __slots__ = ("rows", "dtype", "lead")
 
-    def __init__(self, rows: int, dtype: torch.dtype, pair: bool = True):
-        self.rows, self.dtype, self.pair = rows, dtype, pair
+    def __init__(self, rows: int, dtype: torch.dtype, lead: int = 2):
+        self.rows, self.dtype, self.lead = rows, dtype, lead
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (2, self.rows) if self.pair else (self.rows,)
+        return (self.lead, self.rows) if self.lead else (self.rows,)
 
     def numel(self) -> int:
-        return self.rows * (2 if self.pair else 1)
+        return self.rows * max(self.lead, 1)
 
     def element_size(self) -> int:
         return self.dtype.itemsize
 
     def new_empty(self, shape, dtype: torch.dtype | None = None) -> Rows:
-        return Rows(shape[1], dtype or self.dtype)
+        return Rows(shape[1], dtype or self.dtype, shape[0])
 
     new_zeros = new_empty
 
     def __getitem__(self, index) -> Rows:
-        return Rows(len(range(*index[1].indices(self.rows))), self.dtype)
+        """x[j] (one block), x[j, a:b] (its rows a:b) or x[:, a:b] (rows a:b of each)."""
+        if isinstance(index, int):
+            return Rows(self.rows, self.dtype, 0)
+        first, rows = index
+        return Rows(len(range(*rows.indices(self.rows))), self.dtype, 0 if isinstance(first, int) else self.lead)
 
-    def unbind(self, dim: int = 0) -> tuple[Rows, Rows]:
-        return Rows(self.rows, self.dtype, False), Rows(self.rows, self.dtype, False)
+    def __setitem__(self, index, value) -> None:
+        pass
+
+    def unbind(self, dim: int = 0) -> tuple[Rows, ...]:
+        return tuple(Rows(self.rows, self.dtype, 0) for _ in range(self.lead))
 
     def __iadd__(self, other) -> Rows:
         return self
@@ -79,7 +89,7 @@ class Recorder:
         self._inflight: list[int] = []
 
     def empty(self, like, rows: int, dtype: torch.dtype | None = None) -> Rows:
-        return Rows(rows, dtype or like.dtype)
+        return Rows(rows, dtype or like.dtype, like.lead)
 
     def ready(self) -> int:
         return self.builder.mark(self.rank)
@@ -140,7 +150,9 @@ def record(plan: Plan, *, layers: int = 1, recompute: bool = True, outer_group: 
     """Every rank's transfers of one training step on `plan` (module docstring), with
     `layers` layers, full recomputation or none, and double rings' transfers across nodes
     on their own group (`outer_group`, as the trainer runs them) or on the one group.
-    Bytes are rows x `row_elems` (K/V heads x head size) x the element size."""
+    Bytes are rows x `row_elems` (K/V heads x head size) x the element size ("heads"
+    documents' messages too, not their true widths: the replay needs only that both
+    ends agree)."""
     builder = ScheduleBuilder(plan.num_ranks)
     queues = _queues(plan, routes_by_hop(plan))
     has_outer = outer_group and any(r.comm == "double" for r in plan.rings)
@@ -165,7 +177,16 @@ def _record_rank(builder, plan, rank, queue, layers, recompute, has_outer, kv_dt
                 (lambda step, held: None)
             return (yield from ring_pass(p2p, ring, kv, grad))
 
-        run_pass(p2p, queue, ring_task, lambda: None, Rows(0, kv_dtype), backward)
+        def heads_task(ring):
+            # What `heads.heads_forward` and `heads_backward` send: q, k, v (and o, dO; the
+            # LSE) per member, and o and the LSE (dq, dk, dv) back.
+            g, n_max = len(ring.ranks), max(ring.block_rows)
+            sent = (kv_dtype, kv_dtype, torch.float32) if backward else (kv_dtype,)
+            back = (kv_dtype,) if backward else (kv_dtype, torch.float32)
+            parts = [Rows(ring.block_rows[ring.position], dtype, g) for dtype in sent]
+            return (yield from heads_pass(p2p, ring, parts, lambda got: [Rows(n_max, dtype, g) for dtype in back]))
+
+        run_pass(p2p, queue, ring_task, heads_task, lambda: None, Rows(0, kv_dtype), backward)
 
     def remap(name: str) -> None:
         if plan.remap:
