@@ -24,6 +24,7 @@ from tiny_model import batch
 from tp_mesh import tp_groups
 
 import ballonet
+from ballonet import workloads
 from ballonet.cost import hardware, memory
 from ballonet.cost.bounds import batch_lower_bound, batch_recomputation, bound_parts
 from ballonet.cost.flops import grad_bytes
@@ -43,6 +44,8 @@ CONFIGS = [
     ("h800+h20", None, "llama-13b:2", [50000, 3000, 900, 14000, 600, 2500, 8000, 300, 1800, 26000] * 3),
     # a "double" ring of 2 nodes x 8 ranks (zeppelin's plan; with `double=False`, a single ring)
     ("h800-8nic", 2, "llama-7b", [80000] + [1200] * 160),
+    # a 64K document split by heads over 8 PCIe-only L40S (bench/hetero.py's a800+l40s wlbllm batch 6)
+    ("a800+l40s", None, "llama-7b", list(workloads.get("wlbllm").batches(16384 * 32, 0, 7, 65536))[6]),
 ]
 
 
@@ -78,8 +81,10 @@ def test_simulator_moves_exactly_the_runtime_bytes_for_every_planner(config):
         seen.add(name)
         comms.update(f"{name} {r.comm}" for r in plan.rings)
     assert {"zeppelin", "zeppelin single", "te_cp", "packed_dp", "wlb_llm", "hybrid_dp"} <= seen
-    if config is CONFIGS[-1]:
+    if config is CONFIGS[-2]:
         assert "zeppelin double" in comms and "zeppelin single double" not in comms
+    if config is CONFIGS[-1]:
+        assert "zeppelin heads" in comms
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=[c[0] for c in CONFIGS])

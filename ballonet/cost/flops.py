@@ -97,14 +97,15 @@ def message_bytes(model: ModelSpec, payload: str, rows, members: int = 1):
     """Bytes of a split document's message (`plan.RingMessage`) of `rows` rows on one GPU
     (its tp shard of the heads): "kv" `kv_bytes`, "grad" `kv_grad_bytes`; a "heads"
     document of `members` members: "qkv" and "dqkv" q, k and v of 1/members of the heads
-    (dtype of q), "out" o of them, "dout" o, dO and their fp32 log-sum-exp."""
+    (dtype of q), "out" o of them and its fp32 log-sum-exp (the backward's "dout" sends it
+    back: nothing is kept across the passes), "dout" o, dO and the log-sum-exp."""
     if payload == "kv":
         return kv_bytes(model, rows)
     if payload == "grad":
         return kv_grad_bytes(model, rows)
     width = {"qkv": (model.hidden + 2 * model.kv_dim) * model.dtype_bytes,
              "dqkv": (model.hidden + 2 * model.kv_dim) * model.dtype_bytes,
-             "out": model.hidden * model.dtype_bytes,
+             "out": model.hidden * model.dtype_bytes + model.num_heads * LSE_BYTES,
              "dout": 2 * model.hidden * model.dtype_bytes + model.num_heads * LSE_BYTES}[payload]
     return rows * width / (members * model.tp)
 

@@ -24,8 +24,8 @@ PHASES = ("forward", "backward")
 PAYLOADS = ("kv", "grad", "qkv", "out", "dout", "dqkv")
 """What a message carries per row (`cost.flops.message_bytes` prices each): "kv" K and V
 (dtype of K/V); "grad" their fp32 partial dK/dV; a "heads" document's "qkv" (q, k and v
-of the receiver's 1/g of the heads), "out" (o of the receiver's rows for the sender's
-heads), "dout" (o, dO and the fp32 log-sum-exp of the sender's rows for the receiver's
+of the receiver's 1/g of the heads), "out" (o and the fp32 log-sum-exp of the receiver's
+rows for the sender's heads), "dout" (o, dO and the fp32 log-sum-exp of the sender's rows for the receiver's
 heads) and "dqkv" (dq, dk and dv of the receiver's rows for the sender's heads)."""
 
 

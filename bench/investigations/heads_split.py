@@ -5,12 +5,12 @@
 
 On `bench/hetero.py`'s a800+l40s configurations (16K tokens per GPU, 64K context,
 LLaMA-7B, seed 0), for each batch whose zeppelin plan runs a ring inside a PCIe-only node
-(`zeppelin.pcie_level.inside_pcie_node`): the plan as chosen and the same plan with every
-such ring whose members divide the model's K/V heads (`cost.flops.heads_divide`) turned
-into a "heads" document (the attention layout, and so memory and recomputation,
-unchanged), each simulated and estimated (`CandidateMaker.price` of the chosen plan's
-recomputation mode),
-against the batch's lower bound. Writes a Markdown table (default
+(`zeppelin.pcie_level.inside_pcie_node`): the plan with every such ring whose members
+divide the model's K/V heads (`cost.flops.heads_divide`) run as a "ring" and as a
+"heads" document (the search's choice between them: `pcie_level.by_heads`; the attention
+layout, and so memory and recomputation, unchanged), each simulated and estimated
+(`CandidateMaker.price` of the chosen plan's recomputation mode), against the batch's
+lower bound. Writes a Markdown table (default
 bench/results/heads_split.md).
 """
 
@@ -38,10 +38,10 @@ from ballonet.simulation.simulator import simulate
 CLUSTER = "a800+l40s"
 
 
-def as_heads(plan: Plan, rings) -> Plan:
-    """`plan` with `rings` run as "heads" documents."""
+def as_comm(plan: Plan, rings, comm: str) -> Plan:
+    """`plan` with `rings` run as `comm` ("ring" or "heads") documents."""
     docs = {r.doc for r in rings}
-    return dataclasses.replace(plan, rings=tuple(dataclasses.replace(r, comm="heads") if r.doc in docs else r
+    return dataclasses.replace(plan, rings=tuple(dataclasses.replace(r, comm=comm) if r.doc in docs else r
                                                  for r in plan.rings)).validate()
 
 
@@ -57,12 +57,13 @@ def batch_rows(workload: str, steps: int) -> list[str]:
         if not inside:
             continue
         figures = []
-        for p in (plan, as_heads(plan, inside)):
+        for p in (as_comm(plan, inside, "ring"), as_comm(plan, inside, "heads")):
             res = simulate(p, cluster, model)
             figures.append((res.step_time_s, maker.price(p).seconds, res.lower_bound_s))
         (ring_s, ring_e, bound), (heads_s, heads_e, _) = figures
         shape = ", ".join(f"{plan.lengths[r.doc] // 1024}K over {len(r.ranks)}" for r in inside)
-        rows.append(f"| {workload} | {i} | {shape} | {ring_s:.2f} | {ring_e:.2f} | {heads_s:.2f} | {heads_e:.2f} "
+        chosen = "heads" if all(r.comm == "heads" for r in inside) else "ring"
+        rows.append(f"| {workload} | {i} | {shape} | {chosen} | {ring_s:.2f} | {ring_e:.2f} | {heads_s:.2f} | {heads_e:.2f} "
                     f"| {heads_e / heads_s:.3f} | {bound:.2f} |")
     return rows
 
@@ -74,9 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=os.path.join(RESULTS, "heads_split.md"))
     args = ap.parse_args(argv)
     began = time.time()
-    lines = [f"| workload ({CLUSTER}) | batch | rings inside PCIe nodes | ring: simulated s | estimated s "
-             "| heads: simulated s | estimated s | heads estimate / simulated | bound s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [f"| workload ({CLUSTER}) | batch | rings inside PCIe nodes | zeppelin chose | ring: simulated s "
+             "| estimated s | heads: simulated s | estimated s | heads estimate / simulated | bound s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for workload in args.workloads:
         lines += batch_rows(workload, args.steps)
     text = "\n".join(["# Rings inside PCIe-only nodes as \"heads\" documents", "",

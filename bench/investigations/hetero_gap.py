@@ -190,6 +190,12 @@ def batch_figures(lengths, cluster, model) -> dict:
                                       "recompute": candidates[best].recompute}
     for ring in sorted(inside, key=lambda r: -chosen.lengths[r.doc])[:1]:  # the longest
         maker = next(m for c, m, *_ in search.made if c is search.best)
+        out["pcie_comm"] = ring.comm
+        if ring.comm == "heads":  # split by heads (`pcie_level.by_heads`): the same plan with its rings
+            as_ring = dataclasses.replace(chosen, rings=tuple(dataclasses.replace(r, comm="ring") if r in inside
+                                                              else r for r in chosen.rings))
+            out["as_ring_s"] = simulate(as_ring, cluster, model).step_time_s
+            out["as_ring_estimate_s"] = maker.price(as_ring).seconds
         for k in range(len(ring.ranks) - 1, max(len(ring.ranks) - 4, 1), -1):
             plan = fewer_members(chosen, lengths, search, ring, k)
             out["pcie_fewer"][k] = {"step_s": simulate(_recomputed(dataclasses.replace(
@@ -300,19 +306,23 @@ def markdown(runs: list[dict], cmd: str, header: str) -> str:
     for r in runs:
         lines.append(f"- {r['cluster']} {r['workload']}: " + ", ".join(
             f"{b['step_s'] / b['bound_s']:.3f} ({b['ample_s'] / b['ample_bound_s']:.3f})" for b in r["batches"]))
-    lines += ["", "Batches whose plan runs a ring inside a PCIe-only node (`planning/pcie_rings.py` prices it): its "
-              "rings (tokens over members), its step simulated and estimated, the communication left exposed on the "
-              "rings' members and (median) on the PCIe nodes' other ranks, the best candidate with no such ring, "
-              "simulated, and the chosen plan with its longest such ring over fewer members (equal shares; each "
-              "member dropped takes the smallest whole documents of its group's other ranks up to the group's mean "
-              "tokens), simulated and estimated:", ""]
+    lines += ["", "Batches whose plan splits a document inside a PCIe-only node (`planning/pcie_rings.py` prices "
+              "it): its split documents (tokens over members, as a ring or by heads: `pcie_level.by_heads`), its "
+              "step simulated and estimated (split by heads: also as a ring), the communication left exposed on the "
+              "members and (median) on the PCIe nodes' other ranks, the best candidate with no such split, "
+              "simulated, and the chosen plan with its longest such document over fewer members as a ring (equal "
+              "shares; each member dropped takes the smallest whole documents of its group's other ranks up to the "
+              "group's mean tokens), simulated and estimated:", ""]
     for r in runs:
         for i, b in enumerate(r["batches"]):
             if b["pcie_rings"]:
                 other = "none" if b["no_pcie_ring_s"] is None else f"{b['no_pcie_ring_s']:.2f} s"
                 lines.append(f"- {r['cluster']} {r['workload']} batch {i}: "
                              + ", ".join(f"{n // 1024}K over {g}" for n, g in b["pcie_rings"])
-                             + f"; {b['step_s']:.2f} s simulated, {b['estimate_s']:.2f} s estimated; exposed "
+                             + f" ({b.get('pcie_comm', 'ring')})"
+                             + f"; {b['step_s']:.2f} s simulated, {b['estimate_s']:.2f} s estimated"
+                             + (f" (as a ring {b['as_ring_s']:.2f} s, {b['as_ring_estimate_s']:.2f} s estimated)"
+                                if "as_ring_s" in b else "") + "; exposed "
                              f"{b['pcie_ring_exposed_s']:.1f} s and {b['pcie_other_exposed_s']:.1f} s; "
                              f"without: {other}; the longest ring over fewer members: "
                              + (", ".join(f"{k}: {v['step_s']:.2f} s ({v['estimate_s']:.2f} s estimated)"
