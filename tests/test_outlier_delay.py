@@ -217,7 +217,7 @@ def test_flag_config_key_and_help(tmp_path):
     toml.write_text("outlier_delay = 3\n")
     assert train_config.config_from_args(p.parse_args(["--config", str(toml)])).outlier_delay == 3
     toml.write_text("outlier_delay = 1\n")
-    with pytest.raises(InputError, match=r"--outlier-delay must be at least 2 \(.*got 1$"):
+    with pytest.raises(InputError, match=r"run.toml: outlier_delay must be at least 2 \(.*got 1$"):
         train_config.config_from_args(p.parse_args(["--config", str(toml)]))
 
 

@@ -143,7 +143,7 @@ def test_a_heads_member_waits_for_its_gathers_then_returns_by_hand():
     def hop(nbytes):
         return p.p2p_latency_s + nbytes / (link * p.p2p_efficiency)
     qkv = hop(rows * (model.hidden + 2 * model.kv_dim) * 2 / 2)  # 1/2 of the heads of q, k and v, bf16
-    out = hop(rows * model.hidden * 2 / 2)
+    out = hop(rows * (model.hidden * 2 + model.num_heads * 4) / 2)  # o and its fp32 log-sum-exp
     dout = hop(rows * (2 * model.hidden * 2 + model.num_heads * 4) / 2)  # o, dO and the fp32 log-sum-exp
     forward, backward = heads_exposed_seconds(model, gpu, [L], [rows, rows], link, 0.0)
     assert forward == pytest.approx([32 * (qkv + out)] * 2, rel=1e-9)

@@ -230,7 +230,7 @@ def _as_heads(plan: Plan) -> Plan:
 def test_a_heads_document_gathers_computes_its_heads_and_returns_by_hand():
     # Two members of 2c rows each (a document of 4c): each gathers the other's rows of
     # q, k and v for its half of the heads, computes them over the whole document, and
-    # returns the other's rows of o. Backward: q, k, v and o, dO, log-sum-exp gathered
+    # returns the other's rows of o and their log-sum-exp. Backward: q, k, v and o, dO, log-sum-exp gathered
     # (the two messages share the port: both in after their seconds summed), then dq,
     # dk, dv returned. A slow link, so every message shows.
     c, bw = 2048, 5 * GB
@@ -240,7 +240,7 @@ def test_a_heads_document_gathers_computes_its_heads_and_returns_by_hand():
     h, kv = MODEL.hidden, MODEL.kv_dim
     att = 2 * HD * 4 * c * (4 * c + 1) / 2 / (PEAK * EFF_F)  # half the heads of the whole document
     qkv = nvlink(2 * c * (h + 2 * kv) * 2 / 2, bw)
-    out = nvlink(2 * c * h * 2 / 2, bw)
+    out = nvlink(2 * c * (h * 2 + MODEL.num_heads * 4) / 2, bw)  # o and its fp32 log-sum-exp
     dout = nvlink(2 * c * (2 * h * 2 + MODEL.num_heads * 4) / 2, bw)
     assert res.recompute == "none"
     assert res.layer_forward_s == pytest.approx(qkv + att + out + lin(2 * c), rel=1e-9)
