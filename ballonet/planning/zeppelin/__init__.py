@@ -6,7 +6,8 @@ holds the measurements behind each rule and the variants tried and not kept).
     classes.py         step 0: each document's class; step 1 (level 1): the documents' nodes
     variants.py        level 1 again for the search: double rings, heavy documents over two
                        nodes, balanced on the backward
-    pcie_level.py      level 1 with no document split inside a PCIe-only node
+    pcie_level.py      level 1 with no document split inside a PCIe-only node; the chosen
+                       plan with its splits there by heads (DeepSpeed-Ulysses)
     recomputed.py      level 1 priced under what each node's share recomputes (on one GPU
                        type beside the uniform level 1)
     evened.py          the best plan, where it remaps, with its nodes' ranks evened in
