@@ -423,3 +423,18 @@ def test_backward_simulated_once_per_run_of_alike_layers_however_many():
     assert [n for n, _, _ in runs] == [3] * 9 + [model.num_layers - 27]
     for i, (_, linear, _) in enumerate(runs):  # run i covers layers [3i, 3i+3): rank r recomputes there iff 3r > 3i
         assert linear == [full if r < 10 and r > i else below for r in range(16)]
+
+
+def test_a_heads_member_waits_for_its_returns_before_its_next_ring_step():
+    # Rank 0 holds a "heads" document and a ring with rank 1. The runtime waits for the
+    # heads returns at round (0, GRAD, 0), before any kernel of round (1, KV, 0): the
+    # ring's second step starts only once they are in, even where its K/V came earlier.
+    C = cluster(gpus=2, nics=2, intra=5 * GB)
+    plan = cluster_plan(C, split=[(8192, (0, 1)), (8192, (0, 1))])
+    plan = dataclasses.replace(plan, rings=(dataclasses.replace(plan.rings[0], comm="heads"), plan.rings[1]))
+    res = simulate(plan.validate(), C, dataclasses.replace(MODEL, recompute="none"))
+    _, tl, start, finish, _ = res.timelines[0]  # the forward
+    on_rank = {tl.label[t][2]: t for t in range(tl.num_tasks) if tl.label[t][1] == 0 and tl.label[t][0] != "join"}
+    returns_in = finish[on_rank["doc 0", "out wait"]]
+    assert start[on_rank["doc 1", "step", 1]] >= returns_in > finish[on_rank["doc 1", "kv", 0]]
+    assert start[on_rank["doc 0", "heads"]] >= finish[on_rank["doc 1", "step", 0]]  # after round 0's kernels

@@ -190,41 +190,45 @@ def gather_backward(graph: Graph, ranks, kind, q, seconds, rows, begin, name) ->
 
 
 def heads(graph: Graph, ranks, kind, q, seconds, rows, begin, name, rerun=None) -> list:
-    """A "heads" document's pass (`ring_traffic._heads_messages`), as the runtime runs it:
-    at the first round each member posts its rows of q, k and v (in the backward also
-    "dout") to every other member, for that member's heads; at the next round its one
-    kernel over the whole document for its own heads (`seconds[i]`) waits for all of them
-    (the local documents, queued after the first round, fill the wait); then it returns
-    each member's rows of the result ("out"; "dqkv"), and its part ends once every other
-    member's return of its own rows is in. `rows[i]`: member i's rows. With `rerun`
-    (full recomputation, backward) the forward runs first, its kernel of `rerun[i]`
-    seconds and its messages, and the backward's gathers leave once its returns are in."""
-    after, first = [begin[r] for r in ranks], 0
+    """A "heads" document's pass (`ring_traffic._heads_messages`), as the runtime runs it
+    (`runtime.heads.heads_pass`): at the first round each member posts its rows of q, k and
+    v (in the backward also "dout") to every other member, for that member's heads; after
+    the first round's kernels (its own blocks' steps of other rings, the local documents)
+    its one kernel over the whole document for its own heads (`seconds[i]`) once all of
+    them are in; then it returns each member's rows of the result ("out"; "dqkv") and its
+    stream waits until every other member's return of its own rows is in, before any
+    kernel of the next round (the runtime's round (0, GRAD, 0) precedes round (1, KV, 0)).
+    `rows[i]`: member i's rows. With `rerun` (full recomputation, backward) the forward
+    runs first, its kernel of `rerun[i]` seconds and its messages, and the backward's
+    gathers leave once its returns are in. Rounds between 0 and 1 order these on the
+    streams (`LayerGraph.order` sorts by key)."""
+    after, post = [begin[r] for r in ranks], (0, q, 0)
     if rerun is not None:
-        after, first = _heads_round(graph, ranks, kind, q, 0, rerun, rows, ("qkv",), "out", after, name), 2
+        after = _heads_round(graph, ranks, kind, q, post, 0.25, rerun, rows, ("qkv",), "out", after, name)
+        post = (0.25, q, 3)
     gathered, back = (("qkv", "dout"), "dqkv") if graph.backward else (("qkv",), "out")
-    return _heads_round(graph, ranks, kind, q, first, seconds, rows, gathered, back, after, name)
+    return _heads_round(graph, ranks, kind, q, post, 0.5, seconds, rows, gathered, back, after, name)
 
 
-def _heads_round(graph: Graph, ranks, kind, q, s: int, seconds, rows, gathered: tuple, back: str, after,
-                 name) -> list:
-    """`heads`' gather (posted at round `s`), kernel (round s + 1) and returns, waited for
-    at round s + 2; per member the task that ends it."""
+def _heads_round(graph: Graph, ranks, kind, q, post_key: tuple, s: float, seconds, rows, gathered: tuple,
+                 back: str, after, name) -> list:
+    """`heads`' gather (posted at `post_key`), kernel (round `s`), returns (posted after
+    it) and the wait for them; per member the task that ends it."""
     g = len(ranks)
     arrive = [[a] for a in after]
     for i, r in enumerate(ranks):
-        post = graph.post(r, (s, q, 0 if s == 0 else 3), [after[i]])
+        post = graph.post(r, post_key, [after[i]])
         for payload in gathered:
             for j in range(g):
                 if j != i:
                     arrive[j].append(graph.send((r, ranks[j]), rows[i], post, (name, payload), payload, g))
-    comp = [graph.compute(r, seconds[i], kind, (s + 1, q, 1), arrive[i], (name, "heads", s + 1))
+    comp = [graph.compute(r, seconds[i], kind, (s, q, 1), arrive[i], (name, "heads"))
             for i, r in enumerate(ranks)]
     returned: list[list] = [[] for _ in range(g)]
     for j, r in enumerate(ranks):
-        post = graph.post(r, (s + 1, q, 3), [comp[j]])
+        post = graph.post(r, (s, q, 3), [comp[j]])
         for i in range(g):
             if i != j:  # member i's rows of j's heads
                 returned[i].append(graph.send((r, ranks[i]), rows[i], post, (name, back), back, g))
-    return [graph.tl.join([comp[i], graph.wait(r, (s + 2, q, 2), returned[i], (name, f"{back} wait", s + 2))])
+    return [graph.tl.join([comp[i], graph.wait(r, (s, q, 4), returned[i], (name, f"{back} wait"))])
             for i, r in enumerate(ranks)]
