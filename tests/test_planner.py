@@ -585,9 +585,11 @@ def test_crossing_hops_are_priced_routed_over_the_nodes_rails():
     lengths = [100_000, 30_000] + [1_500] * 250
     routed, one_nic = plan_batch(lengths, cluster, MODEL), plan_batch(lengths, cluster, MODEL, routing=False)
     # The keep-tokens plan of the first mode sends the 100K document across the nodes
-    # either way; its crossing hops priced over 8 rails, it is estimated 13% shorter.
+    # either way; its crossing hops priced over 8 rails, it is estimated 9% shorter (5.46
+    # against 5.98 s; 13% before its members that also step another ring were charged
+    # their rounds, `pricing._shared_rounds`, which adds more to the routed plan's).
     first = [c["estimated_step_s"] for c in (routed.meta["candidates"][0], one_nic.meta["candidates"][0])]
-    assert first[0] < 0.9 * first[1]
+    assert first[0] < 0.93 * first[1]
     # Its 15-member ring's backward moves at its slowest member's pace with each member's
     # sends slowing its kernels: simulated, that plan was 20% slower than keeping the
     # document in one node (5.78 against 4.80 s), which the estimate now sees (the

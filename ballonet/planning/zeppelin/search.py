@@ -5,8 +5,10 @@ remap, keeping the plan with the shortest estimated step (docs/design.md, sectio
 `CandidateSearch` walks those three axes in one loop each. Beside each mode's level 1 it
 plans its variants: nodes priced under what their shares recompute (`recomputed.py`),
 heavy documents over two nodes (`variants.spread_level`) and, for the best plan, a level 1
-with no document split inside a PCIe-only node where it has a ring there (`pcie_level.py`)
-and one balanced on the backward (`variants.backward_level`), the best plan, where it
+with no document split inside a PCIe-only node where it has a ring there (`pcie_level.py`),
+one with every document a node holds inside one where a member of its ring across nodes
+steps another ring (`variants.inside_level`) and one balanced on the backward
+(`variants.backward_level`), the best plan, where it
 remaps, with its nodes' ranks evened in attention tokens (`evened.py`), and, where its rings
 across nodes are double, with its most waiting one over one node more, compared with it by
 their members' waits as the simulator runs them (`variants.wider_level`, `member_waits.py`),
@@ -53,7 +55,7 @@ from ballonet.planning.zeppelin.recomputed import mixed, recomputed_levels
 from ballonet.planning.zeppelin.settling import settle
 from ballonet.planning.zeppelin.thresholds import THRESHOLDS
 from ballonet.planning.zeppelin.member_waits import corrected_step, double_wait_excess
-from ballonet.planning.zeppelin.variants import backward_level, doubled_level, spread_level, wider_level
+from ballonet.planning.zeppelin.variants import backward_level, doubled_level, inside_level, spread_level, wider_level
 from ballonet.specs import ClusterSpec, ModelSpec
 
 __all__ = ["CandidateSearch", "ZeppelinOptions", "zeppelin"]
@@ -210,6 +212,11 @@ class CandidateSearch:
                 and (unsplit := unsplit_level(best.level)) is not None \
                 and not level_too_slow(unsplit, best.maker, self.best_layers_s):
             self._compare(self._made(best.maker, unsplit, {}), best.maker)
+        # The best plan's level 1 with every document one node holds kept inside one (`variants.inside_level`).
+        if (best := self._best_made()) is not None and opts.hierarchical \
+                and (inside := inside_level(best.level, best.candidate.plan)) is not None \
+                and not level_too_slow(inside, best.maker, self.best_layers_s):
+            self._compare(self._made(best.maker, inside, {}), best.maker)
         # The best plan's level 1 balanced on the backward, where every rank recomputes alike.
         if (best := self._best_made()) is not None and opts.price_linear and best.maker.model.recompute not in BELOW \
                 and (backward := backward_level(best.level)) is not None \

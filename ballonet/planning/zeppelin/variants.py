@@ -1,23 +1,26 @@
 """The search's variant levels: steps 0-1 of a batch again, from a `NodeLevel` already
 made (`classes.level_nodes`), with other classes or other weights (docs/design.md,
 section 4): double rings across nodes (`doubled_level`), heavy documents over two nodes
-(`spread_level`), level 1 balanced on the layers' backward (`backward_level`) and one
-double ring over one node more (`wider_level`).
+(`spread_level`), every document a node holds kept inside one (`inside_level`), level 1
+balanced on the layers' backward (`backward_level`) and one double ring over one node
+more (`wider_level`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 
 import numpy as np
 
 from ballonet.cost.memory import recompute_layer_count, recompute_mode
 from ballonet.cost.seconds import linear_layer_seconds
 from ballonet.cost.tensor_parallel import tp_layer_seconds
+from ballonet.plan import Plan
 from ballonet.planning.zeppelin.classes import NodeLevel, classify, node_seconds, with_level1
 from ballonet.planning.zeppelin.thresholds import THRESHOLDS
 
-__all__ = ["backward_level", "doubled_level", "spread_level", "wider_level"]
+__all__ = ["backward_level", "doubled_level", "inside_level", "spread_level", "wider_level"]
 
 
 def doubled_level(shared: NodeLevel, *, price_linear: bool, routing: bool) -> NodeLevel | None:
@@ -107,3 +110,39 @@ def backward_level(shared: NodeLevel) -> NodeLevel | None:
         return None
     return dataclasses.replace(again, node_seconds=node_seconds(batch, nodes, again.level1, shared.rank_token,
                                                                  weights))
+
+
+def inside_level(shared: NodeLevel, plan: Plan) -> NodeLevel | None:
+    """Steps 0-1 of `shared` (the level 1 of `plan`) with every document it sends across
+    nodes that one node's memory holds split inside one node instead (single rings),
+    where there is any and a member of a ring of `plan` across nodes also steps another
+    ring; otherwise None. Step 0 sends a document across nodes when the overload it leaves one
+    node costs more than its ring's exposed transfers, each priced alone; but where
+    several long documents go across nodes their rings share members with the rings kept
+    inside nodes, and a member in two rings steps both in turn, so every ring waits on the
+    other's steps (`pricing.ring_wait_seconds`), and several documents over a node's
+    share each, one to a node, leave no node much over the others. Which is the better
+    depends on the whole batch, which the candidates' estimate sees (A, 64 GPUs,
+    llama3-8b: a step of WLB-LLM's outlier delay, eight documents of 68-93K tokens, each
+    over a node's share: 3 of them across 2-3 nodes, 11.79 s simulated; all inside one
+    node each, 8.38 s)."""
+    batch = shared.batch
+    nodes = batch.dev.nodes()
+    if shared.level1 is None or not shared.inter.any() or not _crossing_ring_shares(plan):
+        return None
+    node_tokens = max(batch.dev.token_cap[rs].sum() for rs in nodes)
+    moved = shared.inter & (batch.length_array <= node_tokens)
+    if not moved.any():
+        return None
+    span = {d: k for d, k in shared.span.items() if not moved[d]}
+    return with_level1(batch, shared.weights, shared.per_token, shared.rank_token,
+                       (shared.intra | moved, shared.inter & ~moved, span), hierarchical=True,
+                       price_linear=shared.per_token > 0, double=shared.double and bool((shared.inter & ~moved).any()),
+                       widen=False)
+
+
+def _crossing_ring_shares(plan: Plan) -> bool:
+    """Whether a member of a ring of `plan` across nodes is also a member of another ring."""
+    rings_of = Counter(r for ring in plan.rings for r in ring.ranks)
+    node = plan.node_of_rank
+    return any(rings_of[r] > 1 for ring in plan.rings if len({node[x] for x in ring.ranks}) > 1 for r in ring.ranks)
