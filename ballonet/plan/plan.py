@@ -123,8 +123,9 @@ class Plan:
         """Tokens each rank holds in the linear layout (after the remap)."""
         out = list(self.attention_token_counts)
         for t in self.remap:
-            out[t.src] -= t.num_tokens
-            out[t.dst] += t.num_tokens
+            n = t.end - t.start  # (`num_tokens`, without its property call: each candidate counts once)
+            out[t.src] -= n
+            out[t.dst] += n
         return tuple(out)
 
     def attention_tokens(self, rank: int) -> int:
@@ -156,8 +157,10 @@ class Plan:
 
     def remap_tokens(self) -> Counter:
         counts: Counter = Counter()
+        get = counts.get  # (a pair's first transfer: no `Counter.__missing__` call)
         for t in self.remap:
-            counts[t.src, t.dst] += t.num_tokens
+            pair = (t.src, t.dst)
+            counts[pair] = get(pair, 0) + t.end - t.start
         return counts
 
     @cached_property
