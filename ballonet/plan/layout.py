@@ -10,6 +10,7 @@ from dataclasses import dataclass
 class _TokenRange:
     """Tokens [start, end) of something (fields of the dataclasses below)."""
 
+    __slots__ = ()
     start: int
     end: int
 
@@ -18,14 +19,14 @@ class _TokenRange:
         return self.end - self.start
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Segment(_TokenRange):
     doc: int
     start: int
     end: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Transfer(_TokenRange):
     src: int
     dst: int

@@ -123,8 +123,9 @@ class Plan:
         """Tokens each rank holds in the linear layout (after the remap)."""
         out = list(self.attention_token_counts)
         for t in self.remap:
-            out[t.src] -= t.num_tokens
-            out[t.dst] += t.num_tokens
+            n = t.end - t.start  # (`num_tokens`, without its property call: each candidate counts once)
+            out[t.src] -= n
+            out[t.dst] += n
         return tuple(out)
 
     def attention_tokens(self, rank: int) -> int:
@@ -156,8 +157,10 @@ class Plan:
 
     def remap_tokens(self) -> Counter:
         counts: Counter = Counter()
+        get = counts.get  # (a pair's first transfer: no `Counter.__missing__` call)
         for t in self.remap:
-            counts[t.src, t.dst] += t.num_tokens
+            pair = (t.src, t.dst)
+            counts[pair] = get(pair, 0) + t.end - t.start
         return counts
 
     @cached_property
@@ -193,35 +196,40 @@ class Plan:
             if len(ranges) > 1 and doc not in self.ring_of_doc and len({r for _, _, r in ranges}) > 1:
                 raise InvalidPlan(f"document {doc} spans ranks but has no ring")
         _check(len(self.ring_of_doc) == len(self.rings), "a document has two rings")
-        held: dict[tuple[int, int], list[Segment]] = {}  # (rank, doc) -> segments, in local order
+        held: dict[tuple[int, int], list[Segment]] = {}  # (rank, ring's doc) -> segments, in local order
+        in_ring = self.ring_of_doc
         for rank, segs in enumerate(self.attention):
             for s in segs:
-                held.setdefault((rank, s.doc), []).append(s)
+                if s.doc in in_ring:
+                    held.setdefault((rank, s.doc), []).append(s)
         for ring in self.rings:
             self._validate_ring(ring, held)
         self._validate_remap()
         for route in self.routes:
             self._validate_route(route)
-        _check(not self.recompute or (len(self.recompute) == n and all(
-            isinstance(m, RecomputeMode) and isinstance(k, int) and k >= 0 and (k == 0 or m != RecomputeMode.NONE)
-            for m, k in self.recompute)), f"recompute {self.recompute}: not one (mode, layers) per rank")
+        if self.recompute and not (len(self.recompute) == n and all(
+                isinstance(m, RecomputeMode) and isinstance(k, int) and k >= 0 and (k == 0 or m != RecomputeMode.NONE)
+                for m, k in self.recompute)):  # (messages built only on failure, here and below: per rank or ring)
+            raise InvalidPlan(f"recompute {self.recompute}: not one (mode, layers) per rank")
         full = {m == RecomputeMode.FULL for m, _ in self.recompute}
         _check(len(full) <= 1, "recompute: full on some ranks only (it reruns the exchanges: every rank or none)")
         if self.memory_bytes:
             for rank, (used, cap) in enumerate(zip(self.memory_bytes, self.memory_cap)):
-                _check(used <= cap, f"rank {rank}: {used / 2**30:.1f} GiB over its cap of {cap / 2**30:.1f} GiB")
+                if not used <= cap:
+                    raise InvalidPlan(f"rank {rank}: {used / 2**30:.1f} GiB over its cap of {cap / 2**30:.1f} GiB")
         return self
 
     def _validate_ring(self, ring: Ring, held_by: dict[tuple[int, int], list[Segment]]) -> None:
         g, L = len(ring.ranks), self.lengths[ring.doc]
         _check(ring.kind in SPLIT_KINDS and ring.comm in RING_COMMS, f"ring of document {ring.doc}: bad kind")
-        _check(len(set(ring.ranks)) == g and all(0 <= r < self.num_ranks for r in ring.ranks),
-               f"ring of document {ring.doc}: ranks {ring.ranks}")
-        _check(len(ring.bounds) == 2 * g + 1 and ring.bounds[0] == 0 and ring.bounds[-1] == L
-               and all(a <= b for a, b in zip(ring.bounds, ring.bounds[1:])),
-               f"ring of document {ring.doc}: bounds {ring.bounds}")
+        if not (len(set(ring.ranks)) == g and all(0 <= r < self.num_ranks for r in ring.ranks)):
+            raise InvalidPlan(f"ring of document {ring.doc}: ranks {ring.ranks}")
+        b = ring.bounds
+        if not (len(b) == 2 * g + 1 and b[0] == 0 and b[-1] == L and all(x <= y for x, y in zip(b, b[1:]))):
+            raise InvalidPlan(f"ring of document {ring.doc}: bounds {b}")
         nodes = {self.node_of_rank[r] for r in ring.ranks}
-        _check((ring.kind == "inter") == (len(nodes) > 1), f"ring of document {ring.doc}: kind {ring.kind} spans {len(nodes)} nodes")
+        if (ring.kind == "inter") != (len(nodes) > 1):
+            raise InvalidPlan(f"ring of document {ring.doc}: kind {ring.kind} spans {len(nodes)} nodes")
         if ring.comm == "double":
             k = ring.groups
             _check(isinstance(k, int) and k >= 2 and g % k == 0,
@@ -230,17 +238,21 @@ class Plan:
             group_nodes = [{self.node_of_rank[r] for r in ring.ranks[a * n:(a + 1) * n]} for a in range(k)]
             _check(all(len(x) == 1 for x in group_nodes) and len(set.union(*group_nodes)) == k,
                    f"ring of document {ring.doc}: its {k} groups are not one node each")
-        else:
-            _check(ring.groups == 1, f"ring of document {ring.doc}: groups {ring.groups} with comm {ring.comm}")
-        _check(ring.comm != "heads" or ring.kind == "intra",
-               f"ring of document {ring.doc}: comm heads spans {len(nodes)} nodes (heads are split inside one node)")
-        for i, rank in enumerate(ring.ranks):
-            held = tuple(held_by.get((rank, ring.doc), ()))
-            if held != ring.chunks_of(i):
-                raise InvalidPlan(f"rank {rank} holds {held} of document {ring.doc}, ring says {ring.chunks_of(i)}")
+        elif ring.groups != 1:
+            raise InvalidPlan(f"ring of document {ring.doc}: groups {ring.groups} with comm {ring.comm}")
+        if ring.comm == "heads" and ring.kind != "intra":
+            raise InvalidPlan(f"ring of document {ring.doc}: comm heads spans {len(nodes)} nodes (heads are split "
+                              f"inside one node)")
+        for i, rank in enumerate(ring.ranks):  # `ring.chunks_of(i)`, compared as (start, end) pairs
+            held = held_by.get((rank, ring.doc), ())
+            pairs = [(x, y) for x, y in ((b[i], b[i + 1]), (b[2 * g - 1 - i], b[2 * g - i])) if y > x]
+            if [(s.start, s.end) for s in held] != pairs:
+                raise InvalidPlan(f"rank {rank} holds {tuple(held)} of document {ring.doc}, "
+                                  f"ring says {ring.chunks_of(i)}")
 
     def _validate_remap(self) -> None:
         outgoing: list[list[tuple[int, int]]] = [[] for _ in range(self.num_ranks)]
+        held = self.attention_token_counts
         for t in self.remap:
             if 0 <= t.src < self.num_ranks:
                 outgoing[t.src].append((t.start, t.end))
@@ -251,7 +263,8 @@ class Plan:
                 if not cursor <= start < end:
                     raise InvalidPlan(f"rank {rank}: overlapping or empty remap ranges")
                 cursor = end
-            _check(cursor <= self.attention_tokens(rank), f"rank {rank}: remap sends more tokens than it holds")
+            if cursor > held[rank]:
+                raise InvalidPlan(f"rank {rank}: remap sends more tokens than it holds")
         for t in self.remap:
             if t.src == t.dst or not 0 <= t.dst < self.num_ranks:
                 raise InvalidPlan(f"bad remap transfer {t}")

@@ -60,8 +60,9 @@ def _first_round(total: np.ndarray, weights: np.ndarray, caps: np.ndarray) -> np
 
 def plan_remap(attention_tokens: list[int], targets: np.ndarray, node_of_rank: tuple[int, ...]) -> tuple[Transfer, ...]:
     """Transfers taking ranks from `attention_tokens` to `targets` tokens (same total)."""
-    surplus = {r: a - int(t) for r, (a, t) in enumerate(zip(attention_tokens, targets)) if a > t}
-    deficit = {r: int(t) - a for r, (a, t) in enumerate(zip(attention_tokens, targets)) if a < t}
+    want = np.asarray(targets).tolist()  # (numpy's scalars, read one by one, are slower and alike in value)
+    surplus = {r: a - int(t) for r, (a, t) in enumerate(zip(attention_tokens, want)) if a > t}
+    deficit = {r: int(t) - a for r, (a, t) in enumerate(zip(attention_tokens, want)) if a < t}
     cursor = {r: attention_tokens[r] - s for r, s in surplus.items()}  # first token each sender gives away
     transfers: list[Transfer] = []
 

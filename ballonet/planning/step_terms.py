@@ -113,27 +113,40 @@ def overlap_slowdown_seconds(plan: Plan, dev: Devices, model: ModelSpec, link_bw
         return np.zeros(plan.num_ranks)
     passes = (2 if recompute_attention(recompute_mode(model)) else 1) + 1  # K/V: forward(s) and backward
     kv_row, grad_row = kv_bytes(model, 1), kv_grad_bytes(model, 1)
-    # (rank, rows of K/V, rows of dK/dV, messages, across nodes) of each ring member's sends
-    rows: list[tuple[int, int, int, int, bool]] = []
+    # Each ring member's sends, one entry a list: rank, rows of K/V, rows of dK/dV, messages, across nodes
+    senders: list[int] = []
+    kv_rows: list[int] = []
+    grad_rows: list[int] = []
+    messages: list[int] = []
+    crosses: list[bool] = []
     node = dev.node
     for ring in plan.rings:
         ranks, total = ring.ranks, ring.bounds[-1] - ring.bounds[0]
         if ring.comm == "double":  # per member k(n-1) inner steps inside the node, k-1 rounds across
             k, n = ring.groups, ring.group_size
             block = max(total // (k * n), 1)
-            rows += [(r, m * block, m * block, m, across) for r in ranks
-                     for m, across in ((k * (n - 1), False), (k - 1, True))]
+            inner, rounds = k * (n - 1), k - 1
+            for r in ranks:
+                senders += (r, r)
+                kv_rows += (inner * block, rounds * block)
+                grad_rows += (inner * block, rounds * block)
+                messages += (inner, rounds)
+                crosses += (False, True)
         elif ring.comm == "ring":
             g = len(ranks)
             blocks = _block_tokens(ring)
+            after = ranks[1:] + ranks[:1]
             # every block but its successor's goes out; partials of every block but its own
-            rows += [(r, total - blocks[(i + 1) % g], total - blocks[i], g - 1, node[ranks[(i + 1) % g]] != node[r])
-                     for i, r in enumerate(ranks)]
+            senders += ranks
+            kv_rows += [total - x for x in blocks[1:] + blocks[:1]]
+            grad_rows += [total - x for x in blocks]
+            messages += [g - 1] * g
+            crosses += [node[s] != node[r] for r, s in zip(ranks, after)]
     sent = np.full(plan.num_ranks, dp_send_s)
-    if rows:
-        ra = np.array([x[0] for x in rows])
-        kv, grad, m = (np.array([x[i] for x in rows], dtype=float) for i in (1, 2, 3))
-        across = np.array([x[4] for x in rows])
+    if senders:
+        ra = np.array(senders)
+        kv, grad, m = (np.array(x, dtype=float) for x in (kv_rows, grad_rows, messages))
+        across = np.array(crosses)
         lat_link, eff_link = _p2p_terms(dev, nic=False)
         lat_nic, eff_nic = _p2p_terms(dev, nic=True)
         lat = np.where(across, lat_nic[ra], lat_link[ra])
