@@ -455,7 +455,7 @@ def test_double_rings_are_planned_where_they_send_a_document_across_nodes(tmp_pa
     # are compared too. Under the runtime's order (a rank's kernels as its host queues
     # them, its waits for partial dK/dV; docs/design.md, section 7) the double ring's plan
     # simulates 5% slower than the single rings' (1.50 against 1.43 s), and the estimate,
-    # which prices those waits' local part (`pricing.ring_wait_seconds`), keeps the single.
+    # which prices those waits' local part (`ring_waits.ring_wait_seconds`), keeps the single.
     model = specs.model("llama-3b")
     cluster = tight(specs.cluster("h800-8nic", num_nodes=4), model)
     lengths, other = workloads.get("wlbllm").batches(16384 * 32, 0, 2, 65536)
@@ -587,7 +587,7 @@ def test_crossing_hops_are_priced_routed_over_the_nodes_rails():
     # The keep-tokens plan of the first mode sends the 100K document across the nodes
     # either way; its crossing hops priced over 8 rails, it is estimated 9% shorter (5.46
     # against 5.98 s; 13% before its members that also step another ring were charged
-    # their rounds, `pricing._shared_rounds`, which adds more to the routed plan's).
+    # their rounds, `ring_waits._shared_rounds`, which adds more to the routed plan's).
     first = [c["estimated_step_s"] for c in (routed.meta["candidates"][0], one_nic.meta["candidates"][0])]
     assert first[0] < 0.93 * first[1]
     # Its 15-member ring's backward moves at its slowest member's pace with each member's

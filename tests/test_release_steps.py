@@ -4,7 +4,7 @@ the order `ballonet train --outlier-delay G` trains in.
 
 Two ways the partitioner once lost to wlb_llm there, by up to 39% of a step, with an
 estimate up to 17% short of the simulated step: ranks stepping two rings at once, whose
-waits `pricing.ring_wait_seconds` did not charge (`pricing._shared_rounds`), and long
+waits `ring_waits.ring_wait_seconds` did not charge (`ring_waits._shared_rounds`), and long
 documents sent across nodes where each fits inside one (`variants.inside_level`). The
 figures compared are the simulator's; the estimate is checked against it.
 """
@@ -14,7 +14,7 @@ import collections
 import pytest
 
 from ballonet import plan_batch, specs, workloads
-from ballonet.planning import pricing
+from ballonet.planning import ring_waits
 from ballonet.planning.wlb_llm import num_groups, outlier_steps
 from ballonet.planning.zeppelin import search
 from ballonet.planning.zeppelin.search import CandidateSearch, ZeppelinOptions
@@ -56,7 +56,7 @@ def test_ranks_stepping_two_rings_are_priced_as_simulated(monkeypatch):
     assert shared  # the overlapping plan is still made, and priced within 5%
     assert _ranks_in_two_rings(plan) == 0
     assert simulate(plan, c, m).step_time_s <= wlb * (1 + 1e-9)
-    monkeypatch.setattr(pricing, "_shared_rounds", lambda plan, *a: pricing.np.zeros(plan.num_ranks))
+    monkeypatch.setattr(ring_waits, "_shared_rounds", lambda plan, *a: ring_waits.np.zeros(plan.num_ranks))
     before = plan_batch(lengths, c, m)  # the pricing before: the overlapping plan wins
     assert _ranks_in_two_rings(before) > 0
     assert simulate(before, c, m).step_time_s > 1.1 * wlb

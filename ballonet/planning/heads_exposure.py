@@ -18,7 +18,7 @@ reruns the forward, its messages too.
 calls it for every "heads" group of a plan (on any node: over NVLink little but the wait
 for the slowest member is left). A "heads" document has no trailing dK/dV hop
 (`step_terms.final_grad_wait_seconds` leaves it out) and waits for its slowest member in
-both passes here (`pricing.ring_wait_seconds` leaves it out).
+both passes here (`ring_waits.ring_wait_seconds` leaves it out).
 """
 
 from __future__ import annotations

@@ -25,10 +25,10 @@ from ballonet.planning.pricing import (
     attention_kernels,
     rank_compute_seconds,
     rank_step_seconds,
-    ring_wait_seconds,
     remaps_inside,
     synchronous_step_seconds,
 )
+from ballonet.planning.ring_waits import ring_wait_seconds
 from ballonet.planning.remap import linear_targets, node_linear_targets, plan_remap
 from ballonet.planning.step_terms import final_grad_wait_seconds, overlap_slowdown_seconds, step_tail_seconds
 from ballonet.planning.zeppelin.classes import NodeLevel
@@ -282,7 +282,7 @@ def _links(dev: Devices, crossovers, routing: bool) -> _Links:
 def _other_exposed(plan: Plan, dev: Devices, model: ModelSpec, compute: np.ndarray, dp_send_s: float, links: _Links,
                    kernels) -> tuple[tuple, np.ndarray]:
     """([R] terms of what `_step_seconds` adds to a rank's attention but its single rings
-    across nodes, in the order it adds them: ring waits (`pricing.ring_wait_seconds`), the
+    across nodes, in the order it adds them: ring waits (`ring_waits.ring_wait_seconds`), the
     final gradient wait, the overlap slowdown, the PCIe-only nodes' rings' forward and
     backward (`pcie_rings`); the latter's backward skew)."""
     link, nic, rails = links.link, links.nic, links.rails

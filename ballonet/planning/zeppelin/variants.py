@@ -120,7 +120,7 @@ def inside_level(shared: NodeLevel, plan: Plan) -> NodeLevel | None:
     node costs more than its ring's exposed transfers, each priced alone; but where
     several long documents go across nodes their rings share members with the rings kept
     inside nodes, and a member in two rings steps both in turn, so every ring waits on the
-    other's steps (`pricing.ring_wait_seconds`), and several documents over a node's
+    other's steps (`ring_waits.ring_wait_seconds`), and several documents over a node's
     share each, one to a node, leave no node much over the others. Which is the better
     depends on the whole batch, which the candidates' estimate sees (A, 64 GPUs,
     llama3-8b: a step of WLB-LLM's outlier delay, eight documents of 68-93K tokens, each
